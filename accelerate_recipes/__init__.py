@@ -1,0 +1,27 @@
+"""Small shared helpers for the recipes in recipes/.
+
+The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
+this package holds only the plumbing they would otherwise copy: command-line entry, launch checks, tracker set-up,
+a throughput meter and the results.json writer.
+"""
+
+from accelerate_recipes.cli import RecipeError, run
+from accelerate_recipes.launch import check_process_group, num_machines, per_process_batch_size
+from accelerate_recipes.meter import StepMeter, peak_memory_mb
+from accelerate_recipes.results import MetricsLog, print_summary, write_results
+from accelerate_recipes.tracking import TrackerSetup, setup_tracker
+
+__all__ = [
+    "MetricsLog",
+    "RecipeError",
+    "StepMeter",
+    "TrackerSetup",
+    "check_process_group",
+    "num_machines",
+    "peak_memory_mb",
+    "per_process_batch_size",
+    "print_summary",
+    "run",
+    "setup_tracker",
+    "write_results",
+]

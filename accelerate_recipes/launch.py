@@ -1,0 +1,51 @@
+"""Checks on how the recipe was launched, and the global -> per-process batch arithmetic."""
+
+import os
+
+from accelerate_recipes.cli import RecipeError
+
+
+def check_process_group(accelerator) -> None:
+    """Stop when the launcher started several processes but they did not join one process group.
+
+    `accelerate launch --multi_gpu` (or a multi-GPU config) on a machine where torch sees no GPU starts N processes
+    that each fall back to a single-process run on the full data set: N independent, silently wrong trainings.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise RecipeError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not form one process "
+            "group, so each would train alone on all the data. torch sees no usable GPU here: on a CPU-only "
+            "machine set ACCELERATE_USE_CPU=true (or use accelerate_configs/cpu.yaml, `make cifar-cpu`); on a GPU "
+            "machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
+            "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
+        )
+
+
+def num_machines(num_processes: int) -> int:
+    """Number of nodes in the run, from the variables torchrun (and so accelerate launch) sets on every process."""
+    if "GROUP_WORLD_SIZE" in os.environ:
+        return int(os.environ["GROUP_WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    return max(1, num_processes // max(1, local))
+
+
+def per_process_batch_size(global_batch_size: int, num_processes: int, accumulation_steps: int) -> int:
+    """Split the global batch (samples per optimizer step, all processes together) into the batch one process loads.
+
+    global = per_process x num_processes x accumulation_steps, so the optimizer sees the same batch, and the learning
+    rate means the same thing, on 1 GPU, 8 GPUs or 2 nodes.
+    """
+    if global_batch_size < 1 or accumulation_steps < 1:
+        raise RecipeError(
+            f"--batch_size ({global_batch_size}) and --gradient_accumulation_steps ({accumulation_steps}) must be >= 1"
+        )
+    shards = num_processes * accumulation_steps
+    if global_batch_size % shards:
+        lower = max(shards, global_batch_size // shards * shards)
+        raise RecipeError(
+            f"--batch_size {global_batch_size} (the global batch) does not divide evenly over {num_processes} "
+            f"process(es) x {accumulation_steps} accumulation step(s) = {shards}; use a multiple of {shards}, "
+            f"e.g. --batch_size {lower} or {lower + shards}"
+        )
+    return global_batch_size // shards

@@ -1,0 +1,56 @@
+"""results.json (one per run, read by tests and tools) and metrics.jsonl (every logged step)."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+RESULTS_FILE = "results.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+def write_results(output_dir: str | Path, results: dict) -> Path:
+    """Write results.json atomically: a reader never sees a half-written file."""
+    path = Path(output_dir) / RESULTS_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class MetricsLog:
+    """Logs to the trackers through Accelerate and appends the same values to output_dir/metrics.jsonl.
+
+    The JSON-lines copy needs no tracker to read back; it is written by the main process only.
+    """
+
+    def __init__(self, accelerator, output_dir: str | Path):
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / METRICS_FILE
+        if accelerator.is_main_process:
+            self.path.write_text("")
+
+    def log(self, values: dict, step: int) -> None:
+        self.accelerator.log(values, step=step)
+        if self.accelerator.is_main_process:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_summary(results: dict, keys: list[str], title: str = "summary") -> None:
+    """A short two-column table of the chosen results."""
+    rows = [(k, _fmt(results[k])) for k in keys if k in results]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    print(f"\n{title}\n{line}")
+    for key, value in rows:
+        print(f"{key:<{width}} | {value}")
+    print(line)

@@ -1,0 +1,412 @@
+#!/usr/bin/env python
+"""Train ResNet18 on CIFAR-10 / CIFAR-100 with Hugging Face Accelerate: one script for 1 GPU, N GPUs and N nodes.
+
+    python recipes/cifar.py --dataset synthetic --epochs 1            # one process, any machine
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/cifar.py
+    make cifar-2node NODE_RANK=1 MASTER_ADDR=10.0.0.1                 # on the second of two nodes
+
+The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
+GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+"""
+
+import math
+import os
+import socket
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import accelerate
+import numpy as np
+import torch
+import torch.nn as nn
+import torchvision
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision import transforms
+from tqdm.auto import tqdm
+
+from accelerate_recipes import (
+    MetricsLog,
+    RecipeError,
+    StepMeter,
+    check_process_group,
+    num_machines,
+    peak_memory_mb,
+    per_process_batch_size,
+    print_summary,
+    run,
+    setup_tracker,
+    write_results,
+)
+from accelerate_recipes.synthetic import synthetic_images
+
+DATASETS = ("cifar10", "cifar100", "synthetic", "imagefolder")
+CIFAR = {  # torchvision class, folder it extracts to, archive to place by hand when offline
+    "cifar10": (torchvision.datasets.CIFAR10, "cifar-10-batches-py", "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"),
+    "cifar100": (torchvision.datasets.CIFAR100, "cifar-100-python", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"),
+}
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10 training-set statistics
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+class ArrayImages(Dataset):
+    """Images held as a uint8 [N, H, W, 3] array, served like torchvision's CIFAR datasets (PIL image, label)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform=None):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = Image.fromarray(self.images[index])
+        return (self.transform(image) if self.transform else image), int(self.labels[index])
+
+
+def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify: bool):
+    """CIFAR-10/100 through torchvision: downloaded when online, else read from `root`."""
+    dataset_cls, folder, url = CIFAR[name]
+    if not verify:  # a copy you re-packed or subsetted yourself: accept files whose checksums differ from the release
+        dataset_cls = type(dataset_cls.__name__, (dataset_cls,), {"_check_integrity": lambda self: (Path(self.root) / self.base_folder).is_dir()})
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)  # an unreachable mirror fails within a minute instead of hanging
+    try:
+        train = dataset_cls(str(root), train=True, transform=train_tf, download=download)
+        test = dataset_cls(str(root), train=False, transform=test_tf, download=False)
+    except Exception as err:  # torchvision raises RuntimeError, URLError, OSError or pickle errors here
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RecipeError(
+            f"{name} not found or corrupt in {root / folder} ({reason}); download {url.rsplit('/', 1)[1]} from {url} "
+            f"into {root} (it is unpacked on the next run), point --data_dir at a copy, "
+            "or try the pipeline without data: --dataset synthetic"
+        ) from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+    return train, test, list(train.classes)
+
+
+def build_datasets(dataset, data_dir, synthetic_size, image_size, augment, download, verify, seed):
+    """Return (train set, test set, class names) for --dataset, with pad-and-crop + flip augmentation on train."""
+    if dataset not in DATASETS:
+        raise RecipeError(f"unknown --dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+    size = image_size if dataset == "imagefolder" else 32
+    normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
+    resize = [transforms.Resize((size, size))] if dataset == "imagefolder" else []
+    augmentation = [transforms.RandomCrop(size, padding=size // 8), transforms.RandomHorizontalFlip()] if augment else []
+    train_tf = transforms.Compose(resize + augmentation + normalize)
+    test_tf = transforms.Compose(resize + normalize)
+    root = Path(data_dir).expanduser()
+
+    if dataset in CIFAR:
+        return load_cifar(dataset, root, train_tf, test_tf, download, verify)
+    if dataset == "synthetic":
+        if synthetic_size < 10:
+            raise RecipeError(f"--synthetic_size {synthetic_size} is too small; use at least 10 (one image per class)")
+        # Same train:test proportion as CIFAR (50,000 : 10,000).
+        train_x, train_y = synthetic_images(synthetic_size, num_classes=10, seed=seed)
+        test_x, test_y = synthetic_images(max(10, synthetic_size // 5), num_classes=10, seed=seed + 1)
+        classes = [f"class_{i}" for i in range(10)]
+        return ArrayImages(train_x, train_y, train_tf), ArrayImages(test_x, test_y, test_tf), classes
+    # imagefolder: DIR/train/<class>/*.png and DIR/val/<class>/*.png
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise RecipeError(
+                f"--dataset imagefolder expects {root / split}/<class name>/<images>; "
+                f"{root / split} does not exist (set --data_dir to the folder holding train/ and val/)"
+            )
+    train = torchvision.datasets.ImageFolder(str(root / "train"), transform=train_tf)
+    test = torchvision.datasets.ImageFolder(str(root / "val"), transform=test_tf)
+    if train.classes != test.classes:
+        raise RecipeError(f"class folders differ between {root / 'train'} and {root / 'val'}: {train.classes} vs {test.classes}")
+    return train, test, list(train.classes)
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+def build_model(name: str, num_classes: int) -> nn.Module:
+    """A torchvision ResNet, randomly initialised, with the usual CIFAR stem for 32x32 inputs."""
+    if name not in ("resnet18", "resnet34", "resnet50"):
+        raise RecipeError(f"unknown --model {name!r}; choose resnet18, resnet34 or resnet50")
+    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    # The ImageNet stem (7x7 stride-2 conv + max-pool) would shrink 32x32 to 8x8 before the first block.
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict:
+    """Top-1 accuracy and mean loss over the whole test set, each sample counted once whatever the world size."""
+    model.eval()
+    correct, seen, loss_sum = 0, 0, 0.0
+    for images, labels in loader:
+        logits = model(images)
+        losses = nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        # gather_for_metrics drops the samples the sampler repeated to give every process an equal share.
+        preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
+        correct += (preds == labels).sum().item()
+        seen += labels.numel()
+        loss_sum += losses.sum().item()
+    model.train()
+    return {"eval_accuracy": correct / max(seen, 1), "eval_loss": loss_sum / max(seen, 1), "eval_samples": seen}
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(
+    dataset: str = "cifar10",
+    data_dir: str = "data",
+    synthetic_size: int = 50_000,
+    download: bool = True,
+    verify_data: bool = True,
+    image_size: int = 32,
+    model: str = "resnet18",
+    batch_size: int = 512,
+    epochs: int = 30,
+    max_steps: int | None = None,
+    lr: float | None = None,
+    momentum: float = 0.9,
+    weight_decay: float = 5e-4,
+    label_smoothing: float = 0.1,
+    warmup_ratio: float = 0.05,
+    gradient_accumulation_steps: int = 1,
+    mixed_precision: str | None = None,
+    sync_bn: bool = False,
+    channels_last: bool = True,
+    augment: bool = True,
+    num_workers: int | None = None,
+    log_every: int = 10,
+    output_dir: str = "outputs/cifar",
+    tracker: str = "swanlab",
+    swanlab_mode: str | None = None,
+    project: str = "accelerate-recipes",
+    run_name: str | None = None,
+    seed: int = 42,
+):
+    """Train a CIFAR-stem ResNet on CIFAR-10/100, generated data or your own image folders.
+
+    Args:
+        dataset: cifar10, cifar100, synthetic (generated, learnable, CIFAR-shaped; no download) or imagefolder.
+        data_dir: where CIFAR is (or is downloaded to); for imagefolder the folder holding train/ and val/.
+        synthetic_size: training images generated for --dataset synthetic (the test split gets a fifth as many).
+        download: download CIFAR when it is not in --data_dir.
+        verify_data: check the CIFAR files against the release's MD5 sums; turn off for a re-packed subset.
+        image_size: side length images are resized to for --dataset imagefolder (CIFAR is 32).
+        model: resnet18, resnet34 or resnet50 from torchvision, with a 3x3 stride-1 stem and no max-pool.
+        batch_size: GLOBAL batch per optimizer step, all processes together; each process loads
+            batch_size / (num_processes x gradient_accumulation_steps).
+        epochs: passes over the training set (ignored when --max_steps is set).
+        max_steps: stop after this many optimizer steps.
+        lr: peak learning rate of SGD (nesterov momentum), reached after warmup, then cosine decay to zero;
+            default 0.1 x batch_size / 128 (the linear scaling rule), so 0.4 for the default global batch of 512.
+        momentum: SGD momentum.
+        weight_decay: L2 weight decay on conv and linear weights (not on BatchNorm or biases).
+        label_smoothing: label smoothing of the cross-entropy loss.
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
+        gradient_accumulation_steps: micro-batches summed before each optimizer step.
+        mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
+        sync_bn: synchronise BatchNorm statistics across processes (GPUs only). Off by default, as in torchvision's
+            and timm's references: each GPU normalises over its own share of the batch.
+        channels_last: NHWC memory layout, faster for convolutions with tensor cores.
+        augment: random pad-4 crop and horizontal flip on training images.
+        num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
+        log_every: log loss and throughput every N optimizer steps.
+        output_dir: where the model, results.json, metrics.jsonl and offline SwanLab logs go.
+        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
+        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
+        project: tracker project name.
+        run_name: tracker run name; default cifar-<dataset>-<world size>proc.
+        seed: seed for weights, data order, augmentation and generated data.
+    """
+    started = time.perf_counter()
+    output = Path(output_dir)
+    lr = lr if lr is not None else 0.1 * batch_size / 128  # depends on the global batch, never on the GPU count
+
+    # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
+    tracking = setup_tracker(tracker, output, run_name or f"cifar-{dataset}", swanlab_mode)
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        log_with=tracking.log_with or None,
+        project_dir=str(output),
+        # The shuffle order then depends on the seed and epoch only, not on the number of processes.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+        step_scheduler_with_optimizer=False,
+    )
+    check_process_group(accelerator)
+    world = accelerator.num_processes
+    per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
+    set_seed(seed)
+    if accelerator.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+    accelerator.print(
+        f"{world} process(es) on {num_machines(world)} machine(s), {accelerator.distributed_type.value}, "
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {batch_size} = "
+        f"{world} process(es) x {per_process} per process x {gradient_accumulation_steps} accumulation step(s)"
+    )
+
+    # ---- data: the local main process of each node downloads first, the others then read its copy
+    with accelerator.local_main_process_first():
+        train_set, test_set, classes = build_datasets(
+            dataset, data_dir, synthetic_size, image_size, augment,
+            download=download and accelerator.is_local_main_process, verify=verify_data, seed=seed,
+        )
+    if dataset == "synthetic":
+        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
+                          "pipeline, not the model on real data.\n" + "!" * 100)
+    if num_workers is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        num_workers = min(8, max(0, (os.cpu_count() or 1) // local_processes - 1))
+    loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+    train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+    test_loader = DataLoader(test_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
+
+    # ---- model and optimizer
+    net = build_model(model, num_classes=len(classes))
+    if sync_bn and world > 1:
+        if accelerator.distributed_type != DistributedType.MULTI_GPU:
+            raise RecipeError("--sync_bn needs GPUs: torch's SyncBatchNorm runs on CUDA only; drop it on CPU runs")
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    decay = [p for n, p in net.named_parameters() if p.ndim > 1]
+    no_decay = [p for n, p in net.named_parameters() if p.ndim <= 1]  # BatchNorm weights and biases
+    optimizer = torch.optim.SGD(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, momentum=momentum, nesterov=True,
+    )
+
+    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
+    net, optimizer, train_loader, test_loader = accelerator.prepare(net, optimizer, train_loader, test_loader)
+
+    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine decay
+    steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)  # per process, after sharding
+    if steps_per_epoch == 0:
+        raise RecipeError(
+            f"the training set ({len(train_set)} images) is smaller than one global batch ({batch_size}); "
+            "lower --batch_size or use more data"
+        )
+    total_steps = max_steps if max_steps else epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    warmup_steps = round(warmup_ratio * total_steps)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps))
+    if warmup_steps:
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup_steps + 1), total_iters=warmup_steps)
+        scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+    else:
+        scheduler = cosine
+    scheduler = accelerator.prepare(scheduler)  # so save_state/load_state carry it
+    criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+    config = dict(
+        recipe="cifar", dataset=dataset, model=model, world_size=world, num_machines=num_machines(world),
+        mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
+        gradient_accumulation_steps=gradient_accumulation_steps, lr=lr, weight_decay=weight_decay,
+        label_smoothing=label_smoothing, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
+        sync_bn=sync_bn, channels_last=channels_last, augment=augment, seed=seed, train_size=len(train_set),
+        test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
+    )
+    accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
+    metrics = MetricsLog(accelerator, output)
+
+    # ---- training loop
+    meter = StepMeter(accelerator.device)
+    step, samples_seen, first_loss, last_loss, last_eval = 0, 0, None, None, {}
+    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
+    progress = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    meter.restart()
+    for epoch in range(num_epochs):
+        epoch_start = time.perf_counter()
+        net.train()
+        for images, labels in train_loader:
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
+                loss = criterion(net(images), labels)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            running_loss += loss.detach()
+            micro_batches += 1
+            samples_seen += labels.shape[0]
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            step_seconds = meter.step(batch_size)
+            progress.update(1)
+            if step % log_every == 0 or step == 1 or step == total_steps:
+                mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
+                first_loss = mean_loss if first_loss is None else first_loss
+                last_loss = mean_loss
+                metrics.log(
+                    {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
+                     "perf/step_seconds": step_seconds, "perf/samples_per_second": batch_size / max(step_seconds, 1e-9)},
+                    step=step,
+                )
+                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
+            running_loss.zero_()
+            micro_batches = 0
+            if step >= total_steps:
+                break
+
+        # ---- evaluation once per epoch, on the full test set
+        epoch_seconds = time.perf_counter() - epoch_start
+        last_eval = evaluate(net, test_loader, accelerator)
+        memory_mb, _ = peak_memory_mb(accelerator.device)
+        metrics.log(
+            {"eval/accuracy": last_eval["eval_accuracy"], "eval/loss": last_eval["eval_loss"],
+             "perf/epoch_seconds": epoch_seconds, "perf/train_samples_per_second": meter.samples_per_second,
+             "perf/peak_memory_mb": memory_mb},
+            step=step,
+        )
+        accelerator.print(
+            f"epoch {epoch + 1}/{num_epochs}: eval accuracy {last_eval['eval_accuracy']:.4f}, "
+            f"loss {last_eval['eval_loss']:.4f}, {epoch_seconds:.1f} s, {meter.samples_per_second:.0f} samples/s"
+        )
+        meter.restart()
+        if step >= total_steps:
+            break
+    progress.close()
+
+    # ---- save the model and the run's results
+    accelerator.wait_for_everyone()
+    accelerator.save_model(net, output)
+    samples_per_process = accelerator.gather(torch.tensor([samples_seen], device=accelerator.device)).tolist()
+    memory_mb, memory_kind = peak_memory_mb(accelerator.device)
+    peak_memory = accelerator.gather(torch.tensor([memory_mb], device=accelerator.device)).max().item()
+    results = dict(
+        config,
+        synthetic_data=dataset == "synthetic",
+        steps=step,
+        wall_seconds=time.perf_counter() - started,
+        train_seconds=meter.train_seconds,
+        train_samples_per_second=meter.samples_per_second,
+        median_step_seconds=meter.median_step_seconds,
+        peak_memory_mb=peak_memory,
+        peak_memory_kind=memory_kind,
+        train_loss_first=first_loss,
+        train_loss_last=last_loss,
+        samples_seen_per_process=samples_per_process,
+        **last_eval,
+        device=str(accelerator.device),
+        torch_version=torch.__version__,
+        accelerate_version=accelerate.__version__,
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        path = write_results(output, results)
+        print_summary(results, ["dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size",
+                                "steps", "epochs", "eval_accuracy", "train_samples_per_second",
+                                "median_step_seconds", "peak_memory_mb", "wall_seconds"], title="cifar: summary")
+        print(f"model and {path.name} saved in {output}")
+        where = tracking.where()
+        if where:
+            print(where)
+
+
+if __name__ == "__main__":
+    run(main)
