@@ -15,8 +15,8 @@ def check_process_group(accelerator) -> None:
     if launched > 1 and accelerator.num_processes == 1:
         raise RecipeError(
             f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not form one process "
-            "group, so each would train alone on all the data. torch sees no usable GPU here: on a CPU-only "
-            "machine set ACCELERATE_USE_CPU=true (or use accelerate_configs/cpu.yaml, `make cifar-cpu`); on a GPU "
+            "group, so each would train alone on all the data. torch sees no usable GPU here: to run these processes on the "
+            "CPU set ACCELERATE_USE_CPU=true (as `make cifar-cpu` does with accelerate_configs/cpu.yaml); on a GPU "
             "machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
             "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
         )

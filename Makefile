@@ -1,0 +1,80 @@
+# accelerate-recipes. `make help` lists the targets; every training target is `accelerate launch` with one of the
+# files in accelerate_configs/, so what you see with `make -n <target>` is what you would type by hand.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ACCELERATE := $(BIN)/accelerate
+CONFIGS := accelerate_configs
+
+# Variables for the training targets (override on the command line: make cifar-2gpu GPU_IDS=0,1 ARGS="--epochs 5").
+NODE_RANK ?= 0
+MASTER_ADDR ?=
+MASTER_PORT ?= 29500
+GPU_IDS ?=
+PRECISION ?=
+ARGS ?=
+NPROC ?= 2
+THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); t=$$(( n / $(NPROC) )); echo $$(( t > 0 ? t : 1 )))
+NGPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+
+LAUNCH_OPTS = $(if $(GPU_IDS),--gpu_ids $(GPU_IDS)) $(if $(PRECISION),--mixed_precision $(PRECISION))
+launch = $(ACCELERATE) launch --config_file $(CONFIGS)/$(1).yaml $(LAUNCH_OPTS)
+cpu_launch = ACCELERATE_USE_CPU=true $(call launch,cpu) --num_processes $(NPROC) --num_cpu_threads_per_process $(THREADS)
+node_opts = --machine_rank $(NODE_RANK) --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
+need_master = @if [ -z "$(MASTER_ADDR)" ]; then \
+	echo "error: set MASTER_ADDR to the IP of node 0 (the same on every node), e.g. make $@ NODE_RANK=1 MASTER_ADDR=10.0.0.1" >&2; \
+	exit 2; fi
+
+.PHONY: help install test demo clean
+
+help: ## list the targets
+	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
+	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:[^#]*## /\t/' | awk -F'\t' '{printf "  %-14s %s\n", $$1, $$2}'
+
+install: $(VENV)/.installed ## create .venv and install the package with its test tools
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+test: install ## run the test suite (CPU, offline; multi-process runs over gloo)
+	$(BIN)/python -m pytest tests
+
+# The demo trains on generated CIFAR-shaped data, so it needs no download and no login: all GPUs when there are
+# some, two CPU processes over gloo when there are none. SwanLab logs go offline under the output directory.
+DEMO_OUT ?= outputs/demo
+demo: install ## train ResNet18 on whatever hardware is here, offline, in a few minutes
+	@if [ "$(NGPUS)" -ge 2 ]; then \
+		set -x; $(ACCELERATE) launch --multi_gpu --num_processes $(NGPUS) --mixed_precision $(or $(PRECISION),bf16) \
+			recipes/cifar.py --dataset synthetic --epochs 3 --output_dir $(DEMO_OUT) $(ARGS); \
+	elif [ "$(NGPUS)" -eq 1 ]; then \
+		set -x; $(call launch,1gpu) recipes/cifar.py --dataset synthetic --epochs 3 --output_dir $(DEMO_OUT) $(ARGS); \
+	else \
+		set -x; $(cpu_launch) recipes/cifar.py --dataset synthetic --synthetic_size 2560 --batch_size 64 --epochs 2 \
+			--output_dir $(DEMO_OUT) $(ARGS); \
+	fi
+
+clean: ## remove outputs/ (runs, models, offline SwanLab logs)
+	rm -rf outputs
+
+# <recipe>-<setup> targets. $(1) = target prefix, $(2) = script in recipes/.
+define recipe_targets
+.PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node
+$(1)-cpu: install
+	$$(cpu_launch) recipes/$(2).py $$(ARGS)
+$(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
+	$$(call launch,$$*) recipes/$(2).py $$(ARGS)
+$(1)-2node: install
+	$$(need_master)
+	$$(call launch,2node) $$(node_opts) recipes/$(2).py $$(ARGS)
+endef
+
+$(eval $(call recipe_targets,cifar,cifar))
+cifar-cpu: ## ResNet18 CIFAR: NPROC processes on the CPU over gloo (no GPU needed)
+cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that many on one machine)
+cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR

@@ -1,0 +1,97 @@
+"""Shared helpers: run the recipes as users do (subprocesses), write tiny data in real on-disk formats."""
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from accelerate_recipes.synthetic import synthetic_images
+
+REPO = Path(__file__).resolve().parents[1]
+CIFAR_SCRIPT = REPO / "recipes" / "cifar.py"
+CONFIGS = REPO / "accelerate_configs"
+BIN = Path(sys.executable).parent
+ACCELERATE = str(BIN / "accelerate")
+TORCHRUN = str(BIN / "torchrun")
+PYTHON = sys.executable
+
+# Small enough for 2 CPU cores, large enough that the network visibly learns.
+TINY = ["--dataset", "synthetic", "--synthetic_size", "160", "--batch_size", "16", "--max_steps", "2",
+        "--tracker", "none", "--num_workers", "0", "--log_every", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recipe_env(tmp_path: Path, **extra) -> dict:
+    """Environment of a user with no SwanLab login and no internet, one CPU thread per process."""
+    env = dict(os.environ)
+    for key in ("SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_LOG_DIR", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "CUDA_VISIBLE_DEVICES"):
+        env.pop(key, None)
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, env, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc.output = proc.stdout + proc.stderr
+    return proc
+
+
+def check(proc) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.output[-6000:]}"
+    return proc
+
+
+def read_results(output_dir: Path) -> dict:
+    return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(output_dir) if "train/loss" in m}
+
+
+def write_cifar10(root: Path, num_train: int, num_test: int, seed: int = 0) -> Path:
+    """CIFAR-10 in its release's python format (root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta})."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def dump(name, images, labels):
+        rows = images.transpose(0, 3, 1, 2).reshape(len(images), -1)  # N x 3072: all R, then G, then B
+        entry = {"batch_label": name, "labels": labels.tolist(), "data": rows,
+                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+
+    train_x, train_y = synthetic_images(num_train, 10, seed=seed)
+    test_x, test_y = synthetic_images(num_test, 10, seed=seed + 1)
+    for i, (xs, ys) in enumerate(zip(np.array_split(train_x, 5), np.array_split(train_y, 5)), start=1):
+        dump(f"data_batch_{i}", xs, ys)
+    dump("test_batch", test_x, test_y)
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": names, "num_cases_per_batch": num_train // 5, "num_vis": 3072}, f, protocol=2)
+    return root
+
+
+@pytest.fixture
+def env(tmp_path):
+    return recipe_env(tmp_path)
