@@ -1,0 +1,56 @@
+"""Make targets expand to the accelerate commands the README promises."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+VENV = Path(sys.prefix)  # the environment running the tests; `make -n` only prints, so nothing is installed
+
+
+def make(*args):
+    return subprocess.run(["make", "--no-print-directory", f"VENV={VENV}", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def launch_line(proc):
+    lines = [line for line in proc.stdout.splitlines() if "accelerate launch" in line]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    return lines[0]
+
+
+def test_gpu_targets_expand_to_accelerate_launch_with_their_config():
+    for setup in ("1gpu", "2gpu", "4gpu", "8gpu"):
+        line = launch_line(make("-n", f"cifar-{setup}", "ARGS=--epochs 1"))
+        assert f"accelerate launch --config_file accelerate_configs/{setup}.yaml" in line
+        assert line.rstrip().endswith("recipes/cifar.py --epochs 1")
+
+
+def test_gpu_ids_and_precision_reach_the_launcher():
+    line = launch_line(make("-n", "cifar-2gpu", "GPU_IDS=2,3", "PRECISION=fp16"))
+    assert "--gpu_ids 2,3" in line and "--mixed_precision fp16" in line
+
+
+def test_2node_target_passes_rank_address_and_port():
+    line = launch_line(make("-n", "cifar-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29600"))
+    assert "accelerate launch --config_file accelerate_configs/2node.yaml" in line
+    assert "--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29600" in line
+    assert "recipes/cifar.py" in line
+
+
+def test_2node_without_master_addr_says_what_to_set():
+    proc = make("cifar-2node", "NODE_RANK=1")
+    assert proc.returncode != 0 and "set MASTER_ADDR" in proc.stderr
+
+
+def test_cpu_target_runs_processes_on_the_cpu():
+    line = launch_line(make("-n", "cifar-cpu", "NPROC=4"))
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "accelerate_configs/cpu.yaml" in line
+    assert "--num_processes 4" in line and "--num_cpu_threads_per_process" in line
+
+
+def test_help_lists_every_cifar_target():
+    out = make("help").stdout
+    for target in ("install", "test", "demo", "cifar-cpu", "cifar-1gpu", "cifar-2node"):
+        assert f"  {target} " in out
