@@ -220,7 +220,7 @@ def main(
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
         project: tracker project name.
-        run_name: tracker run name; default cifar-<dataset>-<world size>proc.
+        run_name: tracker run name; default cifar-<dataset>.
         seed: seed for weights, data order, augmentation and generated data.
     """
     started = time.perf_counter()

@@ -94,3 +94,26 @@ def test_two_processes_match_one_process(tmp_path):
     diffs = [abs(l1[s] - l2[s]) for s in l1]
     assert max(diffs) < 0.05, diffs
     assert "2 process(es) on 1 machine(s)" in two.stdout and one.returncode == 0
+
+
+def test_imagefolder_with_gradient_accumulation(tmp_path):
+    """Your own images in train/<class>/ and val/<class>/, 2 accumulation steps per optimizer step."""
+    from PIL import Image
+
+    from accelerate_recipes.synthetic import synthetic_images
+
+    images, labels = synthetic_images(60, num_classes=3, seed=3, size=40)
+    for i, (image, label) in enumerate(zip(images, labels)):
+        split = "val" if i % 5 == 0 else "train"
+        folder = tmp_path / "imgs" / split / ["cat", "dog", "fox"][label]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{i}.png")
+    out = tmp_path / "out"
+    check(run([PYTHON, CIFAR_SCRIPT, "--dataset", "imagefolder", "--data_dir", tmp_path / "imgs", "--image_size", "32",
+               "--batch_size", "16", "--gradient_accumulation_steps", "2", "--max_steps", "3", "--tracker", "none",
+               "--num_workers", "0", "--output_dir", out], recipe_env(tmp_path)))
+    results = read_results(out)
+    assert results["dataset"] == "imagefolder" and results["synthetic_data"] is False
+    assert results["per_process_batch_size"] == 8 and results["gradient_accumulation_steps"] == 2
+    assert results["steps"] == 3 and results["samples_seen_per_process"] == [3 * 16]
+    assert results["eval_samples"] == 12 and results["test_size"] == 12
