@@ -71,8 +71,8 @@ def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify:
     dataset_cls, folder, url = CIFAR[name]
     if not verify:  # a copy you re-packed or subsetted yourself: same files, other checksums (torchvision skips md5=None)
         dataset_cls = type(dataset_cls.__name__, (dataset_cls,), {
-            "train_list": [[name, None] for name, _ in dataset_cls.train_list],
-            "test_list": [[name, None] for name, _ in dataset_cls.test_list],
+            "train_list": [[file, None] for file, _ in dataset_cls.train_list],
+            "test_list": [[file, None] for file, _ in dataset_cls.test_list],
             "meta": {**dataset_cls.meta, "md5": None},
         })
     previous_timeout = socket.getdefaulttimeout()
@@ -241,12 +241,13 @@ def main(
     )
     check_process_group(accelerator)
     world = accelerator.num_processes
+    machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
     set_seed(seed)
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
     accelerator.print(
-        f"{world} process(es) on {num_machines(world)} machine(s), {accelerator.distributed_type.value}, "
+        f"{world} process(es) on {machines} machine(s), {accelerator.distributed_type.value}, "
         f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {batch_size} = "
         f"{world} process(es) x {per_process} per process x {gradient_accumulation_steps} accumulation step(s)"
     )
@@ -275,8 +276,8 @@ def main(
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
-    decay = [p for n, p in net.named_parameters() if p.ndim > 1]
-    no_decay = [p for n, p in net.named_parameters() if p.ndim <= 1]  # BatchNorm weights and biases
+    decay = [p for p in net.parameters() if p.ndim > 1]
+    no_decay = [p for p in net.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
     optimizer = torch.optim.SGD(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, momentum=momentum, nesterov=True,
@@ -305,7 +306,7 @@ def main(
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
     config = dict(
-        recipe="cifar", dataset=dataset, model=model, world_size=world, num_machines=num_machines(world),
+        recipe="cifar", dataset=dataset, model=model, world_size=world, num_machines=machines,
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
         gradient_accumulation_steps=gradient_accumulation_steps, lr=lr, weight_decay=weight_decay,
         label_smoothing=label_smoothing, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
