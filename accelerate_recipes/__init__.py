@@ -6,9 +6,9 @@ a throughput meter and the results.json writer.
 """
 
 from accelerate_recipes.cli import RecipeError, run
-from accelerate_recipes.launch import check_process_group, num_machines, per_process_batch_size
+from accelerate_recipes.launch import check_process_group, default_num_workers, num_machines, per_process_batch_size
 from accelerate_recipes.meter import StepMeter, peak_memory_mb
-from accelerate_recipes.results import MetricsLog, print_summary, write_results
+from accelerate_recipes.results import MetricsLog, print_summary, run_facts, write_results
 from accelerate_recipes.tracking import TrackerSetup, setup_tracker
 
 __all__ = [
@@ -17,11 +17,13 @@ __all__ = [
     "StepMeter",
     "TrackerSetup",
     "check_process_group",
+    "default_num_workers",
     "num_machines",
     "peak_memory_mb",
     "per_process_batch_size",
     "print_summary",
     "run",
+    "run_facts",
     "setup_tracker",
     "write_results",
 ]

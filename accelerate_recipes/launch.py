@@ -20,6 +20,15 @@ def check_process_group(accelerator) -> None:
             "machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
             "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
         )
+    # accelerate applies FSDP and DeepSpeed configs on GPUs only; on the CPU the same launch runs plain DDP.
+    for variable, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        wanted = name.upper()
+        if os.environ.get(variable, "false").lower() in ("1", "true") and accelerator.distributed_type.value != wanted:
+            raise RecipeError(
+                f"the accelerate config asks for {name}, but this run is {accelerator.distributed_type.value}: "
+                f"accelerate uses {name} on GPUs only (not with ACCELERATE_USE_CPU or --cpu), so the model would not "
+                "be sharded. Run the sharded configs on GPUs; on the CPU use accelerate_configs/cpu.yaml (DDP over gloo)."
+            )
 
 
 def num_machines(num_processes: int) -> int:
@@ -49,3 +58,9 @@ def per_process_batch_size(global_batch_size: int, num_processes: int, accumulat
             f"e.g. --batch_size {lower} or {lower + shards}"
         )
     return global_batch_size // shards
+
+
+def default_num_workers(limit: int = 8) -> int:
+    """DataLoader workers per process: the CPU cores left per local process after the training thread, at most `limit`."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return min(limit, max(0, (os.cpu_count() or 1) // local_processes - 1))

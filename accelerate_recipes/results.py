@@ -3,7 +3,13 @@
 import json
 import math
 import os
+from datetime import datetime, timezone
 from pathlib import Path
+
+import accelerate
+import torch
+
+from accelerate_recipes.meter import peak_memory_mb
 
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.jsonl"
@@ -35,6 +41,26 @@ class MetricsLog:
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def run_facts(accelerator, samples_seen: int) -> dict:
+    """The results.json entries every recipe shares: per-process sample counts, peak memory, device and versions.
+
+    Collective: every process must call it.
+    """
+    device = accelerator.device
+    samples_per_process = accelerator.gather(torch.tensor([samples_seen], device=device)).tolist()
+    memory_mb, memory_kind = peak_memory_mb(device)
+    peak_memory = accelerator.gather(torch.tensor([memory_mb], device=device, dtype=torch.float64)).max().item()
+    return dict(
+        samples_seen_per_process=samples_per_process,
+        peak_memory_mb=peak_memory,
+        peak_memory_kind=memory_kind,
+        device=str(device),
+        torch_version=torch.__version__,
+        accelerate_version=accelerate.__version__,
+        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 def _fmt(value) -> str:

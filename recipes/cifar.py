@@ -10,13 +10,10 @@ GLOBAL batch (all processes together), so the same flags give the same training 
 """
 
 import math
-import os
 import socket
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-import accelerate
 import numpy as np
 import torch
 import torch.nn as nn
@@ -33,11 +30,13 @@ from accelerate_recipes import (
     RecipeError,
     StepMeter,
     check_process_group,
+    default_num_workers,
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
     print_summary,
     run,
+    run_facts,
     setup_tracker,
     write_results,
 )
@@ -262,8 +261,7 @@ def main(
         accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
                           "pipeline, not the model on real data.\n" + "!" * 100)
     if num_workers is None:
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        num_workers = min(8, max(0, (os.cpu_count() or 1) // local_processes - 1))
+        num_workers = default_num_workers()
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
     train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
     test_loader = DataLoader(test_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
@@ -379,9 +377,6 @@ def main(
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     accelerator.save_model(net, output)
-    samples_per_process = accelerator.gather(torch.tensor([samples_seen], device=accelerator.device)).tolist()
-    memory_mb, memory_kind = peak_memory_mb(accelerator.device)
-    peak_memory = accelerator.gather(torch.tensor([memory_mb], device=accelerator.device)).max().item()
     results = dict(
         config,
         synthetic_data=dataset == "synthetic",
@@ -390,16 +385,10 @@ def main(
         train_seconds=meter.train_seconds,
         train_samples_per_second=meter.samples_per_second,
         median_step_seconds=meter.median_step_seconds,
-        peak_memory_mb=peak_memory,
-        peak_memory_kind=memory_kind,
         train_loss_first=first_loss,
         train_loss_last=last_loss,
-        samples_seen_per_process=samples_per_process,
         **last_eval,
-        device=str(accelerator.device),
-        torch_version=torch.__version__,
-        accelerate_version=accelerate.__version__,
-        finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **run_facts(accelerator, samples_seen),
     )
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -1,0 +1,500 @@
+#!/usr/bin/env python
+"""Fine-tune a transformers model for text classification with Hugging Face Accelerate: 1 GPU, N GPUs, N nodes, FSDP.
+
+    python recipes/text_classification.py --task sst2                         # GLUE SST-2 with bert-base-cased
+    python recipes/text_classification.py --train_file train.csv --validation_file dev.csv --label_column label
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/text_classification.py --task mrpc
+    python recipes/text_classification.py --predict "a gripping, funny film" --model outputs/text
+
+The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
+GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader
+from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
+from tqdm.auto import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_linear_schedule_with_warmup,
+)
+
+from accelerate_recipes import (
+    MetricsLog,
+    RecipeError,
+    StepMeter,
+    check_process_group,
+    default_num_workers,
+    num_machines,
+    peak_memory_mb,
+    per_process_batch_size,
+    print_summary,
+    run,
+    run_facts,
+    setup_tracker,
+    write_results,
+)
+
+DEFAULT_MODEL = "google-bert/bert-base-cased"
+# GLUE task -> (text column, text-pair column, validation split, the metric GLUE reports besides accuracy)
+GLUE_TASKS = {
+    "cola": ("sentence", None, "validation", "matthews_correlation"),
+    "sst2": ("sentence", None, "validation", None),
+    "mrpc": ("sentence1", "sentence2", "validation", "binary_f1"),
+    "qqp": ("question1", "question2", "validation", "binary_f1"),
+    "mnli": ("premise", "hypothesis", "validation_matched", None),
+    "qnli": ("question", "sentence", "validation", None),
+    "rte": ("sentence1", "sentence2", "validation", None),
+    "wnli": ("sentence1", "sentence2", "validation", None),
+}
+FILE_FORMATS = {".csv": ("csv", {}), ".tsv": ("csv", {"sep": "\t"}), ".json": ("json", {}), ".jsonl": ("json", {})}
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def load_file(path: str, split: str, cache_dir: str | None) -> datasets.Dataset:
+    """One CSV / TSV / JSON / JSONL file through the `datasets` loaders (cached as Arrow next to the HF cache)."""
+    file = Path(path).expanduser()
+    if file.suffix.lower() not in FILE_FORMATS:
+        raise RecipeError(f"--{split}_file {path}: unknown format {file.suffix!r}; use .csv, .tsv, .json or .jsonl")
+    if not file.is_file():
+        raise RecipeError(f"--{split}_file {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file")
+    builder, options = FILE_FORMATS[file.suffix.lower()]
+    try:
+        return datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
+                                     cache_dir=cache_dir, **options)
+    except Exception as err:  # pyarrow / pandas parse errors of every kind
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RecipeError(f"could not read --{split}_file {path} as {builder} ({reason}); check the file's format") from None
+
+
+def load_text_data(task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir):
+    """Return (DatasetDict with train and validation, text column, pair column, label column, label values, metric).
+
+    `label values` are the labels as they appear in the data, in id order: GLUE's class names, or the sorted distinct
+    values of the training file's label column (strings or numbers), so string labels work unchanged.
+    """
+    if task is not None:
+        if task == "stsb":
+            raise RecipeError("--task stsb is a regression task (similarity scores); this recipe classifies")
+        if task not in GLUE_TASKS:
+            raise RecipeError(f"unknown --task {task!r}; choose one of {', '.join(GLUE_TASKS)}, or give --train_file")
+        text_column, text_pair_column, validation_split, extra_metric = GLUE_TASKS[task]
+        try:
+            glue = datasets.load_dataset("nyu-mll/glue", task, cache_dir=cache_dir)
+        except Exception as err:  # offline, hub errors, a missing cache
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise RecipeError(
+                f"could not load GLUE {task} from the Hugging Face Hub ({reason}); connect once to download it "
+                "(it is cached under ~/.cache/huggingface/datasets), or train on your own files with "
+                "--train_file/--validation_file"
+            ) from None
+        raw = datasets.DatasetDict(train=glue["train"], validation=glue[validation_split])
+        return raw, text_column, text_pair_column, "label", glue["train"].features["label"].names, extra_metric
+
+    if train_file is None or validation_file is None:
+        raise RecipeError("give --task (a GLUE task) or both --train_file and --validation_file")
+    raw = datasets.DatasetDict(
+        train=load_file(train_file, "train", cache_dir), validation=load_file(validation_file, "validation", cache_dir)
+    )
+    for split, file in (("train", train_file), ("validation", validation_file)):
+        columns = raw[split].column_names
+        for flag, column in (("text_column", text_column), ("text_pair_column", text_pair_column),
+                             ("label_column", label_column)):
+            if column is not None and column not in columns:
+                raise RecipeError(f"{file} has no column {column!r} (--{flag}); its columns are {', '.join(columns)}")
+    train_values = raw["train"].unique(label_column)
+    if None in train_values:
+        raise RecipeError(f"{train_file}: some rows have no value in the label column {label_column!r}; fill or drop them")
+    label_values = sorted(train_values)
+    if len(label_values) < 2:
+        raise RecipeError(f"{train_file}: the label column {label_column!r} has the single value {label_values[0]!r}; "
+                          "a classifier needs two or more labels")
+    unseen = sorted(set(raw["validation"].unique(label_column)) - set(label_values), key=str)
+    if unseen:
+        raise RecipeError(
+            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column {label_column!r} never occur "
+            f"in {train_file} (known: {', '.join(map(repr, label_values[:10]))}); fix the labels or add such examples "
+            "to the training file"
+        )
+    return raw, text_column, text_pair_column, label_column, label_values, "macro_f1"
+
+
+def tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length):
+    """Tokenise without padding (the collator pads each batch to its longest example) and map labels to ids.
+
+    `label_ids` maps the values of a file's label column to ids; None when they already are ids (GLUE).
+    """
+
+    def tokenize(batch):
+        texts = [t if t is not None else "" for t in batch[text_column]]
+        pairs = [t if t is not None else "" for t in batch[text_pair_column]] if text_pair_column else None
+        encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+        labels = batch[label_column]
+        encoded["labels"] = labels if label_ids is None else [label_ids[value] for value in labels]
+        return encoded
+
+    return raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenize")
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+def load_model(name: str, label_names: list[str], task: str | None):
+    """Tokenizer and sequence-classification model from a Hub name or a local directory, with the label mapping."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        config = AutoConfig.from_pretrained(
+            name, num_labels=len(label_names), finetuning_task=task,
+            id2label=dict(enumerate(label_names)), label2id={label: i for i, label in enumerate(label_names)},
+        )
+        # A checkpoint already fine-tuned on another label set gets a fresh classifier of the right size.
+        model = AutoModelForSequenceClassification.from_pretrained(
+            name, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
+        )
+    except (OSError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise RecipeError(
+            f"could not load --model {name!r} ({reason}); give a local directory with config.json, the weights and the "
+            "tokenizer files, or a Hugging Face Hub name while online (it is cached under ~/.cache/huggingface)"
+        ) from None
+    return tokenizer, model
+
+
+@torch.no_grad()
+def evaluate(model, loader, accelerator, extra_metric: str | None, num_labels: int) -> dict:
+    """Accuracy (and F1 or Matthews correlation) over the whole validation set, each example counted once."""
+    model.eval()
+    predictions, references, loss_sum = [], [], 0.0
+    for batch in loader:
+        logits = model(**batch).logits
+        losses = torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="none")
+        # gather_for_metrics drops the examples the sampler repeated to give every process an equal share.
+        preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), batch["labels"], losses))
+        predictions.append(preds.cpu())
+        references.append(labels.cpu())
+        loss_sum += losses.sum().item()
+    model.train()
+    preds, labels = torch.cat(predictions), torch.cat(references)
+    result = {"eval_accuracy": (preds == labels).float().mean().item(), "eval_loss": loss_sum / len(labels),
+              "eval_samples": len(labels)}
+    if extra_metric == "matthews_correlation":  # CoLA
+        result["eval_matthews_correlation"] = binary_matthews_corrcoef(preds, labels).item()
+    elif extra_metric == "binary_f1":  # MRPC, QQP: F1 of the positive class, as GLUE reports it
+        result["eval_f1"] = binary_f1_score(preds, labels).item()
+    elif extra_metric == "macro_f1":  # your own files: the mean F1 over classes, whichever label is listed first
+        result["eval_f1"] = multiclass_f1_score(preds, labels, num_classes=num_labels, average="macro").item()
+    return result
+
+
+# -------------------------------------------------------------------------------------------------------- predict
+def read_texts(source, text_column: str, text_pair_column: str | None) -> list[tuple[str, str | None]]:
+    """Texts to classify: a .txt file (one per line), a .csv/.tsv/.json/.jsonl file (its text column), or the text itself."""
+    items = source if isinstance(source, (list, tuple)) else [source]
+    texts = []
+    for item in map(str, items):
+        path = Path(item).expanduser()
+        if path.suffix.lower() in FILE_FORMATS and path.is_file():
+            data = load_file(str(path), "predict", cache_dir=None)
+            for column in filter(None, (text_column, text_pair_column)):
+                if column not in data.column_names:
+                    raise RecipeError(f"{path} has no column {column!r} to classify; its columns are "
+                                      f"{', '.join(data.column_names)} (set --text_column)")
+            pairs = data[text_pair_column] if text_pair_column else [None] * len(data)
+            texts += list(zip(data[text_column], pairs))
+        elif path.suffix.lower() == ".txt" and path.is_file():
+            texts += [(line, None) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            texts.append((item, None))
+    return texts
+
+
+@torch.no_grad()
+def predict_texts(model_dir: str, source, text_column: str, text_pair_column: str | None, max_length: int, batch_size: int):
+    """Classify texts with a fine-tuned model and print one JSON line per text: text, label, score."""
+    if not (Path(model_dir) / "config.json").is_file():
+        raise RecipeError(f"--model {model_dir} is not a fine-tuned model directory (no config.json); train first "
+                          "or point --model at the output_dir of a finished run")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(device).eval()
+    texts = read_texts(source, text_column, text_pair_column)
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start:start + batch_size]
+        firsts = [t for t, _ in chunk]
+        seconds = [p for _, p in chunk] if text_pair_column else None
+        inputs = tokenizer(firsts, seconds, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+        probabilities = model(**inputs.to(device)).logits.float().softmax(dim=-1)
+        scores, ids = probabilities.max(dim=-1)
+        for (text, pair), label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
+            row = {"text": text, **({"text_pair": pair} if pair is not None else {}),
+                   "label": model.config.id2label[label_id], "score": round(score, 4)}
+            print(json.dumps(row, ensure_ascii=False))
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(
+    task: str | None = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    text_column: str = "text",
+    text_pair_column: str | None = None,
+    label_column: str = "label",
+    model: str | None = None,
+    max_length: int = 128,
+    batch_size: int = 32,
+    epochs: int = 3,
+    max_steps: int | None = None,
+    lr: float = 2e-5,
+    weight_decay: float = 0.01,
+    warmup_ratio: float = 0.1,
+    gradient_accumulation_steps: int = 1,
+    mixed_precision: str | None = None,
+    gradient_checkpointing: bool = False,
+    num_workers: int | None = None,
+    log_every: int = 10,
+    output_dir: str = "outputs/text",
+    cache_dir: str | None = None,
+    tracker: str = "swanlab",
+    swanlab_mode: str | None = None,
+    project: str = "accelerate-recipes",
+    run_name: str | None = None,
+    seed: int = 42,
+    predict: str | None = None,
+):
+    """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or classify texts.
+
+    Args:
+        task: GLUE task through the `datasets` library: cola, sst2, mrpc, qqp, mnli, qnli, rte or wnli (default sst2
+            when no --train_file is given). Downloaded on first use, then read from the cache.
+        train_file: your training data instead of a GLUE task: .csv, .tsv, .json or .jsonl (one object per line).
+        validation_file: your validation data, same columns as --train_file.
+        text_column: column holding the text (files only).
+        text_pair_column: column holding the second text of a pair (files only; e.g. premise / hypothesis).
+        label_column: column holding the label (files only); strings or integers. Labels get ids in sorted order,
+            and the id -> label mapping is saved in the model's config.json.
+        model: Hugging Face Hub name or local directory of any checkpoint AutoModelForSequenceClassification loads;
+            default google-bert/bert-base-cased for training, and --output_dir for --predict.
+        max_length: longest tokenised input; longer texts are truncated. Batches are padded to their longest example.
+        batch_size: GLOBAL batch per optimizer step, all processes together; each process loads
+            batch_size / (num_processes x gradient_accumulation_steps).
+        epochs: passes over the training set (ignored when --max_steps is set).
+        max_steps: stop after this many optimizer steps.
+        lr: peak learning rate of AdamW, reached after warmup, then linear decay to zero.
+        weight_decay: AdamW weight decay on weight matrices (not on biases and LayerNorm).
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
+        gradient_accumulation_steps: micro-batches summed before each optimizer step.
+        mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
+        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
+        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap).
+        log_every: log loss and throughput every N optimizer steps.
+        output_dir: where the fine-tuned model and tokenizer (save_pretrained), results.json, metrics.jsonl and
+            offline SwanLab logs go.
+        cache_dir: cache of the `datasets` library (downloads and tokenised data); default ~/.cache/huggingface/datasets.
+        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
+        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
+        project: tracker project name.
+        run_name: tracker run name; default text-<task or train file name>.
+        seed: seed for the classifier head, data order and dropout.
+        predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
+            file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines.
+    """
+    if predict is not None:
+        return predict_texts(model or output_dir, predict, text_column, text_pair_column, max_length, batch_size)
+    started = time.perf_counter()
+    output = Path(output_dir)
+    model = model or DEFAULT_MODEL
+    if task is None and train_file is None:
+        task = "sst2"
+    if task is not None and (train_file or validation_file):
+        raise RecipeError("give either --task (a GLUE task) or --train_file/--validation_file, not both")
+    dataset_name = task or Path(train_file).stem
+
+    # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
+    tracking = setup_tracker(tracker, output, run_name or f"text-{dataset_name}", swanlab_mode)
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        log_with=tracking.log_with or None,
+        project_dir=str(output),
+        # The shuffle order then depends on the seed and epoch only, not on the number of processes.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+        step_scheduler_with_optimizer=False,
+    )
+    check_process_group(accelerator)
+    world = accelerator.num_processes
+    machines = num_machines(world)
+    per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
+    set_seed(seed)
+    if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    if accelerator.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+    accelerator.print(
+        f"{world} process(es) on {machines} machine(s), {accelerator.distributed_type.value}, "
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {batch_size} = "
+        f"{world} process(es) x {per_process} per process x {gradient_accumulation_steps} accumulation step(s)"
+    )
+
+    # ---- data and tokenizer: the local main process of each node downloads and tokenises first (into the cache),
+    # the others then read the cached result
+    with accelerator.local_main_process_first():
+        raw, text_column, text_pair_column, label_column, label_values, extra_metric = load_text_data(
+            task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir
+        )
+        label_names = [str(value) for value in label_values]
+        tokenizer, net = load_model(model, label_names, task)
+        label_ids = None if task else {value: i for i, value in enumerate(label_values)}
+        tokenized = tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length)
+    # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
+    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+    if num_workers is None:
+        num_workers = default_num_workers(limit=2)
+    loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
+    train_loader = DataLoader(tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+    eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * gradient_accumulation_steps, **loader_args)
+
+    # ---- model and optimizer
+    if gradient_checkpointing:
+        net.gradient_checkpointing_enable()
+    decay = [p for p in net.parameters() if p.ndim > 1]
+    no_decay = [p for p in net.parameters() if p.ndim <= 1]  # biases and LayerNorm weights
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
+
+    # ---- learning-rate schedule over optimizer steps: linear warmup, then linear decay to zero
+    batches_per_process = len(train_loader) // world  # prepare() deals the batches out to the processes
+    if batches_per_process == 0:
+        raise RecipeError(
+            f"the training set ({len(raw['train'])} examples) is smaller than one global batch ({batch_size}); "
+            "lower --batch_size or use more data"
+        )
+    steps_per_epoch = math.ceil(batches_per_process / gradient_accumulation_steps)
+    total_steps = max_steps if max_steps else epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    warmup_steps = round(warmup_ratio * total_steps)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
+    # Everything in one call: DeepSpeed builds its engine from the model, optimizer and scheduler together.
+    net, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        net, optimizer, train_loader, eval_loader, scheduler
+    )
+
+    config = dict(
+        recipe="text_classification", dataset=dataset_name, model=model, world_size=world, num_machines=machines,
+        mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
+        gradient_accumulation_steps=gradient_accumulation_steps, lr=lr, weight_decay=weight_decay,
+        warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs, max_length=max_length,
+        num_labels=len(label_names), seed=seed, train_size=len(raw["train"]), validation_size=len(raw["validation"]),
+        distributed_type=accelerator.distributed_type.value,
+    )
+    accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
+    metrics = MetricsLog(accelerator, output)
+
+    # ---- training loop
+    meter = StepMeter(accelerator.device)
+    step, samples_seen, first_loss, last_loss, last_eval = 0, 0, None, None, {}
+    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
+    progress = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    meter.restart()
+    for epoch in range(num_epochs):
+        epoch_start = time.perf_counter()
+        net.train()
+        for batch in train_loader:
+            with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
+                loss = net(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            running_loss += loss.detach()
+            micro_batches += 1
+            samples_seen += batch["labels"].shape[0]
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            step_seconds = meter.step(batch_size)
+            progress.update(1)
+            if step % log_every == 0 or step == 1 or step == total_steps:
+                mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
+                first_loss = mean_loss if first_loss is None else first_loss
+                last_loss = mean_loss
+                metrics.log(
+                    {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
+                     "perf/step_seconds": step_seconds, "perf/samples_per_second": batch_size / max(step_seconds, 1e-9)},
+                    step=step,
+                )
+                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
+            running_loss.zero_()
+            micro_batches = 0
+            if step >= total_steps:
+                break
+
+        # ---- evaluation once per epoch, on the full validation set
+        epoch_seconds = time.perf_counter() - epoch_start
+        last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
+        memory_mb, _ = peak_memory_mb(accelerator.device)
+        metrics.log(
+            {**{f"eval/{k.removeprefix('eval_')}": v for k, v in last_eval.items() if k != "eval_samples"},
+             "perf/epoch_seconds": epoch_seconds, "perf/train_samples_per_second": meter.samples_per_second,
+             "perf/peak_memory_mb": memory_mb},
+            step=step,
+        )
+        scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in last_eval.items() if k != "eval_samples")
+        accelerator.print(f"epoch {epoch + 1}/{num_epochs}: {scores}, {epoch_seconds:.1f} s, "
+                          f"{meter.samples_per_second:.1f} samples/s")
+        meter.restart()
+        if step >= total_steps:
+            break
+    progress.close()
+
+    # ---- save the model, tokenizer and the run's results
+    accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(net)  # gathers the full weights under FSDP / DeepSpeed ZeRO-3
+    accelerator.unwrap_model(net).save_pretrained(
+        output, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output)
+    results = dict(
+        config,
+        steps=step,
+        wall_seconds=time.perf_counter() - started,
+        train_seconds=meter.train_seconds,
+        train_samples_per_second=meter.samples_per_second,
+        median_step_seconds=meter.median_step_seconds,
+        train_loss_first=first_loss,
+        train_loss_last=last_loss,
+        **last_eval,
+        **run_facts(accelerator, samples_seen),
+        transformers_version=transformers.__version__,
+    )
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        path = write_results(output, results)
+        print_summary(results, ["dataset", "model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
+                                "steps", "epochs", "eval_accuracy", "eval_f1", "eval_matthews_correlation",
+                                "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
+                      title="text classification: summary")
+        print(f"model, tokenizer and {path.name} saved in {output}; classify with: "
+              f"python {Path(__file__).name} --predict 'some text' --model {output}")
+        where = tracking.where()
+        if where:
+            print(where)
+
+
+if __name__ == "__main__":
+    run(main)
