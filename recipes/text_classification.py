@@ -303,7 +303,7 @@ def main(
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
         project: tracker project name.
-        run_name: tracker run name; default text-<task or train file name>.
+        run_name: tracker run name; default text-<task>, or text-<folder>-<name> of the training file.
         seed: seed for the classifier head, data order and dropout.
         predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
             file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines.
@@ -317,7 +317,7 @@ def main(
         task = "sst2"
     if task is not None and (train_file or validation_file):
         raise RecipeError("give either --task (a GLUE task) or --train_file/--validation_file, not both")
-    dataset_name = task or Path(train_file).stem
+    dataset_name = task or f"{Path(train_file).resolve().parent.name}-{Path(train_file).stem}"  # e.g. reviews-train
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(tracker, output, run_name or f"text-{dataset_name}", swanlab_mode)

@@ -57,6 +57,17 @@ def check(proc) -> subprocess.CompletedProcess:
     return proc
 
 
+def fails_with(proc, *fragments) -> str:
+    """The run failed with exactly one `error: ...` line holding every fragment, and no traceback."""
+    assert proc.returncode != 0, proc.output[-3000:]
+    assert "Traceback" not in proc.output, proc.output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
 def read_results(output_dir: Path) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
 
@@ -95,3 +106,50 @@ def write_cifar10(root: Path, num_train: int, num_test: int, seed: int = 0) -> P
 @pytest.fixture
 def env(tmp_path):
     return recipe_env(tmp_path)
+
+
+TEXT_SCRIPT = REPO / "recipes" / "text_classification.py"
+POSITIVE = "good great fine superb lovely brilliant".split()
+NEGATIVE = "bad awful poor dull boring terrible".split()
+NEUTRAL = "the a movie film plot actor story was is and it very".split()
+
+
+def tiny_bert(folder: Path) -> Path:
+    """A 2-layer, hidden-32 BERT with random weights and a word-level tokenizer over the test vocabulary."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POSITIVE + NEGATIVE + NEUTRAL
+    BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}).save_pretrained(folder)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    return folder
+
+
+def sentiment_rows(n: int, seed: int) -> list[dict]:
+    """Learnable review-like rows: three sentiment words among three neutral ones; labels "positive"/"negative"."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(["positive", "negative"])
+        words = rng.sample(NEUTRAL, 3) + rng.sample(POSITIVE if label == "positive" else NEGATIVE, 3)
+        rng.shuffle(words)
+        rows.append({"text": " ".join(words), "label": label})
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    """rows as CSV (.csv) or JSON lines (.jsonl), the formats users hand the text recipe."""
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return path

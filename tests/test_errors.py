@@ -4,17 +4,7 @@ import inspect
 import re
 
 import pytest
-from conftest import CIFAR_SCRIPT, PYTHON, TINY, recipe_env, run, write_cifar10
-
-
-def fails_with(proc, *fragments):
-    assert proc.returncode != 0, proc.output[-3000:]
-    assert "Traceback" not in proc.output, proc.output[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-    return errors[0]
+from conftest import CIFAR_SCRIPT, PYTHON, TINY, fails_with, recipe_env, run, write_cifar10
 
 
 def cifar(tmp_path, *args, **env):

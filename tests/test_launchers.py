@@ -8,7 +8,9 @@ from accelerate.commands.config.config_args import load_config_from_file
 from conftest import ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, TINY, TORCHRUN, check, free_port, read_results, recipe_env, run
 
 # file -> (processes in total, machines); what each config promises.
-PROMISES = {"1gpu": (1, 1), "2gpu": (2, 1), "4gpu": (4, 1), "8gpu": (8, 1), "2node": (16, 2), "cpu": (2, 1)}
+PROMISES = {"1gpu": (1, 1), "2gpu": (2, 1), "4gpu": (4, 1), "8gpu": (8, 1), "2node": (16, 2), "cpu": (2, 1),
+            "fsdp": (8, 1), "deepspeed": (8, 1)}
+DISTRIBUTED_TYPE = {"1gpu": "NO", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}  # the others: MULTI_GPU
 
 
 def test_configs_are_the_ones_we_test():
@@ -20,8 +22,13 @@ def test_config_is_valid_for_accelerate(name):
     config = load_config_from_file(str(CONFIGS / f"{name}.yaml"))
     processes, machines = PROMISES[name]
     assert (config.num_processes, config.num_machines) == (processes, machines)
-    assert config.distributed_type.value == ("NO" if processes == 1 else "MULTI_GPU")
+    assert config.distributed_type.value == DISTRIBUTED_TYPE.get(name, "MULTI_GPU")
     assert config.mixed_precision == ("no" if name == "cpu" else "bf16")
+    # The recipes save with save_pretrained / save_model: the sharded configs must hand them whole weights.
+    if name == "fsdp":
+        assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    if name == "deepspeed":
+        assert config.deepspeed_config["zero3_save_16bit_model"] is True
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     assert "main_process_ip" not in raw, "the node's main address must come from the command line"
 

@@ -54,3 +54,31 @@ def test_help_lists_every_cifar_target():
     out = make("help").stdout
     for target in ("install", "test", "demo", "cifar-cpu", "cifar-1gpu", "cifar-2node"):
         assert f"  {target} " in out
+
+
+def test_text_targets_use_the_same_configs_and_variables():
+    line = launch_line(make("-n", "text-8gpu", "PRECISION=fp16", "ARGS=--task mrpc"))
+    assert "accelerate launch --config_file accelerate_configs/8gpu.yaml" in line and "--mixed_precision fp16" in line
+    assert line.rstrip().endswith("recipes/text_classification.py --task mrpc")
+    line = launch_line(make("-n", "text-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"))
+    assert "2node.yaml" in line and "--machine_rank 1 --main_process_ip 10.0.0.1" in line
+
+
+def test_text_cpu_defaults_to_the_offline_data_and_args_replace_them():
+    line = launch_line(make("-n", "text-cpu"))
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "--train_file data/rotten_tomatoes/train.csv" in line
+    line = launch_line(make("-n", "text-cpu", "ARGS=--train_file mine.csv --validation_file dev.csv"))
+    assert line.rstrip().endswith("recipes/text_classification.py --train_file mine.csv --validation_file dev.csv")
+
+
+def test_sharded_targets_pick_their_config_and_gpu_count():
+    line = launch_line(make("-n", "text-fsdp", "GPUS=4"))
+    assert "--config_file accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line
+    line = launch_line(make("-n", "text-deepspeed"))
+    assert "accelerate_configs/deepspeed.yaml" in line and "--num_processes" not in line
+
+
+def test_help_lists_every_text_target():
+    out = make("help").stdout
+    for target in ("text-cpu", "text-1gpu", "text-2node", "text-fsdp", "text-deepspeed", "bench-text"):
+        assert f"  {target} " in out

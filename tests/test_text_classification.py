@@ -1,0 +1,198 @@
+"""The text-classification recipe fine-tunes a real (tiny) BERT on CSV / JSONL files, alone and over gloo."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    PYTHON,
+    TEXT_SCRIPT,
+    check,
+    fails_with,
+    losses,
+    read_results,
+    recipe_env,
+    run,
+    sentiment_rows,
+    tiny_bert,
+    write_rows,
+)
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+# 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly initialised tiny model.
+FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
+CONTRACT = ["recipe", "world_size", "num_machines", "mixed_precision", "global_batch_size", "steps", "wall_seconds",
+            "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "eval_accuracy", "eval_f1"]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("text_classification", TEXT_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    return {
+        "model": tiny_bert(root / "tiny-bert"),
+        "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
+        # An odd count: with two processes the sampler pads one example, which must not be counted twice.
+        "validation": write_rows(root / "reviews" / "dev.csv", sentiment_rows(63, seed=1)),
+        "root": root,
+    }
+
+
+def files(data):
+    return ["--model", data["model"], "--train_file", data["train"], "--validation_file", data["validation"]]
+
+
+@pytest.fixture(scope="module")
+def single_run(text_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    out = tmp / "out"
+    proc = check(run([PYTHON, TEXT_SCRIPT, *files(text_data), *FAST, "--epochs", "2", "--output_dir", out],
+                     recipe_env(tmp), timeout=300))
+    return out, proc
+
+
+def test_fine_tune_learns_and_writes_the_contract(single_run):
+    out, proc = single_run
+    results = read_results(out)
+    for key in CONTRACT:
+        assert key in results, key
+    assert results["recipe"] == "text_classification" and results["dataset"] == "reviews-train"
+    assert results["world_size"] == 1 and results["steps"] == 32 and results["num_labels"] == 2
+    assert results["eval_samples"] == results["validation_size"] == 63
+    assert results["eval_accuracy"] >= 0.8 and results["eval_f1"] >= 0.8  # chance is 0.5
+    steps = losses(out)
+    assert steps[32] < steps[1] - 0.1, steps
+    assert "global batch 16 = 1 process(es) x 16 per process" in proc.output
+
+
+def test_saved_model_reloads_with_from_pretrained_and_keeps_string_labels(single_run):
+    out, _ = single_run
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    texts = ["the film was great superb lovely", "the plot was awful dull boring"]
+    with torch.no_grad():
+        ids = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits.argmax(-1).tolist()
+    assert [model.config.id2label[i] for i in ids] == ["positive", "negative"]
+
+
+def test_predict_classifies_a_text_file_and_a_literal_text(single_run, tmp_path):
+    out, _ = single_run
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a lovely brilliant film\n\nboring terrible poor plot\n")
+    env = recipe_env(tmp_path)
+    rows = [json.loads(line) for line in check(run([PYTHON, TEXT_SCRIPT, "--predict", texts, "--model", out], env))
+            .stdout.splitlines()]
+    assert [(r["text"], r["label"]) for r in rows] == [("a lovely brilliant film", "positive"),
+                                                        ("boring terrible poor plot", "negative")]
+    assert all(0.5 < r["score"] <= 1 for r in rows)
+    # Without --model, --predict uses --output_dir: the run just trained.
+    proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", "superb great movie", "--output_dir", out], env))
+    assert json.loads(proc.stdout.splitlines()[-1])["label"] == "positive"
+
+
+def test_two_processes_over_gloo_count_each_validation_example_once(text_data, tmp_path):
+    out = tmp_path / "out"
+    check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1",
+               TEXT_SCRIPT, *files(text_data), *FAST, "--epochs", "2", "--output_dir", out],
+              recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=300))
+    results = read_results(out)
+    assert results["world_size"] == 2 and results["per_process_batch_size"] == 8
+    assert results["samples_seen_per_process"] == [256, 256]
+    assert results["eval_samples"] == 63
+    assert results["eval_accuracy"] >= 0.8
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 2
+
+
+def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
+    # Three classes from the pair: 0 both positive, 1 both negative, 2 mixed.
+    firsts, seconds = sentiment_rows(96, seed=2), sentiment_rows(96, seed=3)
+
+    def pair_rows(a, b):
+        return [{"premise": x["text"], "hypothesis": y["text"],
+                 "label": 0 if x["label"] == y["label"] == "positive" else 1 if x["label"] == y["label"] else 2}
+                for x, y in zip(a, b)]
+
+    train = write_rows(tmp_path / "pairs" / "train.jsonl", pair_rows(firsts[:80], seconds[:80]))
+    dev = write_rows(tmp_path / "pairs" / "dev.jsonl", pair_rows(firsts[80:], seconds[80:]))
+    out = tmp_path / "out"
+    check(run([PYTHON, TEXT_SCRIPT, "--model", text_data["model"], "--train_file", train, "--validation_file", dev,
+               "--text_column", "premise", "--text_pair_column", "hypothesis", *FAST,
+               "--gradient_accumulation_steps", "2", "--max_steps", "3", "--output_dir", out], recipe_env(tmp_path)))
+    results = read_results(out)
+    assert results["num_labels"] == 3 and results["steps"] == 3 and results["eval_samples"] == 16
+    assert results["samples_seen_per_process"] == [3 * 16]
+    assert 0 <= results["eval_f1"] <= 1
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {"0": "0", "1": "1", "2": "2"}
+
+
+def test_missing_label_column_is_one_clear_line(text_data, tmp_path):
+    proc = run([PYTHON, TEXT_SCRIPT, *files(text_data), *FAST, "--label_column", "sentiment",
+                "--output_dir", tmp_path / "out"], recipe_env(tmp_path))
+    fails_with(proc, "no column 'sentiment'", "--label_column", "text, label")
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe()
+
+
+def load(recipe, train, validation, **columns):
+    args = dict(text_column="text", text_pair_column=None, label_column="label") | columns
+    return recipe.load_text_data(None, str(train), str(validation), cache_dir=str(train.parent / "cache"), **args)
+
+
+def test_unseen_validation_label_is_refused(recipe, text_data, tmp_path):
+    dev = write_rows(tmp_path / "dev.csv", [{"text": "good film", "label": "positive"},
+                                            {"text": "meh film", "label": "neutral"}])
+    with pytest.raises(recipe.RecipeError, match="'neutral'.*never occur"):
+        load(recipe, text_data["train"], dev)
+
+
+def test_file_errors_name_the_file_and_the_fix(recipe, text_data, tmp_path):
+    with pytest.raises(recipe.RecipeError, match="does not exist"):
+        load(recipe, tmp_path / "missing.csv", text_data["validation"])
+    with pytest.raises(recipe.RecipeError, match="unknown format '.xlsx'"):
+        load(recipe, tmp_path / "train.xlsx", text_data["validation"])
+    empty_labels = write_rows(tmp_path / "train.csv", [{"text": "good", "label": "positive"}, {"text": "bad", "label": ""}])
+    with pytest.raises(recipe.RecipeError, match="no value in the label column"):
+        load(recipe, empty_labels, text_data["validation"])
+    one_label = write_rows(tmp_path / "one.csv", [{"text": "good", "label": "positive"}] * 3)
+    with pytest.raises(recipe.RecipeError, match="two or more labels"):
+        load(recipe, one_label, text_data["validation"])
+    with pytest.raises(recipe.RecipeError, match="no column 'premise'"):
+        load(recipe, text_data["train"], text_data["validation"], text_pair_column="premise")
+
+
+def test_glue_task_names_and_offline_error(recipe, monkeypatch, tmp_path):
+    with pytest.raises(recipe.RecipeError, match="regression"):
+        recipe.load_text_data("stsb", None, None, "text", None, "label", None)
+    with pytest.raises(recipe.RecipeError, match="unknown --task 'sst-2'"):
+        recipe.load_text_data("sst-2", None, None, "text", None, "label", None)
+    # As on a machine without internet and without a cached copy.
+    monkeypatch.setattr(recipe.datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(recipe.RecipeError, match="could not load GLUE mrpc.*--train_file"):
+        recipe.load_text_data("mrpc", None, None, "text", None, "label", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("config", ["fsdp", "deepspeed"])
+def test_sharded_configs_on_cpu_stop_instead_of_running_unsharded(config, text_data, tmp_path):
+    # accelerate applies FSDP / DeepSpeed on GPUs only; on the CPU the same launch would silently be plain DDP.
+    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / f"{config}.yaml", "--num_processes", "2",
+                "--mixed_precision", "no", "--num_cpu_threads_per_process", "1", TEXT_SCRIPT, *files(text_data), *FAST,
+                "--max_steps", "1", "--output_dir", tmp_path / "out"], recipe_env(tmp_path, ACCELERATE_USE_CPU="true"))
+    assert proc.returncode != 0
+    name = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[config]
+    assert f"the accelerate config asks for {name}, but this run is MULTI_CPU" in proc.output
+    assert not (tmp_path / "out" / "results.json").exists()
