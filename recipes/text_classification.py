@@ -63,20 +63,21 @@ FILE_FORMATS = {".csv": ("csv", {}), ".tsv": ("csv", {"sep": "\t"}), ".json": ("
 
 
 # ----------------------------------------------------------------------------------------------------------- data
-def load_file(path: str, split: str, cache_dir: str | None) -> datasets.Dataset:
-    """One CSV / TSV / JSON / JSONL file through the `datasets` loaders (cached as Arrow next to the HF cache)."""
+def load_file(path: str, split: str, cache_dir: str | None, flag: str | None = None) -> datasets.Dataset:
+    """One CSV / TSV / JSON / JSONL file through the `datasets` loaders (cached as Arrow in the datasets cache)."""
     file = Path(path).expanduser()
+    flag = flag or f"--{split}_file"
     if file.suffix.lower() not in FILE_FORMATS:
-        raise RecipeError(f"--{split}_file {path}: unknown format {file.suffix!r}; use .csv, .tsv, .json or .jsonl")
+        raise RecipeError(f"{flag} {path}: unknown format {file.suffix!r}; use .csv, .tsv, .json or .jsonl")
     if not file.is_file():
-        raise RecipeError(f"--{split}_file {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file")
+        raise RecipeError(f"{flag} {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file")
     builder, options = FILE_FORMATS[file.suffix.lower()]
     try:
         return datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
                                      cache_dir=cache_dir, **options)
     except Exception as err:  # pyarrow / pandas parse errors of every kind
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise RecipeError(f"could not read --{split}_file {path} as {builder} ({reason}); check the file's format") from None
+        raise RecipeError(f"could not read {flag} {path} as {builder} ({reason}); check the file's format") from None
 
 
 def load_text_data(task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir):
@@ -115,7 +116,7 @@ def load_text_data(task, train_file, validation_file, text_column, text_pair_col
             if column is not None and column not in columns:
                 raise RecipeError(f"{file} has no column {column!r} (--{flag}); its columns are {', '.join(columns)}")
     train_values = raw["train"].unique(label_column)
-    if None in train_values:
+    if any(value is None or value != value for value in train_values):  # None, or NaN in a numeric column
         raise RecipeError(f"{train_file}: some rows have no value in the label column {label_column!r}; fill or drop them")
     label_values = sorted(train_values)
     if len(label_values) < 2:
@@ -204,7 +205,7 @@ def read_texts(source, text_column: str, text_pair_column: str | None) -> list[t
     for item in map(str, items):
         path = Path(item).expanduser()
         if path.suffix.lower() in FILE_FORMATS and path.is_file():
-            data = load_file(str(path), "predict", cache_dir=None)
+            data = load_file(str(path), "predict", cache_dir=None, flag="--predict")
             for column in filter(None, (text_column, text_pair_column)):
                 if column not in data.column_names:
                     raise RecipeError(f"{path} has no column {column!r} to classify; its columns are "
