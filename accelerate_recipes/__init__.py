@@ -6,7 +6,13 @@ a throughput meter and the results.json writer.
 """
 
 from accelerate_recipes.cli import RecipeError, run
-from accelerate_recipes.launch import check_process_group, default_num_workers, num_machines, per_process_batch_size
+from accelerate_recipes.launch import (
+    check_process_group,
+    default_num_workers,
+    describe_launch,
+    num_machines,
+    per_process_batch_size,
+)
 from accelerate_recipes.meter import StepMeter, peak_memory_mb
 from accelerate_recipes.results import MetricsLog, print_summary, run_facts, write_results
 from accelerate_recipes.tracking import TrackerSetup, setup_tracker
@@ -18,6 +24,7 @@ __all__ = [
     "TrackerSetup",
     "check_process_group",
     "default_num_workers",
+    "describe_launch",
     "num_machines",
     "peak_memory_mb",
     "per_process_batch_size",

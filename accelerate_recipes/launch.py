@@ -64,3 +64,13 @@ def default_num_workers(limit: int = 8) -> int:
     """DataLoader workers per process: the CPU cores left per local process after the training thread, at most `limit`."""
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return min(limit, max(0, (os.cpu_count() or 1) // local_processes - 1))
+
+
+def describe_launch(accelerator, machines: int, global_batch_size: int, per_process: int, accumulation_steps: int) -> str:
+    """One start-up line: how many processes on how many machines, the device, precision and the batch split."""
+    world = accelerator.num_processes
+    return (
+        f"{world} process(es) on {machines} machine(s), {accelerator.distributed_type.value}, "
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {global_batch_size} = "
+        f"{world} process(es) x {per_process} per process x {accumulation_steps} accumulation step(s)"
+    )

@@ -43,8 +43,9 @@ class MetricsLog:
                 f.write(json.dumps({"step": step, **values}) + "\n")
 
 
-def run_facts(accelerator, samples_seen: int) -> dict:
-    """The results.json entries every recipe shares: per-process sample counts, peak memory, device and versions.
+def run_facts(accelerator, meter, samples_seen: int) -> dict:
+    """The results.json entries every recipe shares: throughput from the StepMeter, per-process sample counts, peak
+    memory, device and versions.
 
     Collective: every process must call it.
     """
@@ -53,6 +54,9 @@ def run_facts(accelerator, samples_seen: int) -> dict:
     memory_mb, memory_kind = peak_memory_mb(device)
     peak_memory = accelerator.gather(torch.tensor([memory_mb], device=device, dtype=torch.float64)).max().item()
     return dict(
+        train_seconds=meter.train_seconds,
+        train_samples_per_second=meter.samples_per_second,
+        median_step_seconds=meter.median_step_seconds,
         samples_seen_per_process=samples_per_process,
         peak_memory_mb=peak_memory,
         peak_memory_kind=memory_kind,

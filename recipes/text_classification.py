@@ -37,6 +37,7 @@ from accelerate_recipes import (
     StepMeter,
     check_process_group,
     default_num_workers,
+    describe_launch,
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
@@ -342,11 +343,7 @@ def main(
         transformers.logging.set_verbosity_error()
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
-    accelerator.print(
-        f"{world} process(es) on {machines} machine(s), {accelerator.distributed_type.value}, "
-        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {batch_size} = "
-        f"{world} process(es) x {per_process} per process x {gradient_accumulation_steps} accumulation step(s)"
-    )
+    accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data and tokenizer: the local main process of each node downloads and tokenises first (into the cache),
     # the others then read the cached result
@@ -474,13 +471,10 @@ def main(
         config,
         steps=step,
         wall_seconds=time.perf_counter() - started,
-        train_seconds=meter.train_seconds,
-        train_samples_per_second=meter.samples_per_second,
-        median_step_seconds=meter.median_step_seconds,
         train_loss_first=first_loss,
         train_loss_last=last_loss,
         **last_eval,
-        **run_facts(accelerator, samples_seen),
+        **run_facts(accelerator, meter, samples_seen),
         transformers_version=transformers.__version__,
     )
     accelerator.end_training()
