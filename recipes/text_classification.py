@@ -427,6 +427,7 @@ def main(
             step_seconds = meter.step(batch_size)
             progress.update(1)
             if step % log_every == 0 or step == 1 or step == total_steps:
+                # The mean over every micro-batch since the last log, on all processes.
                 mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
                 first_loss = mean_loss if first_loss is None else first_loss
                 last_loss = mean_loss
@@ -436,8 +437,8 @@ def main(
                     step=step,
                 )
                 progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
-            running_loss.zero_()
-            micro_batches = 0
+                running_loss.zero_()
+                micro_batches = 0
             if step >= total_steps:
                 break
 
