@@ -12,6 +12,7 @@ GLOBAL batch (all processes together), so the same flags give the same training 
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -486,7 +487,7 @@ def main(
                                 "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
                       title="text classification: summary")
         print(f"model, tokenizer and {path.name} saved in {output}; classify with: "
-              f"python {Path(__file__).name} --predict 'some text' --model {output}")
+              f"python {os.path.relpath(__file__)} --predict 'some text' --model {output}")
         where = tracking.where()
         if where:
             print(where)
