@@ -16,6 +16,8 @@ MASTER_ADDR ?=
 MASTER_PORT ?= 29500
 GPU_IDS ?=
 GPUS ?=
+TOPO ?=
+WRITE_CONFIG ?=
 PRECISION ?=
 ARGS ?=
 NPROC ?= 2
@@ -30,7 +32,7 @@ need_master = @if [ -z "$(MASTER_ADDR)" ]; then \
 	echo "error: set MASTER_ADDR to the IP of node 0 (the same on every node), e.g. make $@ NODE_RANK=1 MASTER_ADDR=10.0.0.1" >&2; \
 	exit 2; fi
 
-.PHONY: help install test demo clean
+.PHONY: help install test demo clean topo
 
 help: ## list the targets
 	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
@@ -59,6 +61,10 @@ demo: install ## train ResNet18 on whatever hardware is here, offline, in a few 
 		set -x; $(cpu_launch) recipes/cifar.py --dataset synthetic --synthetic_size 2560 --batch_size 64 --epochs 2 \
 			--output_dir $(DEMO_OUT) $(ARGS); \
 	fi
+
+topo: install ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (or TOPO=saved.txt; GPUS=4 WRITE_CONFIG=x.yaml)
+	$(BIN)/python -m accelerate_recipes.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
+		$(if $(WRITE_CONFIG),--write_config $(WRITE_CONFIG))
 
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
 	rm -rf outputs

@@ -82,3 +82,8 @@ def test_help_lists_every_text_target():
     out = make("help").stdout
     for target in ("text-cpu", "text-1gpu", "text-2node", "text-fsdp", "text-deepspeed", "bench-text"):
         assert f"  {target} " in out
+
+
+def test_topo_target_passes_file_gpu_count_and_config():
+    out = make("-n", "topo", "TOPO=saved.txt", "GPUS=4", "WRITE_CONFIG=best4.yaml").stdout
+    assert "-m accelerate_recipes.topology --file saved.txt --gpus 4" in out and "--write_config best4.yaml" in out
