@@ -69,20 +69,20 @@ topo: install ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (o
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
 	rm -rf outputs
 
-# <recipe>-<setup> targets. $(1) = target prefix, $(2) = script in recipes/, $(3) = name of a variable holding the
+# <recipe>-<setup> targets. $(1) = target prefix, $(2) = the script, $(3) = name of a variable holding the
 # CPU target's flags when ARGS is empty (a run that finishes on a CPU; with ARGS you get exactly your flags).
 define recipe_targets
 .PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node
 $(1)-cpu: install
-	$$(cpu_launch) recipes/$(2).py $$(or $$(ARGS),$$($(3)))
+	$$(cpu_launch) $(2) $$(or $$(ARGS),$$($(3)))
 $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
-	$$(call launch,$$*) recipes/$(2).py $$(ARGS)
+	$$(call launch,$$*) $(2) $$(ARGS)
 $(1)-2node: install
 	$$(need_master)
-	$$(call launch,2node) $$(node_opts) recipes/$(2).py $$(ARGS)
+	$$(call launch,2node) $$(node_opts) $(2) $$(ARGS)
 endef
 
-$(eval $(call recipe_targets,cifar,cifar))
+$(eval $(call recipe_targets,cifar,recipes/cifar.py))
 cifar-cpu: ## ResNet18 CIFAR: NPROC processes on the CPU over gloo (no GPU needed)
 cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that many on one machine)
 cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
@@ -93,7 +93,7 @@ TEXT_DATA := data/rotten_tomatoes
 MINILM = $$($(BIN)/python benchmarks/rotten_tomatoes.py model_dir)
 TEXT_CPU_ARGS = --model $(MINILM) --train_file $(TEXT_DATA)/train.csv --validation_file $(TEXT_DATA)/test.csv \
 	--max_length 64 --lr 1e-4 --epochs 1 --output_dir outputs/text-cpu
-$(eval $(call recipe_targets,text,text_classification,TEXT_CPU_ARGS))
+$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS))
 text-cpu: text-data
 text-cpu: ## text classification: NPROC CPU processes over gloo (no ARGS: MiniLM on Rotten Tomatoes, offline)
 text-1gpu: ## text classification: 1 GPU, bert-base-cased on GLUE SST-2 (text-2gpu, text-4gpu, text-8gpu likewise)
@@ -119,3 +119,7 @@ text-data: $(VENV)/.bench-data ## write the fixed Rotten Tomatoes train/test spl
 	@test -f $(TEXT_DATA)/test.csv || $(BIN)/python benchmarks/rotten_tomatoes.py prepare --out $(TEXT_DATA)
 bench-text: install text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process vs 2 over gloo (GPUs when present)
 	$(BIN)/python benchmarks/rotten_tomatoes.py run --data $(TEXT_DATA) $(ARGS)
+
+# All-reduce bandwidth with the same configs and variables as the recipes (allreduce-cpu, -1gpu ... -8gpu, -2node).
+$(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py))
+allreduce-8gpu: ## all-reduce time, algbw and busbw from 1 KB to 1 GB (allreduce-cpu, -2gpu, -4gpu, -2node likewise)

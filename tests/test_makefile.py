@@ -87,3 +87,10 @@ def test_help_lists_every_text_target():
 def test_topo_target_passes_file_gpu_count_and_config():
     out = make("-n", "topo", "TOPO=saved.txt", "GPUS=4", "WRITE_CONFIG=best4.yaml").stdout
     assert "-m accelerate_recipes.topology --file saved.txt --gpus 4" in out and "--write_config best4.yaml" in out
+
+
+def test_allreduce_targets_launch_the_benchmark_with_the_recipe_configs():
+    line = launch_line(make("-n", "allreduce-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"))
+    assert "2node.yaml" in line and "--machine_rank 1" in line and line.rstrip().endswith("benchmarks/allreduce.py")
+    assert launch_line(make("-n", "allreduce-cpu")).startswith("ACCELERATE_USE_CPU=true")
+    assert "  allreduce-8gpu " in make("help").stdout
