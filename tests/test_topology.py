@@ -1,4 +1,4 @@
-"""GPU choice from `nvidia-smi topo -m`, on saved outputs of four typical machines (tests/data/topo/)."""
+"""GPU choice from `nvidia-smi topo -m`, on saved outputs of four typical machines (tests/fixtures/topo/)."""
 
 import os
 
@@ -9,7 +9,7 @@ from conftest import PYTHON, REPO, fails_with, run
 from accelerate_recipes import RecipeError
 from accelerate_recipes.topology import best_set, groups, link_score, parse, recommendations
 
-TOPO = REPO / "tests" / "data" / "topo"
+TOPO = REPO / "tests" / "fixtures" / "topo"
 
 
 def load(name):
