@@ -10,6 +10,7 @@ train slower than one GPU alone. The recommendation therefore maximises the slow
 """
 
 import itertools
+import math
 import re
 import shutil
 import subprocess
@@ -127,7 +128,12 @@ def best_set(topo: Topology, k: int) -> tuple[int, ...]:
         scores = [link_score(topo.link(a, b)) for a, b in itertools.combinations(gpus, 2)] or [0]
         return (min(scores), sum(scores), [-g for g in gpus])
 
-    return max(itertools.combinations(topo.gpus, k), key=quality)
+    if math.comb(len(topo.gpus), k) <= 50_000:  # every set up to 16 GPUs: exact
+        return max(itertools.combinations(topo.gpus, k), key=quality)
+    chosen = list(max(itertools.combinations(topo.gpus, 2), key=quality))  # bigger boxes: grow the best pair greedily
+    while len(chosen) < k:
+        chosen = max((sorted(chosen + [g]) for g in topo.gpus if g not in chosen), key=quality)
+    return tuple(chosen)
 
 
 def recommendations(topo: Topology) -> list[tuple[tuple[int, ...], str]]:

@@ -7,7 +7,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from conftest import PYTHON, REPO, fails_with, run
 
 from accelerate_recipes import RecipeError
-from accelerate_recipes.topology import best_set, groups, link_score, parse, recommendations
+from accelerate_recipes.topology import Topology, best_set, groups, link_score, parse, recommendations
 
 TOPO = REPO / "tests" / "fixtures" / "topo"
 
@@ -88,3 +88,13 @@ def test_without_nvidia_smi_or_with_a_bad_file_the_error_says_what_to_do(tmp_pat
     (tmp_path / "bad.txt").write_text("No devices were found\n")
     fails_with(run([PYTHON, "-m", "accelerate_recipes.topology", "--file", tmp_path / "bad.txt"], env),
                "no GPU matrix found")
+
+
+def test_large_machine_uses_the_greedy_search_and_still_keeps_nvlink_groups_together():
+    # 32 GPUs in NVLink groups of 4, eight groups per socket: too many sets to try them all.
+    gpus = list(range(32))
+    links = {(a, b): "NV8" if a // 4 == b // 4 else ("NODE" if a // 16 == b // 16 else "SYS")
+             for a in gpus for b in gpus if a < b}
+    topo = Topology(gpus, links)
+    assert best_set(topo, 4) == (0, 1, 2, 3)
+    assert topo.slowest(best_set(topo, 16))[0] == "NODE"
