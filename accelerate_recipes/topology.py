@@ -21,7 +21,6 @@ from accelerate_recipes.cli import RecipeError, run
 
 # Connection kinds of `nvidia-smi topo -m`, fastest first (its legend); NV# is a bond of # NVLinks.
 LINK_MEANING = {
-    "NV": "NVLink",
     "PIX": "at most one PCIe bridge (same PCIe switch)",
     "PXB": "several PCIe bridges, no host bridge",
     "PHB": "through a PCIe host bridge (the CPU's root complex)",
@@ -40,6 +39,7 @@ def link_score(link: str) -> int:
 
 
 def describe(link: str) -> str:
+    """The link's code and what it means, e.g. 'NV4: 4 bonded NVLinks'."""
     if link.startswith("NV") and link[2:].isdigit():
         return f"{link}: {link[2:]} bonded NVLinks"
     return f"{link}: {LINK_MEANING.get(link, 'unknown connection')}"
@@ -136,15 +136,19 @@ def best_set(topo: Topology, k: int) -> tuple[int, ...]:
     return tuple(chosen)
 
 
+def why(topo: Topology, gpus) -> str:
+    """What limits the gradient exchange of this GPU set: its slowest link."""
+    slowest = topo.slowest(gpus)
+    return "one GPU: no gradient exchange" if slowest is None else f"slowest link {describe(slowest[0])}"
+
+
 def recommendations(topo: Topology) -> list[tuple[tuple[int, ...], str]]:
     """(GPU set, reason) for k = 1, 2, 4, 8, ... up to every GPU."""
     sizes = [k for k in (1, 2, 4, 8, 16, 32, 64) if k < len(topo.gpus)] + [len(topo.gpus)]
     rows = []
     for k in sizes:
         gpus = best_set(topo, k)
-        slowest = topo.slowest(gpus)
-        reason = "one GPU: no gradient exchange" if slowest is None else f"slowest link {describe(slowest[0])}"
-        rows.append((gpus, reason))
+        rows.append((gpus, why(topo, gpus)))
     return rows
 
 
@@ -224,8 +228,7 @@ def main(file: str | None = None, gpus: int | None = None, write_config: str | N
         print(f"from {source}: {report(topo)}")
         return
     chosen = best_set(topo, gpus)
-    slowest = topo.slowest(chosen)
-    reason = "one GPU" if slowest is None else f"slowest link {describe(slowest[0])}"
+    reason = why(topo, chosen)
     print(f"best {gpus} GPU(s): {','.join(map(str, chosen))} ({reason})")
     if write_config:
         path = Path(write_config)
