@@ -123,3 +123,10 @@ bench-text: install text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process
 # All-reduce bandwidth with the same configs and variables as the recipes (allreduce-cpu, -1gpu ... -8gpu, -2node).
 $(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py))
 allreduce-8gpu: ## all-reduce time, algbw and busbw from 1 KB to 1 GB (allreduce-cpu, -2gpu, -4gpu, -2node likewise)
+
+# Scaling report: ResNet18 throughput on each setup in SETUPS, with the ring all-reduce model's prediction.
+# Default SETUPS: gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs here, else cpu:1,cpu:2; e.g. SETUPS=gpu:1,ids:0,1,ids:0,4.
+SETUPS ?=
+.PHONY: scaling
+scaling: install ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
+	$(BIN)/python benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)

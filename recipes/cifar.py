@@ -273,6 +273,7 @@ def main(
         net = net.to(memory_format=torch.channels_last)
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
+    trainable = sum(p.numel() for p in decay + no_decay)  # its fp32 gradients are what DDP all-reduces
     optimizer = torch.optim.SGD(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, momentum=momentum, nesterov=True,
@@ -303,10 +304,10 @@ def main(
     config = dict(
         recipe="cifar", dataset=dataset, model=model, world_size=world, num_machines=machines,
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
-        gradient_accumulation_steps=gradient_accumulation_steps, lr=lr, weight_decay=weight_decay,
-        label_smoothing=label_smoothing, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
-        sync_bn=sync_bn, channels_last=channels_last, augment=augment, seed=seed, train_size=len(train_set),
-        test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
+        gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
+        weight_decay=weight_decay, label_smoothing=label_smoothing, warmup_steps=warmup_steps, total_steps=total_steps,
+        epochs=num_epochs, sync_bn=sync_bn, channels_last=channels_last, augment=augment, seed=seed,
+        train_size=len(train_set), test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
     )
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     metrics = MetricsLog(accelerator, output)

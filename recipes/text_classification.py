@@ -369,6 +369,7 @@ def main(
         net.gradient_checkpointing_enable()
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]  # biases and LayerNorm weights
+    trainable = sum(p.numel() for p in decay + no_decay)  # its fp32 gradients are what DDP all-reduces
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
     )
@@ -395,10 +396,10 @@ def main(
     config = dict(
         recipe="text_classification", dataset=dataset_name, model=model, world_size=world, num_machines=machines,
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
-        gradient_accumulation_steps=gradient_accumulation_steps, lr=lr, weight_decay=weight_decay,
-        warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs, max_length=max_length,
-        num_labels=len(label_names), seed=seed, train_size=len(raw["train"]), validation_size=len(raw["validation"]),
-        distributed_type=accelerator.distributed_type.value,
+        gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
+        weight_decay=weight_decay, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
+        max_length=max_length, num_labels=len(label_names), seed=seed, train_size=len(raw["train"]),
+        validation_size=len(raw["validation"]), distributed_type=accelerator.distributed_type.value,
     )
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     metrics = MetricsLog(accelerator, output)

@@ -1,0 +1,343 @@
+#!/usr/bin/env python
+"""Scaling report: how training throughput grows with the number of processes on YOUR hardware, and why.
+
+    python benchmarks/scaling.py run                                  # 1, 2, 4, 8 GPUs (or 1 and 2 CPU processes)
+    python benchmarks/scaling.py run --setups gpu:1,ids:0,1,ids:0,4   # an NVLink pair vs a pair across sockets
+    python benchmarks/scaling.py report outputs/scaling/gpu-1 outputs/my-2node-run    # table from finished runs
+    make scaling                                                      # the CPU list here, the GPU list on a GPU box
+
+Each setup trains recipes/cifar.py in throughput mode: generated CIFAR-shaped data, the SAME batch per process in
+every setup (so N processes do N times the work per step), a few steps, warm-up steps left out. Setups with more than
+one process first run benchmarks/allreduce.py at DDP's bucket size with the same launch, to measure the bus bandwidth.
+
+The report (scaling.md, scaling.json, scaling.png in the output folder) gives per setup: samples/s, speed-up and
+scaling efficiency (speed-up / processes), and the efficiency the ring all-reduce model predicts:
+    t_comm = 2(n-1)/n x K / busbw      K = gradient bytes (fp32: 4 x parameters), busbw as nccl-tests define it
+    predicted efficiency = t1 / (t1 + t_comm)      t1 = measured step time of the 1-process setup
+The model assumes no overlap of gradient exchange with the backward pass; DDP overlaps part of it, so a measured
+efficiency above the prediction is normal. Well below it means something else is shared: CPU cores, memory
+bandwidth, PCIe lanes, or the data loader.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import fire
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "accelerate_configs"
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: gradients are all-reduced in 25 MB pieces
+
+
+def fail(message: str):
+    sys.exit(f"error: {message}")
+
+
+# ------------------------------------------------------------------------------------------------------- setups
+def parse_setup(spec: str) -> dict:
+    """'cpu:2' -> 2 CPU processes over gloo; 'gpu:4' -> 4 GPUs; 'ids:0,4' -> GPUs 0 and 4."""
+    kind, _, value = spec.partition(":")
+    try:
+        if kind == "cpu":
+            return {"name": f"cpu-{int(value)}", "kind": "cpu", "processes": int(value), "gpu_ids": None}
+        if kind == "gpu":
+            return {"name": f"gpu-{int(value)}", "kind": "gpu", "processes": int(value), "gpu_ids": None}
+        if kind == "ids":
+            ids = [int(i) for i in value.split(",")]
+            return {"name": "gpus-" + "-".join(map(str, ids)), "kind": "gpu", "processes": len(ids),
+                    "gpu_ids": ",".join(map(str, ids))}
+    except ValueError:
+        pass
+    fail(f"cannot read setup {spec!r}; write cpu:N (N CPU processes), gpu:N (N GPUs) or ids:0,4 (those GPUs)")
+
+
+def split_setups(setups) -> list[dict]:
+    """fire turns 'gpu:1,ids:0,1' into a tuple; rejoin and split at each kind prefix so ids keep their commas."""
+    text = ",".join(map(str, setups)) if isinstance(setups, (list, tuple)) else str(setups)
+    specs, current = [], ""
+    for part in text.split(","):
+        if ":" in part or not current:
+            if current:
+                specs.append(current)
+            current = part
+        else:
+            current += "," + part
+    specs.append(current)
+    parsed = [parse_setup(s.strip()) for s in specs if s.strip()]
+    if any(p["processes"] < 1 for p in parsed):
+        fail("every setup needs at least one process")
+    return parsed
+
+
+def default_setups() -> str:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus:
+        return ",".join(f"gpu:{n}" for n in (1, 2, 4, 8, 16) if n <= gpus)
+    return "cpu:1,cpu:2"
+
+
+def launch_command(setup: dict, threads: int, precision: str | None) -> tuple[list[str], dict]:
+    """`accelerate launch` argv and environment for a setup, with the configs `make` uses."""
+    n = setup["processes"]
+    env = dict(os.environ)
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch"]
+    if setup["kind"] == "cpu":
+        env["ACCELERATE_USE_CPU"] = "true"
+        config = "cpu"
+    else:
+        config = "1gpu" if n == 1 else "2gpu"
+    command += ["--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(n),
+                "--num_cpu_threads_per_process", str(threads)]
+    if setup["gpu_ids"]:
+        command += ["--gpu_ids", setup["gpu_ids"]]
+    if precision:
+        command += ["--mixed_precision", precision]
+    return command, env
+
+
+def run_logged(command: list[str], env: dict, log: Path) -> None:
+    """Run one launch, its output into LOG; on failure show the log's tail and stop."""
+    print("$ " + " ".join(command), flush=True)
+    with log.open("w") as out:
+        code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        fail(f"this setup failed (exit {code}); last lines of {log}:\n{tail}")
+
+
+# ------------------------------------------------------------------------------------------------------ figures
+def throughput(run_dir: Path, warmup: int) -> dict:
+    """Samples/s and step time of one run from its results.json and per-step metrics.jsonl, warm-up steps left out."""
+    results_file = run_dir / "results.json"
+    if not results_file.is_file():
+        fail(f"{results_file} does not exist: point `report` at the output_dir of finished recipe runs")
+    results = json.loads(results_file.read_text())
+    steps = []
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            record = json.loads(line)
+            if "perf/step_seconds" in record:
+                steps.append((record["step"], record["perf/step_seconds"]))
+    measured = [seconds for step, seconds in steps if step > warmup]
+    if len(measured) >= 2:
+        step_seconds = statistics.fmean(measured)
+        source = f"mean of {len(measured)} logged steps after {warmup} warm-up"
+    else:  # logged too sparsely: the recipe's own figure (first step excluded)
+        step_seconds = results["global_batch_size"] / results["train_samples_per_second"]
+        source = "results.json train_samples_per_second"
+    busbw = None
+    allreduce_file = run_dir / "allreduce.json"
+    if allreduce_file.is_file():
+        sizes = json.loads(allreduce_file.read_text())["sizes"]
+        busbw = min(sizes, key=lambda row: abs(row["bytes"] - DDP_BUCKET_BYTES))["busbw_gbps"]
+    return {
+        "setup": run_dir.name,
+        "world_size": results["world_size"],
+        "num_machines": results.get("num_machines", 1),
+        "device": results.get("device", "?"),
+        "mixed_precision": results.get("mixed_precision"),
+        "global_batch_size": results["global_batch_size"],
+        "per_process_batch_size": results["per_process_batch_size"],
+        "trainable_parameters": results.get("trainable_parameters"),
+        "step_seconds": step_seconds,
+        "samples_per_second": results["global_batch_size"] / step_seconds,
+        "step_time_source": source,
+        "busbw_gbps": busbw,
+    }
+
+
+def analyse(rows: list[dict]) -> list[dict]:
+    """Speed-up and efficiency against the 1-process row, and the ring all-reduce model's prediction."""
+    base = next((r for r in rows if r["world_size"] == 1), None)
+    per_process = {r["per_process_batch_size"] for r in rows}
+    if len(per_process) > 1:
+        print(f"warning: the runs use different batches per process {sorted(per_process)}; speed-ups compare unlike work")
+    for row in rows:
+        n = row["world_size"]
+        row.update(speedup=None, efficiency=None, comm_seconds=None, predicted_efficiency=None,
+                   prediction_error=None, limited_by=None)
+        if base is None:
+            continue
+        row["speedup"] = row["samples_per_second"] / base["samples_per_second"]
+        row["efficiency"] = row["speedup"] / n
+        if n == 1:  # nothing to exchange
+            row.update(comm_seconds=0.0, predicted_efficiency=1.0, limited_by="compute")
+            continue
+        if row["busbw_gbps"] and row["trainable_parameters"]:
+            gradient_bytes = 4 * row["trainable_parameters"]
+            comm = 2 * (n - 1) / n * gradient_bytes / (row["busbw_gbps"] * 1e9)
+            t1 = base["step_seconds"]
+            row["comm_seconds"] = comm
+            row["predicted_efficiency"] = t1 / (t1 + comm)
+            row["prediction_error"] = row["efficiency"] - row["predicted_efficiency"]
+            if comm > t1:
+                row["limited_by"] = "interconnect"
+            elif row["efficiency"] < row["predicted_efficiency"] - 0.15:
+                row["limited_by"] = "shared resources"  # neither compute per process nor the all-reduce explains it
+            else:
+                row["limited_by"] = "compute"
+    return rows
+
+
+def _f(value, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| setup | processes | nodes | samples/s | speed-up | efficiency | busbw GB/s | all-reduce ms/step "
+        "| predicted efficiency | error | limited by |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        comm_ms = None if r["comm_seconds"] is None else r["comm_seconds"] * 1e3
+        lines.append(
+            f"| {r['setup']} | {r['world_size']} | {r['num_machines']} | {r['samples_per_second']:.1f} | "
+            f"{_f(r['speedup'], '.2f')} | {_f(r['efficiency'], '.0%')} | {_f(r['busbw_gbps'], '.3g')} | "
+            f"{_f(comm_ms, '.1f')} | {_f(r['predicted_efficiency'], '.0%')} | "
+            f"{_f(None if r['prediction_error'] is None else r['prediction_error'] * 100, '+.0f')} | "
+            f"{r['limited_by'] or '-'} |"
+        )
+    first = rows[0]
+    notes = [
+        "",
+        f"Per-process batch {first['per_process_batch_size']}, {first['mixed_precision']} precision, device "
+        f"{first['device']}; {first['trainable_parameters'] or '?'} trainable parameters, so "
+        f"{_f(first['trainable_parameters'] and 4 * first['trainable_parameters'] / 1e6, '.1f')} MB of fp32 "
+        "gradients all-reduced per step.",
+        "Efficiency = speed-up / processes. Predicted = t1 / (t1 + t_comm), t_comm = 2(n-1)/n x gradient bytes / busbw "
+        "(ring all-reduce, no overlap with the backward pass); error = measured - predicted, in points.",
+        "Limited by: interconnect when the all-reduce takes longer than the compute of a step; shared resources when "
+        "the run is more than 15 points below the prediction (cores, memory bandwidth, PCIe or data loading shared "
+        "between processes); otherwise compute.",
+    ]
+    return "\n".join(lines + notes) + "\n"
+
+
+def chart(rows: list[dict], path: Path) -> Path | None:
+    """Samples/s against processes with the linear ideal, and measured vs predicted efficiency."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no chart: matplotlib is not installed (pip install 'accelerate-recipes[bench]')")
+        return None
+    names = [r["setup"] for r in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(names, [r["samples_per_second"] for r in rows], color="tab:blue", label="measured")
+    base = next((r for r in rows if r["world_size"] == 1), None)
+    if base:
+        left.plot(names, [base["samples_per_second"] * r["world_size"] for r in rows], "k--", marker="o",
+                  label="linear (n x 1 process)")
+    left.set_ylabel("training samples/s")
+    left.set_title("throughput")
+    left.legend()
+    positions = range(len(rows))
+    right.bar([p - 0.2 for p in positions], [100 * (r["efficiency"] or 0) for r in rows], width=0.4,
+              color="tab:blue", label="measured")
+    right.bar([p + 0.2 for p in positions], [100 * (r["predicted_efficiency"] or 0) for r in rows], width=0.4,
+              color="tab:orange", label="ring all-reduce model")
+    right.set_xticks(list(positions), names)
+    right.set_ylabel("scaling efficiency (%)")
+    right.set_ylim(0, 110)
+    right.set_title("efficiency: measured vs predicted")
+    right.legend()
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=20)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def report(*run_dirs: str, output_dir: str = "outputs/scaling", warmup: int = 3) -> None:
+    """Build the table, chart and JSON from finished runs (each a recipe output_dir with results.json).
+
+    Args:
+        run_dirs: output folders of recipe runs; an allreduce.json beside results.json gives that setup's busbw.
+        output_dir: where scaling.md, scaling.json and scaling.png go.
+        warmup: logged steps left out of each run's step time.
+    """
+    if not run_dirs:
+        fail("name the run folders to compare, e.g. report outputs/scaling/cpu-1 outputs/scaling/cpu-2")
+    rows = analyse([throughput(Path(d), warmup) for d in run_dirs])
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    (out / "scaling.md").write_text("# Scaling report\n\n" + table)
+    (out / "scaling.json").write_text(json.dumps({"benchmark": "scaling", "rows": rows}, indent=2) + "\n")
+    png = chart(rows, out / "scaling.png")
+    print("\n" + table)
+    print(f"saved {out / 'scaling.md'}, {out / 'scaling.json'}" + (f", {png}" if png else ""))
+
+
+# ---------------------------------------------------------------------------------------------------------- run
+def run(  # noqa: PLR0913
+    setups: str | None = None,
+    per_device_batch: int | None = None,
+    steps: int = 30,
+    warmup: int = 5,
+    model: str = "resnet18",
+    precision: str | None = None,
+    output_dir: str = "outputs/scaling",
+    recipe_args: str = "",
+):
+    """Train recipes/cifar.py in throughput mode on each setup, then write the scaling report.
+
+    Args:
+        setups: comma-separated list of cpu:N (N CPU processes over gloo), gpu:N (N GPUs) and ids:a,b (those GPUs);
+            default gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs present, else cpu:1,cpu:2.
+        per_device_batch: batch per process, the same in every setup; default 256 on GPUs, 16 on the CPU.
+        steps: optimizer steps per run (every step is logged).
+        warmup: first steps left out of the step time (start-up, cuDNN autotuning, allocator growth).
+        model: resnet18, resnet34 or resnet50 (the gradient size the all-reduce moves grows with it).
+        precision: no, bf16 or fp16; default bf16 on GPUs, no on the CPU.
+        output_dir: each setup writes OUTPUT_DIR/<setup>/; the report goes to OUTPUT_DIR.
+        recipe_args: extra flags for recipes/cifar.py, e.g. "--channels_last False".
+    """
+    chosen = split_setups(setups or default_setups())
+    on_cpu = all(s["kind"] == "cpu" for s in chosen)
+    if any(s["kind"] == "cpu" for s in chosen) and not on_cpu:
+        fail("mix of cpu and gpu setups: compare like with like, one kind per report")
+    per_device_batch = per_device_batch or (16 if on_cpu else 256)
+    precision = precision or ("no" if on_cpu else "bf16")
+    if steps <= warmup + 1:
+        fail(f"--steps {steps} leaves fewer than 2 measured steps after --warmup {warmup}")
+    cores = os.cpu_count() or 1
+    # Every process gets the same number of cores in every setup, as every GPU process gets one GPU: on the CPU the
+    # cores are the "device", and a 1-process run with all cores would not be the unit the others are compared to.
+    threads = max(1, cores // max(s["processes"] for s in chosen))
+    workers = min(8, threads - 1)  # DataLoader workers per process, also the same everywhere
+    out = Path(output_dir)
+    run_dirs = []
+    for setup in chosen:
+        run_dir = out / setup["name"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        n = setup["processes"]
+        command, env = launch_command(setup, threads, precision)
+        print(f"\n== {setup['name']}: {n} process(es), batch {per_device_batch} per process", flush=True)
+        if n > 1:
+            run_logged(command + [str(REPO / "benchmarks" / "allreduce.py"), "--min_bytes", str(DDP_BUCKET_BYTES),
+                                  "--max_bytes", str(DDP_BUCKET_BYTES), "--output_dir", str(run_dir)],
+                       env, run_dir / "allreduce.log")
+        global_batch = per_device_batch * n
+        recipe = [str(REPO / "recipes" / "cifar.py"), "--dataset", "synthetic", "--model", model,
+                  "--synthetic_size", str(global_batch * steps), "--batch_size", str(global_batch),
+                  "--max_steps", str(steps), "--log_every", "1", "--num_workers", str(workers), "--tracker", "none",
+                  "--output_dir", str(run_dir)]
+        run_logged(command + recipe + recipe_args.split(), env, run_dir / "train.log")
+        run_dirs.append(str(run_dir))
+    report(*run_dirs, output_dir=output_dir, warmup=warmup)
+
+
+if __name__ == "__main__":
+    fire.Fire({"run": run, "report": report})
