@@ -17,6 +17,8 @@ MASTER_PORT ?= 29500
 GPU_IDS ?=
 GPUS ?=
 TOPO ?=
+HOSTFILE ?=
+CONFIG ?= 2node
 WRITE_CONFIG ?=
 PRECISION ?=
 ARGS ?=
@@ -28,11 +30,14 @@ LAUNCH_OPTS = $(if $(GPU_IDS),--gpu_ids $(GPU_IDS)) $(if $(PRECISION),--mixed_pr
 launch = $(ACCELERATE) launch --config_file $(CONFIGS)/$(1).yaml $(LAUNCH_OPTS)
 cpu_launch = ACCELERATE_USE_CPU=true $(call launch,cpu) --num_processes $(NPROC) --num_cpu_threads_per_process $(THREADS)
 node_opts = --machine_rank $(NODE_RANK) --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
+need_hostfile = @if [ -z "$(HOSTFILE)" ]; then \
+	echo "error: set HOSTFILE to a file with one 'hostname slots=N' line per node, e.g. make $@ HOSTFILE=hosts.txt" >&2; \
+	exit 2; fi
 need_master = @if [ -z "$(MASTER_ADDR)" ]; then \
 	echo "error: set MASTER_ADDR to the IP of node 0 (the same on every node), e.g. make $@ NODE_RANK=1 MASTER_ADDR=10.0.0.1" >&2; \
 	exit 2; fi
 
-.PHONY: help install test demo clean topo
+.PHONY: help install test demo clean topo doctor
 
 help: ## list the targets
 	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
@@ -66,13 +71,18 @@ topo: install ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (o
 	$(BIN)/python -m accelerate_recipes.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
 		$(if $(WRITE_CONFIG),--write_config $(WRITE_CONFIG))
 
+doctor: install ## multi-node preflight, on every node: make doctor NODE_RANK=i MASTER_ADDR=ip [CONFIG=2node ARGS=...]
+	$(need_master)
+	$(BIN)/python -m accelerate_recipes.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
+		--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) $(ARGS)
+
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
 	rm -rf outputs
 
 # <recipe>-<setup> targets. $(1) = target prefix, $(2) = the script, $(3) = name of a variable holding the
 # CPU target's flags when ARGS is empty (a run that finishes on a CPU; with ARGS you get exactly your flags).
 define recipe_targets
-.PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node
+.PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node $(1)-hostfile
 $(1)-cpu: install
 	$$(cpu_launch) $(2) $$(or $$(ARGS),$$($(3)))
 $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
@@ -80,12 +90,18 @@ $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
 $(1)-2node: install
 	$$(need_master)
 	$$(call launch,2node) $$(node_opts) $(2) $$(ARGS)
+$(1)-hostfile: install
+	$$(need_hostfile)
+	$$(BIN)/python -m accelerate_recipes.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
+		--main_process_port $$(MASTER_PORT) $$(if $$(MASTER_ADDR),--main_process_ip $$(MASTER_ADDR)) \
+		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $(2) $$(ARGS)
 endef
 
 $(eval $(call recipe_targets,cifar,recipes/cifar.py))
 cifar-cpu: ## ResNet18 CIFAR: NPROC processes on the CPU over gloo (no GPU needed)
 cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that many on one machine)
 cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+cifar-hostfile: ## ResNet18 CIFAR on every node of HOSTFILE ('host slots=N' lines), started from here over ssh
 
 # Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
 # fine-tunes all-MiniLM-L6-v2 on the Rotten Tomatoes snippets, which install offline from PyPI (see bench-text).
@@ -98,6 +114,7 @@ text-cpu: text-data
 text-cpu: ## text classification: NPROC CPU processes over gloo (no ARGS: MiniLM on Rotten Tomatoes, offline)
 text-1gpu: ## text classification: 1 GPU, bert-base-cased on GLUE SST-2 (text-2gpu, text-4gpu, text-8gpu likewise)
 text-2node: ## text classification: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+text-hostfile: ## text classification on every node of HOSTFILE, started from here over ssh
 
 # Sharded training for models that do not fit one GPU with DDP. GPUS=N picks the GPU count (default: 8).
 SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS))

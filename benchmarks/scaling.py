@@ -158,7 +158,8 @@ def analyse(rows: list[dict]) -> list[dict]:
     base = next((r for r in rows if r["world_size"] == 1), None)
     per_process = {r["per_process_batch_size"] for r in rows}
     if len(per_process) > 1:
-        print(f"warning: the runs use different batches per process {sorted(per_process)}; speed-ups compare unlike work")
+        print(f"warning: the runs use different batches per process {sorted(per_process)}; "
+              "speed-ups compare unlike work")
     for row in rows:
         n = row["world_size"]
         row.update(speedup=None, efficiency=None, comm_seconds=None, predicted_efficiency=None,

@@ -77,13 +77,6 @@ def test_2node_config_as_shipped_runs_16_processes_on_two_nodes(tmp_path):
     assert results["eval_samples"] == results["test_size"] == 32
 
 
-def test_two_nodes_on_localhost_one_process_each(tmp_path):
-    results, outputs = launch_nodes("2node", tmp_path, machines=2, processes=2)
-    assert (results["world_size"], results["num_machines"]) == (2, 2)
-    assert results["samples_seen_per_process"] == [16, 16]
-    assert "2 process(es) on 2 machine(s)" in outputs[0]
-
-
 def test_torchrun(tmp_path):
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="1")
     check(run([TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), CIFAR_SCRIPT, *TINY,

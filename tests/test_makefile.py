@@ -94,3 +94,23 @@ def test_allreduce_targets_launch_the_benchmark_with_the_recipe_configs():
     assert "2node.yaml" in line and "--machine_rank 1" in line and line.rstrip().endswith("benchmarks/allreduce.py")
     assert launch_line(make("-n", "allreduce-cpu")).startswith("ACCELERATE_USE_CPU=true")
     assert "  allreduce-8gpu " in make("help").stdout
+
+
+def test_hostfile_targets_start_the_multinode_launcher_with_launch_options():
+    proc = make("-n", "cifar-hostfile", "HOSTFILE=hosts.txt", "GPU_IDS=0,1", "PRECISION=bf16", "MASTER_PORT=29700",
+                "ARGS=--epochs 2")
+    line = next(line for line in proc.stdout.splitlines() if "accelerate_recipes.multinode" in line)
+    assert "--hostfile hosts.txt --config_file accelerate_configs/2node.yaml --main_process_port 29700" in line
+    assert '--launch_args "--gpu_ids 0,1 --mixed_precision bf16"' in line
+    assert line.rstrip().endswith("recipes/cifar.py --epochs 2")
+    assert "recipes/text_classification.py" in make("-n", "text-hostfile", "HOSTFILE=h").stdout
+    missing = make("cifar-hostfile")
+    assert missing.returncode != 0 and "set HOSTFILE to a file with one 'hostname slots=N' line" in missing.stderr
+
+
+def test_doctor_target_passes_the_node_settings():
+    proc = make("-n", "doctor", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1", "CONFIG=8gpu", "ARGS=--timeout 60")
+    text = " ".join(proc.stdout.replace("\\\n", " ").split())
+    assert ("-m accelerate_recipes.doctor --config_file accelerate_configs/8gpu.yaml --machine_rank 1 "
+            "--main_process_ip 10.0.0.1 --main_process_port 29500 --timeout 60") in text
+    assert "set MASTER_ADDR" in make("doctor").stderr

@@ -52,7 +52,8 @@ def test_cpu_one_vs_two_processes_table_chart_and_ring_prediction(tmp_path):
 
 
 def test_report_names_what_is_missing_and_bad_setups(tmp_path):
-    fails_with(run([PYTHON, SCRIPT, "report", tmp_path / "nowhere", "--output_dir", tmp_path / "o"], recipe_env(tmp_path)),
+    fails_with(run([PYTHON, SCRIPT, "report", tmp_path / "nowhere", "--output_dir", tmp_path / "o"],
+                   recipe_env(tmp_path)),
                "nowhere/results.json does not exist", "output_dir of finished recipe runs")
     fails_with(run([PYTHON, SCRIPT, "run", "--setups", "gpus:2"], recipe_env(tmp_path)),
                "cannot read setup 'gpus:2'", "ids:0,4 (those GPUs)")

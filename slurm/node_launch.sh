@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One `accelerate launch` per node of a SLURM job; multi_node.sbatch starts it on every node with srun.
+#   srun --ntasks-per-node=1 slurm/node_launch.sh recipes/cifar.py --epochs 5
+# Ranks come from c10d rendezvous at the first node of the allocation, so no node needs to know its own rank.
+# Settings (environment): CONFIG (accelerate config, default accelerate_configs/2node.yaml), GPUS_PER_NODE (default:
+# the GPUs this node sees), MASTER_ADDR (default: first node of the job), MASTER_PORT (default 29500),
+# LAUNCH_ARGS (extra accelerate launch flags), ACCELERATE (the accelerate executable).
+set -euo pipefail
+
+: "${SLURM_NNODES:?run this through srun inside an sbatch or salloc allocation (SLURM_NNODES is not set)}"
+: "${SLURM_NODEID:?run this through srun inside an sbatch or salloc allocation (SLURM_NODEID is not set)}"
+if [ $# -eq 0 ]; then
+    echo "usage: srun --ntasks-per-node=1 $0 <script> [script flags]" >&2
+    exit 2
+fi
+
+CONFIG=${CONFIG:-accelerate_configs/2node.yaml}
+ACCELERATE=${ACCELERATE:-accelerate}
+MASTER_PORT=${MASTER_PORT:-29500}
+if [ -z "${MASTER_ADDR:-}" ]; then
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+fi
+if [ -z "${GPUS_PER_NODE:-}" ]; then
+    GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [ "${GPUS_PER_NODE:-0}" -lt 1 ]; then
+    echo "error: node $(hostname) sees no GPU; request GPUs (#SBATCH --gpus-per-node=8) or set GPUS_PER_NODE" >&2
+    exit 2
+fi
+
+echo "node $SLURM_NODEID of $SLURM_NNODES ($(hostname)): $GPUS_PER_NODE process(es), rendezvous $MASTER_ADDR:$MASTER_PORT"
+# shellcheck disable=SC2086  # LAUNCH_ARGS holds several flags
+exec "$ACCELERATE" launch --config_file "$CONFIG" \
+    --num_machines "$SLURM_NNODES" --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
+    --machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
+    --rdzv_backend c10d ${LAUNCH_ARGS:-} "$@"

@@ -1,0 +1,148 @@
+"""The multi-node preflight, with real doctor processes playing the nodes on 127.0.0.1 (CPU, gloo, offline)."""
+
+import inspect
+import re
+import socket
+import subprocess
+import time
+
+import torch
+from conftest import PYTHON, REPO, fails_with, free_port, recipe_env, run
+
+from accelerate_recipes import doctor
+from accelerate_recipes.doctor import missing_interfaces
+
+# Two nodes of one process each: the smallest multi-node run.
+CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_machines: 2
+num_processes: 2
+machine_rank: 0
+main_process_port: 29500
+gpu_ids: all
+mixed_precision: 'no'
+main_training_function: main
+rdzv_backend: static
+same_network: true
+use_cpu: false
+debug: false
+"""
+
+
+def doctor_cmd(config, rank, port, *args, ip="127.0.0.1", timeout=20):
+    return [PYTHON, "-m", "accelerate_recipes.doctor", "--config_file", config, "--machine_rank", rank,
+            "--main_process_ip", ip, "--main_process_port", port, "--timeout", timeout, *args]
+
+
+def node_env(tmp_path, **extra):
+    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true", **extra)
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def write_config(tmp_path):
+    path = tmp_path / "2node.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+def test_two_nodes_on_one_machine_pass_and_list_both(tmp_path):
+    config, port, env = write_config(tmp_path), free_port(), node_env(tmp_path)
+    cmds = [doctor_cmd(config, rank, port) for rank in (0, 1)]
+    nodes = [subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    try:
+        outputs = [node.communicate(timeout=90) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, out + err
+        assert "doctor: all checks passed on 2 node(s)" in out
+        assert "ok  gloo all_reduce across 2 node(s) gave the right sum" in out
+        rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[01]\s", line)]
+        assert [row[0] for row in rows] == ["0", "1"], out
+        assert all(row[2] == torch.__version__ for row in rows), out
+    assert outputs[0][0].split("nodes:")[1] == outputs[1][0].split("nodes:")[1]  # the same table on every node
+
+
+def test_unreachable_main_node_fails_after_the_timeout(tmp_path):
+    port = free_port()  # nobody listens there
+    start = time.monotonic()
+    proc = run(doctor_cmd(write_config(tmp_path), 1, port, timeout=3), node_env(tmp_path), timeout=60)
+    elapsed = time.monotonic() - start
+    fails_with(proc, f"127.0.0.1:{port}", "within 3s", "firewall", "--main_process_port")
+    assert proc.returncode == 2
+    assert 3 <= elapsed < 25, elapsed  # waited for the timeout, not for torch's default of minutes
+
+
+def test_main_node_alone_says_how_many_nodes_joined(tmp_path):
+    port = free_port()
+    proc = run(doctor_cmd(write_config(tmp_path), 0, port, timeout=3), node_env(tmp_path), timeout=60)
+    fails_with(proc, "only 1 of 2 nodes joined", f"127.0.0.1:{port}", "ranks seen: [0]", "--machine_rank")
+    assert proc.returncode == 2
+
+
+def test_busy_port_is_named(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run(doctor_cmd(write_config(tmp_path), 0, port, timeout=3), node_env(tmp_path), timeout=60)
+    fails_with(proc, f"port {port} on 127.0.0.1 is in use", "--main_process_port", f"ss -ltnp | grep :{port}")
+    assert proc.returncode == 2
+
+
+def test_num_processes_must_divide_over_the_nodes(tmp_path):
+    proc = run(doctor_cmd(write_config(tmp_path), 1, free_port(), "--num_processes", 3), node_env(tmp_path), timeout=60)
+    fails_with(proc, "num_processes 3 is not divisible by num_machines 2", "set num_processes to 2 or 4")
+    assert proc.returncode == 2
+
+
+def test_unknown_gloo_interface_lists_the_real_ones(tmp_path):
+    proc = run(doctor_cmd(write_config(tmp_path), 1, free_port()), node_env(tmp_path, GLOO_SOCKET_IFNAME="nosuch0"),
+               timeout=60)
+    names = [name for _, name in socket.if_nameindex()]
+    fails_with(proc, "GLOO_SOCKET_IFNAME='nosuch0'", "nosuch0 not found", ", ".join(names))
+    assert proc.returncode == 2
+
+
+def test_interface_lists_follow_nccl_and_gloo_syntax():
+    names = [name for _, name in socket.if_nameindex()]
+    first = names[0]
+    assert missing_interfaces("^docker", names) == []  # exclusion: nothing has to exist
+    assert missing_interfaces("^=docker0,lo", names) == []
+    assert missing_interfaces(first[:-1] or first, names) == []  # NCCL: a prefix (eth matches eth0)
+    assert missing_interfaces(f"{first},nosuch", names) == ["nosuch"]
+    assert missing_interfaces(f"={first}", names) == []
+    if first[:-1] not in names and len(first) > 1:
+        assert missing_interfaces(f"={first[:-1]}", names) == [first[:-1]]  # `=`: exact names only
+    assert missing_interfaces(first, names, exact=True) == []  # GLOO_SOCKET_IFNAME: exact names
+    assert missing_interfaces(f"{first}, nosuch0", names, exact=True) == ["nosuch0"]
+    if "lo" in names:
+        assert missing_interfaces("lo", names) == missing_interfaces("l", names) == []
+
+
+def test_comparison_names_the_node_that_differs():
+    def node(rank, torch_version="2.14.1", gpus=8, **extra):
+        return {"rank": rank, "hostname": f"gpu{rank}", "torch": torch_version, "accelerate": "1.15.0", "gpus": gpus,
+                "use_cpu": False, "num_machines": 2, "num_processes": 16, **extra}
+
+    assert doctor.compare([node(0), node(1)]) is None
+    verdict = doctor.compare([node(0), node(1, "2.13.0", gpus=4)])
+    assert "torch differs between nodes: 2.13.0 on rank 1 (gpu1); 2.14.1 on rank 0 (gpu0)" in verdict
+    assert "GPU count differs between nodes: 4 on rank 1 (gpu1); 8 on rank 0 (gpu0)" in verdict
+    differ = doctor.compare([node(0), node(1, num_processes=8)])
+    assert "num_processes 16 on rank 0 (gpu0) but 8 on rank 1 (gpu1)" in differ
+    # CPU runs over gloo do not use the GPUs, so their count may differ.
+    assert doctor.compare([node(0, use_cpu=True), node(1, gpus=0, use_cpu=True)]) is None
+
+
+def test_help_explains_every_flag(tmp_path):
+    proc = run([PYTHON, "-m", "accelerate_recipes.doctor", "--help"], node_env(tmp_path, PAGER="cat"), timeout=60)
+    assert proc.returncode == 0, proc.output
+    for name in inspect.signature(doctor.main).parameters:
+        assert re.search(rf"--{name}\b", proc.output), f"--{name} missing from --help"
+        assert re.search(rf"^\s+{name}:\s+\S", doctor.main.__doc__, re.MULTILINE), f"{name} has no description"

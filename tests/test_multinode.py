@@ -1,0 +1,147 @@
+"""One-command multi-node launch from a hostfile, and the SLURM per-node script, on two "nodes" on 127.0.0.1."""
+
+import os
+import shlex
+import socket
+import subprocess
+import time
+
+from conftest import (
+    ACCELERATE,
+    CIFAR_SCRIPT,
+    PYTHON,
+    REPO,
+    TINY,
+    check,
+    fails_with,
+    free_port,
+    read_results,
+    recipe_env,
+    run,
+)
+
+from accelerate_recipes import multinode
+
+LAUNCHER = [PYTHON, "-m", "accelerate_recipes.multinode"]
+
+
+def two_local_nodes(tmp_path, slots=(1, 1)):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("# two nodes on this machine\n" + "".join(f"localhost slots={s}\n" for s in slots))
+    return hostfile
+
+
+def test_hostfile_with_two_localhost_nodes_trains_the_recipe(tmp_path):
+    out = tmp_path / "out"
+    proc = check(run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", free_port(),
+                      "--launch_args", "--num_cpu_threads_per_process 1", CIFAR_SCRIPT, *TINY, "--output_dir", out],
+                     recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=300))
+    results = read_results(out)
+    assert (results["world_size"], results["num_machines"]) == (2, 2)
+    assert results["samples_seen_per_process"] == [16, 16]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("[localhost:0]") and "2 process(es) on 2 machine(s)" in line for line in lines)
+    assert any(line.startswith("[localhost:1]") for line in lines)
+    assert lines[-1] == "all 2 node(s) finished"
+
+
+def test_one_failing_node_stops_the_others(tmp_path):
+    # Node 1 fails after two seconds; node 0 would run for ten minutes unless the launcher stops it.
+    script = tmp_path / "fail_on_node_1.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "node = int(os.environ['GROUP_RANK'])\n"
+        f"open(r'{tmp_path}' + f'/node{{node}}.pid', 'w').write(str(os.getpid()))\n"
+        "if node == 1:\n    time.sleep(2)\n    sys.exit(3)\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    proc = run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", free_port(), script],
+               recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=120)
+    assert proc.returncode != 0
+    assert "error: node localhost (machine rank 1) exited with code 1; the other nodes were stopped" in proc.stderr
+    assert time.monotonic() - started < 90
+    for node in (0, 1):
+        pid = int((tmp_path / f"node{node}.pid").read_text())
+        assert not os.path.exists(f"/proc/{pid}"), f"node {node}'s training process {pid} is still running"
+
+
+def test_hostfile_and_port_errors(tmp_path):
+    env = recipe_env(tmp_path)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("node1 slots=8\nnode2 8\n")
+    fails_with(run([*LAUNCHER, "--hostfile", bad, CIFAR_SCRIPT], env), "bad.txt:2: cannot read 'node2 8'",
+               "`node1 slots=8`")
+    fails_with(run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path, (2, 1)), CIFAR_SCRIPT], env),
+               "different slots per node (localhost=2, localhost=1)")
+    fails_with(run([*LAUNCHER, "--hostfile", tmp_path / "none.txt", CIFAR_SCRIPT], env), "none.txt does not exist")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        fails_with(run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", port, CIFAR_SCRIPT],
+                       env), f"port {port} on 0.0.0.0 is in use", "--main_process_port")
+
+
+def test_remote_nodes_get_ssh_with_rank_address_and_forwarded_network_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("gpu-a slots=8\ngpu-b slots=8\n")
+    args = multinode.parse_args(["--hostfile", str(hostfile), "--main_process_ip", "10.0.0.1",
+                                 "--workdir", "/srv/my proj", "--env", "SWANLAB_MODE=offline",
+                                 "recipes/cifar.py", "--epochs", "5"])
+    hosts = multinode.read_hostfile(args.hostfile)
+    command = multinode.node_command(1, hosts, args)
+    assert command[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"] and command[5] == "gpu-b"
+    shell, flag, script = shlex.split(command[6])  # what the remote login shell runs
+    assert (shell, flag) == ("bash", "-c")
+    assert script.startswith("cd '/srv/my proj' || exit 2")
+    launch = next(line for line in script.splitlines() if " launch " in line)
+    assert "NCCL_SOCKET_IFNAME=eth0" in launch and "SWANLAB_MODE=offline" in launch
+    assert ("--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip 10.0.0.1 "
+            "--main_process_port 29500") in launch
+    assert launch.rstrip(" &").endswith("recipes/cifar.py --epochs 5")
+
+
+def wait_for_listener(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s")
+
+
+def test_slurm_node_script_joins_two_nodes_through_c10d(tmp_path):
+    # What srun runs on each node of multi_node.sbatch, with the variables SLURM sets. On one machine both nodes
+    # could host the rendezvous; on a cluster only the first node owns MASTER_ADDR, so node 0 starts first here.
+    port = free_port()
+    procs = []
+    try:
+        for node in (0, 1):
+            env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true", SLURM_NNODES=2, SLURM_NODEID=node, GPUS_PER_NODE=1,
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, ACCELERATE=ACCELERATE,
+                             LAUNCH_ARGS="--num_cpu_threads_per_process 1")
+            procs.append(subprocess.Popen(
+                [str(REPO / "slurm" / "node_launch.sh"), str(REPO / "benchmarks" / "allreduce.py"), "--max_bytes",
+                 "4096", "--output_dir", str(tmp_path / f"out{node}")],
+                env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            if node == 0:
+                wait_for_listener(port)
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-3000:]
+    assert "node 1 of 2" in outputs[1] and "rendezvous 127.0.0.1" in outputs[0]
+    # c10d hands out ranks itself: exactly one node hosts global rank 0 and writes the report.
+    written = [path for node in (0, 1) if (path := tmp_path / f"out{node}" / "allreduce.json").exists()]
+    assert len(written) == 1
+    assert '"world_size": 2' in written[0].read_text()
+
+
+def test_slurm_node_script_outside_slurm_says_how_to_run_it(tmp_path):
+    proc = run([REPO / "slurm" / "node_launch.sh", CIFAR_SCRIPT], recipe_env(tmp_path))
+    assert proc.returncode != 0 and "run this through srun inside an sbatch or salloc allocation" in proc.stderr
