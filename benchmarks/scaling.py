@@ -209,7 +209,7 @@ def markdown(rows: list[dict]) -> str:
     first = rows[0]
     notes = [
         "",
-        f"Per-process batch {first['per_process_batch_size']}, {first['mixed_precision']} precision, device "
+        f"Per-process batch {first['per_process_batch_size']}, mixed precision {first['mixed_precision']}, device "
         f"{first['device']}; {first['trainable_parameters'] or '?'} trainable parameters, so "
         f"{_f(first['trainable_parameters'] and 4 * first['trainable_parameters'] / 1e6, '.1f')} MB of fp32 "
         "gradients all-reduced per step.",
