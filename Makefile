@@ -141,6 +141,12 @@ bench-text: install text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process
 $(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py))
 allreduce-8gpu: ## all-reduce time, algbw and busbw from 1 KB to 1 GB (allreduce-cpu, -2gpu, -4gpu, -2node likewise)
 
+# Speed harness: the CIFAR recipe against the article's loop and a bare PyTorch loop, the device data path against
+# a plain DataLoader, and the text recipe's samples/s; writes outputs/bench/bench_results.json.
+.PHONY: bench
+bench: install text-data ## speed harness: recipe vs article baseline vs bare loop, loaders, text (outputs/bench)
+	$(BIN)/python benchmarks/bench.py $(ARGS)
+
 # Scaling report: ResNet18 throughput on each setup in SETUPS, with the ring all-reduce model's prediction.
 # Default SETUPS: gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs here, else cpu:1,cpu:2; e.g. SETUPS=gpu:1,ids:0,1,ids:0,4.
 SETUPS ?=

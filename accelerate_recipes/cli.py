@@ -27,10 +27,30 @@ def _drop_legacy_local_rank(argv: list[str]) -> list[str]:
     return kept
 
 
-def run(main) -> None:
-    """Run `main` as a command-line program: flags come from its signature and docstring (python-fire)."""
+def expand_preset(argv: list[str], presets: dict[str, dict]) -> list[str]:
+    """`--preset NAME` stands for that preset's flags; a flag also given on the command line keeps the given value."""
+    name = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--preset="):
+            name = arg.split("=", 1)[1]
+        elif arg == "--preset" and i + 1 < len(argv):
+            name = argv[i + 1]
+    if name is None:
+        return argv
+    if name not in presets:
+        raise RecipeError(f"unknown --preset {name!r}; choose one of: {', '.join(presets) or 'none defined'}")
+    given = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    return [f"--{flag}={value}" for flag, value in presets[name].items() if flag not in given] + argv
+
+
+def run(main, presets: dict[str, dict] | None = None) -> None:
+    """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
+
+    `presets` maps a name to flag values that `--preset NAME` applies (see expand_preset).
+    """
     argv = _drop_legacy_local_rank(sys.argv[1:])
     try:
+        argv = expand_preset(argv, presets or {})
         fire.Fire(main, command=argv, name=os.path.basename(sys.argv[0]))
     except RecipeError as err:
         rank = os.environ.get("RANK", "0")

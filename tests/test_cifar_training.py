@@ -3,7 +3,8 @@
 import glob
 
 import pytest
-from conftest import PYTHON, CIFAR_SCRIPT, CONFIGS, ACCELERATE, check, losses, read_metrics, read_results, recipe_env, run, write_cifar10
+from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, fails_with, losses, read_metrics, read_results,
+                      recipe_env, run, write_cifar10)
 
 CONTRACT_KEYS = {
     "recipe", "dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size", "steps", "epochs",
@@ -13,14 +14,15 @@ CONTRACT_KEYS = {
 
 @pytest.fixture(scope="module")
 def cifar_run(tmp_path_factory):
-    """640 training / 130 test images written as CIFAR-10 python batches, 2 epochs, SwanLab offline (no login)."""
+    """640 training / 130 test images written as CIFAR-10 python batches, 2 epochs, SwanLab offline (no login),
+    through torchvision's dataset and a DataLoader with its transforms."""
     tmp = tmp_path_factory.mktemp("cifar")
     data = write_cifar10(tmp / "data", num_train=640, num_test=130)
     out = tmp / "out"
     env = recipe_env(tmp)
     proc = check(run(
         [PYTHON, CIFAR_SCRIPT, "--dataset", "cifar10", "--data_dir", data, "--verify_data", "False",
-         "--download", "False", "--batch_size", "32", "--epochs", "2", "--warmup_ratio", "0.2",
+         "--download", "False", "--loader", "torch", "--batch_size", "32", "--epochs", "2", "--warmup_ratio", "0.2",
          "--mixed_precision", "bf16", "--num_workers", "0", "--log_every", "5", "--output_dir", out],
         env, timeout=400,
     ))
@@ -32,6 +34,7 @@ def test_single_process_learns_on_cifar_format_data(cifar_run):
     results = read_results(out)
     assert CONTRACT_KEYS <= results.keys()
     assert results["recipe"] == "cifar" and results["dataset"] == "cifar10" and results["world_size"] == 1
+    assert results["loader"] == "torch"
     assert results["steps"] == 2 * (640 // 32) and results["epochs"] == 2
     assert results["eval_samples"] == 130
     assert results["train_loss_last"] < 0.7 * results["train_loss_first"]
@@ -85,9 +88,11 @@ def test_two_processes_match_one_process(tmp_path):
     r1, r2 = read_results(tmp_path / "one"), read_results(tmp_path / "two")
     assert (r1["world_size"], r2["world_size"]) == (1, 2)
     assert r2["distributed_type"] == "MULTI_CPU"
+    assert r1["loader"] == r2["loader"] == "device"  # the default for generated data: each rank reads its own shard
     # each rank loaded half of every global batch of 32 ...
     assert r2["per_process_batch_size"] == 16 and r2["samples_seen_per_process"] == [8 * 16, 8 * 16]
-    # ... and the 129 test images were counted once, although 129 does not split evenly over 2 ranks.
+    # ... and the 129 test images were counted once, although 129 does not split evenly over 2 ranks (the device
+    # loader pads rank 1's shard with one label -1 row, dropped after gathering).
     assert r1["eval_samples"] == r2["eval_samples"] == r2["test_size"] == 129
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(l1) == sorted(l2) == list(range(1, 9))
@@ -117,3 +122,32 @@ def test_imagefolder_with_gradient_accumulation(tmp_path):
     assert results["per_process_batch_size"] == 8 and results["gradient_accumulation_steps"] == 2
     assert results["steps"] == 3 and results["samples_seen_per_process"] == [3 * 16]
     assert results["eval_samples"] == 12 and results["test_size"] == 12
+
+
+def test_fast94_preset_on_cifar_format_data_with_the_device_loader(tmp_path):
+    """--preset fills in its flags, flags given by hand win; CIFAR arrays go to the device loader with cutout and
+    flip test-time augmentation."""
+    data = write_cifar10(tmp_path / "data", num_train=320, num_test=67)
+    out = tmp_path / "out"
+    proc = check(run([PYTHON, CIFAR_SCRIPT, "--preset", "fast94", "--dataset", "cifar10", "--data_dir", data,
+                      "--verify_data", "False", "--download", "False", "--batch_size", "32", "--max_steps", "4",
+                      "--tracker", "none", "--output_dir", out], recipe_env(tmp_path), timeout=300))
+    results = read_results(out)
+    assert results["preset"] == "fast94" and results["loader"] == "device"
+    assert (results["lr"], results["label_smoothing"], results["schedule"]) == (0.2, 0.0, "linear")
+    assert (results["cutout"], results["tta_flip"], results["warmup_steps"]) == (12, True, 1)  # 20% of 4 steps
+    assert results["global_batch_size"] == 32 and results["steps"] == 4  # given on the command line: kept
+    assert results["eval_samples"] == 67
+    assert "| device" in proc.stdout
+
+
+def test_loader_and_preset_errors(tmp_path):
+    env = recipe_env(tmp_path)
+    (tmp_path / "imgs" / "train" / "a").mkdir(parents=True)
+    (tmp_path / "imgs" / "val" / "a").mkdir(parents=True)
+    fails_with(run([PYTHON, CIFAR_SCRIPT, "--preset", "fast100", "--output_dir", tmp_path / "o"], env),
+               "unknown --preset 'fast100'; choose one of: fast94")
+    fails_with(run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--loader", "torch", "--cutout", "8",
+                    "--tracker", "none", "--output_dir", tmp_path / "o"], env), "--cutout runs in the device loader")
+    fails_with(run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--loader", "gpu", "--output_dir", tmp_path / "o"],
+                   env), "unknown --loader 'gpu'; choose one of auto, device, torch")

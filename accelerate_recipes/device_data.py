@@ -1,0 +1,115 @@
+"""Small image datasets held whole in device memory, batched and augmented there (the fast CIFAR data path).
+
+CIFAR-10's 50,000 training images are 150 MB as uint8: they fit on any GPU. Keeping them there removes the per-image
+Python work of a DataLoader (PIL decode, transforms, collation, host-to-device copy), which on a fast GPU costs more
+time than the network. Each batch is cropped, flipped, cut out and normalised on the device in a few tensor ops.
+"""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class DeviceImageLoader:
+    """Batches of (images, labels) from a uint8 [N, H, W, C] array copied once to `device`.
+
+    Training (`train=True`): every epoch a permutation of all N images, the same on every process (it depends on the
+    seed and the epoch only), cut into global batches of `batch_size x num_processes`; process r takes every
+    num_processes-th image of it, so the processes share each global batch without overlap, as DistributedSampler
+    shares an epoch. Incomplete global batches are dropped. Augmentation: random crop after zero-padding by `pad`
+    pixels (torchvision's RandomCrop(padding=pad)), horizontal flip with probability 1/2, and an optional square
+    cutout of side `cutout` (erased to zero after normalisation).
+
+    Evaluation (`train=False`): process r takes images r, r + num_processes, ... in order; shards are padded to the
+    same length with label -1 so every process runs the same number of batches (drop those rows after gathering).
+
+    Yields float32 NCHW tensors in channels_last memory layout, normalised with `mean` and `std`.
+    """
+
+    def __init__(self, images, labels, batch_size: int, device, *, train: bool, mean, std, seed: int = 0,
+                 process_index: int = 0, num_processes: int = 1, pad: int = 4, flip: bool = True, cutout: int = 0):
+        images = torch.as_tensor(np.asarray(images))
+        if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
+            raise ValueError(f"images must be uint8 [N, H, W, C]; got {images.dtype} {tuple(images.shape)}")
+        self.device = torch.device(device)
+        self.images = images.to(self.device)
+        self.labels = torch.as_tensor(np.asarray(labels), dtype=torch.long).to(self.device)
+        self.batch_size, self.train, self.seed = batch_size, train, seed
+        self.rank, self.world = process_index, num_processes
+        self.pad, self.flip, self.cutout = (pad, flip, cutout) if train else (0, False, 0)
+        # (x / 255 - mean) / std = x * scale + shift, one fused multiply-add per pixel
+        std_t = torch.tensor(std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        mean_t = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        self.scale, self.shift = 1 / (255 * std_t), -mean_t / std_t
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        n = len(self.labels)
+        if self.train:
+            return n // (self.batch_size * self.world)
+        return math.ceil(math.ceil(n / self.world) / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def shard_indices(self, epoch: int) -> torch.Tensor:
+        """Indices this process reads in `epoch`, in order; -1 marks evaluation padding."""
+        n = len(self.labels)
+        if self.train:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            order = order[: len(self) * self.batch_size * self.world]
+            return order[self.rank :: self.world]
+        shard = torch.arange(self.rank, n, self.world)
+        length = math.ceil(n / self.world)
+        return torch.cat([shard, torch.full((length - len(shard),), -1, dtype=torch.long)])
+
+    def augment(self, batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Random crop (zero padding), flip and cutout of a uint8 [B, H, W, C] batch; returns uint8 [B, H, W, C]."""
+        b, h, w, _ = batch.shape
+        if self.pad:
+            padded = F.pad(batch, (0, 0, self.pad, self.pad, self.pad, self.pad))  # pads W and H, not C
+            dy = torch.randint(0, 2 * self.pad + 1, (b, 1, 1), device=self.device, generator=generator)
+            dx = torch.randint(0, 2 * self.pad + 1, (b, 1, 1), device=self.device, generator=generator)
+            rows = dy + torch.arange(h, device=self.device).view(1, h, 1)
+            cols = dx + torch.arange(w, device=self.device).view(1, 1, w)
+            batch = padded[torch.arange(b, device=self.device).view(b, 1, 1), rows, cols]
+        if self.flip:
+            flipped = torch.rand(b, device=self.device, generator=generator) < 0.5
+            batch = torch.where(flipped.view(b, 1, 1, 1), batch.flip(2), batch)
+        return batch
+
+    def normalise(self, batch: torch.Tensor) -> torch.Tensor:
+        # NHWC -> NCHW by permute: the result is already in channels_last layout, no copy.
+        return batch.permute(0, 3, 1, 2).float() * self.scale + self.shift
+
+    def erase(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Cutout: one random square of side `cutout` per image set to zero (the mean, after normalisation)."""
+        b, _, h, w = images.shape
+        y = torch.randint(0, h - self.cutout + 1, (b, 1, 1, 1), device=self.device, generator=generator)
+        x = torch.randint(0, w - self.cutout + 1, (b, 1, 1, 1), device=self.device, generator=generator)
+        ys = torch.arange(h, device=self.device).view(1, 1, h, 1)
+        xs = torch.arange(w, device=self.device).view(1, 1, 1, w)
+        inside = (ys >= y) & (ys < y + self.cutout) & (xs >= x) & (xs < x + self.cutout)
+        return images.masked_fill(inside, 0.0)
+
+    def __iter__(self):
+        indices = self.shard_indices(self.epoch).to(self.device)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.seed * 100_003 + self.epoch * 1_009 + self.rank + 1)
+        self.epoch += 1  # the next pass is the next epoch, as accelerate's seedable sampler counts
+        for start in range(0, len(indices), self.batch_size):
+            batch_indices = indices[start : start + self.batch_size]
+            if self.train and len(batch_indices) < self.batch_size:
+                break
+            valid = batch_indices >= 0
+            safe = batch_indices.clamp(min=0)
+            images = self.images[safe]
+            if self.train:
+                images = self.augment(images, generator)
+            images = self.normalise(images)
+            if self.cutout:
+                images = self.erase(images, generator)
+            labels = torch.where(valid, self.labels[safe], torch.full_like(safe, -1))
+            yield images, labels
