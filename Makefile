@@ -103,6 +103,19 @@ cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that m
 cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 cifar-hostfile: ## ResNet18 CIFAR on every node of HOSTFILE ('host slots=N' lines), started from here over ssh
 
+# Object detection (YOLO-style, recipes/detect/). GPU targets train on coco128 (downloaded once) unless ARGS has
+# --data path/data.yaml; detect-cpu, with no ARGS, trains the nano model on generated shapes, offline.
+DETECT_CPU_ARGS = --data synthetic --synthetic_size 256 --image_size 256 --batch_size 16 --epochs 5 \
+	--output_dir outputs/detect-cpu
+$(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS))
+detect-cpu: ## YOLO-style detector: NPROC CPU processes over gloo (no ARGS: generated shapes, offline)
+detect-1gpu: ## YOLO-style detector: 1 GPU, ARGS="--data path/data.yaml" (detect-2gpu, -4gpu, -8gpu likewise)
+detect-2node: ## YOLO-style detector: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from here over ssh
+.PHONY: bench-detect
+bench-detect: install ## benchmark: nano detector on a fixed generated set (mAP50-95, images/s, wall time)
+	$(BIN)/python benchmarks/detect.py $(ARGS)
+
 # Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
 # fine-tunes all-MiniLM-L6-v2 on the Rotten Tomatoes snippets, which install offline from PyPI (see bench-text).
 TEXT_DATA := data/rotten_tomatoes

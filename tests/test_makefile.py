@@ -114,3 +114,17 @@ def test_doctor_target_passes_the_node_settings():
     assert ("-m accelerate_recipes.doctor --config_file accelerate_configs/8gpu.yaml --machine_rank 1 "
             "--main_process_ip 10.0.0.1 --main_process_port 29500 --timeout 60") in text
     assert "set MASTER_ADDR" in make("doctor").stderr
+
+
+def test_detect_targets_cover_every_setup_with_the_shared_variables():
+    for setup in ("1gpu", "2gpu", "4gpu", "8gpu"):
+        line = launch_line(make("-n", f"detect-{setup}", "ARGS=--data d/data.yaml", "GPU_IDS=0,1"))
+        assert f"--config_file accelerate_configs/{setup}.yaml --gpu_ids 0,1" in line
+        assert line.rstrip().endswith("recipes/detect/train.py --data d/data.yaml")
+    line = launch_line(make("-n", "detect-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.2"))
+    assert "--machine_rank 1 --main_process_ip 10.0.0.2" in line and "recipes/detect/train.py" in line
+    line = launch_line(make("-n", "detect-cpu"))  # no ARGS: generated shapes, offline
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "recipes/detect/train.py --data synthetic" in line
+    out = make("help").stdout
+    for target in ("detect-cpu", "detect-1gpu", "detect-2node", "bench-detect"):
+        assert f"  {target} " in out

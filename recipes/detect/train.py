@@ -1,0 +1,476 @@
+#!/usr/bin/env python
+"""Train a YOLO-style object detector with Hugging Face Accelerate: one script for 1 GPU, N GPUs and N nodes.
+
+    python recipes/detect/train.py --data synthetic --image_size 256 --epochs 30       # generated shapes, any machine
+    python recipes/detect/train.py --data path/to/data.yaml                            # your YOLO-format dataset
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/detect/train.py --data coco128
+    make detect-1gpu ARGS="--data path/data.yaml"
+
+Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
+image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
+The detector (yolo_model.py), its assigner and loss (yolo_loss.py) and the data pipeline (yolo_data.py) sit beside
+this file; copy the folder to start your own project.
+
+The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
+GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from safetensors.torch import load_file
+from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader
+from torchmetrics.detection import MeanAveragePrecision
+from tqdm.auto import tqdm
+from yolo_data import YoloDataset, collate, download_dataset, load_data_config, scale_boxes_back
+from yolo_loss import DetectionLoss
+from yolo_model import SIZES, Detector, model_info, postprocess
+
+from accelerate_recipes import (
+    MetricsLog,
+    RecipeError,
+    StepMeter,
+    check_process_group,
+    default_num_workers,
+    describe_launch,
+    num_machines,
+    peak_memory_mb,
+    per_process_batch_size,
+    print_summary,
+    run,
+    run_facts,
+    setup_tracker,
+    write_results,
+)
+from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+
+MODEL_CONFIG = "detector.json"  # written next to the weights; predict.py rebuilds the model from it
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def resolve_data(data: str, data_dir: str, synthetic_size: int, image_size: int, seed: int, accelerator) -> Path:
+    """Path of the data.yaml for --data: a file, `synthetic` (generated here) or a dataset we know how to download."""
+    if data == "synthetic":
+        folder = Path(data_dir) / f"shapes-{synthetic_size}-{image_size}px-seed{seed}"
+        with accelerator.local_main_process_first():  # one writer per node; the others then read its files
+            if not (folder / "data.yaml").exists() and accelerator.is_local_main_process:
+                write_synthetic_dataset(folder, num_train=synthetic_size, num_val=max(8, synthetic_size // 4),
+                                        image_size=image_size, seed=seed)
+        return folder / "data.yaml"
+    if not data.endswith((".yaml", ".yml")):
+        with accelerator.local_main_process_first():
+            return download_dataset(data, Path(data_dir), download=accelerator.is_local_main_process)
+    return Path(data)
+
+
+def to_model_input(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """uint8 [B, 3, H, W] -> float in [0, 1]; on the device, so the loader workers move bytes, not floats."""
+    images = images.float().div_(255)
+    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+def exponential_moving_average(model: torch.nn.Module, decay: float, ramp_steps: float) -> AveragedModel:
+    """An EMA of the weights and BatchNorm statistics, evaluated and saved instead of the raw weights (as YOLO does).
+
+    The decay ramps up as decay x (1 - exp(-updates / ramp_steps)), so early on the average follows the fast-moving
+    weights instead of remembering the random initialisation.
+    """
+
+    def update(averaged: list, current: list, num_updates: torch.Tensor) -> None:
+        d = decay * (1 - math.exp(-float(num_updates) / ramp_steps))
+        if torch.is_floating_point(averaged[0]):
+            torch._foreach_lerp_(averaged, current, 1 - d)
+        else:  # integer buffers (BatchNorm's num_batches_tracked): take the current value
+            for a, c in zip(averaged, current):
+                a.copy_(c)
+
+    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
+
+
+def load_weights(net: torch.nn.Module, path: Path) -> None:
+    """Weights saved by an earlier run (accelerator.save_model writes model.safetensors)."""
+    file = path / "model.safetensors" if path.is_dir() else path
+    if not file.is_file():
+        raise RecipeError(f"--weights {path}: no {file.name} there; give the output directory of a finished run")
+    try:
+        net.load_state_dict(load_file(str(file)))
+    except RuntimeError as err:
+        first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+        raise RecipeError(f"--weights {file} does not fit this model ({first}); use the same --size and a data.yaml "
+                          "with the same number of classes as that run") from None
+
+
+# ----------------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, conf_threshold: float,
+             iou_threshold: float) -> tuple[dict, list]:
+    """COCO mAP@0.5 and mAP@0.5:0.95 (torchmetrics + pycocotools), each validation image counted exactly once.
+
+    Every process predicts on its shard; gather_for_metrics collects the per-image records and drops the images the
+    sampler repeated to give every process an equal share. Boxes are compared in original image pixels.
+    Returns (metrics, a few records for pictures).
+    """
+    model.eval()
+    records = []
+    for images, targets, metas in loader:
+        with accelerator.autocast():
+            outputs = model(to_model_input(images, channels_last))
+        detections = postprocess([o.float() for o in outputs], model.strides, model.reg_max,
+                                 conf_threshold=conf_threshold, iou_threshold=iou_threshold)
+        batch = []
+        for i, (det, meta) in enumerate(zip(detections, metas)):
+            truth = targets[targets[:, 0] == i]
+            batch.append(dict(
+                path=meta["path"],
+                boxes=scale_boxes_back(det["boxes"], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
+                scores=det["scores"].float().cpu(), labels=det["labels"].cpu(),
+                true_boxes=scale_boxes_back(truth[:, 2:6], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
+                true_labels=truth[:, 1].long().cpu(),
+            ))
+        records += accelerator.gather_for_metrics(batch, use_gather_object=True)
+    model.train()
+
+    results = {"eval_images": len(records), "eval_unique_images": len({r["path"] for r in records})}
+    if accelerator.is_main_process:  # the records are complete on every process; one computes
+        metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", class_metrics=True, backend="pycocotools",
+                                      sync_on_compute=False)
+        metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
+                      [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records])
+        values = metric.compute()
+        results["eval_map50"] = float(values["map_50"])
+        results["eval_map50_95"] = float(values["map"])
+        per_class = values["map_per_class"].reshape(-1).tolist()
+        classes = values["classes"].reshape(-1).tolist()
+        # -1 from torchmetrics means "no ground truth of this class in the set": left out.
+        results["eval_ap_per_class"] = {names[int(c)]: ap for c, ap in zip(classes, per_class) if ap >= 0}
+    return results, records[:4]
+
+
+def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
+    """A few validation images with their predicted boxes, for trackers that take images (SwanLab, TensorBoard...)."""
+    from predict import draw_detections  # beside this file; imported here because only logging needs PIL drawing
+
+    trackers = [t for t in accelerator.trackers if hasattr(t, "log_images")]
+    if not trackers or not records:
+        return
+    pictures = []
+    for record in records:
+        keep = record["scores"] >= score_threshold
+        pictures.append(draw_detections(record["path"], record["boxes"][keep], record["labels"][keep],
+                                        record["scores"][keep], names))
+    for tracker in trackers:
+        try:
+            tracker.log_images({"eval/predictions": pictures}, step=step)
+        except Exception as err:  # pictures are a convenience; never stop training over one
+            accelerator.print(f"warning: could not log images to {tracker.name}: {err}")
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(
+    data: str = "coco128",
+    data_dir: str = "data",
+    synthetic_size: int = 512,
+    image_size: int = 640,
+    size: str = "n",
+    batch_size: int = 64,
+    epochs: int = 100,
+    max_steps: int | None = None,
+    optimizer: str = "adamw",
+    lr: float | None = None,
+    momentum: float = 0.937,
+    weight_decay: float = 5e-4,
+    warmup_epochs: float = 3.0,
+    final_lr_ratio: float = 0.01,
+    ema_decay: float = 0.9999,
+    mosaic: float = 1.0,
+    flip_lr: float = 0.5,
+    flip_ud: float = 0.0,
+    hsv: tuple = (0.015, 0.7, 0.4),
+    scale: float = 0.5,
+    conf_threshold: float = 0.001,
+    iou_threshold: float = 0.7,
+    eval_every: int = 1,
+    gradient_accumulation_steps: int = 1,
+    mixed_precision: str | None = None,
+    channels_last: bool = True,
+    num_workers: int | None = None,
+    log_every: int = 10,
+    output_dir: str = "outputs/detect",
+    tracker: str = "swanlab",
+    swanlab_mode: str | None = None,
+    project: str = "accelerate-recipes",
+    run_name: str | None = None,
+    seed: int = 0,
+    weights: str | None = None,
+    eval_only: bool = False,
+):
+    """Train a YOLO-style anchor-free detector on a YOLO-format dataset.
+
+    Args:
+        data: a data.yaml in Ultralytics' format (path, train, val, names); coco128 (downloaded into --data_dir on
+            first use, 128 COCO images with 80 classes, used for both train and val as Ultralytics does); or
+            synthetic (generated shapes, no download; a pipeline check, not a real-data result).
+        data_dir: where downloaded and generated datasets go.
+        synthetic_size: training images generated for --data synthetic (validation gets a quarter as many).
+        image_size: side of the square (letterboxed) network input; a multiple of 32.
+        size: model size, n (nano) or s (small): YOLOv8's depth and width multipliers.
+        batch_size: GLOBAL batch of images per optimizer step, all processes together; each process loads
+            batch_size / (num_processes x gradient_accumulation_steps).
+        epochs: passes over the training set (ignored when --max_steps is set).
+        max_steps: stop after this many optimizer steps.
+        optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
+            Ultralytics' 0.01, which multiplies its loss by the batch size.
+        lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd (Ultralytics' 0.01 at its
+            nominal batch of 64, moved onto a mean loss). Not scaled by the GPU count.
+        momentum: SGD momentum, or AdamW's beta1.
+        weight_decay: on conv and linear weights only (not on BatchNorm or biases).
+        warmup_epochs: linear learning-rate warmup, in epochs (at least 20 steps, at most half the run).
+        final_lr_ratio: the cosine schedule ends at lr x final_lr_ratio.
+        ema_decay: decay of the exponential moving average of the weights that is evaluated and saved (0: off).
+        mosaic: probability of a 4-image mosaic per training sample.
+        flip_lr: probability of a horizontal flip.
+        flip_ud: probability of a vertical flip.
+        hsv: colour jitter gains for hue, saturation and value.
+        scale: random scale jitter (+/- this fraction).
+        conf_threshold: score below which predictions are dropped before NMS in evaluation (low for mAP).
+        iou_threshold: IoU above which NMS suppresses a box of the same class.
+        eval_every: evaluate every N epochs (and always after the last).
+        gradient_accumulation_steps: micro-batches summed before each optimizer step.
+        mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
+        channels_last: NHWC memory layout, faster for convolutions with tensor cores.
+        num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
+        log_every: log the loss and throughput every N optimizer steps.
+        output_dir: where the model (model.safetensors + detector.json), results.json, metrics.jsonl and offline
+            SwanLab logs go.
+        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
+        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
+        project: tracker project name.
+        run_name: tracker run name; default detect-<size>.
+        seed: seed for weights, data order, augmentation and generated data.
+        weights: start from the model of an earlier run (its output directory, or a model.safetensors file).
+        eval_only: evaluate --weights on the validation set and write results.json, without training.
+    """
+    started = time.perf_counter()
+    output = Path(output_dir)
+    if size not in SIZES:
+        raise RecipeError(f"unknown --size {size!r}; choose one of {', '.join(SIZES)}")
+    if optimizer not in ("sgd", "adamw"):
+        raise RecipeError(f"unknown --optimizer {optimizer!r}; choose sgd or adamw")
+    if image_size % 32 or image_size < 64:
+        raise RecipeError(f"--image_size {image_size} must be a multiple of 32 and at least 64 (the head's largest "
+                          "stride is 32); e.g. --image_size 640")
+    lr = lr if lr is not None else (0.64 if optimizer == "sgd" else 0.002)
+    hsv = tuple(float(v) for v in hsv)
+
+    # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
+    tracking = setup_tracker(tracker, output, run_name or f"detect-{size}", swanlab_mode)
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        log_with=tracking.log_with or None,
+        project_dir=str(output),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        step_scheduler_with_optimizer=False,
+    )
+    check_process_group(accelerator)
+    world = accelerator.num_processes
+    machines = num_machines(world)
+    per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
+    set_seed(seed)
+    if accelerator.is_main_process:
+        output.mkdir(parents=True, exist_ok=True)
+    accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
+
+    # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
+    data_yaml = resolve_data(data, data_dir, synthetic_size, image_size, seed, accelerator)
+    dataset = load_data_config(data_yaml)
+    if data == "synthetic":
+        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated shapes, not a real dataset. mAP here measures "
+                          "the pipeline, not the detector on real images.\n" + "!" * 100)
+    names = dataset.names
+    train_set = YoloDataset(dataset.train, len(names), image_size=image_size, augment=True, mosaic=mosaic,
+                            flip_lr=flip_lr, flip_ud=flip_ud, hsv=hsv, scale=scale)
+    val_set = YoloDataset(dataset.val, len(names), image_size=image_size, augment=False)
+    if num_workers is None:
+        num_workers = default_num_workers()
+    loader_args = dict(collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                       persistent_workers=num_workers > 0)
+    train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
+
+    # ---- model, optimizer, EMA
+    net = Detector(num_classes=len(names), size=size)
+    if weights:
+        load_weights(net, Path(weights))
+    elif eval_only:
+        raise RecipeError("--eval_only needs --weights: the output directory of a training run")
+    info = model_info(net, image_size=640)  # at 640, the size YOLO papers and model cards quote
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    decay = [p for p in net.parameters() if p.ndim > 1]
+    no_decay = [p for p in net.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999))
+    criterion = DetectionLoss(num_classes=len(names), strides=net.strides, reg_max=net.reg_max)
+
+    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
+    net, opt, train_loader, val_loader = accelerator.prepare(net, opt, train_loader, val_loader)
+    ema = exponential_moving_average(accelerator.unwrap_model(net), ema_decay, ramp_steps=2000) if ema_decay else None
+
+    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
+    steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)
+    if steps_per_epoch == 0:
+        raise RecipeError(f"the training set ({len(train_set)} images) is smaller than one global batch "
+                          f"({batch_size}); lower --batch_size or use more images")
+    total_steps = max_steps if max_steps else epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    warmup_steps = min(max(round(warmup_epochs * steps_per_epoch), 20), total_steps // 2)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return final_lr_ratio + (1 - final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lr_factor))
+
+    config = dict(
+        recipe="detect", dataset=str(data_yaml), weights=weights, eval_only=eval_only, model=f"yolo-{size}",
+        world_size=world, num_machines=machines,
+        mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
+        gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=info["parameters"],
+        gflops_at_640=info["gflops"], image_size=image_size, num_classes=len(names), optimizer=optimizer, lr=lr,
+        weight_decay=weight_decay, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
+        ema_decay=ema_decay, mosaic=mosaic, seed=seed, train_size=len(train_set), val_size=len(val_set),
+        distributed_type=accelerator.distributed_type.value,
+    )
+    accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
+    metrics = MetricsLog(accelerator, output)
+    accelerator.print(f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at 640 "
+                      f"for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
+                      f"{len(val_set)} validation images")
+
+    # ---- training loop
+    meter = StepMeter(accelerator.device)
+    step, samples_seen, first_loss, last_loss, last_eval, pictures = 0, 0, None, None, {}, []
+    running = torch.zeros(4, device=accelerator.device)  # total, box, cls, dfl summed over micro-batches
+    micro_batches = 0
+    progress = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    if eval_only:
+        num_epochs = 0  # the loop below does not run
+        last_eval, pictures = evaluate(accelerator.unwrap_model(net), val_loader, accelerator, names, channels_last,
+                                       conf_threshold, iou_threshold)
+        if accelerator.is_main_process:
+            metrics.log({"eval/map50": last_eval["eval_map50"], "eval/map50_95": last_eval["eval_map50_95"]}, step=0)
+    meter.restart()
+    for epoch in range(num_epochs):
+        epoch_start = time.perf_counter()
+        net.train()
+        for images, targets, _ in train_loader:
+            with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
+                outputs = net(to_model_input(images, channels_last))
+                loss, parts = criterion([o.float() for o in outputs], targets)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(net.parameters(), max_norm=10.0)  # early steps can spike
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            running += torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]).float()
+            micro_batches += 1
+            samples_seen += images.shape[0]
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            if ema is not None:
+                ema.update_parameters(accelerator.unwrap_model(net))
+            step += 1
+            step_seconds = meter.step(batch_size)
+            progress.update(1)
+            if step % log_every == 0 or step == 1 or step == total_steps:
+                mean = accelerator.reduce(running / micro_batches, reduction="mean").tolist()
+                first_loss = mean[0] if first_loss is None else first_loss
+                last_loss = mean[0]
+                metrics.log(
+                    {"train/loss": mean[0], "train/box_loss": mean[1], "train/cls_loss": mean[2],
+                     "train/dfl_loss": mean[3], "train/lr": scheduler.get_last_lr()[0],
+                     "train/epoch": step / steps_per_epoch, "perf/step_seconds": step_seconds,
+                     "perf/samples_per_second": batch_size / max(step_seconds, 1e-9)},
+                    step=step,
+                )
+                progress.set_postfix(loss=f"{mean[0]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
+                running.zero_()
+                micro_batches = 0
+            if step >= total_steps:
+                break
+
+        # ---- evaluation of the EMA weights on the whole validation set
+        epoch_seconds = time.perf_counter() - epoch_start
+        last_epoch = step >= total_steps or epoch + 1 == num_epochs
+        if (epoch + 1) % eval_every == 0 or last_epoch:
+            eval_model = ema.module if ema is not None else accelerator.unwrap_model(net)
+            last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, channels_last, conf_threshold,
+                                           iou_threshold)
+            memory_mb, _ = peak_memory_mb(accelerator.device)
+            if accelerator.is_main_process:
+                metrics.log(
+                    {"eval/map50": last_eval["eval_map50"], "eval/map50_95": last_eval["eval_map50_95"],
+                     **{f"eval/ap50_95/{name}": ap for name, ap in last_eval["eval_ap_per_class"].items()},
+                     "perf/epoch_seconds": epoch_seconds, "perf/train_samples_per_second": meter.samples_per_second,
+                     "perf/peak_memory_mb": memory_mb},
+                    step=step,
+                )
+                log_pictures(accelerator, pictures, names, step, score_threshold=0.25)
+                accelerator.print(
+                    f"epoch {epoch + 1}/{num_epochs}: mAP50 {last_eval['eval_map50']:.4f}, "
+                    f"mAP50-95 {last_eval['eval_map50_95']:.4f} on {last_eval['eval_images']} images, "
+                    f"{epoch_seconds:.1f} s, {meter.samples_per_second:.1f} images/s"
+                )
+        meter.restart()
+        if last_epoch:
+            break
+    progress.close()
+
+    # ---- save the (EMA) model, what predict.py needs to rebuild it, and the run's results
+    accelerator.wait_for_everyone()
+    if not eval_only:
+        accelerator.save_model(ema.module if ema is not None else net, output)
+    results = dict(
+        config,
+        synthetic_data=data == "synthetic",
+        steps=step,
+        wall_seconds=time.perf_counter() - started,
+        train_loss_first=first_loss,
+        train_loss_last=last_loss,
+        **last_eval,
+        **run_facts(accelerator, meter, samples_seen),
+    )
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        (output / MODEL_CONFIG).write_text(json.dumps(  # what predict.py and --weights need to rebuild the model
+            dict(size=size, num_classes=len(names), names=names, image_size=image_size, channels_last=channels_last),
+            indent=2))
+        path = write_results(output, results)
+        print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in last_eval["eval_ap_per_class"].items()))
+        print_summary(results, ["model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
+                                "image_size", "steps", "epochs", "eval_map50", "eval_map50_95", "eval_images",
+                                "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
+                      title="detect: summary")
+        print(f"model, {MODEL_CONFIG} and {path.name} saved in {output}; "
+              f"predict with: python recipes/detect/predict.py --model {output} --source <image or folder>")
+        where = tracking.where()
+        if where:
+            print(where)
+
+
+if __name__ == "__main__":
+    run(main)

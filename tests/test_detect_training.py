@@ -1,0 +1,86 @@
+"""The detection recipe trains for real on a generated YOLO-format set, evaluates each image once on any world size,
+and its checkpoint drives predict.py."""
+
+import json
+
+import pytest
+from conftest import ACCELERATE, CONFIGS, PYTHON, REPO, check, fails_with, losses, read_results, recipe_env, run
+
+from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+
+TRAIN = REPO / "recipes" / "detect" / "train.py"
+PREDICT = REPO / "recipes" / "detect" / "predict.py"
+SMALL = ["--image_size", "128", "--optimizer", "adamw", "--lr", "0.002", "--tracker", "none", "--num_workers", "0",
+         "--log_every", "1"]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """A generated set: 96 training and 21 validation images (21 does not divide by 2 processes or batch 4)."""
+    return write_synthetic_dataset(tmp_path_factory.mktemp("shapes"), num_train=96, num_val=21, image_size=128,
+                                   seed=3)
+
+
+@pytest.fixture(scope="module")
+def trained(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("detect")
+    env = recipe_env(out)
+    proc = check(run([PYTHON, TRAIN, "--data", shapes, "--batch_size", 16, "--epochs", 6, "--output_dir", out, *SMALL],
+                     env, timeout=600))
+    return out, proc
+
+
+def test_training_lowers_the_loss_and_reports_coco_map(trained):
+    out, proc = trained
+    results = read_results(out)
+    steps = losses(out)
+    first, last = steps[1], steps[max(steps)]
+    assert last < 0.8 * first, steps
+    assert results["steps"] == 36 and results["world_size"] == 1
+    assert results["eval_images"] == results["eval_unique_images"] == 21
+    assert 0.0 <= results["eval_map50_95"] <= results["eval_map50"] <= 1.0
+    assert set(results["eval_ap_per_class"]) <= {"circle", "square", "triangle"}
+    assert 2.5e6 < results["trainable_parameters"] < 3.5e6  # the nano size, near YOLOv8n's 3.2M
+    assert "AP50-95 per class" in proc.output
+    assert (out / "model.safetensors").is_file() and json.loads((out / "detector.json").read_text())["num_classes"] == 3
+
+
+def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shapes, tmp_path):
+    """Same weights, 1 process vs 2 over gloo: the same 21 images (2 x 11 with one padded) and the same mAP."""
+    model, _ = trained
+    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
+    common = ["--data", shapes, "--weights", model, "--eval_only", "True", "--batch_size", 4, *SMALL]
+    one = check(run([PYTHON, TRAIN, *common, "--output_dir", tmp_path / "one"], env))
+    two = check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
+                     "--num_cpu_threads_per_process", 1, TRAIN, *common, "--output_dir", tmp_path / "two"], env,
+                    timeout=400))
+    a, b = read_results(tmp_path / "one"), read_results(tmp_path / "two")
+    assert b["world_size"] == 2 and a["world_size"] == 1, (one.output[-800:], two.output[-800:])
+    assert a["eval_images"] == b["eval_images"] == b["eval_unique_images"] == 21
+    assert b["eval_map50_95"] == pytest.approx(a["eval_map50_95"], abs=1e-6)
+    assert b["eval_map50"] == pytest.approx(a["eval_map50"], abs=1e-6)
+
+
+def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
+    model, _ = trained
+    val_images = shapes.parent / "images" / "val"
+    proc = check(run([PYTHON, PREDICT, "--model", model, "--source", val_images, "--out", tmp_path / "pred",
+                      "--conf_threshold", 0.01], recipe_env(tmp_path)))
+    report = json.loads((tmp_path / "pred" / "detections.json").read_text())
+    assert len(report) == 21 and len(list((tmp_path / "pred").glob("*.png"))) == 21
+    for entry in report:
+        for det in entry["detections"]:
+            x1, y1, x2, y2 = det["box"]
+            assert 0 <= x1 <= x2 and 0 <= y1 <= y2 and det["score"] >= 0.01
+            assert det["class_name"] in ("circle", "square", "triangle")
+    assert "detections in 21 images" in proc.output
+
+
+def test_detection_errors(shapes, tmp_path):
+    env = recipe_env(tmp_path)
+    base = [PYTHON, TRAIN, "--output_dir", tmp_path / "out", *SMALL]
+    fails_with(run([*base, "--data", tmp_path / "missing.yaml"], env), "missing.yaml")
+    fails_with(run([*base, "--data", shapes, "--image_size", 100], env), "multiple of 32")
+    fails_with(run([*base, "--data", shapes, "--eval_only", "True"], env), "--eval_only needs --weights")
+    fails_with(run([*base, "--data", shapes, "--weights", tmp_path], env), "model.safetensors")
+    fails_with(run([PYTHON, PREDICT, "--model", tmp_path, "--source", shapes.parent], env), "detector.json")
