@@ -467,6 +467,7 @@ def main(
         **last_eval,
         **run_facts(accelerator, meter, samples_seen),
     )
+    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)

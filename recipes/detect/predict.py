@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from safetensors.torch import load_file
 from torchvision.utils import draw_bounding_boxes
 from tqdm.auto import tqdm
@@ -50,12 +50,20 @@ def list_images(source: Path) -> list[Path]:
     raise RecipeError(f"--source {source} does not exist; give an image file or a folder of images")
 
 
+def upright_rgb(path) -> Image.Image:
+    """The image as RGB, turned upright by its EXIF orientation (as training reads it)."""
+    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+
+
 def draw_detections(image_path, boxes: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor,
                     names: list[str]) -> Image.Image:
     """The image with one labelled box per detection (boxes in the image's own pixels)."""
-    image = torch.from_numpy(np.asarray(Image.open(image_path).convert("RGB"))).permute(2, 0, 1)
+    image = upright_rgb(image_path)
+    if len(boxes) == 0:
+        return image
     captions = [f"{names[int(c)]} {float(s):.2f}" for c, s in zip(labels, scores)]
-    drawn = draw_bounding_boxes(image, boxes.float(), labels=captions, colors="lime", width=2)
+    tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+    drawn = draw_bounding_boxes(tensor, boxes.float(), labels=captions, colors="lime", width=2)
     return Image.fromarray(drawn.permute(1, 2, 0).numpy())
 
 
@@ -86,7 +94,7 @@ def main(model: str = "outputs/detect", source: str = "", out: str | None = None
     report = []
     for path in tqdm(list_images(Path(source)), desc="predict", unit="image"):
         try:
-            original = np.asarray(Image.open(path).convert("RGB"))
+            original = np.asarray(upright_rgb(path))
         except OSError as err:
             raise RecipeError(f"cannot read image {path} ({err}); remove it or replace it with a valid image") from None
         boxed, ratio, pad = letterbox(original, size)

@@ -454,6 +454,7 @@ def main(
         **last_eval,
         **run_facts(accelerator, meter, samples_seen),
     )
+    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
         (output / MODEL_CONFIG).write_text(json.dumps(  # what predict.py and --weights need to rebuild the model
