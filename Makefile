@@ -105,7 +105,7 @@ cifar-hostfile: ## ResNet18 CIFAR on every node of HOSTFILE ('host slots=N' line
 
 # Object detection (YOLO-style, recipes/detect/). GPU targets train on coco128 (downloaded once) unless ARGS has
 # --data path/data.yaml; detect-cpu, with no ARGS, trains the nano model on generated shapes, offline.
-DETECT_CPU_ARGS = --data synthetic --synthetic_size 256 --image_size 256 --batch_size 16 --epochs 5 \
+DETECT_CPU_ARGS = --data synthetic --synthetic_size 256 --image_size 256 --batch_size 16 --epochs 10 \
 	--output_dir outputs/detect-cpu
 $(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS))
 detect-cpu: ## YOLO-style detector: NPROC CPU processes over gloo (no ARGS: generated shapes, offline)
