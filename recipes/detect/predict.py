@@ -22,7 +22,7 @@ from yolo_model import Detector, postprocess
 
 from accelerate_recipes import RecipeError, run
 
-MODEL_CONFIG = "detector.json"
+MODEL_CONFIG = "detector.json"  # written by train.py next to model.safetensors: what rebuilds the model
 
 
 def load_detector(model_dir: Path, device: torch.device) -> tuple[Detector, dict]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
+from predict import MODEL_CONFIG, draw_detections
 from safetensors.torch import load_file
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
@@ -49,8 +50,6 @@ from accelerate_recipes import (
     write_results,
 )
 from accelerate_recipes.synthetic_detection import write_synthetic_dataset
-
-MODEL_CONFIG = "detector.json"  # written next to the weights; predict.py rebuilds the model from it
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -155,8 +154,6 @@ def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, 
 
 def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
     """A few validation images with their predicted boxes, for trackers that take images (SwanLab, TensorBoard...)."""
-    from predict import draw_detections  # beside this file; imported here because only logging needs PIL drawing
-
     trackers = [t for t in accelerator.trackers if hasattr(t, "log_images")]
     if not trackers or not records:
         return
