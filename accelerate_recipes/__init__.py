@@ -2,24 +2,31 @@
 
 The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
 this package holds only the plumbing they would otherwise copy: command-line entry, launch checks, tracker set-up,
-a throughput meter and the results.json writer.
+a throughput meter, the results.json writer, atomic checkpoint folders and the stop-signal / NaN guard.
 """
 
-from accelerate_recipes.cli import RecipeError, run
+from accelerate_recipes.checkpoints import Checkpoints
+from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, Preempted, RecipeError, run
+from accelerate_recipes.guard import StepGuard
 from accelerate_recipes.launch import (
     check_process_group,
     default_num_workers,
     describe_launch,
     num_machines,
     per_process_batch_size,
+    prepare_output_dir,
 )
 from accelerate_recipes.meter import StepMeter, peak_memory_mb
 from accelerate_recipes.results import MetricsLog, print_summary, run_facts, write_results
 from accelerate_recipes.tracking import TrackerSetup, setup_tracker
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "Checkpoints",
     "MetricsLog",
+    "Preempted",
     "RecipeError",
+    "StepGuard",
     "StepMeter",
     "TrackerSetup",
     "check_process_group",
@@ -28,6 +35,7 @@ __all__ = [
     "num_machines",
     "peak_memory_mb",
     "per_process_batch_size",
+    "prepare_output_dir",
     "print_summary",
     "run",
     "run_facts",

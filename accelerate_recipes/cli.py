@@ -6,8 +6,17 @@ import sys
 import fire
 
 
+# EX_TEMPFAIL from sysexits.h, "temporary failure, the user is invited to retry": a run stopped by SIGTERM or SIGUSR1
+# after saving a checkpoint exits with it, so a job script can tell "requeue me" from a failure.
+PREEMPTED_EXIT_CODE = 75
+
+
 class RecipeError(Exception):
     """A problem the user can fix. Printed as one line (cause and fix), without a traceback."""
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving a checkpoint; the message says where and how to continue."""
 
 
 def _drop_legacy_local_rank(argv: list[str]) -> list[str]:
@@ -57,3 +66,7 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         print(f"{prefix}: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Preempted as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped: {stop}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)

@@ -44,6 +44,7 @@ class DeviceImageLoader:
         mean_t = torch.tensor(mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
         self.scale, self.shift = 1 / (255 * std_t), -mean_t / std_t
         self.epoch = 0
+        self._skip = 0
 
     def __len__(self) -> int:
         n = len(self.labels)
@@ -53,6 +54,15 @@ class DeviceImageLoader:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def skip_first_batches(self, num_batches: int) -> "DeviceImageLoader":
+        """Make the next pass start after its first `num_batches` batches (resuming inside an epoch).
+
+        The skipped batches still draw their augmentation, so the batches that follow are the ones an uninterrupted
+        pass would give, bit for bit.
+        """
+        self._skip = num_batches
+        return self
 
     def shard_indices(self, epoch: int) -> torch.Tensor:
         """Indices this process reads in `epoch`, in order; -1 marks evaluation padding."""
@@ -99,7 +109,8 @@ class DeviceImageLoader:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.seed * 100_003 + self.epoch * 1_009 + self.rank + 1)
         self.epoch += 1  # the next pass is the next epoch, as accelerate's seedable sampler counts
-        for start in range(0, len(indices), self.batch_size):
+        skip, self._skip = self._skip, 0
+        for number, start in enumerate(range(0, len(indices), self.batch_size)):
             batch_indices = indices[start : start + self.batch_size]
             if self.train and len(batch_indices) < self.batch_size:
                 break
@@ -108,6 +119,10 @@ class DeviceImageLoader:
             images = self.images[safe]
             if self.train:
                 images = self.augment(images, generator)
+            if number < skip:
+                if self.cutout:
+                    self.erase(images.permute(0, 3, 1, 2), generator)  # the same draws as the kept batches
+                continue
             images = self.normalise(images)
             if self.cutout:
                 images = self.erase(images, generator)

@@ -1,6 +1,7 @@
 """Checks on how the recipe was launched, and the global -> per-process batch arithmetic."""
 
 import os
+from pathlib import Path
 
 from accelerate_recipes.cli import RecipeError
 
@@ -74,3 +75,20 @@ def describe_launch(accelerator, machines: int, global_batch_size: int, per_proc
         f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {global_batch_size} = "
         f"{world} process(es) x {per_process} per process x {accumulation_steps} accumulation step(s)"
     )
+
+
+def prepare_output_dir(output_dir: str | Path) -> Path:
+    """Create the output directory and check this process can write there, before anything is trained or loaded.
+
+    Every process checks (each may write checkpoint parts), so none is left waiting for a process that stopped.
+    """
+    output = Path(output_dir)
+    probe = output / f".write-test-{os.getpid()}"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise RecipeError(f"cannot write to --output_dir {output} ({err.strerror or err}); choose a folder you can "
+                          "write to, with free space") from None
+    return output

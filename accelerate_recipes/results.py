@@ -30,11 +30,21 @@ class MetricsLog:
     The JSON-lines copy needs no tracker to read back; it is written by the main process only.
     """
 
-    def __init__(self, accelerator, output_dir: str | Path):
+    def __init__(self, accelerator, output_dir: str | Path, resume_step: int | None = None):
+        """A new run starts an empty file; a resumed one keeps the rows up to the checkpoint's step and drops those
+        logged after it by the interrupted run (the resumed run logs those steps again)."""
         self.accelerator = accelerator
         self.path = Path(output_dir) / METRICS_FILE
         if accelerator.is_main_process:
-            self.path.write_text("")
+            kept = []
+            if resume_step is not None and self.path.is_file():
+                for line in self.path.read_text().splitlines():
+                    try:
+                        if json.loads(line)["step"] <= resume_step:
+                            kept.append(line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut short by the crash
+            self.path.write_text("".join(kept))
 
     def log(self, values: dict, step: int) -> None:
         self.accelerator.log(values, step=step)

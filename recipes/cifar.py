@@ -26,8 +26,11 @@ from torchvision import transforms
 from tqdm.auto import tqdm
 
 from accelerate_recipes import (
+    Checkpoints,
     MetricsLog,
+    Preempted,
     RecipeError,
+    StepGuard,
     StepMeter,
     check_process_group,
     default_num_workers,
@@ -35,6 +38,7 @@ from accelerate_recipes import (
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
+    prepare_output_dir,
     print_summary,
     run,
     run_facts,
@@ -42,6 +46,7 @@ from accelerate_recipes import (
     write_results,
 )
 from accelerate_recipes.device_data import DeviceImageLoader
+from accelerate_recipes.seeding import SeededAugmentation
 from accelerate_recipes.synthetic import synthetic_images
 
 DATASETS = ("cifar10", "cifar100", "synthetic", "imagefolder")
@@ -221,6 +226,10 @@ def main(
     num_workers: int | None = None,
     log_every: int = 10,
     output_dir: str = "outputs/cifar",
+    checkpoint_every: int = 500,
+    keep_checkpoints: int = 2,
+    resume: str | None = None,
+    skip_nonfinite_steps: bool = False,
     tracker: str = "swanlab",
     swanlab_mode: str | None = None,
     project: str = "accelerate-recipes",
@@ -263,7 +272,13 @@ def main(
         compile: compile the model with torch.compile (inductor); the first steps take longer.
         num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
         log_every: log loss and throughput every N optimizer steps.
-        output_dir: where the model, results.json, metrics.jsonl and offline SwanLab logs go.
+        output_dir: where the model, results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
+        checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
+            end of each epoch; 0: at epoch ends only.
+        keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
+        resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
+            there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
+        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping.
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
         project: tracker project name.
@@ -299,8 +314,9 @@ def main(
     machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
     set_seed(seed)
-    if accelerator.is_main_process:
-        output.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(output)
+    checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
+    resume_from = checkpoints.resolve(resume)  # None: a fresh start
     accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data: the local main process of each node downloads first, the others then read its copy
@@ -333,7 +349,11 @@ def main(
             num_workers = default_num_workers()
         loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(),
                            persistent_workers=num_workers > 0)
-        train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+        # Augmentation seeded per (seed, epoch, image) and a shuffle generator of the loader's own: a resumed run
+        # then sees the same batches, augmented the same way, as an uninterrupted one.
+        train_set = SeededAugmentation(train_set, seed)
+        train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
+                                  generator=torch.Generator().manual_seed(seed), **loader_args)
         test_loader = DataLoader(test_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
 
     # ---- model and optimizer
@@ -390,25 +410,57 @@ def main(
         cutout=cutout, tta_flip=tta_flip, loader=loader, compile=compile, preset=preset, seed=seed,
         train_size=len(train_set), test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
     )
+
+    # ---- resume: weights, optimizer, schedule, RNG states from the checkpoint; the position from its checkpoint.json
+    state = dict(step=0, epoch=0, batches_done=0, samples_seen=0, first_loss=None, last_loss=None, last_eval={},
+                 running_loss=0.0, micro_batches=0)
+    if resume_from is not None:
+        state.update(checkpoints.check_compatible(resume_from, config))
+        accelerator.load_state(resume_from)
+        accelerator.print(f"resumed from {resume_from}: step {state['step']} of {total_steps}, epoch {state['epoch'] + 1}"
+                          f", {state['batches_done']} batch(es) of it already done")
+    checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    metrics = MetricsLog(accelerator, output)
+    metrics = MetricsLog(accelerator, output, resume_step=state["step"] if resume_from else None)
+    guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite_steps, last_checkpoint=checkpoints.newest)
+
+    def save_checkpoint(epoch: int, batches_done: int) -> None:
+        """Everything a resumed run needs to continue as if it had never stopped. Collective."""
+        position = dict(step=step, epoch=epoch, batches_done=batches_done, samples_seen=samples_seen,
+                        first_loss=first_loss, last_loss=last_loss, last_eval=last_eval,
+                        running_loss=running_loss.item(), micro_batches=micro_batches, config=config)
+        with checkpoints.saving(step, position) as path:
+            accelerator.save_state(path)
 
     # ---- training loop
     meter = StepMeter(accelerator.device)
-    step, samples_seen, first_loss, last_loss, last_eval = 0, 0, None, None, {}
-    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
-    progress = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    step, samples_seen, first_loss, last_loss, last_eval = (state[k] for k in
+                                                            ("step", "samples_seen", "first_loss", "last_loss", "last_eval"))
+    running_loss, micro_batches = torch.tensor(state["running_loss"], device=accelerator.device), state["micro_batches"]
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     meter.restart()
-    for epoch in range(num_epochs):
+    for epoch in range(state["epoch"], num_epochs):
         epoch_start = time.perf_counter()
         net.train()
-        for images, labels in train_loader:
+        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the seed and the epoch only
+        if isinstance(train_set, SeededAugmentation):
+            train_set.set_epoch(epoch)
+        batches_done, state["batches_done"] = state["batches_done"], 0  # > 0 only in the epoch a resume lands in
+        batches = train_loader
+        if batches_done:  # skip what the interrupted run had trained on in this epoch
+            batches = (train_loader.skip_first_batches(batches_done) if loader == "device"
+                       else accelerator.skip_first_batches(train_loader, batches_done))
+        for images, labels in batches:
+            batches_done += 1
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 loss = criterion(net(images), labels)
                 accelerator.backward(loss)
-                optimizer.step()
+                guard.observe(loss)
+                # One tiny all-reduce per step: a stop signal or a NaN loss on any process, seen by all of them.
+                if not (accelerator.sync_gradients and guard.step_is_bad(step + 1)):
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             running_loss += loss.detach()
             micro_batches += 1
@@ -432,6 +484,14 @@ def main(
                 progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 running_loss.zero_()
                 micro_batches = 0
+            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
+            if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
+                save_checkpoint(epoch, batches_done)
+            if guard.stop_signal:
+                progress.close()
+                accelerator.end_training()
+                raise Preempted(f"{guard.stop_signal_name} at step {step}; checkpoint saved in "
+                                f"{checkpoints.last_saved}; continue with --resume auto")
             if step >= total_steps:
                 break
 
@@ -449,10 +509,12 @@ def main(
             f"epoch {epoch + 1}/{num_epochs}: eval accuracy {last_eval['eval_accuracy']:.4f}, "
             f"loss {last_eval['eval_loss']:.4f}, {epoch_seconds:.1f} s, {meter.samples_per_second:.0f} samples/s"
         )
+        save_checkpoint(epoch + 1, 0)
         meter.restart()
         if step >= total_steps:
             break
     progress.close()
+    guard.close()
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
@@ -461,6 +523,8 @@ def main(
         config,
         synthetic_data=dataset == "synthetic",
         steps=step,
+        resumed_from=str(resume_from) if resume_from else None,
+        skipped_nonfinite_steps=guard.skipped_steps,
         wall_seconds=time.perf_counter() - started,
         train_loss_first=first_loss,
         train_loss_last=last_loss,

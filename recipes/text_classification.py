@@ -33,8 +33,11 @@ from transformers import (
 )
 
 from accelerate_recipes import (
+    Checkpoints,
     MetricsLog,
+    Preempted,
     RecipeError,
+    StepGuard,
     StepMeter,
     check_process_group,
     default_num_workers,
@@ -42,6 +45,7 @@ from accelerate_recipes import (
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
+    prepare_output_dir,
     print_summary,
     run,
     run_facts,
@@ -266,6 +270,10 @@ def main(
     num_workers: int | None = None,
     log_every: int = 10,
     output_dir: str = "outputs/text",
+    checkpoint_every: int = 500,
+    keep_checkpoints: int = 2,
+    resume: str | None = None,
+    skip_nonfinite_steps: bool = False,
     cache_dir: str | None = None,
     tracker: str = "swanlab",
     swanlab_mode: str | None = None,
@@ -300,8 +308,14 @@ def main(
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
         num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap).
         log_every: log loss and throughput every N optimizer steps.
-        output_dir: where the fine-tuned model and tokenizer (save_pretrained), results.json, metrics.jsonl and
-            offline SwanLab logs go.
+        output_dir: where the fine-tuned model and tokenizer (save_pretrained), results.json, metrics.jsonl,
+            checkpoints/ and offline SwanLab logs go.
+        checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
+            end of each epoch; 0: at epoch ends only.
+        keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
+        resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
+            there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
+        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping.
         cache_dir: cache of the `datasets` library (downloads and tokenised data); default ~/.cache/huggingface/datasets.
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
@@ -342,8 +356,9 @@ def main(
     if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
-    if accelerator.is_main_process:
-        output.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(output)
+    checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
+    resume_from = checkpoints.resolve(resume)  # None: a fresh start
     accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data and tokenizer: the local main process of each node downloads and tokenises first (into the cache),
@@ -361,7 +376,10 @@ def main(
     if num_workers is None:
         num_workers = default_num_workers(limit=2)
     loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    train_loader = DataLoader(tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
+    # which checkpoints restore.
+    train_loader = DataLoader(tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(seed), **loader_args)
     eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * gradient_accumulation_steps, **loader_args)
 
     # ---- model and optimizer
@@ -401,23 +419,51 @@ def main(
         max_length=max_length, num_labels=len(label_names), seed=seed, train_size=len(raw["train"]),
         validation_size=len(raw["validation"]), distributed_type=accelerator.distributed_type.value,
     )
+
+    # ---- resume: weights, optimizer, schedule, RNG states from the checkpoint; the position from its checkpoint.json
+    state = dict(step=0, epoch=0, batches_done=0, samples_seen=0, first_loss=None, last_loss=None, last_eval={},
+                 running_loss=0.0, micro_batches=0)
+    if resume_from is not None:
+        state.update(checkpoints.check_compatible(resume_from, config))
+        accelerator.load_state(resume_from)
+        accelerator.print(f"resumed from {resume_from}: step {state['step']} of {total_steps}, epoch {state['epoch'] + 1}"
+                          f", {state['batches_done']} batch(es) of it already done")
+    checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    metrics = MetricsLog(accelerator, output)
+    metrics = MetricsLog(accelerator, output, resume_step=state["step"] if resume_from else None)
+    guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite_steps, last_checkpoint=checkpoints.newest)
+
+    def save_checkpoint(epoch: int, batches_done: int) -> None:
+        """Everything a resumed run needs to continue as if it had never stopped. Collective."""
+        position = dict(step=step, epoch=epoch, batches_done=batches_done, samples_seen=samples_seen,
+                        first_loss=first_loss, last_loss=last_loss, last_eval=last_eval,
+                        running_loss=running_loss.item(), micro_batches=micro_batches, config=config)
+        with checkpoints.saving(step, position) as path:
+            accelerator.save_state(path)
 
     # ---- training loop
     meter = StepMeter(accelerator.device)
-    step, samples_seen, first_loss, last_loss, last_eval = 0, 0, None, None, {}
-    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
-    progress = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    step, samples_seen, first_loss, last_loss, last_eval = (state[k] for k in
+                                                            ("step", "samples_seen", "first_loss", "last_loss", "last_eval"))
+    running_loss, micro_batches = torch.tensor(state["running_loss"], device=accelerator.device), state["micro_batches"]
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     meter.restart()
-    for epoch in range(num_epochs):
+    for epoch in range(state["epoch"], num_epochs):
         epoch_start = time.perf_counter()
         net.train()
-        for batch in train_loader:
+        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the seed and the epoch only
+        batches_done, state["batches_done"] = state["batches_done"], 0  # > 0 only in the epoch a resume lands in
+        # Skip what the interrupted run had trained on in this epoch.
+        batches = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        for batch in batches:
+            batches_done += 1
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 loss = net(**batch).loss
                 accelerator.backward(loss)
-                optimizer.step()
+                guard.observe(loss)
+                # One tiny all-reduce per step: a stop signal or a NaN loss on any process, seen by all of them.
+                if not (accelerator.sync_gradients and guard.step_is_bad(step + 1)):
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             running_loss += loss.detach()
             micro_batches += 1
@@ -441,6 +487,14 @@ def main(
                 progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 running_loss.zero_()
                 micro_batches = 0
+            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
+            if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
+                save_checkpoint(epoch, batches_done)
+            if guard.stop_signal:
+                progress.close()
+                accelerator.end_training()
+                raise Preempted(f"{guard.stop_signal_name} at step {step}; checkpoint saved in "
+                                f"{checkpoints.last_saved}; continue with --resume auto")
             if step >= total_steps:
                 break
 
@@ -457,10 +511,12 @@ def main(
         scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in last_eval.items() if k != "eval_samples")
         accelerator.print(f"epoch {epoch + 1}/{num_epochs}: {scores}, {epoch_seconds:.1f} s, "
                           f"{meter.samples_per_second:.1f} samples/s")
+        save_checkpoint(epoch + 1, 0)
         meter.restart()
         if step >= total_steps:
             break
     progress.close()
+    guard.close()
 
     # ---- save the model, tokenizer and the run's results
     accelerator.wait_for_everyone()
@@ -473,6 +529,8 @@ def main(
     results = dict(
         config,
         steps=step,
+        resumed_from=str(resume_from) if resume_from else None,
+        skipped_nonfinite_steps=guard.skipped_steps,
         wall_seconds=time.perf_counter() - started,
         train_loss_first=first_loss,
         train_loss_last=last_loss,

@@ -34,8 +34,11 @@ from yolo_loss import DetectionLoss
 from yolo_model import SIZES, Detector, model_info, postprocess
 
 from accelerate_recipes import (
+    Checkpoints,
     MetricsLog,
+    Preempted,
     RecipeError,
+    StepGuard,
     StepMeter,
     check_process_group,
     default_num_workers,
@@ -43,12 +46,14 @@ from accelerate_recipes import (
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
+    prepare_output_dir,
     print_summary,
     run,
     run_facts,
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.seeding import SeededAugmentation
 from accelerate_recipes.synthetic_detection import write_synthetic_dataset
 
 
@@ -200,6 +205,10 @@ def main(
     num_workers: int | None = None,
     log_every: int = 10,
     output_dir: str = "outputs/detect",
+    checkpoint_every: int = 500,
+    keep_checkpoints: int = 2,
+    resume: str | None = None,
+    skip_nonfinite_steps: bool = False,
     tracker: str = "swanlab",
     swanlab_mode: str | None = None,
     project: str = "accelerate-recipes",
@@ -244,8 +253,14 @@ def main(
         channels_last: NHWC memory layout, faster for convolutions with tensor cores.
         num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
         log_every: log the loss and throughput every N optimizer steps.
-        output_dir: where the model (model.safetensors + detector.json), results.json, metrics.jsonl and offline
-            SwanLab logs go.
+        output_dir: where the model (model.safetensors + detector.json), results.json, metrics.jsonl, checkpoints/
+            and offline SwanLab logs go.
+        checkpoint_every: save a checkpoint (accelerator.save_state, with the EMA) every N optimizer steps, besides
+            the one at the end of each epoch; 0: at epoch ends only.
+        keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
+        resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
+            there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
+        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping.
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
         project: tracker project name.
@@ -281,8 +296,9 @@ def main(
     machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
     set_seed(seed)
-    if accelerator.is_main_process:
-        output.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(output)
+    checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
+    resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
     accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
@@ -292,14 +308,17 @@ def main(
         accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated shapes, not a real dataset. mAP here measures "
                           "the pipeline, not the detector on real images.\n" + "!" * 100)
     names = dataset.names
-    train_set = YoloDataset(dataset.train, len(names), image_size=image_size, augment=True, mosaic=mosaic,
-                            flip_lr=flip_lr, flip_ud=flip_ud, hsv=hsv, scale=scale)
+    # Augmentation seeded per (seed, epoch, image): a resumed run, or one with another worker count, augments alike.
+    train_set = SeededAugmentation(YoloDataset(dataset.train, len(names), image_size=image_size, augment=True,
+                                               mosaic=mosaic, flip_lr=flip_lr, flip_ud=flip_ud, hsv=hsv, scale=scale),
+                                   seed)
     val_set = YoloDataset(dataset.val, len(names), image_size=image_size, augment=False)
     if num_workers is None:
         num_workers = default_num_workers()
     loader_args = dict(collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
                        persistent_workers=num_workers > 0)
-    train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+    train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(seed), **loader_args)
     val_loader = DataLoader(val_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
 
     # ---- model, optimizer, EMA
@@ -323,6 +342,8 @@ def main(
     # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
     net, opt, train_loader, val_loader = accelerator.prepare(net, opt, train_loader, val_loader)
     ema = exponential_moving_average(accelerator.unwrap_model(net), ema_decay, ramp_steps=2000) if ema_decay else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
 
     # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
     steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)
@@ -351,18 +372,39 @@ def main(
         ema_decay=ema_decay, mosaic=mosaic, seed=seed, train_size=len(train_set), val_size=len(val_set),
         distributed_type=accelerator.distributed_type.value,
     )
+
+    # ---- resume: weights, EMA, optimizer, schedule, RNG states from the checkpoint; the position from checkpoint.json
+    state = dict(step=0, epoch=0, batches_done=0, samples_seen=0, first_loss=None, last_loss=None, last_eval={},
+                 running=[0.0] * 4, micro_batches=0)
+    if resume_from is not None:
+        state.update(checkpoints.check_compatible(resume_from, config))
+        accelerator.load_state(resume_from)
+        accelerator.print(f"resumed from {resume_from}: step {state['step']} of {total_steps}, epoch {state['epoch'] + 1}"
+                          f", {state['batches_done']} batch(es) of it already done")
+    checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    metrics = MetricsLog(accelerator, output)
+    metrics = MetricsLog(accelerator, output, resume_step=state["step"] if resume_from else None)
+    guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite_steps, last_checkpoint=checkpoints.newest)
+
+    def save_checkpoint(epoch: int, batches_done: int) -> None:
+        """Everything a resumed run needs to continue as if it had never stopped. Collective."""
+        position = dict(step=step, epoch=epoch, batches_done=batches_done, samples_seen=samples_seen,
+                        first_loss=first_loss, last_loss=last_loss, last_eval=last_eval,
+                        running=running.tolist(), micro_batches=micro_batches, config=config)
+        with checkpoints.saving(step, position) as path:
+            accelerator.save_state(path)
     accelerator.print(f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at 640 "
                       f"for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
                       f"{len(val_set)} validation images")
 
     # ---- training loop
     meter = StepMeter(accelerator.device)
-    step, samples_seen, first_loss, last_loss, last_eval, pictures = 0, 0, None, None, {}, []
-    running = torch.zeros(4, device=accelerator.device)  # total, box, cls, dfl summed over micro-batches
-    micro_batches = 0
-    progress = tqdm(total=total_steps, desc="train", unit="step", disable=not accelerator.is_main_process)
+    step, samples_seen, first_loss, last_loss, last_eval = (state[k] for k in
+                                                            ("step", "samples_seen", "first_loss", "last_loss", "last_eval"))
+    pictures = []
+    running = torch.tensor(state["running"], device=accelerator.device)  # total, box, cls, dfl over micro-batches
+    micro_batches = state["micro_batches"]
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     if eval_only:
         num_epochs = 0  # the loop below does not run
         last_eval, pictures = evaluate(accelerator.unwrap_model(net), val_loader, accelerator, names, channels_last,
@@ -370,17 +412,27 @@ def main(
         if accelerator.is_main_process:
             metrics.log({"eval/map50": last_eval["eval_map50"], "eval/map50_95": last_eval["eval_map50_95"]}, step=0)
     meter.restart()
-    for epoch in range(num_epochs):
+    for epoch in range(state["epoch"], num_epochs):
         epoch_start = time.perf_counter()
         net.train()
-        for images, targets, _ in train_loader:
+        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the seed and the epoch only
+        train_set.set_epoch(epoch)  # and so does each image's augmentation
+        batches_done, state["batches_done"] = state["batches_done"], 0  # > 0 only in the epoch a resume lands in
+        # Skip what the interrupted run had trained on in this epoch.
+        batches = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        for images, targets, _ in batches:
+            batches_done += 1
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 outputs = net(to_model_input(images, channels_last))
                 loss, parts = criterion([o.float() for o in outputs], targets)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:
+                guard.observe(loss)
+                # One tiny all-reduce per step: a stop signal or a NaN loss on any process, seen by all of them.
+                skip_update = accelerator.sync_gradients and guard.step_is_bad(step + 1)
+                if accelerator.sync_gradients and not skip_update:
                     accelerator.clip_grad_norm_(net.parameters(), max_norm=10.0)  # early steps can spike
-                opt.step()
+                if not skip_update:
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
             running += torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]).float()
             micro_batches += 1
@@ -407,6 +459,14 @@ def main(
                 progress.set_postfix(loss=f"{mean[0]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 running.zero_()
                 micro_batches = 0
+            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
+            if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
+                save_checkpoint(epoch, batches_done)
+            if guard.stop_signal:
+                progress.close()
+                accelerator.end_training()
+                raise Preempted(f"{guard.stop_signal_name} at step {step}; checkpoint saved in "
+                                f"{checkpoints.last_saved}; continue with --resume auto")
             if step >= total_steps:
                 break
 
@@ -432,10 +492,12 @@ def main(
                     f"mAP50-95 {last_eval['eval_map50_95']:.4f} on {last_eval['eval_images']} images, "
                     f"{epoch_seconds:.1f} s, {meter.samples_per_second:.1f} images/s"
                 )
+        save_checkpoint(epoch + 1, 0)
         meter.restart()
         if last_epoch:
             break
     progress.close()
+    guard.close()
 
     # ---- save the (EMA) model, what predict.py needs to rebuild it, and the run's results
     accelerator.wait_for_everyone()
@@ -445,6 +507,8 @@ def main(
         config,
         synthetic_data=data == "synthetic",
         steps=step,
+        resumed_from=str(resume_from) if resume_from else None,
+        skipped_nonfinite_steps=guard.skipped_steps,
         wall_seconds=time.perf_counter() - started,
         train_loss_first=first_loss,
         train_loss_last=last_loss,

@@ -1,0 +1,179 @@
+"""Checkpoints that survive crashes: written atomically, kept to the last N, found again by `--resume auto`.
+
+The recipe calls `accelerator.save_state` / `accelerator.load_state` itself (model, optimizer, scheduler, grad scaler,
+RNG states); this module decides where they go and makes each one appear only once it is whole:
+
+    output_dir/checkpoints/step_00000120.partial/   save_state writes here first
+    output_dir/checkpoints/step_00000120/           renamed when every process has finished writing, with
+        checkpoint.json                            the progress the recipe needs to continue (step, epoch, batches
+                                                   already seen in that epoch, ...), written last
+
+A folder without checkpoint.json, or still named `.partial`, is a save that was interrupted: never resumed from.
+On several nodes the output directory must be on a shared file system (the model is written by the main process only).
+"""
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from accelerate_recipes.cli import RecipeError
+
+CHECKPOINTS_DIR = "checkpoints"
+PROGRESS_FILE = "checkpoint.json"
+PARTIAL_SUFFIX = ".partial"
+# Settings that must match for a checkpoint to continue the same run.
+MUST_MATCH = ("recipe", "model", "global_batch_size", "gradient_accumulation_steps")
+
+
+def step_of(folder: Path) -> int | None:
+    """The step in a checkpoint folder's name (step_00000120 -> 120), or None for other names."""
+    name = folder.name
+    if not name.startswith("step_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def is_complete(folder: Path) -> bool:
+    return step_of(folder) is not None and (folder / PROGRESS_FILE).is_file()
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The whole checkpoints in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((f for f in directory.iterdir() if f.is_dir() and is_complete(f)), key=step_of)
+
+
+def read_progress(folder: Path) -> dict:
+    try:
+        return json.loads((folder / PROGRESS_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise RecipeError(f"checkpoint {folder} is damaged ({PROGRESS_FILE}: {err}); delete it, or resume from an "
+                          "older one with --resume <its path>") from None
+
+
+class Checkpoints:
+    """The checkpoints of one run in output_dir/checkpoints: what to resume from, and atomic saving with rotation."""
+
+    def __init__(self, accelerator, output_dir: str | Path, keep: int = 2):
+        if keep < 1:
+            raise RecipeError(f"--keep_checkpoints {keep}: keep at least 1 (the newest is the one a resume needs)")
+        self.accelerator = accelerator
+        self.directory = Path(output_dir) / CHECKPOINTS_DIR
+        self.keep = keep
+        self.last_saved: Path | None = None
+
+    def newest(self) -> Path | None:
+        found = complete_checkpoints(self.directory)
+        return found[-1] if found else None
+
+    def resolve(self, resume: str | None) -> Path | None:
+        """The checkpoint `--resume` names: None (start fresh), "auto" (the newest complete one, if any) or a path.
+
+        Starting fresh where checkpoints of an earlier run exist would rotate them away, so that is refused.
+        """
+        choice = None if resume is None else str(resume).strip()
+        if choice in (None, "", "none", "None", "False", "false"):
+            newest = self.newest()
+            if newest is not None:
+                raise RecipeError(
+                    f"{self.directory} holds checkpoints of an earlier run (newest: {newest.name}); continue it with "
+                    "--resume auto, or start over in another --output_dir (or delete that folder first)"
+                )
+            return None
+        if choice == "auto":
+            return self.newest()
+        path = Path(choice).expanduser()
+        if not path.exists():
+            raise RecipeError(f"--resume {choice} does not exist; give a checkpoint folder "
+                              f"(output_dir/{CHECKPOINTS_DIR}/step_N) or --resume auto")
+        if not is_complete(path):
+            inside = complete_checkpoints(path) or complete_checkpoints(path / CHECKPOINTS_DIR)
+            if inside:  # an output directory or its checkpoints folder: take the newest in it
+                return inside[-1]
+            raise RecipeError(
+                f"--resume {choice} is not a complete checkpoint (no {PROGRESS_FILE}: its save was interrupted, or it "
+                "is not a checkpoint folder); use --resume auto to take the newest complete one"
+            )
+        return path
+
+    def check_compatible(self, folder: Path, config: dict) -> dict:
+        """The saved progress of `folder`, after checking it was written by a run with the same essential settings."""
+        progress = read_progress(folder)
+        saved = progress.get("config", {})
+        differ = [f"{key} {saved[key]!r} there, {config[key]!r} now" for key in MUST_MATCH
+                  if key in saved and key in config and saved[key] != config[key]]
+        if differ:
+            raise RecipeError(f"checkpoint {folder} belongs to a run with other settings ({'; '.join(differ)}); "
+                              "use the same flags to continue it, or another --output_dir to start a new run")
+        if saved.get("world_size") not in (None, config.get("world_size")):
+            self.accelerator.print(
+                f"warning: {folder} was written by {saved['world_size']} process(es), this run has "
+                f"{config.get('world_size')}: training continues with the same global batch, but not bit for bit"
+            )
+        return progress
+
+    def remove_partial(self) -> None:
+        """Delete saves that were interrupted (main process; call before the first save)."""
+        if self.accelerator.is_main_process and self.directory.is_dir():
+            for folder in self.directory.glob(f"*{PARTIAL_SUFFIX}"):
+                shutil.rmtree(folder, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    @contextmanager
+    def saving(self, step: int, progress: dict):
+        """`with checkpoints.saving(step, progress) as path: accelerator.save_state(path)` on every process.
+
+        The folder is named for the step once every process wrote its part and checkpoint.json is in place; the
+        oldest complete checkpoints beyond `keep` are then deleted. A failed write on any process (a full disk, say)
+        stops every process with the cause, and leaves the previous checkpoints as they were.
+        """
+        accelerator = self.accelerator
+        final = self.directory / f"step_{step:08d}"
+        partial = final.with_name(final.name + PARTIAL_SUFFIX)
+        error = None
+        if accelerator.is_local_main_process:
+            try:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            except OSError as err:
+                error = err
+        accelerator.wait_for_everyone()
+        try:
+            yield partial
+        except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
+            error = error or err
+        # Every process learns whether any process failed, so none is left waiting for the others.
+        failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
+        if accelerator.reduce(failed, reduction="sum").item() > 0:
+            reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
+            kept = f"; the previous checkpoint {self.last_saved or self.newest()} is kept" if self.newest() else ""
+            raise RecipeError(f"could not write checkpoint {partial} ({reason}){kept}; free disk space or choose "
+                              "another --output_dir, then continue with --resume auto")
+        record = dict(progress, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      world_size=accelerator.num_processes)
+        if accelerator.is_main_process:
+            self._publish(partial, final, record)
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process and partial.exists():  # a node that does not share the file system
+            self._publish(partial, final, record)
+        if accelerator.is_main_process:
+            for old in complete_checkpoints(self.directory)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        self.last_saved = final
+
+    @staticmethod
+    def _publish(partial: Path, final: Path, record: dict) -> None:
+        """Write checkpoint.json last, then give the folder its final name."""
+        tmp = partial / f"{PROGRESS_FILE}.tmp"
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, partial / PROGRESS_FILE)
+        if final.exists():  # the same step saved again (e.g. after a resume): the new copy replaces it
+            shutil.rmtree(final)
+        os.replace(partial, final)
