@@ -14,6 +14,7 @@ CONFIGS := accelerate_configs
 NODE_RANK ?= 0
 MASTER_ADDR ?=
 MASTER_PORT ?= 29500
+STARTUP_TIMEOUT ?= 300
 GPU_IDS ?=
 GPUS ?=
 TOPO ?=
@@ -29,7 +30,9 @@ NGPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 LAUNCH_OPTS = $(if $(GPU_IDS),--gpu_ids $(GPU_IDS)) $(if $(PRECISION),--mixed_precision $(PRECISION))
 launch = $(ACCELERATE) launch --config_file $(CONFIGS)/$(1).yaml $(LAUNCH_OPTS)
 cpu_launch = ACCELERATE_USE_CPU=true $(call launch,cpu) --num_processes $(NPROC) --num_cpu_threads_per_process $(THREADS)
-node_opts = --machine_rank $(NODE_RANK) --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT)
+# A node that waits longer than STARTUP_TIMEOUT seconds for the others stops ("1/2 clients joined") instead of hanging.
+node_opts = --machine_rank $(NODE_RANK) --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) \
+	--rdzv_conf timeout=$(STARTUP_TIMEOUT)
 need_hostfile = @if [ -z "$(HOSTFILE)" ]; then \
 	echo "error: set HOSTFILE to a file with one 'hostname slots=N' line per node, e.g. make $@ HOSTFILE=hosts.txt" >&2; \
 	exit 2; fi
@@ -56,7 +59,8 @@ test: install ## run the test suite (CPU, offline; multi-process runs over gloo)
 # The demo trains on generated CIFAR-shaped data, so it needs no download and no login: all GPUs when there are
 # some, two CPU processes over gloo when there are none. SwanLab logs go offline under the output directory.
 DEMO_OUT ?= outputs/demo
-demo: install ## train ResNet18 on whatever hardware is here, offline, in a few minutes
+demo: install ## train ResNet18 on whatever hardware is here, offline, in a few minutes (replaces outputs/demo)
+	@rm -rf $(DEMO_OUT)
 	@if [ "$(NGPUS)" -ge 2 ]; then \
 		set -x; $(ACCELERATE) launch --multi_gpu --num_processes $(NGPUS) --mixed_precision $(or $(PRECISION),bf16) \
 			recipes/cifar.py --dataset synthetic --epochs 3 --output_dir $(DEMO_OUT) $(ARGS); \

@@ -8,7 +8,8 @@ RNG states); this module decides where they go and makes each one appear only on
         checkpoint.json                            the progress the recipe needs to continue (step, epoch, batches
                                                    already seen in that epoch, ...), written last
 
-A folder without checkpoint.json, or still named `.partial`, is a save that was interrupted: never resumed from.
+A folder without checkpoint.json, or still named `.partial`, is a save that was interrupted: never resumed from, and
+deleted at the next start. Old checkpoints are renamed `.deleting` before they are deleted, for the same reason.
 On several nodes the output directory must be on a shared file system (the model is written by the main process only).
 """
 
@@ -26,6 +27,7 @@ from accelerate_recipes.cli import RecipeError
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_FILE = "checkpoint.json"
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
 # Settings that must match for a checkpoint to continue the same run.
 MUST_MATCH = ("recipe", "model", "global_batch_size", "gradient_accumulation_steps")
 
@@ -119,10 +121,12 @@ class Checkpoints:
         return progress
 
     def remove_partial(self) -> None:
-        """Delete saves that were interrupted (main process; call before the first save)."""
+        """Delete what interrupted saves and deletions left: every folder that is not a complete checkpoint
+        (main process; call before the first save)."""
         if self.accelerator.is_main_process and self.directory.is_dir():
-            for folder in self.directory.glob(f"*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(folder, ignore_errors=True)
+            for folder in self.directory.iterdir():
+                if folder.is_dir() and not is_complete(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
         self.accelerator.wait_for_everyone()
 
     @contextmanager
@@ -137,13 +141,18 @@ class Checkpoints:
         final = self.directory / f"step_{step:08d}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
         error = None
-        if accelerator.is_local_main_process:
-            try:
+        try:
+            if accelerator.is_main_process:  # a leftover of an interrupted save at this step is started over
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True)
-            except OSError as err:
-                error = err
+        except OSError as err:
+            error = err
         accelerator.wait_for_everyone()
+        try:
+            if accelerator.is_local_main_process:  # a node that does not share the file system
+                partial.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            error = error or err
         try:
             yield partial
         except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
@@ -164,7 +173,10 @@ class Checkpoints:
             self._publish(partial, final, record)
         if accelerator.is_main_process:
             for old in complete_checkpoints(self.directory)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                # Renamed first: a deletion cut short leaves a folder that is plainly not a checkpoint.
+                doomed = old.with_name(old.name + DELETING_SUFFIX)
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
         accelerator.wait_for_everyone()
         self.last_saved = final
 
@@ -175,5 +187,7 @@ class Checkpoints:
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, partial / PROGRESS_FILE)
         if final.exists():  # the same step saved again (e.g. after a resume): the new copy replaces it
-            shutil.rmtree(final)
+            doomed = final.with_name(final.name + DELETING_SUFFIX)
+            os.replace(final, doomed)
+            shutil.rmtree(doomed)
         os.replace(partial, final)

@@ -4,6 +4,7 @@ import os
 import sys
 
 import fire
+from tqdm.std import tqdm  # every bar, whatever its front end, is listed in tqdm.std.tqdm._instances
 
 
 # EX_TEMPFAIL from sysexits.h, "temporary failure, the user is invited to retry": a run stopped by SIGTERM or SIGUSR1
@@ -52,6 +53,12 @@ def expand_preset(argv: list[str], presets: dict[str, dict]) -> list[str]:
     return [f"--{flag}={value}" for flag, value in presets[name].items() if flag not in given] + argv
 
 
+def _close_progress_bars() -> None:
+    """End any open tqdm bar, so that the message that follows starts on a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", [])):
+        bar.close()
+
+
 def run(main, presets: dict[str, dict] | None = None) -> None:
     """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
 
@@ -62,11 +69,13 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
         argv = expand_preset(argv, presets or {})
         fire.Fire(main, command=argv, name=os.path.basename(sys.argv[0]))
     except RecipeError as err:
+        _close_progress_bars()
         rank = os.environ.get("RANK", "0")
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         print(f"{prefix}: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Preempted as stop:
+        _close_progress_bars()
         if os.environ.get("RANK", "0") == "0":
             print(f"stopped: {stop}", file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)

@@ -1,7 +1,11 @@
 """Checks on how the recipe was launched, and the global -> per-process batch arithmetic."""
 
 import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch.distributed as dist
 
 from accelerate_recipes.cli import RecipeError
 
@@ -92,3 +96,48 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
         raise RecipeError(f"cannot write to --output_dir {output} ({err.strerror or err}); choose a folder you can "
                           "write to, with free space") from None
     return output
+
+
+def check_visible_gpus() -> None:
+    """GPU ids given to the launcher (--gpu_ids / GPU_IDS become CUDA_VISIBLE_DEVICES) must exist on this machine."""
+    listed = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+    if not listed or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible < len(listed):
+        raise RecipeError(
+            f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what --gpu_ids / GPU_IDS set) names {len(listed)} GPU(s), but "
+            f"torch sees {visible} here: use ids that `nvidia-smi -L` lists on this machine, or leave --gpu_ids out"
+        )
+
+
+@contextmanager
+def explain_startup_failure(timeout_seconds: float):
+    """Around `Accelerator(...)`: first check the GPUs the launcher was given exist; then a process group that does
+    not form within the timeout becomes one line naming the main node's address and port and how many processes
+    joined, instead of a traceback from torch's store."""
+    check_visible_gpus()
+    try:
+        yield
+    except (dist.DistStoreError, dist.DistNetworkError) as err:
+        address, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        where = f"{address}:{port}"
+        world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
+        if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+            raise RecipeError(
+                f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick "
+                f"another with --main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
+            ) from None
+        if joined:
+            what = f"only {joined[1]} of {joined[2]} processes joined the main process at {where} within {timeout_seconds:g} s"
+        elif isinstance(err, dist.DistNetworkError):
+            what = f"process {rank} of {world} could not reach the main process at {where} within {timeout_seconds:g} s"
+        else:
+            what = f"not all {world} processes joined at {where} within {timeout_seconds:g} s"
+        raise RecipeError(
+            f"{what}: start every node (each with its own --machine_rank, the same --main_process_ip and port), check "
+            f"that each reaches {where} (firewall, the main node's address), or wait longer with --dist_timeout"
+        ) from None

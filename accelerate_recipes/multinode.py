@@ -78,6 +78,7 @@ def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
               "--num_machines", str(len(hosts)), "--num_processes", str(sum(h.slots for h in hosts)),
               "--machine_rank", str(rank), "--main_process_ip", args.main_process_ip,
               "--main_process_port", str(args.main_process_port),
+              "--rdzv_conf", f"timeout={args.startup_timeout}",  # a node left alone stops instead of waiting
               *shlex.split(args.launch_args), args.script, *args.script_args]
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forward.items()))
     return "\n".join([
@@ -230,6 +231,9 @@ def parse_args(argv=None):
                              "SWANLAB_*, HF_*, TORCH_*, CUDA_*, OMP_* and PYTHON* are passed on to remote nodes anyway")
     parser.add_argument("--ssh_options", default="", help='extra ssh options, e.g. "-p 2222 -i ~/.ssh/cluster"')
     parser.add_argument("--ssh_timeout", type=int, default=10, help="seconds ssh waits to connect to a node")
+    parser.add_argument("--startup_timeout", type=int, default=int(os.environ.get("STARTUP_TIMEOUT", 300)),
+                        help="seconds each node waits for the others to join before it stops with an error "
+                             "(default: $STARTUP_TIMEOUT or 300)")
     parser.add_argument("script", help="the training script, e.g. recipes/cifar.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="flags for the script")
     args = parser.parse_args(argv)

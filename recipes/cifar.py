@@ -12,6 +12,7 @@ GLOBAL batch (all processes together), so the same flags give the same training 
 import math
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 import torch.nn as nn
 import torchvision
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
@@ -35,6 +36,7 @@ from accelerate_recipes import (
     check_process_group,
     default_num_workers,
     describe_launch,
+    explain_startup_failure,
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
@@ -230,6 +232,7 @@ def main(
     keep_checkpoints: int = 2,
     resume: str | None = None,
     skip_nonfinite_steps: bool = False,
+    dist_timeout: int = 600,
     tracker: str = "swanlab",
     swanlab_mode: str | None = None,
     project: str = "accelerate-recipes",
@@ -278,7 +281,10 @@ def main(
         keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
         resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
             there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
-        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping.
+        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping
+            (the optimizer skips it; BatchNorm statistics of that forward pass are kept).
+        dist_timeout: seconds a process waits for the others (at start-up, in a checkpoint save, in any collective)
+            before it stops with an error; the launcher's own wait for other nodes is --rdzv_conf timeout=N.
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
         project: tracker project name.
@@ -298,17 +304,20 @@ def main(
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(tracker, output, run_name or f"cifar-{dataset}", swanlab_mode)
-    accelerator = Accelerator(
-        mixed_precision=mixed_precision,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with=tracking.log_with or None,
-        project_dir=str(output),
-        # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-        step_scheduler_with_optimizer=False,
-        dynamo_backend="inductor" if compile else None,  # prepare() then wraps the model in torch.compile
-    )
+    with explain_startup_failure(dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=mixed_precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            log_with=tracking.log_with or None,
+            project_dir=str(output),
+            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+            step_scheduler_with_optimizer=False,
+            # How long a process waits for the others, at start-up and in every collective, before it stops.
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
+            dynamo_backend="inductor" if compile else None,  # prepare() then wraps the model in torch.compile
+        )
     check_process_group(accelerator)
     world = accelerator.num_processes
     machines = num_machines(world)

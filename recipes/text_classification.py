@@ -14,13 +14,14 @@ import json
 import math
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import datasets
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
 from tqdm.auto import tqdm
@@ -42,6 +43,7 @@ from accelerate_recipes import (
     check_process_group,
     default_num_workers,
     describe_launch,
+    explain_startup_failure,
     num_machines,
     peak_memory_mb,
     per_process_batch_size,
@@ -274,6 +276,7 @@ def main(
     keep_checkpoints: int = 2,
     resume: str | None = None,
     skip_nonfinite_steps: bool = False,
+    dist_timeout: int = 600,
     cache_dir: str | None = None,
     tracker: str = "swanlab",
     swanlab_mode: str | None = None,
@@ -316,6 +319,8 @@ def main(
         resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
             there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
         skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping.
+        dist_timeout: seconds a process waits for the others (at start-up, in a checkpoint save, in any collective)
+            before it stops with an error; the launcher's own wait for other nodes is --rdzv_conf timeout=N.
         cache_dir: cache of the `datasets` library (downloads and tokenised data); default ~/.cache/huggingface/datasets.
         tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
         swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
@@ -338,16 +343,19 @@ def main(
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(tracker, output, run_name or f"text-{dataset_name}", swanlab_mode)
-    accelerator = Accelerator(
-        mixed_precision=mixed_precision,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with=tracking.log_with or None,
-        project_dir=str(output),
-        # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-        step_scheduler_with_optimizer=False,
-    )
+    with explain_startup_failure(dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=mixed_precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            log_with=tracking.log_with or None,
+            project_dir=str(output),
+            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+            step_scheduler_with_optimizer=False,
+            # How long a process waits for the others, at start-up and in every collective, before it stops.
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
+        )
     check_process_group(accelerator)
     world = accelerator.num_processes
     machines = num_machines(world)

@@ -4,7 +4,8 @@
 # Ranks come from c10d rendezvous at the first node of the allocation, so no node needs to know its own rank.
 # Settings (environment): CONFIG (accelerate config, default accelerate_configs/2node.yaml), GPUS_PER_NODE (default:
 # the GPUs this node sees), MASTER_ADDR (default: first node of the job), MASTER_PORT (default 29500),
-# LAUNCH_ARGS (extra accelerate launch flags), ACCELERATE (the accelerate executable).
+# LAUNCH_ARGS (extra accelerate launch flags), ACCELERATE (the accelerate executable), STARTUP_TIMEOUT (seconds a node
+# waits for the others to join, default 300).
 set -euo pipefail
 
 : "${SLURM_NNODES:?run this through srun inside an sbatch or salloc allocation (SLURM_NNODES is not set)}"
@@ -33,4 +34,4 @@ echo "node $SLURM_NODEID of $SLURM_NNODES ($(hostname)): $GPUS_PER_NODE process(
 exec "$ACCELERATE" launch --config_file "$CONFIG" \
     --num_machines "$SLURM_NNODES" --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
     --machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-    --rdzv_backend c10d ${LAUNCH_ARGS:-} "$@"
+    --rdzv_backend c10d --rdzv_conf "join_timeout=${STARTUP_TIMEOUT:-300}" ${LAUNCH_ARGS:-} "$@"

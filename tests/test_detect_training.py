@@ -84,3 +84,16 @@ def test_detection_errors(shapes, tmp_path):
     fails_with(run([*base, "--data", shapes, "--eval_only", "True"], env), "--eval_only needs --weights")
     fails_with(run([*base, "--data", shapes, "--weights", tmp_path], env), "model.safetensors")
     fails_with(run([PYTHON, PREDICT, "--model", tmp_path, "--source", shapes.parent], env), "detector.json")
+
+
+def test_a_bad_label_stops_the_recipe_naming_file_and_line_and_overwrites_nothing(tmp_path):
+    data = write_synthetic_dataset(tmp_path / "shapes", num_train=8, num_val=4, image_size=128, seed=5)
+    label = sorted((data.parent / "labels" / "train").glob("*.txt"))[0]
+    label.write_text("0 0.5 0.5 0.2 0.2\n7 0.5 0.5 0.1 0.1\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"from": "an earlier run"}')
+    proc = run([PYTHON, TRAIN, "--data", data, "--batch_size", 4, "--epochs", 1, "--output_dir", out, *SMALL],
+               recipe_env(tmp_path))
+    fails_with(proc, str(label), "line 2: class 7 is out of range")
+    assert (out / "results.json").read_text() == '{"from": "an earlier run"}'

@@ -36,6 +36,7 @@ def test_2node_target_passes_rank_address_and_port():
     line = launch_line(make("-n", "cifar-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29600"))
     assert "accelerate launch --config_file accelerate_configs/2node.yaml" in line
     assert "--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29600" in line
+    assert "--rdzv_conf timeout=300" in line  # a node left alone stops after STARTUP_TIMEOUT seconds
     assert "recipes/cifar.py" in line
 
 

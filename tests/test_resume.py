@@ -1,0 +1,282 @@
+"""Checkpoints and resume for every recipe: a run killed anywhere continues to the same weights, bit for bit on CPU.
+
+Each run is a real subprocess, killed for real (SIGKILL, SIGTERM) once a checkpoint has appeared on disk.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    ACCELERATE,
+    CIFAR_SCRIPT,
+    CONFIGS,
+    PYTHON,
+    REPO,
+    TEXT_SCRIPT,
+    check,
+    fails_with,
+    free_port,
+    read_metrics,
+    read_results,
+    recipe_env,
+    run,
+    sentiment_rows,
+    tiny_bert,
+    write_rows,
+)
+from safetensors.torch import load_file
+
+from accelerate_recipes import PREEMPTED_EXIT_CODE
+from accelerate_recipes.checkpoints import is_complete
+from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+
+DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
+COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1"]
+# Three epochs each, a checkpoint every 2 steps: a kill lands mid-epoch with several checkpoints behind it.
+CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "160", "--batch_size", "16", "--epochs", "3",
+         "--checkpoint_every", "2", *COMMON]  # 10 steps per epoch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume-data")
+    shapes = write_synthetic_dataset(root / "shapes", num_train=48, num_val=9, image_size=128, seed=3)
+    return {"bert": tiny_bert(root / "tiny-bert"),
+            "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
+            "dev": write_rows(root / "reviews" / "dev.csv", sentiment_rows(31, seed=1)),
+            "shapes": shapes}
+
+
+def recipe_command(name: str, data: dict) -> list:
+    if name == "cifar":
+        return CIFAR
+    if name == "text":  # 16 steps per epoch; dropout draws from the global RNG that checkpoints restore
+        return [TEXT_SCRIPT, "--model", data["bert"], "--train_file", data["train"], "--validation_file", data["dev"],
+                "--batch_size", "16", "--lr", "3e-3", "--epochs", "6", "--checkpoint_every", "3", *COMMON]
+    # detect: 6 steps per epoch, mosaic augmentation, EMA weights
+    return [DETECT_SCRIPT, "--data", data["shapes"], "--image_size", "128", "--batch_size", "8", "--epochs", "3",
+            "--checkpoint_every", "2", *COMMON]
+
+
+def weights(output_dir: Path) -> dict:
+    return load_file(str(output_dir / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def start(cmd, env, log: Path) -> subprocess.Popen:
+    # Its own session, so a kill of the group reaches every process it started.
+    return subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
+    marker = output_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json"
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint at step {step} after {timeout} s"
+        time.sleep(0.02)
+
+
+def processes_with(variable: str, value: str) -> dict[int, dict]:
+    """pid -> environment of the running processes whose environment has variable=value."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pairs = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        env = dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+        if env.get(variable) == value:
+            found[int(entry.name)] = env
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    """The reference: each recipe run start to finish with the same flags."""
+    outputs = {}
+
+    def get(name: str) -> Path:
+        if name not in outputs:
+            tmp = tmp_path_factory.mktemp(f"reference-{name}")
+            check(run([PYTHON, *recipe_command(name, data), "--output_dir", tmp / "out"], recipe_env(tmp), timeout=400))
+            outputs[name] = tmp / "out"
+        return outputs[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name, kill_after", [("cifar", 12), ("text", 30), ("detect", 8)])
+def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kill_after, data, uninterrupted, tmp_path):
+    out, log = tmp_path / "out", tmp_path / "killed.log"
+    env = recipe_env(tmp_path)
+    proc = start([PYTHON, *recipe_command(name, data), "--output_dir", out], env, log)
+    try:
+        wait_for_checkpoint(proc, out, kill_after, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / "results.json").exists(), "the run finished before it was killed"
+    progress = json.loads((out / "checkpoints" / f"step_{kill_after:08d}" / "checkpoint.json").read_text())
+    assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
+
+    resumed = check(run([PYTHON, *recipe_command(name, data), "--output_dir", out, "--resume", "auto"], env,
+                        timeout=400))
+    assert "resumed from" in resumed.stdout
+    results = read_results(out)
+    assert results["resumed_from"].startswith(str(out / "checkpoints" / "step_"))
+    assert results["steps"] == read_results(uninterrupted(name))["steps"]
+    assert_same_weights(out, uninterrupted(name))
+    # The metrics file reads as one run: every step logged once, in order.
+    steps = [m["step"] for m in read_metrics(out) if "train/loss" in m]
+    assert steps == sorted(set(steps)) and steps[-1] == results["steps"]
+    assert len(list((out / "checkpoints").iterdir())) == 2  # --keep_checkpoints 2
+
+
+def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(tmp_path):
+    launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+              "--num_cpu_threads_per_process", "1"]
+    reference = tmp_path / "reference"
+    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
+    check(run([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", reference], env, timeout=400))
+
+    out, log = tmp_path / "out", tmp_path / "killed.log"
+    marked = dict(env, RESUME_TEST_RUN=str(tmp_path))
+    proc = start([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", out], marked, log)
+    try:
+        wait_for_checkpoint(proc, out, 8, log)
+        rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
+        assert rank1, "rank 1 not found"
+        os.kill(rank1[0], signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0  # the launcher notices and stops rank 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (out / "results.json").exists()
+
+    check(run([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", out, "--resume", "auto"], env,
+              timeout=400))
+    assert read_results(out)["world_size"] == 2
+    assert_same_weights(out, reference)
+
+
+def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted, tmp_path):
+    out, log = tmp_path / "out", tmp_path / "stopped.log"
+    env = recipe_env(tmp_path)
+    stopping = [PYTHON, *CIFAR, "--checkpoint_every", "0"]  # epoch ends only: the SIGTERM save is the one mid-epoch
+    proc = start([*stopping, "--output_dir", out], env, log)
+    wait_for_checkpoint(proc, out, 10, log)  # the end of epoch 1
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE, log.read_text()[-3000:]
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved[-1] > "step_00000010", saved  # a new checkpoint, after the epoch-end one
+    stop_line = [line for line in log.read_text().splitlines() if line.startswith("stopped:")]
+    assert stop_line and "SIGTERM at step" in stop_line[0] and "--resume auto" in stop_line[0]
+
+    check(run([*stopping, "--output_dir", out, "--resume", "auto"], env, timeout=400))
+    assert read_results(out)["resumed_from"].endswith(saved[-1])
+    assert_same_weights(out, uninterrupted("cifar"))
+
+
+def test_half_written_checkpoints_are_skipped_and_cleared(uninterrupted, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted("cifar"), out)
+    checkpoints = out / "checkpoints"
+    newest_complete = sorted(checkpoints.iterdir())[-1]
+    # A crash inside save_state leaves a `.partial` folder; a folder without checkpoint.json is no checkpoint either.
+    shutil.copytree(newest_complete, checkpoints / "step_00000031.partial")
+    (checkpoints / "step_00000031.partial" / "checkpoint.json").unlink()
+    shutil.copytree(newest_complete, checkpoints / "step_00000032")
+    (checkpoints / "step_00000032" / "checkpoint.json").unlink()
+    (checkpoints / "step_00000032" / "model.safetensors").write_bytes(b"cut short")
+
+    proc = check(run([PYTHON, *CIFAR, "--output_dir", out, "--resume", "auto"], recipe_env(tmp_path), timeout=300))
+    assert f"resumed from {newest_complete}" in proc.stdout
+    assert read_results(out)["resumed_from"] == str(newest_complete)
+    assert not (checkpoints / "step_00000031.partial").exists() and not (checkpoints / "step_00000032").exists()
+
+
+def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    # A learning rate of 1e12 sends the loss to inf/NaN at the second step.
+    exploding = [PYTHON, *CIFAR, "--max_steps", "6", "--checkpoint_every", "1", "--lr", "1e12", "--warmup_ratio", "0"]
+    out = tmp_path / "out"
+    error = fails_with(run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
+                       "the loss is not finite", "at step 2", "--skip_nonfinite_steps")
+    good = out / "checkpoints" / "step_00000001"
+    assert str(good) in error
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [good.name]
+    assert all(torch.isfinite(t).all() for t in weights(good).values())
+
+    skipping = tmp_path / "skipping"
+    check(run([*exploding, "--output_dir", skipping, "--skip_nonfinite_steps"], recipe_env(tmp_path), timeout=300))
+    results = read_results(skipping)
+    assert results["steps"] == 6 and 1 <= results["skipped_nonfinite_steps"] <= 5
+    # No non-finite update reached the weights (BatchNorm's running statistics are not gradient updates).
+    trained = {k: t for k, t in weights(skipping).items() if "running_" not in k}
+    assert trained and all(torch.isfinite(t).all() for t in trained.values())
+
+
+def test_keep_checkpoints_rotates_and_a_second_fresh_start_is_refused(uninterrupted, tmp_path):
+    reference = uninterrupted("cifar")
+    saved = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    assert saved == ["step_00000028", "step_00000030"]  # the newest two of 30 steps
+    progress = json.loads((reference / "checkpoints" / saved[-1] / "checkpoint.json").read_text())
+    assert (progress["step"], progress["epoch"], progress["batches_done"]) == (30, 3, 0)
+
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = (out / "results.json").read_bytes()
+    fails_with(run([PYTHON, *CIFAR, "--output_dir", out], recipe_env(tmp_path), timeout=120),
+               "holds checkpoints of an earlier run", "--resume auto", "another --output_dir")
+    assert (out / "results.json").read_bytes() == before  # nothing overwritten
+
+
+@pytest.mark.parametrize("case", ["missing", "incomplete", "other settings", "output not writable"])
+def test_bad_resume_and_output_errors(case, uninterrupted, tmp_path):
+    reference = uninterrupted("cifar")
+    newest = sorted((reference / "checkpoints").iterdir())[-1]
+    args, fragments = {
+        "missing": (["--resume", tmp_path / "nowhere"], ["nowhere does not exist", "--resume auto"]),
+        "incomplete": (["--resume", tmp_path], ["is not a complete checkpoint", "--resume auto"]),
+        "other settings": (["--resume", newest, "--batch_size", "32"],
+                           ["belongs to a run with other settings", "global_batch_size 16 there, 32 now"]),
+        "output not writable": (["--output_dir", tmp_path / "a-file" / "out"], ["cannot write to --output_dir"]),
+    }[case]
+    (tmp_path / "a-file").write_text("in the way of a folder")
+    out = ["--output_dir", tmp_path / "out"] if case != "output not writable" else []
+    fails_with(run([PYTHON, *CIFAR, *out, *args], recipe_env(tmp_path), timeout=120), *fragments)
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_previous_one(tmp_path):
+    # The OS refuses the second checkpoint's folder (a file sits where it goes), as a full disk would refuse its files.
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000002.partial").write_text("in the way")
+    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+                "--num_cpu_threads_per_process", "1", "--main_process_port", free_port(), *CIFAR, "--max_steps", "4",
+                "--checkpoint_every", "1", "--output_dir", out], recipe_env(tmp_path, ACCELERATE_USE_CPU="true"),
+               timeout=300)
+    assert proc.returncode != 0
+    # Both processes stop, neither waits for the other (rank 1's line may land after rank 0's progress bar).
+    errors = re.findall(r"error(?: \(rank 1\))?: could not write checkpoint [^\n]*", proc.stderr)
+    assert len(errors) == 2, proc.stderr[-3000:]
+    assert all("step_00000001 is kept" in e and "--resume auto" in e for e in errors), errors
+    assert any("FileExistsError" in e for e in errors)
+    assert is_complete(out / "checkpoints" / "step_00000001")
