@@ -40,8 +40,8 @@ from accelerate_recipes.synthetic_detection import write_synthetic_dataset
 
 DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
 COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1"]
-# Three epochs each, a checkpoint every 2 steps: a kill lands mid-epoch with several checkpoints behind it.
-CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "160", "--batch_size", "16", "--epochs", "3",
+# Two epochs, a checkpoint every 2 steps: a kill lands mid-epoch with several checkpoints behind it.
+CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "80", "--batch_size", "8", "--epochs", "2",
          "--checkpoint_every", "2", *COMMON]  # 10 steps per epoch
 
 
@@ -201,16 +201,16 @@ def test_half_written_checkpoints_are_skipped_and_cleared(uninterrupted, tmp_pat
     checkpoints = out / "checkpoints"
     newest_complete = sorted(checkpoints.iterdir())[-1]
     # A crash inside save_state leaves a `.partial` folder; a folder without checkpoint.json is no checkpoint either.
-    shutil.copytree(newest_complete, checkpoints / "step_00000031.partial")
-    (checkpoints / "step_00000031.partial" / "checkpoint.json").unlink()
-    shutil.copytree(newest_complete, checkpoints / "step_00000032")
-    (checkpoints / "step_00000032" / "checkpoint.json").unlink()
-    (checkpoints / "step_00000032" / "model.safetensors").write_bytes(b"cut short")
+    shutil.copytree(newest_complete, checkpoints / "step_00000021.partial")
+    (checkpoints / "step_00000021.partial" / "checkpoint.json").unlink()
+    shutil.copytree(newest_complete, checkpoints / "step_00000022")
+    (checkpoints / "step_00000022" / "checkpoint.json").unlink()
+    (checkpoints / "step_00000022" / "model.safetensors").write_bytes(b"cut short")
 
     proc = check(run([PYTHON, *CIFAR, "--output_dir", out, "--resume", "auto"], recipe_env(tmp_path), timeout=300))
     assert f"resumed from {newest_complete}" in proc.stdout
     assert read_results(out)["resumed_from"] == str(newest_complete)
-    assert not (checkpoints / "step_00000031.partial").exists() and not (checkpoints / "step_00000032").exists()
+    assert not (checkpoints / "step_00000021.partial").exists() and not (checkpoints / "step_00000022").exists()
 
 
 def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -236,9 +236,9 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp
 def test_keep_checkpoints_rotates_and_a_second_fresh_start_is_refused(uninterrupted, tmp_path):
     reference = uninterrupted("cifar")
     saved = sorted(p.name for p in (reference / "checkpoints").iterdir())
-    assert saved == ["step_00000028", "step_00000030"]  # the newest two of 30 steps
+    assert saved == ["step_00000018", "step_00000020"]  # the newest two of 20 steps
     progress = json.loads((reference / "checkpoints" / saved[-1] / "checkpoint.json").read_text())
-    assert (progress["step"], progress["epoch"], progress["batches_done"]) == (30, 3, 0)
+    assert (progress["step"], progress["epoch"], progress["batches_done"]) == (20, 2, 0)
 
     out = tmp_path / "out"
     shutil.copytree(reference, out)
@@ -256,7 +256,7 @@ def test_bad_resume_and_output_errors(case, uninterrupted, tmp_path):
         "missing": (["--resume", tmp_path / "nowhere"], ["nowhere does not exist", "--resume auto"]),
         "incomplete": (["--resume", tmp_path], ["is not a complete checkpoint", "--resume auto"]),
         "other settings": (["--resume", newest, "--batch_size", "32"],
-                           ["belongs to a run with other settings", "global_batch_size 16 there, 32 now"]),
+                           ["belongs to a run with other settings", "global_batch_size 8 there, 32 now"]),
         "output not writable": (["--output_dir", tmp_path / "a-file" / "out"], ["cannot write to --output_dir"]),
     }[case]
     (tmp_path / "a-file").write_text("in the way of a folder")

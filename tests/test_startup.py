@@ -69,7 +69,7 @@ def test_gpu_ids_that_do_not_exist_are_named(tmp_path):
 
 def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_with_one_checkpoint(tmp_path):
     out, log = tmp_path / "out", tmp_path / "launch.log"
-    args = ["--dataset", "synthetic", "--synthetic_size", "160", "--batch_size", "16", "--epochs", "3",
+    args = ["--dataset", "synthetic", "--synthetic_size", "80", "--batch_size", "8", "--epochs", "2",
             "--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0"]
     proc = subprocess.Popen(
         [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--num_processes", "2",
