@@ -2,6 +2,7 @@
 
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import time
@@ -145,3 +146,38 @@ def test_slurm_node_script_joins_two_nodes_through_c10d(tmp_path):
 def test_slurm_node_script_outside_slurm_says_how_to_run_it(tmp_path):
     proc = run([REPO / "slurm" / "node_launch.sh", CIFAR_SCRIPT], recipe_env(tmp_path))
     assert proc.returncode != 0 and "run this through srun inside an sbatch or salloc allocation" in proc.stderr
+
+
+def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(tmp_path):
+    # SLURM does not run here: `srun` and `scontrol` are small stand-ins that record what the script asks of them.
+    # What is tested is the script's own logic: USR1 from SLURM -> SIGTERM to the training step -> wait -> requeue.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f"echo \"$@\" > {tmp_path}/srun_args\n"
+        f"trap 'kill $sleeper; echo TERM > {tmp_path}/srun_signal; exit 75' TERM\n"
+        "sleep 60 >/dev/null 2>&1 & sleeper=$!\n"
+        "wait $sleeper\n"
+    )
+    (bin_dir / "scontrol").write_text(
+        "#!/usr/bin/env bash\n"
+        "if [ \"$1\" = show ]; then echo node-a; exit 0; fi\n"
+        f"echo \"$@\" > {tmp_path}/scontrol_args\n"
+    )
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = recipe_env(tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    job = subprocess.Popen(["bash", str(REPO / "slurm" / "multi_node.sbatch"), "recipes/cifar.py", "--epochs", "5"],
+                           env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "srun_args").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@180` sends to the batch script
+    output = job.communicate(timeout=30)[0]
+    assert job.returncode == 0, output
+    assert (tmp_path / "srun_signal").read_text().strip() == "TERM"
+    assert (tmp_path / "scontrol_args").read_text().split() == ["requeue", "4242"]
+    assert (tmp_path / "srun_args").read_text().split()[-4:] == ["--epochs", "5", "--resume", "auto"]
