@@ -6,7 +6,7 @@ a throughput meter, the results.json writer, atomic checkpoint folders and the s
 """
 
 from accelerate_recipes.checkpoints import Checkpoints
-from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, Preempted, RecipeError, run
+from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 from accelerate_recipes.guard import StepGuard
 from accelerate_recipes.launch import (
     check_process_group,
@@ -25,7 +25,6 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "Checkpoints",
     "MetricsLog",
-    "Preempted",
     "RecipeError",
     "StepGuard",
     "StepMeter",

@@ -161,7 +161,8 @@ class Checkpoints:
         failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
         if accelerator.reduce(failed, reduction="sum").item() > 0:
             reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
-            kept = f"; the previous checkpoint {self.last_saved or self.newest()} is kept" if self.newest() else ""
+            previous = self.newest()
+            kept = f"; the previous checkpoint {previous} is kept" if previous else ""
             raise RecipeError(f"could not write checkpoint {partial} ({reason}){kept}; free disk space or choose "
                               "another --output_dir, then continue with --resume auto")
         record = dict(progress, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

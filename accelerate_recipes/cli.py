@@ -16,6 +16,19 @@ class RecipeError(Exception):
     """A problem the user can fix. Printed as one line (cause and fix), without a traceback."""
 
 
+def address_in_use(err: Exception) -> bool:
+    """Whether a socket or torch store error says the port is taken."""
+    return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
+
+
+def port_in_use(address: str, port) -> RecipeError:
+    """The error for a rendezvous port that another process holds."""
+    return RecipeError(
+        f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick another with "
+        f"--main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
+    )
+
+
 class Preempted(Exception):
     """The run stopped on a signal after saving a checkpoint; the message says where and how to continue."""
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from accelerate_recipes.cli import RecipeError, run
+from accelerate_recipes.cli import RecipeError, address_in_use, port_in_use, run
 
 DEFAULT_PORT = 29500
 KEY = "doctor/"  # prefix of the doctor's keys in the store
@@ -308,11 +308,8 @@ def host_store(plan: Plan, main_addresses: list[str]):
                              wait_for_workers=False)
     except (RuntimeError, OSError) as err:  # torch's DistNetworkError is a RuntimeError
         text = str(err)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise RecipeError(
-                f"port {plan.port} on {plan.main_ip} is in use (by another run or a stale process): pick another "
-                f"--main_process_port / MASTER_PORT or stop it (e.g. `ss -ltnp | grep :{plan.port}`)"
-            ) from None
+        if address_in_use(err):
+            raise port_in_use(plan.main_ip, plan.port) from None
         raise RecipeError(f"cannot serve the rendezvous on {plan.where}: {' '.join(text.split())[:300]}") from None
 
 

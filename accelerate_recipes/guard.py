@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from accelerate_recipes.cli import RecipeError
+from accelerate_recipes.cli import Preempted, RecipeError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -24,7 +24,7 @@ class StepGuard:
         if not guard.step_is_bad(step):      # once per optimizer step, before optimizer.step(), on every process
             optimizer.step()
         ...
-        if guard.stop_signal: save a checkpoint and stop
+        if guard.stop_signal: save a checkpoint, then guard.stop(step, checkpoint)
 
     A non-finite loss raises a RecipeError naming the step (the optimizer has not stepped on it, and the newest
     checkpoint on disk is from before it), or, with `skip_nonfinite`, drops that step's gradients and goes on.
@@ -71,9 +71,12 @@ class StepGuard:
             "--lr, use bf16 instead of fp16, check the data, or pass --skip_nonfinite_steps to drop such steps"
         )
 
-    @property
-    def stop_signal_name(self) -> str:
-        return signal.Signals(self.stop_signal).name if self.stop_signal else ""
+    def stop(self, step: int, checkpoint) -> None:
+        """End the run after the stop signal's checkpoint: tear the process group down together and exit with
+        PREEMPTED_EXIT_CODE (cli.run prints the message). Collective."""
+        self.accelerator.end_training()
+        raise Preempted(f"{signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {checkpoint}; "
+                        "continue with --resume auto")
 
     def close(self) -> None:
         """Put the previous signal handlers back."""

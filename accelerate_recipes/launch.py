@@ -5,9 +5,10 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from accelerate_recipes.cli import RecipeError
+from accelerate_recipes.cli import RecipeError, address_in_use, port_in_use
 
 
 def check_process_group(accelerator) -> None:
@@ -103,8 +104,6 @@ def check_visible_gpus() -> None:
     listed = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
     if not listed or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return
-    import torch
-
     visible = torch.cuda.device_count()
     if visible < len(listed):
         raise RecipeError(
@@ -126,11 +125,8 @@ def explain_startup_failure(timeout_seconds: float):
         where = f"{address}:{port}"
         world, rank = os.environ.get("WORLD_SIZE", "?"), os.environ.get("RANK", "?")
         joined = re.search(r"(\d+)/(\d+) clients joined", str(err))
-        if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
-            raise RecipeError(
-                f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick "
-                f"another with --main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
-            ) from None
+        if address_in_use(err):
+            raise port_in_use(address, port) from None
         if joined:
             what = f"only {joined[1]} of {joined[2]} processes joined the main process at {where} within {timeout_seconds:g} s"
         elif isinstance(err, dist.DistNetworkError):

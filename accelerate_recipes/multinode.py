@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from accelerate_recipes.cli import RecipeError
+from accelerate_recipes.cli import RecipeError, port_in_use
 
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 # Passed on to remote nodes (local ones inherit everything): network, accelerate, tracking and hub settings.
@@ -143,10 +143,7 @@ def check_port_free(address: str, port: int) -> None:
         try:
             probe.bind((address, port))
         except OSError:
-            raise RecipeError(
-                f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick "
-                f"another with --main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
-            ) from None
+            raise port_in_use(address, port) from None
 
 
 def launch(args) -> int:

@@ -36,7 +36,6 @@ from transformers import (
 from accelerate_recipes import (
     Checkpoints,
     MetricsLog,
-    Preempted,
     RecipeError,
     StepGuard,
     StepMeter,
@@ -499,10 +498,7 @@ def main(
             if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
                 save_checkpoint(epoch, batches_done)
             if guard.stop_signal:
-                progress.close()
-                accelerator.end_training()
-                raise Preempted(f"{guard.stop_signal_name} at step {step}; checkpoint saved in "
-                                f"{checkpoints.last_saved}; continue with --resume auto")
+                guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
             if step >= total_steps:
                 break
 
