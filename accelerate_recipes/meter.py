@@ -12,39 +12,70 @@ class StepMeter:
     """Wall time of each optimizer step (data loading included, evaluation excluded) and samples per second.
 
     Call `restart()` before training and after every pause (evaluation, checkpointing), and `step(n)` after each
-    optimizer step with the number of samples all processes consumed in it. The first `warmup_steps` steps
-    (allocator growth, cuDNN autotuning, lazy initialisation) are left out of the throughput when there are more.
+    optimizer step with the number of samples all processes consumed in it. On a GPU `step` only records a CUDA event
+    (the host does not wait for the GPU); the durations are read when asked for: `interval_seconds()` at log steps,
+    the totals at the end. The first `warmup_steps` steps (allocator growth, cuDNN autotuning, lazy initialisation)
+    are left out of the throughput when there are more.
     """
 
     def __init__(self, device: torch.device, warmup_steps: int = 1):
-        self.device = device
+        self.device = torch.device(device)
         self.warmup_steps = warmup_steps
         self.durations: list[float] = []
         self.samples: list[int] = []
-        self._last: float | None = None
+        self._start = None  # the mark the next step's duration counts from
+        self._pending: list[tuple[object, int]] = []  # (mark, samples) of steps not yet converted to seconds
+        self._interval_from = 0  # index into durations where the current log interval began
 
-    def _now(self) -> float:
+    def _mark(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's kernels have finished, not just been queued
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # queued behind the step's kernels: it completes when they have
+            return event
         return time.perf_counter()
 
-    def restart(self) -> None:
-        self._last = self._now()
+    def _flush(self) -> None:
+        """Turn the recorded marks into seconds (on a GPU this waits for the last recorded step)."""
+        if not self._pending:
+            return
+        if self.device.type == "cuda":
+            self._pending[-1][0].synchronize()
+        previous = self._start
+        for mark, samples in self._pending:
+            if previous is None:
+                seconds = 0.0
+            elif self.device.type == "cuda":
+                seconds = previous.elapsed_time(mark) / 1000
+            else:
+                seconds = mark - previous
+            self.durations.append(seconds)
+            self.samples.append(samples)
+            previous = mark
+        self._start = previous
+        self._pending = []
 
-    def step(self, samples: int) -> float:
-        now = self._now()
-        duration = now - (self._last if self._last is not None else now)
-        self._last = now
-        self.durations.append(duration)
-        self.samples.append(samples)
-        return duration
+    def restart(self) -> None:
+        self._flush()
+        self._start = self._mark()
+
+    def step(self, samples: int) -> None:
+        self._pending.append((self._mark(), samples))
+
+    def interval_seconds(self) -> float:
+        """Mean seconds per step since the previous call (a host read on a GPU: call it at log steps only)."""
+        self._flush()
+        recent = self.durations[self._interval_from:]
+        self._interval_from = len(self.durations)
+        return sum(recent) / len(recent) if recent else 0.0
 
     def _measured(self) -> tuple[list[float], list[int]]:
+        self._flush()
         skip = self.warmup_steps if len(self.durations) > self.warmup_steps else 0
         return self.durations[skip:], self.samples[skip:]
 
     @property
     def train_seconds(self) -> float:
+        self._flush()
         return sum(self.durations)
 
     @property

@@ -217,6 +217,7 @@ def main(
     warmup_ratio: float = 0.05,
     schedule: str = "cosine",
     gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 0.0,
     mixed_precision: str | None = None,
     sync_bn: bool = False,
     channels_last: bool = True,
@@ -264,6 +265,8 @@ def main(
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         schedule: decay after warmup: cosine (to zero) or linear (to zero).
         gradient_accumulation_steps: micro-batches summed before each optimizer step.
+        max_grad_norm: clip the gradients' global L2 norm to this before each update (0, the default: no clipping,
+            as in torchvision's ResNet reference; BatchNorm keeps ResNet's gradients tame).
         mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         sync_bn: synchronise BatchNorm statistics across processes (GPUs only). Off by default, as in torchvision's
             and timm's references: each GPU normalises over its own share of the batch.
@@ -273,7 +276,8 @@ def main(
         tta_flip: evaluate on each test image and its mirror image, averaging the logits.
         compile: compile the model with torch.compile (inductor); the first steps take longer.
         num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
-        log_every: log loss and throughput every N optimizer steps.
+        log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
+            from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
         output_dir: where the model, results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
         checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
             end of each epoch; 0: at epoch ends only.
@@ -310,7 +314,8 @@ def main(
             log_with=tracking.log_with or None,
             project_dir=str(output),
             # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
             # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
@@ -322,6 +327,7 @@ def main(
     machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
     set_seed(seed)
+    torch.backends.cudnn.benchmark = True  # every training batch has the same shape: pick the fastest kernels once
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
     resume_from = checkpoints.resolve(resume)  # None: a fresh start
@@ -465,10 +471,12 @@ def main(
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 loss = criterion(net(images), labels)
                 accelerator.backward(loss)
-                guard.observe(loss)
-                # One tiny all-reduce per step: a stop signal or a NaN loss on any process, seen by all of them.
-                if not (accelerator.sync_gradients and guard.step_is_bad(step + 1)):
-                    optimizer.step()
+                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                if accelerator.sync_gradients:
+                    if max_grad_norm:
+                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
+                    if not guard.skip_update(step + 1):
+                        optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             running_loss += loss.detach()
             micro_batches += 1
@@ -477,11 +485,18 @@ def main(
                 continue
             scheduler.step()
             step += 1
-            step_seconds = meter.step(batch_size)
+            meter.step(batch_size)
             progress.update(1)
-            if step % log_every == 0 or step == 1 or step == total_steps:
+            # Only log and checkpoint steps read values back from the device; other steps never make the host wait.
+            at_log = step % log_every == 0 or step == 1 or step == total_steps
+            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
+            at_checkpoint = checkpoint_every and step % checkpoint_every == 0 and mid_epoch
+            if at_log or at_checkpoint:
+                guard.check(step)  # all processes agree: a non-finite loss stops here, a stop signal saves below
+            if at_log:
                 # The mean over every micro-batch since the last log, on all processes.
                 mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
+                step_seconds = meter.interval_seconds()
                 first_loss = mean_loss if first_loss is None else first_loss
                 last_loss = mean_loss
                 metrics.log(
@@ -492,8 +507,7 @@ def main(
                 progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 running_loss.zero_()
                 micro_batches = 0
-            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
-            if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
+            if guard.stop_signal or at_checkpoint:
                 save_checkpoint(epoch, batches_done)
             if guard.stop_signal:
                 guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
@@ -501,6 +515,7 @@ def main(
                 break
 
         # ---- evaluation once per epoch, on the full test set
+        guard.check(step)  # nothing non-finite since the last log step, before evaluating and saving
         epoch_seconds = time.perf_counter() - epoch_start
         last_eval = evaluate(net, test_loader, accelerator, tta_flip)
         memory_mb, _ = peak_memory_mb(accelerator.device)
@@ -515,6 +530,8 @@ def main(
             f"loss {last_eval['eval_loss']:.4f}, {epoch_seconds:.1f} s, {meter.samples_per_second:.0f} samples/s"
         )
         save_checkpoint(epoch + 1, 0)
+        if guard.stop_signal:
+            guard.stop(step, checkpoints.last_saved)
         meter.restart()
         if step >= total_steps:
             break

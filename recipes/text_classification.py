@@ -266,6 +266,7 @@ def main(
     weight_decay: float = 0.01,
     warmup_ratio: float = 0.1,
     gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 1.0,
     mixed_precision: str | None = None,
     gradient_checkpointing: bool = False,
     num_workers: int | None = None,
@@ -306,10 +307,13 @@ def main(
         weight_decay: AdamW weight decay on weight matrices (not on biases and LayerNorm).
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         gradient_accumulation_steps: micro-batches summed before each optimizer step.
+        max_grad_norm: clip the gradients' global L2 norm to this before each update, the same under DDP, FSDP and
+            DeepSpeed (default 1.0, as transformers' Trainer); 0: no clipping.
         mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
         num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap).
-        log_every: log loss and throughput every N optimizer steps.
+        log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
+            from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
         output_dir: where the fine-tuned model and tokenizer (save_pretrained), results.json, metrics.jsonl,
             checkpoints/ and offline SwanLab logs go.
         checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
@@ -349,7 +353,8 @@ def main(
             log_with=tracking.log_with or None,
             project_dir=str(output),
             # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
             # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
@@ -467,10 +472,12 @@ def main(
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 loss = net(**batch).loss
                 accelerator.backward(loss)
-                guard.observe(loss)
-                # One tiny all-reduce per step: a stop signal or a NaN loss on any process, seen by all of them.
-                if not (accelerator.sync_gradients and guard.step_is_bad(step + 1)):
-                    optimizer.step()
+                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                if accelerator.sync_gradients:
+                    if max_grad_norm:
+                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
+                    if not guard.skip_update(step + 1):
+                        optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             running_loss += loss.detach()
             micro_batches += 1
@@ -479,11 +486,18 @@ def main(
                 continue
             scheduler.step()
             step += 1
-            step_seconds = meter.step(batch_size)
+            meter.step(batch_size)
             progress.update(1)
-            if step % log_every == 0 or step == 1 or step == total_steps:
+            # Only log and checkpoint steps read values back from the device; other steps never make the host wait.
+            at_log = step % log_every == 0 or step == 1 or step == total_steps
+            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
+            at_checkpoint = checkpoint_every and step % checkpoint_every == 0 and mid_epoch
+            if at_log or at_checkpoint:
+                guard.check(step)  # all processes agree: a non-finite loss stops here, a stop signal saves below
+            if at_log:
                 # The mean over every micro-batch since the last log, on all processes.
                 mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
+                step_seconds = meter.interval_seconds()
                 first_loss = mean_loss if first_loss is None else first_loss
                 last_loss = mean_loss
                 metrics.log(
@@ -494,8 +508,7 @@ def main(
                 progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 running_loss.zero_()
                 micro_batches = 0
-            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
-            if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
+            if guard.stop_signal or at_checkpoint:
                 save_checkpoint(epoch, batches_done)
             if guard.stop_signal:
                 guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
@@ -503,6 +516,7 @@ def main(
                 break
 
         # ---- evaluation once per epoch, on the full validation set
+        guard.check(step)  # nothing non-finite since the last log step, before evaluating and saving
         epoch_seconds = time.perf_counter() - epoch_start
         last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
         memory_mb, _ = peak_memory_mb(accelerator.device)
@@ -516,6 +530,8 @@ def main(
         accelerator.print(f"epoch {epoch + 1}/{num_epochs}: {scores}, {epoch_seconds:.1f} s, "
                           f"{meter.samples_per_second:.1f} samples/s")
         save_checkpoint(epoch + 1, 0)
+        if guard.stop_signal:
+            guard.stop(step, checkpoints.last_saved)
         meter.restart()
         if step >= total_steps:
             break

@@ -280,3 +280,14 @@ def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_
     assert all("step_00000001 is kept" in e and "--resume auto" in e for e in errors), errors
     assert any("FileExistsError" in e for e in errors)
     assert is_complete(out / "checkpoints" / "step_00000001")
+
+
+def test_nonfinite_loss_between_log_steps_is_caught_at_the_next_log_step_before_any_save(tmp_path):
+    # The guard reads the device at log steps only: the loss turns non-finite at step 2 and is seen at step 4, and no
+    # checkpoint is written after it.
+    exploding = [PYTHON, *CIFAR, "--max_steps", "6", "--checkpoint_every", "0", "--log_every", "4", "--lr", "1e12",
+                 "--warmup_ratio", "0"]
+    out = tmp_path / "out"
+    fails_with(run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
+               "the loss is not finite", "from step 2 on (seen at step 4)", "no checkpoint was saved before it")
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
