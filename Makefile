@@ -24,10 +24,21 @@ WRITE_CONFIG ?=
 PRECISION ?=
 ARGS ?=
 NPROC ?= 2
-THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); t=$$(( n / $(NPROC) )); echo $$(( t > 0 ? t : 1 )))
+# Cores this make may use (nproc counts the affinity mask; it would also obey OMP_NUM_THREADS, not a core count).
+THREADS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1); \
+	t=$$(( n / $(NPROC) )); echo $$(( t > 0 ? t : 1 )))
 NGPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 
 LAUNCH_OPTS = $(if $(GPU_IDS),--gpu_ids $(GPU_IDS)) $(if $(PRECISION),--mixed_precision $(PRECISION))
+# GPU_IDS sets the process count too: a config's num_processes above the ids given would start ranks on GPUs that
+# are not there ("invalid device ordinal"). 2node: the same ids on each of its 2 nodes.
+comma := ,
+GPU_LIST = $(subst $(comma), ,$(GPU_IDS))
+GPU_COUNT_OPTS = $(if $(GPU_IDS),--num_processes $(words $(GPU_LIST)))
+NODE_GPU_COUNT_OPTS = $(if $(GPU_IDS),--num_processes $(words $(GPU_LIST) $(GPU_LIST)))
+one_gpu_ids = $(if $(and $(filter 1gpu,$(1)),$(word 2,$(GPU_LIST))),@echo "error: GPU_IDS=$(GPU_IDS) names \
+	$(words $(GPU_LIST)) GPUs but $@ runs one process: use one id or make $(@:-1gpu=-$(words $(GPU_LIST))gpu) \
+	GPU_IDS=$(GPU_IDS)" >&2; exit 2)
 launch = $(ACCELERATE) launch --config_file $(CONFIGS)/$(1).yaml $(LAUNCH_OPTS)
 cpu_launch = ACCELERATE_USE_CPU=true $(call launch,cpu) --num_processes $(NPROC) --num_cpu_threads_per_process $(THREADS)
 # A node that waits longer than STARTUP_TIMEOUT seconds for the others stops ("1/2 clients joined") instead of hanging.
@@ -90,10 +101,11 @@ define recipe_targets
 $(1)-cpu: install
 	$$(cpu_launch) $(2) $$(or $$(ARGS),$$($(3)))
 $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
-	$$(call launch,$$*) $(2) $$(ARGS)
+	$$(call one_gpu_ids,$$*)
+	$$(call launch,$$*) $$(GPU_COUNT_OPTS) $(2) $$(ARGS)
 $(1)-2node: install
 	$$(need_master)
-	$$(call launch,2node) $$(node_opts) $(2) $$(ARGS)
+	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $(2) $$(ARGS)
 $(1)-hostfile: install
 	$$(need_hostfile)
 	$$(BIN)/python -m accelerate_recipes.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
@@ -134,7 +146,7 @@ text-2node: ## text classification: 2 nodes x 8 GPUs; on every node, with NODE_R
 text-hostfile: ## text classification on every node of HOSTFILE, started from here over ssh
 
 # Sharded training for models that do not fit one GPU with DDP. GPUS=N picks the GPU count (default: 8).
-SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS))
+SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS),$(GPU_COUNT_OPTS))
 .PHONY: text-fsdp text-deepspeed deepspeed-extra text-data bench-text
 text-fsdp: install ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
 	$(call launch,fsdp) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
@@ -170,3 +182,10 @@ SETUPS ?=
 .PHONY: scaling
 scaling: install ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
 	$(BIN)/python benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)
+
+# The GPU paths, proven on the GPUs of this machine in one go (under 15 minutes on one H100): host-read audit under
+# CUDA sync debug mode, bench, fast94 epoch time, FSDP/DeepSpeed, detector at 640 px, SIGTERM + resume; with 2+ GPUs
+# also DDP, SyncBN, all-reduce and DataParallel vs DDP. Exit 2 without a GPU. E.g. ARGS="--steps bench,fast94".
+.PHONY: gpu-check
+gpu-check: install ## prove every GPU path on this machine's GPUs; report in outputs/gpu-check (report.md, report.json)
+	$(BIN)/python benchmarks/gpu_check.py $(ARGS)

@@ -10,6 +10,8 @@ from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 from accelerate_recipes.guard import StepGuard
 from accelerate_recipes.launch import (
     check_process_group,
+    cpu_precision,
+    cpu_threads_and_workers,
     default_num_workers,
     describe_launch,
     explain_startup_failure,
@@ -19,6 +21,7 @@ from accelerate_recipes.launch import (
 )
 from accelerate_recipes.meter import StepMeter, peak_memory_mb
 from accelerate_recipes.results import MetricsLog, print_summary, run_facts, write_results
+from accelerate_recipes.sharding import check_accumulation, check_skip_nonfinite, set_gradient_clipping, setup_fsdp
 from accelerate_recipes.tracking import TrackerSetup, setup_tracker
 
 __all__ = [
@@ -29,7 +32,11 @@ __all__ = [
     "StepGuard",
     "StepMeter",
     "TrackerSetup",
+    "check_accumulation",
     "check_process_group",
+    "check_skip_nonfinite",
+    "cpu_precision",
+    "cpu_threads_and_workers",
     "default_num_workers",
     "describe_launch",
     "explain_startup_failure",
@@ -40,6 +47,8 @@ __all__ = [
     "print_summary",
     "run",
     "run_facts",
+    "set_gradient_clipping",
+    "setup_fsdp",
     "setup_tracker",
     "write_results",
 ]

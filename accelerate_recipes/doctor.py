@@ -8,8 +8,9 @@
 
 It checks, in seconds instead of a hang at `accelerator.prepare`: the config's arithmetic, that the main address
 resolves, the network interface variables, the GPUs of this node, the rendezvous at main_process_ip:main_process_port
-(address, port, firewall, one machine_rank per node), that every node runs the same torch and accelerate, and a gloo
-all_reduce between the nodes (the data path, where a wrong network interface shows up). Every wait ends after
+(address, port, firewall, one machine_rank per node), that every node runs the same torch and accelerate, a gloo
+all_reduce between the nodes (the data path, where a wrong network interface shows up), and with GPUs an NCCL
+all-reduce between them (busbw, and whether NCCL went over InfiniBand/RoCE or plain sockets). Every wait ends after
 --timeout seconds with one line naming the cause and the fix.
 """
 
@@ -17,7 +18,10 @@ import ipaddress
 import json
 import os
 import platform
+import re
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -464,6 +468,110 @@ def check_data_path(plan: Plan, store) -> float:
         dist.destroy_process_group()
 
 
+NCCL_RESULT = "doctor-nccl-result "  # prefix of the child's one result line among NCCL's own output
+
+
+def nccl_transport(log: str) -> dict:
+    """What NCCL's INFO output (NCCL_DEBUG=INFO) says about the network between nodes.
+
+    Returns {"network": "IB" | "Socket" | None, "devices": str, "gdr": bool}. NCCL names the plugin it picked
+    ("NCCL INFO Using network IB"), the devices it opened ("NET/IB : Using [0]mlx5_0:1/IB ..." or "NET/Socket : Using
+    [0]eth0:10.0.0.1<0>"), and per channel the path ("via NET/IB/0/GDRDMA"); "NET/IB : No device found." means no IB.
+    RoCE cards show up as IB (the same verbs plugin), with /RoCE after the device.
+    """
+    network, devices, gdr = None, "", False
+    for line in log.splitlines():
+        if "NCCL INFO" not in line:
+            continue
+        text = line.split("NCCL INFO", 1)[1].strip()
+        picked = re.match(r"Using network (\w+)", text)
+        if picked:
+            network = "IB" if picked[1].upper() == "IB" else "Socket" if picked[1].lower() == "socket" else picked[1]
+        opened = re.match(r"NET/(IB|Socket)\s*:\s*Using\s+(.*)", text)
+        if opened:
+            devices = opened[2].split(";")[0].strip()
+            if network is None:
+                network = opened[1]
+        via = re.search(r"via NET/(IB|Socket)(/\d+)?(/GDRDMA)?", text)
+        if via:
+            network = via[1]
+            gdr = gdr or bool(via[3])
+    return {"network": network, "devices": devices, "gdr": gdr}
+
+
+def nccl_child(spec: str) -> None:
+    """One node's side of the NCCL all-reduce, in a process of its own so NCCL_DEBUG=INFO is set before NCCL loads."""
+    import torch
+    import torch.distributed as dist
+
+    job = json.loads(spec)
+    n, rank = job["world"], job["rank"]
+    store = dist.TCPStore(job["host"], job["port"], None, False, timedelta(seconds=job["timeout"]))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=n,
+                            timeout=timedelta(seconds=job["timeout"]), device_id=torch.device("cuda", 0))
+    numel = job["bytes"] // 4
+    tensor = torch.full((numel,), float(rank + 1), device="cuda")
+    dist.all_reduce(tensor)  # also NCCL's connection set-up, left out of the timing
+    correct = bool(torch.all(tensor == n * (n + 1) / 2).item())
+    for _ in range(2):
+        dist.all_reduce(tensor)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(job["iters"]):
+        dist.all_reduce(tensor)
+    torch.cuda.synchronize()
+    seconds = torch.tensor([(time.perf_counter() - start) / job["iters"]], device="cuda")
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest node's time is the collective's
+    dist.destroy_process_group()
+    algbw = numel * 4 / seconds.item() / 1e9
+    print(NCCL_RESULT + json.dumps({"seconds": seconds.item(), "algbw_gbps": algbw, "correct": correct,
+                                    "busbw_gbps": algbw * 2 * (n - 1) / n}), flush=True)
+
+
+def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
+    """Check 8: an NCCL all-reduce of SIZE_MB between the nodes (one GPU each): busbw and whether it went over
+    InfiniBand/RoCE or plain sockets. Returns the report line; the reason in one line when it cannot run."""
+    if size_mb <= 0:
+        return "NCCL all-reduce not run (--nccl_mb 0)"
+    if plan.use_cpu or gpus == 0:
+        why = "CPU run (ACCELERATE_USE_CPU or a CPU config)" if plan.use_cpu else "this node has no GPU"
+        return f"NCCL all-reduce not run: {why}; only gloo was checked"
+    if plan.num_machines < 2:
+        return "NCCL all-reduce not run: one node, so there is no network between nodes to measure"
+    spec = json.dumps({"host": plan.main_ip, "port": plan.port, "rank": plan.machine_rank, "world": plan.num_machines,
+                       "bytes": size_mb * 2**20, "iters": 5, "timeout": plan.timeout})
+    env = dict(os.environ, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+    env.pop("NCCL_DEBUG_FILE", None)  # the lines are read from the child's output
+    command = [sys.executable, "-c", f"from accelerate_recipes.doctor import nccl_child; nccl_child({spec!r})"]
+    fix = ("set NCCL_SOCKET_IFNAME to the interface that joins the nodes on every node; without InfiniBand also "
+           "NCCL_IB_DISABLE=1; let the firewall pass TCP between the nodes on all ports")
+    try:
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3 * plan.timeout + 60)
+    except subprocess.TimeoutExpired:
+        raise RecipeError(f"the NCCL all-reduce between the nodes did not finish within {3 * plan.timeout + 60:g}s "
+                          f"while gloo worked: {fix}") from None
+    log = proc.stdout + proc.stderr
+    results = [line[len(NCCL_RESULT):] for line in proc.stdout.splitlines() if line.startswith(NCCL_RESULT)]
+    if proc.returncode or not results:
+        last = next((line.strip() for line in reversed(log.splitlines()) if line.strip()), "no output")
+        raise RecipeError(f"the NCCL all-reduce between the nodes failed (exit {proc.returncode}: {last[:200]}): {fix}")
+    result = json.loads(results[-1])
+    if not result["correct"]:
+        raise RecipeError("the NCCL all-reduce between the nodes gave a wrong sum: a NIC, driver or GPUDirect RDMA "
+                          "problem; try NCCL_IB_DISABLE=1 or NCCL_NET_GDR_LEVEL=0 to find which")
+    transport = nccl_transport(log)
+    if transport["network"] == "IB":
+        over = "InfiniBand/RoCE" + (", GPUDirect RDMA" if transport["gdr"] else "")
+    elif transport["network"] == "Socket":
+        over = "TCP sockets (no InfiniBand/RoCE in use: expect at most the NIC's line rate)"
+    else:
+        over = "a network NCCL did not name (look for NET/ lines with NCCL_DEBUG=INFO)"
+    devices = f" via {transport['devices']}" if transport["devices"] else ""
+    return (f"NCCL all-reduce of {size_mb} MB across {plan.num_machines} node(s): busbw "
+            f"{result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s), over {over}{devices}")
+
+
 def table(nodes: list[dict]) -> str:
     header = ("rank", "hostname", "torch", "accelerate", "python", "GPUs visible")
     rows = [header] + [
@@ -482,7 +590,7 @@ def ok(line: str) -> None:
 
 def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int | None = None,
          main_process_ip: str | None = None, main_process_port: int | None = None, num_machines: int | None = None,
-         num_processes: int | None = None, timeout: float = 30):
+         num_processes: int | None = None, timeout: float = 30, nccl_mb: int = 256):
     """Check that the nodes of a multi-node run can train together; run it on every node with the same flags.
 
     Args:
@@ -493,6 +601,7 @@ def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int |
         num_machines: number of nodes; default: the config's.
         num_processes: processes of all nodes together (e.g. 16 for 2 nodes x 8 GPUs); default: the config's.
         timeout: seconds every wait (connect, other nodes joining, gloo) may last before the doctor gives up.
+        nccl_mb: size of the NCCL all-reduce between the nodes' GPUs (one per node), in MB; 0 skips it.
     """
     config = load_config(config_file)
     plan = make_plan(config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout)
@@ -520,6 +629,8 @@ def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int |
     ok("same torch and accelerate on every node" + ("" if plan.use_cpu else ", same GPU count"))
     elapsed = check_data_path(plan, store)
     ok(f"gloo all_reduce across {plan.num_machines} node(s) gave the right sum ({elapsed:.1f} ms)")
+    nccl_line = check_nccl(plan, gpus, nccl_mb)
+    print(("ok  " if nccl_line.startswith("NCCL all-reduce of") else "--  ") + nccl_line, flush=True)
     if plan.machine_rank == 0:
         deadline_wait(lambda: store.add(f"{KEY}bye", 0) >= plan.num_machines - 1, min(plan.timeout, 10))
         if store.check([f"{KEY}duplicate"]):

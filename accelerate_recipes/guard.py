@@ -60,7 +60,8 @@ class StepGuard:
 
     def observe(self, loss: torch.Tensor) -> None:
         """Note whether this micro-batch's loss is finite (on the device; nothing waits for it)."""
-        torch.maximum(self._nonfinite, (~torch.isfinite(loss.detach())).to(self._nonfinite.dtype), out=self._nonfinite)
+        nonfinite = (~torch.isfinite(loss.detach())).any().to(self._nonfinite.dtype)
+        torch.maximum(self._nonfinite, nonfinite, out=self._nonfinite)
 
     def _agreed_flags(self, first_bad: torch.Tensor) -> tuple[int, int]:
         """One all-reduce and one read: (the earliest step with a non-finite loss on any process, any stop signal)."""

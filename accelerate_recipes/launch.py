@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from accelerate_recipes.cli import RecipeError, address_in_use, port_in_use
+from accelerate_recipes.sharding import shard_on_cpu
 
 
 def check_process_group(accelerator) -> None:
@@ -26,14 +27,17 @@ def check_process_group(accelerator) -> None:
             "machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
             "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
         )
-    # accelerate applies FSDP and DeepSpeed configs on GPUs only; on the CPU the same launch runs plain DDP.
+    # accelerate applies FSDP and DeepSpeed configs on accelerators only; on the CPU the same launch would run plain
+    # DDP. FSDP2 and DeepSpeed run over gloo too, so such a run is switched to them; a run still unsharded stops here.
+    shard_on_cpu(accelerator)
     for variable, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         wanted = name.upper()
         if os.environ.get(variable, "false").lower() in ("1", "true") and accelerator.distributed_type.value != wanted:
             raise RecipeError(
-                f"the accelerate config asks for {name}, but this run is {accelerator.distributed_type.value}: "
-                f"accelerate uses {name} on GPUs only (not with ACCELERATE_USE_CPU or --cpu), so the model would not "
-                "be sharded. Run the sharded configs on GPUs; on the CPU use accelerate_configs/cpu.yaml (DDP over gloo)."
+                f"the accelerate config asks for {name}, but this run is {accelerator.distributed_type.value}, so the "
+                "model would not be sharded: on GPUs check that torch sees them; on the CPU launch it with "
+                "ACCELERATE_USE_CPU=true and without --cpu (FSDP needs fsdp_version: 2 there), or use "
+                "accelerate_configs/cpu.yaml (DDP over gloo)"
             )
 
 
@@ -66,10 +70,64 @@ def per_process_batch_size(global_batch_size: int, num_processes: int, accumulat
     return global_batch_size // shards
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (taskset, SLURM, container cpusets), not the machine's."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
+def cores_per_local_process() -> int:
+    """This process's share of the usable cores, when LOCAL_WORLD_SIZE processes of the run share this machine."""
+    return max(1, usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
 def default_num_workers(limit: int = 8) -> int:
     """DataLoader workers per process: the CPU cores left per local process after the training thread, at most `limit`."""
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return min(limit, max(0, (os.cpu_count() or 1) // local_processes - 1))
+    return min(limit, max(0, cores_per_local_process() - 1))
+
+
+def cpu_threads_and_workers(accelerator, requested_workers: int | None = None, limit: int = 8) -> int:
+    """DataLoader workers for this process; on the CPU also sets torch's thread count so both fit its cores.
+
+    On a GPU the workers feed the device while it computes: the cores left after the training thread (at most
+    `limit`). On the CPU the training threads are the compute, and workers compete with them for the same cores
+    (2 threads + 1 worker on 2 cores ran 4-6x slower): no workers unless asked for, and torch gets the cores left.
+    A lower OMP_NUM_THREADS (e.g. from --num_cpu_threads_per_process) is kept.
+    """
+    if accelerator.device.type != "cpu":
+        return default_num_workers(limit) if requested_workers is None else requested_workers
+    workers = 0 if requested_workers is None else requested_workers
+    cores = cores_per_local_process()
+    threads = max(1, cores - workers)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        threads = min(threads, int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(threads)
+    accelerator.print(f"CPU: {threads} torch thread(s) and {workers} DataLoader worker(s) per process "
+                      f"({cores} core(s) per local process)")
+    return workers
+
+
+def cpu_has_bf16() -> bool:
+    """True when this CPU computes bf16 natively (AVX512-BF16 or AMX on x86, the BF16 extension on Arm).
+
+    Without it torch emulates bf16 autocast on the CPU, ~40x slower than fp32: pick fp32 there.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_precision() -> str:
+    """Mixed precision for a CPU run: bf16 where the CPU has it natively, otherwise no (fp32)."""
+    return "bf16" if cpu_has_bf16() else "no"
 
 
 def describe_launch(accelerator, machines: int, global_batch_size: int, per_process: int, accumulation_steps: int) -> str:
@@ -100,15 +158,25 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
 
 
 def check_visible_gpus() -> None:
-    """GPU ids given to the launcher (--gpu_ids / GPU_IDS become CUDA_VISIBLE_DEVICES) must exist on this machine."""
-    listed = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
-    if not listed or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    """GPU ids given to the launcher (--gpu_ids / GPU_IDS become CUDA_VISIBLE_DEVICES) must exist on this machine,
+    and there must be one GPU for each process the launcher started on it."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return
+    listed = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
     visible = torch.cuda.device_count()
-    if visible < len(listed):
+    if listed and visible < len(listed):
         raise RecipeError(
             f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what --gpu_ids / GPU_IDS set) names {len(listed)} GPU(s), but "
             f"torch sees {visible} here: use ids that `nvidia-smi -L` lists on this machine, or leave --gpu_ids out"
+        )
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    # Without GPUs the process-group check explains the run better (ACCELERATE_USE_CPU); here: too few of them.
+    if 0 < visible < local:
+        ids = f"CUDA_VISIBLE_DEVICES={','.join(listed)}" if listed else "no CUDA_VISIBLE_DEVICES"
+        raise RecipeError(
+            f"the launcher started {local} processes on this machine (LOCAL_WORLD_SIZE={local}) but torch sees "
+            f"{visible} GPU(s) ({ids}), one per process: set --num_processes {visible} (make: GPU_IDS sets it to the "
+            "number of ids), or name as many GPUs as processes with --gpu_ids / GPU_IDS"
         )
 
 

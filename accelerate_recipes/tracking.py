@@ -6,8 +6,11 @@ directory and can be uploaded later with `swanlab sync`. Only the main process l
 
 import importlib.util
 import os
+import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
@@ -15,6 +18,25 @@ from accelerate.utils import LoggerType
 from accelerate_recipes.cli import RecipeError
 
 SWANLAB_MODES = ("online", "cloud", "offline", "local", "disabled")
+SWANLAB_API_HOST = "https://api.swanlab.cn"  # SwanLab's default; SWANLAB_API_HOST points it at a private server
+REACH_SECONDS = 3.0  # compute nodes without internet: give up on the cloud this fast instead of holding rank 0
+
+
+def is_main_process() -> bool:
+    """Rank 0, known before the Accelerator exists: torchrun and accelerate launch set RANK; plain python is rank 0."""
+    return os.environ.get("RANK", "0").strip() in ("0", "")
+
+
+def swanlab_reachable(timeout: float = REACH_SECONDS) -> tuple[bool, str]:
+    """(True, host) when a TCP connection to SwanLab's API host opens within `timeout` seconds, else (False, why)."""
+    url = os.environ.get("SWANLAB_API_HOST") or SWANLAB_API_HOST
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    host, port = parts.hostname or url, parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return False, f"{host}:{port} ({err.strerror or type(err).__name__})"
+    return True, f"{host}:{port}"
 
 
 @dataclass
@@ -53,14 +75,20 @@ def swanlab_logged_in() -> bool:
 
 
 def resolve_swanlab_mode(requested: str | None) -> str:
-    """The SwanLab mode: the flag, else $SWANLAB_MODE, else cloud when logged in and offline when not."""
+    """The SwanLab mode: the flag, else $SWANLAB_MODE, else cloud when logged in and offline when not.
+
+    Only the main process logs, so only it looks at the login and the dashboard: the other ranks (on nodes that may
+    have no login at all) take the mode as asked and never stop the run over it.
+    """
     mode = (requested or os.environ.get("SWANLAB_MODE") or "").strip().lower()
-    if not mode:
-        return "online" if swanlab_logged_in() else "offline"
-    if mode not in SWANLAB_MODES:
+    if mode and mode not in SWANLAB_MODES:
         raise RecipeError(f"unknown SwanLab mode {mode!r}; choose one of {', '.join(SWANLAB_MODES)}")
     if mode == "cloud":
         mode = "online"
+    if not is_main_process():
+        return mode or "offline"
+    if not mode:
+        return "online" if swanlab_logged_in() else "offline"
     if mode == "online" and not swanlab_logged_in():
         raise RecipeError(
             "SwanLab cloud mode needs a login: run `swanlab login` (or set SWANLAB_API_KEY), "
@@ -91,6 +119,13 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
         return TrackerSetup(log_with=[name])
 
     mode = resolve_swanlab_mode(swanlab_mode)
+    if mode == "online" and is_main_process():
+        reachable, where = swanlab_reachable()
+        if not reachable:
+            # Without internet SwanLab would retry for a long time while every other rank waits for rank 0.
+            print(f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} s); "
+                  "logging offline instead: upload the run later with `swanlab sync`", file=sys.stderr, flush=True)
+            mode = "offline"
     log_dir = Path(os.environ.get("SWANLAB_LOG_DIR") or Path(output_dir) / "swanlog").resolve()
     # Keyword arguments passed through to swanlab.init on the main process.
     kwargs = {"mode": mode, "name": run_name}

@@ -10,8 +10,9 @@ For each message size it times `torch.distributed.all_reduce` (sum) and prints, 
     algbw = bytes / time                   what one process sees
     busbw = algbw x 2(n-1)/n               the traffic per link of a ring all-reduce, comparable across process counts
 A ring all-reduce of K bytes over n processes sends 2(n-1)K/n bytes over each link, so busbw approaches the slowest
-link's bandwidth: ~1.25 GB/s on 10 GbE, tens of GB/s over PCIe, hundreds over NVLink. Every result is checked: each
-rank contributes rank + 1, so every element must equal n(n+1)/2.
+link's bandwidth: ~1.25 GB/s on 10 GbE, tens of GB/s over PCIe, hundreds over NVLink. Each size is checked once,
+untimed: rank r contributes r + 1, so every element must equal n(n+1)/2 (ones where that sum would not be exact in
+the dtype).
 """
 
 import json
@@ -35,22 +36,40 @@ def human(num_bytes: int) -> str:
         num_bytes /= 1024
 
 
+def fill_and_expected(world: int, rank: int, dtype) -> tuple[float, float]:
+    """(this rank's value, the exact sum) for the correctness check.
+
+    Every partial sum of a ring or tree all-reduce is a sum of some ranks' values; while all of them are integers the
+    dtype holds exactly (up to 2^24 in fp32, 2^11 in fp16, only 2^8 in bf16) the check can be exact, with no false
+    alarm from rounding. Rank r sends r + 1 while n(n+1)/2 fits (distinct values: a rank counted twice or left out
+    shows up); otherwise the first ranks, as many as fit, send 1 and the rest 0.
+    """
+    exact_up_to = round(2 / torch.finfo(dtype).eps)  # 2^(significand bits): every integer up to it is exact
+    if world * (world + 1) // 2 <= exact_up_to:
+        return float(rank + 1), world * (world + 1) / 2
+    return float(rank < exact_up_to), float(min(world, exact_up_to))
+
+
 def measure(num_bytes: int, dtype, device, warmup: int, iters: int, world: int, rank: int) -> dict:
-    """Time one message size; returns seconds per all-reduce, algbw and busbw in GB/s, and whether sums were right."""
+    """Time one message size; returns seconds per all-reduce, algbw and busbw in GB/s, and whether sums were right.
+
+    The buffer is filled and its sum checked once, before the clock starts: the timed loop holds only all_reduce
+    calls (a fill per call would be timed as bandwidth). The timed calls run on zeros, which stay zeros.
+    """
     numel = max(1, num_bytes // torch.tensor([], dtype=dtype).element_size())
-    tensor = torch.empty(numel, dtype=dtype, device=device)
-    expected = world * (world + 1) / 2
-    correct = True
-    for i in range(warmup + iters):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-        tensor.fill_(rank + 1)
+    value, expected = fill_and_expected(world, rank, dtype)
+    tensor = torch.full((numel,), value, dtype=dtype, device=device)
+    dist.all_reduce(tensor)
+    correct = bool(torch.all(tensor == expected).item())
+    tensor.zero_()
+    for _ in range(warmup):
         dist.all_reduce(tensor)
-        if i == 0:  # check the first result (the timed ones reuse the same code path)
-            correct = bool(torch.all(tensor == expected).item())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - start) / iters

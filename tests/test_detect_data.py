@@ -397,12 +397,15 @@ def test_colour_jitter_and_collate(shapes):
     assert all(((item[1][:, 0] >= 0) & (item[1][:, 0] < 4)).all() for item in batch)
     images, targets, metas = collate(batch)
     assert images.shape == (5, 3, 64, 64) and images.dtype == torch.uint8
-    assert targets.dtype == torch.float32 and targets.shape == (sum(len(item[1]) for item in batch), 6)
-    for i, item in enumerate(batch):
-        assert torch.equal(targets[targets[:, 0] == i, 1:], item[1])
+    counts = [len(item[1]) for item in batch]
+    assert len(set(counts)) > 1  # the padding is exercised
+    assert targets.dtype == torch.float32 and targets.shape == (5, max(counts), 5)
+    for i, item in enumerate(batch):  # each image's rows, then padding rows of class -1 and a zero box
+        assert torch.equal(targets[i, :counts[i]], item[1])
+        assert (targets[i, counts[i]:, 0] == -1).all() and (targets[i, counts[i]:, 1:] == 0).all()
     assert [m["path"] for m in metas] == [str(p) for p in config.train[:5]]
     empty = collate([(torch.zeros(3, 8, 8, dtype=torch.uint8), torch.zeros(0, 5), {})] * 2)
-    assert empty[0].shape == (2, 3, 8, 8) and empty[1].shape == (0, 6)
+    assert empty[0].shape == (2, 3, 8, 8) and empty[1].shape == (2, 0, 5)
 
 
 def test_download_dataset_offline_paths(tmp_path):

@@ -10,7 +10,7 @@ sys.path.insert(0, str(REPO / "recipes" / "detect"))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torchvision.ops import box_iou, complete_box_iou_loss  # noqa: E402
-from yolo_loss import DetectionLoss, TaskAlignedAssigner, distribution_focal_loss  # noqa: E402
+from yolo_loss import DetectionLoss, TaskAlignedAssigner, distribution_focal_loss, pad_targets  # noqa: E402
 from yolo_model import SIZES, Detector, decode, make_anchors, model_info, postprocess  # noqa: E402
 
 STRIDES = (8, 16, 32)
@@ -154,7 +154,7 @@ def loss_for_prediction(pred_box: torch.Tensor, num_classes: int = 2, cls: int =
     inside = (points > GT[:2]).all(1) & (points < GT[2:]).all(1) & (strides[:, 0] == 8)
     cls_logits = torch.full((points.shape[0], num_classes), -20.0)
     cls_logits[inside, cls] = 20.0
-    targets = torch.cat((torch.tensor([0.0, cls]), GT))[None]
+    targets = torch.cat((torch.tensor([float(cls)]), GT))[None, None]  # [1 image, 1 object, 5]
     return DetectionLoss(num_classes)(raw_outputs(boxes, cls_logits), targets)
 
 
@@ -195,18 +195,18 @@ def test_loss_without_objects_and_under_bf16():
     model = Detector(num_classes=3, size="n")
     images = torch.rand(2, 3, 64, 64)
     criterion = DetectionLoss(3)
-    loss, parts = criterion(model(images), torch.zeros(0, 6))
+    loss, parts = criterion(model(images), torch.zeros(2, 0, 5))
     assert torch.isfinite(loss) and loss > 0 and parts["box"] == 0 and parts["dfl"] == 0
     loss.backward()  # gradients reach the box branch too (as zeros), as DDP needs
     assert all(p.grad is not None for p in model.head.parameters())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outputs = model(images)
     assert outputs[0].dtype == torch.bfloat16
-    targets = torch.tensor([[1.0, 2.0, 8.0, 8.0, 40.0, 40.0]])  # only the second image has an object
+    targets = pad_targets([torch.zeros(0, 5), torch.tensor([[2.0, 8.0, 8.0, 40.0, 40.0]])])  # only the second image
     loss, parts = criterion(outputs, targets)
     assert loss.dtype == torch.float32 and torch.isfinite(loss) and parts["box"] > 0
-    with pytest.raises(ValueError):  # class 3 of a 3-class model
-        criterion(outputs, torch.tensor([[0.0, 3.0, 8.0, 8.0, 40.0, 40.0]]))
+    with pytest.raises(ValueError, match=r"targets must be \[2, M, 5\]"):  # the old [T, 6] rows
+        criterion(outputs, torch.tensor([[1.0, 2.0, 8.0, 8.0, 40.0, 40.0]]))
 
 
 # ------------------------------------------------------------------------------------------------------ postprocess
@@ -301,7 +301,8 @@ def test_tiny_overfit():
     images[0, :, 8:40, 8:40] = torch.tensor([0.9, 0.2, 0.2])[:, None, None]
     images[0, :, 36:60, 40:60] = torch.tensor([0.2, 0.2, 0.9])[:, None, None]
     images[1, :, 16:56, 4:36] = torch.tensor([0.2, 0.9, 0.2])[:, None, None]
-    targets = torch.tensor([[0, 0, 8, 8, 40, 40], [0, 1, 40, 36, 60, 60], [1, 1, 4, 16, 36, 56]], dtype=torch.float)
+    targets = pad_targets([torch.tensor([[0.0, 8, 8, 40, 40], [1, 40, 36, 60, 60]]),
+                           torch.tensor([[1.0, 4, 16, 36, 56]])])
     model = Detector(num_classes=2, size="n")
     criterion = DetectionLoss(num_classes=2, strides=model.strides, reg_max=model.reg_max)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -62,6 +62,7 @@ def test_two_nodes_on_one_machine_pass_and_list_both(tmp_path):
         assert node.returncode == 0, out + err
         assert "doctor: all checks passed on 2 node(s)" in out
         assert "ok  gloo all_reduce across 2 node(s) gave the right sum" in out
+        assert "--  NCCL all-reduce not run: CPU run" in out  # one line saying why, no GPU here
         rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[01]\s", line)]
         assert [row[0] for row in rows] == ["0", "1"], out
         assert all(row[2] == torch.__version__ for row in rows), out
@@ -146,3 +147,52 @@ def test_help_explains_every_flag(tmp_path):
     for name in inspect.signature(doctor.main).parameters:
         assert re.search(rf"--{name}\b", proc.output), f"--{name} missing from --help"
         assert re.search(rf"^\s+{name}:\s+\S", doctor.main.__doc__, re.MULTILINE), f"{name} has no description"
+
+
+# NCCL_DEBUG=INFO output of a 2-node all-reduce, as NCCL 2.2x prints it (host:pid:tid [device] NCCL INFO ...).
+NCCL_OVER_IB = """\
+gpu-a:81234:81234 [0] NCCL INFO Bootstrap : Using ibp12s0:10.10.0.11<0>
+gpu-a:81234:81234 [0] NCCL INFO cudaDriverVersion 12040
+NCCL version 2.21.5+cuda12.4
+gpu-a:81234:81301 [0] NCCL INFO Plugin Path : /opt/hpcx/nccl_rdma_sharp_plugin/lib/libnccl-net.so
+gpu-a:81234:81301 [0] NCCL INFO P2P plugin IBext_v8
+gpu-a:81234:81301 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_3:1/IB ; OOB ibp12s0:10.10.0.11<0>
+gpu-a:81234:81301 [0] NCCL INFO Using network IB
+gpu-a:81234:81301 [0] NCCL INFO comm 0x55d0c2a0 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0 MNNVL 0
+gpu-a:81234:81301 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NET/IB/0/GDRDMA
+gpu-a:81234:81301 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[0] [send] via NET/IB/1/GDRDMA
+gpu-a:81234:81301 [0] NCCL INFO Connected all rings
+"""
+NCCL_OVER_SOCKETS = """\
+node1:4711:4711 [0] NCCL INFO Bootstrap : Using eno1:192.168.1.21<0>
+node1:4711:4760 [0] NCCL INFO Failed to open libibverbs.so[.1]
+node1:4711:4760 [0] NCCL INFO NET/IB : No device found.
+node1:4711:4760 [0] NCCL INFO NET/Socket : Using [0]eno1:192.168.1.21<0>
+node1:4711:4760 [0] NCCL INFO Using network Socket
+node1:4711:4760 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Socket/0
+node1:4711:4760 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NET/Socket/0
+"""
+NCCL_OVER_ROCE_WITHOUT_GDR = """\
+h1:900:950 [0] NCCL INFO NET/IB : Using [0]mlx5_bond_0:1/RoCE [RO]; OOB bond0:10.1.1.5<0>
+h1:900:950 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0
+"""
+
+
+def test_nccl_info_lines_tell_infiniband_from_sockets():
+    assert doctor.nccl_transport(NCCL_OVER_IB) == {"network": "IB", "devices": "[0]mlx5_0:1/IB [1]mlx5_3:1/IB",
+                                                   "gdr": True}
+    # "NET/IB : No device found." must not count as InfiniBand.
+    assert doctor.nccl_transport(NCCL_OVER_SOCKETS) == {"network": "Socket", "devices": "[0]eno1:192.168.1.21<0>",
+                                                        "gdr": False}
+    assert doctor.nccl_transport(NCCL_OVER_ROCE_WITHOUT_GDR) == {"network": "IB", "devices": "[0]mlx5_bond_0:1/RoCE [RO]",
+                                                                 "gdr": False}
+    assert doctor.nccl_transport("NCCL version 2.21.5+cuda12.4\nsome other output\n")["network"] is None
+
+
+def test_without_gpus_the_nccl_check_says_why_it_did_not_run():
+    plan = doctor.Plan(machine_rank=0, num_machines=2, num_processes=2, main_ip="127.0.0.1", port=1, timeout=5,
+                       use_cpu=False)
+    assert doctor.check_nccl(plan, gpus=0, size_mb=256) == ("NCCL all-reduce not run: this node has no GPU; only gloo "
+                                                           "was checked")
+    plan.use_cpu = True
+    assert "not run: CPU run" in doctor.check_nccl(plan, gpus=0, size_mb=256)

@@ -24,11 +24,13 @@ def test_config_is_valid_for_accelerate(name):
     assert (config.num_processes, config.num_machines) == (processes, machines)
     assert config.distributed_type.value == DISTRIBUTED_TYPE.get(name, "MULTI_GPU")
     assert config.mixed_precision == ("no" if name == "cpu" else "bf16")
-    # The recipes save with save_pretrained / save_model: the sharded configs must hand them whole weights.
+    # Checkpoints are per-rank shards; save_pretrained gathers the whole model (FSDP2 always, ZeRO-3 with this flag).
     if name == "fsdp":
-        assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+        assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     if name == "deepspeed":
         assert config.deepspeed_config["zero3_save_16bit_model"] is True
+        # The launcher would export these over the recipe's --gradient_accumulation_steps and --max_grad_norm.
+        assert not {"gradient_accumulation_steps", "gradient_clipping"} & set(config.deepspeed_config)
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     assert "main_process_ip" not in raw, "the node's main address must come from the command line"
 

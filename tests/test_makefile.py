@@ -1,5 +1,6 @@
 """Make targets expand to the accelerate commands the README promises."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,31 @@ def test_detect_targets_cover_every_setup_with_the_shared_variables():
     out = make("help").stdout
     for target in ("detect-cpu", "detect-1gpu", "detect-2node", "bench-detect"):
         assert f"  {target} " in out
+
+
+def test_gpu_ids_set_the_process_count_so_no_rank_lacks_a_gpu():
+    # 8gpu.yaml says 8 processes; with 4 ids, ranks 4-7 would find no GPU ("invalid device ordinal").
+    line = launch_line(make("-n", "cifar-8gpu", "GPU_IDS=0,1,2,3"))
+    assert "--config_file accelerate_configs/8gpu.yaml --gpu_ids 0,1,2,3" in line and "--num_processes 4 " in line
+    assert "--num_processes" not in launch_line(make("-n", "cifar-8gpu"))  # without ids: the config's count
+    line = launch_line(make("-n", "text-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1", "GPU_IDS=0,1,2,3"))
+    assert "--num_processes 8 " in line  # the same 4 ids on each of the 2 nodes
+    assert "--num_processes 2 " in launch_line(make("-n", "text-fsdp", "GPU_IDS=4,5"))
+    proc = make("cifar-1gpu", "GPU_IDS=0,1")
+    assert proc.returncode == 2 and "accelerate launch" not in proc.stdout
+    assert proc.stderr.splitlines()[0] == ("error: GPU_IDS=0,1 names 2 GPUs but cifar-1gpu runs one process: "
+                                           "use one id or make cifar-2gpu GPU_IDS=0,1")
+
+
+def test_cpu_threads_follow_the_cores_make_may_use():
+    # nproc counts the affinity mask (taskset, SLURM, cpusets): one allowed core gives one thread, whatever the machine.
+    first = min(os.sched_getaffinity(0))
+    pinned = subprocess.run(["make", "--no-print-directory", f"VENV={VENV}", "-n", "detect-cpu", "NPROC=1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {first}))
+    assert "--num_processes 1 --num_cpu_threads_per_process 1 " in launch_line(pinned)
+    line = launch_line(make("-n", "detect-cpu", "NPROC=1"))
+    assert f"--num_cpu_threads_per_process {len(os.sched_getaffinity(0))} " in line
+    # The default NPROC=2 on this machine's cores: each process gets its share, at least one thread.
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"--num_processes 2 --num_cpu_threads_per_process {share} " in launch_line(make("-n", "detect-cpu"))

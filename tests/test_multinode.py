@@ -167,7 +167,7 @@ def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(t
     )
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    env = recipe_env(tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b")
+    env = recipe_env(tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b", SLURM_CPUS_PER_TASK="64")
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     job = subprocess.Popen(["bash", str(REPO / "slurm" / "multi_node.sbatch"), "recipes/cifar.py", "--epochs", "5"],
                            env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -181,3 +181,5 @@ def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(t
     assert (tmp_path / "srun_signal").read_text().strip() == "TERM"
     assert (tmp_path / "scontrol_args").read_text().split() == ["requeue", "4242"]
     assert (tmp_path / "srun_args").read_text().split()[-4:] == ["--epochs", "5", "--resume", "auto"]
+    # SLURM >= 22.05 gives srun's task one core unless srun itself asks for the batch job's --cpus-per-task.
+    assert "--cpus-per-task=64" in (tmp_path / "srun_args").read_text().split()

@@ -58,3 +58,38 @@ def test_report_names_what_is_missing_and_bad_setups(tmp_path):
     fails_with(run([PYTHON, SCRIPT, "run", "--setups", "gpus:2"], recipe_env(tmp_path)),
                "cannot read setup 'gpus:2'", "ids:0,4 (those GPUs)")
     fails_with(run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,ids:0,4"], recipe_env(tmp_path)), "mix of cpu and gpu")
+
+
+def test_scaling_run_again_in_the_same_folder_starts_fresh(tmp_path):
+    # The recipe refuses to start over an earlier run's checkpoints; a benchmark re-run must not trip over that.
+    out = tmp_path / "scaling"
+    command = [PYTHON, SCRIPT, "run", "--setups", "cpu:1", "--per_device_batch", 4,
+               "--steps", 3, "--warmup", 1, "--output_dir", out]
+    check(run(command, recipe_env(tmp_path), timeout=300))
+    first = (out / "cpu-1" / "results.json").stat().st_mtime_ns
+    check(run(command, recipe_env(tmp_path), timeout=300))
+    assert (out / "cpu-1" / "results.json").stat().st_mtime_ns > first
+    assert json.loads((out / "scaling.json").read_text())["rows"][0]["setup"] == "cpu-1"
+
+
+def test_dataparallel_loop_reports_like_a_recipe_and_dp_setups_need_gpus(tmp_path):
+    """The dp:N setup's loop (one process, nn.DataParallel) writes the recipes' results format; without GPUs
+    DataParallel only calls the model, so here it runs as one device and `dp:2` is refused."""
+    run_dir = tmp_path / "dp-1"
+    check(run([PYTHON, REPO / "benchmarks" / "dataparallel.py", "--batch_size", 4, "--steps", 3, "--precision", "no",
+               "--output_dir", run_dir], recipe_env(tmp_path), timeout=300))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["parallelism"] == "DataParallel" and (results["world_size"], results["devices"]) == (1, 1)
+    assert results["steps"] == 3 and results["trainable_parameters"] == 11_173_962  # the recipe's ResNet18
+    logged = (run_dir / "metrics.jsonl").read_text().splitlines()
+    step_seconds = [json.loads(line)["perf/step_seconds"] for line in logged]
+    assert results["train_samples_per_second"] == pytest.approx(4 * 2 / sum(step_seconds[1:]))
+
+    check(run([PYTHON, SCRIPT, "report", run_dir, "--output_dir", tmp_path / "report", "--warmup", 1],
+              recipe_env(tmp_path)))
+    (row,) = json.loads((tmp_path / "report" / "scaling.json").read_text())["rows"]
+    assert row["parallelism"] == "DataParallel"
+    assert row["samples_per_second"] == pytest.approx(4 / statistics.fmean(step_seconds[1:]))
+    assert "| dp-1 | 1 (DataParallel, 1 GPUs) |" in (tmp_path / "report" / "scaling.md").read_text()
+    fails_with(run([PYTHON, SCRIPT, "run", "--setups", "gpu:2,dp:2"], recipe_env(tmp_path)),
+               "dp:2 needs 2 GPUs", "0 visible")

@@ -20,7 +20,8 @@ from conftest import (
     tiny_bert,
     write_rows,
 )
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from torch.overrides import TorchFunctionMode
+from transformers import AttentionMaskInterface, AutoModelForSequenceClassification, AutoTokenizer
 
 # 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly initialised tiny model.
 FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
@@ -186,13 +187,42 @@ def test_glue_task_names_and_offline_error(recipe, monkeypatch, tmp_path):
         recipe.load_text_data("mrpc", None, None, "text", None, "label", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("config", ["fsdp", "deepspeed"])
-def test_sharded_configs_on_cpu_stop_instead_of_running_unsharded(config, text_data, tmp_path):
-    # accelerate applies FSDP / DeepSpeed on GPUs only; on the CPU the same launch would silently be plain DDP.
-    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / f"{config}.yaml", "--num_processes", "2",
-                "--mixed_precision", "no", "--num_cpu_threads_per_process", "1", TEXT_SCRIPT, *files(text_data), *FAST,
-                "--max_steps", "1", "--output_dir", tmp_path / "out"], recipe_env(tmp_path, ACCELERATE_USE_CPU="true"))
-    assert proc.returncode != 0
-    name = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[config]
-    assert f"the accelerate config asks for {name}, but this run is MULTI_CPU" in proc.output
+class HostChecks(TorchFunctionMode):
+    """Counts bool(tensor): each one makes the host wait for the device on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") == "__bool__"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_attention_masks_built_without_a_host_read_keep_logits_and_loss(recipe, text_data, attention):
+    tokenizer = AutoTokenizer.from_pretrained(text_data["model"])
+    batch = tokenizer(["good film", "the plot was awful dull and boring", "a superb story"], padding=True,
+                      return_tensors="pt")
+    assert not batch["attention_mask"].all()  # padded, as the collator pads
+    model = AutoModelForSequenceClassification.from_pretrained(text_data["model"], attn_implementation=attention).eval()
+
+    def forward():
+        checks = HostChecks()
+        with torch.no_grad(), checks:
+            out = model(**batch, labels=torch.tensor([1, 0, 1]))
+        return out.logits, out.loss, checks.count
+
+    stock = {name: AttentionMaskInterface()[name] for name in ("sdpa", "eager")}
+    *before, checks_before = forward()
+    try:
+        recipe.always_build_attention_masks()
+        *after, checks_after = forward()
+    finally:  # the stock mask builders again for the rest of this process
+        for name, build in stock.items():
+            AttentionMaskInterface.register(name, build)
+    assert (checks_before, checks_after) == (1, 0)
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-7)
+
+
     assert not (tmp_path / "out" / "results.json").exists()

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from ema import ModelEMA
 from predict import MODEL_CONFIG, draw_detections
 from safetensors.torch import load_file
-from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 from torchmetrics.detection import MeanAveragePrecision
 from tqdm.auto import tqdm
@@ -40,8 +40,10 @@ from accelerate_recipes import (
     RecipeError,
     StepGuard,
     StepMeter,
+    check_accumulation,
     check_process_group,
-    default_num_workers,
+    check_skip_nonfinite,
+    cpu_threads_and_workers,
     describe_launch,
     explain_startup_failure,
     num_machines,
@@ -51,6 +53,7 @@ from accelerate_recipes import (
     print_summary,
     run,
     run_facts,
+    set_gradient_clipping,
     setup_tracker,
     write_results,
 )
@@ -81,24 +84,6 @@ def to_model_input(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------- model
-def exponential_moving_average(model: torch.nn.Module, decay: float, ramp_steps: float) -> AveragedModel:
-    """An EMA of the weights and BatchNorm statistics, evaluated and saved instead of the raw weights (as YOLO does).
-
-    The decay ramps up as decay x (1 - exp(-updates / ramp_steps)), so early on the average follows the fast-moving
-    weights instead of remembering the random initialisation.
-    """
-
-    def update(averaged: list, current: list, num_updates: torch.Tensor) -> None:
-        d = decay * (1 - math.exp(-float(num_updates) / ramp_steps))
-        if torch.is_floating_point(averaged[0]):
-            torch._foreach_lerp_(averaged, current, 1 - d)
-        else:  # integer buffers (BatchNorm's num_batches_tracked): take the current value
-            for a, c in zip(averaged, current):
-                a.copy_(c)
-
-    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
-
-
 def load_weights(net: torch.nn.Module, path: Path) -> None:
     """Weights saved by an earlier run (accelerator.save_model writes model.safetensors)."""
     file = path / "model.safetensors" if path.is_dir() else path
@@ -130,32 +115,46 @@ def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, 
         detections = postprocess([o.float() for o in outputs], model.strides, model.reg_max,
                                  conf_threshold=conf_threshold, iou_threshold=iou_threshold)
         batch = []
-        for i, (det, meta) in enumerate(zip(detections, metas)):
-            truth = targets[targets[:, 0] == i]
+        targets = targets.cpu()
+        for det, meta, truth in zip(detections, metas, targets):
+            truth = truth[truth[:, 0] >= 0]  # drop the padding rows
             batch.append(dict(
                 path=meta["path"],
                 boxes=scale_boxes_back(det["boxes"], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
                 scores=det["scores"].float().cpu(), labels=det["labels"].cpu(),
-                true_boxes=scale_boxes_back(truth[:, 2:6], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
-                true_labels=truth[:, 1].long().cpu(),
+                true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
+                true_labels=truth[:, 0].long(),
             ))
         records += accelerator.gather_for_metrics(batch, use_gather_object=True)
     model.train()
 
     results = {"eval_images": len(records), "eval_unique_images": len({r["path"] for r in records})}
     if accelerator.is_main_process:  # the records are complete on every process; one computes
-        metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", class_metrics=True, backend="pycocotools",
-                                      sync_on_compute=False)
-        metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
-                      [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records])
-        values = metric.compute()
-        results["eval_map50"] = float(values["map_50"])
-        results["eval_map50_95"] = float(values["map"])
-        per_class = values["map_per_class"].reshape(-1).tolist()
-        classes = values["classes"].reshape(-1).tolist()
-        # -1 from torchmetrics means "no ground truth of this class in the set": left out.
-        results["eval_ap_per_class"] = {names[int(c)]: ap for c, ap in zip(classes, per_class) if ap >= 0}
+        results.update(coco_map(records, names))
     return results, records[:4]
+
+
+def coco_map(records: list, names: list[str]) -> dict:
+    """eval_map50, eval_map50_95 and eval_ap_per_class (AP50-95 by class name) from ONE COCO evaluation.
+
+    MeanAveragePrecision(class_metrics=True) would run pycocotools' evaluation again once per class. The per-class AP
+    is instead read from the one evaluation's precision table (extended_summary), as COCOeval.summarize averages it
+    for the AP50-95 line: over IoU thresholds and recall points, all areas, the most detections; -1 entries (no
+    ground truth) left out. A class with no ground truth in the set has no AP and is left out.
+    """
+    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools", extended_summary=True,
+                                  sync_on_compute=False)
+    metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
+                  [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records])
+    values = metric.compute()
+    per_class = {}
+    if "precision" in values:  # absent when there was nothing to evaluate (no predictions or no images)
+        precision = values["precision"][:, :, :, 0, -1]  # [IoU thresholds, recall points, classes]
+        for k, c in enumerate(values["classes"].reshape(-1).tolist()):
+            valid = precision[:, :, k][precision[:, :, k] > -1]
+            if valid.numel():
+                per_class[names[int(c)]] = float(valid.mean())
+    return dict(eval_map50=float(values["map_50"]), eval_map50_95=float(values["map"]), eval_ap_per_class=per_class)
 
 
 def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
@@ -201,6 +200,7 @@ def main(
     iou_threshold: float = 0.7,
     eval_every: int = 1,
     gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 10.0,
     mixed_precision: str | None = None,
     channels_last: bool = True,
     num_workers: int | None = None,
@@ -251,9 +251,12 @@ def main(
         iou_threshold: IoU above which NMS suppresses a box of the same class.
         eval_every: evaluate every N epochs (and always after the last).
         gradient_accumulation_steps: micro-batches summed before each optimizer step.
+        max_grad_norm: clip the gradients' global L2 norm to this before each update (0: no clipping); the early
+            steps of a detector, with the assigner still matching poorly, can spike.
         mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         channels_last: NHWC memory layout, faster for convolutions with tensor cores.
-        num_workers: DataLoader workers per process; default: the CPU cores per local process, at most 8.
+        num_workers: DataLoader workers per process; default: the CPU cores per local process less one, at most 8;
+            0 on the CPU, where torch's threads get the cores.
         log_every: log the loss and throughput every N optimizer steps.
         output_dir: where the model (model.safetensors + detector.json), results.json, metrics.jsonl, checkpoints/
             and offline SwanLab logs go.
@@ -283,6 +286,9 @@ def main(
     if image_size % 32 or image_size < 64:
         raise RecipeError(f"--image_size {image_size} must be a multiple of 32 and at least 64 (the head's largest "
                           "stride is 32); e.g. --image_size 640")
+    if max_grad_norm < 0:
+        raise RecipeError(f"--max_grad_norm {max_grad_norm} must be >= 0 (0 turns clipping off); "
+                          "e.g. --max_grad_norm 10")
     lr = lr if lr is not None else (0.64 if optimizer == "sgd" else 0.002)
     hsv = tuple(float(v) for v in hsv)
 
@@ -294,12 +300,17 @@ def main(
             gradient_accumulation_steps=gradient_accumulation_steps,
             log_with=tracking.log_with or None,
             project_dir=str(output),
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
         )
     check_process_group(accelerator)
+    torch.backends.cudnn.benchmark = True  # training batches all have one shape: pick the fastest kernels once
+    check_accumulation(accelerator, gradient_accumulation_steps)  # a DeepSpeed config must not override the flag
+    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
+    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
     world = accelerator.num_processes
     machines = num_machines(world)
     per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
@@ -321,8 +332,7 @@ def main(
                                                mosaic=mosaic, flip_lr=flip_lr, flip_ud=flip_ud, hsv=hsv, scale=scale),
                                    seed)
     val_set = YoloDataset(dataset.val, len(names), image_size=image_size, augment=False)
-    if num_workers is None:
-        num_workers = default_num_workers()
+    num_workers = cpu_threads_and_workers(accelerator, num_workers)  # on the CPU also torch's threads, to fit the cores
     loader_args = dict(collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
                        persistent_workers=num_workers > 0)
     train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
@@ -349,7 +359,7 @@ def main(
 
     # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
     net, opt, train_loader, val_loader = accelerator.prepare(net, opt, train_loader, val_loader)
-    ema = exponential_moving_average(accelerator.unwrap_model(net), ema_decay, ramp_steps=2000) if ema_decay else None
+    ema = ModelEMA(accelerator.unwrap_model(net), ema_decay, ramp_steps=2000) if ema_decay else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
 
@@ -376,8 +386,9 @@ def main(
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
         gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=info["parameters"],
         gflops_at_640=info["gflops"], image_size=image_size, num_classes=len(names), optimizer=optimizer, lr=lr,
-        weight_decay=weight_decay, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
-        ema_decay=ema_decay, mosaic=mosaic, seed=seed, train_size=len(train_set), val_size=len(val_set),
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps,
+        epochs=num_epochs, ema_decay=ema_decay, mosaic=mosaic, seed=seed, train_size=len(train_set),
+        val_size=len(val_set),
         distributed_type=accelerator.distributed_type.value,
     )
 
@@ -434,27 +445,35 @@ def main(
                 outputs = net(to_model_input(images, channels_last))
                 loss, parts = criterion([o.float() for o in outputs], targets)
                 accelerator.backward(loss)
-                guard.observe(loss)
-                # One tiny all-reduce per step: a stop signal or a NaN loss on any process, seen by all of them.
-                skip_update = accelerator.sync_gradients and guard.step_is_bad(step + 1)
-                if accelerator.sync_gradients and not skip_update:
-                    accelerator.clip_grad_norm_(net.parameters(), max_norm=10.0)  # early steps can spike
-                if not skip_update:
-                    opt.step()
+                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                if accelerator.sync_gradients:
+                    if max_grad_norm:
+                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
+                    if not guard.skip_update(step + 1):
+                        opt.step()
                 opt.zero_grad(set_to_none=True)
-            running += torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]).float()
+            # total, box, cls, dfl: summed on the device, read at log steps only
+            running += torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]])
             micro_batches += 1
             samples_seen += images.shape[0]
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
             if ema is not None:
-                ema.update_parameters(accelerator.unwrap_model(net))
+                ema.update(accelerator.unwrap_model(net))
             step += 1
-            step_seconds = meter.step(batch_size)
+            meter.step(batch_size)
             progress.update(1)
-            if step % log_every == 0 or step == 1 or step == total_steps:
+            # Only log and checkpoint steps read values back from the device; other steps never make the host wait.
+            at_log = step % log_every == 0 or step == 1 or step == total_steps
+            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
+            at_checkpoint = checkpoint_every and step % checkpoint_every == 0 and mid_epoch
+            if at_log or at_checkpoint:
+                guard.check(step)  # all processes agree: a non-finite loss stops here, a stop signal saves below
+            if at_log:
+                # The mean over every micro-batch since the last log, on all processes.
                 mean = accelerator.reduce(running / micro_batches, reduction="mean").tolist()
+                step_seconds = meter.interval_seconds()
                 first_loss = mean[0] if first_loss is None else first_loss
                 last_loss = mean[0]
                 metrics.log(
@@ -467,8 +486,7 @@ def main(
                 progress.set_postfix(loss=f"{mean[0]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
                 running.zero_()
                 micro_batches = 0
-            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
-            if guard.stop_signal or (checkpoint_every and step % checkpoint_every == 0 and mid_epoch):
+            if guard.stop_signal or at_checkpoint:
                 save_checkpoint(epoch, batches_done)
             if guard.stop_signal:
                 guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
@@ -476,6 +494,7 @@ def main(
                 break
 
         # ---- evaluation of the EMA weights on the whole validation set
+        guard.check(step)  # nothing non-finite since the last log step, before evaluating and saving
         epoch_seconds = time.perf_counter() - epoch_start
         last_epoch = step >= total_steps or epoch + 1 == num_epochs
         if (epoch + 1) % eval_every == 0 or last_epoch:
@@ -498,6 +517,8 @@ def main(
                     f"{epoch_seconds:.1f} s, {meter.samples_per_second:.1f} images/s"
                 )
         save_checkpoint(epoch + 1, 0)
+        if guard.stop_signal:
+            guard.stop(step, checkpoints.last_saved)
         meter.restart()
         if last_epoch:
             break

@@ -37,8 +37,10 @@ import numpy as np
 import torch
 import yaml
 from PIL import Image
+from yolo_loss import pad_targets
 
 from accelerate_recipes import RecipeError
+from accelerate_recipes.launch import usable_cores
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"})
 PAD_VALUE = 114  # YOLO's grey for letterbox borders and empty mosaic areas
@@ -490,7 +492,7 @@ class YoloDataset(torch.utils.data.Dataset):
             raise RecipeError(f"hsv must be three gains (hue, saturation, value); got {hsv}")
         if not 0 <= self.scale < 1:
             raise RecipeError(f"scale {scale} must lie in [0, 1): the zoom is drawn from [1 - scale, 1 + scale]")
-        workers = min(32, (os.cpu_count() or 1) + 4)  # file reads wait on storage, so threads overlap them
+        workers = min(32, usable_cores() + 4)  # file reads wait on storage, so threads overlap them
         with ThreadPoolExecutor(workers) as pool:
             scanned = list(pool.map(lambda p: _scan(p, self.num_classes), self.image_files))
         self.labels = [labels for labels, _, _ in scanned]
@@ -609,10 +611,7 @@ class YoloDataset(torch.utils.data.Dataset):
 
 
 def collate(batch):
-    """Stack dataset items: (images uint8 [B, 3, S, S], targets float32 [T, 6] rows batch index, class, x1, y1, x2,
-    y2 in pixels, metas: list of B dicts)."""
+    """Stack dataset items: (images uint8 [B, 3, S, S], targets float32 [B, M, 5] rows class, x1, y1, x2, y2 in
+    pixels padded with class -1 rows (yolo_loss.pad_targets), metas: list of B dicts)."""
     images = torch.stack([item[0] for item in batch])
-    targets = [torch.cat([torch.full((len(item[1]), 1), float(i)), item[1].float()], dim=1)
-               for i, item in enumerate(batch)]
-    targets = torch.cat(targets) if targets else torch.zeros((0, 6))
-    return images, targets, [item[2] for item in batch]
+    return images, pad_targets([item[1].float() for item in batch]), [item[2] for item in batch]

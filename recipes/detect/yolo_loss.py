@@ -14,9 +14,10 @@ the same step as one process with the whole batch. (Ultralytics returns this val
 learning rates tuned there are for that larger gradient when used with SGD.)
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
-from torchvision.ops import complete_box_iou_loss
 from yolo_model import dfl_distances, distances_to_boxes, flatten_outputs, make_anchors
 
 
@@ -29,6 +30,29 @@ def pairwise_box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor, eps: float = 1e
     area_a = (a[..., 2] - a[..., 0]).clamp(min=0) * (a[..., 3] - a[..., 1]).clamp(min=0)
     area_b = (b[..., 2] - b[..., 0]).clamp(min=0) * (b[..., 3] - b[..., 1]).clamp(min=0)
     return inter / (area_a + area_b - inter + eps)
+
+
+def complete_box_iou_loss(boxes1: torch.Tensor, boxes2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
+    """CIoU loss of matching xyxy boxes [..., 4] -> [...], the values of torchvision.ops.complete_box_iou_loss
+    (reduction none): 1 - IoU + centre distance^2 / enclosing diagonal^2 + alpha * v, v the aspect-ratio term.
+
+    Written out because torchvision's version finds the overlapping pairs by boolean-mask indexing, which on a GPU
+    reads the mask's size back to the host at every call; torch.where keeps the shapes fixed."""
+    x1, y1, x2, y2 = boxes1.unbind(-1)
+    x1g, y1g, x2g, y2g = boxes2.unbind(-1)
+    w_inter = torch.minimum(x2, x2g) - torch.maximum(x1, x1g)
+    h_inter = torch.minimum(y2, y2g) - torch.maximum(y1, y1g)
+    inter = torch.where((w_inter > 0) & (h_inter > 0), w_inter * h_inter, 0.0)
+    union = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter
+    iou = inter / (union + eps)
+    enclosing_w = torch.maximum(x2, x2g) - torch.minimum(x1, x1g)
+    enclosing_h = torch.maximum(y2, y2g) - torch.minimum(y1, y1g)
+    diagonal = enclosing_w**2 + enclosing_h**2
+    centres = ((x1 + x2 - x1g - x2g) / 2) ** 2 + ((y1 + y2 - y1g - y2g) / 2) ** 2
+    v = (4 / math.pi**2) * (torch.atan((x2g - x1g) / (y2g - y1g)) - torch.atan((x2 - x1) / (y2 - y1))) ** 2
+    with torch.no_grad():
+        alpha = v / (1 - iou + v + eps)
+    return 1 - iou + centres / (diagonal + eps) + alpha * v
 
 
 class TaskAlignedAssigner:
@@ -109,33 +133,23 @@ class TaskAlignedAssigner:
         return target_labels, target_boxes, target_scores, foreground, target_gt_index
 
 
-def targets_to_padded(targets: torch.Tensor, batch_size: int, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[T, 6] rows (batch_index, class, x1, y1, x2, y2) -> (labels [B, M] int64, boxes [B, M, 4], mask [B, M] bool),
-    M the most objects in one image (0 when T == 0); rows beyond an image's objects are padding (mask False)."""
-    targets = targets.to(device=device, dtype=torch.float32).reshape(-1, 6)
-    image = targets[:, 0].long()
-    counts = torch.bincount(image, minlength=batch_size)
-    if counts.numel() > batch_size:
-        raise ValueError(f"targets name image {int(image.max())} but the batch has {batch_size} images")
-    num_gts = int(counts.max()) if targets.shape[0] else 0
-    labels = torch.zeros(batch_size, num_gts, dtype=torch.long, device=device)
-    boxes = torch.zeros(batch_size, num_gts, 4, device=device)
-    mask = torch.zeros(batch_size, num_gts, dtype=torch.bool, device=device)
-    if num_gts:
-        order = torch.argsort(image, stable=True)
-        image, targets = image[order], targets[order]
-        first = torch.cumsum(counts, 0) - counts  # row of each image's first object in sorted order
-        slot = torch.arange(targets.shape[0], device=device) - first[image]
-        labels[image, slot] = targets[:, 1].long()
-        boxes[image, slot] = targets[:, 2:6]
-        mask[image, slot] = True
-    return labels, boxes, mask
+def pad_targets(per_image: list[torch.Tensor]) -> torch.Tensor:
+    """Per-image [n_i, 5] rows (class, x1, y1, x2, y2) -> the loss's targets [B, M, 5], M the most objects in one
+    image (0 when no image has any); rows beyond an image's objects are padding with class -1 and a zero box.
+
+    Run it where the rows are (the DataLoader's collate, on the CPU): the object counts are known there, so the
+    training step never reads a count back from the GPU to size a tensor."""
+    most = max((len(rows) for rows in per_image), default=0)
+    targets = torch.zeros(len(per_image), most, 5)
+    targets[..., 0] = -1
+    for i, rows in enumerate(per_image):
+        targets[i, :len(rows)] = rows
+    return targets
 
 
 def distribution_focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """DFL: cross-entropy towards the two bins around a continuous target, weighted by closeness.
-    logits [N, 4, reg_max], target [N, 4] in bins (within [0, reg_max - 1)) -> [N] mean over the four sides."""
+    logits [..., 4, reg_max], target [..., 4] in bins (within [0, reg_max - 1)) -> [...] mean over the four sides."""
     left = target.long()
     right = left + 1
     weight_left = right.float() - target
@@ -150,9 +164,14 @@ def distribution_focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch
 class DetectionLoss:
     """YOLOv8-style detection loss on Detector's raw outputs.
 
-    loss, parts = DetectionLoss(num_classes)(outputs, targets); targets: [T, 6] rows (batch_index, class, x1, y1, x2,
-    y2) in input-image pixels, T may be 0. `loss` = box_weight * box + cls_weight * cls + dfl_weight * dfl, a float32
-    scalar; `parts` = dict(box, cls, dfl) holds those three weighted terms, detached (they sum to `loss`).
+    loss, parts = DetectionLoss(num_classes)(outputs, targets); targets: [B, M, 5] rows (class, x1, y1, x2, y2) in
+    input-image pixels, padded with class -1 rows (pad_targets; M may be 0). `loss` = box_weight * box + cls_weight *
+    cls + dfl_weight * dfl, a float32 scalar; `parts` = dict(box, cls, dfl) holds those three weighted terms, detached
+    (they sum to `loss`).
+
+    Every tensor has a shape known before the step runs and nothing is read back to the host: the box and DFL terms
+    are computed on every anchor and weighted by zero off the foreground, instead of being gathered by a boolean mask
+    (whose size only the GPU knows). Class ids are not checked here; the data loader checks every label at start-up.
     """
 
     def __init__(self, num_classes: int, strides: tuple[int, ...] = (8, 16, 32), reg_max: int = 16,
@@ -166,31 +185,34 @@ class DetectionLoss:
     def __call__(self, outputs: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         # float32 throughout: the outputs may come from a bf16/fp16 autocast forward
         box_logits, cls_logits = flatten_outputs(outputs, self.reg_max)  # [B, A, 4, R], [B, A, C]
-        batch_size = box_logits.shape[0]  # from the outputs: an image without objects has no row in targets
         anchor_points, stride_tensor = make_anchors(outputs, self.strides)  # pixels, [A, 2] and [A, 1]
         distances = dfl_distances(box_logits)  # [B, A, 4] in grid units of each anchor's level
         pred_boxes = distances_to_boxes(distances * stride_tensor, anchor_points)  # pixels
 
-        gt_labels, gt_boxes, gt_mask = targets_to_padded(targets, batch_size, box_logits.device)
-        classes = gt_labels[gt_mask]
-        if classes.numel() and not (0 <= int(classes.min()) and int(classes.max()) < self.num_classes):
-            raise ValueError(f"target classes must lie in [0, {self.num_classes}); got {classes.unique().tolist()}")
+        if targets.ndim != 3 or targets.shape[0] != box_logits.shape[0] or targets.shape[-1] != 5:
+            raise ValueError(f"targets must be [{box_logits.shape[0]}, M, 5] (class, x1, y1, x2, y2; pad_targets); "
+                             f"got {tuple(targets.shape)}")
+        targets = targets.to(device=box_logits.device, dtype=torch.float32)
+        gt_mask = targets[..., 0] >= 0  # padding rows have class -1
         _, target_boxes, target_scores, foreground, _ = self.assigner(
-            cls_logits.detach().sigmoid(), pred_boxes.detach(), anchor_points, gt_labels, gt_boxes, gt_mask)
+            cls_logits.detach().sigmoid(), pred_boxes.detach(), anchor_points, targets[..., 0].long(),
+            targets[..., 1:], gt_mask)
         target_scores_sum = target_scores.sum().clamp(min=1.0)
 
         cls_loss = F.binary_cross_entropy_with_logits(cls_logits, target_scores, reduction="sum") / target_scores_sum
 
-        # box and DFL terms on foreground anchors, each weighted by its target score (its assignment quality)
-        weight = target_scores.sum(-1)[foreground]  # [N]
-        box_loss = (complete_box_iou_loss(pred_boxes[foreground], target_boxes[foreground], reduction="none")
-                    * weight).sum() / target_scores_sum
-        strides_fg = stride_tensor.expand(batch_size, -1, -1)[foreground]  # [N, 1]
-        anchors_fg = anchor_points.expand(batch_size, -1, -1)[foreground]  # [N, 2]
-        target_fg = target_boxes[foreground]
-        target_distances = torch.cat((anchors_fg - target_fg[:, :2], target_fg[:, 2:] - anchors_fg), dim=-1)
-        target_distances = (target_distances / strides_fg).clamp(0, self.reg_max - 1 - 0.01)  # right bin in range
-        dfl = distribution_focal_loss(box_logits[foreground], target_distances)
+        # box and DFL terms, each weighted by the anchor's target score (its assignment quality; 0 off the foreground)
+        weight = target_scores.sum(-1)  # [B, A]
+        # Off the foreground the target box is all zeros, where CIoU's aspect term is 0/0: both boxes there become the
+        # same small box around the anchor, whose loss is finite and then weighted by 0 (a NaN would survive x 0).
+        fg = foreground[..., None]
+        stand_in = torch.cat((anchor_points - 1.0, anchor_points + 1.0), dim=-1)  # [A, 4]
+        ciou = complete_box_iou_loss(torch.where(fg, pred_boxes, stand_in), torch.where(fg, target_boxes, stand_in))
+        box_loss = (ciou * weight).sum() / target_scores_sum
+        target_distances = torch.cat((anchor_points - target_boxes[..., :2], target_boxes[..., 2:] - anchor_points),
+                                     dim=-1)
+        target_distances = (target_distances / stride_tensor).clamp(0, self.reg_max - 1 - 0.01)  # right bin in range
+        dfl = distribution_focal_loss(box_logits, target_distances)  # [B, A]
         dfl_loss = (dfl * weight).sum() / target_scores_sum
 
         box_term = self.box_weight * box_loss
@@ -198,4 +220,3 @@ class DetectionLoss:
         dfl_term = self.dfl_weight * dfl_loss
         loss = box_term + cls_term + dfl_term
         return loss, dict(box=box_term.detach(), cls=cls_term.detach(), dfl=dfl_term.detach())
-

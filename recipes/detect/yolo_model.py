@@ -231,6 +231,17 @@ def decode(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int) 
     return boxes, cls_logits
 
 
+def class_aware_nms(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, iou_threshold: float,
+                    max_coordinate: float) -> torch.Tensor:
+    """NMS within each class, as one torchvision.ops.nms call: every class's boxes are shifted by class x
+    (max_coordinate + 1), so boxes of different classes never overlap. Returns the kept indices, best score first.
+
+    boxes [N, 4] xyxy with every coordinate in [0, max_coordinate]. torchvision's batched_nms shifts the same way for
+    small inputs, but above a size threshold it loops over the classes with a device read for each."""
+    shifted = boxes + (labels.to(boxes.dtype) * (max_coordinate + 1))[:, None]
+    return torchvision.ops.nms(shifted, scores, iou_threshold)
+
+
 @torch.no_grad()
 def postprocess(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int, conf_threshold: float = 0.001,
                 iou_threshold: float = 0.7, max_detections: int = 300, max_candidates: int = 30000) -> list[dict]:
@@ -238,7 +249,7 @@ def postprocess(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: 
     labels [N] int64), sorted by score, N <= max_detections.
 
     One label per anchor (its best class); anchors scoring <= conf_threshold are dropped, at most max_candidates of
-    the best go into class-aware NMS (torchvision.ops.batched_nms) at iou_threshold."""
+    the best go into class-aware NMS (class_aware_nms) at iou_threshold."""
     boxes, cls_logits = decode(outputs, strides, reg_max)
     height, width = outputs[0].shape[-2] * strides[0], outputs[0].shape[-1] * strides[0]
     boxes[..., 0::2] = boxes[..., 0::2].clamp(0, width)
@@ -251,7 +262,8 @@ def postprocess(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: 
         if img_scores.numel() > max_candidates:  # bounds NMS time when an untrained model fires everywhere
             top = img_scores.topk(max_candidates).indices
             img_boxes, img_scores, img_labels = img_boxes[top], img_scores[top], img_labels[top]
-        kept = torchvision.ops.batched_nms(img_boxes, img_scores, img_labels, iou_threshold)[:max_detections]
+        kept = class_aware_nms(img_boxes, img_scores, img_labels, iou_threshold,
+                               max_coordinate=max(width, height))[:max_detections]
         results.append(dict(boxes=img_boxes[kept], scores=img_scores[kept], labels=img_labels[kept].long()))
     return results
 

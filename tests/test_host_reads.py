@@ -1,0 +1,136 @@
+"""The host-read audit: the recipes read no tensor value on the host between log steps, and the audit sees reads."""
+
+import json
+import textwrap
+
+import pytest
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    PYTHON,
+    REPO,
+    TEXT_SCRIPT,
+    check,
+    fails_with,
+    recipe_env,
+    run,
+    sentiment_rows,
+    tiny_bert,
+    write_rows,
+)
+
+from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+
+AUDIT = REPO / "benchmarks" / "host_reads.py"
+# Six optimizer steps inside one epoch; logs only at steps 1 and 6, checkpoints only at the epoch end.
+QUIET = ["--max_steps", "6", "--log_every", "1000", "--checkpoint_every", "0", "--tracker", "none",
+         "--num_workers", "0"]
+
+
+def audited(out) -> dict:
+    return json.loads((out / "host_reads.json").read_text())
+
+
+def assert_quiet(report: dict, proc) -> None:
+    """Steps 2-5 are quiet and hold no read; the log step 1 reads the loss, so the counter is live."""
+    assert report["exit_code"] == 0 and report["steps"] == 6, proc.output[-3000:]
+    assert report["quiet_intervals"] == [2, 3, 4, 5]
+    offenders = [f"{s['site']} {s['op']} x{s['quiet_count']} (via {s['via']})" for s in report["sites"] if s["fails"]]
+    assert report["quiet_violations"] == 0, "host reads between log steps:\n" + "\n".join(offenders)
+    assert report["intervals"][1]["reads"] >= 1  # the loss logged at step 1
+    assert "PASS: 0 read(s)" in proc.stdout
+
+
+def test_cifar_loop_reads_nothing_between_log_steps(tmp_path):
+    out = tmp_path / "out"
+    proc = run([PYTHON, AUDIT, REPO / "recipes" / "cifar.py", "--dataset", "synthetic", "--synthetic_size", 160,
+                "--batch_size", 16, *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
+    assert_quiet(audited(out), proc)
+
+
+def test_text_loop_reads_nothing_between_log_steps(tmp_path):
+    model = tiny_bert(tmp_path / "tiny-bert")
+    train = write_rows(tmp_path / "train.csv", sentiment_rows(160, seed=0))
+    dev = write_rows(tmp_path / "dev.csv", sentiment_rows(24, seed=1))
+    out = tmp_path / "out"
+    proc = run([PYTHON, AUDIT, TEXT_SCRIPT, "--model", model, "--train_file", train, "--validation_file", dev,
+                "--batch_size", 16, *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
+    assert_quiet(audited(out), proc)
+
+
+def test_detector_loop_reads_nothing_between_log_steps(tmp_path):
+    data = write_synthetic_dataset(tmp_path / "shapes", num_train=48, num_val=8, image_size=128, seed=3)
+    out = tmp_path / "out"
+    proc = run([PYTHON, AUDIT, REPO / "recipes" / "detect" / "train.py", "--data", data, "--image_size", 128,
+                "--batch_size", 8, *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
+    assert_quiet(audited(out), proc)
+
+
+def test_two_gloo_processes_each_write_their_audit(tmp_path):
+    out = tmp_path / "out"
+    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
+    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
+                "--num_cpu_threads_per_process", 1, AUDIT, REPO / "recipes" / "cifar.py", "--dataset", "synthetic",
+                "--synthetic_size", 320, "--batch_size", 32, *QUIET, "--output_dir", out], env, timeout=400)
+    for name in ("host_reads.json", "host_reads.rank1.json"):
+        report = json.loads((out / name).read_text())
+        assert report["world_size"] == 2 and report["rank"] == (1 if "rank1" in name else 0)
+        assert_quiet(report, proc)
+
+
+# A loop that reads its loss every step (the classic `.item()` in the loop) and reads in its collate function.
+LEAKY = '''
+import torch
+from torch.utils.data import DataLoader
+
+
+def collate(rows):
+    assert torch.stack(rows).abs().sum().item() >= 0   # host-side data: not counted
+    return torch.stack(rows)
+
+
+def main(log_every: int = 1000, checkpoint_every: int = 0):
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader([torch.randn(4) for _ in range(24)], batch_size=4, collate_fn=collate)
+    total = 0.0
+    for x in loader:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total += loss.item()                        # LEAK: one read per step
+        if x[x > 0].numel() < 0:                    # data-dependent shape
+            break
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_read_in_every_step_is_counted_at_its_line_and_fails_the_run(tmp_path):
+    script = tmp_path / "leaky.py"
+    script.write_text(textwrap.dedent(LEAKY))
+    leak_line = next(i for i, line in enumerate(script.read_text().splitlines(), 1) if "# LEAK" in line)
+    out = tmp_path / "reads.json"
+    proc = run([PYTHON, AUDIT, "--output", out, script], recipe_env(tmp_path))
+    fails_with(proc, "4 host read(s) or sync(s) between log steps", str(out))
+    report = json.loads(out.read_text())
+    assert report["steps"] == 6 and report["quiet_intervals"] == [2, 3, 4, 5]
+    assert [i["reads"] for i in report["intervals"]] == [0, 1, 1, 1, 1, 1, 1]
+    assert [i["shape"] for i in report["intervals"]] == [0, 1, 1, 1, 1, 1, 1]
+    (leak,) = [s for s in report["sites"] if s["fails"]]
+    assert (leak["op"], leak["site"], leak["quiet_count"]) == ("item", f"{script}:{leak_line}", 4), leak
+    assert report["excluded"]["data_loading"] >= 6  # the collate function's six reads and the DataLoader's seed
+    # --strict also fails on the boolean-mask index; --allow turns the quiet steps into allowed ones.
+    strict = run([PYTHON, AUDIT, "--output", out, "--strict", "True", script], recipe_env(tmp_path))
+    fails_with(strict, "8 host read(s)")
+    check(run([PYTHON, AUDIT, "--output", out, "--allow", "2,3,4,5", script], recipe_env(tmp_path)))
+    assert json.loads(out.read_text())["quiet_violations"] == 0
+
+
+@pytest.mark.parametrize("args, message", [([], "name the script to audit"),
+                                           (["missing.py"], "missing.py does not exist")])
+def test_audit_errors(args, message, tmp_path):
+    fails_with(run([PYTHON, AUDIT, *args], recipe_env(tmp_path)), message)

@@ -1,0 +1,148 @@
+"""FSDP2 and DeepSpeed ZeRO-2 run the text recipe for real on 2 CPU processes over gloo, launched with the shipped
+fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains with the same flags."""
+
+import pytest
+import torch
+from pathlib import Path
+
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    TEXT_SCRIPT,
+    check,
+    losses,
+    read_results,
+    recipe_env,
+    run,
+    sentiment_rows,
+    tiny_bert,
+    write_rows,
+)
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+# 256 rows, global batch 16 over 2 processes x 2 accumulation steps: 16 optimizer steps per epoch, 32 in all.
+# --max_grad_norm 0.05 clips on most steps (without it the DDP loss differs by 0.1 by step 32), so the runs agree only
+# if every backend clips the same global norm, and accumulates as the flag says.
+FLAGS = ["--batch_size", "16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.05", "--lr", "3e-3",
+         "--epochs", "2", "--checkpoint_every", "12", "--keep_checkpoints", "5", "--log_every", "1",
+         "--tracker", "none", "--num_workers", "0"]
+# The same fp32 arithmetic on the same micro-batches; only the order of the gradient sums differs (all-reduce vs
+# reduce-scatter), which moves the loss by ~1e-7 here (measured max 6e-8 over 32 steps). A wrong batch, a missed
+# accumulation step or another clipping shifts it by > 1e-2 within a few steps.
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    return {"model": tiny_bert(root / "tiny-bert"), "root": root,
+            "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
+            "validation": write_rows(root / "reviews" / "dev.csv", sentiment_rows(63, seed=1))}
+
+
+def launch(data, name, config, *extra, launcher=(), ok=True):
+    """The recipe under `accelerate launch` with 2 CPU processes, as `make text-fsdp` would start it on a CPU box."""
+    out = data["root"] / name
+    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
+    env = recipe_env(data["root"], ACCELERATE_USE_CPU="true",
+                     TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / config, "--num_processes", "2",
+                "--mixed_precision", "no", "--num_cpu_threads_per_process", "1", *launcher,
+                TEXT_SCRIPT, "--model", data["model"], "--train_file", data["train"],
+                "--validation_file", data["validation"], *FLAGS, "--output_dir", out, *extra], env, timeout=300)
+    return (check(proc) if ok else proc), out
+
+
+@pytest.fixture(scope="module")
+def ddp(data):
+    return launch(data, "ddp", "cpu.yaml")[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp(data):
+    return launch(data, "fsdp", "fsdp.yaml")[1]
+
+
+def stopped_with(proc, out, fragment):
+    """Both processes stopped before training with the one-line error (the launcher adds its own report)."""
+    assert proc.returncode != 0 and not (out / "results.json").exists()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and fragment in errors[0], proc.stderr[-3000:]
+
+
+def assert_same_losses(run_dir, reference, tolerance=TOLERANCE):
+    ours, theirs = losses(run_dir), losses(reference)
+    assert ours and set(ours) <= set(theirs)
+    worst = max(abs(ours[s] - theirs[s]) for s in ours)
+    assert worst <= tolerance, (worst, ours, theirs)
+
+
+def test_fsdp_on_cpu_shards_and_trains_like_ddp(fsdp, ddp):
+    results = read_results(fsdp)
+    assert results["distributed_type"] == "FSDP" and results["world_size"] == 2
+    assert results["steps"] == 32 and results["per_process_batch_size"] == 4
+    assert_same_losses(fsdp, ddp)
+    steps = losses(fsdp)
+    assert steps[32] < steps[1] - 0.15, steps
+    assert results["eval_accuracy"] >= 0.8
+    # SHARDED_STATE_DICT: each rank wrote its own shard of weights and optimizer state, no gathered copy.
+    checkpoint = fsdp / "checkpoints" / "step_00000012"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not list(checkpoint.glob("model*.safetensors")) and not list(checkpoint.glob("pytorch_model*.bin"))
+
+
+def test_fsdp_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp):
+    proc, resumed = launch(data, "fsdp-resumed", "fsdp.yaml", "--resume", fsdp / "checkpoints" / "step_00000012")
+    assert "resumed from" in proc.output and "step 12 of 32" in proc.output
+    results = read_results(resumed)
+    assert results["distributed_type"] == "FSDP" and results["steps"] == 32
+    assert sorted(losses(resumed)) == list(range(13, 33))
+    # Same weights, optimizer moments, schedule, RNG and data position: the continuation is the same run.
+    assert_same_losses(resumed, fsdp, tolerance=1e-6)
+
+
+def test_fsdp_saved_model_is_the_whole_trained_model(data, fsdp, ddp):
+    from accelerate.utils import merge_fsdp_weights
+    from safetensors.torch import load_file
+
+    model = AutoModelForSequenceClassification.from_pretrained(fsdp).eval()
+    saved = model.state_dict()
+    # The last checkpoint's shards, merged offline, are exactly what save_pretrained gathered.
+    merged = data["root"] / "merged"
+    merge_fsdp_weights(str(fsdp / "checkpoints" / "step_00000032" / "pytorch_model_fsdp_0"), str(merged))
+    shards = load_file(merged / "model.safetensors")
+    assert set(shards) == set(saved)
+    assert all(torch.equal(shards[k], saved[k]) for k in saved)
+    reference = AutoModelForSequenceClassification.from_pretrained(ddp).state_dict()
+    assert max((saved[k] - reference[k]).abs().max().item() for k in saved) < 1e-4
+    tokenizer = AutoTokenizer.from_pretrained(fsdp)
+    with torch.no_grad():
+        ids = model(**tokenizer(["great superb lovely", "awful dull boring"], padding=True,
+                                return_tensors="pt")).logits.argmax(-1).tolist()
+    assert [model.config.id2label[i] for i in ids] == ["positive", "negative"]
+
+
+def test_deepspeed_zero2_on_cpu_takes_the_recipes_accumulation_and_clipping(data, ddp):
+    _, out = launch(data, "zero2", "deepspeed.yaml", launcher=["--zero_stage", "2"])
+    results = read_results(out)
+    assert results["distributed_type"] == "DEEPSPEED" and results["gradient_accumulation_steps"] == 2
+    engine = torch.load(out / "checkpoints" / "step_00000012" / "pytorch_model" / "mp_rank_00_model_states.pt",
+                        map_location="cpu", weights_only=False)["ds_config"]
+    assert engine["gradient_clipping"] == 0.05 and engine["gradient_accumulation_steps"] == 2
+    assert engine["train_batch_size"] == 16 and engine["zero_optimization"]["stage"] == 2
+    assert_same_losses(out, ddp)
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 2
+
+
+def test_accumulation_pinned_by_the_launcher_stops_the_run(data):
+    # What a `gradient_accumulation_steps: 4` line in a DeepSpeed accelerate config does: the launcher exports it.
+    pinned = ["--zero_stage", "2", "--gradient_accumulation_steps", "4"]
+    proc, out = launch(data, "pinned", "deepspeed.yaml", launcher=pinned, ok=False)
+    stopped_with(proc, out, "--gradient_accumulation_steps is 2 but the accelerate or DeepSpeed config sets 4")
+
+
+def test_skip_nonfinite_steps_is_refused_under_deepspeed(data):
+    proc, out = launch(data, "skip", "deepspeed.yaml", "--skip_nonfinite_steps", launcher=["--zero_stage", "2"],
+                       ok=False)
+    stopped_with(proc, out, "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already steps")
