@@ -47,6 +47,7 @@ class TrackerSetup:
     init_kwargs: dict = field(default_factory=dict)
     swanlab_mode: str | None = None
     swanlab_dir: Path | None = None
+    offline_because: str = "not logged in"
 
     def where(self) -> str | None:
         """One line saying where the run's tracking data is and how to look at it, or None when nothing is tracked."""
@@ -55,8 +56,8 @@ class TrackerSetup:
             run_dir = runs[-1] if runs else self.swanlab_dir
             if self.swanlab_mode == "offline":
                 return (
-                    f"SwanLab (offline, not logged in): run saved in {run_dir}; upload it with `swanlab sync {run_dir}` "
-                    "after `swanlab login`, or log in before the next run to track it in the cloud"
+                    f"SwanLab (offline, {self.offline_because}): run saved in {run_dir}; upload it with "
+                    f"`swanlab sync {run_dir}` after `swanlab login`, or log in before the next run to track it in the cloud"
                 )
             return f"SwanLab (local): run saved in {run_dir}; view it with `swanlab watch {self.swanlab_dir}`"
         if self.swanlab_mode == "online":
@@ -119,18 +120,20 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
         return TrackerSetup(log_with=[name])
 
     mode = resolve_swanlab_mode(swanlab_mode)
+    offline_because = "as asked" if swanlab_mode or os.environ.get("SWANLAB_MODE") else "not logged in"
     if mode == "online" and is_main_process():
         reachable, where = swanlab_reachable()
         if not reachable:
             # Without internet SwanLab would retry for a long time while every other rank waits for rank 0.
             print(f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} s); "
                   "logging offline instead: upload the run later with `swanlab sync`", file=sys.stderr, flush=True)
-            mode = "offline"
+            mode, offline_because = "offline", "SwanLab cloud not reachable"
     log_dir = Path(os.environ.get("SWANLAB_LOG_DIR") or Path(output_dir) / "swanlog").resolve()
     # Keyword arguments passed through to swanlab.init on the main process.
     kwargs = {"mode": mode, "name": run_name}
     if mode in ("offline", "local"):
         kwargs["log_dir"] = str(log_dir)
     return TrackerSetup(
-        log_with=["swanlab"], init_kwargs={"swanlab": kwargs}, swanlab_mode=mode, swanlab_dir=log_dir
+        log_with=["swanlab"], init_kwargs={"swanlab": kwargs}, swanlab_mode=mode, swanlab_dir=log_dir,
+        offline_because=offline_because,
     )

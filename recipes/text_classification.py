@@ -460,14 +460,13 @@ def main(
     total_steps = max_steps if max_steps else epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(warmup_ratio * total_steps)
-    scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
 
     setup_fsdp(accelerator, net)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
-    # Everything in one call: DeepSpeed builds its engine from the model, optimizer and scheduler together.
-    net, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        net, optimizer, train_loader, eval_loader, scheduler
-    )
+    # Model and optimizer in one call: DeepSpeed builds its engine from both.
+    net, optimizer, train_loader, eval_loader = accelerator.prepare(net, optimizer, train_loader, eval_loader)
+    # The schedule is built on the prepared optimizer: DeepSpeed ZeRO-3 regroups the parameters it partitions.
+    scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps))
 
     config = dict(
         recipe="text_classification", dataset=dataset_name, model=model, world_size=world, num_machines=machines,

@@ -56,10 +56,12 @@ def test_cpu_smoke_runs_the_steps_in_fresh_folders_and_reports_their_figures(tmp
     assert allreduce["world_size"] == 2 and allreduce["best_busbw_gbps"] > 0
     command = results["allreduce"]["commands"][0]
     assert command.startswith("make ") and "allreduce-cpu" in command
-    for name in ("text-fsdp", "sync-bn", "dp-vs-ddp"):
+    fsdp = results["text-fsdp"]["figures"]
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["world_size"] == 2 and fsdp["steps"] > 0
+    for name in ("sync-bn", "dp-vs-ddp"):
         assert results[name]["status"] == "not run" and results[name]["detail"] == "needs CUDA"
 
-    for name in ("audit-cifar", "fast94", "preempt", "ddp", "allreduce"):
+    for name in ("audit-cifar", "fast94", "preempt", "ddp", "allreduce", "text-fsdp"):
         assert results[name]["status"] == "pass" and results[name]["wall_seconds"] > 0 and results[name]["commands"]
     table = (out / "report.md").read_text()
     assert table.startswith("# GPU check: PASS")

@@ -81,6 +81,7 @@ def test_swanlab_cloud_that_cannot_be_reached_logs_offline_within_seconds(monkey
     assert setup.init_kwargs["swanlab"]["log_dir"] == str((tmp_path / "run" / "swanlog").resolve())
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1 and f"127.0.0.1:{port}" in warning[0] and "offline" in warning[0]
+    assert setup.where().startswith("SwanLab (offline, SwanLab cloud not reachable)")
     # Where the host answers, cloud mode stays.
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
