@@ -223,6 +223,3 @@ def test_attention_masks_built_without_a_host_read_keep_logits_and_loss(recipe, 
             AttentionMaskInterface.register(name, build)
     assert (checks_before, checks_after) == (1, 0)
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-7)
-
-
-    assert not (tmp_path / "out" / "results.json").exists()
