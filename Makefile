@@ -83,12 +83,12 @@ demo: install ## train ResNet18 on whatever hardware is here, offline, in a few 
 	fi
 
 topo: install ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (or TOPO=saved.txt; GPUS=4 WRITE_CONFIG=x.yaml)
-	$(BIN)/python -m accelerate_recipes.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
+	$(BIN)/python -m recipe_tools.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
 		$(if $(WRITE_CONFIG),--write_config $(WRITE_CONFIG))
 
 doctor: install ## multi-node preflight, on every node: make doctor NODE_RANK=i MASTER_ADDR=ip [CONFIG=2node ARGS=...]
 	$(need_master)
-	$(BIN)/python -m accelerate_recipes.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
+	$(BIN)/python -m recipe_tools.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
 		--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) $(ARGS)
 
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
@@ -108,7 +108,7 @@ $(1)-2node: install
 	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $(2) $$(ARGS)
 $(1)-hostfile: install
 	$$(need_hostfile)
-	$$(BIN)/python -m accelerate_recipes.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
+	$$(BIN)/python -m recipe_tools.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
 		--main_process_port $$(MASTER_PORT) $$(if $$(MASTER_ADDR),--main_process_ip $$(MASTER_ADDR)) \
 		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $(2) $$(ARGS)
 endef
