@@ -103,9 +103,8 @@ def test_two_processes_match_one_process(tmp_path):
 
 def test_imagefolder_with_gradient_accumulation(tmp_path):
     """Your own images in train/<class>/ and val/<class>/, 2 accumulation steps per optimizer step."""
+    from cifar_data import synthetic_images
     from PIL import Image
-
-    from accelerate_recipes.synthetic import synthetic_images
 
     images, labels = synthetic_images(60, num_classes=3, seed=3, size=40)
     for i, (image, label) in enumerate(zip(images, labels)):
