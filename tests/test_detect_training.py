@@ -5,8 +5,7 @@ import json
 
 import pytest
 from conftest import ACCELERATE, CONFIGS, PYTHON, REPO, check, fails_with, losses, read_results, recipe_env, run
-
-from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+from synthetic_shapes import write_synthetic_dataset
 
 TRAIN = REPO / "recipes" / "detect" / "train.py"
 PREDICT = REPO / "recipes" / "detect" / "predict.py"
