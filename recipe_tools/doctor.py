@@ -52,7 +52,7 @@ class Plan:
 
 def load_config(config_file: str):
     """The config as `accelerate launch` reads it (accelerate's own loader)."""
-    import yaml
+    import yaml  # a dependency of accelerate, which reads its configs with it
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
     try:

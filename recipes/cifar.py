@@ -8,8 +8,8 @@
 The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
 GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
 
-Install: `pip install -e .` from a clone of accelerate-recipes (the runtime only). To start a project of your own,
-copy this file and cifar_data.py (generated data and the on-device loader) beside it.
+Install: `pip install -e .` from a clone of accelerate-recipes (the runtime; this recipe needs no extra). To start a
+project of your own, copy this file and cifar_data.py (generated data and the on-device loader) beside it.
 """
 
 import math
