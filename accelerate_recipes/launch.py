@@ -22,9 +22,9 @@ def check_process_group(accelerator) -> None:
     if launched > 1 and accelerator.num_processes == 1:
         raise RecipeError(
             f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not form one process "
-            "group, so each would train alone on all the data. torch sees no usable GPU here: to run these processes on the "
-            "CPU set ACCELERATE_USE_CPU=true (as `make cifar-cpu` does with accelerate_configs/cpu.yaml); on a GPU "
-            "machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
+            "group, so each would train alone on all the data. torch sees no usable GPU here: to run these processes on "
+            "the CPU set ACCELERATE_USE_CPU=true for `accelerate launch` or torchrun (they then join one group over "
+            "gloo); on a GPU machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
             "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
         )
     # accelerate applies FSDP and DeepSpeed configs on accelerators only; on the CPU the same launch would run plain
@@ -36,8 +36,8 @@ def check_process_group(accelerator) -> None:
             raise RecipeError(
                 f"the accelerate config asks for {name}, but this run is {accelerator.distributed_type.value}, so the "
                 "model would not be sharded: on GPUs check that torch sees them; on the CPU launch it with "
-                "ACCELERATE_USE_CPU=true and without --cpu (FSDP needs fsdp_version: 2 there), or use "
-                "accelerate_configs/cpu.yaml (DDP over gloo)"
+                "ACCELERATE_USE_CPU=true and without --cpu (FSDP needs fsdp_version: 2 there), or launch it with a "
+                "config that does not shard (plain DDP over gloo)"
             )
 
 
@@ -158,7 +158,7 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
 
 
 def check_visible_gpus() -> None:
-    """GPU ids given to the launcher (--gpu_ids / GPU_IDS become CUDA_VISIBLE_DEVICES) must exist on this machine,
+    """GPU ids given to the launcher (--gpu_ids becomes CUDA_VISIBLE_DEVICES) must exist on this machine,
     and there must be one GPU for each process the launcher started on it."""
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return
@@ -166,8 +166,9 @@ def check_visible_gpus() -> None:
     visible = torch.cuda.device_count()
     if listed and visible < len(listed):
         raise RecipeError(
-            f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what --gpu_ids / GPU_IDS set) names {len(listed)} GPU(s), but "
-            f"torch sees {visible} here: use ids that `nvidia-smi -L` lists on this machine, or leave --gpu_ids out"
+            f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what `accelerate launch --gpu_ids` sets) names {len(listed)} "
+            f"GPU(s), but torch sees {visible} here: use ids that `nvidia-smi -L` lists on this machine, or leave "
+            "--gpu_ids out"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     # Without GPUs the process-group check explains the run better (ACCELERATE_USE_CPU); here: too few of them.
@@ -175,8 +176,8 @@ def check_visible_gpus() -> None:
         ids = f"CUDA_VISIBLE_DEVICES={','.join(listed)}" if listed else "no CUDA_VISIBLE_DEVICES"
         raise RecipeError(
             f"the launcher started {local} processes on this machine (LOCAL_WORLD_SIZE={local}) but torch sees "
-            f"{visible} GPU(s) ({ids}), one per process: set --num_processes {visible} (make: GPU_IDS sets it to the "
-            "number of ids), or name as many GPUs as processes with --gpu_ids / GPU_IDS"
+            f"{visible} GPU(s) ({ids}), one per process: start {visible} (the launcher's --num_processes {visible}), "
+            "or name as many GPUs as processes with --gpu_ids"
         )
 
 

@@ -54,8 +54,12 @@ class MetricsLog:
 
 
 def run_facts(accelerator, meter, samples_seen: int) -> dict:
-    """The results.json entries every recipe shares: throughput from the StepMeter, per-process sample counts, peak
-    memory, device and versions.
+    """The results.json entries every recipe shares, as a dict to merge into the recipe's own results:
+
+    - train_seconds, train_samples_per_second (global), median_step_seconds: from `meter` (a StepMeter);
+    - samples_seen_per_process: `samples_seen` of every process, gathered, in rank order;
+    - peak_memory_mb (the largest of all processes) and peak_memory_kind ("cuda_max_allocated" or "host_max_rss");
+    - device, torch_version, accelerate_version, and finished_at (UTC, ISO 8601).
 
     Collective: every process must call it.
     """

@@ -32,9 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from accelerate_recipes.device_data import DeviceImageLoader
 from accelerate_recipes.launch import cpu_precision, usable_cores
-from accelerate_recipes.synthetic import synthetic_images
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO / "recipes" / "cifar.py"
@@ -45,6 +43,8 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 tensor
 
 def load_cifar_recipe():
     """recipes/cifar.py as a module, for its model and dataset classes (the loops below use exactly its model)."""
+    # As `python recipes/cifar.py` would: its folder on the path, so cifar_data.py beside it imports.
+    sys.path.insert(0, str(REPO / "recipes"))
     spec = importlib.util.spec_from_file_location("cifar_recipe", CIFAR)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -80,7 +80,8 @@ def article_loader(recipe, images, labels, batch_size):
 
 def loader_images_per_second(recipe, images, labels, device, batch_size):
     torch_loader = article_loader(recipe, images, labels, batch_size)
-    device_loader = DeviceImageLoader(images, labels, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD)
+    device_loader = recipe.DeviceImageLoader(images, labels, batch_size, device, train=True, mean=recipe.MEAN,
+                                             std=recipe.STD)
 
     def through_torch():
         for x, y in torch_loader:
@@ -127,7 +128,7 @@ def bare_training(recipe, images, labels, device, steps, batch_size, precision):
     model = recipe.build_model("resnet18", 10).to(device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    loader = DeviceImageLoader(images, labels, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD)
+    loader = recipe.DeviceImageLoader(images, labels, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
     def steps_run():
@@ -227,7 +228,7 @@ def main(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe = load_cifar_recipe()
-    x, y = synthetic_images(images, num_classes=10, seed=42)  # the data the recipe generates with its default seed
+    x, y = recipe.synthetic_images(images, num_classes=10, seed=42)  # the data the recipe generates with its default seed
     name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({usable_cores()} cores)"
     print(f"device: {name}; torch {torch.__version__}; batch {batch_size}, {steps} steps, {images} images", flush=True)
 

@@ -26,8 +26,6 @@ import fire
 import torch
 import torch.nn as nn
 
-from accelerate_recipes.device_data import DeviceImageLoader
-from accelerate_recipes.synthetic import synthetic_images
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
@@ -35,6 +33,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
 def load_cifar_recipe():
     """recipes/cifar.py as a module: the loop trains exactly its model."""
+    # As `python recipes/cifar.py` would: its folder on the path, so cifar_data.py beside it imports.
+    sys.path.insert(0, str(REPO / "recipes"))
     spec = importlib.util.spec_from_file_location("cifar_recipe", REPO / "recipes" / "cifar.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -70,8 +70,8 @@ def main(gpus: int | None = None, batch_size: int = 512, steps: int = 30, images
     device = torch.device("cuda:0" if gpus else "cpu")
     torch.manual_seed(seed)
     recipe = load_cifar_recipe()
-    x, y = synthetic_images(images or batch_size * steps, num_classes=10, seed=seed)
-    loader = DeviceImageLoader(x, y, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD, seed=seed)
+    x, y = recipe.synthetic_images(images or batch_size * steps, num_classes=10, seed=seed)
+    loader = recipe.DeviceImageLoader(x, y, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD, seed=seed)
     net = recipe.build_model(model, num_classes=10).to(device)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)

@@ -30,7 +30,7 @@ Not counted:
 - reads inside data loading: any frame on the stack in torch/utils/data, accelerate/data_loader.py or
   transformers/data, or in a function whose name contains "collate". Those tensors are built on the host, before the
   copy to the device, so on a GPU they are CPU tensors and reading them waits for nothing. The device data path
-  (accelerate_recipes/device_data.py) keeps its tensors on the GPU and is audited like the loop.
+  (recipes/cifar_data.py) keeps its tensors on the GPU and is audited like the loop.
 - reads of torch.optim's own step counters (0-dim CPU tensors read inside torch/optim unless capturable or fused):
   they stay on the host on a GPU too.
 - on CUDA, reads of tensors that live on the CPU (listed under "host_tensor_reads", no wait involved).

@@ -8,6 +8,8 @@
 
 The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
 GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+
+Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets and torchmetrics).
 """
 
 import json

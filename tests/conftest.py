@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from accelerate_recipes.synthetic import synthetic_images
+from cifar_data import synthetic_images
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR_SCRIPT = REPO / "recipes" / "cifar.py"

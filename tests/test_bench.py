@@ -1,7 +1,6 @@
 """The speed harness runs end to end on tiny shapes and writes one entry per comparison."""
 
 import json
-import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
@@ -41,7 +40,6 @@ def test_harness_on_tiny_shapes_writes_every_comparison(tmp_path):
 
 
 def test_text_benchmark_launches_with_the_configs_make_uses_for_the_hardware():
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from rotten_tomatoes import launch_config
 
     # A GPU box: the GPU configs (NCCL, one process per GPU), never cpu.yaml with ACCELERATE_USE_CPU.

@@ -98,14 +98,13 @@ def test_two_processes_match_one_process(tmp_path):
     assert sorted(l1) == sorted(l2) == list(range(1, 9))
     diffs = [abs(l1[s] - l2[s]) for s in l1]
     assert max(diffs) < 0.05, diffs
-    assert "2 process(es) on 1 machine(s)" in two.stdout and one.returncode == 0
+    assert "2 process(es) on 1 machine(s)" in two.stdout
 
 
 def test_imagefolder_with_gradient_accumulation(tmp_path):
     """Your own images in train/<class>/ and val/<class>/, 2 accumulation steps per optimizer step."""
+    from cifar_data import synthetic_images
     from PIL import Image
-
-    from accelerate_recipes.synthetic import synthetic_images
 
     images, labels = synthetic_images(60, num_classes=3, seed=3, size=40)
     for i, (image, label) in enumerate(zip(images, labels)):

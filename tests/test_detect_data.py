@@ -10,20 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import convert
 import numpy as np
 import pytest
 import torch
 import yaml
 from PIL import Image, ImageDraw
-
-from accelerate_recipes import RecipeError
-from accelerate_recipes.synthetic_detection import main, write_synthetic_dataset
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes" / "detect"))
-
-import convert  # noqa: E402
-from yolo_data import (  # noqa: E402
+from synthetic_shapes import main, write_synthetic_dataset
+from yolo_data import (
     YoloDataset,
     collate,
     download_dataset,
@@ -32,6 +26,10 @@ from yolo_data import (  # noqa: E402
     load_data_config,
     scale_boxes_back,
 )
+
+from accelerate_recipes import RecipeError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # -------------------------------------------------------------------------------------------------------- helpers

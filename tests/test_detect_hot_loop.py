@@ -4,23 +4,18 @@ per-class AP from one COCO evaluation equals torchmetrics' per-class evaluations
 
 import io
 import math
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes" / "detect"))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torchvision  # noqa: E402
-from ema import ModelEMA  # noqa: E402
-from torch.optim.swa_utils import AveragedModel  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
-from torchmetrics.detection import MeanAveragePrecision  # noqa: E402
-from train import coco_map  # noqa: E402
-from yolo_loss import DetectionLoss, complete_box_iou_loss, distribution_focal_loss, pad_targets  # noqa: E402
-from yolo_model import (  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from ema import ModelEMA
+from torch.optim.swa_utils import AveragedModel
+from torch.overrides import TorchFunctionMode
+from torchmetrics.detection import MeanAveragePrecision
+from train import coco_map
+from yolo_loss import DetectionLoss, complete_box_iou_loss, distribution_focal_loss, pad_targets
+from yolo_model import (
     Detector,
     class_aware_nms,
     dfl_distances,

@@ -1,17 +1,11 @@
 """The YOLO-style detector of recipes/detect: task-aligned assignment, loss values on hand-built predictions, NMS
 post-processing, model shapes and size, and a tiny overfit. Everything runs on CPU at 64-pixel images."""
 
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes" / "detect"))
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torchvision.ops import box_iou, complete_box_iou_loss  # noqa: E402
-from yolo_loss import DetectionLoss, TaskAlignedAssigner, distribution_focal_loss, pad_targets  # noqa: E402
-from yolo_model import SIZES, Detector, decode, make_anchors, model_info, postprocess  # noqa: E402
+import pytest
+import torch
+from torchvision.ops import box_iou, complete_box_iou_loss
+from yolo_loss import DetectionLoss, TaskAlignedAssigner, distribution_focal_loss, pad_targets
+from yolo_model import SIZES, Detector, decode, make_anchors, model_info, postprocess
 
 STRIDES = (8, 16, 32)
 REG_MAX = 16

@@ -5,8 +5,7 @@ import json
 
 import pytest
 from conftest import ACCELERATE, CONFIGS, PYTHON, REPO, check, fails_with, losses, read_results, recipe_env, run
-
-from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+from synthetic_shapes import write_synthetic_dataset
 
 TRAIN = REPO / "recipes" / "detect" / "train.py"
 PREDICT = REPO / "recipes" / "detect" / "predict.py"
@@ -25,8 +24,10 @@ def shapes(tmp_path_factory):
 def trained(shapes, tmp_path_factory):
     out = tmp_path_factory.mktemp("detect")
     env = recipe_env(out)
-    proc = check(run([PYTHON, TRAIN, "--data", shapes, "--batch_size", 16, "--epochs", 6, "--output_dir", out, *SMALL],
-                     env, timeout=600))
+    # 144 steps of batch 8, evaluated once at the end: the shortest run measured here that finds the shapes at all
+    # (36 steps of batch 16 left mAP50 at 0.000).
+    proc = check(run([PYTHON, TRAIN, "--data", shapes, "--batch_size", 8, "--epochs", 12, "--eval_every", 12,
+                      "--output_dir", out, *SMALL], env, timeout=600))
     return out, proc
 
 
@@ -36,9 +37,11 @@ def test_training_lowers_the_loss_and_reports_coco_map(trained):
     steps = losses(out)
     first, last = steps[1], steps[max(steps)]
     assert last < 0.8 * first, steps
-    assert results["steps"] == 36 and results["world_size"] == 1
+    assert results["steps"] == 144 and results["world_size"] == 1
     assert results["eval_images"] == results["eval_unique_images"] == 21
-    assert 0.0 <= results["eval_map50_95"] <= results["eval_map50"] <= 1.0
+    # A detector that finds nothing scores 0. Measured on this run here: mAP50 0.093 (mAP50-95 0.023); the same
+    # steps with other learning rates, mosaic off or another seed gave 0.05-0.09. The floor leaves room for that.
+    assert results["eval_map50"] > 0.03, results["eval_map50"]
     assert set(results["eval_ap_per_class"]) <= {"circle", "square", "triangle"}
     assert 2.5e6 < results["trainable_parameters"] < 3.5e6  # the nano size, near YOLOv8n's 3.2M
     assert "AP50-95 per class" in proc.output

@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from cifar_data import DeviceImageLoader
 from torchvision import transforms
 from torchvision.transforms import functional as TF
-
-from accelerate_recipes.device_data import DeviceImageLoader
 
 RAW = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))  # normalisation that leaves the uint8 values
 

@@ -9,8 +9,8 @@ import time
 import torch
 from conftest import PYTHON, REPO, fails_with, free_port, recipe_env, run
 
-from accelerate_recipes import doctor
-from accelerate_recipes.doctor import missing_interfaces
+from recipe_tools import doctor
+from recipe_tools.doctor import missing_interfaces
 
 # Two nodes of one process each: the smallest multi-node run.
 CONFIG = """compute_environment: LOCAL_MACHINE
@@ -30,7 +30,7 @@ debug: false
 
 
 def doctor_cmd(config, rank, port, *args, ip="127.0.0.1", timeout=20):
-    return [PYTHON, "-m", "accelerate_recipes.doctor", "--config_file", config, "--machine_rank", rank,
+    return [PYTHON, "-m", "recipe_tools.doctor", "--config_file", config, "--machine_rank", rank,
             "--main_process_ip", ip, "--main_process_port", port, "--timeout", timeout, *args]
 
 
@@ -142,7 +142,7 @@ def test_comparison_names_the_node_that_differs():
 
 
 def test_help_explains_every_flag(tmp_path):
-    proc = run([PYTHON, "-m", "accelerate_recipes.doctor", "--help"], node_env(tmp_path, PAGER="cat"), timeout=60)
+    proc = run([PYTHON, "-m", "recipe_tools.doctor", "--help"], node_env(tmp_path, PAGER="cat"), timeout=60)
     assert proc.returncode == 0, proc.output
     for name in inspect.signature(doctor.main).parameters:
         assert re.search(rf"--{name}\b", proc.output), f"--{name} missing from --help"

@@ -140,4 +140,4 @@ def test_visible_gpus_must_cover_the_processes_of_this_machine(monkeypatch):
         check_visible_gpus()
     message = str(err.value)
     assert "\n" not in message and "LOCAL_WORLD_SIZE=8" in message and "4 GPU(s)" in message
-    assert "--num_processes 4" in message and "GPU_IDS" in message
+    assert "--num_processes 4" in message and "--gpu_ids" in message

@@ -18,8 +18,7 @@ from conftest import (
     tiny_bert,
     write_rows,
 )
-
-from accelerate_recipes.synthetic_detection import write_synthetic_dataset
+from synthetic_shapes import write_synthetic_dataset
 
 AUDIT = REPO / "benchmarks" / "host_reads.py"
 # Six optimizer steps inside one epoch; logs only at steps 1 and 6, checkpoints only at the epoch end.

@@ -88,7 +88,7 @@ def test_help_lists_every_text_target():
 
 def test_topo_target_passes_file_gpu_count_and_config():
     out = make("-n", "topo", "TOPO=saved.txt", "GPUS=4", "WRITE_CONFIG=best4.yaml").stdout
-    assert "-m accelerate_recipes.topology --file saved.txt --gpus 4" in out and "--write_config best4.yaml" in out
+    assert "-m recipe_tools.topology --file saved.txt --gpus 4" in out and "--write_config best4.yaml" in out
 
 
 def test_allreduce_targets_launch_the_benchmark_with_the_recipe_configs():
@@ -101,7 +101,7 @@ def test_allreduce_targets_launch_the_benchmark_with_the_recipe_configs():
 def test_hostfile_targets_start_the_multinode_launcher_with_launch_options():
     proc = make("-n", "cifar-hostfile", "HOSTFILE=hosts.txt", "GPU_IDS=0,1", "PRECISION=bf16", "MASTER_PORT=29700",
                 "ARGS=--epochs 2")
-    line = next(line for line in proc.stdout.splitlines() if "accelerate_recipes.multinode" in line)
+    line = next(line for line in proc.stdout.splitlines() if "recipe_tools.multinode" in line)
     assert "--hostfile hosts.txt --config_file accelerate_configs/2node.yaml --main_process_port 29700" in line
     assert '--launch_args "--gpu_ids 0,1 --mixed_precision bf16"' in line
     assert line.rstrip().endswith("recipes/cifar.py --epochs 2")
@@ -113,7 +113,7 @@ def test_hostfile_targets_start_the_multinode_launcher_with_launch_options():
 def test_doctor_target_passes_the_node_settings():
     proc = make("-n", "doctor", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1", "CONFIG=8gpu", "ARGS=--timeout 60")
     text = " ".join(proc.stdout.replace("\\\n", " ").split())
-    assert ("-m accelerate_recipes.doctor --config_file accelerate_configs/8gpu.yaml --machine_rank 1 "
+    assert ("-m recipe_tools.doctor --config_file accelerate_configs/8gpu.yaml --machine_rank 1 "
             "--main_process_ip 10.0.0.1 --main_process_port 29500 --timeout 60") in text
     assert "set MASTER_ADDR" in make("doctor").stderr
 

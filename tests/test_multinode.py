@@ -21,9 +21,9 @@ from conftest import (
     run,
 )
 
-from accelerate_recipes import multinode
+from recipe_tools import multinode
 
-LAUNCHER = [PYTHON, "-m", "accelerate_recipes.multinode"]
+LAUNCHER = [PYTHON, "-m", "recipe_tools.multinode"]
 
 
 def two_local_nodes(tmp_path, slots=(1, 1)):

@@ -33,10 +33,10 @@ from conftest import (
     write_rows,
 )
 from safetensors.torch import load_file
+from synthetic_shapes import write_synthetic_dataset
 
 from accelerate_recipes import PREEMPTED_EXIT_CODE
 from accelerate_recipes.checkpoints import is_complete
-from accelerate_recipes.synthetic_detection import write_synthetic_dataset
 
 DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
 COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1"]

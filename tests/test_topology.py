@@ -7,7 +7,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from conftest import PYTHON, REPO, fails_with, run
 
 from accelerate_recipes import RecipeError
-from accelerate_recipes.topology import Topology, best_set, groups, link_score, parse, recommendations
+from recipe_tools.topology import Topology, best_set, groups, link_score, parse, recommendations
 
 TOPO = REPO / "tests" / "fixtures" / "topo"
 
@@ -64,7 +64,7 @@ def test_eight_pcie_gpus_on_two_sockets_without_numa_column():
 
 def test_command_prints_groups_recommendations_and_what_to_avoid(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = run([PYTHON, "-m", "accelerate_recipes.topology", "--file", TOPO / "nvlink_pairs_2socket.txt"], env).stdout
+    out = run([PYTHON, "-m", "recipe_tools.topology", "--file", TOPO / "nvlink_pairs_2socket.txt"], env).stdout
     assert "NVLink groups:      {0,1}  {2,3}  {4,5}  {6,7}" in out
     assert "--gpu_ids 0,1 " in out and "for 2 GPUs, avoid pairs like 0,4: SYS" in out
 
@@ -72,7 +72,7 @@ def test_command_prints_groups_recommendations_and_what_to_avoid(tmp_path):
 def test_write_config_gives_accelerate_a_config_with_the_best_gpus(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     config = tmp_path / "best4.yaml"
-    proc = run([PYTHON, "-m", "accelerate_recipes.topology", "--file", TOPO / "nvlink_pairs_2socket.txt",
+    proc = run([PYTHON, "-m", "recipe_tools.topology", "--file", TOPO / "nvlink_pairs_2socket.txt",
                 "--gpus", "4", "--write_config", config], env)
     assert proc.returncode == 0, proc.output
     loaded = load_config_from_file(str(config))
@@ -84,9 +84,9 @@ def test_without_nvidia_smi_or_with_a_bad_file_the_error_says_what_to_do(tmp_pat
     empty_path = tmp_path / "bin"
     empty_path.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO), PATH=str(empty_path))
-    fails_with(run([PYTHON, "-m", "accelerate_recipes.topology"], env), "nvidia-smi not found", "--file")
+    fails_with(run([PYTHON, "-m", "recipe_tools.topology"], env), "nvidia-smi not found", "--file")
     (tmp_path / "bad.txt").write_text("No devices were found\n")
-    fails_with(run([PYTHON, "-m", "accelerate_recipes.topology", "--file", tmp_path / "bad.txt"], env),
+    fails_with(run([PYTHON, "-m", "recipe_tools.topology", "--file", tmp_path / "bad.txt"], env),
                "no GPU matrix found")
 
 

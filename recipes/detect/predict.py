@@ -13,16 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from detector_files import MODEL_CONFIG, draw_detections, upright_rgb
 from safetensors.torch import load_file
-from torchvision.utils import draw_bounding_boxes
 from tqdm.auto import tqdm
 from yolo_data import IMAGE_SUFFIXES, letterbox, scale_boxes_back
 from yolo_model import Detector, postprocess
 
 from accelerate_recipes import RecipeError, run
-
-MODEL_CONFIG = "detector.json"  # written by train.py next to model.safetensors: what rebuilds the model
 
 
 def load_detector(model_dir: Path, device: torch.device) -> tuple[Detector, dict]:
@@ -48,23 +45,6 @@ def list_images(source: Path) -> list[Path]:
         raise RecipeError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {source}; point --source at an image "
                           "or a folder of images")
     raise RecipeError(f"--source {source} does not exist; give an image file or a folder of images")
-
-
-def upright_rgb(path) -> Image.Image:
-    """The image as RGB, turned upright by its EXIF orientation (as training reads it)."""
-    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
-
-
-def draw_detections(image_path, boxes: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor,
-                    names: list[str]) -> Image.Image:
-    """The image with one labelled box per detection (boxes in the image's own pixels)."""
-    image = upright_rgb(image_path)
-    if len(boxes) == 0:
-        return image
-    captions = [f"{names[int(c)]} {float(s):.2f}" for c, s in zip(labels, scores)]
-    tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1)
-    drawn = draw_bounding_boxes(tensor, boxes.float(), labels=captions, colors="lime", width=2)
-    return Image.fromarray(drawn.permute(1, 2, 0).numpy())
 
 
 @torch.no_grad()

@@ -8,8 +8,12 @@
 
 Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
 image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
-The detector (yolo_model.py), its assigner and loss (yolo_loss.py) and the data pipeline (yolo_data.py) sit beside
-this file; copy the folder to start your own project.
+The detector (yolo_model.py), its assigner and loss (yolo_loss.py), the data pipeline (yolo_data.py), the generated
+shapes set (synthetic_shapes.py) and what predict.py shares with this script (detector_files.py) sit beside this file;
+copy the folder to start your own project.
+
+Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus torchmetrics, pycocotools
+and pyyaml).
 
 The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
 GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
@@ -24,9 +28,10 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from detector_files import MODEL_CONFIG, draw_detections
 from ema import ModelEMA
-from predict import MODEL_CONFIG, draw_detections
 from safetensors.torch import load_file
+from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader
 from torchmetrics.detection import MeanAveragePrecision
 from tqdm.auto import tqdm
@@ -58,7 +63,6 @@ from accelerate_recipes import (
     write_results,
 )
 from accelerate_recipes.seeding import SeededAugmentation
-from accelerate_recipes.synthetic_detection import write_synthetic_dataset
 
 
 # ----------------------------------------------------------------------------------------------------------- data

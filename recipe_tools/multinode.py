@@ -1,6 +1,6 @@
 """Start a multi-node run from one terminal: `accelerate launch` on every host of a hostfile, over ssh.
 
-    python -m accelerate_recipes.multinode --hostfile hosts.txt recipes/cifar.py --epochs 5
+    accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5   # or python -m recipe_tools.multinode
     make cifar-hostfile HOSTFILE=hosts.txt ARGS="--epochs 5"
 
 The hostfile has one line per node, `hostname slots=N` (N processes, usually its GPU count), as DeepSpeed's and
@@ -204,11 +204,11 @@ def launch(args) -> int:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m accelerate_recipes.multinode",
+        prog="accelerate-recipes-hostfile",
         description="Run `accelerate launch` on every node of a hostfile (ssh; localhost runs here) with the right "
                     "machine rank, main address and port; prefix output by node; stop all nodes when one fails.",
         epilog="hostfile example:\n  node1 slots=8   # main node (machine rank 0)\n  node2 slots=8\n\n"
-               "example: python -m accelerate_recipes.multinode --hostfile hosts.txt recipes/cifar.py --epochs 5",
+               "example: accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--hostfile", required=True, help="file with one `hostname slots=N` line per node")

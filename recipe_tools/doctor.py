@@ -1,9 +1,9 @@
 """Preflight for multi-node runs: run it on every node, with the flags you will give `accelerate launch`.
 
-    python -m accelerate_recipes.doctor --machine_rank 0 --main_process_ip 10.0.0.1   # on the main node (owns 10.0.0.1)
-    python -m accelerate_recipes.doctor --machine_rank 1 --main_process_ip 10.0.0.1   # on node 1, and so on
-    # 2 nodes x 4 GPUs, another port, a longer wait:
-    python -m accelerate_recipes.doctor --config_file accelerate_configs/2node.yaml --num_processes 8
+    accelerate-recipes-doctor --machine_rank 0 --main_process_ip 10.0.0.1   # on the main node (owns 10.0.0.1)
+    accelerate-recipes-doctor --machine_rank 1 --main_process_ip 10.0.0.1   # on node 1, and so on
+    # 2 nodes x 4 GPUs, another port, a longer wait (`python -m recipe_tools.doctor` is the same program):
+    accelerate-recipes-doctor --config_file accelerate_configs/2node.yaml --num_processes 8
         --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29501 --timeout 60
 
 It checks, in seconds instead of a hang at `accelerator.prepare`: the config's arithmetic, that the main address
@@ -52,7 +52,7 @@ class Plan:
 
 def load_config(config_file: str):
     """The config as `accelerate launch` reads it (accelerate's own loader)."""
-    import yaml
+    import yaml  # a dependency of accelerate, which reads its configs with it
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
     try:
@@ -543,7 +543,7 @@ def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
                        "bytes": size_mb * 2**20, "iters": 5, "timeout": plan.timeout})
     env = dict(os.environ, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
     env.pop("NCCL_DEBUG_FILE", None)  # the lines are read from the child's output
-    command = [sys.executable, "-c", f"from accelerate_recipes.doctor import nccl_child; nccl_child({spec!r})"]
+    command = [sys.executable, "-c", f"from recipe_tools.doctor import nccl_child; nccl_child({spec!r})"]
     fix = ("set NCCL_SOCKET_IFNAME to the interface that joins the nodes on every node; without InfiniBand also "
            "NCCL_IB_DISABLE=1; let the firewall pass TCP between the nodes on all ports")
     try:
@@ -644,5 +644,10 @@ def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int |
     print(f"doctor: all checks passed on {plan.num_machines} node(s)")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point `accelerate-recipes-doctor`."""
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

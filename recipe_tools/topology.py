@@ -1,8 +1,10 @@
 """Which GPUs to train on: read `nvidia-smi topo -m`, group the GPUs, recommend the best set for 1, 2, 4, ... GPUs.
 
-    python -m accelerate_recipes.topology                       # this machine (make topo)
-    python -m accelerate_recipes.topology --file saved.txt      # a saved `nvidia-smi topo -m` (make topo TOPO=saved.txt)
-    python -m accelerate_recipes.topology --gpus 4 --write_config accelerate_configs/best4.yaml
+    accelerate-recipes-topo                       # this machine (make topo)
+    accelerate-recipes-topo --file saved.txt      # a saved `nvidia-smi topo -m` (make topo TOPO=saved.txt)
+    accelerate-recipes-topo --gpus 4 --write_config accelerate_configs/best4.yaml
+
+(`python -m recipe_tools.topology` is the same program.)
 
 DDP's all-reduce runs around a ring of all the GPUs, so a step waits for the slowest link in the set: two GPUs joined
 by NVLink exchange gradients many times faster than two GPUs whose traffic crosses the CPU sockets (SYS), which can
@@ -177,7 +179,7 @@ def report(topo: Topology) -> str:
     return "\n".join(lines)
 
 
-CONFIG_TEMPLATE = """# Written by `python -m accelerate_recipes.topology --gpus {k}`: the {k} GPU(s) of this machine whose slowest link
+CONFIG_TEMPLATE = """# Written by `accelerate-recipes-topo --gpus {k}`: the {k} GPU(s) of this machine whose slowest link
 # is fastest ({reason}).
 compute_environment: LOCAL_MACHINE
 distributed_type: {distributed_type}
@@ -240,5 +242,10 @@ def main(file: str | None = None, gpus: int | None = None, write_config: str | N
         print(f"wrote {path}: accelerate launch --config_file {path} recipes/cifar.py")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point `accelerate-recipes-topo`."""
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,25 @@
+"""What train.py and predict.py both use: the name of the saved model's config file, and pictures of detections."""
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torchvision.utils import draw_bounding_boxes
+
+MODEL_CONFIG = "detector.json"  # written by train.py next to model.safetensors: what rebuilds the model
+
+
+def upright_rgb(path) -> Image.Image:
+    """The image as RGB, turned upright by its EXIF orientation (as training reads it)."""
+    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+
+
+def draw_detections(image_path, boxes: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor,
+                    names: list[str]) -> Image.Image:
+    """The image with one labelled box per detection (boxes in the image's own pixels)."""
+    image = upright_rgb(image_path)
+    if len(boxes) == 0:
+        return image
+    captions = [f"{names[int(c)]} {float(s):.2f}" for c, s in zip(labels, scores)]
+    tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+    drawn = draw_bounding_boxes(tensor, boxes.float(), labels=captions, colors="lime", width=2)
+    return Image.fromarray(drawn.permute(1, 2, 0).numpy())
