@@ -79,7 +79,7 @@ def test_two_processes_match_one_process(tmp_path):
     (2% of the initial loss ln 10 = 2.3), not bitwise. Measured here: at most ~0.02.
     """
     env = recipe_env(tmp_path)
-    one = check(run([PYTHON, CIFAR_SCRIPT, *COMPARE, "--output_dir", tmp_path / "one"], env))
+    check(run([PYTHON, CIFAR_SCRIPT, *COMPARE, "--output_dir", tmp_path / "one"], env))
     two = check(run(
         [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
          "--num_cpu_threads_per_process", "1", CIFAR_SCRIPT, *COMPARE, "--output_dir", tmp_path / "two"],

@@ -9,7 +9,6 @@ module the copy forgot fails the run; the copy's own __pycache__ shows its modul
 import ast
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import accelerate_recipes
