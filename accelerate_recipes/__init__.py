@@ -11,6 +11,7 @@ from accelerate_recipes.checkpoints import Checkpoints
 from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 from accelerate_recipes.guard import StepGuard
 from accelerate_recipes.launch import (
+    check_launch,
     check_process_group,
     cpu_precision,
     cpu_threads_and_workers,
@@ -21,6 +22,7 @@ from accelerate_recipes.launch import (
     per_process_batch_size,
     prepare_output_dir,
 )
+from accelerate_recipes.loop import RunState, TrainLog
 from accelerate_recipes.meter import StepMeter, peak_memory_mb
 from accelerate_recipes.results import MetricsLog, print_summary, run_facts, write_results
 from accelerate_recipes.sharding import check_accumulation, check_skip_nonfinite, set_gradient_clipping, setup_fsdp
@@ -31,10 +33,13 @@ __all__ = [
     "Checkpoints",
     "MetricsLog",
     "RecipeError",
+    "RunState",
     "StepGuard",
     "StepMeter",
     "TrackerSetup",
+    "TrainLog",
     "check_accumulation",
+    "check_launch",
     "check_process_group",
     "check_skip_nonfinite",
     "cpu_precision",

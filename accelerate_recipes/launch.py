@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from accelerate_recipes.cli import RecipeError, address_in_use, port_in_use
-from accelerate_recipes.sharding import shard_on_cpu
+from accelerate_recipes.sharding import check_accumulation, check_skip_nonfinite, set_gradient_clipping, shard_on_cpu
 
 
 def check_process_group(accelerator) -> None:
@@ -39,6 +39,24 @@ def check_process_group(accelerator) -> None:
                 "ACCELERATE_USE_CPU=true and without --cpu (FSDP needs fsdp_version: 2 there), or launch it with a "
                 "config that does not shard (plain DDP over gloo)"
             )
+
+
+def check_launch(accelerator, global_batch_size: int, accumulation_steps: int, skip_nonfinite_steps: bool = False,
+                 max_grad_norm: float = 0.0) -> int:
+    """Every start-up check, right after `Accelerator(...)`; prints the launch line and returns the per-process batch.
+
+    The processes formed one group (else each would train alone), FSDP / DeepSpeed configs shard on CPUs too, the
+    Accelerator accumulates what the flag says, DeepSpeed gets the clipping norm, and the global batch divides evenly.
+    """
+    check_process_group(accelerator)
+    check_accumulation(accelerator, accumulation_steps)  # a DeepSpeed config must not override the flag
+    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
+    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
+    world = accelerator.num_processes
+    per_process = per_process_batch_size(global_batch_size, world, accumulation_steps)
+    accelerator.print(describe_launch(accelerator, num_machines(world), global_batch_size, per_process,
+                                      accumulation_steps))
+    return per_process
 
 
 def num_machines(num_processes: int) -> int:

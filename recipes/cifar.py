@@ -28,28 +28,20 @@ from cifar_data import DeviceImageLoader, synthetic_images  # beside this file: 
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
-from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 from accelerate_recipes import (
     Checkpoints,
-    MetricsLog,
     RecipeError,
-    StepGuard,
-    StepMeter,
-    check_accumulation,
-    check_process_group,
-    check_skip_nonfinite,
+    RunState,
+    TrainLog,
+    check_launch,
     cpu_threads_and_workers,
-    describe_launch,
     explain_startup_failure,
     num_machines,
-    peak_memory_mb,
-    per_process_batch_size,
     prepare_output_dir,
     print_summary,
     run,
-    run_facts,
-    set_gradient_clipping,
     setup_tracker,
     write_results,
 )
@@ -340,19 +332,13 @@ def main(
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
             dynamo_backend="inductor" if compile else None,  # prepare() then wraps the model in torch.compile
         )
-    check_process_group(accelerator)
-    check_accumulation(accelerator, gradient_accumulation_steps)  # a DeepSpeed config must not override the flag
-    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
-    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
-    world = accelerator.num_processes
-    machines = num_machines(world)
-    per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
+    per_process = check_launch(accelerator, batch_size, gradient_accumulation_steps, skip_nonfinite_steps, max_grad_norm)
+    world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
     set_seed(seed)
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape: pick the fastest kernels once
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
     resume_from = checkpoints.resolve(resume)  # None: a fresh start
-    accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data: the local main process of each node downloads first, the others then read its copy
     with accelerator.local_main_process_first():
@@ -406,12 +392,9 @@ def main(
         lr=lr, momentum=momentum, nesterov=True,
     )
 
-    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
-    if loader == "torch":
-        train_loader, test_loader = accelerator.prepare(train_loader, test_loader)
-    net, optimizer = accelerator.prepare(net, optimizer)
-
-    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine or linear decay
+    # ---- prepare: wrap for DDP, shard the loaders across processes (the device loader shards itself and passes
+    # through), move to the device, add autocast; then the schedule on the prepared optimizer
+    net, optimizer, train_loader, test_loader = accelerator.prepare(net, optimizer, train_loader, test_loader)
     steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)  # per process, after sharding
     if steps_per_epoch == 0:
         raise RecipeError(
@@ -421,71 +404,56 @@ def main(
     total_steps = max_steps if max_steps else epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(warmup_ratio * total_steps)
-    decay_steps = max(1, total_steps - warmup_steps)
-    if schedule == "cosine":
-        after_warmup = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=decay_steps)
-    else:
-        after_warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0,
-                                                         total_iters=decay_steps)
-    if warmup_steps:
-        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup_steps + 1), total_iters=warmup_steps)
-        scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, after_warmup], milestones=[warmup_steps])
-    else:
-        scheduler = after_warmup
-    scheduler = accelerator.prepare(scheduler)  # so save_state/load_state carry it
+    # Linear warmup over optimizer steps, then cosine or linear decay to zero.
+    scheduler = accelerator.prepare(get_scheduler(schedule, optimizer, warmup_steps, total_steps))
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
     config = dict(
         recipe="cifar", dataset=dataset, model=model, world_size=world, num_machines=machines,
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
         gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
-        weight_decay=weight_decay, label_smoothing=label_smoothing, warmup_steps=warmup_steps, total_steps=total_steps,
-        epochs=num_epochs, schedule=schedule, sync_bn=sync_bn, channels_last=channels_last, augment=augment,
-        cutout=cutout, tta_flip=tta_flip, loader=loader, compile=compile, preset=preset, seed=seed,
-        train_size=len(train_set), test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
+        weight_decay=weight_decay, label_smoothing=label_smoothing, max_grad_norm=max_grad_norm,
+        warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs, schedule=schedule, sync_bn=sync_bn,
+        channels_last=channels_last, augment=augment, cutout=cutout, tta_flip=tta_flip, loader=loader,
+        compile=compile, preset=preset, seed=seed, train_size=len(train_set), test_size=len(test_set),
+        distributed_type=accelerator.distributed_type.value,
     )
 
-    # ---- resume: weights, optimizer, schedule, RNG states from the checkpoint; the position from its checkpoint.json
-    state = dict(step=0, epoch=0, batches_done=0, samples_seen=0, first_loss=None, last_loss=None, last_eval={},
-                 running_loss=0.0, micro_batches=0)
+    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    state = RunState(accelerator.device)
+    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
     if resume_from is not None:
-        state.update(checkpoints.check_compatible(resume_from, config))
+        checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-        accelerator.print(f"resumed from {resume_from}: step {state['step']} of {total_steps}, epoch {state['epoch'] + 1}"
-                          f", {state['batches_done']} batch(es) of it already done")
+        accelerator.print(f"resumed from {resume_from}: {state.describe(total_steps)}")
     checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    metrics = MetricsLog(accelerator, output, resume_step=state["step"] if resume_from else None)
-    guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite_steps, last_checkpoint=checkpoints.newest)
+    log = TrainLog(accelerator, state, output, resumed=resume_from is not None, total_steps=total_steps,
+                   steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   last_checkpoint=checkpoints.newest)
+    guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
-    def save_checkpoint(epoch: int, batches_done: int) -> None:
-        """Everything a resumed run needs to continue as if it had never stopped. Collective."""
-        position = dict(step=step, epoch=epoch, batches_done=batches_done, samples_seen=samples_seen,
-                        first_loss=first_loss, last_loss=last_loss, last_eval=last_eval,
-                        running_loss=running_loss.item(), micro_batches=micro_batches, config=config)
-        with checkpoints.saving(step, position) as path:
+    def save_checkpoint() -> None:
+        """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
+        if guard.stop_signal:
+            guard.stop(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
-    meter = StepMeter(accelerator.device)
-    step, samples_seen, first_loss, last_loss, last_eval = (state[k] for k in
-                                                            ("step", "samples_seen", "first_loss", "last_loss", "last_eval"))
-    running_loss, micro_batches = torch.tensor(state["running_loss"], device=accelerator.device), state["micro_batches"]
-    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
-    meter.restart()
-    for epoch in range(state["epoch"], num_epochs):
-        epoch_start = time.perf_counter()
+    while state.epoch < num_epochs and not log.finished:
+        log.start_epoch()
         net.train()
-        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the seed and the epoch only
+        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         if isinstance(train_set, SeededAugmentation):
-            train_set.set_epoch(epoch)
-        batches_done, state["batches_done"] = state["batches_done"], 0  # > 0 only in the epoch a resume lands in
+            train_set.set_epoch(state.epoch)
         batches = train_loader
-        if batches_done:  # skip what the interrupted run had trained on in this epoch
-            batches = (train_loader.skip_first_batches(batches_done) if loader == "device"
-                       else accelerator.skip_first_batches(train_loader, batches_done))
+        if state.batches_done:  # skip what the interrupted run had trained on in this epoch
+            batches = (train_loader.skip_first_batches(state.batches_done) if loader == "device"
+                       else accelerator.skip_first_batches(train_loader, state.batches_done))
         for images, labels in batches:
-            batches_done += 1
+            state.batches_done += 1
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
@@ -495,84 +463,34 @@ def main(
                 if accelerator.sync_gradients:
                     if max_grad_norm:
                         accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
-                    if not guard.skip_update(step + 1):
+                    if not guard.skip_update(state.step + 1):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            running_loss += loss.detach()
-            micro_batches += 1
-            samples_seen += labels.shape[0]
+            state.add(loss.detach(), samples=labels.shape[0])  # summed on the device, read at log steps only
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            step += 1
-            meter.step(batch_size)
-            progress.update(1)
-            # Only log and checkpoint steps read values back from the device; other steps never make the host wait.
-            at_log = step % log_every == 0 or step == 1 or step == total_steps
-            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
-            at_checkpoint = checkpoint_every and step % checkpoint_every == 0 and mid_epoch
-            if at_log or at_checkpoint:
-                guard.check(step)  # all processes agree: a non-finite loss stops here, a stop signal saves below
-            if at_log:
-                # The mean over every micro-batch since the last log, on all processes.
-                mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
-                step_seconds = meter.interval_seconds()
-                first_loss = mean_loss if first_loss is None else first_loss
-                last_loss = mean_loss
-                metrics.log(
-                    {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
-                     "perf/step_seconds": step_seconds, "perf/samples_per_second": batch_size / max(step_seconds, 1e-9)},
-                    step=step,
-                )
-                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
-                running_loss.zero_()
-                micro_batches = 0
-            if guard.stop_signal or at_checkpoint:
-                save_checkpoint(epoch, batches_done)
-            if guard.stop_signal:
-                guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
-            if step >= total_steps:
+            if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+                save_checkpoint()
+            if log.finished:
                 break
 
         # ---- evaluation once per epoch, on the full test set
-        guard.check(step)  # nothing non-finite since the last log step, before evaluating and saving
-        epoch_seconds = time.perf_counter() - epoch_start
-        last_eval = evaluate(net, test_loader, accelerator, tta_flip)
-        memory_mb, _ = peak_memory_mb(accelerator.device)
-        metrics.log(
-            {"eval/accuracy": last_eval["eval_accuracy"], "eval/loss": last_eval["eval_loss"],
-             "perf/epoch_seconds": epoch_seconds, "perf/train_samples_per_second": meter.samples_per_second,
-             "perf/peak_memory_mb": memory_mb},
-            step=step,
-        )
+        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        state.last_eval = evaluate(net, test_loader, accelerator, tta_flip)
+        seconds = log.epoch_done(state.last_eval)
         accelerator.print(
-            f"epoch {epoch + 1}/{num_epochs}: eval accuracy {last_eval['eval_accuracy']:.4f}, "
-            f"loss {last_eval['eval_loss']:.4f}, {epoch_seconds:.1f} s, {meter.samples_per_second:.0f} samples/s"
+            f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {state.last_eval['eval_accuracy']:.4f}, "
+            f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {log.meter.samples_per_second:.0f} samples/s"
         )
-        save_checkpoint(epoch + 1, 0)
-        if guard.stop_signal:
-            guard.stop(step, checkpoints.last_saved)
-        meter.restart()
-        if step >= total_steps:
-            break
-    progress.close()
-    guard.close()
+        state.epoch, state.batches_done = state.epoch + 1, 0
+        save_checkpoint()
+    log.close()
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     accelerator.save_model(net, output)
-    results = dict(
-        config,
-        synthetic_data=dataset == "synthetic",
-        steps=step,
-        resumed_from=str(resume_from) if resume_from else None,
-        skipped_nonfinite_steps=guard.skipped_steps,
-        wall_seconds=time.perf_counter() - started,
-        train_loss_first=first_loss,
-        train_loss_last=last_loss,
-        **last_eval,
-        **run_facts(accelerator, meter, samples_seen),
-    )
+    results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started, resume_from))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -27,36 +27,27 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
-from tqdm.auto import tqdm
 from transformers import (
     AttentionMaskInterface,
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
-    get_linear_schedule_with_warmup,
+    get_scheduler,
 )
 
 from accelerate_recipes import (
     Checkpoints,
-    MetricsLog,
     RecipeError,
-    StepGuard,
-    StepMeter,
-    check_accumulation,
-    check_process_group,
-    check_skip_nonfinite,
+    RunState,
+    TrainLog,
+    check_launch,
     cpu_threads_and_workers,
-    describe_launch,
     explain_startup_failure,
     num_machines,
-    peak_memory_mb,
-    per_process_batch_size,
     prepare_output_dir,
     print_summary,
     run,
-    run_facts,
-    set_gradient_clipping,
     setup_fsdp,
     setup_tracker,
     write_results,
@@ -401,13 +392,8 @@ def main(
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
         )
-    check_process_group(accelerator)
-    check_accumulation(accelerator, gradient_accumulation_steps)  # a DeepSpeed config must not override the flag
-    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
-    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
-    world = accelerator.num_processes
-    machines = num_machines(world)
-    per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
+    per_process = check_launch(accelerator, batch_size, gradient_accumulation_steps, skip_nonfinite_steps, max_grad_norm)
+    world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
     set_seed(seed)
     if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
         datasets.disable_progress_bars()
@@ -415,7 +401,6 @@ def main(
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
     resume_from = checkpoints.resolve(resume)  # None: a fresh start
-    accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data and tokenizer: the local main process of each node downloads and tokenises first (into the cache),
     # the others then read the cached result
@@ -467,55 +452,50 @@ def main(
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
     # Model and optimizer in one call: DeepSpeed builds its engine from both.
     net, optimizer, train_loader, eval_loader = accelerator.prepare(net, optimizer, train_loader, eval_loader)
-    # The schedule is built on the prepared optimizer: DeepSpeed ZeRO-3 regroups the parameters it partitions.
-    scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps))
+    # Linear warmup, then linear decay to zero, on the prepared optimizer (DeepSpeed ZeRO-3 regroups its parameters).
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
     config = dict(
         recipe="text_classification", dataset=dataset_name, model=model, world_size=world, num_machines=machines,
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
         gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
-        weight_decay=weight_decay, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps,
+        epochs=num_epochs,
         max_length=max_length, num_labels=len(label_names), seed=seed, train_size=len(raw["train"]),
         validation_size=len(raw["validation"]), distributed_type=accelerator.distributed_type.value,
     )
 
-    # ---- resume: weights, optimizer, schedule, RNG states from the checkpoint; the position from its checkpoint.json
-    state = dict(step=0, epoch=0, batches_done=0, samples_seen=0, first_loss=None, last_loss=None, last_eval={},
-                 running_loss=0.0, micro_batches=0)
+    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    state = RunState(accelerator.device)
+    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
     if resume_from is not None:
-        state.update(checkpoints.check_compatible(resume_from, config))
+        checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-        accelerator.print(f"resumed from {resume_from}: step {state['step']} of {total_steps}, epoch {state['epoch'] + 1}"
-                          f", {state['batches_done']} batch(es) of it already done")
+        accelerator.print(f"resumed from {resume_from}: {state.describe(total_steps)}")
     checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    metrics = MetricsLog(accelerator, output, resume_step=state["step"] if resume_from else None)
-    guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite_steps, last_checkpoint=checkpoints.newest)
+    log = TrainLog(accelerator, state, output, resumed=resume_from is not None, total_steps=total_steps,
+                   steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   last_checkpoint=checkpoints.newest)
+    guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
-    def save_checkpoint(epoch: int, batches_done: int) -> None:
-        """Everything a resumed run needs to continue as if it had never stopped. Collective."""
-        position = dict(step=step, epoch=epoch, batches_done=batches_done, samples_seen=samples_seen,
-                        first_loss=first_loss, last_loss=last_loss, last_eval=last_eval,
-                        running_loss=running_loss.item(), micro_batches=micro_batches, config=config)
-        with checkpoints.saving(step, position) as path:
+    def save_checkpoint() -> None:
+        """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
+        if guard.stop_signal:
+            guard.stop(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
-    meter = StepMeter(accelerator.device)
-    step, samples_seen, first_loss, last_loss, last_eval = (state[k] for k in
-                                                            ("step", "samples_seen", "first_loss", "last_loss", "last_eval"))
-    running_loss, micro_batches = torch.tensor(state["running_loss"], device=accelerator.device), state["micro_batches"]
-    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
-    meter.restart()
-    for epoch in range(state["epoch"], num_epochs):
-        epoch_start = time.perf_counter()
+    while state.epoch < num_epochs and not log.finished:
+        log.start_epoch()
         net.train()
-        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the seed and the epoch only
-        batches_done, state["batches_done"] = state["batches_done"], 0  # > 0 only in the epoch a resume lands in
+        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         # Skip what the interrupted run had trained on in this epoch.
-        batches = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        batches = accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
         for batch in batches:
-            batches_done += 1
+            state.batches_done += 1
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 loss = net(**batch).loss
                 accelerator.backward(loss)
@@ -523,67 +503,28 @@ def main(
                 if accelerator.sync_gradients:
                     if max_grad_norm:
                         accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
-                    if not guard.skip_update(step + 1):
+                    if not guard.skip_update(state.step + 1):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            running_loss += loss.detach()
-            micro_batches += 1
-            samples_seen += batch["labels"].shape[0]
+            state.add(loss.detach(), samples=batch["labels"].shape[0])  # summed on the device, read at log steps only
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            step += 1
-            meter.step(batch_size)
-            progress.update(1)
-            # Only log and checkpoint steps read values back from the device; other steps never make the host wait.
-            at_log = step % log_every == 0 or step == 1 or step == total_steps
-            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
-            at_checkpoint = checkpoint_every and step % checkpoint_every == 0 and mid_epoch
-            if at_log or at_checkpoint:
-                guard.check(step)  # all processes agree: a non-finite loss stops here, a stop signal saves below
-            if at_log:
-                # The mean over every micro-batch since the last log, on all processes.
-                mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
-                step_seconds = meter.interval_seconds()
-                first_loss = mean_loss if first_loss is None else first_loss
-                last_loss = mean_loss
-                metrics.log(
-                    {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "train/epoch": step / steps_per_epoch,
-                     "perf/step_seconds": step_seconds, "perf/samples_per_second": batch_size / max(step_seconds, 1e-9)},
-                    step=step,
-                )
-                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
-                running_loss.zero_()
-                micro_batches = 0
-            if guard.stop_signal or at_checkpoint:
-                save_checkpoint(epoch, batches_done)
-            if guard.stop_signal:
-                guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
-            if step >= total_steps:
+            if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+                save_checkpoint()
+            if log.finished:
                 break
 
         # ---- evaluation once per epoch, on the full validation set
-        guard.check(step)  # nothing non-finite since the last log step, before evaluating and saving
-        epoch_seconds = time.perf_counter() - epoch_start
-        last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
-        memory_mb, _ = peak_memory_mb(accelerator.device)
-        metrics.log(
-            {**{f"eval/{k.removeprefix('eval_')}": v for k, v in last_eval.items() if k != "eval_samples"},
-             "perf/epoch_seconds": epoch_seconds, "perf/train_samples_per_second": meter.samples_per_second,
-             "perf/peak_memory_mb": memory_mb},
-            step=step,
-        )
-        scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in last_eval.items() if k != "eval_samples")
-        accelerator.print(f"epoch {epoch + 1}/{num_epochs}: {scores}, {epoch_seconds:.1f} s, "
-                          f"{meter.samples_per_second:.1f} samples/s")
-        save_checkpoint(epoch + 1, 0)
-        if guard.stop_signal:
-            guard.stop(step, checkpoints.last_saved)
-        meter.restart()
-        if step >= total_steps:
-            break
-    progress.close()
-    guard.close()
+        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        state.last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
+        seconds = log.epoch_done(state.last_eval)
+        scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in state.last_eval.items() if k != "eval_samples")
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s, "
+                          f"{log.meter.samples_per_second:.1f} samples/s")
+        state.epoch, state.batches_done = state.epoch + 1, 0
+        save_checkpoint()
+    log.close()
 
     # ---- save the model, tokenizer and the run's results
     accelerator.wait_for_everyone()
@@ -593,18 +534,7 @@ def main(
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output)
-    results = dict(
-        config,
-        steps=step,
-        resumed_from=str(resume_from) if resume_from else None,
-        skipped_nonfinite_steps=guard.skipped_steps,
-        wall_seconds=time.perf_counter() - started,
-        train_loss_first=first_loss,
-        train_loss_last=last_loss,
-        **last_eval,
-        **run_facts(accelerator, meter, samples_seen),
-        transformers_version=transformers.__version__,
-    )
+    results = dict(config, **log.results(started, resume_from), transformers_version=transformers.__version__)
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -34,31 +34,23 @@ from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader
 from torchmetrics.detection import MeanAveragePrecision
-from tqdm.auto import tqdm
+from transformers import get_scheduler
 from yolo_data import YoloDataset, collate, download_dataset, load_data_config, scale_boxes_back
 from yolo_loss import DetectionLoss
 from yolo_model import SIZES, Detector, model_info, postprocess
 
 from accelerate_recipes import (
     Checkpoints,
-    MetricsLog,
     RecipeError,
-    StepGuard,
-    StepMeter,
-    check_accumulation,
-    check_process_group,
-    check_skip_nonfinite,
+    RunState,
+    TrainLog,
+    check_launch,
     cpu_threads_and_workers,
-    describe_launch,
     explain_startup_failure,
     num_machines,
-    peak_memory_mb,
-    per_process_batch_size,
     prepare_output_dir,
     print_summary,
     run,
-    run_facts,
-    set_gradient_clipping,
     setup_tracker,
     write_results,
 )
@@ -310,19 +302,13 @@ def main(
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
         )
-    check_process_group(accelerator)
+    per_process = check_launch(accelerator, batch_size, gradient_accumulation_steps, skip_nonfinite_steps, max_grad_norm)
+    world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
     torch.backends.cudnn.benchmark = True  # training batches all have one shape: pick the fastest kernels once
-    check_accumulation(accelerator, gradient_accumulation_steps)  # a DeepSpeed config must not override the flag
-    check_skip_nonfinite(accelerator, skip_nonfinite_steps)
-    set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
-    world = accelerator.num_processes
-    machines = num_machines(world)
-    per_process = per_process_batch_size(batch_size, world, gradient_accumulation_steps)
     set_seed(seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
     resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
-    accelerator.print(describe_launch(accelerator, machines, batch_size, per_process, gradient_accumulation_steps))
 
     # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
     data_yaml = resolve_data(data, data_dir, synthetic_size, image_size, seed, accelerator)
@@ -367,7 +353,7 @@ def main(
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
 
-    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
+    # ---- learning-rate schedule over optimizer steps
     steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)
     if steps_per_epoch == 0:
         raise RecipeError(f"the training set ({len(train_set)} images) is smaller than one global batch "
@@ -376,13 +362,9 @@ def main(
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = min(max(round(warmup_epochs * steps_per_epoch), 20), total_steps // 2)
 
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return final_lr_ratio + (1 - final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lr_factor))
+    # Linear warmup, then cosine down to lr x final_lr_ratio.
+    scheduler = accelerator.prepare(get_scheduler("cosine_with_min_lr", opt, warmup_steps, total_steps,
+                                                  scheduler_specific_kwargs={"min_lr_rate": final_lr_ratio}))
 
     config = dict(
         recipe="detect", dataset=str(data_yaml), weights=weights, eval_only=eval_only, model=f"yolo-{size}",
@@ -396,55 +378,48 @@ def main(
         distributed_type=accelerator.distributed_type.value,
     )
 
-    # ---- resume: weights, EMA, optimizer, schedule, RNG states from the checkpoint; the position from checkpoint.json
-    state = dict(step=0, epoch=0, batches_done=0, samples_seen=0, first_loss=None, last_loss=None, last_eval={},
-                 running=[0.0] * 4, micro_batches=0)
+    # ---- resume: weights, EMA, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    state = RunState(accelerator.device, ("loss", "box_loss", "cls_loss", "dfl_loss"))
+    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
     if resume_from is not None:
-        state.update(checkpoints.check_compatible(resume_from, config))
+        checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-        accelerator.print(f"resumed from {resume_from}: step {state['step']} of {total_steps}, epoch {state['epoch'] + 1}"
-                          f", {state['batches_done']} batch(es) of it already done")
+        accelerator.print(f"resumed from {resume_from}: {state.describe(total_steps)}")
     checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    metrics = MetricsLog(accelerator, output, resume_step=state["step"] if resume_from else None)
-    guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite_steps, last_checkpoint=checkpoints.newest)
+    log = TrainLog(accelerator, state, output, resumed=resume_from is not None, total_steps=total_steps,
+                   steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   last_checkpoint=checkpoints.newest)
+    guard, metrics = log.guard, log.metrics  # stops on a non-finite loss or a stop signal; metrics.jsonl
 
-    def save_checkpoint(epoch: int, batches_done: int) -> None:
-        """Everything a resumed run needs to continue as if it had never stopped. Collective."""
-        position = dict(step=step, epoch=epoch, batches_done=batches_done, samples_seen=samples_seen,
-                        first_loss=first_loss, last_loss=last_loss, last_eval=last_eval,
-                        running=running.tolist(), micro_batches=micro_batches, config=config)
-        with checkpoints.saving(step, position) as path:
+    def save_checkpoint() -> None:
+        """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
+        if guard.stop_signal:
+            guard.stop(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
     accelerator.print(f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at 640 "
                       f"for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
                       f"{len(val_set)} validation images")
 
     # ---- training loop
-    meter = StepMeter(accelerator.device)
-    step, samples_seen, first_loss, last_loss, last_eval = (state[k] for k in
-                                                            ("step", "samples_seen", "first_loss", "last_loss", "last_eval"))
     pictures = []
-    running = torch.tensor(state["running"], device=accelerator.device)  # total, box, cls, dfl over micro-batches
-    micro_batches = state["micro_batches"]
-    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     if eval_only:
         num_epochs = 0  # the loop below does not run
-        last_eval, pictures = evaluate(accelerator.unwrap_model(net), val_loader, accelerator, names, channels_last,
-                                       conf_threshold, iou_threshold)
-        if accelerator.is_main_process:
-            metrics.log({"eval/map50": last_eval["eval_map50"], "eval/map50_95": last_eval["eval_map50_95"]}, step=0)
-    meter.restart()
-    for epoch in range(state["epoch"], num_epochs):
-        epoch_start = time.perf_counter()
+        state.last_eval, pictures = evaluate(accelerator.unwrap_model(net), val_loader, accelerator, names,
+                                             channels_last, conf_threshold, iou_threshold)
+        metrics.log({"eval/map50": state.last_eval["eval_map50"], "eval/map50_95": state.last_eval["eval_map50_95"]},
+                    step=0)
+    while state.epoch < num_epochs and not log.finished:
+        log.start_epoch()
         net.train()
-        train_loader.set_epoch(epoch)  # the shuffle of each epoch depends on the seed and the epoch only
-        train_set.set_epoch(epoch)  # and so does each image's augmentation
-        batches_done, state["batches_done"] = state["batches_done"], 0  # > 0 only in the epoch a resume lands in
+        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
+        train_set.set_epoch(state.epoch)  # and so does each image's augmentation
         # Skip what the interrupted run had trained on in this epoch.
-        batches = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        batches = accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
         for images, targets, _ in batches:
-            batches_done += 1
+            state.batches_done += 1
             with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
                 outputs = net(to_model_input(images, channels_last))
                 loss, parts = criterion([o.float() for o in outputs], targets)
@@ -453,98 +428,45 @@ def main(
                 if accelerator.sync_gradients:
                     if max_grad_norm:
                         accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
-                    if not guard.skip_update(step + 1):
+                    if not guard.skip_update(state.step + 1):
                         opt.step()
                 opt.zero_grad(set_to_none=True)
             # total, box, cls, dfl: summed on the device, read at log steps only
-            running += torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]])
-            micro_batches += 1
-            samples_seen += images.shape[0]
+            state.add(torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]), samples=images.shape[0])
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
             if ema is not None:
                 ema.update(accelerator.unwrap_model(net))
-            step += 1
-            meter.step(batch_size)
-            progress.update(1)
-            # Only log and checkpoint steps read values back from the device; other steps never make the host wait.
-            at_log = step % log_every == 0 or step == 1 or step == total_steps
-            mid_epoch = batches_done < len(train_loader) and step < total_steps  # else the epoch-end save follows
-            at_checkpoint = checkpoint_every and step % checkpoint_every == 0 and mid_epoch
-            if at_log or at_checkpoint:
-                guard.check(step)  # all processes agree: a non-finite loss stops here, a stop signal saves below
-            if at_log:
-                # The mean over every micro-batch since the last log, on all processes.
-                mean = accelerator.reduce(running / micro_batches, reduction="mean").tolist()
-                step_seconds = meter.interval_seconds()
-                first_loss = mean[0] if first_loss is None else first_loss
-                last_loss = mean[0]
-                metrics.log(
-                    {"train/loss": mean[0], "train/box_loss": mean[1], "train/cls_loss": mean[2],
-                     "train/dfl_loss": mean[3], "train/lr": scheduler.get_last_lr()[0],
-                     "train/epoch": step / steps_per_epoch, "perf/step_seconds": step_seconds,
-                     "perf/samples_per_second": batch_size / max(step_seconds, 1e-9)},
-                    step=step,
-                )
-                progress.set_postfix(loss=f"{mean[0]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.3g}")
-                running.zero_()
-                micro_batches = 0
-            if guard.stop_signal or at_checkpoint:
-                save_checkpoint(epoch, batches_done)
-            if guard.stop_signal:
-                guard.stop(step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
-            if step >= total_steps:
+            if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+                save_checkpoint()
+            if log.finished:
                 break
 
         # ---- evaluation of the EMA weights on the whole validation set
-        guard.check(step)  # nothing non-finite since the last log step, before evaluating and saving
-        epoch_seconds = time.perf_counter() - epoch_start
-        last_epoch = step >= total_steps or epoch + 1 == num_epochs
-        if (epoch + 1) % eval_every == 0 or last_epoch:
+        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        if (state.epoch + 1) % eval_every == 0 or log.finished or state.epoch + 1 == num_epochs:
             eval_model = ema.module if ema is not None else accelerator.unwrap_model(net)
-            last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, channels_last, conf_threshold,
-                                           iou_threshold)
-            memory_mb, _ = peak_memory_mb(accelerator.device)
+            state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, channels_last,
+                                                 conf_threshold, iou_threshold)
+            seconds = log.epoch_done(state.last_eval, **{f"eval/ap50_95/{name}": ap for name, ap in
+                                                         state.last_eval["eval_ap_per_class"].items()})
             if accelerator.is_main_process:
-                metrics.log(
-                    {"eval/map50": last_eval["eval_map50"], "eval/map50_95": last_eval["eval_map50_95"],
-                     **{f"eval/ap50_95/{name}": ap for name, ap in last_eval["eval_ap_per_class"].items()},
-                     "perf/epoch_seconds": epoch_seconds, "perf/train_samples_per_second": meter.samples_per_second,
-                     "perf/peak_memory_mb": memory_mb},
-                    step=step,
-                )
-                log_pictures(accelerator, pictures, names, step, score_threshold=0.25)
-                accelerator.print(
-                    f"epoch {epoch + 1}/{num_epochs}: mAP50 {last_eval['eval_map50']:.4f}, "
-                    f"mAP50-95 {last_eval['eval_map50_95']:.4f} on {last_eval['eval_images']} images, "
-                    f"{epoch_seconds:.1f} s, {meter.samples_per_second:.1f} images/s"
-                )
-        save_checkpoint(epoch + 1, 0)
-        if guard.stop_signal:
-            guard.stop(step, checkpoints.last_saved)
-        meter.restart()
-        if last_epoch:
-            break
-    progress.close()
-    guard.close()
+                log_pictures(accelerator, pictures, names, state.step, score_threshold=0.25)
+            accelerator.print(
+                f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {state.last_eval['eval_map50']:.4f}, "
+                f"mAP50-95 {state.last_eval['eval_map50_95']:.4f} on {state.last_eval['eval_images']} images, "
+                f"{seconds:.1f} s, {log.meter.samples_per_second:.1f} images/s"
+            )
+        state.epoch, state.batches_done = state.epoch + 1, 0
+        save_checkpoint()
+    log.close()
 
     # ---- save the (EMA) model, what predict.py needs to rebuild it, and the run's results
     accelerator.wait_for_everyone()
     if not eval_only:
         accelerator.save_model(ema.module if ema is not None else net, output)
-    results = dict(
-        config,
-        synthetic_data=data == "synthetic",
-        steps=step,
-        resumed_from=str(resume_from) if resume_from else None,
-        skipped_nonfinite_steps=guard.skipped_steps,
-        wall_seconds=time.perf_counter() - started,
-        train_loss_first=first_loss,
-        train_loss_last=last_loss,
-        **last_eval,
-        **run_facts(accelerator, meter, samples_seen),
-    )
+    results = dict(config, synthetic_data=data == "synthetic", **log.results(started, resume_from))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -552,7 +474,7 @@ def main(
             dict(size=size, num_classes=len(names), names=names, image_size=image_size, channels_last=channels_last),
             indent=2))
         path = write_results(output, results)
-        print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in last_eval["eval_ap_per_class"].items()))
+        print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in state.last_eval["eval_ap_per_class"].items()))
         print_summary(results, ["model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
                                 "image_size", "steps", "epochs", "eval_map50", "eval_map50_95", "eval_images",
                                 "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
