@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, set_seed
 from detector_files import MODEL_CONFIG, draw_detections
 from ema import ModelEMA
 from safetensors.torch import load_file
@@ -127,6 +127,7 @@ def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, 
     results = {"eval_images": len(records), "eval_unique_images": len({r["path"] for r in records})}
     if accelerator.is_main_process:  # the records are complete on every process; one computes
         results.update(coco_map(records, names))
+    results = broadcast_object_list([results])[0]  # and every process gets its figures, to log and save alike
     return results, records[:4]
 
 
