@@ -122,7 +122,7 @@ class Checkpoints:
 
     def remove_partial(self) -> None:
         """Delete what interrupted saves and deletions left: every folder that is not a complete checkpoint
-        (main process; call before the first save)."""
+        (main process; call before the first save: TrainLog does)."""
         if self.accelerator.is_main_process and self.directory.is_dir():
             for folder in self.directory.iterdir():
                 if folder.is_dir() and not is_complete(folder):

@@ -33,7 +33,7 @@ class StepGuard:
             optimizer.step()
         ...
         if log_step or checkpoint_step: guard.check(step)   # the host read: raises on a non-finite loss
-        if guard.stop_signal: save a checkpoint, then guard.stop(step, checkpoint)
+        if guard.stop_signal: save a checkpoint, then guard.stop_if_signalled(step, checkpoint)
 
     A stop signal is therefore acted on at the next log or checkpoint step (`--log_every` bounds the delay).
     """
@@ -107,9 +107,11 @@ class StepGuard:
             "--skip_nonfinite_steps to drop such steps"
         )
 
-    def stop(self, step: int, checkpoint) -> None:
-        """End the run after the stop signal's checkpoint: tear the process group down together and exit with
-        PREEMPTED_EXIT_CODE (cli.run prints the message). Collective."""
+    def stop_if_signalled(self, step: int, checkpoint) -> None:
+        """After a save: when a stop signal was agreed on, end the run there (the process group torn down together,
+        exit with PREEMPTED_EXIT_CODE; cli.run prints the message). Collective."""
+        if not self.stop_signal:
+            return
         self.accelerator.end_training()
         raise Preempted(f"{signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {checkpoint}; "
                         "continue with --resume auto")

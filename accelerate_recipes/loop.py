@@ -69,19 +69,23 @@ class TrainLog:
     """What follows each optimizer step, the same in every recipe: count it, time it, and at log steps agree on the
     guard's flags and log the mean losses, learning rate and throughput; at epoch ends log the evaluation."""
 
-    def __init__(self, accelerator, state: RunState, output_dir, *, resumed: bool, total_steps: int,
+    def __init__(self, accelerator, state: RunState, checkpoints, *, resumed_from, total_steps: int,
                  steps_per_epoch: int, batches_per_epoch: int, global_batch_size: int, log_every: int,
-                 checkpoint_every: int, skip_nonfinite: bool = False, last_checkpoint=lambda: None):
-        """Also builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`; a resumed run
-        keeps metrics.jsonl up to its step)."""
+                 checkpoint_every: int, skip_nonfinite: bool = False):
+        """Also builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, beside the
+        checkpoints; a run resumed from `resumed_from` keeps metrics.jsonl up to its step and says where it is)."""
         from accelerate_recipes.guard import StepGuard
         from accelerate_recipes.meter import StepMeter
         from accelerate_recipes.results import MetricsLog
 
-        self.accelerator, self.state = accelerator, state
-        self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=last_checkpoint)
+        self.accelerator, self.state, self.resumed_from = accelerator, state, resumed_from
+        self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=checkpoints.newest)
         self.meter = StepMeter(accelerator.device)
-        self.metrics = MetricsLog(accelerator, output_dir, resume_step=state.step if resumed else None)
+        self.metrics = MetricsLog(accelerator, checkpoints.directory.parent,
+                                  resume_step=state.step if resumed_from else None)
+        if resumed_from:
+            accelerator.print(f"resumed from {resumed_from}: {state.describe(total_steps)}")
+        checkpoints.remove_partial()  # what interrupted saves left, before this run saves anything
         self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
         self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
         self.progress = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
@@ -141,12 +145,12 @@ class TrainLog:
                           "perf/peak_memory_mb": memory_mb}, step=self.state.step)
         return seconds
 
-    def results(self, started: float, resumed_from) -> dict:
+    def results(self, started: float) -> dict:
         """The results.json entries of the run's course, the same in every recipe (collective: gathers sample counts)."""
         from accelerate_recipes.results import run_facts
 
         state = self.state
-        return dict(steps=state.step, resumed_from=str(resumed_from) if resumed_from else None,
+        return dict(steps=state.step, resumed_from=str(self.resumed_from) if self.resumed_from else None,
                     skipped_nonfinite_steps=self.guard.skipped_steps, wall_seconds=time.perf_counter() - started,
                     train_loss_first=state.first_loss, train_loss_last=state.last_loss, **state.last_eval,
                     **run_facts(self.accelerator, self.meter, state.samples_seen))

@@ -425,21 +425,17 @@ def main(
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-        accelerator.print(f"resumed from {resume_from}: {state.describe(total_steps)}")
-    checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    log = TrainLog(accelerator, state, output, resumed=resume_from is not None, total_steps=total_steps,
+    log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
-                   last_checkpoint=checkpoints.newest)
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps)
     guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
         """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
-        if guard.stop_signal:
-            guard.stop(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
     while state.epoch < num_epochs and not log.finished:
@@ -490,7 +486,7 @@ def main(
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     accelerator.save_model(net, output)
-    results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started, resume_from))
+    results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

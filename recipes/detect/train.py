@@ -385,21 +385,17 @@ def main(
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-        accelerator.print(f"resumed from {resume_from}: {state.describe(total_steps)}")
-    checkpoints.remove_partial()
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    log = TrainLog(accelerator, state, output, resumed=resume_from is not None, total_steps=total_steps,
+    log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
-                   last_checkpoint=checkpoints.newest)
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps)
     guard, metrics = log.guard, log.metrics  # stops on a non-finite loss or a stop signal; metrics.jsonl
 
     def save_checkpoint() -> None:
         """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
-        if guard.stop_signal:
-            guard.stop(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
     accelerator.print(f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at 640 "
                       f"for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
                       f"{len(val_set)} validation images")
@@ -467,7 +463,7 @@ def main(
     accelerator.wait_for_everyone()
     if not eval_only:
         accelerator.save_model(ema.module if ema is not None else net, output)
-    results = dict(config, synthetic_data=data == "synthetic", **log.results(started, resume_from))
+    results = dict(config, synthetic_data=data == "synthetic", **log.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
