@@ -1,7 +1,14 @@
 """Command-line entry point shared by the recipes."""
 
+import difflib
+import inspect
 import os
+import re
+import shutil
 import sys
+import textwrap
+import types
+import typing
 
 import fire
 from tqdm.std import tqdm  # every bar, whatever its front end, is listed in tqdm.std.tqdm._instances
@@ -66,6 +73,195 @@ def expand_preset(argv: list[str], presets: dict[str, dict]) -> list[str]:
     return [f"--{flag}={value}" for flag, value in presets[name].items() if flag not in given] + argv
 
 
+def _annotations(main) -> dict:
+    try:
+        return typing.get_type_hints(main)
+    except Exception:  # an annotation that does not resolve: fall back to what the signature holds
+        return {name: p.annotation for name, p in inspect.signature(main).parameters.items()}
+
+
+def _flag_kind(annotation, default) -> str:
+    """str (one text), texts (a text, or several when the flag is repeated), bool, or other (fire parses it)."""
+    if annotation is inspect.Parameter.empty:
+        annotation = type(default) if default not in (None, inspect.Parameter.empty) else None
+    members = set(typing.get_args(annotation)) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else {annotation}
+    members.discard(type(None))
+    if members == {str}:
+        return "str"
+    if str in members and list[str] in members and len(members) == 2:
+        return "texts"
+    if members == {bool}:
+        return "bool"
+    return "other"
+
+
+def _flags(main) -> dict[str, tuple[inspect.Parameter, str]]:
+    hints = _annotations(main)
+    return {name: (p, _flag_kind(hints.get(name, p.annotation), p.default))
+            for name, p in inspect.signature(main).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _takes_any_flag(main) -> bool:
+    return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(main).parameters.values())
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _is_short_flag(arg: str) -> bool:
+    # What fire would read as a one-letter flag; "-1" or "-0.5" are numbers.
+    return re.match(r"^-[A-Za-z](=|$)", arg) is not None
+
+
+def _is_flag(arg: str) -> bool:
+    return arg.startswith("--") or _is_short_flag(arg)
+
+
+def wants_help(argv: list[str]) -> bool:
+    """-h or --help anywhere, also after fire's `--` separator."""
+    return any(arg in ("-h", "--help") for arg in argv)
+
+
+def prepare_argv(main, argv: list[str]) -> list[str]:
+    """The command line rewritten so that fire gives `main` exactly what the user typed.
+
+    Fire reads every value as a Python literal ("great, fun" becomes a tuple, "1e-3" a float) and invents one-letter
+    flags (-h for --hsv); so a text flag's value is handed over as repr(value), which fire reads back as that very
+    string, a one-letter flag is refused, and so is any flag `main` does not have.
+    """
+    flags = _flags(main)
+    any_flag = _takes_any_flag(main)
+    example = next(iter(flags), "flag")
+    texts: dict[str, list[str]] = {}  # values of repeatable text flags, passed once as a list
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg == "--":  # fire's own flags (--trace, --verbose, ...) follow; leave them to fire
+            out += argv[i - 1:]
+            break
+        if _is_short_flag(arg):
+            letter = arg[1]
+            guess = next((name for name in flags if name.startswith(letter)), example)
+            raise RecipeError(f"unknown flag {arg.split('=', 1)[0]}; flags are spelled out, e.g. --{guess}")
+        if not arg.startswith("--"):
+            raise RecipeError(f"unexpected argument {arg!r}: every value follows its flag (--{example} VALUE); "
+                              "quote a value that holds spaces")
+        name, has_value, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in flags:
+            if not has_value and name.startswith("no") and flags.get(name[2:], (None, ""))[1] == "bool":
+                out.append(f"--{name}")
+                continue
+            if any_flag:
+                out.append(arg)
+                continue
+            close = difflib.get_close_matches(name, list(flags), n=1)
+            hint = f"did you mean --{close[0]}? " if close else ""
+            raise RecipeError(f"unknown flag --{name}; {hint}--help lists them all")
+        kind = flags[name][1]
+        if not has_value:
+            if i < len(argv) and not _is_flag(argv[i]):
+                value, has_value = argv[i], True
+                i += 1
+            elif kind in ("str", "texts"):
+                raise RecipeError(f"--{name} needs a value, e.g. --{name}=VALUE")
+        if kind == "str":
+            out.append(f"--{name}={value!r}")
+        elif kind == "texts":
+            texts.setdefault(name, []).append(value)
+        elif kind == "bool" and has_value:
+            if value.lower() not in TRUE_WORDS + FALSE_WORDS:
+                raise RecipeError(f"--{name} takes True or False, not {value!r}; e.g. --{name} False "
+                                  f"(or --no{name})")
+            out.append(f"--{name}={value.lower() in TRUE_WORDS}")
+        elif has_value:
+            out.append(f"--{name}={value}")
+        else:
+            out.append(f"--{name}")
+    # One text stays a string; a repeated flag gives the list of its texts.
+    lead = [f"--{name}={(values[0] if len(values) == 1 else values)!r}" for name, values in texts.items()]
+    return lead + out
+
+
+def parse_arg_docs(doc: str | None) -> tuple[str, dict[str, str]]:
+    """A Google-style docstring split into its text outside "Args:" and each argument's full description.
+
+    An entry starts at a line indented exactly one level deeper than "Args:" that reads `name: text` (or
+    `name (type): text`); deeper lines continue it, whatever they hold (fire's own parser ends an entry at a wrapped
+    line holding a colon).
+    """
+    lines = inspect.cleandoc(doc or "").splitlines()
+    text, docs, i = [], {}, 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if line.strip() not in ("Args:", "Arguments:"):
+            text.append(line)
+            continue
+        base = len(line) - len(line.lstrip())
+        level, name = None, None
+        while i < len(lines):
+            line = lines[i]
+            indent = len(line) - len(line.lstrip())
+            if line.strip() and indent <= base:
+                break
+            i += 1
+            if not line.strip():
+                continue
+            level = indent if level is None else level
+            entry = re.match(r"(\w+)\s*(?:\([^)]*\))?:(?:\s+(.*)|$)", line.strip()) if indent == level else None
+            if entry:
+                name = entry.group(1)
+                docs[name] = entry.group(2) or ""
+            elif name is not None:
+                docs[name] = f"{docs[name]} {line.strip()}".strip()
+    return "\n".join(text).strip(), docs
+
+
+def _metavar(kind: str, annotation, default) -> str:
+    if kind in ("str", "texts"):
+        return "TEXT"
+    if kind == "bool":
+        return "[True|False]"
+    if isinstance(default, tuple) and default:
+        return ",".join(type(v).__name__.upper() for v in default)
+    members = [a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)]
+    names = [getattr(a, "__name__", str(a)).upper() for a in members if a is not inspect.Parameter.empty]
+    return "|".join(names) or "VALUE"
+
+
+def _shown_default(default) -> str:
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    if isinstance(default, str) and (not default or default != default.strip() or "," in default):
+        return repr(default)
+    return str(default)
+
+
+def format_help(main, prog: str) -> str:
+    """Help built from `main`'s signature and docstring: a usage line, the description, every flag in full."""
+    width = max(60, min(shutil.get_terminal_size((100, 24)).columns, 120))
+    text, docs = parse_arg_docs(main.__doc__)
+    hints = _annotations(main)
+    flags = _flags(main)
+    required = [f"--{name} VALUE" for name, (p, _) in flags.items() if p.default is inspect.Parameter.empty]
+    lines = [f"usage: {prog} {' '.join(required + ['[--flag VALUE ...]'])}".rstrip(), ""]
+    if text:
+        lines += [text, ""]
+    lines += [textwrap.fill(
+        "Flags are spelled out in full: --flag VALUE or --flag=VALUE. A true/false flag: --flag (True), --flag False "
+        "or --noflag. A TEXT value is taken as typed, commas and digits included.", width), "", "flags:"]
+    for name, (param, kind) in flags.items():
+        default = "required" if param.default is inspect.Parameter.empty else f"default: {_shown_default(param.default)}"
+        lines.append(f"  --{name} {_metavar(kind, hints.get(name, param.annotation), param.default)}  ({default})")
+        lines.append(textwrap.fill(docs.get(name, "(not documented)"), width, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6, break_long_words=False, break_on_hyphens=False))
+    return "\n".join(lines)
+
+
 def _close_progress_bars() -> None:
     """End any open tqdm bar, so that the message that follows starts on a line of its own."""
     for bar in list(getattr(tqdm, "_instances", [])):
@@ -75,12 +271,19 @@ def _close_progress_bars() -> None:
 def run(main, presets: dict[str, dict] | None = None) -> None:
     """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
 
+    The command line goes through prepare_argv first, and -h/--help prints format_help, so that every flag reads the
+    same in every script and its help is shown in full.
+
     `presets` maps a name to flag values that `--preset NAME` applies (see expand_preset).
     """
     argv = _drop_legacy_local_rank(sys.argv[1:])
+    prog = os.path.basename(sys.argv[0])
+    if wants_help(argv):
+        print(format_help(main, prog))
+        return
     try:
-        argv = expand_preset(argv, presets or {})
-        fire.Fire(main, command=argv, name=os.path.basename(sys.argv[0]))
+        argv = prepare_argv(main, expand_preset(argv, presets or {}))
+        fire.Fire(main, command=argv, name=prog)
     except RecipeError as err:
         _close_progress_bars()
         rank = os.environ.get("RANK", "0")

@@ -315,7 +315,7 @@ def main(
     project: str = "accelerate-recipes",
     run_name: str | None = None,
     seed: int = 42,
-    predict: str | None = None,
+    predict: str | list[str] | None = None,
 ):
     """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or classify texts.
 
@@ -363,7 +363,8 @@ def main(
         run_name: tracker run name; default text-<task>, or text-<folder>-<name> of the training file.
         seed: seed for the classifier head, data order and dropout.
         predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
-            file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines.
+            file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines. The text
+            is taken as typed, commas included; give --predict several times to classify several texts or files.
     """
     if predict is not None:
         return predict_texts(model or output_dir, predict, text_column, text_pair_column, max_length, batch_size)

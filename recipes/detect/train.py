@@ -212,7 +212,7 @@ def main(
     swanlab_mode: str | None = None,
     project: str = "accelerate-recipes",
     run_name: str | None = None,
-    seed: int = 0,
+    seed: int = 42,
     weights: str | None = None,
     eval_only: bool = False,
 ):

@@ -1,0 +1,147 @@
+"""The command line every script shares: -h/--help show every flag in full, one-letter flags are refused, and a text
+flag gets exactly what the user typed (fire would read "great, fun" as a tuple and "1e-3" as a number)."""
+
+import json
+import re
+import sys
+from importlib.util import module_from_spec, spec_from_file_location
+
+import fire
+import pytest
+from conftest import CIFAR_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, check, fails_with, recipe_env, run, tiny_bert
+
+from accelerate_recipes.cli import RecipeError, parse_arg_docs, prepare_argv
+from accelerate_recipes.cli import run as run_cli
+
+SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": REPO / "recipes" / "detect" / "train.py",
+           "predict": REPO / "recipes" / "detect" / "predict.py"}
+
+
+@pytest.fixture(scope="module")
+def mains():
+    found = {}
+    for key, path in SCRIPTS.items():
+        spec = spec_from_file_location(f"cli_test_{key}", path)
+        module = module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found[key] = module.main
+    return found
+
+
+def documented(doc: str) -> dict[str, str]:
+    """Each argument's text in the docstring, whitespace-normalised: from `name:` to the next entry at its indent."""
+    block = doc.split("Args:", 1)[1]
+    entries = re.findall(r"^( +)(\w+): (.*?)(?=^\1\w+: |\Z)", block, re.M | re.S)
+    return {name: " ".join(text.split()) for _, name, text in entries}
+
+
+def flag_texts(help_text: str) -> dict[str, str]:
+    """Each flag's description in the help output, whitespace-normalised."""
+    blocks = re.split(r"^  --(\w+) .*$", help_text.split("\nflags:\n", 1)[1], flags=re.M)
+    return {name: " ".join(text.split()) for name, text in zip(blocks[1::2], blocks[2::2])}
+
+
+def check_help(output: str, main) -> None:
+    import inspect
+
+    assert output.startswith("usage: "), output[:300]
+    shown = flag_texts(output)
+    assert list(shown) == list(inspect.signature(main).parameters), "help lists other flags than the signature"
+    for name, text in documented(main.__doc__).items():
+        assert shown[name] == text, f"--{name}: help {shown[name]!r} != docstring {text!r}"
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_short_help_in_every_script_shows_every_flag_in_full(script, mains, tmp_path):
+    proc = check(run([PYTHON, SCRIPTS[script], "-h"], recipe_env(tmp_path), timeout=120))
+    check_help(proc.stdout, mains[script])
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_long_help_in_every_script_shows_every_flag_in_full(script, mains, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [SCRIPTS[script].name, "--help"])
+    run_cli(mains[script])
+    output = capsys.readouterr().out
+    check_help(output, mains[script])
+    if script == "detect":
+        assert "--seed INT  (default: 42)" in output and "--hsv FLOAT,FLOAT,FLOAT  (default: 0.015,0.7,0.4)" in output
+
+
+def test_wrapped_lines_with_a_colon_stay_in_their_entry():
+    _, docs = parse_arg_docs("""Do it.
+
+    Args:
+        resume: auto (continue) or the path of a checkpoint;
+            default: start fresh.
+        loader: device: the whole set
+            torch: a DataLoader
+    Returns:
+        nothing.
+    """)
+    assert docs == {"resume": "auto (continue) or the path of a checkpoint; default: start fresh.",
+                    "loader": "device: the whole set torch: a DataLoader"}
+
+
+def test_an_unrequested_one_letter_flag_is_refused_in_one_line(tmp_path, mains):
+    fails_with(run([PYTHON, CIFAR_SCRIPT, "-v"], recipe_env(tmp_path), timeout=120),
+               "unknown flag -v", "flags are spelled out, e.g. --verify_data")
+    for key, flag, guess in (("text", "-v", "--validation_file"), ("detect", "-s", "--synthetic_size"),
+                             ("predict", "-x=1", "--model")):
+        with pytest.raises(RecipeError, match=f"unknown flag {flag[:2]}; flags are spelled out, e.g. {guess}$"):
+            prepare_argv(mains[key], [flag])
+    with pytest.raises(RecipeError, match="unknown flag --epoch; did you mean --epochs"):
+        prepare_argv(mains["cifar"], ["--epoch", "3"])
+    with pytest.raises(RecipeError, match="unexpected argument 'fun'"):
+        prepare_argv(mains["text"], ["--predict", "great,", "fun"])
+
+
+def parsed(main, argv):
+    """What fire hands `main` after prepare_argv."""
+    got = {}
+
+    def capture(**kwargs):
+        got.update(kwargs)
+
+    fire.Fire(lambda **kwargs: capture(**kwargs), command=prepare_argv(main, argv))
+    return got
+
+
+def test_text_flags_arrive_as_typed(mains):
+    text = mains["text"]
+    # prepare_argv reads the real signature; fire then parses the rewritten line (a keyword-only capture shows it).
+    rewritten = prepare_argv(text, ["--predict", "great, fun", "--run_name=1e-3", "--model", "007",
+                                    "--lr", "1e-3", "--gradient_checkpointing", "no"])
+    assert rewritten == ["--predict='great, fun'", "--run_name='1e-3'", "--model='007'", "--lr=1e-3",
+                         "--gradient_checkpointing=False"]
+    got = parsed(text, ["--predict=great, fun", "--run_name", "1e-3", "--project", "[1, 2]", "--text_column",
+                        "it's \"quoted\"", "--lr", "1e-3", "--max_steps", "None", "--gradient_checkpointing"])
+    assert got == {"predict": "great, fun", "run_name": "1e-3", "project": "[1, 2]",
+                   "text_column": "it's \"quoted\"", "lr": 1e-3, "max_steps": None, "gradient_checkpointing": True}
+    assert parsed(text, ["--predict", "great, fun", "--predict", "1e-3"]) == {"predict": ["great, fun", "1e-3"]}
+    detect = mains["detect"]
+    assert parsed(detect, ["--hsv", "0.1,0.2,0.3", "--nochannels_last", "--seed", "-1"]) == {
+        "hsv": (0.1, 0.2, 0.3), "channels_last": False, "seed": -1}
+    with pytest.raises(RecipeError, match="--resume needs a value"):
+        prepare_argv(detect, ["--resume", "--seed", "1"])
+    with pytest.raises(RecipeError, match="--eval_only takes True or False"):
+        prepare_argv(detect, ["--eval_only", "maybe"])
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory):
+    return tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+def test_predict_gets_one_text_with_its_comma(tiny_classifier, tmp_path):
+    proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", "great, fun", "--model", tiny_classifier],
+                     recipe_env(tmp_path), timeout=120))
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [row["text"] for row in rows] == ["great, fun"], proc.output[-2000:]
+
+
+def test_predict_repeated_classifies_each_text_as_typed(tiny_classifier, mains, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["text_classification.py", "--predict", "great, fun", "--predict", "1e-3",
+                                      "--model", str(tiny_classifier)])
+    run_cli(mains["text"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [row["text"] for row in rows] == ["great, fun", "1e-3"]
