@@ -278,10 +278,17 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
     """
     argv = _drop_legacy_local_rank(sys.argv[1:])
     prog = os.path.basename(sys.argv[0])
-    if wants_help(argv):
-        print(format_help(main, prog))
-        return
     try:
+        if isinstance(main, dict):  # sub-commands: `prog NAME --flags` runs main[NAME]
+            if not argv or argv[0] not in main:
+                if wants_help(argv) or not argv:
+                    print(f"usage: {prog} {{{','.join(main)}}} [--flags]; `{prog} NAME --help` shows a command's flags")
+                    return
+                raise RecipeError(f"unknown command {argv[0]!r}; choose one of: {', '.join(main)}")
+            prog, main, argv = f"{prog} {argv[0]}", main[argv[0]], argv[1:]
+        if wants_help(argv):
+            print(format_help(main, prog))
+            return
         argv = prepare_argv(main, expand_preset(argv, presets or {}))
         fire.Fire(main, command=argv, name=prog)
     except RecipeError as err:

@@ -145,3 +145,13 @@ def test_predict_repeated_classifies_each_text_as_typed(tiny_classifier, mains, 
     run_cli(mains["text"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [row["text"] for row in rows] == ["great, fun", "1e-3"]
+
+
+def test_a_script_of_sub_commands_lists_them_and_helps_each(tmp_path):
+    convert = REPO / "recipes" / "detect" / "convert.py"
+    env = recipe_env(tmp_path)
+    listing = check(run([PYTHON, convert, "-h"], env))
+    assert "convert.py {coco,voc}" in listing.stdout
+    voc = check(run([PYTHON, convert, "voc", "--help"], env))
+    assert "usage: convert.py voc --root" in voc.stdout and "--image_set" in voc.stdout
+    fails_with(run([PYTHON, convert, "yolo"], env), "unknown command 'yolo'", "coco, voc")
