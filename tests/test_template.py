@@ -84,11 +84,17 @@ def test_readme_names_every_file_a_copy_needs():
     assert "recipes/detect/" in section and "cpu.yaml" in section
 
 
+def copy_recipe(folder, script: str) -> set[str]:
+    """Copy a one-file recipe and the modules beside it that it imports; returns those modules."""
+    modules = local_imports(RECIPES / script)
+    for name in {script} | modules:
+        shutil.copy(RECIPES / name, folder / name)
+    return modules
+
+
 def test_cifar_copy_runs_on_two_processes(tmp_path):
     folder, env = project(tmp_path)
-    modules = local_imports(RECIPES / "cifar.py")
-    for name in {"cifar.py"} | modules:
-        shutil.copy(RECIPES / name, folder / name)
+    modules = copy_recipe(folder, "cifar.py")
     check_isolated(folder, env)
     write_cifar10(folder / "data", num_train=64, num_test=20)
     launch(folder, env, "cifar.py", "--dataset", "cifar10", "--data_dir", "data", "--download", "False",
@@ -102,9 +108,7 @@ def test_cifar_copy_runs_on_two_processes(tmp_path):
 
 def test_text_classification_copy_runs_on_two_processes(tmp_path):
     folder, env = project(tmp_path)
-    modules = local_imports(RECIPES / "text_classification.py")
-    for name in {"text_classification.py"} | modules:
-        shutil.copy(RECIPES / name, folder / name)
+    modules = copy_recipe(folder, "text_classification.py")
     check_isolated(folder, env)
     tiny_bert(folder / "tiny-bert")
     write_rows(folder / "data" / "train.csv", sentiment_rows(48, seed=0))
