@@ -268,6 +268,24 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def _exit_after_distributed_run() -> None:
+    """End a finished multi-process run here, with exit code 0, once its output is flushed.
+
+    DistributedDataParallel keeps a reference to its process group that outlives `destroy_process_group` (torch 2.15:
+    the gloo worker threads still run after the model is freed and the group destroyed), so the group is torn down,
+    if at all, during interpreter exit. There a finished 2-process run was seen to abort after saving everything
+    ("terminate called without an active exception", exit -6), which a launcher, SLURM or a CI job reads as a failed
+    run. The recipes save, finish their trackers and destroy the group (`end_training`) before returning, so the
+    interpreter's teardown has nothing left to do.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    _close_progress_bars()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run(main, presets: dict[str, dict] | None = None) -> None:
     """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
 
@@ -291,6 +309,7 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
             return
         argv = prepare_argv(main, expand_preset(argv, presets or {}))
         fire.Fire(main, command=argv, name=prog)
+        _exit_after_distributed_run()
     except RecipeError as err:
         _close_progress_bars()
         rank = os.environ.get("RANK", "0")
