@@ -7,55 +7,34 @@ results.json writer, atomic checkpoint folders, sharding set-up, seeded augmenta
 hostfile launcher, topology) are the recipe_tools package.
 """
 
-from accelerate_recipes.checkpoints import Checkpoints
-from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
-from accelerate_recipes.guard import StepGuard
-from accelerate_recipes.launch import (
-    check_launch,
-    check_process_group,
-    cpu_precision,
-    cpu_threads_and_workers,
-    default_num_workers,
-    describe_launch,
-    explain_startup_failure,
-    num_machines,
-    per_process_batch_size,
-    prepare_output_dir,
-)
-from accelerate_recipes.loop import RunState, TrainLog
-from accelerate_recipes.meter import StepMeter, peak_memory_mb
-from accelerate_recipes.results import MetricsLog, print_summary, run_facts, write_results
-from accelerate_recipes.sharding import check_accumulation, check_skip_nonfinite, set_gradient_clipping, setup_fsdp
-from accelerate_recipes.tracking import TrackerSetup, setup_tracker
+import importlib
 
-__all__ = [
-    "PREEMPTED_EXIT_CODE",
-    "Checkpoints",
-    "MetricsLog",
-    "RecipeError",
-    "RunState",
-    "StepGuard",
-    "StepMeter",
-    "TrackerSetup",
-    "TrainLog",
-    "check_accumulation",
-    "check_launch",
-    "check_process_group",
-    "check_skip_nonfinite",
-    "cpu_precision",
-    "cpu_threads_and_workers",
-    "default_num_workers",
-    "describe_launch",
-    "explain_startup_failure",
-    "num_machines",
-    "peak_memory_mb",
-    "per_process_batch_size",
-    "prepare_output_dir",
-    "print_summary",
-    "run",
-    "run_facts",
-    "set_gradient_clipping",
-    "setup_fsdp",
-    "setup_tracker",
-    "write_results",
-]
+# Each name is imported from its module on first use, so that `from accelerate_recipes.cli import ...` (a script's
+# --help) does not wait for torch to import.
+_EXPORTS = {
+    **dict.fromkeys(["Checkpoints"], "checkpoints"),
+    **dict.fromkeys(["PREEMPTED_EXIT_CODE", "RecipeError", "run"], "cli"),
+    **dict.fromkeys(["StepGuard"], "guard"),
+    **dict.fromkeys(["check_launch", "check_process_group", "cpu_precision", "cpu_threads_and_workers",
+                     "default_num_workers", "describe_launch", "explain_startup_failure", "num_machines",
+                     "per_process_batch_size", "prepare_output_dir"], "launch"),
+    **dict.fromkeys(["RunState", "TrainLog"], "loop"),
+    **dict.fromkeys(["StepMeter", "peak_memory_mb"], "meter"),
+    **dict.fromkeys(["MetricsLog", "print_summary", "run_facts", "write_results"], "results"),
+    **dict.fromkeys(["check_accumulation", "check_skip_nonfinite", "set_gradient_clipping", "setup_fsdp"],
+                    "sharding"),
+    **dict.fromkeys(["TrackerSetup", "setup_tracker"], "tracking"),
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'accelerate_recipes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"accelerate_recipes.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,5 +1,7 @@
 """Command-line entry point shared by the recipes."""
 
+import ast
+import copy
 import difflib
 import inspect
 import os
@@ -9,6 +11,7 @@ import sys
 import textwrap
 import types
 import typing
+from pathlib import Path
 
 import fire
 from tqdm.std import tqdm  # every bar, whatever its front end, is listed in tqdm.std.tqdm._instances
@@ -286,6 +289,73 @@ def _exit_after_distributed_run() -> None:
     os._exit(0)
 
 
+def _help_for(main, prog: str, argv: list[str]) -> str | None:
+    """The text that -h/--help asks for (or that a script of sub-commands prints when none is named), else None."""
+    if isinstance(main, dict):  # sub-commands: `prog NAME --flags` runs main[NAME]
+        if not argv or (argv[0] not in main and wants_help(argv)):
+            return f"usage: {prog} {{{','.join(main)}}} [--flags]; `{prog} NAME --help` shows a command's flags"
+        if argv[0] not in main:
+            return None
+        prog, main, argv = f"{prog} {argv[0]}", main[argv[0]], argv[1:]
+    return format_help(main, prog) if wants_help(argv) else None
+
+
+def _commands_in_source(source: str) -> dict | None:
+    """The function(s) a script's `run(...)` call names, rebuilt from its source without running its imports.
+
+    Each is a stand-in with the real signature and docstring and an empty body. None when the call or a signature
+    cannot be rebuilt this way (a default that is a name defined in the script, say).
+    """
+    tree = ast.parse(source)
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id == "run" and node.args]
+    if len(calls) != 1:
+        return None
+    target = calls[0].args[0]
+    if isinstance(target, ast.Name):
+        names = {None: target.id}
+    elif isinstance(target, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(v, ast.Name)
+                                              for k, v in zip(target.keys, target.values)):
+        names = {k.value: v.id for k, v in zip(target.keys, target.values)}
+    else:
+        return None
+    commands = {}
+    for key, name in names.items():
+        node = functions[name]
+        doc = ast.get_docstring(node, clean=False)
+        body = [ast.Expr(ast.Constant(doc))] if doc is not None else []
+        stub = copy.copy(node)
+        stub.body, stub.decorator_list, stub.returns = body + [ast.Pass()], [], None
+        module = ast.fix_missing_locations(ast.Module(body=[stub], type_ignores=[]))
+        namespace: dict = {}
+        exec(compile(module, "<signature>", "exec"), namespace)  # names the script defines raise NameError here
+        commands[key] = namespace[name]
+    return commands[None] if None in commands else commands
+
+
+def answer_help_from_source(module_name: str, path: str) -> None:
+    """Print a script's -h/--help from its source and exit, before the script's heavy imports run.
+
+    Call it at the top of a script, above `import torch`: `answer_help_from_source(__name__, __file__)`. The help is
+    the text `run` prints, in a fraction of a second instead of the seconds torch, torchvision and transformers take
+    to import. Anything it cannot rebuild from the source leaves the help to `run`, after the imports.
+    """
+    argv = sys.argv[1:]
+    if module_name != "__main__" or not wants_help(argv):
+        return
+    try:
+        main = _commands_in_source(Path(path).read_text(encoding="utf-8"))
+    except Exception:  # the slow path prints the same help
+        return
+    if main is None:
+        return
+    help_text = _help_for(main, os.path.basename(sys.argv[0]), argv)
+    if help_text is not None:
+        print(help_text)
+        sys.exit(0)
+
+
 def run(main, presets: dict[str, dict] | None = None) -> None:
     """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
 
@@ -297,16 +367,14 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
     argv = _drop_legacy_local_rank(sys.argv[1:])
     prog = os.path.basename(sys.argv[0])
     try:
+        help_text = _help_for(main, prog, argv)
+        if help_text is not None:
+            print(help_text)
+            return
         if isinstance(main, dict):  # sub-commands: `prog NAME --flags` runs main[NAME]
-            if not argv or argv[0] not in main:
-                if wants_help(argv) or not argv:
-                    print(f"usage: {prog} {{{','.join(main)}}} [--flags]; `{prog} NAME --help` shows a command's flags")
-                    return
+            if argv[0] not in main:
                 raise RecipeError(f"unknown command {argv[0]!r}; choose one of: {', '.join(main)}")
             prog, main, argv = f"{prog} {argv[0]}", main[argv[0]], argv[1:]
-        if wants_help(argv):
-            print(format_help(main, prog))
-            return
         argv = prepare_argv(main, expand_preset(argv, presets or {}))
         fire.Fire(main, command=argv, name=prog)
         _exit_after_distributed_run()

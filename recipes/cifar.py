@@ -12,6 +12,10 @@ Install: `pip install -e .` from a clone of accelerate-recipes (the runtime; thi
 project of your own, copy this file and cifar_data.py (generated data and the on-device loader) beside it.
 """
 
+from accelerate_recipes.cli import answer_help_from_source
+
+answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
+
 import math
 import socket
 import time

@@ -12,6 +12,10 @@ GLOBAL batch (all processes together), so the same flags give the same training 
 Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets and torchmetrics).
 """
 
+from accelerate_recipes.cli import answer_help_from_source
+
+answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
+
 import json
 import math
 import os

@@ -67,6 +67,19 @@ def test_long_help_in_every_script_shows_every_flag_in_full(script, mains, monke
         assert "--seed INT  (default: 42)" in output and "--hsv FLOAT,FLOAT,FLOAT  (default: 0.015,0.7,0.4)" in output
 
 
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_help_comes_before_the_heavy_imports_and_equals_the_full_help(script, mains, tmp_path, monkeypatch, capsys):
+    # The script answers -h from its source before torch imports; the text must be the one `run` prints afterwards.
+    env = recipe_env(tmp_path, COLUMNS=100)
+    proc = check(run([PYTHON, "-X", "importtime", SCRIPTS[script], "-h"], env, timeout=120))
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "fire" in imported and not {"torch", "torchvision", "transformers", "accelerate"} & imported
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(sys, "argv", [SCRIPTS[script].name, "-h"])
+    run_cli(mains[script])
+    assert proc.stdout == capsys.readouterr().out
+
+
 def test_wrapped_lines_with_a_colon_stay_in_their_entry():
     _, docs = parse_arg_docs("""Do it.
 

@@ -8,6 +8,10 @@ Writes <out>/<image name>.png for each image and <out>/detections.json: one entr
 image's own pixels (x1, y1, x2, y2), score, class id and class name.
 """
 
+from accelerate_recipes.cli import answer_help_from_source
+
+answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
+
 import json
 from pathlib import Path
 

@@ -19,6 +19,10 @@ The script reads top to bottom: config -> data -> model -> prepare -> loop -> ev
 GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
 """
 
+from accelerate_recipes.cli import answer_help_from_source
+
+answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
+
 import json
 import math
 import time
