@@ -215,7 +215,7 @@ def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     if expected and not digest.startswith(expected):
         say(f"warning: {file} is not torchvision's release (its SHA-256 does not start with {expected}); "
-             "using it as it is: delete it to download the release")
+            "using it as it is: delete it to download the release")
     return file
 
 
