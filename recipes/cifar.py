@@ -4,6 +4,8 @@
     python recipes/cifar.py --dataset synthetic --epochs 1            # one process, any machine
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/cifar.py
     make cifar-2node NODE_RANK=1 MASTER_ADDR=10.0.0.1                 # on the second of two nodes
+    python recipes/cifar.py --dataset imagefolder --data_dir my_images --pretrained   # fine-tune ImageNet weights
+    python recipes/cifar.py --predict photo.jpg --model outputs/cifar                 # classify with a trained model
 
 The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
 GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
@@ -16,7 +18,10 @@ from accelerate_recipes.cli import answer_help_from_source
 
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
+import hashlib
+import json
 import math
+import os
 import socket
 import time
 from datetime import timedelta
@@ -30,14 +35,17 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
 from cifar_data import DeviceImageLoader, synthetic_images  # beside this file: copy it with the recipe
 from PIL import Image
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from transformers import get_scheduler
 
 from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
+    StepMeter,
     TrainLog,
     check_launch,
     cpu_threads_and_workers,
@@ -46,6 +54,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     print_summary,
     run,
+    run_facts,
     setup_tracker,
     write_results,
 )
@@ -57,6 +66,14 @@ CIFAR = {  # torchvision class, folder it extracts to, archive to place by hand 
     "cifar100": (torchvision.datasets.CIFAR100, "cifar-100-python", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"),
 }
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10 training-set statistics
+MODELS = ("resnet18", "resnet34", "resnet50")
+# --pretrained: torchvision's ImageNet weights (their URL, file name and preprocessing) for each --model
+IMAGENET_WEIGHTS = {
+    "resnet18": torchvision.models.ResNet18_Weights.DEFAULT,
+    "resnet34": torchvision.models.ResNet34_Weights.DEFAULT,
+    "resnet50": torchvision.models.ResNet50_Weights.DEFAULT,
+}
+MODEL_CONFIG = "model_config.json"  # beside model.safetensors: what --predict and --eval_only rebuild the model from
 PRESETS = {
     # ResNet-18 to 94% fast: the settings of the time-to-94% ResNet-18 baseline in KellerJordan/cifar10-zoo
     # (airbench/baselines/train_resnet18_94.py: 26 epochs, batch 500, SGD nesterov lr 0.2 momentum 0.9 wd 5e-4, lr
@@ -109,12 +126,12 @@ def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify:
     return train, test, list(train.classes)
 
 
-def build_datasets(dataset, data_dir, synthetic_size, image_size, augment, download, verify, seed):
+def build_datasets(dataset, data_dir, synthetic_size, image_size, augment, download, verify, seed, mean=MEAN, std=STD):
     """Return (train set, test set, class names) for --dataset, with pad-and-crop + flip augmentation on train."""
     if dataset not in DATASETS:
         raise RecipeError(f"unknown --dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
     size = image_size if dataset == "imagefolder" else 32
-    normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
+    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
     resize = [transforms.Resize((size, size))] if dataset == "imagefolder" else []
     augmentation = [transforms.RandomCrop(size, padding=size // 8), transforms.RandomHorizontalFlip()] if augment else []
     train_tf = transforms.Compose(resize + augmentation + normalize)
@@ -163,15 +180,107 @@ def fits_on_device(num_bytes: int, device: torch.device) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------- model
-def build_model(name: str, num_classes: int) -> nn.Module:
-    """A torchvision ResNet, randomly initialised, with the usual CIFAR stem for 32x32 inputs."""
-    if name not in ("resnet18", "resnet34", "resnet50"):
-        raise RecipeError(f"unknown --model {name!r}; choose resnet18, resnet34 or resnet50")
-    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
-    # The ImageNet stem (7x7 stride-2 conv + max-pool) would shrink 32x32 to 8x8 before the first block.
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
+def check_model_name(name: str) -> str:
+    if name not in MODELS:
+        hint = " (a run's output directory is for --predict and --eval_only)" if Path(name).is_dir() else ""
+        raise RecipeError(f"unknown --model {name!r}; choose {', '.join(MODELS)}{hint}")
+    return name
+
+
+def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
+    """Path of torchvision's ImageNet weights for `name` in torch's hub cache, downloaded there when missing.
+
+    The file name and folder are the ones torchvision itself uses (torch.hub.get_dir()/checkpoints), so weights any
+    torchvision program fetched are reused, and offline you can place the file there by hand.
+    """
+    weights = IMAGENET_WEIGHTS[name]
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    file = folder / weights.url.rsplit("/", 1)[1]  # e.g. resnet18-f37072fd.pth
+    place = f"download {weights.url} and place it as {file.name} in {folder} (torch.hub.get_dir()/checkpoints)"
+    if not file.is_file():
+        if not download:
+            raise RecipeError(f"--pretrained needs {file.name} (torchvision's ImageNet {name}), not found in {folder}: "
+                              f"{place}")
+        previous_timeout = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(60)  # an unreachable server fails within a minute instead of hanging
+        try:
+            say(f"downloading {weights.url} to {file}")
+            folder.mkdir(parents=True, exist_ok=True)
+            # Written to a temporary file and moved into place once its SHA-256 matches the name's prefix.
+            torch.hub.download_url_to_file(weights.url, str(file), hash_prefix=sha256_prefix(file.name), progress=False)
+        except Exception as err:  # URLError, OSError, or the RuntimeError of a hash mismatch
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise RecipeError(f"--pretrained could not download {file.name} ({reason}); {place}") from None
+        finally:
+            socket.setdefaulttimeout(previous_timeout)
+        return file
+    # torchvision checks the hash only while downloading and loads a cached file as it is; say so when it differs.
+    expected = sha256_prefix(file.name)
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    if expected and not digest.startswith(expected):
+        say(f"warning: {file} is not torchvision's release (its SHA-256 does not start with {expected}); "
+            "using it as it is: delete it to download the release")
+    return file
+
+
+def sha256_prefix(file_name: str) -> str | None:
+    """The hash prefix torchvision puts in a weights file's name (resnet18-f37072fd.pth: f37072fd)."""
+    found = torch.hub.HASH_REGEX.search(file_name)
+    return found.group(1) if found else None
+
+
+def build_model(name: str, num_classes: int, stem: str = "cifar", weights: Path | None = None) -> nn.Module:
+    """A torchvision ResNet with a fresh `num_classes` classifier.
+
+    stem "cifar": randomly initialised, with the usual CIFAR stem for 32x32 inputs. stem "imagenet": torchvision's
+    own stem (for ~224 px images), with the ImageNet weights in `weights` (a torchvision checkpoint) when given.
+    """
+    check_model_name(name)
+    if stem == "cifar":
+        model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+        # The ImageNet stem (7x7 stride-2 conv + max-pool) would shrink 32x32 to 8x8 before the first block.
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+        return model
+    model = getattr(torchvision.models, name)(weights=None)  # 1000 ImageNet classes, as the checkpoint holds
+    if weights is not None:
+        try:
+            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        except Exception as err:  # a truncated or foreign file: unpickling or key/shape errors
+            raise RecipeError(f"{weights} is not torchvision's ImageNet {name} ({why(err)}); delete it and run again "
+                              f"to download it, or place the release from {IMAGENET_WEIGHTS[name].url} there") from None
+    model.fc = nn.Linear(model.fc.in_features, num_classes)  # the new task's classes replace ImageNet's 1000
     return model
+
+
+def why(err: Exception) -> str:
+    """The telling line of an error, short: load_state_dict's first line only says that loading failed."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+        lines = lines[1:]
+    text = lines[0] if lines else type(err).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def short(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def load_trained_model(model_dir: str) -> tuple[nn.Module, dict]:
+    """The model a finished run saved in `model_dir` (model.safetensors), rebuilt from its model_config.json."""
+    folder = Path(model_dir)
+    missing = [name for name in (MODEL_CONFIG, "model.safetensors") if not (folder / name).is_file()]
+    if missing:
+        raise RecipeError(f"--model {folder} is not the output of a finished cifar run (no {' or '.join(missing)} "
+                          "there); train first, or point --model at the --output_dir of a finished run")
+    try:
+        config = json.loads((folder / MODEL_CONFIG).read_text())
+        net = build_model(config["model"], config["num_classes"], stem=config["stem"])
+        net.load_state_dict(load_file(str(folder / "model.safetensors")))
+    except (ValueError, KeyError, TypeError, RuntimeError, OSError) as err:
+        raise RecipeError(f"--model {folder}: {MODEL_CONFIG} and model.safetensors do not make a model ({why(err)}); "
+                          "point --model at the --output_dir of a finished run") from None
+    return net, config
 
 
 @torch.no_grad()
@@ -210,6 +319,54 @@ def evaluate(model, loader, accelerator, tta_flip: bool = False) -> dict:
     return {"eval_accuracy": correct / max(seen, 1), "eval_loss": loss_sum / max(seen, 1), "eval_samples": seen}
 
 
+# -------------------------------------------------------------------------------------------------------- predict
+def image_files(sources) -> list[Path]:
+    """The images to classify: files as given, and every image file under a folder (sorted, subfolders included)."""
+    files = []
+    for item in map(str, sources if isinstance(sources, (list, tuple)) else [sources]):
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
+            if not found:
+                raise RecipeError(f"--predict {path}: the folder holds no images ({', '.join(IMG_EXTENSIONS)}, "
+                                  "subfolders included); give image files or a folder of them")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise RecipeError(f"--predict {path}: no such file or folder; give image files or folders of images")
+    return files
+
+
+def read_image(path: Path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise RecipeError(f"--predict {path} cannot be read as an image ({why(err)}); give PNG, JPEG or another "
+                          "format PIL reads, or leave the file out") from None
+
+
+@torch.no_grad()
+def predict_images(model_dir: str, sources, batch_size: int) -> None:
+    """Classify images with a trained model; print one JSON line per image (image, label, score) and nothing else."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RecipeError("--predict runs in one process: start it with python, not a launcher")
+    net, config = load_trained_model(model_dir)
+    files = image_files(sources)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    net = net.to(device).eval()
+    size = config["image_size"]  # the test-time preprocessing of the run that trained the model
+    preprocess = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
+                                     transforms.Normalize(config["mean"], config["std"])])
+    for start in range(0, len(files), batch_size):
+        chunk = files[start:start + batch_size]
+        images = torch.stack([preprocess(read_image(path)) for path in chunk]).to(device)
+        scores, ids = net(images).float().softmax(dim=-1).max(dim=-1)
+        for path, label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
+            print(json.dumps({"image": str(path), "label": config["classes"][label_id], "score": round(score, 4)}))
+
+
 # ----------------------------------------------------------------------------------------------------------- main
 def main(
     dataset: str = "cifar10",
@@ -217,9 +374,10 @@ def main(
     synthetic_size: int = 50_000,
     download: bool = True,
     verify_data: bool = True,
-    image_size: int = 32,
+    image_size: int | None = None,
     loader: str = "auto",
-    model: str = "resnet18",
+    model: str | None = None,
+    pretrained: bool = False,
     batch_size: int = 512,
     epochs: int = 30,
     max_steps: int | None = None,
@@ -252,20 +410,31 @@ def main(
     run_name: str | None = None,
     seed: int = 42,
     preset: str | None = None,
+    eval_only: bool = False,
+    predict: str | list[str] | None = None,
 ):
-    """Train a CIFAR-stem ResNet on CIFAR-10/100, generated data or your own image folders.
+    """Train a CIFAR-stem ResNet on CIFAR-10/100, generated data or your own image folders (or fine-tune ImageNet
+    weights on them), evaluate a trained model, or classify images with it.
 
     Args:
         dataset: cifar10, cifar100, synthetic (generated, learnable, CIFAR-shaped; no download) or imagefolder.
         data_dir: where CIFAR is (or is downloaded to); for imagefolder the folder holding train/ and val/.
         synthetic_size: training images generated for --dataset synthetic (the test split gets a fifth as many).
-        download: download CIFAR when it is not in --data_dir.
+        download: download CIFAR when it is not in --data_dir, and --pretrained's weights when not in torch's cache.
         verify_data: check the CIFAR files against the release's MD5 sums; turn off for a re-packed subset.
-        image_size: side length images are resized to for --dataset imagefolder (CIFAR is 32).
+        image_size: side length images are resized to for --dataset imagefolder (CIFAR is 32); default 32, or 224
+            with --pretrained (the size the ImageNet weights were trained at).
         loader: device (the whole dataset in device memory as uint8, batches cropped, flipped and normalised there:
             no DataLoader, no per-image Python), torch (DataLoader with torchvision transforms), or auto: device
             for CIFAR and generated data when it takes under a quarter of the free device memory, else torch.
-        model: resnet18, resnet34 or resnet50 from torchvision, with a 3x3 stride-1 stem and no max-pool.
+        model: resnet18, resnet34 or resnet50 from torchvision, with a 3x3 stride-1 stem and no max-pool (default
+            resnet18). For --predict and --eval_only: the output directory of a finished run (model.safetensors and
+            model_config.json), default --output_dir.
+        pretrained: fine-tune torchvision's ImageNet weights of --model (--dataset imagefolder only): torchvision's
+            own 7x7 stem and max-pool, 224 px images unless --image_size says otherwise, ImageNet mean/std, a new
+            final layer for your classes. The weights are read from torch's hub cache
+            (torch.hub.get_dir()/checkpoints, e.g. resnet18-f37072fd.pth; TORCH_HOME moves it) and downloaded there
+            first when missing, by one process per node. CIFAR and generated data always train from scratch.
         batch_size: GLOBAL batch per optimizer step, all processes together; each process loads
             batch_size / (num_processes x gradient_accumulation_steps).
         epochs: passes over the training set (ignored when --max_steps is set).
@@ -310,7 +479,18 @@ def main(
         preset: a named set of the flags above; flags you also give keep your value. fast94: the settings of a
             public ResNet-18 time-to-94% baseline (26 epochs, batch 512, lr 0.2, 20% warmup then linear decay,
             cutout 12, flip test-time augmentation); see PRESETS in this file for the source.
+        eval_only: evaluate the model in --model (default --output_dir) on the test split of the data flags
+            (--dataset, --data_dir, ...) and write results.json to --output_dir, without training; the model's
+            classes, image size and normalisation come from its model_config.json. Runs on any number of processes.
+            With --output_dir the model's folder (the default), the training run's results.json is replaced.
+        predict: classify instead of training: an image file or a folder of images (subfolders included), with the
+            model in --model (default --output_dir). Prints one JSON line per image, {"image", "label", "score"}
+            (the class name and its probability), and nothing else; give --predict several times for several.
     """
+    if predict is not None:
+        if eval_only:
+            raise RecipeError("give --predict or --eval_only, not both")
+        return predict_images(model or output_dir, predict, batch_size)
     started = time.perf_counter()
     output = Path(output_dir)
     lr = lr if lr is not None else 0.1 * batch_size / 128  # depends on the global batch, never on the GPU count
@@ -319,8 +499,26 @@ def main(
         if value not in choices:
             raise RecipeError(f"unknown --{flag} {value!r}; choose one of {', '.join(choices)}")
 
+    # ---- the model's input: image size and normalisation (with --eval_only, those the saved model was trained with)
+    if eval_only:
+        model_dir = model or output_dir
+        trained, saved = load_trained_model(model_dir)
+        model, stem, image_size, mean, std = (saved[key] for key in ("model", "stem", "image_size", "mean", "std"))
+        if dataset != "imagefolder" and image_size != 32:
+            raise RecipeError(f"--model {model_dir} takes {image_size} px images and --dataset {dataset} has 32 px "
+                              "ones: evaluate it on --dataset imagefolder")
+    else:
+        model, stem = check_model_name(model or "resnet18"), "imagenet" if pretrained else "cifar"
+        if pretrained and dataset != "imagefolder":
+            raise RecipeError(f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
+                              f"--dataset {dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained")
+        imagenet = IMAGENET_WEIGHTS[model].transforms()  # the preprocessing the ImageNet weights expect
+        mean, std = (tuple(imagenet.mean), tuple(imagenet.std)) if pretrained else (MEAN, STD)
+        image_size = (image_size or (imagenet.crop_size[0] if pretrained else 32)) if dataset == "imagefolder" else 32
+
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(tracker, output, run_name or f"cifar-{dataset}", swanlab_mode)
+    # (--eval_only logs to no tracker: its results are in results.json and the output)
+    tracking = setup_tracker("none" if eval_only else tracker, output, run_name or f"cifar-{dataset}", swanlab_mode)
     with explain_startup_failure(dist_timeout):
         accelerator = Accelerator(
             mixed_precision=mixed_precision,
@@ -342,14 +540,18 @@ def main(
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape: pick the fastest kernels once
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
-    resume_from = checkpoints.resolve(resume)  # None: a fresh start
+    resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
 
     # ---- data: the local main process of each node downloads first, the others then read its copy
     with accelerator.local_main_process_first():
         train_set, test_set, classes = build_datasets(
             dataset, data_dir, synthetic_size, image_size, augment,
-            download=download and accelerator.is_local_main_process, verify=verify_data, seed=seed,
+            download=download and accelerator.is_local_main_process, verify=verify_data, seed=seed, mean=mean, std=std,
         )
+    if eval_only and classes != saved["classes"]:
+        raise RecipeError(f"--model {model_dir} was trained on {len(saved['classes'])} classes ({short(saved['classes'])})"
+                          f" and --dataset {dataset} has {len(classes)} ({short(classes)}): evaluate it on data with "
+                          "the same classes")
     if dataset == "synthetic":
         accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
                           "pipeline, not the model on real data.\n" + "!" * 100)
@@ -363,7 +565,7 @@ def main(
             raise RecipeError(f"--loader device needs the images in memory; --dataset {dataset} reads files one by one: "
                               "use --loader torch")
         # Each process reads its own share straight from device memory; nothing for prepare() to shard.
-        common = dict(device=accelerator.device, mean=MEAN, std=STD, seed=seed, process_index=accelerator.process_index,
+        common = dict(device=accelerator.device, mean=mean, std=std, seed=seed, process_index=accelerator.process_index,
                       num_processes=world)
         train_loader = DeviceImageLoader(*arrays[0], per_process, train=True, pad=4 if augment else 0, flip=augment,
                                          cutout=cutout, **common)
@@ -381,13 +583,45 @@ def main(
         test_loader = DataLoader(test_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
 
     # ---- model and optimizer
-    net = build_model(model, num_classes=len(classes))
+    if eval_only:
+        net = trained
+    else:
+        weights_file = None
+        if pretrained:  # one process per node fetches the file; the others wait, then read that copy
+            with accelerator.local_main_process_first():
+                weights_file = imagenet_weights_file(model, download=download and accelerator.is_local_main_process,
+                                                     say=accelerator.print)
+        net = build_model(model, num_classes=len(classes), stem=stem, weights=weights_file)
     if sync_bn and world > 1:
         if accelerator.distributed_type != DistributedType.MULTI_GPU:
             raise RecipeError("--sync_bn needs GPUs: torch's SyncBatchNorm runs on CUDA only; drop it on CPU runs")
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
+
+    if eval_only:
+        # ---- evaluation only: the saved model on the whole test split, each image counted once; nothing trained
+        net, test_loader = accelerator.prepare(net, test_loader)
+        evaluation = evaluate(net, test_loader, accelerator, tta_flip)
+        accelerator.print(f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
+                          f"{evaluation['eval_samples']} test images")
+        results = dict(
+            recipe="cifar", dataset=dataset, model=model, model_dir=str(model_dir), eval_only=True, world_size=world,
+            num_machines=machines, mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size,
+            per_process_batch_size=per_process, image_size=image_size, loader=loader, tta_flip=tta_flip,
+            test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
+            synthetic_data=dataset == "synthetic", steps=0, epochs=0, wall_seconds=time.perf_counter() - started,
+            **evaluation, **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+        )
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        if accelerator.is_main_process:
+            path = write_results(output, results)
+            print_summary(results, ["dataset", "model", "world_size", "mixed_precision", "loader", "eval_accuracy",
+                                    "eval_loss", "eval_samples", "wall_seconds"], title="cifar: evaluation")
+            print(f"{path.name} saved in {output}")
+        return
+
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
     trainable = sum(p.numel() for p in decay + no_decay)  # its fp32 gradients are what DDP all-reduces
@@ -413,7 +647,8 @@ def main(
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
     config = dict(
-        recipe="cifar", dataset=dataset, model=model, world_size=world, num_machines=machines,
+        recipe="cifar", dataset=dataset, model=model, pretrained=pretrained, image_size=image_size,
+        world_size=world, num_machines=machines,
         mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
         gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
         weight_decay=weight_decay, label_smoothing=label_smoothing, max_grad_norm=max_grad_norm,
@@ -427,7 +662,10 @@ def main(
     state = RunState(accelerator.device)
     accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
     if resume_from is not None:
-        checkpoints.check_compatible(resume_from, config)
+        progress = checkpoints.check_compatible(resume_from, config)
+        if progress.get("config", {}).get("pretrained", False) != pretrained:  # the stems differ: weights would not fit
+            raise RecipeError(f"checkpoint {resume_from} belongs to a run with{'out' if pretrained else ''} "
+                              "--pretrained; use the same flags to continue it, or another --output_dir")
         accelerator.load_state(resume_from)
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
@@ -487,9 +725,13 @@ def main(
         save_checkpoint()
     log.close()
 
-    # ---- save the model and the run's results
+    # ---- save the model, what --predict and --eval_only need to rebuild it, and the run's results
     accelerator.wait_for_everyone()
     accelerator.save_model(net, output)
+    if accelerator.is_main_process:
+        (output / MODEL_CONFIG).write_text(json.dumps(
+            dict(model=model, stem=stem, num_classes=len(classes), classes=classes, image_size=image_size,
+                 mean=list(mean), std=list(std), dataset=dataset, pretrained=pretrained), indent=2) + "\n")
     results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
@@ -498,7 +740,8 @@ def main(
         print_summary(results, ["dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size",
                                 "loader", "steps", "epochs", "eval_accuracy", "train_samples_per_second",
                                 "median_step_seconds", "peak_memory_mb", "wall_seconds"], title="cifar: summary")
-        print(f"model and {path.name} saved in {output}")
+        print(f"model, {MODEL_CONFIG} and {path.name} saved in {output}; classify images with: "
+              f"python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
         where = tracking.where()
         if where:
             print(where)
