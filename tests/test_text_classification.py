@@ -73,6 +73,9 @@ def test_fine_tune_learns_and_writes_the_contract(single_run):
     steps = losses(out)
     assert steps[32] < steps[1] - 0.1, steps
     assert "global batch 16 = 1 process(es) x 16 per process" in proc.output
+    # 256 examples / 16 x 2 epochs: a planned run this short is told how to get more updates
+    warning = next(line for line in proc.output.splitlines() if line.startswith("warning: 32 optimizer steps"))
+    assert all(flag in warning for flag in ("--epochs", "--batch_size", "--lr"))
 
 
 def test_saved_model_reloads_with_from_pretrained_and_keeps_string_labels(single_run):
@@ -126,9 +129,11 @@ def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
     train = write_rows(tmp_path / "pairs" / "train.jsonl", pair_rows(firsts[:80], seconds[:80]))
     dev = write_rows(tmp_path / "pairs" / "dev.jsonl", pair_rows(firsts[80:], seconds[80:]))
     out = tmp_path / "out"
-    check(run([PYTHON, TEXT_SCRIPT, "--model", text_data["model"], "--train_file", train, "--validation_file", dev,
-               "--text_column", "premise", "--text_pair_column", "hypothesis", *FAST,
-               "--gradient_accumulation_steps", "2", "--max_steps", "3", "--output_dir", out], recipe_env(tmp_path)))
+    proc = check(run([PYTHON, TEXT_SCRIPT, "--model", text_data["model"], "--train_file", train, "--validation_file",
+                      dev, "--text_column", "premise", "--text_pair_column", "hypothesis", *FAST,
+                      "--gradient_accumulation_steps", "2", "--max_steps", "3", "--output_dir", out],
+                     recipe_env(tmp_path)))
+    assert "optimizer steps in all" not in proc.output  # --max_steps asks for a short run: no warning
     results = read_results(out)
     assert results["num_labels"] == 3 and results["steps"] == 3 and results["eval_samples"] == 16
     assert results["samples_seen_per_process"] == [3 * 16]
