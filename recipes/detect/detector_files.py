@@ -14,9 +14,14 @@ def upright_rgb(path) -> Image.Image:
 
 
 def draw_detections(image_path, boxes: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor,
-                    names: list[str]) -> Image.Image:
-    """The image with one labelled box per detection (boxes in the image's own pixels)."""
+                    names: list[str], fit: int | None = None) -> Image.Image:
+    """The image with one labelled box per detection (boxes in the image's own pixels); with `fit`, the image is first
+    scaled to fit a fit x fit square, so the captions keep their size whatever the image's."""
     image = upright_rgb(image_path)
+    if fit:
+        scale = fit / max(image.size)
+        image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))))
+        boxes = boxes * scale
     if len(boxes) == 0:
         return image
     captions = [f"{names[int(c)]} {float(s):.2f}" for c, s in zip(labels, scores)]
