@@ -83,12 +83,15 @@ def plot_results(metrics_jsonl: str | Path, png: str | Path, title: str | None =
     """results.png: train loss (and eval loss), learning rate, eval metrics and throughput against the optimizer step.
 
     Reads the metrics.jsonl that TrainLog writes: train/* losses and train/lr and perf/samples_per_second at log steps,
-    eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) are left out. Returns the path.
+    eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) and counts are left out.
+    Returns the path.
     """
     rows = read_metrics(metrics_jsonl)
     keys = list(dict.fromkeys(k for r in rows for k in r))  # in the order they were first logged
     train_losses = [k for k in keys if k.startswith("train/") and k.endswith("loss")]
-    eval_metrics = [k for k in keys if k.startswith("eval/") and k.count("/") == 1 and k != "eval/loss"]
+    # Counts logged beside the scores (eval/images) are whole numbers in every row: they would flatten the scores.
+    eval_metrics = [k for k in keys if k.startswith("eval/") and k.count("/") == 1 and k != "eval/loss"
+                    and any(isinstance(r.get(k), float) for r in rows)]
 
     figure = new_figure(11, 7.5)
     (loss, lr), (metric, speed) = figure.subplots(2, 2, sharex=True)
@@ -187,11 +190,11 @@ def read_confusion_matrix_csv(path: str | Path) -> tuple[list[str], list[list[in
     return header[1:], [[int(v) for v in row[1:]] for row in rows]
 
 
-def save_confusion_matrix(matrix, class_names: list[str], output_dir: str | Path,
-                          name: str = "confusion_matrix") -> Path:
+def save_confusion_matrix(matrix, class_names: list[str], output_dir: str | Path, name: str = "confusion_matrix",
+                          title: str | None = None) -> Path:
     """<name>.csv (the counts; written with or without matplotlib) and <name>.png (normalised) in output_dir."""
     path = write_confusion_matrix_csv(matrix, class_names, Path(output_dir) / f"{name}.csv")
-    plot_confusion_matrix(matrix, class_names, path.with_suffix(".png"), normalize=True)
+    plot_confusion_matrix(matrix, class_names, path.with_suffix(".png"), normalize=True, title=title)
     return path
 
 

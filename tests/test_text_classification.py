@@ -11,6 +11,7 @@ from conftest import (
     PYTHON,
     TEXT_SCRIPT,
     check,
+    check_png,
     fails_with,
     losses,
     read_results,
@@ -73,6 +74,7 @@ def test_fine_tune_learns_and_writes_the_contract(single_run):
     steps = losses(out)
     assert steps[32] < steps[1] - 0.1, steps
     assert "global batch 16 = 1 process(es) x 16 per process" in proc.output
+    check_png(out / "results.png", 800, 600)
 
 
 def test_saved_model_reloads_with_from_pretrained_and_keeps_string_labels(single_run):

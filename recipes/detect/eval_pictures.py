@@ -97,6 +97,9 @@ def save_prediction_grid(records: list, names: list[str], png: Path, score_thres
 def save_eval_pictures(output: Path, pictures: dict, names: list[str]) -> None:
     """PR_curve.png, confusion_matrix.png / .csv and val_predictions.png in output, from what evaluate() returned."""
     plot_pr_curve(pictures["pr_curve"], names, output / "PR_curve.png")
-    save_confusion_matrix(pictures["confusion"], [*names, "background"], output)
+    counts = pictures["confusion"]
+    save_confusion_matrix(counts, [*names, "background"], output,
+                          title=f"Confusion matrix (normalised per true class; score >= {MATCH_SCORE}, IoU >= {MATCH_IOU})"
+                                f"\n{int(counts[:-1].sum())} objects, {int(counts[-1].sum())} false positives")
     if pictures["records"]:
         save_prediction_grid(pictures["records"], names, output / "val_predictions.png")
