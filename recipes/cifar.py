@@ -482,9 +482,9 @@ def main(
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         state.last_eval, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
         seconds = log.epoch_done(state.last_eval)
-        if accelerator.is_main_process:  # results.png and confusion_matrix.png / .csv, kept up to date every epoch
+        if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
             plot_results(log.metrics.path, output / "results.png")
-            save_confusion_matrix(confusion, classes, output)
+            save_confusion_matrix(confusion, classes, output, draw=log.finished)
         accelerator.print(
             f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {state.last_eval['eval_accuracy']:.4f}, "
             f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {log.meter.samples_per_second:.0f} samples/s"
