@@ -9,8 +9,8 @@
 Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
 image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
 The detector (yolo_model.py), its assigner and loss (yolo_loss.py), the data pipeline (yolo_data.py), the generated
-shapes set (synthetic_shapes.py) and what predict.py shares with this script (detector_files.py) sit beside this file;
-copy the folder to start your own project.
+shapes set (synthetic_shapes.py), what predict.py shares with this script (detector_files.py) and the pictures of an
+evaluation (eval_pictures.py) sit beside this file; copy the folder to start your own project.
 
 Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus torchmetrics, pycocotools
 and pyyaml).
@@ -459,15 +459,16 @@ def main(
                                                  conf_threshold, iou_threshold)
             seconds = log.epoch_done(state.last_eval, **{f"eval/ap50_95/{name}": ap for name, ap in
                                                          state.last_eval["eval_ap_per_class"].items()})
-            if accelerator.is_main_process:  # the run's pictures, kept up to date after every evaluation
+            if accelerator.is_main_process:
                 log_pictures(accelerator, pictures["records"][:4], names, state.step, score_threshold=0.25)
-                plot_results(metrics.path, output / "results.png")
-                save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions
+                save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
             accelerator.print(
                 f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {state.last_eval['eval_map50']:.4f}, "
                 f"mAP50-95 {state.last_eval['eval_map50_95']:.4f} on {state.last_eval['eval_images']} images, "
                 f"{seconds:.1f} s, {log.meter.samples_per_second:.1f} images/s"
             )
+        if accelerator.is_main_process:
+            plot_results(metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
     log.close()
