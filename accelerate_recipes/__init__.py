@@ -3,7 +3,8 @@
 The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
 this package holds only the plumbing they would otherwise copy: command-line entry, launch checks (check_launch),
 tracker set-up, the run's position (RunState) and the bookkeeping after each step (TrainLog), a throughput meter, the
-results.json writer, atomic checkpoint folders, sharding set-up, seeded augmentation and the stop-signal / NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor,
+results.json writer, the run's pictures (accelerate_recipes.plots: results.png, confusion matrices), atomic checkpoint
+folders, sharding set-up, seeded augmentation and the stop-signal / NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor,
 hostfile launcher, topology) are the recipe_tools package.
 """
 

@@ -58,6 +58,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.plots import plot_results, save_confusion_matrix
 from accelerate_recipes.seeding import SeededAugmentation
 
 DATASETS = ("cifar10", "cifar100", "synthetic", "imagefolder")
@@ -284,13 +285,16 @@ def load_trained_model(model_dir: str) -> tuple[nn.Module, dict]:
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, tta_flip: bool = False) -> dict:
-    """Top-1 accuracy and mean loss over the whole test set, each sample counted once whatever the world size.
+def evaluate(model, loader, accelerator, num_classes: int, tta_flip: bool = False) -> tuple[dict, torch.Tensor]:
+    """Top-1 accuracy and mean loss over the whole test set, each sample counted once whatever the world size, and the
+    confusion matrix (counts, rows: true class, columns: predicted class).
 
-    tta_flip averages the logits of each image and its mirror image (test-time augmentation).
+    tta_flip averages the logits of each image and its mirror image (test-time augmentation). The counts and the loss
+    are summed on the device and read once, after the last batch.
     """
     model.eval()
-    correct, seen, loss_sum = 0, 0, 0.0
+    counts = torch.zeros(num_classes * num_classes, dtype=torch.long, device=accelerator.device)
+    loss_sum = torch.zeros((), device=accelerator.device)
     full = None
     for images, labels in loader:
         # A smaller last batch is padded to the full size for the forward pass and its logits cut back: with
@@ -312,11 +316,14 @@ def evaluate(model, loader, accelerator, tta_flip: bool = False) -> dict:
         preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
         keep = labels >= 0  # the device loader pads the last shards with label -1
         preds, labels, losses = preds[keep], labels[keep], losses[keep]
-        correct += (preds == labels).sum().item()
-        seen += labels.numel()
-        loss_sum += losses.sum().item()
+        counts += torch.bincount(labels * num_classes + preds, minlength=num_classes * num_classes)
+        loss_sum += losses.sum()
     model.train()
-    return {"eval_accuracy": correct / max(seen, 1), "eval_loss": loss_sum / max(seen, 1), "eval_samples": seen}
+    counts = counts.view(num_classes, num_classes).cpu()
+    seen = int(counts.sum())
+    correct = int(counts.diagonal().sum())
+    loss = loss_sum.item() / max(seen, 1)
+    return {"eval_accuracy": correct / max(seen, 1), "eval_loss": loss, "eval_samples": seen}, counts
 
 
 # -------------------------------------------------------------------------------------------------------- predict
@@ -715,8 +722,11 @@ def main(
 
         # ---- evaluation once per epoch, on the full test set
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
-        state.last_eval = evaluate(net, test_loader, accelerator, tta_flip)
+        state.last_eval, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
         seconds = log.epoch_done(state.last_eval)
+        if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
+            plot_results(log.metrics.path, output / "results.png")
+            save_confusion_matrix(confusion, classes, output, draw=log.finished)
         accelerator.print(
             f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {state.last_eval['eval_accuracy']:.4f}, "
             f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {log.meter.samples_per_second:.0f} samples/s"

@@ -56,6 +56,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.plots import plot_results
 
 DEFAULT_MODEL = "google-bert/bert-base-cased"
 MIN_USEFUL_STEPS = 100  # below this many optimizer steps a fine-tune is warned that it may not learn
@@ -530,6 +531,8 @@ def main(
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         state.last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
         seconds = log.epoch_done(state.last_eval)
+        if accelerator.is_main_process:
+            plot_results(log.metrics.path, output / "results.png")  # kept up to date every epoch
         scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in state.last_eval.items() if k != "eval_samples")
         accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s, "
                           f"{log.meter.samples_per_second:.1f} samples/s")

@@ -79,6 +79,18 @@ def losses(output_dir: Path) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(output_dir) if "train/loss" in m}
 
 
+def check_png(path, min_width=400, min_height=300):
+    """A real picture: a PNG at least this big with more than a few colours (not blank, not one flat colour)."""
+    from PIL import Image
+
+    image = Image.open(path)
+    assert image.format == "PNG", path
+    image = image.convert("RGB")
+    assert image.width >= min_width and image.height >= min_height, (path, image.size)
+    assert len(image.getcolors(maxcolors=1 << 20)) > 20, f"{path} is nearly a single colour"
+    return image
+
+
 def write_cifar10(root: Path, num_train: int, num_test: int, seed: int = 0) -> Path:
     """CIFAR-10 in its release's python format (root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta})."""
     folder = root / "cifar-10-batches-py"

@@ -3,8 +3,10 @@
 import glob
 
 import pytest
-from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, fails_with, losses, read_metrics, read_results,
-                      recipe_env, run, write_cifar10)
+from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, check_png, fails_with, losses, read_metrics,
+                      read_results, recipe_env, run, write_cifar10)
+
+from accelerate_recipes.plots import read_confusion_matrix_csv
 
 CONTRACT_KEYS = {
     "recipe", "dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size", "steps", "epochs",
@@ -42,6 +44,20 @@ def test_single_process_learns_on_cifar_format_data(cifar_run):
     assert results["train_samples_per_second"] > 0 and results["peak_memory_mb"] > 0
     assert (out / "model.safetensors").is_file()
     assert "cifar: summary" in proc.stdout
+
+
+def test_pictures_and_confusion_counts_of_the_final_evaluation(cifar_run):
+    out, _ = cifar_run
+    results = read_results(out)
+    check_png(out / "results.png", 800, 600)
+    check_png(out / "confusion_matrix.png")
+    names, counts = read_confusion_matrix_csv(out / "confusion_matrix.csv")
+    assert names == ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    assert len(counts) == 10 and all(len(row) == 10 for row in counts)
+    assert sum(map(sum, counts)) == 130  # every test image once
+    assert sum(counts[i][i] for i in range(10)) / 130 == pytest.approx(results["eval_accuracy"])
+    # the generated test set's labels cycle through the classes: 13 images each
+    assert [sum(row) for row in counts] == [13] * 10
 
 
 def test_swanlab_offline_without_login_logs_metrics_we_can_read_back(cifar_run):
@@ -94,6 +110,9 @@ def test_two_processes_match_one_process(tmp_path):
     # ... and the 129 test images were counted once, although 129 does not split evenly over 2 ranks (the device
     # loader pads rank 1's shard with one label -1 row, dropped after gathering).
     assert r1["eval_samples"] == r2["eval_samples"] == r2["test_size"] == 129
+    counts = [read_confusion_matrix_csv(tmp_path / run / "confusion_matrix.csv")[1] for run in ("one", "two")]
+    assert sum(map(sum, counts[0])) == sum(map(sum, counts[1])) == 129  # the padded row is not counted
+    assert [sum(row) for row in counts[0]] == [sum(row) for row in counts[1]]  # the same true labels
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(l1) == sorted(l2) == list(range(1, 9))
     diffs = [abs(l1[s] - l2[s]) for s in l1]

@@ -213,7 +213,7 @@ def test_per_class_ap_from_one_evaluation_equals_per_class_evaluations():
         records.append(dict(boxes=boxes, scores=torch.rand(n + 3, generator=g), labels=labels, true_boxes=true_boxes,
                             true_labels=true_labels))
     names = ["a", "b", "c", "d"]
-    result = coco_map(records, names)
+    result, _ = coco_map(records, names)
 
     metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", class_metrics=True, backend="pycocotools")
     metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],

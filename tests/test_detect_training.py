@@ -4,8 +4,11 @@ and its checkpoint drives predict.py."""
 import json
 
 import pytest
-from conftest import ACCELERATE, CONFIGS, PYTHON, REPO, check, fails_with, losses, read_results, recipe_env, run
+from conftest import (ACCELERATE, CONFIGS, PYTHON, REPO, check, check_png, fails_with, losses, read_results, recipe_env,
+                      run)
 from synthetic_shapes import write_synthetic_dataset
+
+from accelerate_recipes.plots import read_confusion_matrix_csv
 
 TRAIN = REPO / "recipes" / "detect" / "train.py"
 PREDICT = REPO / "recipes" / "detect" / "predict.py"
@@ -48,6 +51,22 @@ def test_training_lowers_the_loss_and_reports_coco_map(trained):
     assert (out / "model.safetensors").is_file() and json.loads((out / "detector.json").read_text())["num_classes"] == 3
 
 
+def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(trained, shapes):
+    out, _ = trained
+    check_png(out / "results.png", 800, 600)
+    check_png(out / "PR_curve.png")
+    check_png(out / "confusion_matrix.png")
+    check_png(out / "val_predictions.png", 4 * 320, 4 * 320)  # the first 16 of the 21 validation images, 4 to a row
+    names, counts = read_confusion_matrix_csv(out / "confusion_matrix.csv")
+    assert names == ["circle", "square", "triangle", "background"]
+    objects = [0] * 3
+    for label_file in (shapes.parent / "labels" / "val").glob("*.txt"):
+        for line in label_file.read_text().splitlines():
+            objects[int(line.split()[0])] += 1
+    assert [sum(row) for row in counts[:3]] == objects  # every validation object counted once, found or missed
+    assert counts[3][3] == 0  # background against background is not a thing
+
+
 def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shapes, tmp_path):
     """Same weights, 1 process vs 2 over gloo: the same 21 images (2 x 11 with one padded) and the same mAP."""
     model, _ = trained
@@ -62,6 +81,11 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     assert a["eval_images"] == b["eval_images"] == b["eval_unique_images"] == 21
     assert b["eval_map50_95"] == pytest.approx(a["eval_map50_95"], abs=1e-6)
     assert b["eval_map50"] == pytest.approx(a["eval_map50"], abs=1e-6)
+    # --eval_only writes the evaluation's pictures too; the matrix counts each image once on any world size
+    assert (read_confusion_matrix_csv(tmp_path / "one" / "confusion_matrix.csv")
+            == read_confusion_matrix_csv(tmp_path / "two" / "confusion_matrix.csv"))
+    for name in ("PR_curve.png", "confusion_matrix.png", "val_predictions.png"):
+        check_png(tmp_path / "two" / name)
 
 
 def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):

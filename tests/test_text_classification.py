@@ -11,6 +11,7 @@ from conftest import (
     PYTHON,
     TEXT_SCRIPT,
     check,
+    check_png,
     fails_with,
     losses,
     read_results,
@@ -76,6 +77,7 @@ def test_fine_tune_learns_and_writes_the_contract(single_run):
     # 256 examples / 16 x 2 epochs: a planned run this short is told how to get more updates
     warning = next(line for line in proc.output.splitlines() if line.startswith("warning: 32 optimizer steps"))
     assert all(flag in warning for flag in ("--epochs", "--batch_size", "--lr"))
+    check_png(out / "results.png", 800, 600)
 
 
 def test_saved_model_reloads_with_from_pretrained_and_keeps_string_labels(single_run):

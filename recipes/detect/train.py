@@ -9,8 +9,8 @@
 Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
 image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
 The detector (yolo_model.py), its assigner and loss (yolo_loss.py), the data pipeline (yolo_data.py), the generated
-shapes set (synthetic_shapes.py) and what predict.py shares with this script (detector_files.py) sit beside this file;
-copy the folder to start your own project.
+shapes set (synthetic_shapes.py), what predict.py shares with this script (detector_files.py) and the pictures of an
+evaluation (eval_pictures.py) sit beside this file; copy the folder to start your own project.
 
 Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus torchmetrics, pycocotools
 and pyyaml).
@@ -34,6 +34,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, set_seed
 from detector_files import MODEL_CONFIG, draw_detections
 from ema import ModelEMA
+from eval_pictures import detection_confusion_matrix, save_eval_pictures
 from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader
@@ -58,6 +59,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.plots import plot_results
 from accelerate_recipes.seeding import SeededAugmentation
 
 
@@ -100,12 +102,13 @@ def load_weights(net: torch.nn.Module, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, conf_threshold: float,
-             iou_threshold: float) -> tuple[dict, list]:
+             iou_threshold: float) -> tuple[dict, dict]:
     """COCO mAP@0.5 and mAP@0.5:0.95 (torchmetrics + pycocotools), each validation image counted exactly once.
 
     Every process predicts on its shard; gather_for_metrics collects the per-image records and drops the images the
     sampler repeated to give every process an equal share. Boxes are compared in original image pixels.
-    Returns (metrics, a few records for pictures).
+    Returns (metrics, what the pictures need: the first 16 records, and on the main process the precision-recall
+    table at IoU 0.5 and the detection confusion matrix).
     """
     model.eval()
     records = []
@@ -129,14 +132,18 @@ def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, 
     model.train()
 
     results = {"eval_images": len(records), "eval_unique_images": len({r["path"] for r in records})}
+    pictures = {"records": records[:16]}
     if accelerator.is_main_process:  # the records are complete on every process; one computes
-        results.update(coco_map(records, names))
+        scores, pictures["pr_curve"] = coco_map(records, names)
+        results.update(scores)
+        pictures["confusion"] = detection_confusion_matrix(records, len(names))
     results = broadcast_object_list([results])[0]  # and every process gets its figures, to log and save alike
-    return results, records[:4]
+    return results, pictures
 
 
-def coco_map(records: list, names: list[str]) -> dict:
-    """eval_map50, eval_map50_95 and eval_ap_per_class (AP50-95 by class name) from ONE COCO evaluation.
+def coco_map(records: list, names: list[str]) -> tuple[dict, dict | None]:
+    """eval_map50, eval_map50_95 and eval_ap_per_class (AP50-95 by class name) from ONE COCO evaluation, and its
+    precision-recall table at IoU 0.5 (recall points [R], precision [R, classes], class ids; None: nothing evaluated).
 
     MeanAveragePrecision(class_metrics=True) would run pycocotools' evaluation again once per class. The per-class AP
     is instead read from the one evaluation's precision table (extended_summary), as COCOeval.summarize averages it
@@ -148,14 +155,17 @@ def coco_map(records: list, names: list[str]) -> dict:
     metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
                   [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records])
     values = metric.compute()
-    per_class = {}
+    per_class, pr_curve = {}, None
     if "precision" in values:  # absent when there was nothing to evaluate (no predictions or no images)
         precision = values["precision"][:, :, :, 0, -1]  # [IoU thresholds, recall points, classes]
+        pr_curve = dict(recall=torch.tensor(metric.rec_thresholds), precision=precision[0],  # IoU thresholds[0]: 0.5
+                        classes=values["classes"].reshape(-1).int().tolist())
         for k, c in enumerate(values["classes"].reshape(-1).tolist()):
             valid = precision[:, :, k][precision[:, :, k] > -1]
             if valid.numel():
                 per_class[names[int(c)]] = float(valid.mean())
-    return dict(eval_map50=float(values["map_50"]), eval_map50_95=float(values["map"]), eval_ap_per_class=per_class)
+    scores = dict(eval_map50=float(values["map_50"]), eval_map50_95=float(values["map"]), eval_ap_per_class=per_class)
+    return scores, pr_curve
 
 
 def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
@@ -405,13 +415,14 @@ def main(
                       f"{len(val_set)} validation images")
 
     # ---- training loop
-    pictures = []
     if eval_only:
         num_epochs = 0  # the loop below does not run
         state.last_eval, pictures = evaluate(accelerator.unwrap_model(net), val_loader, accelerator, names,
                                              channels_last, conf_threshold, iou_threshold)
         metrics.log({"eval/map50": state.last_eval["eval_map50"], "eval/map50_95": state.last_eval["eval_map50_95"]},
                     step=0)
+        if accelerator.is_main_process:
+            save_eval_pictures(output, pictures, names)
     while state.epoch < num_epochs and not log.finished:
         log.start_epoch()
         net.train()
@@ -453,12 +464,15 @@ def main(
             seconds = log.epoch_done(state.last_eval, **{f"eval/ap50_95/{name}": ap for name, ap in
                                                          state.last_eval["eval_ap_per_class"].items()})
             if accelerator.is_main_process:
-                log_pictures(accelerator, pictures, names, state.step, score_threshold=0.25)
+                log_pictures(accelerator, pictures["records"][:4], names, state.step, score_threshold=0.25)
+                save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
             accelerator.print(
                 f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {state.last_eval['eval_map50']:.4f}, "
                 f"mAP50-95 {state.last_eval['eval_map50_95']:.4f} on {state.last_eval['eval_images']} images, "
                 f"{seconds:.1f} s, {log.meter.samples_per_second:.1f} images/s"
             )
+        if accelerator.is_main_process:
+            plot_results(metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
     log.close()
