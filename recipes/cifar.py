@@ -609,7 +609,7 @@ def main(
     if eval_only:
         # ---- evaluation only: the saved model on the whole test split, each image counted once; nothing trained
         net, test_loader = accelerator.prepare(net, test_loader)
-        evaluation = evaluate(net, test_loader, accelerator, tta_flip)
+        evaluation, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
         accelerator.print(f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
                           f"{evaluation['eval_samples']} test images")
         results = dict(
@@ -624,9 +624,10 @@ def main(
         accelerator.end_training()
         if accelerator.is_main_process:
             path = write_results(output, results)
+            save_confusion_matrix(confusion, classes, output, draw=True)
             print_summary(results, ["dataset", "model", "world_size", "mixed_precision", "loader", "eval_accuracy",
                                     "eval_loss", "eval_samples", "wall_seconds"], title="cifar: evaluation")
-            print(f"{path.name} saved in {output}")
+            print(f"{path.name} and the confusion matrix saved in {output}")
         return
 
     decay = [p for p in net.parameters() if p.ndim > 1]

@@ -11,6 +11,8 @@ from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, fails_wi
 from PIL import Image
 from safetensors.torch import load_file
 
+from accelerate_recipes.plots import read_confusion_matrix_csv
+
 CLASSES = ["cat", "dog", "fox"]
 WEIGHTS_NAME = "resnet18-f37072fd.pth"  # the file name torchvision's ResNet18_Weights.DEFAULT downloads to
 
@@ -92,6 +94,12 @@ def test_eval_only_gives_the_same_accuracy_on_one_and_two_processes(trained, tmp
     assert r1["eval_only"] is True and r1["steps"] == 0 and r1["model_dir"] == str(out)
     assert not (tmp_path / "one" / "model.safetensors").exists()  # evaluated, not trained or saved
     assert f"eval accuracy {r1['eval_accuracy']:.4f}" in one.stdout
+    # the confusion counts of both: each image once, the diagonal is the accuracy
+    for folder in ("one", "two"):
+        _, counts = read_confusion_matrix_csv(tmp_path / folder / "confusion_matrix.csv")
+        assert sum(map(sum, counts)) == 31
+        assert sum(counts[i][i] for i in range(len(counts))) == round(r1["eval_accuracy"] * 31)
+    assert (tmp_path / "one" / "confusion_matrix.png").is_file()
 
 
 def test_predict_errors(trained, tmp_path):
