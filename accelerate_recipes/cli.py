@@ -271,6 +271,10 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+# A program that runs a recipe in its own process and goes on after it (an audit, a notebook) sets this to False.
+EXIT_WHEN_DONE = True
+
+
 def _exit_after_distributed_run() -> None:
     """End a finished multi-process run here, with exit code 0, once its output is flushed.
 
@@ -281,7 +285,7 @@ def _exit_after_distributed_run() -> None:
     run. The recipes save, finish their trackers and destroy the group (`end_training`) before returning, so the
     interpreter's teardown has nothing left to do.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if not EXIT_WHEN_DONE or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     _close_progress_bars()
     sys.stdout.flush()

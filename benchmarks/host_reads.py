@@ -332,6 +332,8 @@ def audit(script: str | None = None, output: str | None = None, allow: str = "",
     """
     import runpy
 
+    from accelerate_recipes import cli
+
     if not script:
         fail("name the script to audit, e.g. host_reads.py recipes/cifar.py --dataset synthetic --max_steps 6")
     path = Path(script).resolve()
@@ -356,6 +358,7 @@ def audit(script: str | None = None, output: str | None = None, allow: str = "",
             return
         previous_show(message, category, filename, lineno, file, line)
 
+    cli.EXIT_WHEN_DONE = False  # the report is written after the recipe returns, in this process
     sys.argv = [str(path), *argv]
     sys.path[0] = str(path.parent)  # as `python SCRIPT` would: sibling modules import (recipes/detect/*)
     code, crash = 0, None
