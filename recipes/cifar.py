@@ -219,6 +219,7 @@ def main(
     batch_size: int = 512,
     epochs: int = 30,
     max_steps: int | None = None,
+    early_stopping_patience: int = 0,
     lr: float | None = None,
     momentum: float = 0.9,
     weight_decay: float = 5e-4,
@@ -266,6 +267,9 @@ def main(
             batch_size / (num_processes x gradient_accumulation_steps).
         epochs: passes over the training set (ignored when --max_steps is set).
         max_steps: stop after this many optimizer steps.
+        early_stopping_patience: stop after this many evaluations in a row whose eval accuracy is not higher than the
+            best so far, saving the last model and results.json as at a normal end; 0 (the default): train to the end.
+            Either way the model of the best evaluation is kept in output_dir/model_best.
         lr: peak learning rate of SGD (nesterov momentum), reached after warmup, then decayed to zero (--schedule);
             default 0.1 x batch_size / 128 (the linear scaling rule), so 0.4 for the default global batch of 512.
         momentum: SGD momentum.
@@ -288,7 +292,8 @@ def main(
             0 on the CPU, where torch's threads get the cores.
         log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
             from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
-        output_dir: where the model, results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
+        output_dir: where the model, model_best/ (the model of the best evaluation), results.json, metrics.jsonl,
+            checkpoints/ and offline SwanLab logs go.
         checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
             end of each epoch; 0: at epoch ends only.
         keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
@@ -428,7 +433,8 @@ def main(
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps)
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   metric_for_best_model="eval_accuracy", early_stopping_patience=early_stopping_patience)
     guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
@@ -474,7 +480,10 @@ def main(
         # ---- evaluation once per epoch, on the full test set
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         state.last_eval = evaluate(net, test_loader, accelerator, tta_flip)
-        seconds = log.epoch_done(state.last_eval)
+        seconds = log.epoch_done(state.last_eval)  # also judges it: log.improved, and early stopping's count
+        if log.improved:  # the best accuracy so far: its weights go to output_dir/model_best, beside the last ones
+            with log.saving_best() as folder:
+                accelerator.save_model(net, folder)
         accelerator.print(
             f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {state.last_eval['eval_accuracy']:.4f}, "
             f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {log.meter.samples_per_second:.0f} samples/s"
@@ -492,9 +501,10 @@ def main(
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_summary(results, ["dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                                "loader", "steps", "epochs", "eval_accuracy", "train_samples_per_second",
+                                "loader", "steps", "epochs", "eval_accuracy", "best_metric", "best_epoch",
+                                "train_samples_per_second",
                                 "median_step_seconds", "peak_memory_mb", "wall_seconds"], title="cifar: summary")
-        print(f"model and {path.name} saved in {output}")
+        print(f"model, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}")
         where = tracking.where()
         if where:
             print(where)
