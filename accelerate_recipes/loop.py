@@ -101,7 +101,8 @@ class TrainLog:
         from accelerate_recipes.meter import StepMeter
         from accelerate_recipes.results import MetricsLog
 
-        if early_stopping_patience < 0 or early_stopping_patience != int(early_stopping_patience):
+        patience = early_stopping_patience
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:  # fire passes what was typed
             raise RecipeError(f"--early_stopping_patience {early_stopping_patience}: give a whole number of "
                               "evaluations, 0 to turn early stopping off")
         if early_stopping_patience and not metric_for_best_model:
@@ -204,8 +205,8 @@ class TrainLog:
                               f"{', '.join(evaluation)}); pass TrainLog(metric_for_best_model=...) one of those")
         value = float(evaluation[name])
         if self.accelerator.num_processes > 1:
-            # The metric comes from gathered predictions, the same everywhere; still, the decision must be: every
-            # process takes the main process's value (a sum with zeros from the others is exact).
+            # The metric comes from gathered predictions, the same everywhere; to be sure every process decides
+            # alike, all take the main process's value (a sum with zeros from the others is exact).
             mine = torch.tensor([value if self.accelerator.is_main_process else 0.0], dtype=torch.float64,
                                 device=self.accelerator.device)
             value = self.accelerator.reduce(mine, reduction="sum").item()

@@ -324,8 +324,9 @@ def test_every_process_decides_by_the_main_process_value(make_log):
 
 
 def test_bad_settings_and_a_missing_metric_are_one_clear_error(make_log):
-    with pytest.raises(RecipeError, match="--early_stopping_patience -1: give a whole number"):
-        make_log(patience=-1)
+    for wrong in (-1, 1.5, "two", True):
+        with pytest.raises(RecipeError, match=f"--early_stopping_patience {wrong}: give a whole number"):
+            make_log(patience=wrong)
     with pytest.raises(RecipeError, match="early stopping needs the metric"):
         make_log(patience=2, metric_for_best_model=None)
     log = make_log(metric_for_best_model="eval_f1")
