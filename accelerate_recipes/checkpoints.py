@@ -192,3 +192,62 @@ class Checkpoints:
             os.replace(final, doomed)
             shutil.rmtree(doomed)
         os.replace(partial, final)
+
+
+@contextmanager
+def saving_folder(accelerator, final: str | Path, record_file: str, record: dict):
+    """`with saving_folder(accelerator, out / "model_best", "best.json", info) as path: accelerator.save_model(net, path)`
+
+    A folder that replaces its previous version only once whole, for what the main process writes (a model for
+    inference, beside the checkpoints). Every process enters (saving under FSDP / DeepSpeed gathers the weights from
+    all of them); the main process writes `record_file` last, then swaps the folder in. A failed write on any process
+    stops every process with the cause and leaves the previous version in place; a crash leaves either version whole,
+    which `recover_folder` puts back under the final name at the next start.
+    """
+    final = Path(final)
+    partial, doomed = final.with_name(final.name + PARTIAL_SUFFIX), final.with_name(final.name + DELETING_SUFFIX)
+    error = None
+    try:
+        if accelerator.is_main_process:  # a leftover of an interrupted save is started over
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+    except OSError as err:
+        error = err
+    accelerator.wait_for_everyone()
+    try:
+        yield partial
+    except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
+        error = error or err
+    failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
+    if accelerator.reduce(failed, reduction="sum").item() > 0:
+        reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
+        kept = f"; the previous {final.name} is kept" if final.exists() else ""
+        raise RecipeError(f"could not write {partial} ({reason}){kept}; free disk space or choose another --output_dir")
+    if accelerator.is_main_process:
+        tmp = partial / f"{record_file}.tmp"
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, partial / record_file)  # whole from here on: recover_folder may promote it
+        if final.exists():
+            os.replace(final, doomed)  # a crash between the two renames leaves both versions whole
+        os.replace(partial, final)
+        shutil.rmtree(doomed, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    # A node that does not share the file system: save_pretrained creates the folder on every process, empty there.
+    if not accelerator.is_main_process and partial.is_dir():
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def recover_folder(accelerator, final: str | Path, record_file: str) -> None:
+    """What a crash in `saving_folder` left (main process; call before the first save): the newest whole version back
+    under its final name, the rest deleted."""
+    if not accelerator.is_main_process:
+        return
+    final = Path(final)
+    partial, doomed = final.with_name(final.name + PARTIAL_SUFFIX), final.with_name(final.name + DELETING_SUFFIX)
+    if not final.exists():
+        for candidate in (partial, doomed):  # the new version once its record is written, else the previous one
+            if (candidate / record_file).is_file():
+                os.replace(candidate, final)
+                break
+    for leftover in (partial, doomed):
+        shutil.rmtree(leftover, ignore_errors=True)

@@ -7,15 +7,25 @@
     state.add(loss.detach(), samples=len(labels))       # every micro-batch: summed on the device
     if accelerator.sync_gradients and log.step_done(scheduler):   # every optimizer step; True: checkpoint now
         save_checkpoint()
+    ...
+    log.epoch_done(evaluation)                          # after each evaluation: logged, and judged against the best
+    if log.improved:                                    # the best so far: its weights go to output_dir/model_best
+        with log.saving_best() as folder:
+            accelerator.save_model(model, folder)
+    # the loop ends when log.finished: every step done, or --early_stopping_patience evaluations without improvement
 
 Only log and checkpoint steps read values back from the device (the loss means, the guard's flags, step times), so a
 GPU is never made to wait for the host on the steps between them.
 """
 
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
+
+BEST_DIR = "model_best"  # output_dir/model_best: the model of the best evaluation, saved like the final one
+BEST_RECORD = "best.json"  # in it, written last: which metric, its value, the epoch and step
 
 
 class RunState:
@@ -23,7 +33,8 @@ class RunState:
 
     Register it with `accelerator.register_for_checkpointing(state)`; `accelerator.save_state` then writes it beside
     the weights, optimizer and RNG states, and `load_state` puts the run back exactly where it was: the same step, in
-    the same epoch, after the batches already trained on, with the same running loss.
+    the same epoch, after the batches already trained on, with the same running loss, the same best evaluation so
+    far and the same count of evaluations without improvement.
     """
 
     def __init__(self, device: torch.device, loss_names: tuple[str, ...] = ("loss",)):
@@ -35,6 +46,10 @@ class RunState:
         self.first_loss: float | None = None  # mean loss at the first log step
         self.last_loss: float | None = None  # mean loss at the latest log step
         self.last_eval: dict = {}
+        self.best_metric: float | None = None  # the best value of the main evaluation metric so far
+        self.best_epoch: int | None = None  # the epoch of that evaluation, counted from 1 as printed
+        self.best_step: int | None = None
+        self.evals_without_improvement = 0  # evaluations in a row not better than best_metric (early stopping)
         self.running = torch.zeros(len(self.loss_names), device=device)  # sums since the last log step
         self.micro_batches = 0  # micro-batches in those sums
 
@@ -54,7 +69,7 @@ class RunState:
 
     def state_dict(self) -> dict:
         keys = ("step", "epoch", "batches_done", "samples_seen", "first_loss", "last_loss", "last_eval",
-                "micro_batches")
+                "micro_batches", "best_metric", "best_epoch", "best_step", "evals_without_improvement")
         return {**{k: getattr(self, k) for k in keys}, "running": self.running.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -67,18 +82,37 @@ class RunState:
 
 class TrainLog:
     """What follows each optimizer step, the same in every recipe: count it, time it, and at log steps agree on the
-    guard's flags and log the mean losses, learning rate and throughput; at epoch ends log the evaluation."""
+    guard's flags and log the mean losses, learning rate and throughput; at epoch ends log the evaluation and judge it
+    against the best so far (for output_dir/model_best and early stopping)."""
 
     def __init__(self, accelerator, state: RunState, checkpoints, *, resumed_from, total_steps: int,
                  steps_per_epoch: int, batches_per_epoch: int, global_batch_size: int, log_every: int,
-                 checkpoint_every: int, skip_nonfinite: bool = False):
+                 checkpoint_every: int, skip_nonfinite: bool = False, metric_for_best_model: str | None = None,
+                 higher_is_better: bool = True, early_stopping_patience: int = 0):
         """Also builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, beside the
-        checkpoints; a run resumed from `resumed_from` keeps metrics.jsonl up to its step and says where it is)."""
+        checkpoints; a run resumed from `resumed_from` keeps metrics.jsonl up to its step and says where it is).
+
+        metric_for_best_model: the evaluation's key (e.g. "eval_accuracy") each evaluation is judged by; an evaluation
+        improves when it is strictly better than every earlier one. early_stopping_patience: end the run after that
+        many evaluations in a row without improvement (0: never)."""
+        from accelerate_recipes.checkpoints import recover_folder
+        from accelerate_recipes.cli import RecipeError
         from accelerate_recipes.guard import StepGuard
         from accelerate_recipes.meter import StepMeter
         from accelerate_recipes.results import MetricsLog
 
+        patience = early_stopping_patience
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:  # fire passes what was typed
+            raise RecipeError(f"--early_stopping_patience {early_stopping_patience}: give a whole number of "
+                              "evaluations, 0 to turn early stopping off")
+        if early_stopping_patience and not metric_for_best_model:
+            raise RecipeError("early stopping needs the metric it watches: pass TrainLog(metric_for_best_model=...)")
         self.accelerator, self.state, self.resumed_from = accelerator, state, resumed_from
+        self.metric_for_best_model, self.higher_is_better = metric_for_best_model, higher_is_better
+        self.patience = int(early_stopping_patience)
+        self.improved = False  # whether the latest evaluation beat the best so far
+        self.best_dir = checkpoints.directory.parent / BEST_DIR
+        recover_folder(accelerator, self.best_dir, BEST_RECORD)  # a save of model_best cut short by a crash
         self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=checkpoints.newest)
         self.meter = StepMeter(accelerator.device)
         self.metrics = MetricsLog(accelerator, checkpoints.directory.parent,
@@ -94,11 +128,23 @@ class TrainLog:
 
     @property
     def finished(self) -> bool:
-        return self.state.step >= self.total_steps
+        """The run is over: every step done, or stopped early."""
+        return self.state.step >= self.total_steps or self.out_of_patience
+
+    @property
+    def out_of_patience(self) -> bool:
+        """--early_stopping_patience evaluations in a row without improvement (a resumed run counts on)."""
+        return bool(self.patience) and self.state.evals_without_improvement >= self.patience
+
+    @property
+    def stopped_early(self) -> bool:
+        """Ended by early stopping before the last step."""
+        return self.out_of_patience and self.state.step < self.total_steps
 
     def start_epoch(self) -> None:
         """Before an epoch's first batch: its clock and the step timer start (evaluation and saving left out)."""
         self.epoch_started = time.perf_counter()
+        self.improved = False
         self.meter.restart()
 
     def step_done(self, scheduler) -> bool:
@@ -133,8 +179,13 @@ class TrainLog:
 
     def epoch_done(self, evaluation: dict, **extra) -> float:
         """At an epoch's end, after its evaluation: log it (eval_* as eval/*) with the epoch's time, throughput and
-        peak memory; returns the epoch's seconds. Every process calls it (only the main one writes)."""
+        peak memory, and judge it by `metric_for_best_model`: `improved` says whether it beat the best so far
+        (recorded in the RunState, with the count early stopping watches). Returns the epoch's seconds.
+        Every process calls it (only the main one writes; all take the main process's value, so all decide alike)."""
         from accelerate_recipes.meter import peak_memory_mb
+
+        if self.metric_for_best_model:
+            self._judge(evaluation)
 
         seconds = time.perf_counter() - self.epoch_started
         memory_mb, _ = peak_memory_mb(self.accelerator.device)
@@ -145,16 +196,68 @@ class TrainLog:
                           "perf/peak_memory_mb": memory_mb}, step=self.state.step)
         return seconds
 
+    def _judge(self, evaluation: dict) -> None:
+        from accelerate_recipes.cli import RecipeError
+
+        name, state = self.metric_for_best_model, self.state
+        if name not in evaluation:
+            raise RecipeError(f"the evaluation has no {name!r} to judge the best model by (it has "
+                              f"{', '.join(evaluation)}); pass TrainLog(metric_for_best_model=...) one of those")
+        value = float(evaluation[name])
+        if self.accelerator.num_processes > 1:
+            # The metric comes from gathered predictions, the same everywhere; to be sure every process decides
+            # alike, all take the main process's value (a sum with zeros from the others is exact).
+            mine = torch.tensor([value if self.accelerator.is_main_process else 0.0], dtype=torch.float64,
+                                device=self.accelerator.device)
+            value = self.accelerator.reduce(mine, reduction="sum").item()
+        best = state.best_metric
+        self.improved = value == value and (  # NaN is never an improvement
+            best is None or (value > best if self.higher_is_better else value < best))
+        if self.improved:
+            state.best_metric, state.best_epoch, state.best_step = value, state.epoch + 1, state.step
+            state.evals_without_improvement = 0
+        else:
+            state.evals_without_improvement += 1
+
+    @contextmanager
+    def saving_best(self):
+        """`with log.saving_best() as folder: accelerator.save_model(model, folder)` after an improved evaluation, on
+        every process: output_dir/model_best is replaced only once the new model is whole, with best.json (metric,
+        value, epoch, step) beside it. Collective."""
+        from accelerate_recipes.checkpoints import saving_folder
+
+        state = self.state
+        record = dict(metric=self.metric_for_best_model, value=state.best_metric, epoch=state.best_epoch,
+                      step=state.best_step)
+        with saving_folder(self.accelerator, self.best_dir, BEST_RECORD, record) as folder:
+            yield folder
+
     def results(self, started: float) -> dict:
         """The results.json entries of the run's course, the same in every recipe (collective: gathers sample counts)."""
         from accelerate_recipes.results import run_facts
 
         state = self.state
+        best = {}
+        if self.metric_for_best_model:
+            best = dict(metric_for_best_model=self.metric_for_best_model, best_metric=state.best_metric,
+                        best_epoch=state.best_epoch, best_step=state.best_step,
+                        early_stopping_patience=self.patience, stopped_early=self.stopped_early)
         return dict(steps=state.step, resumed_from=str(self.resumed_from) if self.resumed_from else None,
                     skipped_nonfinite_steps=self.guard.skipped_steps, wall_seconds=time.perf_counter() - started,
-                    train_loss_first=state.first_loss, train_loss_last=state.last_loss, **state.last_eval,
+                    train_loss_first=state.first_loss, train_loss_last=state.last_loss, **state.last_eval, **best,
                     **run_facts(self.accelerator, self.meter, state.samples_seen))
 
     def close(self) -> None:
+        """After the loop: says so when the run stopped early."""
         self.progress.close()
         self.guard.close()
+        if self.stopped_early:
+            state, name = self.state, self.metric_for_best_model
+            epochs = -(-self.total_steps // self.steps_per_epoch)
+            best = (f"best {name} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in {self.best_dir}"
+                    if state.best_metric is not None else f"no evaluation gave a {name}")
+            self.accelerator.print(
+                f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of {self.total_steps}): "
+                f"{name} did not improve in {state.evals_without_improvement} evaluation(s) in a row "
+                f"(--early_stopping_patience {self.patience}); {best}"
+            )

@@ -267,6 +267,10 @@ def short(names: list[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
+def write_model_config(folder: Path, model_config: dict) -> None:
+    (Path(folder) / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2) + "\n")
+
+
 def load_trained_model(model_dir: str) -> tuple[nn.Module, dict]:
     """The model a finished run saved in `model_dir` (model.safetensors), rebuilt from its model_config.json."""
     folder = Path(model_dir)
@@ -388,6 +392,7 @@ def main(
     batch_size: int = 512,
     epochs: int = 30,
     max_steps: int | None = None,
+    early_stopping_patience: int = 0,
     lr: float | None = None,
     momentum: float = 0.9,
     weight_decay: float = 5e-4,
@@ -446,6 +451,9 @@ def main(
             batch_size / (num_processes x gradient_accumulation_steps).
         epochs: passes over the training set (ignored when --max_steps is set).
         max_steps: stop after this many optimizer steps.
+        early_stopping_patience: stop after this many evaluations in a row whose eval accuracy is not higher than the
+            best so far, saving the last model and results.json as at a normal end; 0 (the default): train to the end.
+            Either way the model of the best evaluation is kept in output_dir/model_best.
         lr: peak learning rate of SGD (nesterov momentum), reached after warmup, then decayed to zero (--schedule);
             default 0.1 x batch_size / 128 (the linear scaling rule), so 0.4 for the default global batch of 512.
         momentum: SGD momentum.
@@ -468,7 +476,8 @@ def main(
             0 on the CPU, where torch's threads get the cores.
         log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
             from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
-        output_dir: where the model, results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
+        output_dir: where the model, model_best/ (the model of the best evaluation), results.json, metrics.jsonl,
+            checkpoints/ and offline SwanLab logs go.
         checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
             end of each epoch; 0: at epoch ends only.
         keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
@@ -665,6 +674,9 @@ def main(
         compile=compile, preset=preset, seed=seed, train_size=len(train_set), test_size=len(test_set),
         distributed_type=accelerator.distributed_type.value,
     )
+    # saved beside each model (the last and model_best): what --predict and --eval_only rebuild it from
+    model_config = dict(model=model, stem=stem, num_classes=len(classes), classes=classes, image_size=image_size,
+                        mean=list(mean), std=list(std), dataset=dataset, pretrained=pretrained)
 
     # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
     state = RunState(accelerator.device)
@@ -678,7 +690,8 @@ def main(
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps)
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   metric_for_best_model="eval_accuracy", early_stopping_patience=early_stopping_patience)
     guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
@@ -724,7 +737,12 @@ def main(
         # ---- evaluation once per epoch, on the full test set
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         state.last_eval, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
-        seconds = log.epoch_done(state.last_eval)
+        seconds = log.epoch_done(state.last_eval)  # also judges it: log.improved, and early stopping's count
+        if log.improved:  # the best accuracy so far: its weights go to output_dir/model_best, beside the last ones
+            with log.saving_best() as folder:
+                accelerator.save_model(net, folder)
+                if accelerator.is_main_process:
+                    write_model_config(folder, model_config)
         if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
             plot_results(log.metrics.path, output / "results.png")
             save_confusion_matrix(confusion, classes, output, draw=log.finished)
@@ -740,19 +758,18 @@ def main(
     accelerator.wait_for_everyone()
     accelerator.save_model(net, output)
     if accelerator.is_main_process:
-        (output / MODEL_CONFIG).write_text(json.dumps(
-            dict(model=model, stem=stem, num_classes=len(classes), classes=classes, image_size=image_size,
-                 mean=list(mean), std=list(std), dataset=dataset, pretrained=pretrained), indent=2) + "\n")
+        write_model_config(output, model_config)
     results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_summary(results, ["dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                                "loader", "steps", "epochs", "eval_accuracy", "train_samples_per_second",
+                                "loader", "steps", "epochs", "eval_accuracy", "best_metric", "best_epoch",
+                                "train_samples_per_second",
                                 "median_step_seconds", "peak_memory_mb", "wall_seconds"], title="cifar: summary")
-        print(f"model, {MODEL_CONFIG} and {path.name} saved in {output}; classify images with: "
-              f"python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
+        print(f"model, model_best/ (epoch {results['best_epoch']}), {MODEL_CONFIG} and {path.name} saved in {output}; "
+              f"classify images with: python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
         where = tracking.where()
         if where:
             print(where)

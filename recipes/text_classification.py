@@ -300,6 +300,7 @@ def main(
     batch_size: int = 16,
     epochs: int = 3,
     max_steps: int | None = None,
+    early_stopping_patience: int = 0,
     lr: float = 5e-5,
     weight_decay: float = 0.01,
     warmup_ratio: float = 0.1,
@@ -343,6 +344,10 @@ def main(
             file: 480 labelled reviews, 3 epochs, MiniLM reached 0.60 accuracy at batch 32 / lr 2e-5 and 0.76 here.
         epochs: passes over the training set (ignored when --max_steps is set).
         max_steps: stop after this many optimizer steps.
+        early_stopping_patience: stop after this many evaluations in a row whose eval accuracy is not higher than the
+            best so far, saving the last model and results.json as at a normal end; 0 (the default): train to the end.
+            Either way the model of the best evaluation is kept in output_dir/model_best (use it with --predict
+            --model output_dir/model_best).
         lr: peak learning rate of AdamW, reached after warmup, then linear decay to zero (default 5e-5, as
             transformers' examples; small models on small data sets often want 1e-4).
         weight_decay: AdamW weight decay on weight matrices (not on biases and LayerNorm).
@@ -355,8 +360,8 @@ def main(
         num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
         log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
             from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
-        output_dir: where the fine-tuned model and tokenizer (save_pretrained), results.json, metrics.jsonl,
-            checkpoints/ and offline SwanLab logs go.
+        output_dir: where the fine-tuned model and tokenizer (save_pretrained), model_best/ (the same for the best
+            evaluation), results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
         checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
             end of each epoch; 0: at epoch ends only.
         keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
@@ -490,7 +495,8 @@ def main(
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps)
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   metric_for_best_model="eval_accuracy", early_stopping_patience=early_stopping_patience)
     guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
@@ -498,6 +504,15 @@ def main(
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+
+    def save_model(folder: Path) -> None:
+        """The model as from_pretrained and --predict read it, with the tokenizer. Collective: every process calls it."""
+        state_dict = accelerator.get_state_dict(net)  # gathers the full weights under FSDP / DeepSpeed ZeRO-3
+        accelerator.unwrap_model(net).save_pretrained(
+            folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+        )
+        if accelerator.is_main_process:
+            tokenizer.save_pretrained(folder)
 
     # ---- training loop
     while state.epoch < num_epochs and not log.finished:
@@ -530,7 +545,10 @@ def main(
         # ---- evaluation once per epoch, on the full validation set
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         state.last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
-        seconds = log.epoch_done(state.last_eval)
+        seconds = log.epoch_done(state.last_eval)  # also judges it: log.improved, and early stopping's count
+        if log.improved:  # the best accuracy so far: the model goes to output_dir/model_best, beside the last one
+            with log.saving_best() as folder:
+                save_model(folder)
         if accelerator.is_main_process:
             plot_results(log.metrics.path, output / "results.png")  # kept up to date every epoch
         scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in state.last_eval.items() if k != "eval_samples")
@@ -542,12 +560,7 @@ def main(
 
     # ---- save the model, tokenizer and the run's results
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(net)  # gathers the full weights under FSDP / DeepSpeed ZeRO-3
-    accelerator.unwrap_model(net).save_pretrained(
-        output, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output)
+    save_model(output)
     results = dict(config, **log.results(started), transformers_version=transformers.__version__)
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
@@ -555,10 +568,12 @@ def main(
         path = write_results(output, results)
         print_summary(results, ["dataset", "model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
                                 "steps", "epochs", "eval_accuracy", "eval_f1", "eval_matthews_correlation",
+                                "best_metric", "best_epoch",
                                 "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
                       title="text classification: summary")
-        print(f"model, tokenizer and {path.name} saved in {output}; classify with: "
-              f"python {os.path.relpath(__file__)} --predict 'some text' --model {output}")
+        print(f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
+              f"classify with: python {os.path.relpath(__file__)} --predict 'some text' --model {output} "
+              f"(or --model {output / 'model_best'})")
         where = tracking.where()
         if where:
             print(where)

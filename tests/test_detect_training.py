@@ -4,8 +4,10 @@ and its checkpoint drives predict.py."""
 import json
 
 import pytest
+import torch
 from conftest import (ACCELERATE, CONFIGS, PYTHON, REPO, check, check_png, fails_with, losses, read_results, recipe_env,
                       run)
+from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
 
 from accelerate_recipes.plots import read_confusion_matrix_csv
@@ -49,6 +51,12 @@ def test_training_lowers_the_loss_and_reports_coco_map(trained):
     assert 2.5e6 < results["trainable_parameters"] < 3.5e6  # the nano size, near YOLOv8n's 3.2M
     assert "AP50-95 per class" in proc.output
     assert (out / "model.safetensors").is_file() and json.loads((out / "detector.json").read_text())["num_classes"] == 3
+    # One evaluation, at the end: it is the best, and model_best holds the same (EMA) weights and detector.json.
+    assert (results["metric_for_best_model"], results["best_epoch"], results["best_step"]) == ("eval_map50_95", 12, 144)
+    assert results["best_metric"] == results["eval_map50_95"] and results["stopped_early"] is False
+    best, last = load_file(str(out / "model_best" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert best.keys() == last.keys() and all(torch.equal(best[k], last[k]) for k in best)
+    assert (out / "model_best" / "detector.json").read_text() == (out / "detector.json").read_text()
 
 
 def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(trained, shapes):
@@ -71,11 +79,12 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     """Same weights, 1 process vs 2 over gloo: the same 21 images (2 x 11 with one padded) and the same mAP."""
     model, _ = trained
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
-    common = ["--data", shapes, "--weights", model, "--eval_only", "True", "--batch_size", 4, *SMALL]
-    one = check(run([PYTHON, TRAIN, *common, "--output_dir", tmp_path / "one"], env))
+    common = ["--data", shapes, "--eval_only", "True", "--batch_size", 4, *SMALL]
+    # --weights model_best on one process: the same weights as the final model (the run's one evaluation was the best)
+    one = check(run([PYTHON, TRAIN, *common, "--weights", model / "model_best", "--output_dir", tmp_path / "one"], env))
     two = check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
-                     "--num_cpu_threads_per_process", 1, TRAIN, *common, "--output_dir", tmp_path / "two"], env,
-                    timeout=400))
+                     "--num_cpu_threads_per_process", 1, TRAIN, *common, "--weights", model, "--output_dir",
+                     tmp_path / "two"], env, timeout=400))
     a, b = read_results(tmp_path / "one"), read_results(tmp_path / "two")
     assert b["world_size"] == 2 and a["world_size"] == 1, (one.output[-800:], two.output[-800:])
     assert a["eval_images"] == b["eval_images"] == b["eval_unique_images"] == 21
@@ -101,6 +110,11 @@ def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
             assert 0 <= x1 <= x2 and 0 <= y1 <= y2 and det["score"] >= 0.01
             assert det["class_name"] in ("circle", "square", "triangle")
     assert "detections in 21 images" in proc.output
+    # predict.py reads model_best as it reads the output directory: the same model finds the same boxes.
+    first = val_images / report[0]["image"].rsplit("/", 1)[1]
+    check(run([PYTHON, PREDICT, "--model", model / "model_best", "--source", first, "--out", tmp_path / "best",
+               "--conf_threshold", 0.01], recipe_env(tmp_path)))
+    assert json.loads((tmp_path / "best" / "detections.json").read_text())[0]["detections"] == report[0]["detections"]
 
 
 def test_detection_errors(shapes, tmp_path):

@@ -77,6 +77,14 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
+def assert_same_best(a: Path, b: Path) -> None:
+    """The same best evaluation, and the same weights in model_best: the resumed run knew the best found before the
+    interruption (it is part of the checkpoint), so an epoch after it replaced model_best only by doing better."""
+    keys = ("best_metric", "best_epoch", "best_step")
+    assert {k: read_results(a)[k] for k in keys} == {k: read_results(b)[k] for k in keys}
+    assert_same_weights(a / "model_best", b / "model_best")
+
+
 def start(cmd, env, log: Path) -> subprocess.Popen:
     # Its own session, so a kill of the group reaches every process it started.
     return subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -144,6 +152,7 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kil
     assert results["resumed_from"].startswith(str(out / "checkpoints" / "step_"))
     assert results["steps"] == read_results(uninterrupted(name))["steps"]
     assert_same_weights(out, uninterrupted(name))
+    assert_same_best(out, uninterrupted(name))
     # The metrics file reads as one run: every step logged once, in order.
     steps = [m["step"] for m in read_metrics(out) if "train/loss" in m]
     assert steps == sorted(set(steps)) and steps[-1] == results["steps"]
@@ -193,6 +202,7 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted,
     check(run([*stopping, "--output_dir", out, "--resume", "auto"], env, timeout=400))
     assert read_results(out)["resumed_from"].endswith(saved[-1])
     assert_same_weights(out, uninterrupted("cifar"))
+    assert_same_best(out, uninterrupted("cifar"))
 
 
 def test_half_written_checkpoints_are_skipped_and_cleared(uninterrupted, tmp_path):

@@ -120,6 +120,13 @@ def test_fsdp_saved_model_is_the_whole_trained_model(data, fsdp, ddp):
     assert all(torch.equal(shards[k], saved[k]) for k in saved)
     reference = AutoModelForSequenceClassification.from_pretrained(ddp).state_dict()
     assert max((saved[k] - reference[k]).abs().max().item() for k in saved) < 1e-4
+    # model_best, gathered the same way at the best evaluation: the whole model of that epoch's sharded checkpoint.
+    best_step = read_results(fsdp)["best_step"]
+    merge_fsdp_weights(str(fsdp / "checkpoints" / f"step_{best_step:08d}" / "pytorch_model_fsdp_0"),
+                       str(data["root"] / "merged-best"))
+    shards = load_file(data["root"] / "merged-best" / "model.safetensors")
+    best = AutoModelForSequenceClassification.from_pretrained(fsdp / "model_best").state_dict()
+    assert set(shards) == set(best) and all(torch.equal(shards[k], best[k]) for k in best)
     tokenizer = AutoTokenizer.from_pretrained(fsdp)
     with torch.no_grad():
         ids = model(**tokenizer(["great superb lovely", "awful dull boring"], padding=True,

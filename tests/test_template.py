@@ -84,6 +84,14 @@ def test_readme_names_every_file_a_copy_needs():
     assert "recipes/detect/" in section and "cpu.yaml" in section
 
 
+def assert_model_best(out: Path, *files: str) -> None:
+    """Two processes saved model_best together (the only evaluation is the best) and left no half-written folder."""
+    assert read_results(out)["best_epoch"] == 1
+    for name in (*files, "best.json"):
+        assert (out / "model_best" / name).is_file(), name
+    assert not list(out.glob("model_best.*"))
+
+
 def copy_recipe(folder, script: str) -> set[str]:
     """Copy a one-file recipe and the modules beside it that it imports; returns those modules."""
     modules = local_imports(RECIPES / script)
@@ -103,6 +111,7 @@ def test_cifar_copy_runs_on_two_processes(tmp_path):
     results = read_results(folder / "out")
     assert (results["world_size"], results["steps"], results["eval_samples"]) == (2, 3, 20)
     assert "eval_accuracy" in results
+    assert_model_best(folder / "out", "model.safetensors")
     imported_from_copy(folder, modules)
 
 
@@ -119,6 +128,7 @@ def test_text_classification_copy_runs_on_two_processes(tmp_path):
     results = read_results(folder / "out")
     assert (results["world_size"], results["steps"], results["eval_samples"]) == (2, 3, 15)
     assert "eval_accuracy" in results and "eval_f1" in results
+    assert_model_best(folder / "out", "model.safetensors", "config.json", "tokenizer.json")
     imported_from_copy(folder, modules)
 
 
@@ -134,4 +144,5 @@ def test_detect_folder_copy_runs_on_two_processes(tmp_path):
     assert (results["world_size"], results["steps"]) == (2, 2)
     validation = list((folder / "data").glob("shapes-*/images/val/*"))
     assert "eval_map50_95" in results and results["eval_images"] == results["eval_unique_images"] == len(validation)
+    assert_model_best(folder / "out", "model.safetensors", "detector.json")
     imported_from_copy(folder / "detect", local_imports(folder / "detect" / "train.py"))

@@ -14,6 +14,7 @@ from conftest import (
     check_png,
     fails_with,
     losses,
+    read_metrics,
     read_results,
     recipe_env,
     run,
@@ -21,6 +22,7 @@ from conftest import (
     tiny_bert,
     write_rows,
 )
+from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionMaskInterface, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -104,6 +106,51 @@ def test_predict_classifies_a_text_file_and_a_literal_text(single_run, tmp_path)
     # Without --model, --predict uses --output_dir: the run just trained.
     proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", "superb great movie", "--output_dir", out], env))
     assert json.loads(proc.stdout.splitlines()[-1])["label"] == "positive"
+
+
+def same_weights(a, b) -> bool:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_model_best_is_the_best_epochs_model_and_predict_reads_it(single_run, tmp_path):
+    out, proc = single_run
+    results = read_results(out)
+    accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
+    assert len(accuracy) == 2 and results["best_metric"] == max(accuracy)
+    assert results["best_epoch"] == accuracy.index(max(accuracy)) + 1 and results["stopped_early"] is False
+    best = out / "model_best"
+    assert same_weights(best, out) == (results["best_epoch"] == 2)  # the last epoch's model only when it was the best
+    assert AutoTokenizer.from_pretrained(best).vocab == AutoTokenizer.from_pretrained(out).vocab
+    rows = [json.loads(line) for line in check(run([PYTHON, TEXT_SCRIPT, "--predict", "a lovely brilliant film",
+                                                    "--model", best], recipe_env(tmp_path))).stdout.splitlines()]
+    assert len(rows) == 1 and rows[0]["label"] in ("positive", "negative")
+    assert f"--model {best}" in proc.stdout
+
+
+def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(text_data, tmp_path):
+    """Learning rate 0: the weights never change (AdamW's decay is scaled by the learning rate too), so the second
+    evaluation ties the first and patience 1 ends the run after 2 of 3 epochs, as a normal end."""
+    out, env = tmp_path / "out", recipe_env(tmp_path)
+    command = [PYTHON, TEXT_SCRIPT, *files(text_data), *FAST, "--lr", "0", "--epochs", "3",
+               "--early_stopping_patience", "1", "--output_dir", out]
+    proc = check(run(command, env, timeout=300))
+    results = read_results(out)
+    accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
+    assert len(accuracy) == 2 and accuracy[0] == accuracy[1]
+    assert results["steps"] == 32 and results["stopped_early"] is True and results["early_stopping_patience"] == 1
+    assert (results["best_epoch"], results["best_step"], results["best_metric"]) == (1, 16, accuracy[0])
+    line = (f"stopped early after epoch 2 of 3 (step 32 of 48): eval_accuracy did not improve in 1 evaluation(s) in a "
+            f"row (--early_stopping_patience 1); best eval_accuracy {accuracy[0]:.4f} at epoch 1, its model in "
+            f"{out / 'model_best'}")
+    assert line in proc.stdout.splitlines()
+    assert same_weights(out / "model_best", out)  # nothing was learnt: the best and the last are the same model
+    assert (out / "checkpoints" / f"step_{32:08d}").is_dir()  # the epoch-end checkpoint, written before stopping
+    # The patience count is part of the checkpoint: continuing the run trains no further.
+    resumed = check(run([*command, "--resume", "auto"], env, timeout=300))
+    again = read_results(out)
+    assert "resumed from" in resumed.stdout and line in resumed.stdout.splitlines()
+    assert (again["steps"], again["stopped_early"], again["best_epoch"]) == (32, True, 1)
 
 
 def test_two_processes_over_gloo_count_each_validation_example_once(text_data, tmp_path):

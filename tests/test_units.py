@@ -1,15 +1,19 @@
-"""Fast tests of the runtime's bookkeeping: which checkpoint a run resumes from, metrics.jsonl on resume, presets.
+"""Fast tests of the runtime's bookkeeping: which checkpoint a run resumes from, metrics.jsonl on resume, the best
+model and early stopping, presets.
 
-These classes only ask the accelerator who the main process is and wait for the others; a small stand-in object
-answers that, so each case runs in milliseconds without starting processes.
+These classes only ask the accelerator who the main process is, wait for the others and sum small tensors over the
+processes; a small stand-in object answers that, so each case runs in milliseconds without starting processes.
 """
 
 import json
+import math
 
 import pytest
+import torch
 
-from accelerate_recipes.checkpoints import Checkpoints
+from accelerate_recipes.checkpoints import Checkpoints, recover_folder
 from accelerate_recipes.cli import RecipeError, expand_preset
+from accelerate_recipes.loop import RunState, TrainLog
 from accelerate_recipes.results import MetricsLog
 
 
@@ -21,12 +25,19 @@ class OneProcess:
         self.is_main_process = process_index == 0
         self.is_local_main_process = process_index == 0
         self.num_processes = 1
+        self.device = torch.device("cpu")
         self.barriers = 0
         self.printed = []
         self.logged = []
 
     def wait_for_everyone(self):
         self.barriers += 1
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor.clone()  # the only process: its own value is the total
+
+    def gather(self, tensor):
+        return tensor
 
     def print(self, *args):
         self.printed.append(" ".join(map(str, args)))
@@ -178,6 +189,207 @@ def test_only_the_main_process_writes_metrics(tmp_path):
     log = MetricsLog(OneProcess(process_index=1), tmp_path, resume_step=1)
     log.log({"train/loss": 0.5}, step=2)
     assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+# ------------------------------------------------------------------------------- best model and early stopping
+@pytest.fixture
+def make_log(tmp_path):
+    """TrainLog as a recipe builds it (10 steps per epoch, judged by eval_accuracy), closed after the test."""
+    logs = []
+
+    def make(patience=0, state=None, accelerator=None, total_steps=100, resumed_from=None, **options):
+        accelerator = accelerator or OneProcess()
+        state = state or RunState(accelerator.device)
+        log = TrainLog(accelerator, state, Checkpoints(accelerator, tmp_path), resumed_from=resumed_from,
+                       total_steps=total_steps, steps_per_epoch=10, batches_per_epoch=10, global_batch_size=8,
+                       log_every=10, checkpoint_every=0, **{"metric_for_best_model": "eval_accuracy", **options},
+                       early_stopping_patience=patience)
+        logs.append(log)
+        return log
+
+    yield make
+    for log in logs:
+        log.close()
+
+
+def end_epoch(log, accuracy) -> bool:
+    """An epoch as the recipes run it: its 10 steps, its evaluation, then the epoch counted. Returns log.improved."""
+    log.start_epoch()
+    log.state.step += 10
+    log.epoch_done({"eval_accuracy": accuracy, "eval_loss": 1 - accuracy, "eval_samples": 64})
+    log.state.epoch += 1
+    return log.improved
+
+
+def test_only_a_strictly_better_evaluation_improves_and_patience_counts_evaluations_in_a_row(make_log):
+    log = make_log(patience=2)
+    outcomes = []
+    for accuracy in (0.5, 0.5, 0.6, 0.55):
+        outcomes.append(end_epoch(log, accuracy))
+        assert not log.finished
+    assert outcomes == [True, False, True, False]  # the first evaluation is the best so far; a tie is no improvement
+    state = log.state
+    assert (state.best_metric, state.best_epoch, state.best_step, state.evals_without_improvement) == (0.6, 3, 30, 1)
+    assert not end_epoch(log, 0.6)  # the second in a row without improvement: patience 2 is used up
+    assert log.finished and log.stopped_early and state.step == 50 < log.total_steps
+    log.close()
+    assert log.accelerator.printed[-1].startswith(
+        "stopped early after epoch 5 of 10 (step 50 of 100): eval_accuracy did not improve in 2 evaluation(s) in a "
+        "row (--early_stopping_patience 2); best eval_accuracy 0.6000 at epoch 3, its model in ")
+    results = log.results(started=0.0)
+    assert {k: results[k] for k in ("metric_for_best_model", "best_metric", "best_epoch", "best_step",
+                                    "early_stopping_patience", "stopped_early")} == {
+        "metric_for_best_model": "eval_accuracy", "best_metric": 0.6, "best_epoch": 3, "best_step": 30,
+        "early_stopping_patience": 2, "stopped_early": True}
+
+
+def test_without_patience_the_best_is_kept_but_the_run_goes_to_its_last_step(make_log):
+    log = make_log(total_steps=40)
+    assert [end_epoch(log, a) for a in (0.7, 0.2, 0.1, 0.1)] == [True, False, False, False]
+    assert log.state.evals_without_improvement == 3 and log.state.best_epoch == 1
+    assert log.finished and not log.stopped_early  # finished by its step count
+    log.close()
+    assert not any("stopped early" in line for line in log.accelerator.printed)
+    assert log.results(started=0.0)["stopped_early"] is False
+
+
+def test_patience_used_up_at_the_last_evaluation_is_a_normal_end(make_log):
+    log = make_log(patience=1, total_steps=20)
+    end_epoch(log, 0.5)
+    end_epoch(log, 0.4)
+    assert log.finished and not log.stopped_early
+
+
+def test_nan_never_improves_and_lower_can_be_better(make_log):
+    log = make_log(patience=3)
+    assert [end_epoch(log, a) for a in (math.nan, 0.3, math.nan)] == [False, True, False]
+    assert log.state.best_metric == 0.3 and log.state.evals_without_improvement == 1
+
+    by_loss = make_log(metric_for_best_model="eval_loss", higher_is_better=False)
+    assert [end_epoch(by_loss, a) for a in (0.5, 0.7, 0.6)] == [True, True, False]  # loss 0.5, 0.3, 0.4
+    assert by_loss.state.best_metric == pytest.approx(0.3) and by_loss.state.best_epoch == 2
+
+
+def test_the_best_and_the_patience_count_survive_save_state_and_load_state(make_log, tmp_path):
+    log = make_log(patience=2)
+    for accuracy in (0.4, 0.8, 0.7):
+        end_epoch(log, accuracy)
+    saved = log.state.state_dict()
+    # save_state pickles the registered object's state_dict; load_state hands it to a fresh RunState
+    restored = RunState(torch.device("cpu"))
+    restored.load_state_dict(torch.load(_saved(tmp_path, saved), weights_only=False))
+    assert (restored.best_metric, restored.best_epoch, restored.best_step, restored.evals_without_improvement) == (
+        0.8, 2, 20, 1)
+    resumed = make_log(patience=2, state=restored, resumed_from=tmp_path / "checkpoints" / "step_00000030")
+    assert not end_epoch(resumed, 0.8)  # equal to the carried best: not an improvement, and the second in a row
+    assert resumed.stopped_early and resumed.state.best_epoch == 2
+
+
+def _saved(tmp_path, state_dict):
+    path = tmp_path / "custom_checkpoint_0.pkl"
+    torch.save(state_dict, path)
+    return path
+
+
+def test_a_checkpoint_written_before_best_tracking_loads_with_no_best(make_log):
+    old = {"step": 30, "epoch": 3, "batches_done": 0, "samples_seen": 240, "first_loss": 2.3, "last_loss": 1.1,
+           "last_eval": {"eval_accuracy": 0.5}, "micro_batches": 0, "running": [0.0]}
+    state = RunState(torch.device("cpu"))
+    state.load_state_dict(old)
+    assert (state.step, state.best_metric, state.evals_without_improvement) == (30, None, 0)
+    log = make_log(patience=1, state=state, resumed_from="step_00000030")
+    assert end_epoch(log, 0.5) and log.state.best_epoch == 4
+
+
+class SecondOfTwo(OneProcess):
+    """Process 1 of 2: a sum over the processes adds what the main process contributes."""
+
+    def __init__(self, main_contributions):
+        super().__init__(process_index=1)
+        self.num_processes = 2
+        self.main_contributions = list(main_contributions)
+
+    def reduce(self, tensor, reduction="sum"):
+        assert reduction == "sum"
+        return tensor + torch.tensor(self.main_contributions.pop(0), dtype=tensor.dtype)
+
+
+def test_every_process_decides_by_the_main_process_value(make_log):
+    # This process computed other figures than the main process (0.51 vs 0.5, then 0.49 vs 0.5): it follows the main
+    # process, so both record the same best and stop at the same evaluation.
+    log = make_log(patience=1, accelerator=SecondOfTwo([[0.5], [0.5]]))
+    assert end_epoch(log, 0.51) and log.state.best_metric == 0.5
+    assert not end_epoch(log, 0.49)
+    assert log.stopped_early and not log.accelerator.main_contributions
+
+
+def test_bad_settings_and_a_missing_metric_are_one_clear_error(make_log):
+    for wrong in (-1, 1.5, "two", True):
+        with pytest.raises(RecipeError, match=f"--early_stopping_patience {wrong}: give a whole number"):
+            make_log(patience=wrong)
+    with pytest.raises(RecipeError, match="early stopping needs the metric"):
+        make_log(patience=2, metric_for_best_model=None)
+    log = make_log(metric_for_best_model="eval_f1")
+    with pytest.raises(RecipeError, match="no 'eval_f1' to judge the best model by .*eval_accuracy, eval_loss"):
+        end_epoch(log, 0.5)
+
+
+def write_best(log, weights: bytes):
+    with log.saving_best() as folder:
+        (folder / "model.safetensors").write_bytes(weights)
+    return log.best_dir
+
+
+def test_model_best_is_replaced_whole_with_its_record(make_log, tmp_path):
+    log = make_log()
+    end_epoch(log, 0.3)
+    best = write_best(log, b"epoch 1")
+    assert best == tmp_path / "model_best"
+    end_epoch(log, 0.6)
+    write_best(log, b"epoch 2")
+    assert (best / "model.safetensors").read_bytes() == b"epoch 2"
+    assert json.loads((best / "best.json").read_text()) == {"metric": "eval_accuracy", "value": 0.6, "epoch": 2,
+                                                            "step": 20}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model_best"]  # no leftovers
+
+
+def test_a_failed_write_of_model_best_keeps_the_previous_one(make_log, tmp_path):
+    log = make_log()
+    end_epoch(log, 0.3)
+    write_best(log, b"epoch 1")
+    end_epoch(log, 0.6)
+    with pytest.raises(RecipeError, match=r"could not write .*model_best.partial \(OSError: disk full\); the previous "
+                                          "model_best is kept"):
+        with log.saving_best() as folder:
+            (folder / "model.safetensors").write_bytes(b"half of epoch 2")
+            raise OSError("disk full")
+    assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == b"epoch 1"
+    make_log()  # the next start clears what the failed save left
+    assert not (tmp_path / "model_best.partial").exists()
+    assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == b"epoch 1"
+
+
+def folder_with(path, weights: bytes, record: bool = True):
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(weights)
+    if record:
+        (path / "best.json").write_text("{}")
+
+
+@pytest.mark.parametrize("left, expected", [
+    ({"model_best.deleting": b"old", "model_best.partial": b"new"}, b"new"),  # cut between the two renames
+    ({"model_best.deleting": b"old"}, b"old"),
+    ({"model_best": b"old", "model_best.partial": None}, b"old"),  # cut while writing: the new one has no record
+    ({"model_best": b"new", "model_best.deleting": b"old"}, b"new"),  # cut while deleting the previous one
+])
+def test_a_crash_while_saving_model_best_leaves_a_whole_one_at_the_next_start(left, expected, tmp_path):
+    for name, weights in left.items():
+        folder_with(tmp_path / name, weights or b"half", record=weights is not None)
+    recover_folder(OneProcess(process_index=1), tmp_path / "model_best", "best.json")  # only the main process acts
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(left)
+    recover_folder(OneProcess(), tmp_path / "model_best", "best.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["model_best"]
+    assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == expected
 
 
 # ---------------------------------------------------------------------------------------------------- presets

@@ -195,6 +195,7 @@ def main(
     batch_size: int = 64,
     epochs: int = 100,
     max_steps: int | None = None,
+    early_stopping_patience: int = 0,
     optimizer: str = "adamw",
     lr: float | None = None,
     momentum: float = 0.937,
@@ -244,6 +245,10 @@ def main(
             batch_size / (num_processes x gradient_accumulation_steps).
         epochs: passes over the training set (ignored when --max_steps is set).
         max_steps: stop after this many optimizer steps.
+        early_stopping_patience: stop after this many evaluations (--eval_every) in a row whose mAP50-95 is not higher
+            than the best so far, saving the last model and results.json as at a normal end; 0 (the default): train to
+            the end. Either way the model of the best evaluation is kept in output_dir/model_best (for predict.py
+            --model and --weights).
         optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
             Ultralytics' 0.01, which multiplies its loss by the batch size.
         lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd (Ultralytics' 0.01 at its
@@ -269,8 +274,8 @@ def main(
         num_workers: DataLoader workers per process; default: the CPU cores per local process less one, at most 8;
             0 on the CPU, where torch's threads get the cores.
         log_every: log the loss and throughput every N optimizer steps.
-        output_dir: where the model (model.safetensors + detector.json), results.json, metrics.jsonl, checkpoints/
-            and offline SwanLab logs go.
+        output_dir: where the model (model.safetensors + detector.json), model_best/ (the same for the best
+            evaluation), results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
         checkpoint_every: save a checkpoint (accelerator.save_state, with the EMA) every N optimizer steps, besides
             the one at the end of each epoch; 0: at epoch ends only.
         keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
@@ -402,7 +407,8 @@ def main(
     accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
     log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
                    steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps)
+                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
+                   metric_for_best_model="eval_map50_95", early_stopping_patience=early_stopping_patience)
     guard, metrics = log.guard, log.metrics  # stops on a non-finite loss or a stop signal; metrics.jsonl
 
     def save_checkpoint() -> None:
@@ -410,6 +416,17 @@ def main(
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+
+    # What predict.py and --weights need to rebuild the model, written beside its weights.
+    model_config = dict(size=size, num_classes=len(names), names=names, image_size=image_size,
+                        channels_last=channels_last)
+
+    def save_model(folder: Path) -> None:
+        """The (EMA) weights and detector.json, as predict.py and --weights read them. Collective."""
+        accelerator.save_model(ema.module if ema is not None else net, folder)
+        if accelerator.is_main_process:
+            (folder / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
+
     accelerator.print(f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at 640 "
                       f"for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
                       f"{len(val_set)} validation images")
@@ -463,6 +480,9 @@ def main(
                                                  conf_threshold, iou_threshold)
             seconds = log.epoch_done(state.last_eval, **{f"eval/ap50_95/{name}": ap for name, ap in
                                                          state.last_eval["eval_ap_per_class"].items()})
+            if log.improved:  # the best mAP50-95 so far: the model goes to output_dir/model_best, beside the last
+                with log.saving_best() as folder:
+                    save_model(folder)
             if accelerator.is_main_process:
                 log_pictures(accelerator, pictures["records"][:4], names, state.step, score_threshold=0.25)
                 save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
@@ -480,22 +500,22 @@ def main(
     # ---- save the (EMA) model, what predict.py needs to rebuild it, and the run's results
     accelerator.wait_for_everyone()
     if not eval_only:
-        accelerator.save_model(ema.module if ema is not None else net, output)
+        save_model(output)
     results = dict(config, synthetic_data=data == "synthetic", **log.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
-        (output / MODEL_CONFIG).write_text(json.dumps(  # what predict.py and --weights need to rebuild the model
-            dict(size=size, num_classes=len(names), names=names, image_size=image_size, channels_last=channels_last),
-            indent=2))
+        if eval_only:  # as a training run leaves it
+            (output / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
         path = write_results(output, results)
         print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in state.last_eval["eval_ap_per_class"].items()))
         print_summary(results, ["model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                                "image_size", "steps", "epochs", "eval_map50", "eval_map50_95", "eval_images",
+                                "image_size", "steps", "epochs", "eval_map50", "eval_map50_95", "best_metric",
+                                "best_epoch", "eval_images",
                                 "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
                       title="detect: summary")
-        print(f"model, {MODEL_CONFIG} and {path.name} saved in {output}; "
-              f"predict with: python recipes/detect/predict.py --model {output} --source <image or folder>")
+        best = f", model_best/ (epoch {results['best_epoch']})" if results["best_epoch"] else ""
+        print(f"model, {MODEL_CONFIG}{best} and {path.name} saved in {output}; predict with: python recipes/detect/predict.py --model {output} --source <image or folder>")
         where = tracking.where()
         if where:
             print(where)
