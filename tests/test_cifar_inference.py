@@ -56,6 +56,9 @@ def test_a_finished_run_saves_what_inference_needs(trained):
                           pretrained=False)
     assert (out / "model.safetensors").is_file()
     assert read_results(out)["eval_accuracy"] > 0.6  # chance is 1/3
+    # model_best is a model folder like the last one: --predict and --eval_only take it as --model
+    assert json.loads((out / "model_best" / "model_config.json").read_text()) == config
+    assert (out / "model_best" / "model.safetensors").is_file()
 
 
 def test_predict_prints_one_json_line_per_image(trained, tmp_path):
@@ -74,6 +77,11 @@ def test_predict_prints_one_json_line_per_image(trained, tmp_path):
     correct = sum(row["label"] == Path(row["image"]).parent.name for row in rows[:-1])
     assert correct / len(val) == pytest.approx(read_results(out)["eval_accuracy"], abs=1.5 / len(val))
     assert correct / len(val) > 0.6
+    # the best evaluation's model predicts with the accuracy the run recorded for it
+    best = json_lines(check(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", out / "model_best"],
+                                recipe_env(tmp_path), timeout=120)).stdout)
+    correct = sum(row["label"] == Path(row["image"]).parent.name for row in best)
+    assert correct / len(val) == pytest.approx(read_results(out)["best_metric"], abs=1.5 / len(val))
 
 
 def test_eval_only_gives_the_same_accuracy_on_one_and_two_processes(trained, tmp_path):
