@@ -44,6 +44,7 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
+    StepMeter,
     TrainLog,
     check_launch,
     cpu_threads_and_workers,
@@ -52,6 +53,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     print_summary,
     run,
+    run_facts,
     setup_fsdp,
     setup_tracker,
     write_results,
@@ -265,11 +267,23 @@ def read_texts(source, text_column: str, text_pair_column: str | None) -> list[t
 
 
 @torch.no_grad()
-def predict_texts(model_dir: str, source, text_column: str, text_pair_column: str | None, max_length: int, batch_size: int):
-    """Classify texts with a fine-tuned model and print one JSON line per text: text, label, score."""
+def check_fine_tuned(model_dir: str) -> None:
     if not (Path(model_dir) / "config.json").is_file():
         raise RecipeError(f"--model {model_dir} is not a fine-tuned model directory (no config.json); train first "
                           "or point --model at the output_dir of a finished run")
+
+
+def check_labels(model_dir: str, label_names: list[str]) -> None:
+    """--eval_only: the data's labels, in id order, must be the ones the model was fine-tuned on."""
+    trained = [str(name) for _, name in sorted(AutoConfig.from_pretrained(model_dir).id2label.items())]
+    if trained != label_names:
+        raise RecipeError(f"--model {model_dir} was fine-tuned on the labels {trained[:10]} and the data has "
+                          f"{label_names[:10]}; evaluate it with the data flags of its training run")
+
+
+def predict_texts(model_dir: str, source, text_column: str, text_pair_column: str | None, max_length: int, batch_size: int):
+    """Classify texts with a fine-tuned model and print one JSON line per text: text, label, score."""
+    check_fine_tuned(model_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(device).eval()
@@ -323,6 +337,7 @@ def main(
     run_name: str | None = None,
     seed: int = 42,
     predict: str | list[str] | None = None,
+    eval_only: bool = False,
 ):
     """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or classify texts.
 
@@ -379,12 +394,20 @@ def main(
         predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
             file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines. The text
             is taken as typed, commas included; give --predict several times to classify several texts or files.
+        eval_only: evaluate the fine-tuned model in --model (default --output_dir; e.g. output_dir/model_best) on the
+            validation split of the same data flags as its training run (--task, or --train_file, whose labels give
+            the ids, and --validation_file) and write results.json to --output_dir, without training. Runs on any
+            number of processes.
     """
     if predict is not None:
+        if eval_only:
+            raise RecipeError("give --predict or --eval_only, not both")
         return predict_texts(model or output_dir, predict, text_column, text_pair_column, max_length, batch_size)
     started = time.perf_counter()
     output = Path(output_dir)
-    model = model or DEFAULT_MODEL
+    model = model or (output_dir if eval_only else DEFAULT_MODEL)
+    if eval_only:
+        check_fine_tuned(model)
     if task is None and train_file is None:
         task = "sst2"
     if task is not None and (train_file or validation_file):
@@ -392,7 +415,8 @@ def main(
     dataset_name = task or f"{Path(train_file).resolve().parent.name}-{Path(train_file).stem}"  # e.g. reviews-train
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(tracker, output, run_name or f"text-{dataset_name}", swanlab_mode)
+    # (--eval_only logs to no tracker: its results are in results.json and the output)
+    tracking = setup_tracker("none" if eval_only else tracker, output, run_name or f"text-{dataset_name}", swanlab_mode)
     with explain_startup_failure(dist_timeout):
         accelerator = Accelerator(
             mixed_precision=mixed_precision,
@@ -415,7 +439,7 @@ def main(
         transformers.logging.set_verbosity_error()
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
-    resume_from = checkpoints.resolve(resume)  # None: a fresh start
+    resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
 
     # ---- data and tokenizer: the local main process of each node downloads and tokenises first (into the cache),
     # the others then read the cached result
@@ -429,6 +453,8 @@ def main(
         tokenized = tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length)
     # All processes load the weights together: under DeepSpeed ZeRO-3 from_pretrained shards them while reading, which
     # takes every process (the Hub's file locks keep a first download by several processes safe).
+    if eval_only:
+        check_labels(model, label_names)
     net = load_model(model, label_names, task)
     # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
@@ -439,6 +465,23 @@ def main(
     train_loader = DataLoader(tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True,
                               generator=torch.Generator().manual_seed(seed), **loader_args)
     eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * gradient_accumulation_steps, **loader_args)
+
+    if eval_only:
+        # ---- evaluation only: the saved model on the whole validation split, each example counted once
+        net, eval_loader = accelerator.prepare(net, eval_loader)
+        evaluation = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
+        scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evaluation.items() if k != "eval_samples")
+        accelerator.print(f"{scores} on {evaluation['eval_samples']} validation examples")
+        results = dict(recipe="text_classification", dataset=dataset_name, model=model, eval_only=True,
+                       world_size=world, num_machines=machines, mixed_precision=accelerator.mixed_precision,
+                       global_batch_size=batch_size, validation_size=len(raw["validation"]), steps=0,
+                       wall_seconds=time.perf_counter() - started, **evaluation,
+                       **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0))
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        if accelerator.is_main_process:
+            print(f"{write_results(output, results).name} saved in {output}")
+        return
 
     # ---- model and optimizer
     always_build_attention_masks()  # no host read of the padding in each forward pass

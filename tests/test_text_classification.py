@@ -166,6 +166,34 @@ def test_two_processes_over_gloo_count_each_validation_example_once(text_data, t
     assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 2
 
 
+def test_eval_only_on_one_and_two_processes_reproduces_the_runs_evaluation(single_run, text_data, tmp_path):
+    out, _ = single_run
+    common = ["--eval_only", "--model", out, "--train_file", text_data["train"], "--validation_file",
+              text_data["validation"], "--batch_size", "16", "--tracker", "none", "--num_workers", "0"]
+    env = recipe_env(tmp_path)
+    one = check(run([PYTHON, TEXT_SCRIPT, *common, "--output_dir", tmp_path / "one"], env))
+    check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1",
+               TEXT_SCRIPT, *common, "--output_dir", tmp_path / "two"], dict(env, ACCELERATE_USE_CPU="true"),
+              timeout=300))
+    trained, r1, r2 = read_results(out), read_results(tmp_path / "one"), read_results(tmp_path / "two")
+    assert (r1["world_size"], r2["world_size"]) == (1, 2) and r1["eval_only"] is True and r1["steps"] == 0
+    assert r1["eval_samples"] == r2["eval_samples"] == 63  # the odd example out counted once on 2 processes
+    assert r1["eval_accuracy"] == r2["eval_accuracy"] == trained["eval_accuracy"]
+    assert r1["eval_f1"] == r2["eval_f1"] == trained["eval_f1"]
+    assert r1["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-5)
+    assert r2["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-5)
+    assert f"accuracy {r1['eval_accuracy']:.4f}" in one.stdout
+    assert not (tmp_path / "one" / "model.safetensors").exists()  # evaluated, not trained or saved
+    # data with other labels, and a folder that holds no fine-tuned model, are refused in one line
+    relabelled = [dict(row, label={"positive": "good", "negative": "bad"}[row["label"]])
+                  for row in sentiment_rows(32, seed=5)]
+    other = write_rows(tmp_path / "other" / "train.csv", relabelled)
+    fails_with(run([PYTHON, TEXT_SCRIPT, "--eval_only", "--model", out, "--train_file", other, "--validation_file",
+                    other, "--output_dir", tmp_path / "o"], env), "was fine-tuned on the labels", "data flags")
+    fails_with(run([PYTHON, TEXT_SCRIPT, "--eval_only", "--model", tmp_path / "other", "--task", "sst2",
+                    "--output_dir", tmp_path / "o2"], env), "not a fine-tuned model directory")
+
+
 def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
     # Three classes from the pair: 0 both positive, 1 both negative, 2 mixed.
     firsts, seconds = sentiment_rows(96, seed=2), sentiment_rows(96, seed=3)
