@@ -59,6 +59,12 @@ def read_progress(folder: Path) -> dict:
                           "older one with --resume <its path>") from None
 
 
+def any_process_failed(accelerator, error: Exception | None) -> bool:
+    """Whether any process met an error while saving: every process learns it, so none is left waiting for the others."""
+    failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
+    return accelerator.reduce(failed, reduction="sum").item() > 0
+
+
 class Checkpoints:
     """The checkpoints of one run in output_dir/checkpoints: what to resume from, and atomic saving with rotation."""
 
@@ -157,9 +163,7 @@ class Checkpoints:
             yield partial
         except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
             error = error or err
-        # Every process learns whether any process failed, so none is left waiting for the others.
-        failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
-        if accelerator.reduce(failed, reduction="sum").item() > 0:
+        if any_process_failed(accelerator, error):
             reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
             previous = self.newest()
             kept = f"; the previous checkpoint {previous} is kept" if previous else ""
@@ -218,8 +222,7 @@ def saving_folder(accelerator, final: str | Path, record_file: str, record: dict
         yield partial
     except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
         error = error or err
-    failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
-    if accelerator.reduce(failed, reduction="sum").item() > 0:
+    if any_process_failed(accelerator, error):
         reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
         kept = f"; the previous {final.name} is kept" if final.exists() else ""
         raise RecipeError(f"could not write {partial} ({reason}){kept}; free disk space or choose another --output_dir")
