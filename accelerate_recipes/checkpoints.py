@@ -146,36 +146,22 @@ class Checkpoints:
         accelerator = self.accelerator
         final = self.directory / f"step_{step:08d}"
         partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        error = None
-        try:
-            if accelerator.is_main_process:  # a leftover of an interrupted save at this step is started over
-                shutil.rmtree(partial, ignore_errors=True)
-                partial.mkdir(parents=True)
-        except OSError as err:
-            error = err
-        accelerator.wait_for_everyone()
-        try:
-            if accelerator.is_local_main_process:  # a node that does not share the file system
-                partial.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            error = error or err
-        try:
-            yield partial
-        except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
-            error = error or err
-        if any_process_failed(accelerator, error):
-            reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
+
+        def failed(reason: str) -> str:
             previous = self.newest()
             kept = f"; the previous checkpoint {previous} is kept" if previous else ""
-            raise RecipeError(f"could not write checkpoint {partial} ({reason}){kept}; free disk space or choose "
-                              "another --output_dir, then continue with --resume auto")
+            return (f"could not write checkpoint {partial} ({reason}){kept}; free disk space or choose another "
+                    "--output_dir, then continue with --resume auto")
+
+        with writing_on_every_process(accelerator, partial, failed):
+            yield partial
         record = dict(progress, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       world_size=accelerator.num_processes)
         if accelerator.is_main_process:
-            self._publish(partial, final, record)
+            publish(partial, final, PROGRESS_FILE, record)
         accelerator.wait_for_everyone()
         if accelerator.is_local_main_process and partial.exists():  # a node that does not share the file system
-            self._publish(partial, final, record)
+            publish(partial, final, PROGRESS_FILE, record)
         if accelerator.is_main_process:
             for old in complete_checkpoints(self.directory)[:-self.keep]:
                 # Renamed first: a deletion cut short leaves a folder that is plainly not a checkpoint.
@@ -185,17 +171,48 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         self.last_saved = final
 
-    @staticmethod
-    def _publish(partial: Path, final: Path, record: dict) -> None:
-        """Write checkpoint.json last, then give the folder its final name."""
-        tmp = partial / f"{PROGRESS_FILE}.tmp"
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, partial / PROGRESS_FILE)
-        if final.exists():  # the same step saved again (e.g. after a resume): the new copy replaces it
-            doomed = final.with_name(final.name + DELETING_SUFFIX)
-            os.replace(final, doomed)
-            shutil.rmtree(doomed)
-        os.replace(partial, final)
+
+
+@contextmanager
+def writing_on_every_process(accelerator, partial: Path, failed_message):
+    """Every process writes its part into `partial` (started over by the main process, created on each node); when
+    any process's write failed, all of them raise RecipeError(failed_message(reason)), none is left waiting."""
+    error = None
+    try:
+        if accelerator.is_main_process:  # a leftover of an interrupted save is started over
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+    except OSError as err:
+        error = err
+    accelerator.wait_for_everyone()
+    try:
+        if accelerator.is_local_main_process:  # a node that does not share the file system
+            partial.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        error = error or err
+    try:
+        yield partial
+    except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
+        error = error or err
+    if any_process_failed(accelerator, error):
+        reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
+        raise RecipeError(failed_message(reason))
+
+
+def publish(partial: Path, final: Path, record_file: str, record: dict) -> None:
+    """Write the record last (the folder is whole from then on), then swap the folder in under its final name.
+
+    A version already there (the same step saved again after a resume, or the previous model_best) is renamed away
+    first and deleted last: a crash between the renames leaves both versions whole.
+    """
+    tmp = partial / f"{record_file}.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, partial / record_file)
+    doomed = final.with_name(final.name + DELETING_SUFFIX)
+    if final.exists():
+        os.replace(final, doomed)
+    os.replace(partial, final)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 @contextmanager
@@ -209,31 +226,16 @@ def saving_folder(accelerator, final: str | Path, record_file: str, record: dict
     which `recover_folder` puts back under the final name at the next start.
     """
     final = Path(final)
-    partial, doomed = final.with_name(final.name + PARTIAL_SUFFIX), final.with_name(final.name + DELETING_SUFFIX)
-    error = None
-    try:
-        if accelerator.is_main_process:  # a leftover of an interrupted save is started over
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-    except OSError as err:
-        error = err
-    accelerator.wait_for_everyone()
-    try:
-        yield partial
-    except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
-        error = error or err
-    if any_process_failed(accelerator, error):
-        reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+
+    def failed(reason: str) -> str:
         kept = f"; the previous {final.name} is kept" if final.exists() else ""
-        raise RecipeError(f"could not write {partial} ({reason}){kept}; free disk space or choose another --output_dir")
+        return f"could not write {partial} ({reason}){kept}; free disk space or choose another --output_dir"
+
+    with writing_on_every_process(accelerator, partial, failed):
+        yield partial
     if accelerator.is_main_process:
-        tmp = partial / f"{record_file}.tmp"
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, partial / record_file)  # whole from here on: recover_folder may promote it
-        if final.exists():
-            os.replace(final, doomed)  # a crash between the two renames leaves both versions whole
-        os.replace(partial, final)
-        shutil.rmtree(doomed, ignore_errors=True)
+        publish(partial, final, record_file, record)  # recover_folder may promote it once its record is written
     accelerator.wait_for_everyone()
     # A node that does not share the file system: save_pretrained creates the folder on every process, empty there.
     if not accelerator.is_main_process and partial.is_dir():
