@@ -18,11 +18,20 @@ import signal
 import threading
 
 import torch
+import torch.distributed as dist
 
 from accelerate_recipes.cli import Preempted, RecipeError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _NO_BAD_STEP = 2**62  # "no non-finite loss yet"
+
+
+def _max_over_processes(tensor: torch.Tensor) -> torch.Tensor:
+    """The element-wise maximum of `tensor` over all processes, in place (itself when there is no process group)."""
+    # Not accelerator.reduce: before accelerate 1.14 it sums for reduction="max", and a sum of the sentinels overflows.
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
 
 
 class StepGuard:
@@ -67,7 +76,7 @@ class StepGuard:
         """One all-reduce and one read: (the earliest step with a non-finite loss on any process, any stop signal)."""
         self._signal.fill_(self.received)  # a kernel with a Python number: no host-to-device copy
         flags = torch.stack([-first_bad, self._signal])  # max of -step = the earliest step
-        earliest, signum = self.accelerator.reduce(flags, reduction="max").tolist()
+        earliest, signum = _max_over_processes(flags).tolist()
         if signum:
             self.stop_signal = int(signum)
         return -earliest, int(signum)
