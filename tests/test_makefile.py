@@ -158,3 +158,22 @@ def test_cpu_threads_follow_the_cores_make_may_use():
     # The default NPROC=2 on this machine's cores: each process gets its share, at least one thread.
     share = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"--num_processes 2 --num_cpu_threads_per_process {share} " in launch_line(make("-n", "detect-cpu"))
+
+
+def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
+    """PYTHON_ENV=system: the interpreter given, no venv, no pip; the install step is a check of what it lacks."""
+    proc = make("-n", "cifar-2gpu", "text-cpu", "gpu-check", "PART=1/2", "PYTHON_ENV=system", "PYTHON=/opt/py/bin/python3")
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert not any(".venv" in line or str(VENV) in line or "-m venv" in line for line in lines), proc.stdout
+    assert "/opt/py/bin/python3 -m recipe_tools.wheelhouse check --extras 'text,detect'" in lines
+    assert any(line.startswith("/opt/py/bin/python3 -m accelerate.commands.accelerate_cli launch --config_file "
+                               "accelerate_configs/2gpu.yaml") and line.rstrip().endswith("recipes/cifar.py")
+               for line in lines), proc.stdout
+    assert "/opt/py/bin/python3 benchmarks/gpu_check.py --part 1/2" in [line.strip() for line in lines]
+    # the checkout is on PYTHONPATH for the scripts, ahead of what the user had there
+    proc = subprocess.run(["make", "--no-print-directory", "-p", "-n", "help", "PYTHON_ENV=system"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH="/extra"))
+    assert f"PYTHONPATH := {REPO}:/extra" in proc.stdout
+    proc = make("help", "PYTHON_ENV=conda")
+    assert proc.returncode != 0 and "choose venv (the default" in proc.stderr
