@@ -34,6 +34,10 @@ Not counted:
 - reads of torch.optim's own step counters (0-dim CPU tensors read inside torch/optim unless capturable or fused):
   they stay on the host on a GPU too.
 - on CUDA, reads of tensors that live on the CPU (listed under "host_tensor_reads", no wait involved).
+Counted apart, as expected: under fp16 the GradScaler (torch's, which accelerate's optimizer wrapper steps) reads its
+found_inf flag on the host in every optimizer step, to decide there whether to skip optimizer.step. That one read per
+step, and the CUDA synchronisation it causes, are listed under "grad_scaler_reads" and "grad_scaler_cuda_syncs" and
+fail nothing; bf16 and fp32 have no scaler and no such read.
 Limits: a read inside the Python body of another overridable torch function (F.interpolate, say) is not seen
 separately; reads in DataLoader worker processes are not seen (they are data loading anyway).
 
@@ -64,6 +68,10 @@ INDEX_OPS = {"__getitem__", "__setitem__", "index_put_", "index_put"}
 DATA_LOADING = (f"torch{os.sep}utils{os.sep}data{os.sep}", f"accelerate{os.sep}data_loader.py",
                 f"transformers{os.sep}data{os.sep}")
 OPTIM_DIR = f"torch{os.sep}optim{os.sep}"
+# torch/amp/grad_scaler.py (FSDP's sharded scaler inherits the method): where the fp16 scaler reads found_inf
+GRAD_SCALER_FILE, GRAD_SCALER_STEP = "grad_scaler.py", "_maybe_opt_step"
+GRAD_SCALER_NOTE = ("fp16 GradScaler: reads found_inf on the host once per optimizer step to decide whether to skip "
+                    "optimizer.step; expected under fp16")
 SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation" from set_sync_debug_mode("warn")
 
 
@@ -149,8 +157,9 @@ class Audit:
         self.step += 1
 
     def _where(self, frame):
-        """(project site, innermost frame outside this file, whether data loading is on the stack)."""
-        site, via, loading = None, None, False
+        """(project site, innermost frame outside this file, whether data loading is on the stack, whether the
+        call comes from the fp16 GradScaler deciding to step or skip the optimizer)."""
+        site, via, loading, scaler = None, None, False, False
         while frame is not None:
             filename = frame.f_code.co_filename
             if filename != self.me:
@@ -158,13 +167,15 @@ class Audit:
                     via = f"{_short(filename)}:{frame.f_lineno}"
                 if any(part in filename for part in DATA_LOADING) or "collate" in frame.f_code.co_name:
                     loading = True
+                if frame.f_code.co_name == GRAD_SCALER_STEP and filename.endswith(GRAD_SCALER_FILE):
+                    scaler = True
                 if site is None and any(filename.startswith(p) for p in self.project):
                     site = f"{_short(filename)}:{frame.f_lineno}"
             frame = frame.f_back
-        return site, via, loading
+        return site, via, loading, scaler
 
     def record(self, kind: str, op: str, tensor=None, frame=None) -> None:
-        site, via, loading = self._where(frame or sys._getframe(1))
+        site, via, loading, scaler = self._where(frame or sys._getframe(1))
         if loading:
             self.excluded["data_loading"] += 1
             return
@@ -172,17 +183,21 @@ class Audit:
         if on_cpu and via and OPTIM_DIR in via.replace("/", os.sep) and tensor.dim() == 0:
             self.excluded["optimizer_step_counters"] += 1
             return
-        if self.on_cuda and on_cpu and kind != "sync":
+        if scaler and kind == "read":
+            kind = "grad_scaler"  # found_inf, once per optimizer step under fp16: known, reported apart
+        elif self.on_cuda and on_cpu and kind != "sync":
             kind = "host_tensor"  # nothing to wait for
         self.sites[(kind, site or via or "?", op, via or "?")][self.step] += 1
 
     def count_cuda_sync(self, frame) -> None:
         while frame is not None and frame.f_code.co_filename == warnings.__file__:
             frame = frame.f_back  # from the warning machinery up to the code that synchronised
-        site, via, loading = self._where(frame)
+        site, via, loading, scaler = self._where(frame)
         if not loading:
-            self.cuda_syncs[self.step] += 1
-            self.sites[("cuda_sync", site or via or "?", "sync warning", via or "?")][self.step] += 1
+            if not scaler:
+                self.cuda_syncs[self.step] += 1
+            kind = "grad_scaler_sync" if scaler else "cuda_sync"
+            self.sites[(kind, site or via or "?", "sync warning", via or "?")][self.step] += 1
 
     def mode(self) -> TorchFunctionMode:
         audit = self
@@ -212,6 +227,8 @@ class Audit:
             intervals.append({"interval": k, "after_step": k, "allowed": allowed_here,
                               "reads": counts["read"], "shape": counts["shape"], "sync": counts["sync"],
                               "cuda_syncs": counts["cuda_sync"], "host_tensor_reads": counts["host_tensor"],
+                              "grad_scaler_reads": counts["grad_scaler"],
+                              "grad_scaler_cuda_syncs": counts["grad_scaler_sync"],
                               "quiet_violations": 0 if allowed_here else sum(counts[c] for c in failing)})
         quiet = [i["interval"] for i in intervals if not i["allowed"]]
         sites = []
@@ -219,10 +236,15 @@ class Audit:
             in_quiet = {k: n for k, n in per.items() if k in quiet}
             sites.append({"kind": kind, "site": site, "op": op, "via": via, "count": sum(per.values()),
                           "quiet_count": sum(in_quiet.values()), "intervals": dict(sorted(per.items())),
-                          "fails": kind in failing and bool(in_quiet)})
+                          "fails": kind in failing and bool(in_quiet)}
+                         | ({"note": GRAD_SCALER_NOTE} if kind.startswith("grad_scaler") else {}))
+        scaler_reads = sum(i["grad_scaler_reads"] for i in intervals)
         return {"steps": last, "allowed_intervals": sorted(i["interval"] for i in intervals if i["allowed"]),
                 "quiet_intervals": quiet, "quiet_reads": sum(i["reads"] for i in intervals if not i["allowed"]),
                 "quiet_violations": sum(i["quiet_violations"] for i in intervals),
+                # The read for step k + 1 happens inside that step, so it falls in interval k.
+                "grad_scaler_reads": scaler_reads,
+                "grad_scaler_reads_per_step": scaler_reads / last if last else 0.0,
                 "intervals": intervals, "sites": sites, "excluded": dict(self.excluded)}
 
 
@@ -296,12 +318,20 @@ def print_table(report: dict) -> None:
     print(f"\nhost reads per optimizer step: {report['script']} on {report['device']}, rank {report['rank']} of "
           f"{report['world_size']}, {report['steps']} steps (log_every {report['log_every']}, checkpoint_every "
           f"{report['checkpoint_every']})")
-    print(f"{'after step':>10} | {'allowed':>7} | {'reads':>5} | {'shape':>5} | {'sync':>4} | {'cuda syncs':>10}")
+    scaler = report["grad_scaler_reads"] > 0
+    print(f"{'after step':>10} | {'allowed':>7} | {'reads':>5} | {'shape':>5} | {'sync':>4} | {'cuda syncs':>10}"
+          + (f" | {'fp16 scaler':>11}" if scaler else ""))
     for i in report["intervals"]:
         cuda = str(i["cuda_syncs"]) if report["sync_debug"] else "-"
         print(f"{i['interval']:>10} | {'yes' if i['allowed'] else 'quiet':>7} | {i['reads']:>5} | {i['shape']:>5} | "
-              f"{i['sync']:>4} | {cuda:>10}")
-    quiet_sites = [s for s in report["sites"] if s["quiet_count"]]
+              f"{i['sync']:>4} | {cuda:>10}" + (f" | {i['grad_scaler_reads']:>11}" if scaler else ""))
+    if scaler:
+        where = ", ".join(sorted({f"{s['site']} (via {s['via']})" for s in report["sites"]
+                                  if s["kind"] == "grad_scaler"}))
+        print(f"expected under fp16: {report['grad_scaler_reads']} GradScaler read(s) of found_inf, "
+              f"{report['grad_scaler_reads_per_step']:.3g} per optimizer step, at {where}: the scaler decides on the "
+              "host whether to skip optimizer.step (bf16 has no scaler); they fail nothing")
+    quiet_sites = [s for s in report["sites"] if s["quiet_count"] and not s["kind"].startswith("grad_scaler")]
     if quiet_sites:
         print("on quiet steps:")
         for s in quiet_sites:

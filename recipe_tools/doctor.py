@@ -44,6 +44,7 @@ class Plan:
     port: int
     timeout: float
     use_cpu: bool
+    gpu_ids: str = "all"  # the config's: this machine's GPU ids, which the launcher turns into CUDA_VISIBLE_DEVICES
 
     @property
     def where(self) -> str:
@@ -119,7 +120,8 @@ def make_plan(config, machine_rank, main_process_ip, main_process_port, num_mach
         raise RecipeError(f"--main_process_port {port} is not a TCP port (1-65535)")
     if number("timeout", timeout, float) <= 0:
         raise RecipeError(f"--timeout {timeout} must be a positive number of seconds")
-    return Plan(rank, machines, processes, str(ip), port, float(timeout), cpu_requested(config))
+    gpu_ids = str(config.gpu_ids).strip() if config.gpu_ids is not None else "all"
+    return Plan(rank, machines, processes, str(ip), port, float(timeout), cpu_requested(config), gpu_ids or "all")
 
 
 def resolve(plan: Plan) -> list[str]:
@@ -244,7 +246,7 @@ def check_gpus(plan: Plan, config) -> tuple[int, str]:
     per_node = plan.num_processes // plan.num_machines
     if plan.use_cpu:
         return visible, f"GPUs: not used (CPU run, gloo); {per_node} process(es) per node"
-    ids = str(config.gpu_ids).strip() if config.gpu_ids is not None else "all"
+    ids = plan.gpu_ids
     usable = visible
     if ids.lower() != "all":
         wanted = [part.strip() for part in ids.split(",") if part.strip()]
@@ -259,7 +261,35 @@ def check_gpus(plan: Plan, config) -> tuple[int, str]:
             "`nvidia-smi` and CUDA_VISIBLE_DEVICES on this node, or lower num_processes; without GPUs set "
             "ACCELERATE_USE_CPU=true"
         )
-    return visible, f"GPUs: {visible} visible, {per_node} needed per node"
+    _, _, where = nccl_device(plan.gpu_ids, visible)  # a LOCAL_RANK without a GPU stops here, before the others wait
+    return visible, f"GPUs: {visible} visible, {per_node} needed per node; this process's GPU: {where}"
+
+
+def nccl_device(gpu_ids: str, visible: int, environ=None) -> tuple[dict, int, str]:
+    """This process's GPU, picked as `accelerate launch` and the Accelerator pick it for a process of the run.
+
+    The launcher turns the config's gpu_ids (ids of this machine's GPUs) into CUDA_VISIBLE_DEVICES, and the process
+    with LOCAL_RANK r then uses the r-th GPU it sees, cuda:r. LOCAL_RANK is unset (0) when the doctor runs once per
+    node. Returns (environment for a child process, its CUDA device index, the GPU in words).
+    """
+    environ = os.environ if environ is None else environ
+    local = environ.get("LOCAL_RANK", "").strip() or "0"
+    if not local.isdigit():
+        raise RecipeError(f"LOCAL_RANK={local!r} is not a process index (0, 1, ...); unset it to check the first GPU")
+    index = int(local)
+    if str(gpu_ids).strip().lower() in ("", "all"):
+        if index >= visible:
+            raise RecipeError(f"LOCAL_RANK {index} names GPU cuda:{index}, but this node sees {visible} GPU(s): "
+                              f"unset LOCAL_RANK or give it a value below {visible}")
+        listed = environ.get("CUDA_VISIBLE_DEVICES")
+        return {}, index, f"cuda:{index}" + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else "")
+    ids = [part.strip() for part in str(gpu_ids).split(",") if part.strip()]
+    if index >= len(ids):
+        raise RecipeError(f"LOCAL_RANK {index} has no GPU among the config's gpu_ids {','.join(ids)} (one per local "
+                          f"process): unset LOCAL_RANK or give it a value below {len(ids)}")
+    listed = ",".join(ids)
+    return ({"CUDA_VISIBLE_DEVICES": listed}, index,
+            f"GPU {ids[index]} (cuda:{index} with CUDA_VISIBLE_DEVICES={listed}, from gpu_ids; LOCAL_RANK {index})")
 
 
 def node_facts(plan: Plan, gpus: int) -> dict:
@@ -507,11 +537,12 @@ def nccl_child(spec: str) -> None:
     job = json.loads(spec)
     n, rank = job["world"], job["rank"]
     store = dist.TCPStore(job["host"], job["port"], None, False, timedelta(seconds=job["timeout"]))
-    torch.cuda.set_device(0)
+    device = torch.device("cuda", job["device"])  # this process's GPU among those CUDA_VISIBLE_DEVICES shows
+    torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=n,
-                            timeout=timedelta(seconds=job["timeout"]), device_id=torch.device("cuda", 0))
+                            timeout=timedelta(seconds=job["timeout"]), device_id=device)
     numel = job["bytes"] // 4
-    tensor = torch.full((numel,), float(rank + 1), device="cuda")
+    tensor = torch.full((numel,), float(rank + 1), device=device)
     dist.all_reduce(tensor)  # also NCCL's connection set-up, left out of the timing
     correct = bool(torch.all(tensor == n * (n + 1) / 2).item())
     for _ in range(2):
@@ -521,7 +552,7 @@ def nccl_child(spec: str) -> None:
     for _ in range(job["iters"]):
         dist.all_reduce(tensor)
     torch.cuda.synchronize()
-    seconds = torch.tensor([(time.perf_counter() - start) / job["iters"]], device="cuda")
+    seconds = torch.tensor([(time.perf_counter() - start) / job["iters"]], device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest node's time is the collective's
     dist.destroy_process_group()
     algbw = numel * 4 / seconds.item() / 1e9
@@ -539,9 +570,10 @@ def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
         return f"NCCL all-reduce not run: {why}; only gloo was checked"
     if plan.num_machines < 2:
         return "NCCL all-reduce not run: one node, so there is no network between nodes to measure"
+    visible_devices, device, where = nccl_device(plan.gpu_ids, gpus)
     spec = json.dumps({"host": plan.main_ip, "port": plan.port, "rank": plan.machine_rank, "world": plan.num_machines,
-                       "bytes": size_mb * 2**20, "iters": 5, "timeout": plan.timeout})
-    env = dict(os.environ, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
+                       "bytes": size_mb * 2**20, "iters": 5, "timeout": plan.timeout, "device": device})
+    env = dict(os.environ, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", **visible_devices)
     env.pop("NCCL_DEBUG_FILE", None)  # the lines are read from the child's output
     command = [sys.executable, "-c", f"from recipe_tools.doctor import nccl_child; nccl_child({spec!r})"]
     fix = ("set NCCL_SOCKET_IFNAME to the interface that joins the nodes on every node; without InfiniBand also "
@@ -569,7 +601,8 @@ def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
         over = "a network NCCL did not name (look for NET/ lines with NCCL_DEBUG=INFO)"
     devices = f" via {transport['devices']}" if transport["devices"] else ""
     return (f"NCCL all-reduce of {size_mb} MB across {plan.num_machines} node(s): busbw "
-            f"{result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s), over {over}{devices}")
+            f"{result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s), over {over}{devices}; "
+            f"this node's GPU: {where}")
 
 
 def table(nodes: list[dict]) -> str:

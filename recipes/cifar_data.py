@@ -141,7 +141,10 @@ class DeviceImageLoader:
         return images.masked_fill(inside, 0.0)
 
     def __iter__(self):
-        indices = self.shard_indices(self.epoch).to(self.device)
+        indices = self.shard_indices(self.epoch)  # drawn on the host: the same order on any device and world size
+        if self.device.type == "cuda":  # from pinned memory the copy is queued and the host does not wait for it
+            indices = indices.pin_memory()
+        indices = indices.to(self.device, non_blocking=True)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.seed * 100_003 + self.epoch * 1_009 + self.rank + 1)
         self.epoch += 1  # the next pass is the next epoch, as accelerate's seedable sampler counts

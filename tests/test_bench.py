@@ -4,7 +4,7 @@ import json
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import PYTHON, REPO, check, recipe_env, run, sentiment_rows, tiny_bert, write_rows
+from conftest import PYTHON, REPO, check, fails_with, recipe_env, run, sentiment_rows, tiny_bert, write_rows
 
 from accelerate_recipes import cpu_precision
 
@@ -37,6 +37,13 @@ def test_harness_on_tiny_shapes_writes_every_comparison(tmp_path):
     assert rows["overhead"]["note"].startswith("overhead ")
     assert "saved" in proc.stdout
 
+
+def test_fp16_on_a_cpu_is_refused_before_anything_runs(tmp_path):
+    # accelerate would train the recipe in fp32 there, and the overhead row would compare it with an fp16 loop
+    proc = run([PYTHON, REPO / "benchmarks" / "bench.py", "--precision", "fp16", "--output_dir", tmp_path / "bench"],
+               recipe_env(tmp_path))
+    fails_with(proc, "--precision fp16 needs a GPU", "use --precision bf16 or no")
+    assert not (tmp_path / "bench").exists()
 
 
 def test_text_benchmark_launches_with_the_configs_make_uses_for_the_hardware():

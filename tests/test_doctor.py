@@ -6,6 +6,7 @@ import socket
 import subprocess
 import time
 
+import pytest
 import torch
 from conftest import PYTHON, REPO, fails_with, free_port, recipe_env, run
 
@@ -196,3 +197,31 @@ def test_without_gpus_the_nccl_check_says_why_it_did_not_run():
                                                            "was checked")
     plan.use_cpu = True
     assert "not run: CPU run" in doctor.check_nccl(plan, gpus=0, size_mb=256)
+
+
+def test_nccl_check_uses_this_process_gpu_as_the_launcher_maps_gpu_ids(tmp_path):
+    # gpu_ids as accelerate reads them from a config file; the launcher makes them CUDA_VISIBLE_DEVICES, and the
+    # process of LOCAL_RANK r uses the r-th GPU it then sees.
+    config = tmp_path / "2node.yaml"
+    config.write_text(CONFIG.replace("gpu_ids: all", "gpu_ids: 2,3").replace("num_processes: 2", "num_processes: 4"))
+    plan = doctor.make_plan(doctor.load_config(config), 1, "10.0.0.1", None, None, None, 30)
+    assert plan.gpu_ids == "2,3"
+    env, index, where = doctor.nccl_device(plan.gpu_ids, 8, environ={})
+    assert (env, index) == ({"CUDA_VISIBLE_DEVICES": "2,3"}, 0) and where.startswith("GPU 2 (cuda:0 "), where
+    env, index, where = doctor.nccl_device(plan.gpu_ids, 8, environ={"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"})
+    assert (env, index) == ({"CUDA_VISIBLE_DEVICES": "2,3"}, 1) and where.startswith("GPU 3 (cuda:1 "), where
+    # A single id, which YAML reads as a number.
+    config.write_text(CONFIG.replace("gpu_ids: all", "gpu_ids: 5"))
+    plan = doctor.make_plan(doctor.load_config(config), 0, "10.0.0.1", None, None, None, 30)
+    assert doctor.nccl_device(plan.gpu_ids, 8, environ={})[:2] == ({"CUDA_VISIBLE_DEVICES": "5"}, 0)
+    # All GPUs: the environment stays as it is and LOCAL_RANK picks among the GPUs it shows.
+    plan = doctor.make_plan(doctor.load_config(write_config(tmp_path)), 0, "10.0.0.1", None, None, None, 30)
+    assert doctor.nccl_device(plan.gpu_ids, 4, environ={})[:2] == ({}, 0)
+    environ = {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert doctor.nccl_device(plan.gpu_ids, 4, environ) == ({}, 3, "cuda:3 (CUDA_VISIBLE_DEVICES=4,5,6,7)")
+    for gpu_ids, visible, local_rank, message in (
+            ("2,3", 8, "2", "LOCAL_RANK 2 has no GPU among the config's gpu_ids 2,3"),
+            ("all", 4, "4", "this node sees 4 GPU(s)"),
+            ("all", 4, "-1", "LOCAL_RANK='-1' is not a process index")):
+        with pytest.raises(doctor.RecipeError, match=re.escape(message)):
+            doctor.nccl_device(gpu_ids, visible, environ={"LOCAL_RANK": local_rank})

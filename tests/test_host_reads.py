@@ -77,6 +77,55 @@ def test_two_gloo_processes_each_write_their_audit(tmp_path):
         assert_quiet(report, proc)
 
 
+# accelerate builds its fp16 GradScaler and autocast only off the CPU (there it runs fp16 as fp32, with no scaler).
+# This launcher gives the Accelerator what it builds on a GPU, with torch's CPU GradScaler, then runs the recipe.
+FP16_WITH_SCALER = '''
+import os
+import runpy
+import sys
+
+import accelerate
+import torch
+
+
+class Accelerator(accelerate.Accelerator):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        assert self.mixed_precision == "fp16" and self.scaler is None, (self.mixed_precision, self.scaler)
+        self.native_amp, self.scaler = True, torch.amp.GradScaler(self.device.type)
+
+
+accelerate.Accelerator = Accelerator
+sys.argv = [os.path.abspath(sys.argv[1]), *sys.argv[2:]]  # the recipe and its flags
+sys.path[0] = os.path.dirname(sys.argv[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(tmp_path):
+    """Under fp16 the GradScaler reads found_inf in every optimizer step: counted apart, named, and not a failure."""
+    launcher = tmp_path / "fp16_with_scaler.py"
+    launcher.write_text(FP16_WITH_SCALER)
+    model = tiny_bert(tmp_path / "tiny-bert")
+    train = write_rows(tmp_path / "train.csv", sentiment_rows(160, seed=0))
+    dev = write_rows(tmp_path / "dev.csv", sentiment_rows(24, seed=1))
+    out = tmp_path / "out"
+    proc = run([PYTHON, AUDIT, launcher, TEXT_SCRIPT, "--model", model, "--train_file", train, "--validation_file",
+                dev, "--batch_size", 16, "--mixed_precision", "fp16", *QUIET, "--output_dir", out],
+               recipe_env(tmp_path), timeout=300)
+    report = audited(out)
+    assert_quiet(report, proc)
+    # Step k + 1 reads found_inf inside optimizer.step, before the step counter moves: one read in each interval 0-5.
+    assert [i["grad_scaler_reads"] for i in report["intervals"]] == [1, 1, 1, 1, 1, 1, 0]
+    assert report["grad_scaler_reads"] == 6 and report["grad_scaler_reads_per_step"] == 1.0
+    (scaler,) = [s for s in report["sites"] if s["kind"] == "grad_scaler"]
+    assert scaler["op"] == "item" and scaler["via"].startswith("torch/amp/grad_scaler.py:"), scaler
+    assert scaler["site"].startswith("recipes/text_classification.py:") and not scaler["fails"], scaler
+    assert "skip optimizer.step" in scaler["note"]
+    assert "expected under fp16: 6 GradScaler read(s) of found_inf, 1 per optimizer step" in proc.stdout
+    assert "on quiet steps:" not in proc.stdout
+
+
 # A loop that reads its loss every step (the classic `.item()` in the loop) and reads in its collate function.
 LEAKY = '''
 import torch

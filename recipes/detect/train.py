@@ -112,14 +112,14 @@ def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, 
     """
     model.eval()
     records = []
-    for images, targets, metas in loader:
+    for images, targets, metas in loader:  # on the host: the loader was prepared without device placement
+        images = images.to(accelerator.device, non_blocking=True)  # pinned on a GPU: the copy does not stall
         with accelerator.autocast():
             outputs = model(to_model_input(images, channels_last))
         detections = postprocess([o.float() for o in outputs], model.strides, model.reg_max,
                                  conf_threshold=conf_threshold, iou_threshold=iou_threshold)
         batch = []
-        targets = targets.cpu()
-        for det, meta, truth in zip(detections, metas, targets):
+        for det, meta, truth in zip(detections, metas, targets):  # the targets never leave the host
             truth = truth[truth[:, 0] >= 0]  # drop the padding rows
             batch.append(dict(
                 path=meta["path"],
@@ -368,7 +368,9 @@ def main(
     criterion = DetectionLoss(num_classes=len(names), strides=net.strides, reg_max=net.reg_max)
 
     # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
-    net, opt, train_loader, val_loader = accelerator.prepare(net, opt, train_loader, val_loader)
+    net, opt, train_loader = accelerator.prepare(net, opt, train_loader)
+    # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate() moves only the images.
+    val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
     ema = ModelEMA(accelerator.unwrap_model(net), ema_decay, ramp_steps=2000) if ema_decay else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
