@@ -49,6 +49,7 @@ def check_launch(accelerator, global_batch_size: int, accumulation_steps: int, s
     Accelerator accumulates what the flag says, DeepSpeed gets the clipping norm, and the global batch divides evenly.
     """
     check_process_group(accelerator)
+    check_precision(accelerator)
     check_accumulation(accelerator, accumulation_steps)  # a DeepSpeed config must not override the flag
     check_skip_nonfinite(accelerator, skip_nonfinite_steps)
     set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
@@ -57,6 +58,17 @@ def check_launch(accelerator, global_batch_size: int, accumulation_steps: int, s
     accelerator.print(describe_launch(accelerator, num_machines(world), global_batch_size, per_process,
                                       accumulation_steps))
     return per_process
+
+
+def check_precision(accelerator) -> None:
+    """fp16 where accelerate would not apply it: on a CPU it builds neither autocast nor a grad scaler (1.15), so the
+    run would train in fp32 while its results say fp16."""
+    from accelerate.utils import DistributedType
+
+    if (accelerator.mixed_precision == "fp16" and not accelerator.native_amp
+            and accelerator.distributed_type != DistributedType.DEEPSPEED):  # DeepSpeed runs fp16 in its own engine
+        raise RecipeError(f"--mixed_precision fp16 is not applied on {accelerator.device.type}: accelerate trains it "
+                          f"in fp32 there; use --mixed_precision {cpu_precision()} (bf16 where the CPU has it) or a GPU")
 
 
 def num_machines(num_processes: int) -> int:

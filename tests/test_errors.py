@@ -47,6 +47,8 @@ def test_global_batch_that_does_not_divide(tmp_path):
     (["--tracker", "swanlab", "--swanlab_mode", "cloud"], ["swanlab login", "SWANLAB_API_KEY", "offline"]),
     (["--dataset", "mnist"], ["unknown --dataset", "synthetic"]),
     (["--model", "vgg11"], ["unknown --model", "resnet18"]),
+    # accelerate would train it in fp32 on the CPU while results.json says fp16
+    (["--mixed_precision", "fp16"], ["--mixed_precision fp16 is not applied on cpu", "fp32"]),
 ])
 def test_bad_options(tmp_path, args, fragments):
     fails_with(cifar(tmp_path, *TINY[:-6], *args), *fragments)

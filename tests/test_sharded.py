@@ -12,6 +12,7 @@ from conftest import (
     CONFIGS,
     TEXT_SCRIPT,
     check,
+    free_port,
     losses,
     read_results,
     recipe_env,
@@ -49,7 +50,8 @@ def launch(data, name, config, *extra, launcher=(), ok=True):
     env = recipe_env(data["root"], ACCELERATE_USE_CPU="true",
                      TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
     proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / config, "--num_processes", "2",
-                "--mixed_precision", "no", "--num_cpu_threads_per_process", "1", *launcher,
+                "--mixed_precision", "no", "--num_cpu_threads_per_process", "1", "--main_process_port", free_port(),
+                *launcher,
                 TEXT_SCRIPT, "--model", data["model"], "--train_file", data["train"],
                 "--validation_file", data["validation"], *FLAGS, "--output_dir", out, *extra], env, timeout=300)
     return (check(proc) if ok else proc), out
