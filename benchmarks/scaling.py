@@ -95,7 +95,8 @@ def launch_command(setup: dict, threads: int, precision: str | None) -> tuple[li
     """`accelerate launch` argv and environment for a setup, with the configs `make` uses."""
     n = setup["processes"]
     env = dict(os.environ)
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch"]
+    # Through this interpreter: its `accelerate` console script need not sit beside it (pip --target installs).
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
     if setup["kind"] == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
         config = "cpu"
