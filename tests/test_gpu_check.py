@@ -137,15 +137,19 @@ def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp
 
 
 def test_preempt_ends_within_the_budget(tmp_path):
-    budget = 10
+    budget = 6
     proc = run([PYTHON, CHECK, "--device", "cpu", "--quick", "--steps", "preempt", "--budget", budget,
                 "--output_dir", tmp_path / "out"], recipe_env(tmp_path), timeout=120)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     (preempt,) = report["steps"]
-    # Too little time to stop and resume a run: the step fails, saying the budget stopped it, within the budget.
-    assert proc.returncode == 1 and report["verdict"].startswith("FAIL: preempt"), proc.output[-2000:]
-    assert preempt["status"] == "fail" and "--budget" in preempt["detail"], preempt
+    # Whatever this machine's speed: the step ends within the budget; where that was too little to stop and resume a
+    # run, it fails saying the budget stopped it.
     assert 0 < preempt["wall_seconds"] <= budget + 2, preempt
+    if preempt["status"] == "fail":
+        assert proc.returncode == 1 and report["verdict"].startswith("FAIL: preempt"), proc.output[-2000:]
+        assert "--budget" in preempt["detail"], preempt
+    else:
+        assert preempt["status"] == "pass" and proc.returncode == 0, proc.output[-2000:]
 
 
 def one_gpu_records() -> list[dict]:
