@@ -81,7 +81,7 @@ def train(processes: int, data: Path, output_dir: Path, args: list[str], threads
     """One fine-tune through `accelerate launch`, as a user would start it; returns its results.json."""
     import torch
 
-    launch = [str(Path(sys.executable).parent / "accelerate"), "launch"]
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]  # also where no venv holds it
     config, extra_env = launch_config(processes, torch.cuda.device_count())
     if config:
         launch += ["--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml")]

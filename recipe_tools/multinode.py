@@ -74,7 +74,7 @@ def read_hostfile(path: str) -> list[Host]:
 def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
     """The shell script one node runs. It stops its whole process tree when its stdin closes, i.e. when the launcher
     (or the ssh connection to it) goes away, so no training process outlives a stopped run."""
-    launch = [args.accelerate, "launch", "--config_file", args.config_file,
+    launch = [*shlex.split(args.accelerate), "launch", "--config_file", args.config_file,
               "--num_machines", str(len(hosts)), "--num_processes", str(sum(h.slots for h in hosts)),
               "--machine_rank", str(rank), "--main_process_ip", args.main_process_ip,
               "--main_process_port", str(args.main_process_port),
@@ -219,8 +219,11 @@ def parse_args(argv=None):
     parser.add_argument("--main_process_port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)),
                         help="rendezvous port on the main node (default: $MASTER_PORT or 29500)")
     parser.add_argument("--workdir", default=os.getcwd(), help="project folder on every node (default: this one)")
-    parser.add_argument("--accelerate", default=str(Path(sys.executable).parent / "accelerate"),
-                        help="accelerate executable on every node (default: the one beside this Python)")
+    script = Path(sys.executable).parent / "accelerate"  # absent where accelerate came with PYTHONPATH, not a venv
+    parser.add_argument("--accelerate", default=str(script) if script.exists() else
+                        f"{sys.executable} -m accelerate.commands.accelerate_cli",
+                        help="accelerate command on every node (default: the one beside this Python, else this Python "
+                             "with -m accelerate.commands.accelerate_cli)")
     parser.add_argument("--launch_args", default="",
                         help='extra `accelerate launch` flags, e.g. "--mixed_precision bf16"')
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
