@@ -13,7 +13,7 @@ import importlib
 # Each name is imported from its module on first use, so that `from accelerate_recipes.cli import ...` (a script's
 # --help) does not wait for torch to import.
 _EXPORTS = {
-    **dict.fromkeys(["Checkpoints"], "checkpoints"),
+    **dict.fromkeys(["Checkpoints", "model_to_save"], "checkpoints"),
     **dict.fromkeys(["PREEMPTED_EXIT_CODE", "RecipeError", "run"], "cli"),
     **dict.fromkeys(["StepGuard"], "guard"),
     **dict.fromkeys(["check_launch", "check_process_group", "cpu_precision", "cpu_threads_and_workers",

@@ -11,6 +11,10 @@ RNG states); this module decides where they go and makes each one appear only on
 A folder without checkpoint.json, or still named `.partial`, is a save that was interrupted: never resumed from, and
 deleted at the next start. Old checkpoints are renamed `.deleting` before they are deleted, for the same reason.
 On several nodes the output directory must be on a shared file system (the model is written by the main process only).
+
+A checkpoint does not depend on torch.compile: save_state writes the weights of the model as it was before prepare()
+wrapped it (or, under FSDP and DeepSpeed, under the names of that model), so a compiled run resumes without compiling
+and the other way round. The model saved for inference needs `model_to_save` for the same.
 """
 
 import json
@@ -21,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 
 from accelerate_recipes.cli import RecipeError
 
@@ -57,6 +62,19 @@ def read_progress(folder: Path) -> dict:
     except (OSError, ValueError) as err:
         raise RecipeError(f"checkpoint {folder} is damaged ({PROGRESS_FILE}: {err}); delete it, or resume from an "
                           "older one with --resume <its path>") from None
+
+
+def model_to_save(accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The prepared `model` as `accelerator.save_model` and `accelerator.get_state_dict` should get it, compiled or not.
+
+    prepare() wraps the model in torch.compile's module when asked (the recipe's --compile, or a launcher's
+    --dynamo_backend), and that wrapper would save every weight as `_orig_mod.<name>`, which a model rebuilt for
+    inference cannot load: it is taken off here, with DDP's. Under FSDP and DeepSpeed the model stays as prepared: their
+    full state dict gathers the shards, and already names the weights without that prefix.
+    """
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return model
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 def any_process_failed(accelerator, error: Exception | None) -> bool:

@@ -11,7 +11,7 @@
     log.epoch_done(evaluation)                          # after each evaluation: logged, and judged against the best
     if log.improved:                                    # the best so far: its weights go to output_dir/model_best
         with log.saving_best() as folder:
-            accelerator.save_model(model, folder)
+            accelerator.save_model(model_to_save(accelerator, model), folder)
     # the loop ends when log.finished: every step done, or --early_stopping_patience evaluations without improvement
 
 Only log and checkpoint steps read values back from the device (the loss means, the guard's flags, step times), so a

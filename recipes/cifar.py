@@ -50,6 +50,7 @@ from accelerate_recipes import (
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
+    model_to_save,
     num_machines,
     prepare_output_dir,
     print_summary,
@@ -471,7 +472,10 @@ def main(
         augment: random pad-4 crop and horizontal flip on training images.
         cutout: side of a random square erased from each training image (0: off); --loader device only.
         tta_flip: evaluate on each test image and its mirror image, averaging the logits.
-        compile: compile the model with torch.compile (inductor); the first steps take longer.
+        compile: compile the model with torch.compile (Accelerator(dynamo_backend="inductor"): prepare() wraps it);
+            the first steps and the first evaluation take longer while it compiles. The saved models hold the plain
+            ResNet's weights, which --predict and --eval_only load as any others, and a checkpoint resumes with or
+            without --compile.
         num_workers: DataLoader workers per process; default: the CPU cores per local process less one, at most 8;
             0 on the CPU, where torch's threads get the cores.
         log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
@@ -739,8 +743,8 @@ def main(
         state.last_eval, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
         seconds = log.epoch_done(state.last_eval)  # also judges it: log.improved, and early stopping's count
         if log.improved:  # the best accuracy so far: its weights go to output_dir/model_best, beside the last ones
-            with log.saving_best() as folder:
-                accelerator.save_model(net, folder)
+            with log.saving_best() as folder:  # model_to_save: the weights under their own names, compiled or not
+                accelerator.save_model(model_to_save(accelerator, net), folder)
                 if accelerator.is_main_process:
                     write_model_config(folder, model_config)
         if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
@@ -756,7 +760,7 @@ def main(
 
     # ---- save the model, what --predict and --eval_only need to rebuild it, and the run's results
     accelerator.wait_for_everyone()
-    accelerator.save_model(net, output)
+    accelerator.save_model(model_to_save(accelerator, net), output)
     if accelerator.is_main_process:
         write_model_config(output, model_config)
     results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started))

@@ -49,6 +49,7 @@ from accelerate_recipes import (
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
+    model_to_save,
     num_machines,
     prepare_output_dir,
     print_summary,
@@ -550,8 +551,9 @@ def main(
 
     def save_model(folder: Path) -> None:
         """The model as from_pretrained and --predict read it, with the tokenizer. Collective: every process calls it."""
-        state_dict = accelerator.get_state_dict(net)  # gathers the full weights under FSDP / DeepSpeed ZeRO-3
-        accelerator.unwrap_model(net).save_pretrained(
+        # gathers the full weights under FSDP / DeepSpeed ZeRO-3; model_to_save: their own names, compiled or not
+        state_dict = accelerator.get_state_dict(model_to_save(accelerator, net))
+        accelerator.unwrap_model(net, keep_torch_compile=False).save_pretrained(
             folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
         )
         if accelerator.is_main_process:

@@ -52,6 +52,7 @@ from accelerate_recipes import (
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
+    model_to_save,
     num_machines,
     prepare_output_dir,
     print_summary,
@@ -371,7 +372,10 @@ def main(
     net, opt, train_loader = accelerator.prepare(net, opt, train_loader)
     # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate() moves only the images.
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
-    ema = ModelEMA(accelerator.unwrap_model(net), ema_decay, ramp_steps=2000) if ema_decay else None
+    # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend adds one): its
+    # weights keep their own names in model.safetensors and in checkpoints.
+    unwrapped = accelerator.unwrap_model(net, keep_torch_compile=False)
+    ema = ModelEMA(unwrapped, ema_decay, ramp_steps=2000) if ema_decay else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
 
@@ -425,7 +429,7 @@ def main(
 
     def save_model(folder: Path) -> None:
         """The (EMA) weights and detector.json, as predict.py and --weights read them. Collective."""
-        accelerator.save_model(ema.module if ema is not None else net, folder)
+        accelerator.save_model(ema.module if ema is not None else model_to_save(accelerator, net), folder)
         if accelerator.is_main_process:
             (folder / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
 
@@ -468,7 +472,7 @@ def main(
                 continue
             scheduler.step()
             if ema is not None:
-                ema.update(accelerator.unwrap_model(net))
+                ema.update(unwrapped)
             if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
                 save_checkpoint()
             if log.finished:
