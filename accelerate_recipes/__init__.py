@@ -14,7 +14,8 @@ import importlib
 # --help) does not wait for torch to import.
 _EXPORTS = {
     **dict.fromkeys(["Checkpoints", "model_to_save"], "checkpoints"),
-    **dict.fromkeys(["PREEMPTED_EXIT_CODE", "RecipeError", "run"], "cli"),
+    **dict.fromkeys(["run"], "cli"),
+    **dict.fromkeys(["PREEMPTED_EXIT_CODE", "Preempted", "RecipeError", "first_line"], "errors"),
     **dict.fromkeys(["StepGuard"], "guard"),
     **dict.fromkeys(["check_launch", "check_process_group", "cpu_precision", "cpu_threads_and_workers",
                      "default_num_workers", "describe_launch", "explain_startup_failure", "num_machines",

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import DistributedType
 
-from accelerate_recipes.cli import RecipeError
+from accelerate_recipes.errors import RecipeError
 
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_FILE = "checkpoint.json"
@@ -101,8 +101,14 @@ class Checkpoints:
     def resolve(self, resume: str | None) -> Path | None:
         """The checkpoint `--resume` names: None (start fresh), "auto" (the newest complete one, if any) or a path.
 
-        Starting fresh where checkpoints of an earlier run exist would rotate them away, so that is refused.
+        Starting fresh where checkpoints of an earlier run exist would rotate them away, so that is refused. Once the
+        choice stands, what interrupted saves left is deleted, before this run saves anything. Collective.
         """
+        chosen = self._choose(resume)
+        self.remove_partial()
+        return chosen
+
+    def _choose(self, resume: str | None) -> Path | None:
         choice = None if resume is None else str(resume).strip()
         if choice in (None, "", "none", "None", "False", "false"):
             newest = self.newest()
@@ -146,7 +152,7 @@ class Checkpoints:
 
     def remove_partial(self) -> None:
         """Delete what interrupted saves and deletions left: every folder that is not a complete checkpoint
-        (main process; call before the first save: TrainLog does)."""
+        (main process; resolve() calls it before the run's first save)."""
         if self.accelerator.is_main_process and self.directory.is_dir():
             for folder in self.directory.iterdir():
                 if folder.is_dir() and not is_complete(folder):

@@ -16,14 +16,7 @@ from pathlib import Path
 import fire
 from tqdm.std import tqdm  # every bar, whatever its front end, is listed in tqdm.std.tqdm._instances
 
-
-# EX_TEMPFAIL from sysexits.h, "temporary failure, the user is invited to retry": a run stopped by SIGTERM or SIGUSR1
-# after saving a checkpoint exits with it, so a job script can tell "requeue me" from a failure.
-PREEMPTED_EXIT_CODE = 75
-
-
-class RecipeError(Exception):
-    """A problem the user can fix. Printed as one line (cause and fix), without a traceback."""
+from accelerate_recipes.errors import PREEMPTED_EXIT_CODE, Preempted, RecipeError, first_line  # noqa: F401 (re-exported)
 
 
 def address_in_use(err: Exception) -> bool:
@@ -37,10 +30,6 @@ def port_in_use(address: str, port) -> RecipeError:
         f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick another with "
         f"--main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
     )
-
-
-class Preempted(Exception):
-    """The run stopped on a signal after saving a checkpoint; the message says where and how to continue."""
 
 
 def _drop_legacy_local_rank(argv: list[str]) -> list[str]:

@@ -20,7 +20,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from accelerate_recipes.cli import Preempted, RecipeError
+from accelerate_recipes.errors import Preempted, RecipeError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _NO_BAD_STEP = 2**62  # "no non-finite loss yet"

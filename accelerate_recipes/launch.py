@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from accelerate_recipes.cli import RecipeError, address_in_use, port_in_use
+from accelerate_recipes.cli import address_in_use, port_in_use
+from accelerate_recipes.errors import RecipeError
 from accelerate_recipes.sharding import check_accumulation, check_skip_nonfinite, set_gradient_clipping, shard_on_cpu
 
 

@@ -96,7 +96,7 @@ class TrainLog:
         improves when it is strictly better than every earlier one. early_stopping_patience: end the run after that
         many evaluations in a row without improvement (0: never)."""
         from accelerate_recipes.checkpoints import recover_folder
-        from accelerate_recipes.cli import RecipeError
+        from accelerate_recipes.errors import RecipeError
         from accelerate_recipes.guard import StepGuard
         from accelerate_recipes.meter import StepMeter
         from accelerate_recipes.results import MetricsLog
@@ -119,7 +119,6 @@ class TrainLog:
                                   resume_step=state.step if resumed_from else None)
         if resumed_from:
             accelerator.print(f"resumed from {resumed_from}: {state.describe(total_steps)}")
-        checkpoints.remove_partial()  # what interrupted saves left, before this run saves anything
         self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
         self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
         self.progress = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
@@ -197,7 +196,7 @@ class TrainLog:
         return seconds
 
     def _judge(self, evaluation: dict) -> None:
-        from accelerate_recipes.cli import RecipeError
+        from accelerate_recipes.errors import RecipeError
 
         name, state = self.metric_for_best_model, self.state
         if name not in evaluation:

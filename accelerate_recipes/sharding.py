@@ -6,7 +6,7 @@ import os
 from accelerate import PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
 
-from accelerate_recipes.cli import RecipeError
+from accelerate_recipes.errors import RecipeError
 
 
 def _asked_for(variable: str) -> bool:
@@ -38,10 +38,14 @@ def shard_on_cpu(accelerator) -> None:
         plugin.set_mixed_precision(precision)  # DeepSpeed casts itself: no autocast around the model
         plugin.select(_from_accelerator_state=True)
         accelerator.state.deepspeed_plugins = plugin
+        # Private state (accelerate 1.15): no public call changes the precision after Accelerator() is built, and
+        # DeepSpeed casts the model itself, so accelerate's autocast must be off, as its __init__ sets it on GPUs.
         accelerator.state._mixed_precision = "no"
         accelerator.native_amp = False
         kind = DistributedType.DEEPSPEED
-    # Both shared states, as accelerate sets them on GPUs: AcceleratorState() re-reads PartialState's type.
+    # Both shared states, as accelerate sets them on GPUs: AcceleratorState() re-reads PartialState's type. accelerate
+    # 1.15 decides the type once, from the launcher's variables, and has no public setter; on a CPU it never picks
+    # FSDP or DeepSpeed, so the type the plugin needs is written here.
     accelerator.state.distributed_type = PartialState().distributed_type = kind
 
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 
-from accelerate_recipes.cli import RecipeError
+from accelerate_recipes.errors import RecipeError
 
 SWANLAB_MODES = ("online", "cloud", "offline", "local", "disabled")
 SWANLAB_API_HOST = "https://api.swanlab.cn"  # SwanLab's default; SWANLAB_API_HOST points it at a private server

@@ -50,6 +50,7 @@ from accelerate_recipes import (
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
+    first_line,
     model_to_save,
     num_machines,
     prepare_output_dir,
@@ -117,7 +118,7 @@ def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify:
         train = dataset_cls(str(root), train=True, transform=train_tf, download=download)
         test = dataset_cls(str(root), train=False, transform=test_tf, download=False)
     except Exception as err:  # torchvision raises RuntimeError, URLError, OSError or pickle errors here
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = first_line(err)
         raise RecipeError(
             f"{name} not found or corrupt in {root / folder} ({reason}); download {url.rsplit('/', 1)[1]} from {url} "
             f"into {root} (it is unpacked on the next run), point --data_dir at a copy, "
@@ -211,7 +212,7 @@ def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
             # Written to a temporary file and moved into place once its SHA-256 matches the name's prefix.
             torch.hub.download_url_to_file(weights.url, str(file), hash_prefix=sha256_prefix(file.name), progress=False)
         except Exception as err:  # URLError, OSError, or the RuntimeError of a hash mismatch
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            reason = first_line(err)
             raise RecipeError(f"--pretrained could not download {file.name} ({reason}); {place}") from None
         finally:
             socket.setdefaulttimeout(previous_timeout)

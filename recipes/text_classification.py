@@ -49,6 +49,7 @@ from accelerate_recipes import (
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
+    first_line,
     model_to_save,
     num_machines,
     prepare_output_dir,
@@ -91,7 +92,7 @@ def load_file(path: str, split: str, cache_dir: str | None, flag: str | None = N
         return datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
                                      cache_dir=cache_dir, **options)
     except Exception as err:  # pyarrow / pandas parse errors of every kind
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = first_line(err)
         raise RecipeError(f"could not read {flag} {path} as {builder} ({reason}); check the file's format") from None
 
 
@@ -110,7 +111,7 @@ def load_text_data(task, train_file, validation_file, text_column, text_pair_col
         try:
             glue = datasets.load_dataset("nyu-mll/glue", task, cache_dir=cache_dir)
         except Exception as err:  # offline, hub errors, a missing cache
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            reason = first_line(err)
             raise RecipeError(
                 f"could not load GLUE {task} from the Hugging Face Hub ({reason}); connect once to download it "
                 "(it is cached under ~/.cache/huggingface/datasets), or train on your own files with "
@@ -171,7 +172,7 @@ def explain_load_failure(name: str):
     try:
         yield
     except (OSError, ValueError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = first_line(err)
         raise RecipeError(
             f"could not load --model {name!r} ({reason}); give a local directory with config.json, the weights and the "
             "tokenizer files, or a Hugging Face Hub name while online (it is cached under ~/.cache/huggingface)"
