@@ -249,12 +249,15 @@ class Audit:
 
 
 def _short(filename: str) -> str:
-    """A path relative to the checkout, or from site-packages on, for the report."""
+    """From site-packages on for a library (also where the venv sits inside the checkout), else relative to the
+    checkout, for the report."""
+    marker = "site-packages" + os.sep
+    if marker in filename:
+        return filename.split(marker, 1)[1]
     try:
         return str(Path(filename).resolve().relative_to(REPO))
     except ValueError:
-        marker = "site-packages" + os.sep
-        return filename.split(marker, 1)[1] if marker in filename else filename
+        return filename
 
 
 # -------------------------------------------------------------------------------------------- flags of the run
