@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, fails_with, read_results, recipe_env, run)
+from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, fails_with, free_port, read_results, recipe_env,
+                      run)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -91,6 +92,7 @@ def test_eval_only_gives_the_same_accuracy_on_one_and_two_processes(trained, tmp
     env = recipe_env(tmp_path)
     one = check(run([PYTHON, CIFAR_SCRIPT, *common, "--output_dir", tmp_path / "one"], env, timeout=120))
     check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+               "--main_process_port", free_port(),
                "--num_cpu_threads_per_process", "1", CIFAR_SCRIPT, *common, "--output_dir", tmp_path / "two"],
               dict(env, ACCELERATE_USE_CPU="true"), timeout=180))
     r1, r2 = read_results(tmp_path / "one"), read_results(tmp_path / "two")

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, check_png, fails_with, losses, read_metrics,
-                      read_results, recipe_env, run, write_cifar10)
+from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, check_png, fails_with, free_port, losses,
+                      read_metrics, read_results, recipe_env, run, write_cifar10)
 from safetensors.torch import load_file
 
 from accelerate_recipes.plots import read_confusion_matrix_csv
@@ -101,6 +101,7 @@ def test_two_processes_match_one_process(tmp_path):
     check(run([PYTHON, CIFAR_SCRIPT, *COMPARE, "--output_dir", tmp_path / "one"], env))
     two = check(run(
         [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
+         "--main_process_port", free_port(),
          "--num_cpu_threads_per_process", "1", CIFAR_SCRIPT, *COMPARE, "--output_dir", tmp_path / "two"],
         dict(env, ACCELERATE_USE_CPU="true"),
     ))

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import (ACCELERATE, CONFIGS, PYTHON, REPO, check, check_png, fails_with, losses, read_results, recipe_env,
-                      run)
+from conftest import (ACCELERATE, CONFIGS, PYTHON, REPO, check, check_png, fails_with, free_port, losses, read_results,
+                      recipe_env, run)
 from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
 
@@ -83,6 +83,7 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     # --weights model_best on one process: the same weights as the final model (the run's one evaluation was the best)
     one = check(run([PYTHON, TRAIN, *common, "--weights", model / "model_best", "--output_dir", tmp_path / "one"], env))
     two = check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
+                     "--main_process_port", free_port(),
                      "--num_cpu_threads_per_process", 1, TRAIN, *common, "--weights", model, "--output_dir",
                      tmp_path / "two"], env, timeout=400))
     a, b = read_results(tmp_path / "one"), read_results(tmp_path / "two")

@@ -12,6 +12,7 @@ from conftest import (
     TEXT_SCRIPT,
     check,
     fails_with,
+    free_port,
     recipe_env,
     run,
     sentiment_rows,
@@ -69,6 +70,7 @@ def test_two_gloo_processes_each_write_their_audit(tmp_path):
     out = tmp_path / "out"
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
     proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
+                "--main_process_port", free_port(),
                 "--num_cpu_threads_per_process", 1, AUDIT, REPO / "recipes" / "cifar.py", "--dataset", "synthetic",
                 "--synthetic_size", 320, "--batch_size", 32, *QUIET, "--output_dir", out], env, timeout=400)
     for name in ("host_reads.json", "host_reads.rank1.json"):

@@ -41,8 +41,8 @@ from accelerate_recipes.checkpoints import is_complete
 DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
 COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1"]
 # Two epochs, a checkpoint every 2 steps: a kill lands mid-epoch with several checkpoints behind it.
-CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "80", "--batch_size", "8", "--epochs", "2",
-         "--checkpoint_every", "2", *COMMON]  # 10 steps per epoch
+CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "48", "--batch_size", "8", "--epochs", "2",
+         "--checkpoint_every", "2", *COMMON]  # 6 steps per epoch
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def uninterrupted(data, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name, kill_after", [("cifar", 12), ("text", 30), ("detect", 8)])
+@pytest.mark.parametrize("name, kill_after", [("cifar", 8), ("text", 30), ("detect", 8)])
 def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kill_after, data, uninterrupted, tmp_path):
     out, log = tmp_path / "out", tmp_path / "killed.log"
     env = recipe_env(tmp_path)
@@ -170,7 +170,7 @@ def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(tmp_pa
     marked = dict(env, RESUME_TEST_RUN=str(tmp_path))
     proc = start([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", out], marked, log)
     try:
-        wait_for_checkpoint(proc, out, 8, log)
+        wait_for_checkpoint(proc, out, 4, log)  # mid-epoch 1
         rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
         assert rank1, "rank 1 not found"
         os.kill(rank1[0], signal.SIGKILL)
@@ -191,11 +191,11 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted,
     env = recipe_env(tmp_path)
     stopping = [PYTHON, *CIFAR, "--checkpoint_every", "0"]  # epoch ends only: the SIGTERM save is the one mid-epoch
     proc = start([*stopping, "--output_dir", out], env, log)
-    wait_for_checkpoint(proc, out, 10, log)  # the end of epoch 1
+    wait_for_checkpoint(proc, out, 6, log)  # the end of epoch 1
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE, log.read_text()[-3000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert saved[-1] > "step_00000010", saved  # a new checkpoint, after the epoch-end one
+    assert saved[-1] > "step_00000006", saved  # a new checkpoint, after the epoch-end one
     stop_line = [line for line in log.read_text().splitlines() if line.startswith("stopped:")]
     assert stop_line and "SIGTERM at step" in stop_line[0] and "--resume auto" in stop_line[0]
 
@@ -211,16 +211,16 @@ def test_half_written_checkpoints_are_skipped_and_cleared(uninterrupted, tmp_pat
     checkpoints = out / "checkpoints"
     newest_complete = sorted(checkpoints.iterdir())[-1]
     # A crash inside save_state leaves a `.partial` folder; a folder without checkpoint.json is no checkpoint either.
-    shutil.copytree(newest_complete, checkpoints / "step_00000021.partial")
-    (checkpoints / "step_00000021.partial" / "checkpoint.json").unlink()
-    shutil.copytree(newest_complete, checkpoints / "step_00000022")
-    (checkpoints / "step_00000022" / "checkpoint.json").unlink()
-    (checkpoints / "step_00000022" / "model.safetensors").write_bytes(b"cut short")
+    shutil.copytree(newest_complete, checkpoints / "step_00000013.partial")
+    (checkpoints / "step_00000013.partial" / "checkpoint.json").unlink()
+    shutil.copytree(newest_complete, checkpoints / "step_00000014")
+    (checkpoints / "step_00000014" / "checkpoint.json").unlink()
+    (checkpoints / "step_00000014" / "model.safetensors").write_bytes(b"cut short")
 
     proc = check(run([PYTHON, *CIFAR, "--output_dir", out, "--resume", "auto"], recipe_env(tmp_path), timeout=300))
     assert f"resumed from {newest_complete}" in proc.stdout
     assert read_results(out)["resumed_from"] == str(newest_complete)
-    assert not (checkpoints / "step_00000021.partial").exists() and not (checkpoints / "step_00000022").exists()
+    assert not (checkpoints / "step_00000013.partial").exists() and not (checkpoints / "step_00000014").exists()
 
 
 def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -246,9 +246,9 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp
 def test_keep_checkpoints_rotates_and_a_second_fresh_start_is_refused(uninterrupted, tmp_path):
     reference = uninterrupted("cifar")
     saved = sorted(p.name for p in (reference / "checkpoints").iterdir())
-    assert saved == ["step_00000018", "step_00000020"]  # the newest two of 20 steps
+    assert saved == ["step_00000010", "step_00000012"]  # the newest two of 12 steps
     progress = json.loads((reference / "checkpoints" / saved[-1] / "checkpoint.json").read_text())
-    assert (progress["step"], progress["epoch"], progress["batches_done"]) == (20, 2, 0)
+    assert (progress["step"], progress["epoch"], progress["batches_done"]) == (12, 2, 0)
 
     out = tmp_path / "out"
     shutil.copytree(reference, out)

@@ -1,6 +1,7 @@
 """The scaling report runs the CIFAR recipe on 1 and 2 gloo processes and reports what was measured."""
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -14,10 +15,18 @@ def measured_step_seconds(run_dir, warmup):
     return statistics.fmean(r["perf/step_seconds"] for r in steps if "perf/step_seconds" in r and r["step"] > warmup)
 
 
-def test_cpu_one_vs_two_processes_table_chart_and_ring_prediction(tmp_path):
-    out = tmp_path / "scaling"
+@pytest.fixture(scope="module")
+def one_vs_two(tmp_path_factory):
+    """One scaling run on 1 and 2 gloo processes, read by the report test and re-run by the fresh-start test."""
+    tmp = tmp_path_factory.mktemp("scaling")
+    out = tmp / "scaling"
     proc = check(run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,cpu:2", "--per_device_batch", 4, "--steps", 5,
-                      "--warmup", 2, "--output_dir", out], recipe_env(tmp_path), timeout=600))
+                      "--warmup", 2, "--output_dir", out], recipe_env(tmp), timeout=600))
+    return out, proc
+
+
+def test_cpu_one_vs_two_processes_table_chart_and_ring_prediction(one_vs_two):
+    out, proc = one_vs_two
     rows = {row["setup"]: row for row in json.loads((out / "scaling.json").read_text())["rows"]}
     assert set(rows) == {"cpu-1", "cpu-2"}
     one, two = rows["cpu-1"], rows["cpu-2"]
@@ -60,13 +69,13 @@ def test_report_names_what_is_missing_and_bad_setups(tmp_path):
     fails_with(run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,ids:0,4"], recipe_env(tmp_path)), "mix of cpu and gpu")
 
 
-def test_scaling_run_again_in_the_same_folder_starts_fresh(tmp_path):
+def test_scaling_run_again_in_the_same_folder_starts_fresh(one_vs_two, tmp_path):
     # The recipe refuses to start over an earlier run's checkpoints; a benchmark re-run must not trip over that.
     out = tmp_path / "scaling"
+    shutil.copytree(one_vs_two[0], out)  # a finished run's folder, checkpoints and all
+    first = (out / "cpu-1" / "results.json").stat().st_mtime_ns
     command = [PYTHON, SCRIPT, "run", "--setups", "cpu:1", "--per_device_batch", 4,
                "--steps", 3, "--warmup", 1, "--output_dir", out]
-    check(run(command, recipe_env(tmp_path), timeout=300))
-    first = (out / "cpu-1" / "results.json").stat().st_mtime_ns
     check(run(command, recipe_env(tmp_path), timeout=300))
     assert (out / "cpu-1" / "results.json").stat().st_mtime_ns > first
     assert json.loads((out / "scaling.json").read_text())["rows"][0]["setup"] == "cpu-1"

@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 import accelerate_recipes
-from conftest import (ACCELERATE, CONFIGS, PYTHON, REPO, check, read_results, recipe_env, run, sentiment_rows,
-                      tiny_bert, write_cifar10, write_rows)
+from conftest import (ACCELERATE, CONFIGS, PYTHON, REPO, check, free_port, read_results, recipe_env, run,
+                      sentiment_rows, tiny_bert, write_cifar10, write_rows)
 
 RECIPES = REPO / "recipes"
 LIBRARY = Path(accelerate_recipes.__file__).resolve().parent
@@ -66,7 +66,7 @@ def check_isolated(folder: Path, env: dict) -> None:
 
 
 def launch(folder: Path, env: dict, script: str, *args, timeout=300):
-    cmd = [ACCELERATE, "launch", "--config_file", "cpu.yaml", "--num_processes", 2,
+    cmd = [ACCELERATE, "launch", "--config_file", "cpu.yaml", "--num_processes", 2, "--main_process_port", free_port(),
            "--num_cpu_threads_per_process", 1, script, *args]
     return check(run(cmd, env, timeout=timeout, cwd=folder))
 
