@@ -268,7 +268,6 @@ def read_texts(source, text_column: str, text_pair_column: str | None) -> list[t
     return texts
 
 
-@torch.no_grad()
 def check_fine_tuned(model_dir: str) -> None:
     if not (Path(model_dir) / "config.json").is_file():
         raise RecipeError(f"--model {model_dir} is not a fine-tuned model directory (no config.json); train first "
@@ -283,6 +282,7 @@ def check_labels(model_dir: str, label_names: list[str]) -> None:
                           f"{label_names[:10]}; evaluate it with the data flags of its training run")
 
 
+@torch.no_grad()  # inference only: no graph kept for a backward pass
 def predict_texts(model_dir: str, source, text_column: str, text_pair_column: str | None, max_length: int, batch_size: int):
     """Classify texts with a fine-tuned model and print one JSON line per text: text, label, score."""
     check_fine_tuned(model_dir)
