@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,20 @@ def fails_with(proc, *fragments) -> str:
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
     return errors[0]
+
+
+def stopped_with(proc, out, *fragments) -> list[str]:
+    """A multi-process run stopped before writing results, with the one-line error holding every fragment.
+
+    Every rank finds the same fault; the launcher stops the others as soon as one exits, so which ranks get to print
+    their line ("error: ..." on rank 0, "error (rank 1): ..." elsewhere) is a race: each line that did must hold them.
+    """
+    assert proc.returncode != 0 and not (Path(out) / "results.json").exists(), proc.output[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if re.match(r"error( \(rank \d+\))?: ", line)]
+    assert errors, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert all(fragment in line for line in errors), (fragment, errors)
+    return errors
 
 
 def read_results(output_dir: Path) -> dict:

@@ -1,7 +1,6 @@
 """FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 run the text recipe for real on 2 CPU processes over gloo, launched with the shipped
 fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains with the same flags."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from conftest import (
     recipe_env,
     run,
     sentiment_rows,
+    stopped_with,
     tiny_bert,
     write_rows,
 )
@@ -65,15 +65,6 @@ def ddp(data):
 @pytest.fixture(scope="module")
 def fsdp(data):
     return launch(data, "fsdp", "fsdp.yaml")[1]
-
-
-def stopped_with(proc, out, fragment):
-    """Both processes stopped before training with the one-line error (the launcher adds its own report)."""
-    assert proc.returncode != 0 and not (out / "results.json").exists()
-    # Every rank finds the same fault; the launcher stops the others as soon as one exits, so which ranks get to print
-    # their line ("error: ..." on rank 0, "error (rank 1): ..." elsewhere) is a race.
-    errors = [line for line in proc.stderr.splitlines() if re.match(r"error( \(rank \d+\))?: ", line)]
-    assert errors and all(fragment in line for line in errors), proc.stderr[-3000:]
 
 
 def assert_same_losses(run_dir, reference, tolerance=TOLERANCE):

@@ -7,10 +7,8 @@ but, at 3 or 4, stop every run at its first step or name the wrong step. Runs ar
 share 2 cores here.
 """
 
-import re
-
 from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, TEXT_SCRIPT, check, free_port, losses, read_results,
-                      recipe_env, run, sentiment_rows, tiny_bert, write_rows)
+                      recipe_env, run, sentiment_rows, stopped_with, tiny_bert, write_rows)
 
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
@@ -26,28 +24,23 @@ def launch(processes: int, command: list, out, tmp_path):
                 "--output_dir", out], recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=400)
 
 
-def stopped_with(proc, out, *fragments) -> list[str]:
-    """The run stopped with the one-line error on the ranks that printed before the launcher stopped the others."""
-    assert proc.returncode != 0 and not (out / "results.json").exists(), proc.output[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if re.match(r"error( \(rank \d+\))?: ", line)]
-    assert errors, proc.stderr[-3000:]
-    for fragment in fragments:
-        assert all(fragment in line for line in errors), (fragment, errors)
-    return errors
+def assert_every_step_checked(proc, out, world: int, steps: int, global_batch: int, per_process: int) -> dict:
+    """The run on WORLD processes reached its last step with the guard agreeing at each (--log_every 1), and split
+    --batch_size, the global batch, as promised; returns its results."""
+    results = read_results(out)
+    assert results["world_size"] == world and results["distributed_type"] == "MULTI_CPU"
+    assert results["steps"] == steps and sorted(losses(out)) == list(range(1, steps + 1))
+    assert "not finite" not in proc.output
+    assert (results["global_batch_size"], results["per_process_batch_size"]) == (global_batch, per_process)
+    assert results["samples_seen_per_process"] == [steps * per_process] * world
+    assert f"global batch {global_batch} = {world} process(es) x {per_process} per process" in proc.stdout
+    return results
 
 
 def test_cifar_on_3_processes_runs_every_step_and_counts_each_test_image_once(tmp_path):
     out = tmp_path / "out"
     proc = check(launch(3, [*CIFAR, "--batch_size", "24", "--max_steps", "3"], out, tmp_path))
-    results = read_results(out)
-    assert results["world_size"] == 3 and results["distributed_type"] == "MULTI_CPU"
-    # The guard agreed on its flags at every step (--log_every 1) and let the run reach its last one.
-    assert results["steps"] == 3 and sorted(losses(out)) == [1, 2, 3]
-    assert "not finite" not in proc.output
-    # --batch_size is the global batch: 24 = 3 processes x 8.
-    assert (results["global_batch_size"], results["per_process_batch_size"]) == (24, 8)
-    assert results["samples_seen_per_process"] == [3 * 8] * 3
-    assert "global batch 24 = 3 process(es) x 8 per process" in proc.stdout
+    results = assert_every_step_checked(proc, out, world=3, steps=3, global_batch=24, per_process=8)
     # 20 test images on 3 processes: the shard padded to 7 is gathered back to 20, each image once.
     assert results["eval_samples"] == results["test_size"] == 20
     assert sum(map(sum, read_confusion_matrix_csv(out / "confusion_matrix.csv")[1])) == 20
@@ -61,14 +54,8 @@ def test_text_on_4_processes_runs_every_step_and_counts_each_validation_example_
     proc = check(launch(4, [TEXT_SCRIPT, "--model", model, "--train_file", train, "--validation_file", validation,
                             "--batch_size", "16", "--epochs", "1", "--lr", "3e-3", "--tracker", "none",
                             "--num_workers", "0", "--log_every", "1", "--checkpoint_every", "0"], out, tmp_path))
-    results = read_results(out)
-    assert results["world_size"] == 4 and results["distributed_type"] == "MULTI_CPU"
     # 48 rows at a global batch of 16: 3 steps, every one checked by the guard and none stopped.
-    assert results["steps"] == 3 and sorted(losses(out)) == [1, 2, 3]
-    assert "not finite" not in proc.output
-    assert (results["global_batch_size"], results["per_process_batch_size"]) == (16, 4)
-    assert results["samples_seen_per_process"] == [3 * 4] * 4
-    assert "global batch 16 = 4 process(es) x 4 per process" in proc.stdout
+    results = assert_every_step_checked(proc, out, world=4, steps=3, global_batch=16, per_process=4)
     assert results["eval_samples"] == results["validation_size"] == 63
 
 
