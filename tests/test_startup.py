@@ -63,8 +63,9 @@ def test_gpu_ids_that_do_not_exist_are_named(tmp_path):
                 "--num_cpu_threads_per_process", "1", "--main_process_port", free_port(), CIFAR_SCRIPT, *TINY,
                 "--output_dir", tmp_path / "out"], recipe_env(tmp_path), timeout=180)
     assert proc.returncode != 0
+    # Each rank checks on its own; the first to exit makes the launcher stop the other, so one or two lines come out.
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 2 and all("CUDA_VISIBLE_DEVICES=0,7" in e and "nvidia-smi -L" in e for e in errors), errors
+    assert 1 <= len(errors) <= 2 and all("CUDA_VISIBLE_DEVICES=0,7" in e and "nvidia-smi -L" in e for e in errors), errors
 
 
 def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_with_one_checkpoint(tmp_path):
