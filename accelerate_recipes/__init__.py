@@ -2,7 +2,8 @@
 
 The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
 this package holds only the plumbing they would otherwise copy: command-line entry, launch checks (check_launch),
-tracker set-up, the run's position (RunState) and the bookkeeping after each step (TrainLog), a throughput meter, the
+tracker set-up, the run's position (RunState), the bookkeeping after each step (TrainingProgress) and the judge of the best model
+(BestModel), a throughput meter, the
 results.json writer, the run's pictures (accelerate_recipes.plots: results.png, confusion matrices), atomic checkpoint
 folders, sharding set-up, seeded augmentation and the stop-signal / NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor,
 hostfile launcher, topology) are the recipe_tools package.
@@ -20,8 +21,9 @@ _EXPORTS = {
     **dict.fromkeys(["check_launch", "check_process_group", "cpu_precision", "cpu_threads_and_workers",
                      "default_num_workers", "describe_launch", "explain_startup_failure", "num_machines",
                      "per_process_batch_size", "prepare_output_dir"], "launch"),
-    **dict.fromkeys(["RunState", "TrainLog"], "loop"),
+    **dict.fromkeys(["BestModel", "RunState", "TrainingProgress"], "loop"),
     **dict.fromkeys(["StepMeter", "peak_memory_mb"], "meter"),
+    **dict.fromkeys(["TrainingFlags"], "flags"),
     **dict.fromkeys(["MetricsLog", "print_summary", "run_facts", "write_results"], "results"),
     **dict.fromkeys(["check_accumulation", "check_skip_nonfinite", "set_gradient_clipping", "setup_fsdp"],
                     "sharding"),

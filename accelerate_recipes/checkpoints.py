@@ -32,6 +32,8 @@ from accelerate_recipes.errors import RecipeError
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_FILE = "checkpoint.json"
 PARTIAL_SUFFIX = ".partial"
+BEST_DIR = "model_best"  # output_dir/model_best: the model of the best evaluation, saved like the final one
+BEST_RECORD = "best.json"  # in it, written last: which metric, its value, the epoch and step
 DELETING_SUFFIX = ".deleting"
 # Settings that must match for a checkpoint to continue the same run.
 MUST_MATCH = ("recipe", "model", "global_batch_size", "gradient_accumulation_steps")
@@ -102,10 +104,18 @@ class Checkpoints:
         """The checkpoint `--resume` names: None (start fresh), "auto" (the newest complete one, if any) or a path.
 
         Starting fresh where checkpoints of an earlier run exist would rotate them away, so that is refused. Once the
-        choice stands, what interrupted saves left is deleted, before this run saves anything. Collective.
+        choice stands, the output folder is made ready for this run, before it saves anything: what interrupted saves
+        left is deleted (model_best/ put back whole), and metrics.jsonl starts empty or keeps the rows up to the
+        checkpoint's step. Collective.
         """
+        from accelerate_recipes.results import restart_metrics
+
         chosen = self._choose(resume)
         self.remove_partial()
+        if self.accelerator.is_main_process:
+            recover_folder(self.accelerator, self.directory.parent / BEST_DIR, BEST_RECORD)
+            restart_metrics(self.directory.parent, read_progress(chosen).get("step") if chosen else None)
+        self.accelerator.wait_for_everyone()
         return chosen
 
     def _choose(self, resume: str | None) -> Path | None:

@@ -2,6 +2,7 @@
 
 import ast
 import copy
+import dataclasses
 import difflib
 import inspect
 import os
@@ -97,6 +98,46 @@ def _flags(main) -> dict[str, tuple[inspect.Parameter, str]]:
 
 def _takes_any_flag(main) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(main).parameters.values())
+
+
+def flags_class(main):
+    """The dataclass of flags `main(args)` takes (its one parameter's annotation), or None for a `main(**flags)`."""
+    params = list(inspect.signature(main).parameters.values())
+    if len(params) != 1 or params[0].kind in (params[0].VAR_POSITIONAL, params[0].VAR_KEYWORD):
+        return None
+    hint = _annotations(main).get(params[0].name)
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def as_command(main):
+    """What the command line calls: `main` itself, or for `main(args: SomeFlags)` a function whose parameters are the
+    dataclass's fields (the recipe's own first, then the shared ones) and whose docstring documents each field with
+    the text of the most derived class that documents it; calling it builds the dataclass and calls `main`."""
+    cls = flags_class(main)
+    if cls is None:
+        return main
+    hints = typing.get_type_hints(cls)
+    docs, text = {}, ""
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        own_text, own_docs = parse_arg_docs(klass.__doc__ if "__doc__" in vars(klass) else None)
+        docs.update(own_docs)
+        text = own_text or text
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    fields = dataclasses.fields(cls)
+    ordered = [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
+    params = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[f.name],
+                                default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+              for f in ordered]
+
+    def command(**values):
+        return main(cls(**values))
+
+    command.__name__ = command.__qualname__ = main.__name__
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {f.name: hints[f.name] for f in ordered}
+    args = "\n".join(f"    {f.name}: {docs[f.name]}" for f in ordered if f.name in docs)
+    command.__doc__ = f"{text}\n\nArgs:\n{args}\n"
+    return command
 
 
 TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -290,7 +331,7 @@ def _help_for(main, prog: str, argv: list[str]) -> str | None:
         if argv[0] not in main:
             return None
         prog, main, argv = f"{prog} {argv[0]}", main[argv[0]], argv[1:]
-    return format_help(main, prog) if wants_help(argv) else None
+    return format_help(as_command(main), prog) if wants_help(argv) else None
 
 
 def _commands_in_source(source: str) -> dict | None:
@@ -313,6 +354,9 @@ def _commands_in_source(source: str) -> dict | None:
         names = {k.value: v.id for k, v in zip(target.keys, target.values)}
     else:
         return None
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    # A flags dataclass is rebuilt with what its definition may use: dataclass, field and the shared flags.
+    preamble = ast.parse("from dataclasses import dataclass, field\nfrom accelerate_recipes.flags import TrainingFlags").body
     commands = {}
     for key, name in names.items():
         node = functions[name]
@@ -320,7 +364,9 @@ def _commands_in_source(source: str) -> dict | None:
         body = [ast.Expr(ast.Constant(doc))] if doc is not None else []
         stub = copy.copy(node)
         stub.body, stub.decorator_list, stub.returns = body + [ast.Pass()], [], None
-        module = ast.fix_missing_locations(ast.Module(body=[stub], type_ignores=[]))
+        annotations = {arg.annotation.id for arg in node.args.args if isinstance(arg.annotation, ast.Name)}
+        flag_classes = [classes[n] for n in annotations if n in classes]
+        module = ast.fix_missing_locations(ast.Module(body=preamble + flag_classes + [stub], type_ignores=[]))
         namespace: dict = {}
         exec(compile(module, "<signature>", "exec"), namespace)  # names the script defines raise NameError here
         commands[key] = namespace[name]
@@ -368,6 +414,7 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
             if argv[0] not in main:
                 raise RecipeError(f"unknown command {argv[0]!r}; choose one of: {', '.join(main)}")
             prog, main, argv = f"{prog} {argv[0]}", main[argv[0]], argv[1:]
+        main = as_command(main)
         argv = prepare_argv(main, expand_preset(argv, presets or {}))
         fire.Fire(main, command=argv, name=prog)
         _exit_after_distributed_run()

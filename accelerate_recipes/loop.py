@@ -1,18 +1,20 @@
-"""The bookkeeping around a recipe's training loop: where the run is, and what happens after each optimizer step.
+"""The bookkeeping around a recipe's training loop: where the run is (RunState), what follows each optimizer step
+(TrainingProgress), and which evaluation was the best (BestModel).
 
     state = RunState(accelerator.device, ("loss",))
     accelerator.register_for_checkpointing(state)       # save_state / load_state carry the position
-    log = TrainLog(accelerator, state, output_dir, ...)  # with the run's StepGuard, StepMeter and MetricsLog
+    best = BestModel(accelerator, state, output_dir, "eval_accuracy", patience=...)
+    progress = TrainingProgress(accelerator, state, output_dir, best=best, ...)  # its StepGuard, StepMeter, MetricsLog
     ...
     state.add(loss.detach(), samples=len(labels))       # every micro-batch: summed on the device
-    if accelerator.sync_gradients and log.step_done(scheduler):   # every optimizer step; True: checkpoint now
+    if accelerator.sync_gradients and progress.step_done(scheduler):   # every optimizer step; True: checkpoint now
         save_checkpoint()
     ...
-    log.epoch_done(evaluation)                          # after each evaluation: logged, and judged against the best
-    if log.improved:                                    # the best so far: its weights go to output_dir/model_best
-        with log.saving_best() as folder:
+    progress.epoch_done(evaluation)                     # after each evaluation: logged with the epoch's figures
+    if best.judge(evaluation):                          # the best so far: its weights go to output_dir/model_best
+        with best.saving() as folder:
             accelerator.save_model(model_to_save(accelerator, model), folder)
-    # the loop ends when log.finished: every step done, or --early_stopping_patience evaluations without improvement
+    # the loop ends when progress.finished: every step done, or --early_stopping_patience evaluations without improvement
 
 Only log and checkpoint steps read values back from the device (the loss means, the guard's flags, step times), so a
 GPU is never made to wait for the host on the steps between them.
@@ -20,12 +22,16 @@ GPU is never made to wait for the host on the steps between them.
 
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-BEST_DIR = "model_best"  # output_dir/model_best: the model of the best evaluation, saved like the final one
-BEST_RECORD = "best.json"  # in it, written last: which metric, its value, the epoch and step
+from accelerate_recipes.checkpoints import BEST_DIR, BEST_RECORD, saving_folder
+from accelerate_recipes.errors import RecipeError
+from accelerate_recipes.guard import StepGuard
+from accelerate_recipes.meter import StepMeter, peak_memory_mb
+from accelerate_recipes.results import MetricsLog, run_facts
 
 
 class RunState:
@@ -80,70 +86,107 @@ class RunState:
                 setattr(self, key, value)
 
 
-class TrainLog:
-    """What follows each optimizer step, the same in every recipe: count it, time it, and at log steps agree on the
-    guard's flags and log the mean losses, learning rate and throughput; at epoch ends log the evaluation and judge it
-    against the best so far (for output_dir/model_best and early stopping)."""
+class BestModel:
+    """Judges each evaluation against the best so far, by one metric: the best one's model goes to
+    output_dir/model_best, and --early_stopping_patience evaluations in a row without improvement end the run.
+    The best value and the count live in the RunState, so a resumed run judges on as if it had never stopped."""
 
-    def __init__(self, accelerator, state: RunState, checkpoints, *, resumed_from, total_steps: int,
-                 steps_per_epoch: int, batches_per_epoch: int, global_batch_size: int, log_every: int,
-                 checkpoint_every: int, skip_nonfinite: bool = False, metric_for_best_model: str | None = None,
-                 higher_is_better: bool = True, early_stopping_patience: int = 0):
-        """Also builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, beside the
-        checkpoints; a run resumed from `resumed_from` keeps metrics.jsonl up to its step and says where it is).
-
-        metric_for_best_model: the evaluation's key (e.g. "eval_accuracy") each evaluation is judged by; an evaluation
-        improves when it is strictly better than every earlier one. early_stopping_patience: end the run after that
-        many evaluations in a row without improvement (0: never)."""
-        from accelerate_recipes.checkpoints import recover_folder
-        from accelerate_recipes.errors import RecipeError
-        from accelerate_recipes.guard import StepGuard
-        from accelerate_recipes.meter import StepMeter
-        from accelerate_recipes.results import MetricsLog
-
-        patience = early_stopping_patience
+    def __init__(self, accelerator, state: RunState, output_dir, metric: str, higher_is_better: bool = True,
+                 patience: int = 0):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:  # fire passes what was typed
-            raise RecipeError(f"--early_stopping_patience {early_stopping_patience}: give a whole number of "
-                              "evaluations, 0 to turn early stopping off")
-        if early_stopping_patience and not metric_for_best_model:
-            raise RecipeError("early stopping needs the metric it watches: pass TrainLog(metric_for_best_model=...)")
-        self.accelerator, self.state, self.resumed_from = accelerator, state, resumed_from
-        self.metric_for_best_model, self.higher_is_better = metric_for_best_model, higher_is_better
-        self.patience = int(early_stopping_patience)
-        self.improved = False  # whether the latest evaluation beat the best so far
-        self.best_dir = checkpoints.directory.parent / BEST_DIR
-        recover_folder(accelerator, self.best_dir, BEST_RECORD)  # a save of model_best cut short by a crash
-        self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=checkpoints.newest)
-        self.meter = StepMeter(accelerator.device)
-        self.metrics = MetricsLog(accelerator, checkpoints.directory.parent,
-                                  resume_step=state.step if resumed_from else None)
-        if resumed_from:
-            accelerator.print(f"resumed from {resumed_from}: {state.describe(total_steps)}")
-        self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
-        self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
-        self.progress = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
-                             disable=not accelerator.is_main_process)
-        self.epoch_started = time.perf_counter()
-
-    @property
-    def finished(self) -> bool:
-        """The run is over: every step done, or stopped early."""
-        return self.state.step >= self.total_steps or self.out_of_patience
+            raise RecipeError(f"--early_stopping_patience {patience}: give a whole number of evaluations, 0 to turn "
+                              "early stopping off")
+        self.accelerator, self.state, self.metric, self.higher_is_better = accelerator, state, metric, higher_is_better
+        self.patience = patience
+        self.folder = Path(output_dir) / BEST_DIR
 
     @property
     def out_of_patience(self) -> bool:
         """--early_stopping_patience evaluations in a row without improvement (a resumed run counts on)."""
         return bool(self.patience) and self.state.evals_without_improvement >= self.patience
 
+    def judge(self, evaluation: dict) -> bool:
+        """Whether `evaluation` is strictly better than every earlier one (NaN never is); recorded in the RunState.
+        Every process calls it and all take the main process's value, so all decide alike."""
+        state = self.state
+        if self.metric not in evaluation:
+            raise RecipeError(f"the evaluation has no {self.metric!r} to judge the best model by (it has "
+                              f"{', '.join(evaluation)}); pass BestModel one of those")
+        value = float(evaluation[self.metric])
+        if self.accelerator.num_processes > 1:
+            # The metric comes from gathered predictions, the same everywhere; to be sure every process decides
+            # alike, all take the main process's value (a sum with zeros from the others is exact).
+            mine = torch.tensor([value if self.accelerator.is_main_process else 0.0], dtype=torch.float64,
+                                device=self.accelerator.device)
+            value = self.accelerator.reduce(mine, reduction="sum").item()
+        best = state.best_metric
+        improved = value == value and (best is None or (value > best if self.higher_is_better else value < best))
+        if improved:
+            state.best_metric, state.best_epoch, state.best_step = value, state.epoch + 1, state.step
+            state.evals_without_improvement = 0
+        else:
+            state.evals_without_improvement += 1
+        return improved
+
+    @contextmanager
+    def saving(self):
+        """`with best.saving() as folder: accelerator.save_model(model, folder)` after an improved evaluation, on
+        every process: output_dir/model_best is replaced only once the new model is whole, with best.json (metric,
+        value, epoch, step) beside it. Collective."""
+        state = self.state
+        record = dict(metric=self.metric, value=state.best_metric, epoch=state.best_epoch, step=state.best_step)
+        with saving_folder(self.accelerator, self.folder, BEST_RECORD, record) as folder:
+            yield folder
+
+    def results(self, total_steps: int) -> dict:
+        """The results.json entries of the best evaluation and of early stopping."""
+        state = self.state
+        return dict(metric_for_best_model=self.metric, best_metric=state.best_metric, best_epoch=state.best_epoch,
+                    best_step=state.best_step, early_stopping_patience=self.patience,
+                    stopped_early=self.out_of_patience and state.step < total_steps)
+
+    def explain_stop(self, total_steps: int, steps_per_epoch: int) -> str:
+        """The line that says why the run ended before its last step."""
+        state = self.state
+        epochs = -(-total_steps // steps_per_epoch)
+        best = (f"best {self.metric} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in {self.folder}"
+                if state.best_metric is not None else f"no evaluation gave a {self.metric}")
+        return (f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of {total_steps}): "
+                f"{self.metric} did not improve in {state.evals_without_improvement} evaluation(s) in a row "
+                f"(--early_stopping_patience {self.patience}); {best}")
+
+
+class TrainingProgress:
+    """What follows each optimizer step, the same in every recipe: count it, time it, show it on the progress bar,
+    and at log steps agree on the guard's flags and log the mean losses, learning rate and throughput; say when a
+    checkpoint is due and when the run is over; at epoch ends log the evaluation with the epoch's figures.
+
+    Builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, output_dir/metrics.jsonl,
+    appended to; Checkpoints.resolve trimmed it for a resumed run). Nothing is written to disk here."""
+
+    def __init__(self, accelerator, state: RunState, output_dir, *, total_steps: int, steps_per_epoch: int,
+                 batches_per_epoch: int, global_batch_size: int, log_every: int, checkpoint_every: int,
+                 skip_nonfinite: bool = False, resumed_from=None, best: BestModel | None = None):
+        self.accelerator, self.state, self.best, self.resumed_from = accelerator, state, best, resumed_from
+        self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
+        self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
+        self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=resumed_from)
+        self.meter = StepMeter(accelerator.device)
+        self.metrics = MetricsLog(accelerator, output_dir)
+        self.progress_bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
+                                 disable=not accelerator.is_main_process)
+        self.epoch_started = time.perf_counter()
+        if resumed_from:
+            accelerator.print(f"resumed from {resumed_from}: {state.describe(total_steps)}")
+
     @property
-    def stopped_early(self) -> bool:
-        """Ended by early stopping before the last step."""
-        return self.out_of_patience and self.state.step < self.total_steps
+    def finished(self) -> bool:
+        """The run is over: every step done, or stopped early."""
+        return self.state.step >= self.total_steps or (self.best is not None and self.best.out_of_patience)
 
     def start_epoch(self) -> None:
         """Before an epoch's first batch: its clock and the step timer start (evaluation and saving left out)."""
         self.epoch_started = time.perf_counter()
-        self.improved = False
         self.meter.restart()
 
     def step_done(self, scheduler) -> bool:
@@ -152,7 +195,7 @@ class TrainLog:
         state = self.state
         state.step += 1
         self.meter.step(self.global_batch_size)
-        self.progress.update(1)
+        self.progress_bar.update(1)
         at_log = state.step % self.log_every == 0 or state.step == 1 or self.finished
         mid_epoch = state.batches_done < self.batches_per_epoch and not self.finished  # else the epoch-end save
         at_checkpoint = bool(self.checkpoint_every) and state.step % self.checkpoint_every == 0 and mid_epoch
@@ -171,21 +214,14 @@ class TrainLog:
                  "perf/samples_per_second": self.global_batch_size / max(step_seconds, 1e-9)},
                 step=state.step,
             )
-            self.progress.set_postfix(loss=f"{means[0]:.3f}", lr=f"{lr:.3g}")
+            self.progress_bar.set_postfix(loss=f"{means[0]:.3f}", lr=f"{lr:.3g}")
             state.running.zero_()
             state.micro_batches = 0
         return bool(self.guard.stop_signal) or at_checkpoint
 
     def epoch_done(self, evaluation: dict, **extra) -> float:
         """At an epoch's end, after its evaluation: log it (eval_* as eval/*) with the epoch's time, throughput and
-        peak memory, and judge it by `metric_for_best_model`: `improved` says whether it beat the best so far
-        (recorded in the RunState, with the count early stopping watches). Returns the epoch's seconds.
-        Every process calls it (only the main one writes; all take the main process's value, so all decide alike)."""
-        from accelerate_recipes.meter import peak_memory_mb
-
-        if self.metric_for_best_model:
-            self._judge(evaluation)
-
+        peak memory. Returns the epoch's seconds."""
         seconds = time.perf_counter() - self.epoch_started
         memory_mb, _ = peak_memory_mb(self.accelerator.device)
         scalars = {f"eval/{k.removeprefix('eval_')}": v for k, v in evaluation.items()
@@ -195,52 +231,10 @@ class TrainLog:
                           "perf/peak_memory_mb": memory_mb}, step=self.state.step)
         return seconds
 
-    def _judge(self, evaluation: dict) -> None:
-        from accelerate_recipes.errors import RecipeError
-
-        name, state = self.metric_for_best_model, self.state
-        if name not in evaluation:
-            raise RecipeError(f"the evaluation has no {name!r} to judge the best model by (it has "
-                              f"{', '.join(evaluation)}); pass TrainLog(metric_for_best_model=...) one of those")
-        value = float(evaluation[name])
-        if self.accelerator.num_processes > 1:
-            # The metric comes from gathered predictions, the same everywhere; to be sure every process decides
-            # alike, all take the main process's value (a sum with zeros from the others is exact).
-            mine = torch.tensor([value if self.accelerator.is_main_process else 0.0], dtype=torch.float64,
-                                device=self.accelerator.device)
-            value = self.accelerator.reduce(mine, reduction="sum").item()
-        best = state.best_metric
-        self.improved = value == value and (  # NaN is never an improvement
-            best is None or (value > best if self.higher_is_better else value < best))
-        if self.improved:
-            state.best_metric, state.best_epoch, state.best_step = value, state.epoch + 1, state.step
-            state.evals_without_improvement = 0
-        else:
-            state.evals_without_improvement += 1
-
-    @contextmanager
-    def saving_best(self):
-        """`with log.saving_best() as folder: accelerator.save_model(model, folder)` after an improved evaluation, on
-        every process: output_dir/model_best is replaced only once the new model is whole, with best.json (metric,
-        value, epoch, step) beside it. Collective."""
-        from accelerate_recipes.checkpoints import saving_folder
-
-        state = self.state
-        record = dict(metric=self.metric_for_best_model, value=state.best_metric, epoch=state.best_epoch,
-                      step=state.best_step)
-        with saving_folder(self.accelerator, self.best_dir, BEST_RECORD, record) as folder:
-            yield folder
-
     def results(self, started: float) -> dict:
         """The results.json entries of the run's course, the same in every recipe (collective: gathers sample counts)."""
-        from accelerate_recipes.results import run_facts
-
         state = self.state
-        best = {}
-        if self.metric_for_best_model:
-            best = dict(metric_for_best_model=self.metric_for_best_model, best_metric=state.best_metric,
-                        best_epoch=state.best_epoch, best_step=state.best_step,
-                        early_stopping_patience=self.patience, stopped_early=self.stopped_early)
+        best = self.best.results(self.total_steps) if self.best is not None else {}
         return dict(steps=state.step, resumed_from=str(self.resumed_from) if self.resumed_from else None,
                     skipped_nonfinite_steps=self.guard.skipped_steps, wall_seconds=time.perf_counter() - started,
                     train_loss_first=state.first_loss, train_loss_last=state.last_loss, **state.last_eval, **best,
@@ -248,15 +242,7 @@ class TrainLog:
 
     def close(self) -> None:
         """After the loop: says so when the run stopped early."""
-        self.progress.close()
+        self.progress_bar.close()
         self.guard.close()
-        if self.stopped_early:
-            state, name = self.state, self.metric_for_best_model
-            epochs = -(-self.total_steps // self.steps_per_epoch)
-            best = (f"best {name} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in {self.best_dir}"
-                    if state.best_metric is not None else f"no evaluation gave a {name}")
-            self.accelerator.print(
-                f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of {self.total_steps}): "
-                f"{name} did not improve in {state.evals_without_improvement} evaluation(s) in a row "
-                f"(--early_stopping_patience {self.patience}); {best}"
-            )
+        if self.best is not None and self.best.out_of_patience and self.state.step < self.total_steps:
+            self.accelerator.print(self.best.explain_stop(self.total_steps, self.steps_per_epoch))

@@ -30,27 +30,31 @@ class MetricsLog:
     The JSON-lines copy needs no tracker to read back; it is written by the main process only.
     """
 
-    def __init__(self, accelerator, output_dir: str | Path, resume_step: int | None = None):
-        """A new run starts an empty file; a resumed one keeps the rows up to the checkpoint's step and drops those
-        logged after it by the interrupted run (the resumed run logs those steps again)."""
+    def __init__(self, accelerator, output_dir: str | Path):
         self.accelerator = accelerator
         self.path = Path(output_dir) / METRICS_FILE
-        if accelerator.is_main_process:
-            kept = []
-            if resume_step is not None and self.path.is_file():
-                for line in self.path.read_text().splitlines():
-                    try:
-                        if json.loads(line)["step"] <= resume_step:
-                            kept.append(line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a line cut short by the crash
-            self.path.write_text("".join(kept))
 
     def log(self, values: dict, step: int) -> None:
         self.accelerator.log(values, step=step)
         if self.accelerator.is_main_process:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, **values}) + "\n")
+
+
+def restart_metrics(output_dir: str | Path, resume_step: int | None = None) -> None:
+    """Ready output_dir/metrics.jsonl for a run (main process): a new run starts an empty file; a resumed one keeps
+    the rows up to the checkpoint's step and drops those logged after it by the interrupted run (the resumed run logs
+    those steps again)."""
+    path = Path(output_dir) / METRICS_FILE
+    kept = []
+    if resume_step is not None and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= resume_step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the crash
+    path.write_text("".join(kept))
 
 
 def run_facts(accelerator, meter, samples_seen: int) -> dict:

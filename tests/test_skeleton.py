@@ -1,0 +1,221 @@
+"""The skeleton every recipe shares stays the same in each of them.
+
+A recipe is a template: the Accelerator block, the resume block, the bookkeeping, the inner step, the evaluation's
+bookkeeping and the final save are written out in every recipe, because that is what a reader copies. Nothing else
+keeps three copies in step, so this test does (as Accelerate's own test suite does for its examples): each recipe's
+training function must hold SKELETON's lines, in this order, after a recipe's names are mapped to the common ones.
+Lines a recipe adds between them (its own Accelerator arguments, its loss, its evaluation) are its own.
+
+It also holds each recipe to the shape the README promises: one function per mode (train, evaluate_saved_model,
+predict) behind the same `main`, a training function of at most 150 code lines, and flags that extend the shared
+TrainingFlags without changing a shared flag's type.
+"""
+
+import ast
+import dataclasses
+import io
+import re
+import tokenize
+import typing
+
+import pytest
+from conftest import REPO
+
+from accelerate_recipes.flags import TrainingFlags
+
+RECIPES = {
+    "cifar": REPO / "recipes" / "cifar.py",
+    "text": REPO / "recipes" / "text_classification.py",
+    "detect": REPO / "recipes" / "detect" / "train.py",
+}
+
+SKELETON = '''
+# ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
+tracking = setup_tracker(args.tracker, output, args.run_name or RUN_NAME, args.swanlab_mode)
+with explain_startup_failure(args.dist_timeout):
+accelerator = Accelerator(
+mixed_precision=args.mixed_precision,
+gradient_accumulation_steps=args.gradient_accumulation_steps,
+log_with=tracking.log_with or None,
+project_dir=str(output),
+# The shuffle order then depends on the seed and epoch only, not on the number of processes.
+# non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
+dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+# Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+step_scheduler_with_optimizer=False,
+# How long a process waits for the others, at start-up and in every collective, before it stops.
+kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+)
+set_seed(args.seed)
+prepare_output_dir(output)
+checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
+resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
+# ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+state = RunState(accelerator.device, LOSS_NAMES)
+accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+if resume_from is not None:
+checkpoints.check_compatible(resume_from, config)
+accelerator.load_state(resume_from)
+accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+best = BestModel(accelerator, state, output, METRIC, patience=args.early_stopping_patience)
+progress = TrainingProgress(
+accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
+checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+)
+guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+def save_checkpoint() -> None:
+"""Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
+accelerator.save_state(path)
+guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+# ---- training loop
+while state.epoch < num_epochs and not progress.finished:
+progress.start_epoch()
+model.train()
+for BATCH in batches:
+state.batches_done += 1
+with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+accelerator.backward(loss)
+guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+if accelerator.sync_gradients:
+if args.max_grad_norm:
+accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+if not guard.skip_update(state.step + 1):
+optimizer.step()
+optimizer.zero_grad(set_to_none=True)
+if not accelerator.sync_gradients:
+continue
+scheduler.step()
+if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+save_checkpoint()
+if progress.finished:
+break
+# ---- evaluation once per epoch, on the whole validation split
+guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+seconds = progress.epoch_done(state.last_eval)
+if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+with best.saving() as folder:
+state.epoch, state.batches_done = state.epoch + 1, 0
+save_checkpoint()
+progress.close()
+# ---- save the model and the run's results
+accelerator.wait_for_everyone()
+results = dict(config, **progress.results(started))
+accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+accelerator.end_training()
+if accelerator.is_main_process:
+path = write_results(output, results)
+'''
+
+MAIN = '''
+def main(args: FLAGS) -> None:
+"""Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+if args.predict is not None and args.eval_only:
+raise RecipeError("give --predict or --eval_only, not both")
+if args.predict is not None:
+return predict(args)
+if args.eval_only:
+return evaluate_saved_model(args)
+return train(args)
+'''
+
+# What differs between recipes by design, mapped onto SKELETON's and MAIN's placeholders.
+NORMALISE = (
+    (r"args\.run_name or .+?, args\.swanlab_mode", "args.run_name or RUN_NAME, args.swanlab_mode"),
+    (r"RunState\(accelerator\.device(, [\w.]+)?\)", "RunState(accelerator.device, LOSS_NAMES)"),
+    (r"BestModel\(accelerator, state, output, [^,]+, ", "BestModel(accelerator, state, output, METRIC, "),
+    (r"def main\(args: \w+Flags\)", "def main(args: FLAGS)"),
+    (r"for [\w, ]+ in batches:", "for BATCH in batches:"),
+)
+
+
+def lines_of(source: str) -> list[str]:
+    """Stripped non-blank lines."""
+    return [line.strip() for line in source.splitlines() if line.strip()]
+
+
+def function_source(path, name: str) -> str:
+    source = path.read_text()
+    tree = ast.parse(source)
+    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    assert node is not None, f"{path.name} has no function {name}()"
+    return ast.get_source_segment(source, node)
+
+
+def normalised(source: str) -> list[str]:
+    for pattern, common in NORMALISE:
+        source = re.sub(pattern, common, source)
+    return lines_of(source)
+
+
+def missing_in_order(expected: list[str], actual: list[str]) -> list[str]:
+    """The lines of `expected` that `actual` does not hold in that order (a subsequence match)."""
+    missing, position = [], 0
+    for line in expected:
+        try:
+            position = actual.index(line, position) + 1
+        except ValueError:
+            missing.append(line)
+    return missing
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: no blank, comment-only or docstring lines."""
+    tree = ast.parse(source)
+    doc_lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+            doc = node.body[0]
+            doc_lines.update(range(doc.lineno, doc.end_lineno + 1))
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                              tokenize.ENDMARKER):
+            code.update(line for line in range(token.start[0], token.end[0] + 1) if line not in doc_lines)
+    return len(code)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_training_function_holds_the_shared_skeleton(recipe):
+    actual = normalised(function_source(RECIPES[recipe], "train"))
+    assert not missing_in_order(lines_of(SKELETON), actual), (
+        f"{recipe}'s train() departs from the skeleton every recipe shares; make the same change in all three "
+        "recipes and in SKELETON, or keep the recipe's own lines outside it. Missing or out of order:\n"
+        + "\n".join(missing_in_order(lines_of(SKELETON), actual)))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_function_per_mode_behind_the_same_main(recipe):
+    actual = normalised(function_source(RECIPES[recipe], "main"))
+    assert actual == lines_of(MAIN), "\n".join(actual)
+    for mode in ("train", "evaluate_saved_model", "predict"):
+        function_source(RECIPES[recipe], mode)
+    assert code_lines(function_source(RECIPES[recipe], "train")) <= 150
+
+
+def flags_class(recipe: str) -> type:
+    namespace: dict = {}
+    tree = ast.parse(RECIPES[recipe].read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Flags"))
+    module = ast.Module(body=ast.parse("from dataclasses import dataclass, field\n"
+                                       "from accelerate_recipes.flags import TrainingFlags").body + [node],
+                        type_ignores=[])
+    exec(compile(module, str(RECIPES[recipe]), "exec"), namespace)
+    return namespace[node.name]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_flags_extend_the_shared_ones_without_changing_their_types(recipe):
+    cls = flags_class(recipe)
+    assert issubclass(cls, TrainingFlags) and dataclasses.is_dataclass(cls)
+    shared, own = typing.get_type_hints(TrainingFlags), typing.get_type_hints(cls)
+    changed = {name: (shared[name], own[name]) for name in shared if own[name] != shared[name]}
+    assert not changed, f"{recipe} changes the type of shared flags: {changed}"
+    # A shared flag is documented once, in TrainingFlags; a recipe may document it anew, never copy that text.
+    from accelerate_recipes.cli import parse_arg_docs
+
+    _, shared_docs = parse_arg_docs(TrainingFlags.__doc__)
+    _, own_docs = parse_arg_docs(cls.__doc__)
+    copied = [name for name in shared_docs if own_docs.get(name) == shared_docs[name]]
+    assert not copied, f"{recipe} repeats the shared help of {copied}: delete it there"
