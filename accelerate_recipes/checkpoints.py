@@ -36,7 +36,7 @@ BEST_DIR = "model_best"  # output_dir/model_best: the model of the best evaluati
 BEST_RECORD = "best.json"  # in it, written last: which metric, its value, the epoch and step
 DELETING_SUFFIX = ".deleting"
 # Settings that must match for a checkpoint to continue the same run.
-MUST_MATCH = ("recipe", "model", "global_batch_size", "gradient_accumulation_steps")
+MUST_MATCH = ("recipe", "model", "pretrained", "global_batch_size", "gradient_accumulation_steps")
 
 
 def step_of(folder: Path) -> int | None:

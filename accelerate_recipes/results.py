@@ -46,6 +46,8 @@ def restart_metrics(output_dir: str | Path, resume_step: int | None = None) -> N
     the rows up to the checkpoint's step and drops those logged after it by the interrupted run (the resumed run logs
     those steps again)."""
     path = Path(output_dir) / METRICS_FILE
+    if not path.parent.is_dir():
+        return  # nothing logged there yet
     kept = []
     if resume_step is not None and path.is_file():
         for line in path.read_text().splitlines():

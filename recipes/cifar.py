@@ -24,6 +24,7 @@ import math
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,9 +45,11 @@ from transformers import get_scheduler
 from accelerate_recipes import (
     Checkpoints,
     RecipeError,
+    BestModel,
     RunState,
     StepMeter,
-    TrainLog,
+    TrainingFlags,
+    TrainingProgress,
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
@@ -361,72 +364,125 @@ def read_image(path: Path) -> Image.Image:
 
 
 @torch.no_grad()
-def predict_images(model_dir: str, sources, batch_size: int) -> None:
+def predict(args: "CifarFlags") -> None:
     """Classify images with a trained model; print one JSON line per image (image, label, score) and nothing else."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("--predict runs in one process: start it with python, not a launcher")
-    net, config = load_trained_model(model_dir)
-    files = image_files(sources)
+    model, config = load_trained_model(args.model or args.output_dir)
+    files = image_files(args.predict)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net = net.to(device).eval()
+    model = model.to(device).eval()
     size = config["image_size"]  # the test-time preprocessing of the run that trained the model
     preprocess = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
                                      transforms.Normalize(config["mean"], config["std"])])
-    for start in range(0, len(files), batch_size):
-        chunk = files[start:start + batch_size]
+    for start in range(0, len(files), args.batch_size):
+        chunk = files[start:start + args.batch_size]
         images = torch.stack([preprocess(read_image(path)) for path in chunk]).to(device)
-        scores, ids = net(images).float().softmax(dim=-1).max(dim=-1)
+        scores, ids = model(images).float().softmax(dim=-1).max(dim=-1)
         for path, label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
             print(json.dumps({"image": str(path), "label": config["classes"][label_id], "score": round(score, 4)}))
 
 
-# ----------------------------------------------------------------------------------------------------------- main
-def main(
-    dataset: str = "cifar10",
-    data_dir: str = "data",
-    synthetic_size: int = 50_000,
-    download: bool = True,
-    verify_data: bool = True,
-    image_size: int | None = None,
-    loader: str = "auto",
-    model: str | None = None,
-    pretrained: bool = False,
-    batch_size: int = 512,
-    epochs: int = 30,
-    max_steps: int | None = None,
-    early_stopping_patience: int = 0,
-    lr: float | None = None,
-    momentum: float = 0.9,
-    weight_decay: float = 5e-4,
-    label_smoothing: float = 0.1,
-    warmup_ratio: float = 0.05,
-    schedule: str = "cosine",
-    gradient_accumulation_steps: int = 1,
-    max_grad_norm: float = 0.0,
-    mixed_precision: str | None = None,
-    sync_bn: bool = False,
-    channels_last: bool = True,
-    augment: bool = True,
-    cutout: int = 0,
-    tta_flip: bool = False,
-    compile: bool = False,
-    num_workers: int | None = None,
-    log_every: int = 10,
-    output_dir: str = "outputs/cifar",
-    checkpoint_every: int = 500,
-    keep_checkpoints: int = 2,
-    resume: str | None = None,
-    skip_nonfinite_steps: bool = False,
-    dist_timeout: int = 600,
-    tracker: str = "swanlab",
-    swanlab_mode: str | None = None,
-    project: str = "accelerate-recipes",
-    run_name: str | None = None,
-    seed: int = 42,
-    preset: str | None = None,
-    eval_only: bool = False,
-    predict: str | list[str] | None = None,
-):
+# --------------------------------------------------------------------------------------------- set-up, both modes
+def check_choices(args: "CifarFlags") -> None:
+    for flag, choices in (("loader", ("auto", "device", "torch")), ("schedule", ("cosine", "linear"))):
+        if getattr(args, flag) not in choices:
+            raise RecipeError(f"unknown --{flag} {getattr(args, flag)!r}; choose one of {', '.join(choices)}")
+
+
+def input_settings(args: "CifarFlags") -> tuple[str, str, int, tuple, tuple]:
+    """The model to train, its stem, and its inputs' size and normalisation (ImageNet's with --pretrained)."""
+    model, stem = check_model_name(args.model or "resnet18"), "imagenet" if args.pretrained else "cifar"
+    if args.pretrained and args.dataset != "imagefolder":
+        raise RecipeError(f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
+                          f"--dataset {args.dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained")
+    imagenet = IMAGENET_WEIGHTS[model].transforms()  # the preprocessing the ImageNet weights expect
+    mean, std = (tuple(imagenet.mean), tuple(imagenet.std)) if args.pretrained else (MEAN, STD)
+    image_size = 32
+    if args.dataset == "imagefolder":
+        image_size = args.image_size or (imagenet.crop_size[0] if args.pretrained else 32)
+    return model, stem, image_size, mean, std
+
+
+def load_data(args: "CifarFlags", accelerator, image_size: int, mean, std):
+    """(train set, test set, class names); the local main process of each node downloads first, the others then
+    read its copy."""
+    with accelerator.local_main_process_first():
+        train_set, test_set, classes = build_datasets(
+            args.dataset, args.data_dir, args.synthetic_size, image_size, args.augment,
+            download=args.download and accelerator.is_local_main_process, verify=args.verify_data, seed=args.seed,
+            mean=mean, std=std,
+        )
+    if args.dataset == "synthetic":
+        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
+                          "pipeline, not the model on real data.\n" + "!" * 100)
+    return train_set, test_set, classes
+
+
+def build_loaders(args: "CifarFlags", accelerator, train_set, test_set, per_process: int, mean, std):
+    """(train set, train loader, test loader, loader kind): the device loader when the images fit in device memory
+    (--loader auto), else torch's DataLoader with a seeded augmentation (the train set comes back wrapped in it).
+    With no train set (evaluation only) there is no train loader."""
+    arrays = [image_arrays(data) for data in (train_set, test_set) if data is not None]
+    loader = args.loader
+    if loader == "auto":
+        in_memory = all(array is not None for array in arrays)
+        fits = in_memory and fits_on_device(sum(array[0].nbytes for array in arrays), accelerator.device)
+        loader = "device" if fits else "torch"
+    num_workers = cpu_threads_and_workers(accelerator, args.num_workers)  # on the CPU also torch's threads
+    eval_batch = per_process * args.gradient_accumulation_steps
+    train_loader = None
+    if loader == "device":
+        if any(array is None for array in arrays):
+            raise RecipeError(f"--loader device needs the images in memory; --dataset {args.dataset} reads files one "
+                              "by one: use --loader torch")
+        # Each process reads its own share straight from device memory; nothing for prepare() to shard.
+        common = dict(device=accelerator.device, mean=mean, std=std, seed=args.seed,
+                      process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+        if train_set is not None:
+            train_loader = DeviceImageLoader(*arrays[0], per_process, train=True, pad=4 if args.augment else 0,
+                                             flip=args.augment, cutout=args.cutout, **common)
+        return train_set, train_loader, DeviceImageLoader(*arrays[-1], eval_batch, train=False, **common), loader
+    if args.cutout:
+        raise RecipeError("--cutout runs in the device loader only; use --loader device or drop --cutout")
+    loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+    if train_set is not None:
+        # Augmentation seeded per (seed, epoch, image) and a shuffle generator of the loader's own: a resumed run then
+        # sees the same batches, augmented the same way, as an uninterrupted one.
+        train_set = SeededAugmentation(train_set, args.seed)
+        train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
+                                  generator=torch.Generator().manual_seed(args.seed), **loader_args)
+    return train_set, train_loader, DataLoader(test_set, batch_size=eval_batch, **loader_args), loader
+
+
+def ready_model(args: "CifarFlags", accelerator, model: nn.Module) -> nn.Module:
+    """SyncBatchNorm across processes (--sync_bn) and the channels-last layout (--channels_last)."""
+    if args.sync_bn and accelerator.num_processes > 1:
+        if accelerator.distributed_type != DistributedType.MULTI_GPU:
+            raise RecipeError("--sync_bn needs GPUs: torch's SyncBatchNorm runs on CUDA only; drop it on CPU runs")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model.to(memory_format=torch.channels_last) if args.channels_last else model
+
+
+def optimizer_for(args: "CifarFlags", model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Nesterov SGD, with weight decay on conv and linear weights only (not on BatchNorm weights or biases)."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    return torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=args.momentum, nesterov=True)
+
+
+def save_trained_model(accelerator, model, folder: Path, model_config: dict) -> None:
+    """The weights under the plain model's names (compiled or not), and what --predict and --eval_only rebuild it
+    from. Collective."""
+    accelerator.save_model(model_to_save(accelerator, model), folder)
+    if accelerator.is_main_process:
+        write_model_config(folder, model_config)
+
+
+# ---------------------------------------------------------------------------------------------------------- flags
+@dataclass
+class CifarFlags(TrainingFlags):
     """Train a CIFAR-stem ResNet on CIFAR-10/100, generated data or your own image folders (or fine-tune ImageNet
     weights on them), evaluate a trained model, or classify images with it.
 
@@ -449,24 +505,14 @@ def main(
             final layer for your classes. The weights are read from torch's hub cache
             (torch.hub.get_dir()/checkpoints, e.g. resnet18-f37072fd.pth; TORCH_HOME moves it) and downloaded there
             first when missing, by one process per node. CIFAR and generated data always train from scratch.
-        batch_size: GLOBAL batch per optimizer step, all processes together; each process loads
-            batch_size / (num_processes x gradient_accumulation_steps).
-        epochs: passes over the training set (ignored when --max_steps is set).
-        max_steps: stop after this many optimizer steps.
-        early_stopping_patience: stop after this many evaluations in a row whose eval accuracy is not higher than the
-            best so far, saving the last model and results.json as at a normal end; 0 (the default): train to the end.
-            Either way the model of the best evaluation is kept in output_dir/model_best.
         lr: peak learning rate of SGD (nesterov momentum), reached after warmup, then decayed to zero (--schedule);
             default 0.1 x batch_size / 128 (the linear scaling rule), so 0.4 for the default global batch of 512.
         momentum: SGD momentum.
-        weight_decay: L2 weight decay on conv and linear weights (not on BatchNorm or biases).
         label_smoothing: label smoothing of the cross-entropy loss.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         schedule: decay after warmup: cosine (to zero) or linear (to zero).
-        gradient_accumulation_steps: micro-batches summed before each optimizer step.
         max_grad_norm: clip the gradients' global L2 norm to this before each update (0, the default: no clipping,
             as in torchvision's ResNet reference; BatchNorm keeps ResNet's gradients tame).
-        mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         sync_bn: synchronise BatchNorm statistics across processes (GPUs only). Off by default, as in torchvision's
             and timm's references: each GPU normalises over its own share of the batch.
         channels_last: NHWC memory layout, faster for convolutions with tensor cores.
@@ -477,26 +523,9 @@ def main(
             the first steps and the first evaluation take longer while it compiles. The saved models hold the plain
             ResNet's weights, which --predict and --eval_only load as any others, and a checkpoint resumes with or
             without --compile.
-        num_workers: DataLoader workers per process; default: the CPU cores per local process less one, at most 8;
-            0 on the CPU, where torch's threads get the cores.
-        log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
-            from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
-        output_dir: where the model, model_best/ (the model of the best evaluation), results.json, metrics.jsonl,
-            checkpoints/ and offline SwanLab logs go.
-        checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
-            end of each epoch; 0: at epoch ends only.
-        keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
-        resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
-            there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
         skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping
             (the optimizer skips it; BatchNorm statistics of that forward pass are kept).
-        dist_timeout: seconds a process waits for the others (at start-up, in a checkpoint save, in any collective)
-            before it stops with an error; the launcher's own wait for other nodes is --rdzv_conf timeout=N.
-        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
-        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
-        project: tracker project name.
         run_name: tracker run name; default cifar-<dataset>.
-        seed: seed for weights, data order, augmentation and generated data.
         preset: a named set of the flags above; flags you also give keep your value. fast94: the settings of a
             public ResNet-18 time-to-94% baseline (26 epochs, batch 512, lr 0.2, 20% warmup then linear decay,
             cutout 12, flip test-time augmentation); see PRESETS in this file for the source.
@@ -508,42 +537,60 @@ def main(
             model in --model (default --output_dir). Prints one JSON line per image, {"image", "label", "score"}
             (the class name and its probability), and nothing else; give --predict several times for several.
     """
-    if predict is not None:
-        if eval_only:
-            raise RecipeError("give --predict or --eval_only, not both")
-        return predict_images(model or output_dir, predict, batch_size)
-    started = time.perf_counter()
-    output = Path(output_dir)
-    lr = lr if lr is not None else 0.1 * batch_size / 128  # depends on the global batch, never on the GPU count
-    for flag, value, choices in (("loader", loader, ("auto", "device", "torch")),
-                                 ("schedule", schedule, ("cosine", "linear"))):
-        if value not in choices:
-            raise RecipeError(f"unknown --{flag} {value!r}; choose one of {', '.join(choices)}")
 
-    # ---- the model's input: image size and normalisation (with --eval_only, those the saved model was trained with)
-    if eval_only:
-        model_dir = model or output_dir
-        trained, saved = load_trained_model(model_dir)
-        model, stem, image_size, mean, std = (saved[key] for key in ("model", "stem", "image_size", "mean", "std"))
-        if dataset != "imagefolder" and image_size != 32:
-            raise RecipeError(f"--model {model_dir} takes {image_size} px images and --dataset {dataset} has 32 px "
-                              "ones: evaluate it on --dataset imagefolder")
-    else:
-        model, stem = check_model_name(model or "resnet18"), "imagenet" if pretrained else "cifar"
-        if pretrained and dataset != "imagefolder":
-            raise RecipeError(f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
-                              f"--dataset {dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained")
-        imagenet = IMAGENET_WEIGHTS[model].transforms()  # the preprocessing the ImageNet weights expect
-        mean, std = (tuple(imagenet.mean), tuple(imagenet.std)) if pretrained else (MEAN, STD)
-        image_size = (image_size or (imagenet.crop_size[0] if pretrained else 32)) if dataset == "imagefolder" else 32
+    dataset: str = "cifar10"
+    data_dir: str = "data"
+    synthetic_size: int = 50_000
+    download: bool = True
+    verify_data: bool = True
+    image_size: int | None = None
+    loader: str = "auto"
+    model: str | None = None
+    pretrained: bool = False
+    batch_size: int = 512
+    epochs: int = 30
+    lr: float | None = None
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.1
+    warmup_ratio: float = 0.05
+    schedule: str = "cosine"
+    sync_bn: bool = False
+    channels_last: bool = True
+    augment: bool = True
+    cutout: int = 0
+    tta_flip: bool = False
+    compile: bool = False
+    output_dir: str = "outputs/cifar"
+    preset: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(args: CifarFlags) -> None:
+    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    if args.predict is not None and args.eval_only:
+        raise RecipeError("give --predict or --eval_only, not both")
+    if args.predict is not None:
+        return predict(args)
+    if args.eval_only:
+        return evaluate_saved_model(args)
+    return train(args)
+
+
+def train(args: CifarFlags) -> None:
+    """Train --model on --dataset; the model, model_best/, results.json and the pictures go to --output_dir."""
+    started = time.perf_counter()
+    output = Path(args.output_dir)
+    check_choices(args)
+    lr = args.lr if args.lr is not None else 0.1 * args.batch_size / 128  # from the global batch, not the GPU count
+    model_name, stem, image_size, mean, std = input_settings(args)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    # (--eval_only logs to no tracker: its results are in results.json and the output)
-    tracking = setup_tracker("none" if eval_only else tracker, output, run_name or f"cifar-{dataset}", swanlab_mode)
-    with explain_startup_failure(dist_timeout):
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"cifar-{args.dataset}", args.swanlab_mode)
+    with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
-            mixed_precision=mixed_precision,
-            gradient_accumulation_steps=gradient_accumulation_steps,
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=tracking.log_with or None,
             project_dir=str(output),
             # The shuffle order then depends on the seed and epoch only, not on the number of processes.
@@ -552,152 +599,76 @@ def main(
             # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
-            dynamo_backend="inductor" if compile else None,  # prepare() then wraps the model in torch.compile
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+            dynamo_backend="inductor" if args.compile else None,  # prepare() then wraps the model in torch.compile
         )
-    per_process = check_launch(accelerator, batch_size, gradient_accumulation_steps, skip_nonfinite_steps, max_grad_norm)
-    world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
-    set_seed(seed)
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
+                               args.skip_nonfinite_steps, args.max_grad_norm)
+    set_seed(args.seed)
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape: pick the fastest kernels once
     prepare_output_dir(output)
-    checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
-    resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
+    checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
+    resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
 
-    # ---- data: the local main process of each node downloads first, the others then read its copy
-    with accelerator.local_main_process_first():
-        train_set, test_set, classes = build_datasets(
-            dataset, data_dir, synthetic_size, image_size, augment,
-            download=download and accelerator.is_local_main_process, verify=verify_data, seed=seed, mean=mean, std=std,
-        )
-    if eval_only and classes != saved["classes"]:
-        raise RecipeError(f"--model {model_dir} was trained on {len(saved['classes'])} classes ({short(saved['classes'])})"
-                          f" and --dataset {dataset} has {len(classes)} ({short(classes)}): evaluate it on data with "
-                          "the same classes")
-    if dataset == "synthetic":
-        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
-                          "pipeline, not the model on real data.\n" + "!" * 100)
-    arrays = image_arrays(train_set), image_arrays(test_set)
-    if loader == "auto":
-        fits = arrays[0] is not None and fits_on_device(arrays[0][0].nbytes + arrays[1][0].nbytes, accelerator.device)
-        loader = "device" if fits else "torch"
-    num_workers = cpu_threads_and_workers(accelerator, num_workers)  # on the CPU also torch's threads, to fit the cores
-    if loader == "device":
-        if arrays[0] is None:
-            raise RecipeError(f"--loader device needs the images in memory; --dataset {dataset} reads files one by one: "
-                              "use --loader torch")
-        # Each process reads its own share straight from device memory; nothing for prepare() to shard.
-        common = dict(device=accelerator.device, mean=mean, std=std, seed=seed, process_index=accelerator.process_index,
-                      num_processes=world)
-        train_loader = DeviceImageLoader(*arrays[0], per_process, train=True, pad=4 if augment else 0, flip=augment,
-                                         cutout=cutout, **common)
-        test_loader = DeviceImageLoader(*arrays[1], per_process * gradient_accumulation_steps, train=False, **common)
-    else:
-        if cutout:
-            raise RecipeError("--cutout runs in the device loader only; use --loader device or drop --cutout")
-        loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                           persistent_workers=num_workers > 0)
-        # Augmentation seeded per (seed, epoch, image) and a shuffle generator of the loader's own: a resumed run
-        # then sees the same batches, augmented the same way, as an uninterrupted one.
-        train_set = SeededAugmentation(train_set, seed)
-        train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
-                                  generator=torch.Generator().manual_seed(seed), **loader_args)
-        test_loader = DataLoader(test_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
+    # ---- data
+    train_set, test_set, classes = load_data(args, accelerator, image_size, mean, std)
+    train_set, train_loader, test_loader, loader = build_loaders(args, accelerator, train_set, test_set, per_process,
+                                                                 mean, std)
 
     # ---- model and optimizer
-    if eval_only:
-        net = trained
-    else:
-        weights_file = None
-        if pretrained:  # one process per node fetches the file; the others wait, then read that copy
-            with accelerator.local_main_process_first():
-                weights_file = imagenet_weights_file(model, download=download and accelerator.is_local_main_process,
-                                                     say=accelerator.print)
-        net = build_model(model, num_classes=len(classes), stem=stem, weights=weights_file)
-    if sync_bn and world > 1:
-        if accelerator.distributed_type != DistributedType.MULTI_GPU:
-            raise RecipeError("--sync_bn needs GPUs: torch's SyncBatchNorm runs on CUDA only; drop it on CPU runs")
-        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-
-    if eval_only:
-        # ---- evaluation only: the saved model on the whole test split, each image counted once; nothing trained
-        net, test_loader = accelerator.prepare(net, test_loader)
-        evaluation, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
-        accelerator.print(f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
-                          f"{evaluation['eval_samples']} test images")
-        results = dict(
-            recipe="cifar", dataset=dataset, model=model, model_dir=str(model_dir), eval_only=True, world_size=world,
-            num_machines=machines, mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size,
-            per_process_batch_size=per_process, image_size=image_size, loader=loader, tta_flip=tta_flip,
-            test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
-            synthetic_data=dataset == "synthetic", steps=0, epochs=0, wall_seconds=time.perf_counter() - started,
-            **evaluation, **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
-        )
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
-        if accelerator.is_main_process:
-            path = write_results(output, results)
-            save_confusion_matrix(confusion, classes, output, draw=True)
-            print_summary(results, ["dataset", "model", "world_size", "mixed_precision", "loader", "eval_accuracy",
-                                    "eval_loss", "eval_samples", "wall_seconds"], title="cifar: evaluation")
-            print(f"{path.name} and the confusion matrix saved in {output}")
-        return
-
-    decay = [p for p in net.parameters() if p.ndim > 1]
-    no_decay = [p for p in net.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
-    trainable = sum(p.numel() for p in decay + no_decay)  # its fp32 gradients are what DDP all-reduces
-    optimizer = torch.optim.SGD(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, momentum=momentum, nesterov=True,
-    )
+    weights_file = None
+    if args.pretrained:  # one process per node fetches the file; the others wait, then read that copy
+        with accelerator.local_main_process_first():
+            weights_file = imagenet_weights_file(model_name, download=args.download and
+                                                 accelerator.is_local_main_process, say=accelerator.print)
+    model = ready_model(args, accelerator, build_model(model_name, len(classes), stem=stem, weights=weights_file))
+    trainable = sum(p.numel() for p in model.parameters())  # their fp32 gradients are what DDP all-reduces
+    optimizer = optimizer_for(args, model, lr)
 
     # ---- prepare: wrap for DDP, shard the loaders across processes (the device loader shards itself and passes
     # through), move to the device, add autocast; then the schedule on the prepared optimizer
-    net, optimizer, train_loader, test_loader = accelerator.prepare(net, optimizer, train_loader, test_loader)
-    steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)  # per process, after sharding
+    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)  # per process, after sharding
     if steps_per_epoch == 0:
-        raise RecipeError(
-            f"the training set ({len(train_set)} images) is smaller than one global batch ({batch_size}); "
-            "lower --batch_size or use more data"
-        )
-    total_steps = max_steps if max_steps else epochs * steps_per_epoch
+        raise RecipeError(f"the training set ({len(train_set)} images) is smaller than one global batch "
+                          f"({args.batch_size}); lower --batch_size or use more data")
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(warmup_ratio * total_steps)
+    warmup_steps = round(args.warmup_ratio * total_steps)
     # Linear warmup over optimizer steps, then cosine or linear decay to zero.
-    scheduler = accelerator.prepare(get_scheduler(schedule, optimizer, warmup_steps, total_steps))
-    criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+    scheduler = accelerator.prepare(get_scheduler(args.schedule, optimizer, warmup_steps, total_steps))
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
     config = dict(
-        recipe="cifar", dataset=dataset, model=model, pretrained=pretrained, image_size=image_size,
-        world_size=world, num_machines=machines,
-        mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
-        gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
-        weight_decay=weight_decay, label_smoothing=label_smoothing, max_grad_norm=max_grad_norm,
-        warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs, schedule=schedule, sync_bn=sync_bn,
-        channels_last=channels_last, augment=augment, cutout=cutout, tta_flip=tta_flip, loader=loader,
-        compile=compile, preset=preset, seed=seed, train_size=len(train_set), test_size=len(test_set),
-        distributed_type=accelerator.distributed_type.value,
+        recipe="cifar", dataset=args.dataset, model=model_name, pretrained=args.pretrained, image_size=image_size,
+        world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
+        per_process_batch_size=per_process, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        trainable_parameters=trainable, lr=lr, weight_decay=args.weight_decay, label_smoothing=args.label_smoothing,
+        max_grad_norm=args.max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
+        schedule=args.schedule, sync_bn=args.sync_bn, channels_last=args.channels_last, augment=args.augment,
+        cutout=args.cutout, tta_flip=args.tta_flip, loader=loader, compile=args.compile, preset=args.preset,
+        seed=args.seed, train_size=len(train_set), test_size=len(test_set),
+        distributed_type=accelerator.distributed_type.value, synthetic_data=args.dataset == "synthetic",
     )
     # saved beside each model (the last and model_best): what --predict and --eval_only rebuild it from
-    model_config = dict(model=model, stem=stem, num_classes=len(classes), classes=classes, image_size=image_size,
-                        mean=list(mean), std=list(std), dataset=dataset, pretrained=pretrained)
+    model_config = dict(model=model_name, stem=stem, num_classes=len(classes), classes=classes, image_size=image_size,
+                        mean=list(mean), std=list(std), dataset=args.dataset, pretrained=args.pretrained)
 
     # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
     state = RunState(accelerator.device)
     accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
     if resume_from is not None:
-        progress = checkpoints.check_compatible(resume_from, config)
-        if progress.get("config", {}).get("pretrained", False) != pretrained:  # the stems differ: weights would not fit
-            raise RecipeError(f"checkpoint {resume_from} belongs to a run with{'out' if pretrained else ''} "
-                              "--pretrained; use the same flags to continue it, or another --output_dir")
+        checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
-                   steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
-                   metric_for_best_model="eval_accuracy", early_stopping_patience=early_stopping_patience)
-    guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
+    progress = TrainingProgress(
+        accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+    )
+    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
         """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
@@ -706,9 +677,9 @@ def main(
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
-    while state.epoch < num_epochs and not log.finished:
-        log.start_epoch()
-        net.train()
+    while state.epoch < num_epochs and not progress.finished:
+        progress.start_epoch()
+        model.train()
         train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         if isinstance(train_set, SeededAugmentation):
             train_set.set_epoch(state.epoch)
@@ -718,15 +689,15 @@ def main(
                        else accelerator.skip_first_batches(train_loader, state.batches_done))
         for images, labels in batches:
             state.batches_done += 1
-            if channels_last:
+            if args.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
-                loss = criterion(net(images), labels)
+            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+                loss = criterion(model(images), labels)
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if max_grad_norm:
-                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
+                    if args.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not guard.skip_update(state.step + 1):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -734,50 +705,95 @@ def main(
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+            if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
                 save_checkpoint()
-            if log.finished:
+            if progress.finished:
                 break
 
-        # ---- evaluation once per epoch, on the full test set
+        # ---- evaluation once per epoch, on the whole validation split
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
-        state.last_eval, confusion = evaluate(net, test_loader, accelerator, len(classes), tta_flip)
-        seconds = log.epoch_done(state.last_eval)  # also judges it: log.improved, and early stopping's count
-        if log.improved:  # the best accuracy so far: its weights go to output_dir/model_best, beside the last ones
-            with log.saving_best() as folder:  # model_to_save: the weights under their own names, compiled or not
-                accelerator.save_model(model_to_save(accelerator, net), folder)
-                if accelerator.is_main_process:
-                    write_model_config(folder, model_config)
+        state.last_eval, confusion = evaluate(model, test_loader, accelerator, len(classes), args.tta_flip)
+        seconds = progress.epoch_done(state.last_eval)
+        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+            with best.saving() as folder:
+                save_trained_model(accelerator, model, folder, model_config)
         if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
-            plot_results(log.metrics.path, output / "results.png")
-            save_confusion_matrix(confusion, classes, output, draw=log.finished)
+            plot_results(progress.metrics.path, output / "results.png")
+            save_confusion_matrix(confusion, classes, output, draw=progress.finished)
         accelerator.print(
             f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {state.last_eval['eval_accuracy']:.4f}, "
-            f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {log.meter.samples_per_second:.0f} samples/s"
+            f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {progress.meter.samples_per_second:.0f} samples/s"
         )
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
-    log.close()
+    progress.close()
 
-    # ---- save the model, what --predict and --eval_only need to rebuild it, and the run's results
+    # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    accelerator.save_model(model_to_save(accelerator, net), output)
-    if accelerator.is_main_process:
-        write_model_config(output, model_config)
-    results = dict(config, synthetic_data=dataset == "synthetic", **log.results(started))
+    save_trained_model(accelerator, model, output, model_config)
+    results = dict(config, **progress.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_summary(results, ["dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size",
                                 "loader", "steps", "epochs", "eval_accuracy", "best_metric", "best_epoch",
-                                "train_samples_per_second",
-                                "median_step_seconds", "peak_memory_mb", "wall_seconds"], title="cifar: summary")
+                                "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
+                      title="cifar: summary")
         print(f"model, model_best/ (epoch {results['best_epoch']}), {MODEL_CONFIG} and {path.name} saved in {output}; "
               f"classify images with: python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
-        where = tracking.where()
-        if where:
-            print(where)
+        if tracking.where():
+            print(tracking.where())
+
+
+def evaluate_saved_model(args: CifarFlags) -> None:
+    """The model in --model (default --output_dir) on the whole test split, each image counted once on any number of
+    processes; results.json and the confusion matrix go to --output_dir. Nothing is trained."""
+    started = time.perf_counter()
+    output = Path(args.output_dir)
+    check_choices(args)
+    model_dir = args.model or args.output_dir
+    model, saved = load_trained_model(model_dir)
+    image_size, mean, std = saved["image_size"], saved["mean"], saved["std"]  # what the model was trained with
+    if args.dataset != "imagefolder" and image_size != 32:
+        raise RecipeError(f"--model {model_dir} takes {image_size} px images and --dataset {args.dataset} has 32 px "
+                          "ones: evaluate it on --dataset imagefolder")
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(accelerator, args.batch_size, 1, False, 0.0)
+    set_seed(args.seed)
+    prepare_output_dir(output)
+    _, test_set, classes = load_data(args, accelerator, image_size, mean, std)
+    if classes != saved["classes"]:
+        raise RecipeError(f"--model {model_dir} was trained on {len(saved['classes'])} classes ({short(saved['classes'])})"
+                          f" and --dataset {args.dataset} has {len(classes)} ({short(classes)}): evaluate it on data "
+                          "with the same classes")
+    _, _, test_loader, loader = build_loaders(args, accelerator, None, test_set, per_process, mean, std)
+    model, test_loader = accelerator.prepare(ready_model(args, accelerator, model), test_loader)
+    evaluation, confusion = evaluate(model, test_loader, accelerator, len(classes), args.tta_flip)
+    accelerator.print(f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
+                      f"{evaluation['eval_samples']} test images")
+    results = dict(
+        recipe="cifar", dataset=args.dataset, model=saved["model"], model_dir=str(model_dir), eval_only=True,
+        world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
+        per_process_batch_size=per_process, image_size=image_size, loader=loader, tta_flip=args.tta_flip,
+        test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
+        synthetic_data=args.dataset == "synthetic", steps=0, epochs=0, wall_seconds=time.perf_counter() - started,
+        **evaluation, **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+    )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        path = write_results(output, results)
+        save_confusion_matrix(confusion, classes, output, draw=True)
+        print_summary(results, ["dataset", "model", "world_size", "mixed_precision", "loader", "eval_accuracy",
+                                "eval_loss", "eval_samples", "wall_seconds"], title="cifar: evaluation")
+        print(f"{path.name} and the confusion matrix saved in {output}")
 
 
 if __name__ == "__main__":

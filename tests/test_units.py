@@ -13,8 +13,8 @@ import torch
 
 from accelerate_recipes.checkpoints import Checkpoints, recover_folder
 from accelerate_recipes.cli import RecipeError, expand_preset
-from accelerate_recipes.loop import RunState, TrainLog
-from accelerate_recipes.results import MetricsLog
+from accelerate_recipes.loop import BestModel, RunState, TrainingProgress
+from accelerate_recipes.results import MetricsLog, restart_metrics
 
 
 class OneProcess:
@@ -170,7 +170,8 @@ def steps_in(path):
 
 def test_a_resumed_run_keeps_the_rows_up_to_its_checkpoint_and_logs_on_after_them(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", [1, 2, 3, 4, 5, 6, 7, 8])
-    log = MetricsLog(OneProcess(), tmp_path, resume_step=4)
+    restart_metrics(tmp_path, resume_step=4)  # what Checkpoints.resolve does on the main process
+    log = MetricsLog(OneProcess(), tmp_path)
     assert steps_in(tmp_path / "metrics.jsonl") == [1, 2, 3, 4]
     log.log({"train/loss": 0.5}, step=5)
     assert steps_in(tmp_path / "metrics.jsonl") == [1, 2, 3, 4, 5]
@@ -179,14 +180,14 @@ def test_a_resumed_run_keeps_the_rows_up_to_its_checkpoint_and_logs_on_after_the
 
 def test_a_new_run_starts_an_empty_metrics_file(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", [1, 2, 3])
-    MetricsLog(OneProcess(), tmp_path)
+    restart_metrics(tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_only_the_main_process_writes_metrics(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", [1, 2, 3])
     before = (tmp_path / "metrics.jsonl").read_text()
-    log = MetricsLog(OneProcess(process_index=1), tmp_path, resume_step=1)
+    log = MetricsLog(OneProcess(process_index=1), tmp_path)
     log.log({"train/loss": 0.5}, step=2)
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
@@ -194,16 +195,18 @@ def test_only_the_main_process_writes_metrics(tmp_path):
 # ------------------------------------------------------------------------------- best model and early stopping
 @pytest.fixture
 def make_log(tmp_path):
-    """TrainLog as a recipe builds it (10 steps per epoch, judged by eval_accuracy), closed after the test."""
+    """TrainingProgress with its BestModel as a recipe builds them (10 steps per epoch, judged by eval_accuracy),
+    closed after the test."""
     logs = []
 
-    def make(patience=0, state=None, accelerator=None, total_steps=100, resumed_from=None, **options):
+    def make(patience=0, state=None, accelerator=None, total_steps=100, resumed_from=None, metric="eval_accuracy",
+             higher_is_better=True):
         accelerator = accelerator or OneProcess()
         state = state or RunState(accelerator.device)
-        log = TrainLog(accelerator, state, Checkpoints(accelerator, tmp_path), resumed_from=resumed_from,
-                       total_steps=total_steps, steps_per_epoch=10, batches_per_epoch=10, global_batch_size=8,
-                       log_every=10, checkpoint_every=0, **{"metric_for_best_model": "eval_accuracy", **options},
-                       early_stopping_patience=patience)
+        best = BestModel(accelerator, state, tmp_path, metric, higher_is_better=higher_is_better, patience=patience)
+        log = TrainingProgress(accelerator, state, tmp_path, total_steps=total_steps, steps_per_epoch=10,
+                               batches_per_epoch=10, global_batch_size=8, log_every=10, checkpoint_every=0,
+                               resumed_from=resumed_from, best=best)
         logs.append(log)
         return log
 
@@ -213,12 +216,19 @@ def make_log(tmp_path):
 
 
 def end_epoch(log, accuracy) -> bool:
-    """An epoch as the recipes run it: its 10 steps, its evaluation, then the epoch counted. Returns log.improved."""
+    """An epoch as the recipes run it: its 10 steps, its evaluation, then the epoch counted. Returns whether the
+    evaluation was the best so far."""
     log.start_epoch()
     log.state.step += 10
-    log.epoch_done({"eval_accuracy": accuracy, "eval_loss": 1 - accuracy, "eval_samples": 64})
+    evaluation = {"eval_accuracy": accuracy, "eval_loss": 1 - accuracy, "eval_samples": 64}
+    log.epoch_done(evaluation)
+    improved = log.best.judge(evaluation)
     log.state.epoch += 1
-    return log.improved
+    return improved
+
+
+def stopped_early(log) -> bool:
+    return log.results(started=0.0)["stopped_early"]
 
 
 def test_only_a_strictly_better_evaluation_improves_and_patience_counts_evaluations_in_a_row(make_log):
@@ -231,7 +241,7 @@ def test_only_a_strictly_better_evaluation_improves_and_patience_counts_evaluati
     state = log.state
     assert (state.best_metric, state.best_epoch, state.best_step, state.evals_without_improvement) == (0.6, 3, 30, 1)
     assert not end_epoch(log, 0.6)  # the second in a row without improvement: patience 2 is used up
-    assert log.finished and log.stopped_early and state.step == 50 < log.total_steps
+    assert log.finished and stopped_early(log) and state.step == 50 < log.total_steps
     log.close()
     assert log.accelerator.printed[-1].startswith(
         "stopped early after epoch 5 of 10 (step 50 of 100): eval_accuracy did not improve in 2 evaluation(s) in a "
@@ -247,7 +257,7 @@ def test_without_patience_the_best_is_kept_but_the_run_goes_to_its_last_step(mak
     log = make_log(total_steps=40)
     assert [end_epoch(log, a) for a in (0.7, 0.2, 0.1, 0.1)] == [True, False, False, False]
     assert log.state.evals_without_improvement == 3 and log.state.best_epoch == 1
-    assert log.finished and not log.stopped_early  # finished by its step count
+    assert log.finished and not stopped_early(log)  # finished by its step count
     log.close()
     assert not any("stopped early" in line for line in log.accelerator.printed)
     assert log.results(started=0.0)["stopped_early"] is False
@@ -257,7 +267,7 @@ def test_patience_used_up_at_the_last_evaluation_is_a_normal_end(make_log):
     log = make_log(patience=1, total_steps=20)
     end_epoch(log, 0.5)
     end_epoch(log, 0.4)
-    assert log.finished and not log.stopped_early
+    assert log.finished and not stopped_early(log)
 
 
 def test_nan_never_improves_and_lower_can_be_better(make_log):
@@ -265,7 +275,7 @@ def test_nan_never_improves_and_lower_can_be_better(make_log):
     assert [end_epoch(log, a) for a in (math.nan, 0.3, math.nan)] == [False, True, False]
     assert log.state.best_metric == 0.3 and log.state.evals_without_improvement == 1
 
-    by_loss = make_log(metric_for_best_model="eval_loss", higher_is_better=False)
+    by_loss = make_log(metric="eval_loss", higher_is_better=False)
     assert [end_epoch(by_loss, a) for a in (0.5, 0.7, 0.6)] == [True, True, False]  # loss 0.5, 0.3, 0.4
     assert by_loss.state.best_metric == pytest.approx(0.3) and by_loss.state.best_epoch == 2
 
@@ -282,7 +292,7 @@ def test_the_best_and_the_patience_count_survive_save_state_and_load_state(make_
         0.8, 2, 20, 1)
     resumed = make_log(patience=2, state=restored, resumed_from=tmp_path / "checkpoints" / "step_00000030")
     assert not end_epoch(resumed, 0.8)  # equal to the carried best: not an improvement, and the second in a row
-    assert resumed.stopped_early and resumed.state.best_epoch == 2
+    assert stopped_early(resumed) and resumed.state.best_epoch == 2
 
 
 def _saved(tmp_path, state_dict):
@@ -320,24 +330,22 @@ def test_every_process_decides_by_the_main_process_value(make_log):
     log = make_log(patience=1, accelerator=SecondOfTwo([[0.5], [0.5]]))
     assert end_epoch(log, 0.51) and log.state.best_metric == 0.5
     assert not end_epoch(log, 0.49)
-    assert log.stopped_early and not log.accelerator.main_contributions
+    assert stopped_early(log) and not log.accelerator.main_contributions
 
 
 def test_bad_settings_and_a_missing_metric_are_one_clear_error(make_log):
     for wrong in (-1, 1.5, "two", True):
         with pytest.raises(RecipeError, match=f"--early_stopping_patience {wrong}: give a whole number"):
             make_log(patience=wrong)
-    with pytest.raises(RecipeError, match="early stopping needs the metric"):
-        make_log(patience=2, metric_for_best_model=None)
-    log = make_log(metric_for_best_model="eval_f1")
+    log = make_log(metric="eval_f1")
     with pytest.raises(RecipeError, match="no 'eval_f1' to judge the best model by .*eval_accuracy, eval_loss"):
         end_epoch(log, 0.5)
 
 
 def write_best(log, weights: bytes):
-    with log.saving_best() as folder:
+    with log.best.saving() as folder:
         (folder / "model.safetensors").write_bytes(weights)
-    return log.best_dir
+    return log.best.folder
 
 
 def test_model_best_is_replaced_whole_with_its_record(make_log, tmp_path):
@@ -360,11 +368,11 @@ def test_a_failed_write_of_model_best_keeps_the_previous_one(make_log, tmp_path)
     end_epoch(log, 0.6)
     with pytest.raises(RecipeError, match=r"could not write .*model_best.partial \(OSError: disk full\); the previous "
                                           "model_best is kept"):
-        with log.saving_best() as folder:
+        with log.best.saving() as folder:
             (folder / "model.safetensors").write_bytes(b"half of epoch 2")
             raise OSError("disk full")
     assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == b"epoch 1"
-    make_log()  # the next start clears what the failed save left
+    Checkpoints(OneProcess(), tmp_path).resolve(None)  # the next start clears what the failed save left
     assert not (tmp_path / "model_best.partial").exists()
     assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == b"epoch 1"
 
