@@ -84,7 +84,7 @@ def _draw(ax, rows, keys, *, label_prefix: str, markers: bool):
 def plot_results(metrics_jsonl: str | Path, png: str | Path, title: str | None = None) -> Path | None:
     """results.png: train loss (and eval loss), learning rate, eval metrics and throughput against the optimizer step.
 
-    Reads the metrics.jsonl that TrainLog writes: train/* losses and train/lr and perf/samples_per_second at log steps,
+    Reads the metrics.jsonl that TrainingProgress writes: train/* losses and train/lr and perf/samples_per_second at log steps,
     eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) and counts are left out.
     Returns the path.
     """

@@ -21,7 +21,7 @@ from accelerate_recipes.plots import (
 
 
 def write_metrics(path, with_eval=True, steps=60, per_epoch=20):
-    """A metrics.jsonl as TrainLog writes it: train rows every 5 steps, eval rows at epoch ends; a last line cut short."""
+    """A metrics.jsonl as TrainingProgress writes it: train rows every 5 steps, eval rows at epoch ends; a last line cut short."""
     lines = []
     for step in [1, *range(5, steps + 1, 5)]:
         lines.append({"step": step, "train/loss": 2.3 * math.exp(-step / 30), "train/lr": 0.1 * (1 - step / steps),
