@@ -67,7 +67,7 @@ need_master = @if [ -z "$(MASTER_ADDR)" ]; then \
 	echo "error: set MASTER_ADDR to the IP of node 0 (the same on every node), e.g. make $@ NODE_RANK=1 MASTER_ADDR=10.0.0.1" >&2; \
 	exit 2; fi
 
-.PHONY: help install test demo clean topo doctor
+.PHONY: help install test lint demo clean topo doctor
 
 help: ## list the targets
 	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
@@ -92,8 +92,12 @@ $(VENV)/.installed-%: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$*]'
 	@touch $@
 
-test: install ## run the test suite (CPU, offline; multi-process runs over gloo)
+test: install lint ## run the linter, then the test suite (CPU, offline; multi-process runs over gloo)
 	$(PY) -m pytest tests
+
+lint: install ## ruff: the lint rules and the formatting the code keeps (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The demo trains on generated CIFAR-shaped data, so it needs no download and no login: all GPUs when there are
 # some, two CPU processes over gloo when there are none. SwanLab logs go offline under the output directory.
