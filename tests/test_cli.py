@@ -10,7 +10,7 @@ import fire
 import pytest
 from conftest import CIFAR_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, check, fails_with, recipe_env, run, tiny_bert
 
-from accelerate_recipes.cli import RecipeError, parse_arg_docs, prepare_argv
+from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv
 from accelerate_recipes.cli import run as run_cli
 
 SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": REPO / "recipes" / "detect" / "train.py",
@@ -24,7 +24,7 @@ def mains():
         spec = spec_from_file_location(f"cli_test_{key}", path)
         module = module_from_spec(spec)
         spec.loader.exec_module(module)
-        found[key] = module.main
+        found[key] = as_command(module.main)  # a main(args: Flags) as the command line sees it
     return found
 
 
