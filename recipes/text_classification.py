@@ -6,8 +6,10 @@
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/text_classification.py --task mrpc
     python recipes/text_classification.py --predict "a gripping, funny film" --model outputs/text
 
-The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
-GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
+schedule -> resume -> loop -> eval -> save), evaluate_saved_model() is --eval_only, predict() is --predict; the flags
+are TextFlags. `--batch_size` is the GLOBAL batch (all processes together), so the same flags give the same training
+on any number of GPUs.
 
 Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets and torchmetrics).
 """
@@ -21,6 +23,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,11 +44,13 @@ from transformers import (
 )
 
 from accelerate_recipes import (
+    BestModel,
     Checkpoints,
     RecipeError,
     RunState,
     StepMeter,
-    TrainLog,
+    TrainingFlags,
+    TrainingProgress,
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
@@ -76,6 +81,62 @@ GLUE_TASKS = {
     "wnli": ("sentence1", "sentence2", "validation", None),
 }
 FILE_FORMATS = {".csv": ("csv", {}), ".tsv": ("csv", {"sep": "\t"}), ".json": ("json", {}), ".jsonl": ("json", {})}
+
+
+@dataclass
+class TextFlags(TrainingFlags):
+    """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or classify texts.
+
+    AdamW's learning rate warms up linearly, then decays linearly to zero. The defaults (global batch 16, --lr 5e-5 as
+    in transformers' examples, weight decay 0.01, gradients clipped to norm 1.0 as in transformers' Trainer) take the
+    end of the BERT paper's fine-tuning grid (batch 16 or 32, lr 5e-5, 3e-5 or 2e-5) that also learns on a small file:
+    480 labelled reviews, 3 epochs, MiniLM reached 0.60 accuracy at batch 32 / lr 2e-5 and 0.76 with these; small
+    models on small data sets often want --lr 1e-4.
+
+    Args:
+        task: GLUE task through the `datasets` library: cola, sst2, mrpc, qqp, mnli, qnli, rte or wnli (default sst2
+            when no --train_file is given). Downloaded on first use, then read from the cache.
+        train_file: your training data instead of a GLUE task: .csv, .tsv, .json or .jsonl (one object per line).
+        validation_file: your validation data, same columns as --train_file.
+        text_column: column holding the text (files only).
+        text_pair_column: column holding the second text of a pair (files only; e.g. premise / hypothesis).
+        label_column: column holding the label (files only); strings or integers. Labels get ids in sorted order,
+            and the id -> label mapping is saved in the model's config.json.
+        max_length: longest tokenised input; longer texts are truncated. Batches are padded to their longest example.
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
+        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
+        cache_dir: cache of the `datasets` library (downloads and tokenised data); default ~/.cache/huggingface/datasets.
+        model: the model to fine-tune: a Hugging Face Hub name or local directory of any checkpoint
+            AutoModelForSequenceClassification loads (default google-bert/bert-base-cased). For --eval_only and
+            --predict, the fine-tuned model: the output_dir of a finished run or its model_best/ (default
+            --output_dir).
+        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
+        seed: seed for the classifier head, data order and dropout.
+        eval_only: evaluate the fine-tuned model in --model (default --output_dir; e.g. output_dir/model_best) on the
+            validation split of the same data flags as its training run (--task, or --train_file, whose labels give
+            the ids, and --validation_file) and write results.json to --output_dir, without training. Runs on any
+            number of processes; each example is counted once.
+        predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
+            file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines. The text
+            is taken as typed, commas included; give --predict several times to classify several texts or files.
+    """
+
+    task: str | None = None
+    train_file: str | None = None
+    validation_file: str | None = None
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    max_length: int = 128
+    warmup_ratio: float = 0.1
+    gradient_checkpointing: bool = False
+    cache_dir: str | None = None
+    # The shared flags this task defaults otherwise.
+    batch_size: int = 16
+    lr: float | None = 5e-5
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    output_dir: str = "outputs/text"
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -165,6 +226,71 @@ def tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_colum
     return raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenize")
 
 
+def glue_task(args: TextFlags) -> str | None:
+    """The GLUE task the data flags name (sst2 when neither --task nor --train_file is given), None for your files."""
+    task = "sst2" if args.task is None and args.train_file is None else args.task
+    if task is not None and (args.train_file or args.validation_file):
+        raise RecipeError("give either --task (a GLUE task) or --train_file/--validation_file, not both")
+    return task
+
+
+def dataset_name(args: TextFlags) -> str:
+    """The task's name, or <folder>-<name> of the training file (e.g. reviews-train)."""
+    return glue_task(args) or f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
+
+
+def default_run_name(args: TextFlags) -> str:
+    return f"text-{dataset_name(args)}"
+
+
+@dataclass
+class TextData:
+    """The train and validation splits, raw and tokenised, with what the model needs to know about them."""
+
+    raw: datasets.DatasetDict
+    tokenized: datasets.DatasetDict
+    tokenizer: transformers.PreTrainedTokenizerBase
+    label_names: list[str]  # the labels as strings, in id order
+    extra_metric: str | None  # what evaluate() reports besides accuracy
+
+
+def load_data(accelerator, args: TextFlags, task: str | None, model_name: str) -> TextData:
+    """The data flags' train and validation splits, tokenised with the tokenizer of `model_name`.
+
+    The local main process of each node downloads and tokenises first (into the cache); the others then read the
+    cached result.
+    """
+    if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    with accelerator.local_main_process_first():
+        raw, text_column, text_pair_column, label_column, label_values, extra_metric = load_text_data(
+            task, args.train_file, args.validation_file, args.text_column, args.text_pair_column, args.label_column,
+            args.cache_dir,
+        )
+        tokenizer = load_tokenizer(model_name)
+        label_ids = None if task else {value: i for i, value in enumerate(label_values)}
+        tokenized = tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids,
+                                      args.max_length)
+    return TextData(raw, tokenized, tokenizer, [str(value) for value in label_values], extra_metric)
+
+
+def data_loaders(accelerator, args: TextFlags, data: TextData, per_process: int) -> tuple[DataLoader, DataLoader]:
+    """The training loader (shuffled, whole batches only) and the validation loader, before accelerator.prepare."""
+    # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
+    collator = DataCollatorWithPadding(data.tokenizer,
+                                       pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
+    loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
+    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
+    # which checkpoints restore.
+    train_loader = DataLoader(data.tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(args.seed), **loader_args)
+    eval_loader = DataLoader(data.tokenized["validation"], batch_size=per_process * args.gradient_accumulation_steps,
+                             **loader_args)
+    return train_loader, eval_loader
+
+
 # ---------------------------------------------------------------------------------------------------------- model
 @contextmanager
 def explain_load_failure(name: str):
@@ -218,6 +344,17 @@ def always_build_attention_masks() -> None:
         stock = AttentionMaskInterface()[name]
         if not hasattr(stock, "stock"):  # not already replaced in this process
             AttentionMaskInterface.register(name, without_padding_check(stock))
+
+
+def save_model(accelerator, model, tokenizer, folder) -> None:
+    """The model as from_pretrained and --predict read it, with the tokenizer. Collective: every process calls it."""
+    # gathers the full weights under FSDP / DeepSpeed ZeRO-3; model_to_save: their own names, compiled or not
+    state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
+    accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(
+        folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(folder)
 
 
 @torch.no_grad()
@@ -282,147 +419,78 @@ def check_labels(model_dir: str, label_names: list[str]) -> None:
                           f"{label_names[:10]}; evaluate it with the data flags of its training run")
 
 
-@torch.no_grad()  # inference only: no graph kept for a backward pass
-def predict_texts(model_dir: str, source, text_column: str, text_pair_column: str | None, max_length: int, batch_size: int):
-    """Classify texts with a fine-tuned model and print one JSON line per text: text, label, score."""
+
+def predict(args: TextFlags) -> None:
+    """--predict: classify texts with the fine-tuned model in --model (default --output_dir) in this one process and
+    print one JSON line per text: text, label, score."""
+    model_dir = args.model or args.output_dir
     check_fine_tuned(model_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(device).eval()
-    texts = read_texts(source, text_column, text_pair_column)
-    for start in range(0, len(texts), batch_size):
-        chunk = texts[start:start + batch_size]
-        firsts = [t for t, _ in chunk]
-        seconds = [p for _, p in chunk] if text_pair_column else None
-        inputs = tokenizer(firsts, seconds, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
-        probabilities = model(**inputs.to(device)).logits.float().softmax(dim=-1)
-        scores, ids = probabilities.max(dim=-1)
-        for (text, pair), label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
-            row = {"text": text, **({"text_pair": pair} if pair is not None else {}),
-                   "label": model.config.id2label[label_id], "score": round(score, 4)}
-            print(json.dumps(row, ensure_ascii=False))
+    texts = read_texts(args.predict, args.text_column, args.text_pair_column)
+    with torch.no_grad():  # inference only: no graph kept for a backward pass
+        for start in range(0, len(texts), args.batch_size):
+            chunk = texts[start:start + args.batch_size]
+            firsts = [t for t, _ in chunk]
+            seconds = [p for _, p in chunk] if args.text_pair_column else None
+            inputs = tokenizer(firsts, seconds, truncation=True, max_length=args.max_length, padding=True,
+                               return_tensors="pt")
+            probabilities = model(**inputs.to(device)).logits.float().softmax(dim=-1)
+            scores, ids = probabilities.max(dim=-1)
+            for (text, pair), label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
+                row = {"text": text, **({"text_pair": pair} if pair is not None else {}),
+                       "label": model.config.id2label[label_id], "score": round(score, 4)}
+                print(json.dumps(row, ensure_ascii=False))
 
 
-# ----------------------------------------------------------------------------------------------------------- main
-def main(
-    task: str | None = None,
-    train_file: str | None = None,
-    validation_file: str | None = None,
-    text_column: str = "text",
-    text_pair_column: str | None = None,
-    label_column: str = "label",
-    model: str | None = None,
-    max_length: int = 128,
-    batch_size: int = 16,
-    epochs: int = 3,
-    max_steps: int | None = None,
-    early_stopping_patience: int = 0,
-    lr: float = 5e-5,
-    weight_decay: float = 0.01,
-    warmup_ratio: float = 0.1,
-    gradient_accumulation_steps: int = 1,
-    max_grad_norm: float = 1.0,
-    mixed_precision: str | None = None,
-    gradient_checkpointing: bool = False,
-    num_workers: int | None = None,
-    log_every: int = 10,
-    output_dir: str = "outputs/text",
-    checkpoint_every: int = 500,
-    keep_checkpoints: int = 2,
-    resume: str | None = None,
-    skip_nonfinite_steps: bool = False,
-    dist_timeout: int = 600,
-    cache_dir: str | None = None,
-    tracker: str = "swanlab",
-    swanlab_mode: str | None = None,
-    project: str = "accelerate-recipes",
-    run_name: str | None = None,
-    seed: int = 42,
-    predict: str | list[str] | None = None,
-    eval_only: bool = False,
-):
-    """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or classify texts.
+# ------------------------------------------------------------------------------------------------------ reporting
+def scores_line(evaluation: dict) -> str:
+    """An evaluation in one line: `accuracy 0.8125, loss 0.4312, f1 0.8000`."""
+    return ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evaluation.items() if k != "eval_samples")
 
-    Args:
-        task: GLUE task through the `datasets` library: cola, sst2, mrpc, qqp, mnli, qnli, rte or wnli (default sst2
-            when no --train_file is given). Downloaded on first use, then read from the cache.
-        train_file: your training data instead of a GLUE task: .csv, .tsv, .json or .jsonl (one object per line).
-        validation_file: your validation data, same columns as --train_file.
-        text_column: column holding the text (files only).
-        text_pair_column: column holding the second text of a pair (files only; e.g. premise / hypothesis).
-        label_column: column holding the label (files only); strings or integers. Labels get ids in sorted order,
-            and the id -> label mapping is saved in the model's config.json.
-        model: Hugging Face Hub name or local directory of any checkpoint AutoModelForSequenceClassification loads;
-            default google-bert/bert-base-cased for training, and --output_dir for --predict.
-        max_length: longest tokenised input; longer texts are truncated. Batches are padded to their longest example.
-        batch_size: GLOBAL batch per optimizer step, all processes together; each process loads
-            batch_size / (num_processes x gradient_accumulation_steps). Default 16 and --lr 5e-5: from the BERT
-            paper's fine-tuning grid (batch 16 or 32, lr 5e-5, 3e-5 or 2e-5) the end that also learns on a small
-            file: 480 labelled reviews, 3 epochs, MiniLM reached 0.60 accuracy at batch 32 / lr 2e-5 and 0.76 here.
-        epochs: passes over the training set (ignored when --max_steps is set).
-        max_steps: stop after this many optimizer steps.
-        early_stopping_patience: stop after this many evaluations in a row whose eval accuracy is not higher than the
-            best so far, saving the last model and results.json as at a normal end; 0 (the default): train to the end.
-            Either way the model of the best evaluation is kept in output_dir/model_best (use it with --predict
-            --model output_dir/model_best).
-        lr: peak learning rate of AdamW, reached after warmup, then linear decay to zero (default 5e-5, as
-            transformers' examples; small models on small data sets often want 1e-4).
-        weight_decay: AdamW weight decay on weight matrices (not on biases and LayerNorm).
-        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
-        gradient_accumulation_steps: micro-batches summed before each optimizer step.
-        max_grad_norm: clip the gradients' global L2 norm to this before each update, the same under DDP, FSDP and
-            DeepSpeed (default 1.0, as transformers' Trainer); 0: no clipping.
-        mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
-        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
-        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
-        log_every: log loss and throughput every N optimizer steps. Only log and checkpoint steps read values back
-            from the GPU, and a stop signal or a non-finite loss is acted on at the next of them.
-        output_dir: where the fine-tuned model and tokenizer (save_pretrained), model_best/ (the same for the best
-            evaluation), results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
-        checkpoint_every: save a checkpoint (accelerator.save_state) every N optimizer steps, besides the one at the
-            end of each epoch; 0: at epoch ends only.
-        keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
-        resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
-            there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
-        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping.
-        dist_timeout: seconds a process waits for the others (at start-up, in a checkpoint save, in any collective)
-            before it stops with an error; the launcher's own wait for other nodes is --rdzv_conf timeout=N.
-        cache_dir: cache of the `datasets` library (downloads and tokenised data); default ~/.cache/huggingface/datasets.
-        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
-        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
-        project: tracker project name.
-        run_name: tracker run name; default text-<task>, or text-<folder>-<name> of the training file.
-        seed: seed for the classifier head, data order and dropout.
-        predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
-            file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines. The text
-            is taken as typed, commas included; give --predict several times to classify several texts or files.
-        eval_only: evaluate the fine-tuned model in --model (default --output_dir; e.g. output_dir/model_best) on the
-            validation split of the same data flags as its training run (--task, or --train_file, whose labels give
-            the ids, and --validation_file) and write results.json to --output_dir, without training. Runs on any
-            number of processes.
-    """
-    if predict is not None:
-        if eval_only:
-            raise RecipeError("give --predict or --eval_only, not both")
-        return predict_texts(model or output_dir, predict, text_column, text_pair_column, max_length, batch_size)
+
+def warn_if_too_short(accelerator, args: TextFlags, total_steps: int, train_size: int) -> None:
+    """A first fine-tune on a small file: too few updates to learn (not said when --max_steps asks for a short run)."""
+    if not args.max_steps and total_steps < MIN_USEFUL_STEPS:
+        accelerator.print(
+            f"warning: {total_steps} optimizer steps in all ({train_size} examples / global batch {args.batch_size} "
+            f"x {args.epochs} epochs); a fine-tune this short often stays near chance. Aim for {MIN_USEFUL_STEPS}+ "
+            "steps: raise --epochs or lower --batch_size, or raise --lr (1e-4 suits small models and small data sets)"
+        )
+
+
+def print_run_summary(results: dict, path: Path, tracking) -> None:
+    """After training, on the main process: the summary table, what was saved where, and how to use it."""
+    output = path.parent
+    print_summary(results, ["dataset", "model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
+                            "steps", "epochs", "eval_accuracy", "eval_f1", "eval_matthews_correlation",
+                            "best_metric", "best_epoch",
+                            "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
+                  title="text classification: summary")
+    print(f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
+          f"classify with: python {os.path.relpath(__file__)} --predict 'some text' --model {output} "
+          f"(or --model {output / 'model_best'})")
+    where = tracking.where()
+    if where:
+        print(where)
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+def train(args: TextFlags) -> None:
+    """Fine-tune --model on the data flags' training split, evaluate it after every epoch, and save the last and the
+    best model (with the tokenizer), results.json, metrics.jsonl and results.png in --output_dir."""
     started = time.perf_counter()
-    output = Path(output_dir)
-    model = model or (output_dir if eval_only else DEFAULT_MODEL)
-    if eval_only:
-        check_fine_tuned(model)
-    if task is None and train_file is None:
-        task = "sst2"
-    if task is not None and (train_file or validation_file):
-        raise RecipeError("give either --task (a GLUE task) or --train_file/--validation_file, not both")
-    dataset_name = task or f"{Path(train_file).resolve().parent.name}-{Path(train_file).stem}"  # e.g. reviews-train
+    output = Path(args.output_dir)
+    model_name = args.model or DEFAULT_MODEL
+    task = glue_task(args)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    # (--eval_only logs to no tracker: its results are in results.json and the output)
-    tracking = setup_tracker("none" if eval_only else tracker, output, run_name or f"text-{dataset_name}", swanlab_mode)
-    with explain_startup_failure(dist_timeout):
+    tracking = setup_tracker(args.tracker, output, args.run_name or default_run_name(args), args.swanlab_mode)
+    with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
-            mixed_precision=mixed_precision,
-            gradient_accumulation_steps=gradient_accumulation_steps,
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=tracking.log_with or None,
             project_dir=str(output),
             # The shuffle order then depends on the seed and epoch only, not on the number of processes.
@@ -431,104 +499,64 @@ def main(
             # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    per_process = check_launch(accelerator, batch_size, gradient_accumulation_steps, skip_nonfinite_steps, max_grad_norm)
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
+                               args.skip_nonfinite_steps, args.max_grad_norm)
     world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
-    set_seed(seed)
-    if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
-        datasets.disable_progress_bars()
-        transformers.logging.set_verbosity_error()
+    set_seed(args.seed)
     prepare_output_dir(output)
-    checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
-    resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
+    checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
+    resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
 
-    # ---- data and tokenizer: the local main process of each node downloads and tokenises first (into the cache),
-    # the others then read the cached result
-    with accelerator.local_main_process_first():
-        raw, text_column, text_pair_column, label_column, label_values, extra_metric = load_text_data(
-            task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir
-        )
-        label_names = [str(value) for value in label_values]
-        tokenizer = load_tokenizer(model)
-        label_ids = None if task else {value: i for i, value in enumerate(label_values)}
-        tokenized = tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length)
+    # ---- data, tokenizer and model
+    data = load_data(accelerator, args, task, model_name)
     # All processes load the weights together: under DeepSpeed ZeRO-3 from_pretrained shards them while reading, which
     # takes every process (the Hub's file locks keep a first download by several processes safe).
-    if eval_only:
-        check_labels(model, label_names)
-    net = load_model(model, label_names, task)
-    # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
-    num_workers = cpu_threads_and_workers(accelerator, num_workers, limit=2)  # on the CPU also torch's threads
-    loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
-    # which checkpoints restore.
-    train_loader = DataLoader(tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(seed), **loader_args)
-    eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * gradient_accumulation_steps, **loader_args)
+    model = load_model(model_name, data.label_names, task)
+    train_loader, eval_loader = data_loaders(accelerator, args, data, per_process)
 
-    if eval_only:
-        # ---- evaluation only: the saved model on the whole validation split, each example counted once
-        net, eval_loader = accelerator.prepare(net, eval_loader)
-        evaluation = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
-        scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evaluation.items() if k != "eval_samples")
-        accelerator.print(f"{scores} on {evaluation['eval_samples']} validation examples")
-        results = dict(recipe="text_classification", dataset=dataset_name, model=model, eval_only=True,
-                       world_size=world, num_machines=machines, mixed_precision=accelerator.mixed_precision,
-                       global_batch_size=batch_size, validation_size=len(raw["validation"]), steps=0,
-                       wall_seconds=time.perf_counter() - started, **evaluation,
-                       **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0))
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
-        if accelerator.is_main_process:
-            print(f"{write_results(output, results).name} saved in {output}")
-        return
-
-    # ---- model and optimizer
+    # ---- optimizer: AdamW, weight decay on weight matrices only
     always_build_attention_masks()  # no host read of the padding in each forward pass
-    if gradient_checkpointing:
-        net.gradient_checkpointing_enable()
-    decay = [p for p in net.parameters() if p.ndim > 1]
-    no_decay = [p for p in net.parameters() if p.ndim <= 1]  # biases and LayerNorm weights
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]  # biases and LayerNorm weights
     trainable = sum(p.numel() for p in decay + no_decay)  # its fp32 gradients are what DDP all-reduces
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
     )
 
-    # ---- learning-rate schedule over optimizer steps: linear warmup, then linear decay to zero
+    # ---- the run's length in optimizer steps
     batches_per_process = len(train_loader) // world  # prepare() deals the batches out to the processes
     if batches_per_process == 0:
         raise RecipeError(
-            f"the training set ({len(raw['train'])} examples) is smaller than one global batch ({batch_size}); "
-            "lower --batch_size or use more data"
+            f"the training set ({len(data.raw['train'])} examples) is smaller than one global batch "
+            f"({args.batch_size}); lower --batch_size or use more data"
         )
-    steps_per_epoch = math.ceil(batches_per_process / gradient_accumulation_steps)
-    total_steps = max_steps if max_steps else epochs * steps_per_epoch
+    steps_per_epoch = math.ceil(batches_per_process / args.gradient_accumulation_steps)
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(warmup_ratio * total_steps)
-    if not max_steps and total_steps < MIN_USEFUL_STEPS:  # a first fine-tune on a small file: too few updates to learn
-        accelerator.print(
-            f"warning: {total_steps} optimizer steps in all ({len(raw['train'])} examples / global batch {batch_size} "
-            f"x {epochs} epochs); a fine-tune this short often stays near chance. Aim for {MIN_USEFUL_STEPS}+ steps: "
-            "raise --epochs or lower --batch_size, or raise --lr (1e-4 suits small models and small data sets)"
-        )
+    warmup_steps = round(args.warmup_ratio * total_steps)
+    warn_if_too_short(accelerator, args, total_steps, len(data.raw["train"]))
 
-    setup_fsdp(accelerator, net)  # FSDP: one shard unit per transformer block of this model
+    setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
     # Model and optimizer in one call: DeepSpeed builds its engine from both.
-    net, optimizer, train_loader, eval_loader = accelerator.prepare(net, optimizer, train_loader, eval_loader)
-    # Linear warmup, then linear decay to zero, on the prepared optimizer (DeepSpeed ZeRO-3 regroups its parameters).
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    # ---- schedule: linear warmup, then linear decay to zero, over optimizer steps, on the prepared optimizer
+    # (DeepSpeed ZeRO-3 regroups its parameters).
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
     config = dict(
-        recipe="text_classification", dataset=dataset_name, model=model, world_size=world, num_machines=machines,
-        mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
-        gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=trainable, lr=lr,
-        weight_decay=weight_decay, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps,
-        epochs=num_epochs,
-        max_length=max_length, num_labels=len(label_names), seed=seed, train_size=len(raw["train"]),
-        validation_size=len(raw["validation"]), distributed_type=accelerator.distributed_type.value,
+        recipe="text_classification", dataset=dataset_name(args), model=model_name, world_size=world,
+        num_machines=machines, mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
+        per_process_batch_size=per_process, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        trainable_parameters=trainable, lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs, max_length=args.max_length,
+        num_labels=len(data.label_names), seed=args.seed, train_size=len(data.raw["train"]),
+        validation_size=len(data.raw["validation"]), distributed_type=accelerator.distributed_type.value,
+        transformers_version=transformers.__version__,
     )
 
     # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
@@ -537,12 +565,14 @@ def main(
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
-                   steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
-                   metric_for_best_model="eval_accuracy", early_stopping_patience=early_stopping_patience)
-    guard = log.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
+    progress = TrainingProgress(
+        accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+    )
+    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
         """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
@@ -550,32 +580,22 @@ def main(
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
-    def save_model(folder: Path) -> None:
-        """The model as from_pretrained and --predict read it, with the tokenizer. Collective: every process calls it."""
-        # gathers the full weights under FSDP / DeepSpeed ZeRO-3; model_to_save: their own names, compiled or not
-        state_dict = accelerator.get_state_dict(model_to_save(accelerator, net))
-        accelerator.unwrap_model(net, keep_torch_compile=False).save_pretrained(
-            folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-        )
-        if accelerator.is_main_process:
-            tokenizer.save_pretrained(folder)
-
     # ---- training loop
-    while state.epoch < num_epochs and not log.finished:
-        log.start_epoch()
-        net.train()
+    while state.epoch < num_epochs and not progress.finished:
+        progress.start_epoch()
+        model.train()
         train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         # Skip what the interrupted run had trained on in this epoch.
         batches = accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
         for batch in batches:
             state.batches_done += 1
-            with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
-                loss = net(**batch).loss
+            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+                loss = model(**batch).loss
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if max_grad_norm:
-                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
+                    if args.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not guard.skip_update(state.step + 1):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -583,46 +603,88 @@ def main(
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
-            if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+            if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
                 save_checkpoint()
-            if log.finished:
+            if progress.finished:
                 break
 
-        # ---- evaluation once per epoch, on the full validation set
+        # ---- evaluation once per epoch, on the whole validation split
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
-        state.last_eval = evaluate(net, eval_loader, accelerator, extra_metric, len(label_names))
-        seconds = log.epoch_done(state.last_eval)  # also judges it: log.improved, and early stopping's count
-        if log.improved:  # the best accuracy so far: the model goes to output_dir/model_best, beside the last one
-            with log.saving_best() as folder:
-                save_model(folder)
+        state.last_eval = evaluate(model, eval_loader, accelerator, data.extra_metric, len(data.label_names))
+        seconds = progress.epoch_done(state.last_eval)
+        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+            with best.saving() as folder:
+                save_model(accelerator, model, data.tokenizer, folder)
         if accelerator.is_main_process:
-            plot_results(log.metrics.path, output / "results.png")  # kept up to date every epoch
-        scores = ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in state.last_eval.items() if k != "eval_samples")
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s, "
-                          f"{log.meter.samples_per_second:.1f} samples/s")
+            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
+                          f"{progress.meter.samples_per_second:.1f} samples/s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
-    log.close()
+    progress.close()
 
-    # ---- save the model, tokenizer and the run's results
+    # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    save_model(output)
-    results = dict(config, **log.results(started), transformers_version=transformers.__version__)
+    save_model(accelerator, model, data.tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    results = dict(config, **progress.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
-        print_summary(results, ["dataset", "model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                                "steps", "epochs", "eval_accuracy", "eval_f1", "eval_matthews_correlation",
-                                "best_metric", "best_epoch",
-                                "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
-                      title="text classification: summary")
-        print(f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
-              f"classify with: python {os.path.relpath(__file__)} --predict 'some text' --model {output} "
-              f"(or --model {output / 'model_best'})")
-        where = tracking.where()
-        if where:
-            print(where)
+        print_run_summary(results, path, tracking)
+
+
+# -------------------------------------------------------------------------------------------------------- evaluate
+def evaluate_saved_model(args: TextFlags) -> None:
+    """--eval_only: the fine-tuned model in --model (default --output_dir) on the whole validation split of the data
+    flags, each example counted once, on any number of processes; results.json goes to --output_dir."""
+    started = time.perf_counter()
+    output = Path(args.output_dir)
+    model_dir = args.model or args.output_dir
+    check_fine_tuned(model_dir)
+    task = glue_task(args)
+    # No tracker: the results are in results.json and the output.
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,  # checked against a DeepSpeed config
+            dataloader_config=DataLoaderConfiguration(non_blocking=True),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
+                               args.skip_nonfinite_steps, args.max_grad_norm)
+    set_seed(args.seed)
+    prepare_output_dir(output)
+
+    data = load_data(accelerator, args, task, model_dir)
+    check_labels(model_dir, data.label_names)
+    model = load_model(model_dir, data.label_names, task)
+    _, eval_loader = data_loaders(accelerator, args, data, per_process)
+    model, eval_loader = accelerator.prepare(model, eval_loader)
+    evaluation = evaluate(model, eval_loader, accelerator, data.extra_metric, len(data.label_names))
+    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation examples")
+
+    results = dict(recipe="text_classification", dataset=dataset_name(args), model=model_dir, eval_only=True,
+                   world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
+                   mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
+                   validation_size=len(data.raw["validation"]), steps=0, wall_seconds=time.perf_counter() - started,
+                   **evaluation, **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        print(f"{write_results(output, results).name} saved in {output}")
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(args: TextFlags) -> None:
+    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    if args.predict is not None and args.eval_only:
+        raise RecipeError("give --predict or --eval_only, not both")
+    if args.predict is not None:
+        return predict(args)
+    if args.eval_only:
+        return evaluate_saved_model(args)
+    return train(args)
 
 
 if __name__ == "__main__":
