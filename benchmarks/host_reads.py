@@ -49,6 +49,7 @@ it succeeded but a quiet interval has reads (--check False turns that off).
 """
 
 import ast
+import inspect
 import collections
 import json
 import os
@@ -273,7 +274,17 @@ def flag_value(argv: list[str], name: str) -> str | None:
 
 
 def main_defaults(script: Path) -> dict:
-    """Literal defaults of the script's main() (log_every, checkpoint_every, ...), read without running it."""
+    """Literal defaults of the script's flags (log_every, checkpoint_every, ...), read without running it: those of
+    the flags dataclass a recipe's main(args) takes, else those of main()'s own parameters."""
+    from accelerate_recipes.cli import _commands_in_source, as_command
+
+    try:
+        command = _commands_in_source(script.read_text())
+    except Exception:  # not a script of run(main): its main() is read below
+        command = None
+    if callable(command):
+        return {name: param.default for name, param in inspect.signature(as_command(command)).parameters.items()
+                if param.default is not inspect.Parameter.empty}
     tree = ast.parse(script.read_text())
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "main":
