@@ -129,11 +129,13 @@ def as_command(main):
                                 default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
               for f in ordered]
 
-    def command(**values):
-        return main(cls(**values))
+    signature = inspect.Signature(params)
+
+    def command(*args, **kwargs):  # fire passes the values by position, in the signature's order
+        return main(cls(**signature.bind(*args, **kwargs).arguments))
 
     command.__name__ = command.__qualname__ = main.__name__
-    command.__signature__ = inspect.Signature(params)
+    command.__signature__ = signature
     command.__annotations__ = {f.name: hints[f.name] for f in ordered}
     args = "\n".join(f"    {f.name}: {docs[f.name]}" for f in ordered if f.name in docs)
     command.__doc__ = f"{text}\n\nArgs:\n{args}\n"
