@@ -13,8 +13,7 @@ from conftest import CIFAR_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, check, fails_with,
 from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv
 from accelerate_recipes.cli import run as run_cli
 
-SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": REPO / "recipes" / "detect" / "train.py",
-           "predict": REPO / "recipes" / "detect" / "predict.py"}
+SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": REPO / "recipes" / "detect" / "train.py"}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +98,7 @@ def test_an_unrequested_one_letter_flag_is_refused_in_one_line(tmp_path, mains):
     fails_with(run([PYTHON, CIFAR_SCRIPT, "-v"], recipe_env(tmp_path), timeout=120),
                "unknown flag -v", "flags are spelled out, e.g. --verify_data")
     for key, flag, guess in (("text", "-v", "--validation_file"), ("detect", "-s", "--synthetic_size"),
-                             ("predict", "-x=1", "--model")):
+                             ("detect", "-x=1", "--data")):
         with pytest.raises(RecipeError, match=f"unknown flag {flag[:2]}; flags are spelled out, e.g. {guess}$"):
             prepare_argv(mains[key], [flag])
     with pytest.raises(RecipeError, match="unknown flag --epoch; did you mean --epochs"):

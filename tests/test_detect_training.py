@@ -1,5 +1,5 @@
 """The detection recipe trains for real on a generated YOLO-format set, evaluates each image once on any world size,
-and its checkpoint drives predict.py."""
+and its saved model drives --predict."""
 
 import json
 
@@ -13,7 +13,6 @@ from synthetic_shapes import write_synthetic_dataset
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
 TRAIN = REPO / "recipes" / "detect" / "train.py"
-PREDICT = REPO / "recipes" / "detect" / "predict.py"
 SMALL = ["--image_size", "128", "--optimizer", "adamw", "--lr", "0.002", "--tracker", "none", "--num_workers", "0",
          "--log_every", "1"]
 
@@ -80,11 +79,11 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     model, _ = trained
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
     common = ["--data", shapes, "--eval_only", "True", "--batch_size", 4, *SMALL]
-    # --weights model_best on one process: the same weights as the final model (the run's one evaluation was the best)
-    one = check(run([PYTHON, TRAIN, *common, "--weights", model / "model_best", "--output_dir", tmp_path / "one"], env))
+    # --model model_best on one process: the same weights as the final model (the run's one evaluation was the best)
+    one = check(run([PYTHON, TRAIN, *common, "--model", model / "model_best", "--output_dir", tmp_path / "one"], env))
     two = check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
                      "--main_process_port", free_port(),
-                     "--num_cpu_threads_per_process", 1, TRAIN, *common, "--weights", model, "--output_dir",
+                     "--num_cpu_threads_per_process", 1, TRAIN, *common, "--model", model, "--output_dir",
                      tmp_path / "two"], env, timeout=400))
     a, b = read_results(tmp_path / "one"), read_results(tmp_path / "two")
     assert b["world_size"] == 2 and a["world_size"] == 1, (one.output[-800:], two.output[-800:])
@@ -101,7 +100,7 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
 def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
     model, _ = trained
     val_images = shapes.parent / "images" / "val"
-    proc = check(run([PYTHON, PREDICT, "--model", model, "--source", val_images, "--out", tmp_path / "pred",
+    proc = check(run([PYTHON, TRAIN, "--model", model, "--predict", val_images, "--predict_dir", tmp_path / "pred",
                       "--conf_threshold", 0.01], recipe_env(tmp_path)))
     report = json.loads((tmp_path / "pred" / "detections.json").read_text())
     assert len(report) == 21 and len(list((tmp_path / "pred").glob("*.png"))) == 21
@@ -111,9 +110,10 @@ def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
             assert 0 <= x1 <= x2 and 0 <= y1 <= y2 and det["score"] >= 0.01
             assert det["class_name"] in ("circle", "square", "triangle")
     assert "detections in 21 images" in proc.output
-    # predict.py reads model_best as it reads the output directory: the same model finds the same boxes.
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == report  # one JSON line per image, nothing else
+    # --predict reads model_best as it reads the output directory: the same model finds the same boxes.
     first = val_images / report[0]["image"].rsplit("/", 1)[1]
-    check(run([PYTHON, PREDICT, "--model", model / "model_best", "--source", first, "--out", tmp_path / "best",
+    check(run([PYTHON, TRAIN, "--model", model / "model_best", "--predict", first, "--predict_dir", tmp_path / "best",
                "--conf_threshold", 0.01], recipe_env(tmp_path)))
     assert json.loads((tmp_path / "best" / "detections.json").read_text())[0]["detections"] == report[0]["detections"]
 
@@ -123,9 +123,9 @@ def test_detection_errors(shapes, tmp_path):
     base = [PYTHON, TRAIN, "--output_dir", tmp_path / "out", *SMALL]
     fails_with(run([*base, "--data", tmp_path / "missing.yaml"], env), "missing.yaml")
     fails_with(run([*base, "--data", shapes, "--image_size", 100], env), "multiple of 32")
-    fails_with(run([*base, "--data", shapes, "--eval_only", "True"], env), "--eval_only needs --weights")
-    fails_with(run([*base, "--data", shapes, "--weights", tmp_path], env), "model.safetensors")
-    fails_with(run([PYTHON, PREDICT, "--model", tmp_path, "--source", shapes.parent], env), "detector.json")
+    fails_with(run([*base, "--data", shapes, "--eval_only", "True"], env), "detector.json", "--model")
+    fails_with(run([*base, "--data", shapes, "--init_weights", tmp_path], env), "model.safetensors")
+    fails_with(run([PYTHON, TRAIN, "--model", tmp_path, "--predict", shapes.parent], env), "detector.json")
 
 
 def test_a_bad_label_stops_the_recipe_naming_file_and_line_and_overwrites_nothing(tmp_path):

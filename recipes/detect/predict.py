@@ -1,82 +1,67 @@
-#!/usr/bin/env python
-"""Run a detector trained by train.py on images: pictures with the boxes drawn (PNG) and a JSON of detections.
+"""Detection with a model trained by train.py, what `train.py --predict` runs: one JSON line per image on stdout, and
+pictures with the boxes drawn (PNG) and a JSON of all detections on disk.
 
-    python recipes/detect/predict.py --model outputs/detect --source photo.jpg
-    python recipes/detect/predict.py --model outputs/detect --source data/shapes/images/val --conf_threshold 0.4
+    python recipes/detect/train.py --predict photo.jpg --model outputs/detect
+    python recipes/detect/train.py --predict data/shapes/images/val --model outputs/detect --conf_threshold 0.4
 
 Writes <out>/<image name>.png for each image and <out>/detections.json: one entry per image with its boxes in the
-image's own pixels (x1, y1, x2, y2), score, class id and class name.
+image's own pixels (x1, y1, x2, y2), score, class id and class name; each entry is also printed as a JSON line.
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from detector_files import MODEL_CONFIG, draw_detections, upright_rgb
-from safetensors.torch import load_file
+from detector_files import build_model, draw_detections, read_model_config, upright_rgb
 from tqdm.auto import tqdm
 from yolo_data import IMAGE_SUFFIXES, letterbox, scale_boxes_back
 from yolo_model import Detector, postprocess
 
-from accelerate_recipes import RecipeError, run
+from accelerate_recipes import RecipeError
 
 
 def load_detector(model_dir: Path, device: torch.device) -> tuple[Detector, dict]:
     """The model saved by train.py (model.safetensors + detector.json), in eval mode on `device`."""
-    config_file, weights = model_dir / MODEL_CONFIG, model_dir / "model.safetensors"
-    for needed in (config_file, weights):
-        if not needed.is_file():
-            raise RecipeError(f"{needed} not found; --model must be the output directory of a finished "
-                              "recipes/detect/train.py run")
-    config = json.loads(config_file.read_text())
-    model = Detector(num_classes=config["num_classes"], size=config["size"])
-    model.load_state_dict(load_file(str(weights)))
+    config = read_model_config(model_dir)
+    model, _ = build_model(config["size"], config["num_classes"], channels_last=False, weights=model_dir)
     return model.to(device).eval(), config
 
 
-def list_images(source: Path) -> list[Path]:
-    if source.is_file():
-        return [source]
-    if source.is_dir():
-        images = sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-        if images:
-            return images
-        raise RecipeError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {source}; point --source at an image "
-                          "or a folder of images")
-    raise RecipeError(f"--source {source} does not exist; give an image file or a folder of images")
+def list_images(sources) -> list[Path]:
+    """The images to detect objects in: files as given, and the images in a folder (sorted)."""
+    images = []
+    for source in map(Path, sources if isinstance(sources, (list, tuple)) else [sources]):
+        if source.is_file():
+            images.append(source)
+        elif source.is_dir():
+            found = sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise RecipeError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {source}; point --predict at an "
+                                  "image or a folder of images")
+            images += found
+        else:
+            raise RecipeError(f"--predict {source} does not exist; give an image file or a folder of images")
+    return images
 
 
 @torch.no_grad()
-def main(model: str = "outputs/detect", source: str = "", out: str | None = None, conf_threshold: float = 0.25,
-         iou_threshold: float = 0.7, image_size: int | None = None, device: str | None = None):
-    """Detect objects in an image or a folder of images with a model trained by recipes/detect/train.py.
-
-    Args:
-        model: the training run's output directory (model.safetensors and detector.json).
-        source: an image file or a folder of images.
-        out: where the pictures and detections.json go; default <model>/predictions.
-        conf_threshold: keep detections scoring at least this.
-        iou_threshold: IoU above which NMS suppresses a box of the same class.
-        image_size: network input side (a multiple of 32); default the training size.
-        device: cuda, cpu, ...; default the first GPU when there is one.
-    """
-    if not source:
-        raise RecipeError("--source is required: an image file or a folder of images")
+def detect_images(model_dir: Path, sources, out: str | None = None, conf_threshold: float = 0.25,
+                  iou_threshold: float = 0.7, image_size: int | None = None, device: str | None = None) -> None:
+    """Detect objects in images (files or folders of them) with the model in `model_dir`: print one JSON line per
+    image (image, detections), draw each image with its boxes into `out` (default <model_dir>/predictions) and write
+    detections.json there. The progress bar and the closing count go to stderr."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    detector, config = load_detector(Path(model), device)
+    detector, config = load_detector(model_dir, device)
     names, size = config["names"], image_size or config["image_size"]
     if size % 32:
         raise RecipeError(f"--image_size {size} must be a multiple of 32")
-    out_dir = Path(out) if out else Path(model) / "predictions"
+    out_dir = Path(out) if out else model_dir / "predictions"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     report = []
-    for path in tqdm(list_images(Path(source)), desc="predict", unit="image"):
+    for path in tqdm(list_images(sources), desc="predict", unit="image"):
         try:
             original = np.asarray(upright_rgb(path))
         except OSError as err:
@@ -88,13 +73,16 @@ def main(model: str = "outputs/detect", source: str = "", out: str | None = None
         boxes = scale_boxes_back(found["boxes"], ratio, pad, original.shape[:2]).cpu()
         scores, labels = found["scores"].cpu(), found["labels"].cpu()
         draw_detections(path, boxes, labels, scores, names).save(out_dir / f"{path.stem}.png")
-        report.append({"image": str(path), "detections": [
+        entry = {"image": str(path), "detections": [
             {"box": [round(v, 2) for v in box.tolist()], "score": round(float(s), 4), "class_id": int(c),
-             "class_name": names[int(c)]} for box, s, c in zip(boxes, scores, labels)]})
+             "class_name": names[int(c)]} for box, s, c in zip(boxes, scores, labels)]}
+        report.append(entry)
+        print(json.dumps(entry), flush=True)
     (out_dir / "detections.json").write_text(json.dumps(report, indent=1))
     total = sum(len(r["detections"]) for r in report)
-    print(f"{total} detections in {len(report)} images; pictures and detections.json in {out_dir}")
+    print(f"{total} detections in {len(report)} images; pictures and detections.json in {out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    run(main)
+    sys.exit("predict.py has no command line of its own; predict with: python recipes/detect/train.py --predict "
+             "IMAGE_OR_FOLDER --model OUTPUT_DIR")

@@ -5,26 +5,33 @@
     python recipes/detect/train.py --data path/to/data.yaml                            # your YOLO-format dataset
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/detect/train.py --data coco128
     make detect-1gpu ARGS="--data path/data.yaml"
+    python recipes/detect/train.py --eval_only --model outputs/detect --data path/to/data.yaml   # a saved model's mAP
+    python recipes/detect/train.py --predict photo.jpg --model outputs/detect      # boxes: one JSON line per image
 
 Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
 image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
 The detector (yolo_model.py), its assigner and loss (yolo_loss.py), the data pipeline (yolo_data.py), the generated
-shapes set (synthetic_shapes.py), what predict.py shares with this script (detector_files.py) and the pictures of an
-evaluation (eval_pictures.py) sit beside this file; copy the folder to start your own project.
+shapes set (synthetic_shapes.py), the saved model's files (detector_files.py), what --predict runs (predict.py) and
+the pictures of an evaluation (eval_pictures.py) sit beside this file; copy the folder to start your own project.
 
 Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus torchmetrics, pycocotools
 and pyyaml).
 
-The script reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the
-GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
+schedule -> resume -> loop -> eval -> save), evaluate_saved_model() and predict() use a saved model. `--batch_size` is
+the GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
 """
 
+from dataclasses import dataclass
+
 from accelerate_recipes.cli import answer_help_from_source
+from accelerate_recipes.flags import TrainingFlags
 
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
 import json
 import math
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -32,23 +39,25 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, set_seed
-from detector_files import MODEL_CONFIG, draw_detections
+from detector_files import MODEL_CONFIG, build_model, draw_detections, read_model_config
 from ema import ModelEMA
 from eval_pictures import detection_confusion_matrix, save_eval_pictures
-from safetensors.torch import load_file
+from predict import detect_images
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader
 from torchmetrics.detection import MeanAveragePrecision
 from transformers import get_scheduler
-from yolo_data import YoloDataset, collate, download_dataset, load_data_config, scale_boxes_back
+from yolo_data import DataConfig, YoloDataset, collate, download_dataset, load_data_config, scale_boxes_back
 from yolo_loss import DetectionLoss
-from yolo_model import SIZES, Detector, model_info, postprocess
+from yolo_model import SIZES, postprocess
 
 from accelerate_recipes import (
+    BestModel,
     Checkpoints,
     RecipeError,
     RunState,
-    TrainLog,
+    StepMeter,
+    TrainingProgress,
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
@@ -57,11 +66,115 @@ from accelerate_recipes import (
     prepare_output_dir,
     print_summary,
     run,
+    run_facts,
     setup_tracker,
     write_results,
 )
 from accelerate_recipes.plots import plot_results
 from accelerate_recipes.seeding import SeededAugmentation
+
+LOSS_NAMES = ("loss", "box_loss", "cls_loss", "dfl_loss")  # what RunState sums and metrics.jsonl logs as train/*
+EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD = 0.001, 0.25  # --conf_threshold's default: low for mAP, higher for use
+SUMMARY = ["model", "world_size", "num_machines", "mixed_precision", "global_batch_size", "image_size", "steps",
+           "epochs", "eval_map50", "eval_map50_95", "best_metric", "best_epoch", "eval_images",
+           "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"]
+
+
+# ---------------------------------------------------------------------------------------------------------- flags
+@dataclass
+class DetectFlags(TrainingFlags):
+    """Train a YOLO-style anchor-free detector on a YOLO-format dataset; or, with --eval_only, measure the COCO mAP of
+    a trained one, or with --predict, draw and list what it finds in images.
+
+    Args:
+        data: a data.yaml in Ultralytics' format (path, train, val, names); coco128 (downloaded into --data_dir on
+            first use, 128 COCO images with 80 classes, used for both train and val as Ultralytics does); or
+            synthetic (generated shapes, no download; a pipeline check, not a real-data result).
+        data_dir: where downloaded and generated datasets go.
+        synthetic_size: training images generated for --data synthetic (validation gets a quarter as many).
+        image_size: side of the square (letterboxed) network input; a multiple of 32. Default: 640 for training; for
+            --eval_only and --predict, the size the model in --model was trained at.
+        size: model size, n (nano) or s (small): YOLOv8's depth and width multipliers.
+        optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
+            Ultralytics' 0.01, which multiplies its loss by the batch size.
+        momentum: SGD momentum, or AdamW's beta1.
+        warmup_epochs: linear learning-rate warmup, in epochs (at least 20 steps, at most half the run).
+        final_lr_ratio: the cosine schedule ends at lr x final_lr_ratio.
+        ema_decay: decay of the exponential moving average of the weights that is evaluated and saved (0: off).
+        mosaic: probability of a 4-image mosaic per training sample.
+        flip_lr: probability of a horizontal flip.
+        flip_ud: probability of a vertical flip.
+        hsv: colour jitter gains for hue, saturation and value.
+        scale: random scale jitter (+/- this fraction).
+        conf_threshold: score below which predictions are dropped before NMS; default 0.001 in evaluation (low, for
+            mAP), 0.25 with --predict.
+        iou_threshold: IoU above which NMS suppresses a box of the same class.
+        eval_every: evaluate every N epochs (and always after the last).
+        channels_last: NHWC memory layout, faster for convolutions with tensor cores.
+        init_weights: start training from the model of an earlier run (its output directory, its model_best/, or a
+            model.safetensors file) instead of random weights; the optimizer, schedule and step count start fresh
+            (--resume continues an interrupted run instead).
+        predict_dir: where --predict writes a picture of each image with its boxes and detections.json (every
+            image's boxes in its own pixels, score, class id and name); default <model>/predictions.
+        predict_device: the device --predict runs on (cuda, cpu, ...); default the first GPU when there is one.
+        lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd (Ultralytics' 0.01 at its
+            nominal batch of 64, moved onto a mean loss). Not scaled by the GPU count.
+        early_stopping_patience: stop after this many evaluations (--eval_every) in a row whose mAP50-95 is not higher
+            than the best so far, saving the last model and results.json as at a normal end; 0 (the default): train to
+            the end. Either way the model of the best evaluation is kept in output_dir/model_best (for --predict,
+            --eval_only and --init_weights).
+        run_name: tracker run name; default detect-<size>.
+        eval_only: evaluate the model in --model on the val split of --data and write results.json and the
+            evaluation's pictures (PR_curve, confusion_matrix, val_predictions) to --output_dir, without training.
+            Runs on any number of processes; each image is counted once. With --output_dir the model's folder (the
+            default), the training run's results.json and pictures are replaced.
+        predict: detect objects with the model in --model instead of training: an image file or a folder of images;
+            give --predict several times for several. Prints one JSON line per image (its boxes, scores and classes)
+            on stdout and writes the pictures and detections.json to --predict_dir; runs in one process.
+    """
+
+    data: str = "coco128"
+    data_dir: str = "data"
+    synthetic_size: int = 512
+    image_size: int | None = None
+    size: str = "n"
+    optimizer: str = "adamw"
+    momentum: float = 0.937
+    warmup_epochs: float = 3.0
+    final_lr_ratio: float = 0.01
+    ema_decay: float = 0.9999
+    mosaic: float = 1.0
+    flip_lr: float = 0.5
+    flip_ud: float = 0.0
+    hsv: tuple = (0.015, 0.7, 0.4)
+    scale: float = 0.5
+    conf_threshold: float | None = None
+    iou_threshold: float = 0.7
+    eval_every: int = 1
+    channels_last: bool = True
+    init_weights: str | None = None
+    predict_dir: str | None = None
+    predict_device: str | None = None
+    # The shared flags this task trains with by default.
+    batch_size: int = 64
+    epochs: int = 100
+    weight_decay: float = 5e-4
+    max_grad_norm: float = 10.0
+    output_dir: str = "outputs/detect"
+
+
+def check_flags(args: DetectFlags) -> None:
+    """The flags' values a run cannot start with, refused before anything else happens."""
+    if args.size not in SIZES:
+        raise RecipeError(f"unknown --size {args.size!r}; choose one of {', '.join(SIZES)}")
+    if args.optimizer not in ("sgd", "adamw"):
+        raise RecipeError(f"unknown --optimizer {args.optimizer!r}; choose sgd or adamw")
+    if args.image_size is not None and (args.image_size % 32 or args.image_size < 64):
+        raise RecipeError(f"--image_size {args.image_size} must be a multiple of 32 and at least 64 (the head's "
+                          "largest stride is 32); e.g. --image_size 640")
+    if args.max_grad_norm < 0:
+        raise RecipeError(f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); "
+                          "e.g. --max_grad_norm 10")
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -86,18 +199,37 @@ def to_model_input(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 
+def read_dataset(args: DetectFlags, image_size: int, accelerator) -> tuple[Path, DataConfig]:
+    """--data's data.yaml and what it says: each split's images and the class names. Says so loudly for generated
+    shapes."""
+    data_yaml = resolve_data(args.data, args.data_dir, args.synthetic_size, image_size, args.seed, accelerator)
+    dataset = load_data_config(data_yaml)
+    if args.data == "synthetic":
+        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated shapes, not a real dataset. mAP here measures "
+                          "the pipeline, not the detector on real images.\n" + "!" * 100)
+    return data_yaml, dataset
+
+
+def validation_set(dataset: DataConfig, image_size: int) -> YoloDataset:
+    """The val split, letterboxed to image_size and not augmented; every label is checked here, up front."""
+    return YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False)
+
+
+def loader_settings(accelerator, num_workers: int | None) -> dict:
+    """The DataLoader arguments every loader here shares (on the CPU this also gives torch's threads the cores)."""
+    num_workers = cpu_threads_and_workers(accelerator, num_workers)
+    return dict(collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                persistent_workers=num_workers > 0)
 # ---------------------------------------------------------------------------------------------------------- model
-def load_weights(net: torch.nn.Module, path: Path) -> None:
-    """Weights saved by an earlier run (accelerator.save_model writes model.safetensors)."""
-    file = path / "model.safetensors" if path.is_dir() else path
-    if not file.is_file():
-        raise RecipeError(f"--weights {path}: no {file.name} there; give the output directory of a finished run")
-    try:
-        net.load_state_dict(load_file(str(file)))
-    except RuntimeError as err:
-        first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise RecipeError(f"--weights {file} does not fit this model ({first}); use the same --size and a data.yaml "
-                          "with the same number of classes as that run") from None
+def build_optimizer(model: torch.nn.Module, name: str, lr: float, momentum: float,
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW or SGD (nesterov), with weight decay on conv and linear weights only (not on BatchNorm or biases)."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999))
 
 
 # ----------------------------------------------------------------------------------------------------- evaluation
@@ -186,236 +318,138 @@ def log_pictures(accelerator, records: list, names: list[str], step: int, score_
             accelerator.print(f"warning: could not log images to {tracker.name}: {err}")
 
 
-# ----------------------------------------------------------------------------------------------------------- main
-def main(
-    data: str = "coco128",
-    data_dir: str = "data",
-    synthetic_size: int = 512,
-    image_size: int = 640,
-    size: str = "n",
-    batch_size: int = 64,
-    epochs: int = 100,
-    max_steps: int | None = None,
-    early_stopping_patience: int = 0,
-    optimizer: str = "adamw",
-    lr: float | None = None,
-    momentum: float = 0.937,
-    weight_decay: float = 5e-4,
-    warmup_epochs: float = 3.0,
-    final_lr_ratio: float = 0.01,
-    ema_decay: float = 0.9999,
-    mosaic: float = 1.0,
-    flip_lr: float = 0.5,
-    flip_ud: float = 0.0,
-    hsv: tuple = (0.015, 0.7, 0.4),
-    scale: float = 0.5,
-    conf_threshold: float = 0.001,
-    iou_threshold: float = 0.7,
-    eval_every: int = 1,
-    gradient_accumulation_steps: int = 1,
-    max_grad_norm: float = 10.0,
-    mixed_precision: str | None = None,
-    channels_last: bool = True,
-    num_workers: int | None = None,
-    log_every: int = 10,
-    output_dir: str = "outputs/detect",
-    checkpoint_every: int = 500,
-    keep_checkpoints: int = 2,
-    resume: str | None = None,
-    skip_nonfinite_steps: bool = False,
-    dist_timeout: int = 600,
-    tracker: str = "swanlab",
-    swanlab_mode: str | None = None,
-    project: str = "accelerate-recipes",
-    run_name: str | None = None,
-    seed: int = 42,
-    weights: str | None = None,
-    eval_only: bool = False,
-):
-    """Train a YOLO-style anchor-free detector on a YOLO-format dataset.
+def per_class_scalars(evaluation: dict) -> dict:
+    """The AP50-95 of each class, as logged: eval/ap50_95/<class name>."""
+    return {f"eval/ap50_95/{name}": ap for name, ap in evaluation["eval_ap_per_class"].items()}
 
-    Args:
-        data: a data.yaml in Ultralytics' format (path, train, val, names); coco128 (downloaded into --data_dir on
-            first use, 128 COCO images with 80 classes, used for both train and val as Ultralytics does); or
-            synthetic (generated shapes, no download; a pipeline check, not a real-data result).
-        data_dir: where downloaded and generated datasets go.
-        synthetic_size: training images generated for --data synthetic (validation gets a quarter as many).
-        image_size: side of the square (letterboxed) network input; a multiple of 32.
-        size: model size, n (nano) or s (small): YOLOv8's depth and width multipliers.
-        batch_size: GLOBAL batch of images per optimizer step, all processes together; each process loads
-            batch_size / (num_processes x gradient_accumulation_steps).
-        epochs: passes over the training set (ignored when --max_steps is set).
-        max_steps: stop after this many optimizer steps.
-        early_stopping_patience: stop after this many evaluations (--eval_every) in a row whose mAP50-95 is not higher
-            than the best so far, saving the last model and results.json as at a normal end; 0 (the default): train to
-            the end. Either way the model of the best evaluation is kept in output_dir/model_best (for predict.py
-            --model and --weights).
-        optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
-            Ultralytics' 0.01, which multiplies its loss by the batch size.
-        lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd (Ultralytics' 0.01 at its
-            nominal batch of 64, moved onto a mean loss). Not scaled by the GPU count.
-        momentum: SGD momentum, or AdamW's beta1.
-        weight_decay: on conv and linear weights only (not on BatchNorm or biases).
-        warmup_epochs: linear learning-rate warmup, in epochs (at least 20 steps, at most half the run).
-        final_lr_ratio: the cosine schedule ends at lr x final_lr_ratio.
-        ema_decay: decay of the exponential moving average of the weights that is evaluated and saved (0: off).
-        mosaic: probability of a 4-image mosaic per training sample.
-        flip_lr: probability of a horizontal flip.
-        flip_ud: probability of a vertical flip.
-        hsv: colour jitter gains for hue, saturation and value.
-        scale: random scale jitter (+/- this fraction).
-        conf_threshold: score below which predictions are dropped before NMS in evaluation (low for mAP).
-        iou_threshold: IoU above which NMS suppresses a box of the same class.
-        eval_every: evaluate every N epochs (and always after the last).
-        gradient_accumulation_steps: micro-batches summed before each optimizer step.
-        max_grad_norm: clip the gradients' global L2 norm to this before each update (0: no clipping); the early
-            steps of a detector, with the assigner still matching poorly, can spike.
-        mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
-        channels_last: NHWC memory layout, faster for convolutions with tensor cores.
-        num_workers: DataLoader workers per process; default: the CPU cores per local process less one, at most 8;
-            0 on the CPU, where torch's threads get the cores.
-        log_every: log the loss and throughput every N optimizer steps.
-        output_dir: where the model (model.safetensors + detector.json), model_best/ (the same for the best
-            evaluation), results.json, metrics.jsonl, checkpoints/ and offline SwanLab logs go.
-        checkpoint_every: save a checkpoint (accelerator.save_state, with the EMA) every N optimizer steps, besides
-            the one at the end of each epoch; 0: at epoch ends only.
-        keep_checkpoints: how many of the newest checkpoints to keep in output_dir/checkpoints.
-        resume: auto (continue from the newest complete checkpoint in output_dir/checkpoints, or start fresh when
-            there is none) or the path of a checkpoint; default: start fresh, refused when checkpoints exist.
-        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping
-            (the optimizer skips it; BatchNorm statistics of that forward pass are kept).
-        dist_timeout: seconds a process waits for the others (at start-up, in a checkpoint save, in any collective)
-            before it stops with an error; the launcher's own wait for other nodes is --rdzv_conf timeout=N.
-        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, mlflow, ...).
-        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
-        project: tracker project name.
-        run_name: tracker run name; default detect-<size>.
-        seed: seed for weights, data order, augmentation and generated data.
-        weights: start from the model of an earlier run (its output directory, or a model.safetensors file).
-        eval_only: evaluate --weights on the validation set and write results.json, without training.
-    """
+
+def epoch_line(state: RunState, num_epochs: int, seconds: float, images_per_second: float) -> str:
+    """What an epoch's evaluation prints."""
+    evaluation = state.last_eval
+    return (f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {evaluation['eval_map50']:.4f}, mAP50-95 "
+            f"{evaluation['eval_map50_95']:.4f} on {evaluation['eval_images']} images, {seconds:.1f} s, "
+            f"{images_per_second:.1f} images/s")
+
+
+def print_results(results: dict, output: Path, path: Path, tracking) -> None:
+    """What a finished run or evaluation prints (main process): AP50-95 by class, the summary table, what was saved
+    where."""
+    print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in results["eval_ap_per_class"].items()))
+    if results.get("eval_only"):
+        print_summary(results, SUMMARY, title="detect: evaluation")
+        print(f"{path.name}, {MODEL_CONFIG} and the evaluation's pictures saved in {output}")
+    else:
+        print_summary(results, SUMMARY, title="detect: summary")
+        best = f", model_best/ (epoch {results['best_epoch']})" if results["best_epoch"] else ""
+        print(f"model, {MODEL_CONFIG}{best} and {path.name} saved in {output}; predict with: python "
+              f"{os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
+    where = tracking.where()
+    if where:
+        print(where)
+
+
+# ----------------------------------------------------------------------------------------------------------- train
+def train(args: DetectFlags) -> None:
+    """Train the detector on --data; the last (EMA) model, model_best/, results.json and the pictures go to
+    --output_dir."""
     started = time.perf_counter()
-    output = Path(output_dir)
-    if size not in SIZES:
-        raise RecipeError(f"unknown --size {size!r}; choose one of {', '.join(SIZES)}")
-    if optimizer not in ("sgd", "adamw"):
-        raise RecipeError(f"unknown --optimizer {optimizer!r}; choose sgd or adamw")
-    if image_size % 32 or image_size < 64:
-        raise RecipeError(f"--image_size {image_size} must be a multiple of 32 and at least 64 (the head's largest "
-                          "stride is 32); e.g. --image_size 640")
-    if max_grad_norm < 0:
-        raise RecipeError(f"--max_grad_norm {max_grad_norm} must be >= 0 (0 turns clipping off); "
-                          "e.g. --max_grad_norm 10")
-    lr = lr if lr is not None else (0.64 if optimizer == "sgd" else 0.002)
-    hsv = tuple(float(v) for v in hsv)
+    output = Path(args.output_dir)
+    check_flags(args)
+    image_size = args.image_size or 640
+    lr = args.lr if args.lr is not None else (0.64 if args.optimizer == "sgd" else 0.002)
+    conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(tracker, output, run_name or f"detect-{size}", swanlab_mode)
-    with explain_startup_failure(dist_timeout):
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{args.size}", args.swanlab_mode)
+    with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
-            mixed_precision=mixed_precision,
-            gradient_accumulation_steps=gradient_accumulation_steps,
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
             log_with=tracking.log_with or None,
             project_dir=str(output),
+            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
             # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout))],
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    per_process = check_launch(accelerator, batch_size, gradient_accumulation_steps, skip_nonfinite_steps, max_grad_norm)
-    world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
+                               args.skip_nonfinite_steps, args.max_grad_norm)
     torch.backends.cudnn.benchmark = True  # training batches all have one shape: pick the fastest kernels once
-    set_seed(seed)
+    set_seed(args.seed)
     prepare_output_dir(output)
-    checkpoints = Checkpoints(accelerator, output, keep=keep_checkpoints)
-    resume_from = None if eval_only else checkpoints.resolve(resume)  # None: a fresh start
+    checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
+    resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
 
     # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
-    data_yaml = resolve_data(data, data_dir, synthetic_size, image_size, seed, accelerator)
-    dataset = load_data_config(data_yaml)
-    if data == "synthetic":
-        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated shapes, not a real dataset. mAP here measures "
-                          "the pipeline, not the detector on real images.\n" + "!" * 100)
+    data_yaml, dataset = read_dataset(args, image_size, accelerator)
     names = dataset.names
     # Augmentation seeded per (seed, epoch, image): a resumed run, or one with another worker count, augments alike.
     train_set = SeededAugmentation(YoloDataset(dataset.train, len(names), image_size=image_size, augment=True,
-                                               mosaic=mosaic, flip_lr=flip_lr, flip_ud=flip_ud, hsv=hsv, scale=scale),
-                                   seed)
-    val_set = YoloDataset(dataset.val, len(names), image_size=image_size, augment=False)
-    num_workers = cpu_threads_and_workers(accelerator, num_workers)  # on the CPU also torch's threads, to fit the cores
-    loader_args = dict(collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                       persistent_workers=num_workers > 0)
+                                               mosaic=args.mosaic, flip_lr=args.flip_lr, flip_ud=args.flip_ud,
+                                               hsv=tuple(float(v) for v in args.hsv), scale=args.scale), args.seed)
+    val_set = validation_set(dataset, image_size)
+    loader_args = loader_settings(accelerator, args.num_workers)
     train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(seed), **loader_args)
-    val_loader = DataLoader(val_set, batch_size=per_process * gradient_accumulation_steps, **loader_args)
+                              generator=torch.Generator().manual_seed(args.seed), **loader_args)
+    val_loader = DataLoader(val_set, batch_size=per_process * args.gradient_accumulation_steps, **loader_args)
 
-    # ---- model, optimizer, EMA
-    net = Detector(num_classes=len(names), size=size)
-    if weights:
-        load_weights(net, Path(weights))
-    elif eval_only:
-        raise RecipeError("--eval_only needs --weights: the output directory of a training run")
-    info = model_info(net, image_size=640)  # at 640, the size YOLO papers and model cards quote
-    if channels_last:
-        net = net.to(memory_format=torch.channels_last)
-    decay = [p for p in net.parameters() if p.ndim > 1]
-    no_decay = [p for p in net.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
-    else:
-        opt = torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999))
-    criterion = DetectionLoss(num_classes=len(names), strides=net.strides, reg_max=net.reg_max)
+    # ---- model (random weights, or --init_weights), optimizer (no weight decay on BatchNorm and biases), loss
+    model, info = build_model(args.size, len(names), args.channels_last, args.init_weights, flag="--init_weights")
+    optimizer = build_optimizer(model, args.optimizer, lr, args.momentum, args.weight_decay)
+    criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
 
     # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
-    net, opt, train_loader = accelerator.prepare(net, opt, train_loader)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate() moves only the images.
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
     # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend adds one): its
     # weights keep their own names in model.safetensors and in checkpoints.
-    unwrapped = accelerator.unwrap_model(net, keep_torch_compile=False)
-    ema = ModelEMA(unwrapped, ema_decay, ramp_steps=2000) if ema_decay else None
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    ema = ModelEMA(unwrapped, args.ema_decay, ramp_steps=2000) if args.ema_decay else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
 
-    # ---- learning-rate schedule over optimizer steps
-    steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)
+    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
+    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
     if steps_per_epoch == 0:
         raise RecipeError(f"the training set ({len(train_set)} images) is smaller than one global batch "
-                          f"({batch_size}); lower --batch_size or use more images")
-    total_steps = max_steps if max_steps else epochs * steps_per_epoch
+                          f"({args.batch_size}); lower --batch_size or use more images")
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = min(max(round(warmup_epochs * steps_per_epoch), 20), total_steps // 2)
-
-    # Linear warmup, then cosine down to lr x final_lr_ratio.
-    scheduler = accelerator.prepare(get_scheduler("cosine_with_min_lr", opt, warmup_steps, total_steps,
-                                                  scheduler_specific_kwargs={"min_lr_rate": final_lr_ratio}))
+    warmup_steps = min(max(round(args.warmup_epochs * steps_per_epoch), 20), total_steps // 2)
+    scheduler = accelerator.prepare(get_scheduler("cosine_with_min_lr", optimizer, warmup_steps, total_steps,
+                                                  scheduler_specific_kwargs={"min_lr_rate": args.final_lr_ratio}))
 
     config = dict(
-        recipe="detect", dataset=str(data_yaml), weights=weights, eval_only=eval_only, model=f"yolo-{size}",
-        world_size=world, num_machines=machines,
-        mixed_precision=accelerator.mixed_precision, global_batch_size=batch_size, per_process_batch_size=per_process,
-        gradient_accumulation_steps=gradient_accumulation_steps, trainable_parameters=info["parameters"],
-        gflops_at_640=info["gflops"], image_size=image_size, num_classes=len(names), optimizer=optimizer, lr=lr,
-        weight_decay=weight_decay, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps,
-        epochs=num_epochs, ema_decay=ema_decay, mosaic=mosaic, seed=seed, train_size=len(train_set),
-        val_size=len(val_set),
-        distributed_type=accelerator.distributed_type.value,
+        recipe="detect", dataset=str(data_yaml), init_weights=args.init_weights, model=f"yolo-{args.size}",
+        world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
+        per_process_batch_size=per_process, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        trainable_parameters=info["parameters"], gflops_at_640=info["gflops"], image_size=image_size,
+        num_classes=len(names), optimizer=args.optimizer, lr=lr, weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
+        ema_decay=args.ema_decay, mosaic=args.mosaic, seed=args.seed, train_size=len(train_set),
+        val_size=len(val_set), distributed_type=accelerator.distributed_type.value,
+        synthetic_data=args.data == "synthetic",
     )
 
-    # ---- resume: weights, EMA, optimizer, schedule, RNG states and the run's position, all from save_state's folder
-    state = RunState(accelerator.device, ("loss", "box_loss", "cls_loss", "dfl_loss"))
+    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    state = RunState(accelerator.device, LOSS_NAMES)
     accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(project, config=config, init_kwargs=tracking.init_kwargs)
-    log = TrainLog(accelerator, state, checkpoints, resumed_from=resume_from, total_steps=total_steps,
-                   steps_per_epoch=steps_per_epoch, batches_per_epoch=len(train_loader), global_batch_size=batch_size,
-                   log_every=log_every, checkpoint_every=checkpoint_every, skip_nonfinite=skip_nonfinite_steps,
-                   metric_for_best_model="eval_map50_95", early_stopping_patience=early_stopping_patience)
-    guard, metrics = log.guard, log.metrics  # stops on a non-finite loss or a stop signal; metrics.jsonl
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    best = BestModel(accelerator, state, output, "eval_map50_95", patience=args.early_stopping_patience)
+    progress = TrainingProgress(
+        accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+    )
+    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
         """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
@@ -423,49 +457,41 @@ def main(
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
-    # What predict.py and --weights need to rebuild the model, written beside its weights.
-    model_config = dict(size=size, num_classes=len(names), names=names, image_size=image_size,
-                        channels_last=channels_last)
+    # What --predict, --eval_only and --init_weights rebuild the model from, written beside its weights.
+    model_config = dict(size=args.size, num_classes=len(names), names=names, image_size=image_size,
+                        channels_last=args.channels_last)
 
     def save_model(folder: Path) -> None:
-        """The (EMA) weights and detector.json, as predict.py and --weights read them. Collective."""
-        accelerator.save_model(ema.module if ema is not None else model_to_save(accelerator, net), folder)
+        """The (EMA) weights and detector.json. Collective."""
+        accelerator.save_model(ema.module if ema is not None else model_to_save(accelerator, model), folder)
         if accelerator.is_main_process:
             (folder / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
 
-    accelerator.print(f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at 640 "
-                      f"for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
+    accelerator.print(f"yolo-{args.size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at "
+                      f"640 for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
                       f"{len(val_set)} validation images")
 
     # ---- training loop
-    if eval_only:
-        num_epochs = 0  # the loop below does not run
-        state.last_eval, pictures = evaluate(accelerator.unwrap_model(net), val_loader, accelerator, names,
-                                             channels_last, conf_threshold, iou_threshold)
-        metrics.log({"eval/map50": state.last_eval["eval_map50"], "eval/map50_95": state.last_eval["eval_map50_95"]},
-                    step=0)
-        if accelerator.is_main_process:
-            save_eval_pictures(output, pictures, names)
-    while state.epoch < num_epochs and not log.finished:
-        log.start_epoch()
-        net.train()
+    while state.epoch < num_epochs and not progress.finished:
+        progress.start_epoch()
+        model.train()
         train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         train_set.set_epoch(state.epoch)  # and so does each image's augmentation
         # Skip what the interrupted run had trained on in this epoch.
         batches = accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
         for images, targets, _ in batches:
             state.batches_done += 1
-            with accelerator.accumulate(net):  # skips the gradient all-reduce on accumulation micro-steps
-                outputs = net(to_model_input(images, channels_last))
+            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+                outputs = model(to_model_input(images, args.channels_last))
                 loss, parts = criterion([o.float() for o in outputs], targets)
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if max_grad_norm:
-                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
+                    if args.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     if not guard.skip_update(state.step + 1):
-                        opt.step()
-                opt.zero_grad(set_to_none=True)
+                        optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             # total, box, cls, dfl: summed on the device, read at log steps only
             state.add(torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]), samples=images.shape[0])
             if not accelerator.sync_gradients:
@@ -473,58 +499,125 @@ def main(
             scheduler.step()
             if ema is not None:
                 ema.update(unwrapped)
-            if log.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+            if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
                 save_checkpoint()
-            if log.finished:
+            if progress.finished:
                 break
 
-        # ---- evaluation of the EMA weights on the whole validation set
+        # ---- evaluation once per epoch, on the whole validation split
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
-        if (state.epoch + 1) % eval_every == 0 or log.finished or state.epoch + 1 == num_epochs:
-            eval_model = ema.module if ema is not None else accelerator.unwrap_model(net)
-            state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, channels_last,
-                                                 conf_threshold, iou_threshold)
-            seconds = log.epoch_done(state.last_eval, **{f"eval/ap50_95/{name}": ap for name, ap in
-                                                         state.last_eval["eval_ap_per_class"].items()})
-            if log.improved:  # the best mAP50-95 so far: the model goes to output_dir/model_best, beside the last
-                with log.saving_best() as folder:
+        # (of the EMA weights, every --eval_every epochs and after the last)
+        if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == num_epochs:
+            eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
+            state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, args.channels_last,
+                                                 conf_threshold, args.iou_threshold)
+            seconds = progress.epoch_done(state.last_eval)
+            if state.last_eval["eval_ap_per_class"]:  # beside the epoch's figures: eval/ap50_95/<class>
+                progress.metrics.log(per_class_scalars(state.last_eval), step=state.step)
+            if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+                with best.saving() as folder:
                     save_model(folder)
             if accelerator.is_main_process:
                 log_pictures(accelerator, pictures["records"][:4], names, state.step, score_threshold=0.25)
                 save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
-            accelerator.print(
-                f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {state.last_eval['eval_map50']:.4f}, "
-                f"mAP50-95 {state.last_eval['eval_map50_95']:.4f} on {state.last_eval['eval_images']} images, "
-                f"{seconds:.1f} s, {log.meter.samples_per_second:.1f} images/s"
-            )
+            accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
         if accelerator.is_main_process:
-            plot_results(metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
+            plot_results(progress.metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
-    log.close()
+    progress.close()
 
-    # ---- save the (EMA) model, what predict.py needs to rebuild it, and the run's results
+    # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    if not eval_only:
-        save_model(output)
-    results = dict(config, synthetic_data=data == "synthetic", **log.results(started))
+    save_model(output)  # the (EMA) model and detector.json, what --predict and --eval_only rebuild it from
+    results = dict(config, **progress.results(started))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
-        if eval_only:  # as a training run leaves it
-            (output / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
         path = write_results(output, results)
-        print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in state.last_eval["eval_ap_per_class"].items()))
-        print_summary(results, ["model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                                "image_size", "steps", "epochs", "eval_map50", "eval_map50_95", "best_metric",
-                                "best_epoch", "eval_images",
-                                "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
-                      title="detect: summary")
-        best = f", model_best/ (epoch {results['best_epoch']})" if results["best_epoch"] else ""
-        print(f"model, {MODEL_CONFIG}{best} and {path.name} saved in {output}; predict with: python recipes/detect/predict.py --model {output} --source <image or folder>")
-        where = tracking.where()
-        if where:
-            print(where)
+        print_results(results, output, path, tracking)
+
+
+# ---------------------------------------------------------------------------------------------------------- modes
+def evaluate_saved_model(args: DetectFlags) -> None:
+    """The model in --model (default --output_dir) on the val split of --data: COCO mAP in results.json, and the
+    evaluation's pictures, in --output_dir. Any number of processes; each image is counted once."""
+    started = time.perf_counter()
+    output, model_dir = Path(args.output_dir), Path(args.model or args.output_dir)
+    check_flags(args)
+    saved = read_model_config(model_dir)
+    image_size = args.image_size or saved["image_size"]
+    conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{saved['size']}", args.swanlab_mode)
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            log_with=tracking.log_with or None, project_dir=str(output),
+            dataloader_config=DataLoaderConfiguration(non_blocking=True),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
+                               args.skip_nonfinite_steps, args.max_grad_norm)
+    set_seed(args.seed)
+    prepare_output_dir(output)
+
+    data_yaml, dataset = read_dataset(args, image_size, accelerator)
+    names = dataset.names
+    if len(names) != saved["num_classes"]:
+        raise RecipeError(f"--model {model_dir} detects {saved['num_classes']} classes and {data_yaml} has "
+                          f"{len(names)}: evaluate it on data with the same classes")
+    val_set = validation_set(dataset, image_size)
+    val_loader = DataLoader(val_set, batch_size=per_process * args.gradient_accumulation_steps,
+                            **loader_settings(accelerator, args.num_workers))
+    model, info = build_model(saved["size"], len(names), args.channels_last, model_dir, flag="--model")
+    model = accelerator.prepare_model(model, evaluation_mode=True)  # on the device, no DDP wrapper: nothing to sync
+    val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)  # sharded, boxes on the host
+
+    config = dict(
+        recipe="detect", dataset=str(data_yaml), model=f"yolo-{saved['size']}", model_dir=str(model_dir),
+        eval_only=True, world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
+        per_process_batch_size=per_process, trainable_parameters=info["parameters"], gflops_at_640=info["gflops"],
+        image_size=image_size, num_classes=len(names), conf_threshold=conf_threshold,
+        iou_threshold=args.iou_threshold, val_size=len(val_set), distributed_type=accelerator.distributed_type.value,
+        synthetic_data=args.data == "synthetic",
+    )
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    evaluation, pictures = evaluate(accelerator.unwrap_model(model), val_loader, accelerator, names,
+                                    args.channels_last, conf_threshold, args.iou_threshold)
+    accelerator.log({"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0)
+    results = dict(config, steps=0, epochs=0, wall_seconds=time.perf_counter() - started, **evaluation,
+                   **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        path = write_results(output, results)
+        (output / MODEL_CONFIG).write_text(json.dumps(saved, indent=2))  # the evaluated model's, as a run leaves it
+        save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
+        print_results(results, output, path, tracking)
+
+
+def predict(args: DetectFlags) -> None:
+    """Detect objects with the model in --model (default --output_dir) in the images --predict names: one JSON line
+    per image on stdout; each image drawn with its boxes, and detections.json, in --predict_dir. One process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RecipeError("--predict runs in one process: start it with python, not a launcher")
+    check_flags(args)
+    detect_images(Path(args.model or args.output_dir), args.predict, out=args.predict_dir,
+                  conf_threshold=PREDICT_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold,
+                  iou_threshold=args.iou_threshold, image_size=args.image_size, device=args.predict_device)
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(args: DetectFlags) -> None:
+    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    if args.predict is not None and args.eval_only:
+        raise RecipeError("give --predict or --eval_only, not both")
+    if args.predict is not None:
+        return predict(args)
+    if args.eval_only:
+        return evaluate_saved_model(args)
+    return train(args)
 
 
 if __name__ == "__main__":
