@@ -127,6 +127,7 @@ NORMALISE = (
     (r"BestModel\(accelerator, state, output, [^,]+, ", "BestModel(accelerator, state, output, METRIC, "),
     (r"def main\(args: \w+Flags\)", "def main(args: FLAGS)"),
     (r"for [\w, ]+ in batches:", "for BATCH in batches:"),
+    (r"progress\.epoch_done\(state\.last_eval, .+\)", "progress.epoch_done(state.last_eval)"),
 )
 
 

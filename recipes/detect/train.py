@@ -511,9 +511,8 @@ def train(args: DetectFlags) -> None:
             eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
             state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, args.channels_last,
                                                  conf_threshold, args.iou_threshold)
-            seconds = progress.epoch_done(state.last_eval)
-            if state.last_eval["eval_ap_per_class"]:  # beside the epoch's figures: eval/ap50_95/<class>
-                progress.metrics.log(per_class_scalars(state.last_eval), step=state.step)
+            # logged with the epoch's figures, and each class's AP50-95 as eval/ap50_95/<class>
+            seconds = progress.epoch_done(state.last_eval, **per_class_scalars(state.last_eval))
             if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
                 with best.saving() as folder:
                     save_model(folder)
