@@ -91,6 +91,91 @@ PRESETS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------------------- flags
+@dataclass
+class CifarFlags(TrainingFlags):
+    """Train a CIFAR-stem ResNet on CIFAR-10/100, generated data or your own image folders (or fine-tune ImageNet
+    weights on them), evaluate a trained model, or classify images with it.
+
+    Args:
+        dataset: cifar10, cifar100, synthetic (generated, learnable, CIFAR-shaped; no download) or imagefolder.
+        data_dir: where CIFAR is (or is downloaded to); for imagefolder the folder holding train/ and val/.
+        synthetic_size: training images generated for --dataset synthetic (the test split gets a fifth as many).
+        download: download CIFAR when it is not in --data_dir, and --pretrained's weights when not in torch's cache.
+        verify_data: check the CIFAR files against the release's MD5 sums; turn off for a re-packed subset.
+        image_size: side length images are resized to for --dataset imagefolder (CIFAR is 32); default 32, or 224
+            with --pretrained (the size the ImageNet weights were trained at).
+        loader: device (the whole dataset in device memory as uint8, batches cropped, flipped and normalised there:
+            no DataLoader, no per-image Python), torch (DataLoader with torchvision transforms), or auto: device
+            for CIFAR and generated data when it takes under a quarter of the free device memory, else torch.
+        model: resnet18, resnet34 or resnet50 from torchvision, with a 3x3 stride-1 stem and no max-pool (default
+            resnet18). For --predict and --eval_only: the output directory of a finished run (model.safetensors and
+            model_config.json), default --output_dir.
+        pretrained: fine-tune torchvision's ImageNet weights of --model (--dataset imagefolder only): torchvision's
+            own 7x7 stem and max-pool, 224 px images unless --image_size says otherwise, ImageNet mean/std, a new
+            final layer for your classes. The weights are read from torch's hub cache
+            (torch.hub.get_dir()/checkpoints, e.g. resnet18-f37072fd.pth; TORCH_HOME moves it) and downloaded there
+            first when missing, by one process per node. CIFAR and generated data always train from scratch.
+        lr: peak learning rate of SGD (nesterov momentum), reached after warmup, then decayed to zero (--schedule);
+            default 0.1 x batch_size / 128 (the linear scaling rule), so 0.4 for the default global batch of 512.
+        momentum: SGD momentum.
+        label_smoothing: label smoothing of the cross-entropy loss.
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
+        schedule: decay after warmup: cosine (to zero) or linear (to zero).
+        max_grad_norm: clip the gradients' global L2 norm to this before each update (0, the default: no clipping,
+            as in torchvision's ResNet reference; BatchNorm keeps ResNet's gradients tame).
+        sync_bn: synchronise BatchNorm statistics across processes (GPUs only). Off by default, as in torchvision's
+            and timm's references: each GPU normalises over its own share of the batch.
+        channels_last: NHWC memory layout, faster for convolutions with tensor cores.
+        augment: random pad-4 crop and horizontal flip on training images.
+        cutout: side of a random square erased from each training image (0: off); --loader device only.
+        tta_flip: evaluate on each test image and its mirror image, averaging the logits.
+        compile: compile the model with torch.compile (Accelerator(dynamo_backend="inductor"): prepare() wraps it);
+            the first steps and the first evaluation take longer while it compiles. The saved models hold the plain
+            ResNet's weights, which --predict and --eval_only load as any others, and a checkpoint resumes with or
+            without --compile.
+        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping
+            (the optimizer skips it; BatchNorm statistics of that forward pass are kept).
+        run_name: tracker run name; default cifar-<dataset>.
+        preset: a named set of the flags above; flags you also give keep your value. fast94: the settings of a
+            public ResNet-18 time-to-94% baseline (26 epochs, batch 512, lr 0.2, 20% warmup then linear decay,
+            cutout 12, flip test-time augmentation); see PRESETS in this file for the source.
+        eval_only: evaluate the model in --model (default --output_dir) on the test split of the data flags
+            (--dataset, --data_dir, ...) and write results.json to --output_dir, without training; the model's
+            classes, image size and normalisation come from its model_config.json. Runs on any number of processes.
+            With --output_dir the model's folder (the default), the training run's results.json is replaced.
+        predict: classify instead of training: an image file or a folder of images (subfolders included), with the
+            model in --model (default --output_dir). Prints one JSON line per image, {"image", "label", "score"}
+            (the class name and its probability), and nothing else; give --predict several times for several.
+    """
+
+    dataset: str = "cifar10"
+    data_dir: str = "data"
+    synthetic_size: int = 50_000
+    download: bool = True
+    verify_data: bool = True
+    image_size: int | None = None
+    loader: str = "auto"
+    model: str | None = None
+    pretrained: bool = False
+    batch_size: int = 512
+    epochs: int = 30
+    lr: float | None = None
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    label_smoothing: float = 0.1
+    warmup_ratio: float = 0.05
+    schedule: str = "cosine"
+    sync_bn: bool = False
+    channels_last: bool = True
+    augment: bool = True
+    cutout: int = 0
+    tta_flip: bool = False
+    compile: bool = False
+    output_dir: str = "outputs/cifar"
+    preset: str | None = None
+
+
 # ----------------------------------------------------------------------------------------------------------- data
 class ArrayImages(Dataset):
     """Images held as a uint8 [N, H, W, 3] array, served like torchvision's CIFAR datasets (PIL image, label)."""
@@ -364,7 +449,7 @@ def read_image(path: Path) -> Image.Image:
 
 
 @torch.no_grad()
-def predict(args: "CifarFlags") -> None:
+def predict(args: CifarFlags) -> None:
     """Classify images with a trained model; print one JSON line per image (image, label, score) and nothing else."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("--predict runs in one process: start it with python, not a launcher")
@@ -384,13 +469,13 @@ def predict(args: "CifarFlags") -> None:
 
 
 # --------------------------------------------------------------------------------------------- set-up, both modes
-def check_choices(args: "CifarFlags") -> None:
+def check_choices(args: CifarFlags) -> None:
     for flag, choices in (("loader", ("auto", "device", "torch")), ("schedule", ("cosine", "linear"))):
         if getattr(args, flag) not in choices:
             raise RecipeError(f"unknown --{flag} {getattr(args, flag)!r}; choose one of {', '.join(choices)}")
 
 
-def input_settings(args: "CifarFlags") -> tuple[str, str, int, tuple, tuple]:
+def input_settings(args: CifarFlags) -> tuple[str, str, int, tuple, tuple]:
     """The model to train, its stem, and its inputs' size and normalisation (ImageNet's with --pretrained)."""
     model, stem = check_model_name(args.model or "resnet18"), "imagenet" if args.pretrained else "cifar"
     if args.pretrained and args.dataset != "imagefolder":
@@ -404,7 +489,7 @@ def input_settings(args: "CifarFlags") -> tuple[str, str, int, tuple, tuple]:
     return model, stem, image_size, mean, std
 
 
-def load_data(args: "CifarFlags", accelerator, image_size: int, mean, std):
+def load_data(args: CifarFlags, accelerator, image_size: int, mean, std):
     """(train set, test set, class names); the local main process of each node downloads first, the others then
     read its copy."""
     with accelerator.local_main_process_first():
@@ -419,7 +504,7 @@ def load_data(args: "CifarFlags", accelerator, image_size: int, mean, std):
     return train_set, test_set, classes
 
 
-def build_loaders(args: "CifarFlags", accelerator, train_set, test_set, per_process: int, mean, std):
+def build_loaders(args: CifarFlags, accelerator, train_set, test_set, per_process: int, mean, std):
     """(train set, train loader, test loader, loader kind): the device loader when the images fit in device memory
     (--loader auto), else torch's DataLoader with a seeded augmentation (the train set comes back wrapped in it).
     With no train set (evaluation only) there is no train loader."""
@@ -455,7 +540,7 @@ def build_loaders(args: "CifarFlags", accelerator, train_set, test_set, per_proc
     return train_set, train_loader, DataLoader(test_set, batch_size=eval_batch, **loader_args), loader
 
 
-def ready_model(args: "CifarFlags", accelerator, model: nn.Module) -> nn.Module:
+def ready_model(args: CifarFlags, accelerator, model: nn.Module) -> nn.Module:
     """SyncBatchNorm across processes (--sync_bn) and the channels-last layout (--channels_last)."""
     if args.sync_bn and accelerator.num_processes > 1:
         if accelerator.distributed_type != DistributedType.MULTI_GPU:
@@ -464,7 +549,7 @@ def ready_model(args: "CifarFlags", accelerator, model: nn.Module) -> nn.Module:
     return model.to(memory_format=torch.channels_last) if args.channels_last else model
 
 
-def optimizer_for(args: "CifarFlags", model: nn.Module, lr: float) -> torch.optim.Optimizer:
+def optimizer_for(args: CifarFlags, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """Nesterov SGD, with weight decay on conv and linear weights only (not on BatchNorm weights or biases)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
@@ -480,103 +565,7 @@ def save_trained_model(accelerator, model, folder: Path, model_config: dict) -> 
         write_model_config(folder, model_config)
 
 
-# ---------------------------------------------------------------------------------------------------------- flags
-@dataclass
-class CifarFlags(TrainingFlags):
-    """Train a CIFAR-stem ResNet on CIFAR-10/100, generated data or your own image folders (or fine-tune ImageNet
-    weights on them), evaluate a trained model, or classify images with it.
-
-    Args:
-        dataset: cifar10, cifar100, synthetic (generated, learnable, CIFAR-shaped; no download) or imagefolder.
-        data_dir: where CIFAR is (or is downloaded to); for imagefolder the folder holding train/ and val/.
-        synthetic_size: training images generated for --dataset synthetic (the test split gets a fifth as many).
-        download: download CIFAR when it is not in --data_dir, and --pretrained's weights when not in torch's cache.
-        verify_data: check the CIFAR files against the release's MD5 sums; turn off for a re-packed subset.
-        image_size: side length images are resized to for --dataset imagefolder (CIFAR is 32); default 32, or 224
-            with --pretrained (the size the ImageNet weights were trained at).
-        loader: device (the whole dataset in device memory as uint8, batches cropped, flipped and normalised there:
-            no DataLoader, no per-image Python), torch (DataLoader with torchvision transforms), or auto: device
-            for CIFAR and generated data when it takes under a quarter of the free device memory, else torch.
-        model: resnet18, resnet34 or resnet50 from torchvision, with a 3x3 stride-1 stem and no max-pool (default
-            resnet18). For --predict and --eval_only: the output directory of a finished run (model.safetensors and
-            model_config.json), default --output_dir.
-        pretrained: fine-tune torchvision's ImageNet weights of --model (--dataset imagefolder only): torchvision's
-            own 7x7 stem and max-pool, 224 px images unless --image_size says otherwise, ImageNet mean/std, a new
-            final layer for your classes. The weights are read from torch's hub cache
-            (torch.hub.get_dir()/checkpoints, e.g. resnet18-f37072fd.pth; TORCH_HOME moves it) and downloaded there
-            first when missing, by one process per node. CIFAR and generated data always train from scratch.
-        lr: peak learning rate of SGD (nesterov momentum), reached after warmup, then decayed to zero (--schedule);
-            default 0.1 x batch_size / 128 (the linear scaling rule), so 0.4 for the default global batch of 512.
-        momentum: SGD momentum.
-        label_smoothing: label smoothing of the cross-entropy loss.
-        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
-        schedule: decay after warmup: cosine (to zero) or linear (to zero).
-        max_grad_norm: clip the gradients' global L2 norm to this before each update (0, the default: no clipping,
-            as in torchvision's ResNet reference; BatchNorm keeps ResNet's gradients tame).
-        sync_bn: synchronise BatchNorm statistics across processes (GPUs only). Off by default, as in torchvision's
-            and timm's references: each GPU normalises over its own share of the batch.
-        channels_last: NHWC memory layout, faster for convolutions with tensor cores.
-        augment: random pad-4 crop and horizontal flip on training images.
-        cutout: side of a random square erased from each training image (0: off); --loader device only.
-        tta_flip: evaluate on each test image and its mirror image, averaging the logits.
-        compile: compile the model with torch.compile (Accelerator(dynamo_backend="inductor"): prepare() wraps it);
-            the first steps and the first evaluation take longer while it compiles. The saved models hold the plain
-            ResNet's weights, which --predict and --eval_only load as any others, and a checkpoint resumes with or
-            without --compile.
-        skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping
-            (the optimizer skips it; BatchNorm statistics of that forward pass are kept).
-        run_name: tracker run name; default cifar-<dataset>.
-        preset: a named set of the flags above; flags you also give keep your value. fast94: the settings of a
-            public ResNet-18 time-to-94% baseline (26 epochs, batch 512, lr 0.2, 20% warmup then linear decay,
-            cutout 12, flip test-time augmentation); see PRESETS in this file for the source.
-        eval_only: evaluate the model in --model (default --output_dir) on the test split of the data flags
-            (--dataset, --data_dir, ...) and write results.json to --output_dir, without training; the model's
-            classes, image size and normalisation come from its model_config.json. Runs on any number of processes.
-            With --output_dir the model's folder (the default), the training run's results.json is replaced.
-        predict: classify instead of training: an image file or a folder of images (subfolders included), with the
-            model in --model (default --output_dir). Prints one JSON line per image, {"image", "label", "score"}
-            (the class name and its probability), and nothing else; give --predict several times for several.
-    """
-
-    dataset: str = "cifar10"
-    data_dir: str = "data"
-    synthetic_size: int = 50_000
-    download: bool = True
-    verify_data: bool = True
-    image_size: int | None = None
-    loader: str = "auto"
-    model: str | None = None
-    pretrained: bool = False
-    batch_size: int = 512
-    epochs: int = 30
-    lr: float | None = None
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    label_smoothing: float = 0.1
-    warmup_ratio: float = 0.05
-    schedule: str = "cosine"
-    sync_bn: bool = False
-    channels_last: bool = True
-    augment: bool = True
-    cutout: int = 0
-    tta_flip: bool = False
-    compile: bool = False
-    output_dir: str = "outputs/cifar"
-    preset: str | None = None
-
-
-# ----------------------------------------------------------------------------------------------------------- main
-def main(args: CifarFlags) -> None:
-    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
-    if args.predict is not None and args.eval_only:
-        raise RecipeError("give --predict or --eval_only, not both")
-    if args.predict is not None:
-        return predict(args)
-    if args.eval_only:
-        return evaluate_saved_model(args)
-    return train(args)
-
-
+# ---------------------------------------------------------------------------------------------------------- train
 def train(args: CifarFlags) -> None:
     """Train --model on --dataset; the model, model_best/, results.json and the pictures go to --output_dir."""
     started = time.perf_counter()
@@ -746,6 +735,7 @@ def train(args: CifarFlags) -> None:
             print(tracking.where())
 
 
+# -------------------------------------------------------------------------------------------------------- evaluate
 def evaluate_saved_model(args: CifarFlags) -> None:
     """The model in --model (default --output_dir) on the whole test split, each image counted once on any number of
     processes; results.json and the confusion matrix go to --output_dir. Nothing is trained."""
@@ -795,6 +785,18 @@ def evaluate_saved_model(args: CifarFlags) -> None:
                                 "eval_loss", "eval_samples", "wall_seconds"], title="cifar: evaluation")
         print(f"{path.name} and the confusion matrix saved in {output}")
 
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(args: CifarFlags) -> None:
+    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    if args.predict is not None and args.eval_only:
+        raise RecipeError("give --predict or --eval_only, not both")
+    if args.predict is not None:
+        return predict(args)
+    if args.eval_only:
+        return evaluate_saved_model(args)
+    return train(args)
 
 if __name__ == "__main__":
     run(main, presets=PRESETS)
