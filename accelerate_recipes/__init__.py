@@ -2,11 +2,11 @@
 
 The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
 this package holds only the plumbing they would otherwise copy: command-line entry, launch checks (check_launch),
-tracker set-up, the run's position (RunState), the bookkeeping after each step (TrainingProgress) and the judge of the best model
-(BestModel), a throughput meter, the
-results.json writer, the run's pictures (accelerate_recipes.plots: results.png, confusion matrices), atomic checkpoint
-folders, sharding set-up, seeded augmentation and the stop-signal / NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor,
-hostfile launcher, topology) are the recipe_tools package.
+tracker set-up, the run's position (RunState), the bookkeeping after each step (TrainingProgress) and the judge of
+the best model (BestModel), a throughput meter, the results.json writer, the run's pictures (accelerate_recipes.plots:
+results.png, confusion matrices), atomic checkpoint folders, sharding set-up, seeded augmentation and the stop-signal /
+NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor, hostfile launcher,
+topology) are the recipe_tools package.
 """
 
 import importlib
@@ -18,15 +18,26 @@ _EXPORTS = {
     **dict.fromkeys(["run"], "cli"),
     **dict.fromkeys(["PREEMPTED_EXIT_CODE", "Preempted", "RecipeError", "first_line"], "errors"),
     **dict.fromkeys(["StepGuard"], "guard"),
-    **dict.fromkeys(["check_launch", "check_process_group", "cpu_precision", "cpu_threads_and_workers",
-                     "default_num_workers", "describe_launch", "explain_startup_failure", "num_machines",
-                     "per_process_batch_size", "prepare_output_dir"], "launch"),
+    **dict.fromkeys(
+        [
+            "check_launch",
+            "check_process_group",
+            "cpu_precision",
+            "cpu_threads_and_workers",
+            "default_num_workers",
+            "describe_launch",
+            "explain_startup_failure",
+            "num_machines",
+            "per_process_batch_size",
+            "prepare_output_dir",
+        ],
+        "launch",
+    ),
     **dict.fromkeys(["BestModel", "RunState", "TrainingProgress"], "loop"),
     **dict.fromkeys(["StepMeter", "peak_memory_mb"], "meter"),
     **dict.fromkeys(["TrainingFlags"], "flags"),
-    **dict.fromkeys(["MetricsLog", "print_summary", "run_facts", "write_results"], "results"),
-    **dict.fromkeys(["check_accumulation", "check_skip_nonfinite", "set_gradient_clipping", "setup_fsdp"],
-                    "sharding"),
+    **dict.fromkeys(["MetricsLog", "print_summary", "run_config", "run_facts", "write_results"], "results"),
+    **dict.fromkeys(["check_accumulation", "check_skip_nonfinite", "set_gradient_clipping", "setup_fsdp"], "sharding"),
     **dict.fromkeys(["TrackerSetup", "setup_tracker"], "tracking"),
 }
 __all__ = list(_EXPORTS)

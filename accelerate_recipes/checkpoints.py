@@ -62,8 +62,10 @@ def read_progress(folder: Path) -> dict:
     try:
         return json.loads((folder / PROGRESS_FILE).read_text())
     except (OSError, ValueError) as err:
-        raise RecipeError(f"checkpoint {folder} is damaged ({PROGRESS_FILE}: {err}); delete it, or resume from an "
-                          "older one with --resume <its path>") from None
+        raise RecipeError(
+            f"checkpoint {folder} is damaged ({PROGRESS_FILE}: {err}); delete it, or resume from an "
+            "older one with --resume <its path>"
+        ) from None
 
 
 def model_to_save(accelerator, model: torch.nn.Module) -> torch.nn.Module:
@@ -80,7 +82,8 @@ def model_to_save(accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def any_process_failed(accelerator, error: Exception | None) -> bool:
-    """Whether any process met an error while saving: every process learns it, so none is left waiting for the others."""
+    """Whether any process met an error while saving: every process learns it, so none is left waiting for the
+    others."""
     failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
     return accelerator.reduce(failed, reduction="sum").item() > 0
 
@@ -132,8 +135,10 @@ class Checkpoints:
             return self.newest()
         path = Path(choice).expanduser()
         if not path.exists():
-            raise RecipeError(f"--resume {choice} does not exist; give a checkpoint folder "
-                              f"(output_dir/{CHECKPOINTS_DIR}/step_N) or --resume auto")
+            raise RecipeError(
+                f"--resume {choice} does not exist; give a checkpoint folder "
+                f"(output_dir/{CHECKPOINTS_DIR}/step_N) or --resume auto"
+            )
         if not is_complete(path):
             inside = complete_checkpoints(path) or complete_checkpoints(path / CHECKPOINTS_DIR)
             if inside:  # an output directory or its checkpoints folder: take the newest in it
@@ -148,11 +153,16 @@ class Checkpoints:
         """The saved progress of `folder`, after checking it was written by a run with the same essential settings."""
         progress = read_progress(folder)
         saved = progress.get("config", {})
-        differ = [f"{key} {saved[key]!r} there, {config[key]!r} now" for key in MUST_MATCH
-                  if key in saved and key in config and saved[key] != config[key]]
+        differ = [
+            f"{key} {saved[key]!r} there, {config[key]!r} now"
+            for key in MUST_MATCH
+            if key in saved and key in config and saved[key] != config[key]
+        ]
         if differ:
-            raise RecipeError(f"checkpoint {folder} belongs to a run with other settings ({'; '.join(differ)}); "
-                              "use the same flags to continue it, or another --output_dir to start a new run")
+            raise RecipeError(
+                f"checkpoint {folder} belongs to a run with other settings ({'; '.join(differ)}); "
+                "use the same flags to continue it, or another --output_dir to start a new run"
+            )
         if saved.get("world_size") not in (None, config.get("world_size")):
             self.accelerator.print(
                 f"warning: {folder} was written by {saved['world_size']} process(es), this run has "
@@ -184,27 +194,29 @@ class Checkpoints:
         def failed(reason: str) -> str:
             previous = self.newest()
             kept = f"; the previous checkpoint {previous} is kept" if previous else ""
-            return (f"could not write checkpoint {partial} ({reason}){kept}; free disk space or choose another "
-                    "--output_dir, then continue with --resume auto")
+            return (
+                f"could not write checkpoint {partial} ({reason}){kept}; free disk space or choose another "
+                "--output_dir, then continue with --resume auto"
+            )
 
         with writing_on_every_process(accelerator, partial, failed):
             yield partial
-        record = dict(progress, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                      world_size=accelerator.num_processes)
+        record = dict(
+            progress, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=accelerator.num_processes
+        )
         if accelerator.is_main_process:
             publish(partial, final, PROGRESS_FILE, record)
         accelerator.wait_for_everyone()
         if accelerator.is_local_main_process and partial.exists():  # a node that does not share the file system
             publish(partial, final, PROGRESS_FILE, record)
         if accelerator.is_main_process:
-            for old in complete_checkpoints(self.directory)[:-self.keep]:
+            for old in complete_checkpoints(self.directory)[: -self.keep]:
                 # Renamed first: a deletion cut short leaves a folder that is plainly not a checkpoint.
                 doomed = old.with_name(old.name + DELETING_SUFFIX)
                 os.replace(old, doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
         accelerator.wait_for_everyone()
         self.last_saved = final
-
 
 
 @contextmanager
@@ -251,7 +263,8 @@ def publish(partial: Path, final: Path, record_file: str, record: dict) -> None:
 
 @contextmanager
 def saving_folder(accelerator, final: str | Path, record_file: str, record: dict):
-    """`with saving_folder(accelerator, out / "model_best", "best.json", info) as path: accelerator.save_model(net, path)`
+    """`with saving_folder(accelerator, out / "model_best", "best.json", info) as path:
+    accelerator.save_model(net, path)`
 
     A folder that replaces its previous version only once whole, for what the main process writes (a model for
     inference, beside the checkpoints). Every process enters (saving under FSDP / DeepSpeed gathers the weights from

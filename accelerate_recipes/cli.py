@@ -77,8 +77,11 @@ def _flag_kind(annotation, default) -> str:
     """str (one text), texts (a text, or several when the flag is repeated), bool, or other (fire parses it)."""
     if annotation is inspect.Parameter.empty:
         annotation = type(default) if default not in (None, inspect.Parameter.empty) else None
-    members = set(typing.get_args(annotation)) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+    members = (
+        set(typing.get_args(annotation))
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
         else {annotation}
+    )
     members.discard(type(None))
     if members == {str}:
         return "str"
@@ -91,9 +94,11 @@ def _flag_kind(annotation, default) -> str:
 
 def _flags(main) -> dict[str, tuple[inspect.Parameter, str]]:
     hints = _annotations(main)
-    return {name: (p, _flag_kind(hints.get(name, p.annotation), p.default))
-            for name, p in inspect.signature(main).parameters.items()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return {
+        name: (p, _flag_kind(hints.get(name, p.annotation), p.default))
+        for name, p in inspect.signature(main).parameters.items()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
 
 
 def _takes_any_flag(main) -> bool:
@@ -125,9 +130,15 @@ def as_command(main):
     inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
     fields = dataclasses.fields(cls)
     ordered = [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
-    params = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[f.name],
-                                default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
-              for f in ordered]
+    params = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation=hints[f.name],
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+        )
+        for f in ordered
+    ]
 
     signature = inspect.Signature(params)
 
@@ -175,15 +186,17 @@ def prepare_argv(main, argv: list[str]) -> list[str]:
         arg = argv[i]
         i += 1
         if arg == "--":  # fire's own flags (--trace, --verbose, ...) follow; leave them to fire
-            out += argv[i - 1:]
+            out += argv[i - 1 :]
             break
         if _is_short_flag(arg):
             letter = arg[1]
             guess = next((name for name in flags if name.startswith(letter)), example)
             raise RecipeError(f"unknown flag {arg.split('=', 1)[0]}; flags are spelled out, e.g. --{guess}")
         if not arg.startswith("--"):
-            raise RecipeError(f"unexpected argument {arg!r}: every value follows its flag (--{example} VALUE); "
-                              "quote a value that holds spaces")
+            raise RecipeError(
+                f"unexpected argument {arg!r}: every value follows its flag (--{example} VALUE); "
+                "quote a value that holds spaces"
+            )
         name, has_value, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name not in flags:
@@ -209,8 +222,7 @@ def prepare_argv(main, argv: list[str]) -> list[str]:
             texts.setdefault(name, []).append(value)
         elif kind == "bool" and has_value:
             if value.lower() not in TRUE_WORDS + FALSE_WORDS:
-                raise RecipeError(f"--{name} takes True or False, not {value!r}; e.g. --{name} False "
-                                  f"(or --no{name})")
+                raise RecipeError(f"--{name} takes True or False, not {value!r}; e.g. --{name} False (or --no{name})")
             out.append(f"--{name}={value.lower() in TRUE_WORDS}")
         elif has_value:
             out.append(f"--{name}={value}")
@@ -286,14 +298,30 @@ def format_help(main, prog: str) -> str:
     lines = [f"usage: {prog} {' '.join(required + ['[--flag VALUE ...]'])}".rstrip(), ""]
     if text:
         lines += [text, ""]
-    lines += [textwrap.fill(
-        "Flags are spelled out in full: --flag VALUE or --flag=VALUE. A true/false flag: --flag (True), --flag False "
-        "or --noflag. A TEXT value is taken as typed, commas and digits included.", width), "", "flags:"]
+    lines += [
+        textwrap.fill(
+            "Flags are spelled out in full: --flag VALUE or --flag=VALUE. A true/false flag: --flag (True), "
+            "--flag False or --noflag. A TEXT value is taken as typed, commas and digits included.",
+            width,
+        ),
+        "",
+        "flags:",
+    ]
     for name, (param, kind) in flags.items():
-        default = "required" if param.default is inspect.Parameter.empty else f"default: {_shown_default(param.default)}"
+        default = (
+            "required" if param.default is inspect.Parameter.empty else f"default: {_shown_default(param.default)}"
+        )
         lines.append(f"  --{name} {_metavar(kind, hints.get(name, param.annotation), param.default)}  ({default})")
-        lines.append(textwrap.fill(docs.get(name, "(not documented)"), width, initial_indent=" " * 6,
-                                   subsequent_indent=" " * 6, break_long_words=False, break_on_hyphens=False))
+        lines.append(
+            textwrap.fill(
+                docs.get(name, "(not documented)"),
+                width,
+                initial_indent=" " * 6,
+                subsequent_indent=" " * 6,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
     return "\n".join(lines)
 
 
@@ -344,21 +372,27 @@ def _commands_in_source(source: str) -> dict | None:
     """
     tree = ast.parse(source)
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-             and node.func.id == "run" and node.args]
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "run" and node.args
+    ]
     if len(calls) != 1:
         return None
     target = calls[0].args[0]
     if isinstance(target, ast.Name):
         names = {None: target.id}
-    elif isinstance(target, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(v, ast.Name)
-                                              for k, v in zip(target.keys, target.values)):
+    elif isinstance(target, ast.Dict) and all(
+        isinstance(k, ast.Constant) and isinstance(v, ast.Name) for k, v in zip(target.keys, target.values)
+    ):
         names = {k.value: v.id for k, v in zip(target.keys, target.values)}
     else:
         return None
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     # A flags dataclass is rebuilt with what its definition may use: dataclass, field and the shared flags.
-    preamble = ast.parse("from dataclasses import dataclass, field\nfrom accelerate_recipes.flags import TrainingFlags").body
+    preamble = ast.parse(
+        "from dataclasses import dataclass, field\nfrom accelerate_recipes.flags import TrainingFlags"
+    ).body
     commands = {}
     for key, name in names.items():
         node = functions[name]

@@ -94,8 +94,9 @@ class StepGuard:
         if earliest >= _NO_BAD_STEP:
             return False
         self.skipped_steps += 1
-        self.accelerator.print(f"warning: non-finite loss at step {step}; its update is skipped "
-                               f"({self.skipped_steps} so far)")
+        self.accelerator.print(
+            f"warning: non-finite loss at step {step}; its update is skipped ({self.skipped_steps} so far)"
+        )
         return True
 
     def check(self, step: int) -> None:
@@ -122,8 +123,10 @@ class StepGuard:
         if not self.stop_signal:
             return
         self.accelerator.end_training()
-        raise Preempted(f"{signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {checkpoint}; "
-                        "continue with --resume auto")
+        raise Preempted(
+            f"{signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {checkpoint}; "
+            "continue with --resume auto"
+        )
 
     def close(self) -> None:
         """Put the previous signal handlers back."""

@@ -23,8 +23,8 @@ def check_process_group(accelerator) -> None:
     if launched > 1 and accelerator.num_processes == 1:
         raise RecipeError(
             f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not form one process "
-            "group, so each would train alone on all the data. torch sees no usable GPU here: to run these processes on "
-            "the CPU set ACCELERATE_USE_CPU=true for `accelerate launch` or torchrun (they then join one group over "
+            "group, so each would train alone on all the data. torch sees no usable GPU here: to run these processes "
+            "on the CPU set ACCELERATE_USE_CPU=true for `accelerate launch` or torchrun (they then join one group over "
             "gloo); on a GPU machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
             "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
         )
@@ -42,8 +42,13 @@ def check_process_group(accelerator) -> None:
             )
 
 
-def check_launch(accelerator, global_batch_size: int, accumulation_steps: int, skip_nonfinite_steps: bool = False,
-                 max_grad_norm: float = 0.0) -> int:
+def check_launch(
+    accelerator,
+    global_batch_size: int,
+    accumulation_steps: int,
+    skip_nonfinite_steps: bool = False,
+    max_grad_norm: float = 0.0,
+) -> int:
     """Every start-up check, right after `Accelerator(...)`; prints the launch line and returns the per-process batch.
 
     The processes formed one group (else each would train alone), FSDP / DeepSpeed configs shard on CPUs too, the
@@ -56,8 +61,9 @@ def check_launch(accelerator, global_batch_size: int, accumulation_steps: int, s
     set_gradient_clipping(accelerator, max_grad_norm)  # DeepSpeed clips inside its engine, by its config
     world = accelerator.num_processes
     per_process = per_process_batch_size(global_batch_size, world, accumulation_steps)
-    accelerator.print(describe_launch(accelerator, num_machines(world), global_batch_size, per_process,
-                                      accumulation_steps))
+    accelerator.print(
+        describe_launch(accelerator, num_machines(world), global_batch_size, per_process, accumulation_steps)
+    )
     return per_process
 
 
@@ -66,10 +72,15 @@ def check_precision(accelerator) -> None:
     run would train in fp32 while its results say fp16."""
     from accelerate.utils import DistributedType
 
-    if (accelerator.mixed_precision == "fp16" and not accelerator.native_amp
-            and accelerator.distributed_type != DistributedType.DEEPSPEED):  # DeepSpeed runs fp16 in its own engine
-        raise RecipeError(f"--mixed_precision fp16 is not applied on {accelerator.device.type}: accelerate trains it "
-                          f"in fp32 there; use --mixed_precision {cpu_precision()} (bf16 where the CPU has it) or a GPU")
+    if (
+        accelerator.mixed_precision == "fp16"
+        and not accelerator.native_amp
+        and accelerator.distributed_type != DistributedType.DEEPSPEED
+    ):  # DeepSpeed runs fp16 in its own engine
+        raise RecipeError(
+            f"--mixed_precision fp16 is not applied on {accelerator.device.type}: accelerate trains it "
+            f"in fp32 there; use --mixed_precision {cpu_precision()} (bf16 where the CPU has it) or a GPU"
+        )
 
 
 def num_machines(num_processes: int) -> int:
@@ -115,7 +126,8 @@ def cores_per_local_process() -> int:
 
 
 def default_num_workers(limit: int = 8) -> int:
-    """DataLoader workers per process: the CPU cores left per local process after the training thread, at most `limit`."""
+    """DataLoader workers per process: the CPU cores left per local process after the training thread, at most
+    `limit`."""
     return min(limit, max(0, cores_per_local_process() - 1))
 
 
@@ -135,8 +147,10 @@ def cpu_threads_and_workers(accelerator, requested_workers: int | None = None, l
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         threads = min(threads, int(os.environ["OMP_NUM_THREADS"]))
     torch.set_num_threads(threads)
-    accelerator.print(f"CPU: {threads} torch thread(s) and {workers} DataLoader worker(s) per process "
-                      f"({cores} core(s) per local process)")
+    accelerator.print(
+        f"CPU: {threads} torch thread(s) and {workers} DataLoader worker(s) per process "
+        f"({cores} core(s) per local process)"
+    )
     return workers
 
 
@@ -161,12 +175,15 @@ def cpu_precision() -> str:
     return "bf16" if cpu_has_bf16() else "no"
 
 
-def describe_launch(accelerator, machines: int, global_batch_size: int, per_process: int, accumulation_steps: int) -> str:
+def describe_launch(
+    accelerator, machines: int, global_batch_size: int, per_process: int, accumulation_steps: int
+) -> str:
     """One start-up line: how many processes on how many machines, the device, precision and the batch split."""
     world = accelerator.num_processes
     return (
         f"{world} process(es) on {machines} machine(s), {accelerator.distributed_type.value}, "
-        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch {global_batch_size} = "
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; "
+        f"global batch {global_batch_size} = "
         f"{world} process(es) x {per_process} per process x {accumulation_steps} accumulation step(s)"
     )
 
@@ -183,8 +200,10 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise RecipeError(f"cannot write to --output_dir {output} ({err.strerror or err}); choose a folder you can "
-                          "write to, with free space") from None
+        raise RecipeError(
+            f"cannot write to --output_dir {output} ({err.strerror or err}); choose a folder you can "
+            "write to, with free space"
+        ) from None
     return output
 
 
@@ -228,7 +247,10 @@ def explain_startup_failure(timeout_seconds: float):
         if address_in_use(err):
             raise port_in_use(address, port) from None
         if joined:
-            what = f"only {joined[1]} of {joined[2]} processes joined the main process at {where} within {timeout_seconds:g} s"
+            what = (
+                f"only {joined[1]} of {joined[2]} processes joined the main process at {where} "
+                f"within {timeout_seconds:g} s"
+            )
         elif isinstance(err, dist.DistNetworkError):
             what = f"process {rank} of {world} could not reach the main process at {where} within {timeout_seconds:g} s"
         else:

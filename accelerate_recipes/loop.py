@@ -14,7 +14,8 @@
     if best.judge(evaluation):                          # the best so far: its weights go to output_dir/model_best
         with best.saving() as folder:
             accelerator.save_model(model_to_save(accelerator, model), folder)
-    # the loop ends when progress.finished: every step done, or --early_stopping_patience evaluations without improvement
+    # the loop ends when progress.finished: every step done, or --early_stopping_patience evaluations without
+    # improvement
 
 Only log and checkpoint steps read values back from the device (the loss means, the guard's flags, step times), so a
 GPU is never made to wait for the host on the steps between them.
@@ -70,12 +71,26 @@ class RunState:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done}
 
     def describe(self, total_steps: int) -> str:
-        return (f"step {self.step} of {total_steps}, epoch {self.epoch + 1}, {self.batches_done} batch(es) of it "
-                "already done")
+        return (
+            f"step {self.step} of {total_steps}, epoch {self.epoch + 1}, {self.batches_done} batch(es) of it "
+            "already done"
+        )
 
     def state_dict(self) -> dict:
-        keys = ("step", "epoch", "batches_done", "samples_seen", "first_loss", "last_loss", "last_eval",
-                "micro_batches", "best_metric", "best_epoch", "best_step", "evals_without_improvement")
+        keys = (
+            "step",
+            "epoch",
+            "batches_done",
+            "samples_seen",
+            "first_loss",
+            "last_loss",
+            "last_eval",
+            "micro_batches",
+            "best_metric",
+            "best_epoch",
+            "best_step",
+            "evals_without_improvement",
+        )
         return {**{k: getattr(self, k) for k in keys}, "running": self.running.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -91,11 +106,14 @@ class BestModel:
     output_dir/model_best, and --early_stopping_patience evaluations in a row without improvement end the run.
     The best value and the count live in the RunState, so a resumed run judges on as if it had never stopped."""
 
-    def __init__(self, accelerator, state: RunState, output_dir, metric: str, higher_is_better: bool = True,
-                 patience: int = 0):
+    def __init__(
+        self, accelerator, state: RunState, output_dir, metric: str, higher_is_better: bool = True, patience: int = 0
+    ):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:  # fire passes what was typed
-            raise RecipeError(f"--early_stopping_patience {patience}: give a whole number of evaluations, 0 to turn "
-                              "early stopping off")
+            raise RecipeError(
+                f"--early_stopping_patience {patience}: give a whole number of evaluations, 0 to turn "
+                "early stopping off"
+            )
         self.accelerator, self.state, self.metric, self.higher_is_better = accelerator, state, metric, higher_is_better
         self.patience = patience
         self.folder = Path(output_dir) / BEST_DIR
@@ -110,14 +128,19 @@ class BestModel:
         Every process calls it and all take the main process's value, so all decide alike."""
         state = self.state
         if self.metric not in evaluation:
-            raise RecipeError(f"the evaluation has no {self.metric!r} to judge the best model by (it has "
-                              f"{', '.join(evaluation)}); pass BestModel one of those")
+            raise RecipeError(
+                f"the evaluation has no {self.metric!r} to judge the best model by (it has "
+                f"{', '.join(evaluation)}); pass BestModel one of those"
+            )
         value = float(evaluation[self.metric])
         if self.accelerator.num_processes > 1:
             # The metric comes from gathered predictions, the same everywhere; to be sure every process decides
             # alike, all take the main process's value (a sum with zeros from the others is exact).
-            mine = torch.tensor([value if self.accelerator.is_main_process else 0.0], dtype=torch.float64,
-                                device=self.accelerator.device)
+            mine = torch.tensor(
+                [value if self.accelerator.is_main_process else 0.0],
+                dtype=torch.float64,
+                device=self.accelerator.device,
+            )
             value = self.accelerator.reduce(mine, reduction="sum").item()
         best = state.best_metric
         improved = value == value and (best is None or (value > best if self.higher_is_better else value < best))
@@ -141,19 +164,29 @@ class BestModel:
     def results(self, total_steps: int) -> dict:
         """The results.json entries of the best evaluation and of early stopping."""
         state = self.state
-        return dict(metric_for_best_model=self.metric, best_metric=state.best_metric, best_epoch=state.best_epoch,
-                    best_step=state.best_step, early_stopping_patience=self.patience,
-                    stopped_early=self.out_of_patience and state.step < total_steps)
+        return dict(
+            metric_for_best_model=self.metric,
+            best_metric=state.best_metric,
+            best_epoch=state.best_epoch,
+            best_step=state.best_step,
+            early_stopping_patience=self.patience,
+            stopped_early=self.out_of_patience and state.step < total_steps,
+        )
 
     def explain_stop(self, total_steps: int, steps_per_epoch: int) -> str:
         """The line that says why the run ended before its last step."""
         state = self.state
         epochs = -(-total_steps // steps_per_epoch)
-        best = (f"best {self.metric} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in {self.folder}"
-                if state.best_metric is not None else f"no evaluation gave a {self.metric}")
-        return (f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of {total_steps}): "
-                f"{self.metric} did not improve in {state.evals_without_improvement} evaluation(s) in a row "
-                f"(--early_stopping_patience {self.patience}); {best}")
+        best = (
+            f"best {self.metric} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in {self.folder}"
+            if state.best_metric is not None
+            else f"no evaluation gave a {self.metric}"
+        )
+        return (
+            f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of {total_steps}): "
+            f"{self.metric} did not improve in {state.evals_without_improvement} evaluation(s) in a row "
+            f"(--early_stopping_patience {self.patience}); {best}"
+        )
 
 
 class TrainingProgress:
@@ -164,9 +197,22 @@ class TrainingProgress:
     Builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, output_dir/metrics.jsonl,
     appended to; Checkpoints.resolve trimmed it for a resumed run). Nothing is written to disk here."""
 
-    def __init__(self, accelerator, state: RunState, output_dir, *, total_steps: int, steps_per_epoch: int,
-                 batches_per_epoch: int, global_batch_size: int, log_every: int, checkpoint_every: int,
-                 skip_nonfinite: bool = False, resumed_from=None, best: BestModel | None = None):
+    def __init__(
+        self,
+        accelerator,
+        state: RunState,
+        output_dir,
+        *,
+        total_steps: int,
+        steps_per_epoch: int,
+        batches_per_epoch: int,
+        global_batch_size: int,
+        log_every: int,
+        checkpoint_every: int,
+        skip_nonfinite: bool = False,
+        resumed_from=None,
+        best: BestModel | None = None,
+    ):
         self.accelerator, self.state, self.best, self.resumed_from = accelerator, state, best, resumed_from
         self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
         self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
@@ -179,8 +225,9 @@ class TrainingProgress:
         self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=newest_checkpoint)
         self.meter = StepMeter(accelerator.device)
         self.metrics = MetricsLog(accelerator, output_dir)
-        self.progress_bar = tqdm(total=total_steps, initial=state.step, desc="train", unit="step",
-                                 disable=not accelerator.is_main_process)
+        self.progress_bar = tqdm(
+            total=total_steps, initial=state.step, desc="train", unit="step", disable=not accelerator.is_main_process
+        )
         self.epoch_started = time.perf_counter()
         if resumed_from:
             accelerator.print(f"resumed from {resumed_from}: {state.describe(total_steps)}")
@@ -215,9 +262,13 @@ class TrainingProgress:
             state.last_loss = means[0]
             lr = scheduler.get_last_lr()[0]
             self.metrics.log(
-                {**{f"train/{name}": value for name, value in zip(state.loss_names, means)}, "train/lr": lr,
-                 "train/epoch": state.step / self.steps_per_epoch, "perf/step_seconds": step_seconds,
-                 "perf/samples_per_second": self.global_batch_size / max(step_seconds, 1e-9)},
+                {
+                    **{f"train/{name}": value for name, value in zip(state.loss_names, means)},
+                    "train/lr": lr,
+                    "train/epoch": state.step / self.steps_per_epoch,
+                    "perf/step_seconds": step_seconds,
+                    "perf/samples_per_second": self.global_batch_size / max(step_seconds, 1e-9),
+                },
                 step=state.step,
             )
             self.progress_bar.set_postfix(loss=f"{means[0]:.3f}", lr=f"{lr:.3g}")
@@ -230,21 +281,39 @@ class TrainingProgress:
         peak memory. Returns the epoch's seconds."""
         seconds = time.perf_counter() - self.epoch_started
         memory_mb, _ = peak_memory_mb(self.accelerator.device)
-        scalars = {f"eval/{k.removeprefix('eval_')}": v for k, v in evaluation.items()
-                   if isinstance(v, (int, float)) and k != "eval_samples"}
-        self.metrics.log({**scalars, **extra, "perf/epoch_seconds": seconds,
-                          "perf/train_samples_per_second": self.meter.samples_per_second,
-                          "perf/peak_memory_mb": memory_mb}, step=self.state.step)
+        scalars = {
+            f"eval/{k.removeprefix('eval_')}": v
+            for k, v in evaluation.items()
+            if isinstance(v, (int, float)) and k != "eval_samples"
+        }
+        self.metrics.log(
+            {
+                **scalars,
+                **extra,
+                "perf/epoch_seconds": seconds,
+                "perf/train_samples_per_second": self.meter.samples_per_second,
+                "perf/peak_memory_mb": memory_mb,
+            },
+            step=self.state.step,
+        )
         return seconds
 
     def results(self, started: float) -> dict:
-        """The results.json entries of the run's course, the same in every recipe (collective: gathers sample counts)."""
+        """The results.json entries of the run's course, the same in every recipe (collective: gathers sample
+        counts)."""
         state = self.state
         best = self.best.results(self.total_steps) if self.best is not None else {}
-        return dict(steps=state.step, resumed_from=str(self.resumed_from) if self.resumed_from else None,
-                    skipped_nonfinite_steps=self.guard.skipped_steps, wall_seconds=time.perf_counter() - started,
-                    train_loss_first=state.first_loss, train_loss_last=state.last_loss, **state.last_eval, **best,
-                    **run_facts(self.accelerator, self.meter, state.samples_seen))
+        return dict(
+            steps=state.step,
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            skipped_nonfinite_steps=self.guard.skipped_steps,
+            wall_seconds=time.perf_counter() - started,
+            train_loss_first=state.first_loss,
+            train_loss_last=state.last_loss,
+            **state.last_eval,
+            **best,
+            **run_facts(self.accelerator, self.meter, state.samples_seen),
+        )
 
     def close(self) -> None:
         """After the loop: says so when the run stopped early."""

@@ -64,7 +64,7 @@ class StepMeter:
     def interval_seconds(self) -> float:
         """Mean seconds per step since the previous call (a host read on a GPU: call it at log steps only)."""
         self._flush()
-        recent = self.durations[self._interval_from:]
+        recent = self.durations[self._interval_from :]
         self._interval_from = len(self.durations)
         return sum(recent) / len(recent) if recent else 0.0
 

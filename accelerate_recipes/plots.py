@@ -29,8 +29,10 @@ def picture(draw):
                 print(f"warning: {draw.__name__} drew nothing: {err}")
             elif not _told_missing:  # one line per run, not one per picture and epoch
                 _told_missing = True
-                print("matplotlib is not installed, so this run draws no pictures (results.png, ...); "
-                      "get them with: pip install matplotlib")
+                print(
+                    "matplotlib is not installed, so this run draws no pictures (results.png, ...); "
+                    "get them with: pip install matplotlib"
+                )
         except Exception as err:  # a picture is a convenience; never lose a run over one
             print(f"warning: {draw.__name__} drew nothing: {type(err).__name__}: {err}")
         return None
@@ -84,16 +86,23 @@ def _draw(ax, rows, keys, *, label_prefix: str, markers: bool):
 def plot_results(metrics_jsonl: str | Path, png: str | Path, title: str | None = None) -> Path | None:
     """results.png: train loss (and eval loss), learning rate, eval metrics and throughput against the optimizer step.
 
-    Reads the metrics.jsonl that TrainingProgress writes: train/* losses and train/lr and perf/samples_per_second at log steps,
-    eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) and counts are left out.
+    Reads the metrics.jsonl that TrainingProgress writes: train/* losses and train/lr and perf/samples_per_second at
+    log steps, eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) and counts are left
+    out.
     Returns the path.
     """
     rows = read_metrics(metrics_jsonl)
     keys = list(dict.fromkeys(k for r in rows for k in r))  # in the order they were first logged
     train_losses = [k for k in keys if k.startswith("train/") and k.endswith("loss")]
     # Counts logged beside the scores (eval/images) are whole numbers in every row: they would flatten the scores.
-    eval_metrics = [k for k in keys if k.startswith("eval/") and k.count("/") == 1 and k != "eval/loss"
-                    and any(isinstance(r.get(k), float) for r in rows)]
+    eval_metrics = [
+        k
+        for k in keys
+        if k.startswith("eval/")
+        and k.count("/") == 1
+        and k != "eval/loss"
+        and any(isinstance(r.get(k), float) for r in rows)
+    ]
 
     figure = new_figure(11, 7.5, layout=None)  # drawn every epoch: fixed margins, half the time of a computed layout
     (loss, lr), (metric, speed) = figure.subplots(2, 2, sharex=True)
@@ -137,8 +146,9 @@ def normalize_rows(matrix) -> list[list[float]]:
 
 
 @picture
-def plot_confusion_matrix(matrix, class_names: list[str], png: str | Path, normalize: bool = True,
-                          title: str | None = None) -> Path | None:
+def plot_confusion_matrix(
+    matrix, class_names: list[str], png: str | Path, normalize: bool = True, title: str | None = None
+) -> Path | None:
     """A confusion matrix picture: rows are the true classes, columns the predicted ones (as `matrix` holds them).
 
     normalize divides each row by its count, so the diagonal is each class's recall. Cells are annotated when there are
@@ -165,8 +175,15 @@ def plot_confusion_matrix(matrix, class_names: list[str], png: str | Path, norma
             for j in range(n):
                 if counts[i][j]:
                     text = f"{values[i][j]:.2f}" if normalize else str(counts[i][j])
-                    ax.text(j, i, text, ha="center", va="center", fontsize=font - 1,
-                            color="white" if values[i][j] > 0.6 * high else "black")
+                    ax.text(
+                        j,
+                        i,
+                        text,
+                        ha="center",
+                        va="center",
+                        fontsize=font - 1,
+                        color="white" if values[i][j] > 0.6 * high else "black",
+                    )
     total = sum(map(sum, counts))
     ax.set_title(title or f"Confusion matrix{' (normalised per true class)' if normalize else ''}, {total} samples")
     png = Path(png)
@@ -193,8 +210,14 @@ def read_confusion_matrix_csv(path: str | Path) -> tuple[list[str], list[list[in
     return header[1:], [[int(v) for v in row[1:]] for row in rows]
 
 
-def save_confusion_matrix(matrix, class_names: list[str], output_dir: str | Path, name: str = "confusion_matrix",
-                          title: str | None = None, draw: bool = True) -> Path:
+def save_confusion_matrix(
+    matrix,
+    class_names: list[str],
+    output_dir: str | Path,
+    name: str = "confusion_matrix",
+    title: str | None = None,
+    draw: bool = True,
+) -> Path:
     """<name>.csv (the counts; written with or without matplotlib) and, when `draw`, <name>.png (normalised) in
     output_dir. Returns the CSV's path."""
     path = write_confusion_matrix_csv(matrix, class_names, Path(output_dir) / f"{name}.csv")
@@ -203,5 +226,13 @@ def save_confusion_matrix(matrix, class_names: list[str], output_dir: str | Path
     return path
 
 
-__all__ = ["new_figure", "picture", "plot_confusion_matrix", "plot_results", "read_confusion_matrix_csv",
-           "read_metrics", "save_confusion_matrix", "write_confusion_matrix_csv"]
+__all__ = [
+    "new_figure",
+    "picture",
+    "plot_confusion_matrix",
+    "plot_results",
+    "read_confusion_matrix_csv",
+    "read_metrics",
+    "save_confusion_matrix",
+    "write_confusion_matrix_csv",
+]

@@ -1,5 +1,6 @@
 """results.json (one per run, read by tests and tools) and metrics.jsonl (every logged step)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 import accelerate
 import torch
 
+from accelerate_recipes.launch import num_machines
 from accelerate_recipes.meter import peak_memory_mb
 
 RESULTS_FILE = "results.json"
@@ -57,6 +59,28 @@ def restart_metrics(output_dir: str | Path, resume_step: int | None = None) -> N
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by the crash
     path.write_text("".join(kept))
+
+
+# Flags that say where files go, which mode runs or how to track, not how the model is trained.
+NOT_SETTINGS = ("output_dir", "resume", "eval_only", "predict", "tracker", "swanlab_mode", "project", "run_name")
+
+
+def run_config(recipe: str, args, accelerator, **derived) -> dict:
+    """The run's settings, as the tracker, each checkpoint.json and results.json record them: the recipe, how it was
+    launched (world size, machines, precision, distributed type, global batch), every training flag in `args` (a
+    recipe's flags dataclass), and what the recipe derived from them; a derived value wins over the flag of its name
+    (the learning rate the recipe chose, the epochs --max_steps makes)."""
+    flags = {name: value for name, value in dataclasses.asdict(args).items() if name not in NOT_SETTINGS}
+    flags.pop("batch_size", None)  # recorded as global_batch_size
+    launch = dict(
+        recipe=recipe,
+        world_size=accelerator.num_processes,
+        num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision,
+        distributed_type=accelerator.distributed_type.value,
+        global_batch_size=args.batch_size,
+    )
+    return {"recipe": recipe, **flags, **launch, **derived}  # the precision accelerate applies, not the flag's None
 
 
 def run_facts(accelerator, meter, samples_seen: int) -> dict:

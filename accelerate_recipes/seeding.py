@@ -13,7 +13,8 @@ from torch.utils.data import Dataset
 class SeededAugmentation(Dataset):
     """Wraps a dataset whose __getitem__ draws from torch's global generator (torchvision transforms, ...).
 
-    Call `set_epoch(epoch)` before each epoch. The epoch lives in shared memory, so persistent DataLoader workers see it.
+    Call `set_epoch(epoch)` before each epoch. The epoch lives in shared memory, so persistent DataLoader workers see
+    it.
     """
 
     def __init__(self, dataset: Dataset, seed: int):

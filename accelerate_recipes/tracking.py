@@ -57,7 +57,8 @@ class TrackerSetup:
             if self.swanlab_mode == "offline":
                 return (
                     f"SwanLab (offline, {self.offline_because}): run saved in {run_dir}; upload it with "
-                    f"`swanlab sync {run_dir}` after `swanlab login`, or log in before the next run to track it in the cloud"
+                    f"`swanlab sync {run_dir}` after `swanlab login`, "
+                    "or log in before the next run to track it in the cloud"
                 )
             return f"SwanLab (local): run saved in {run_dir}; view it with `swanlab watch {self.swanlab_dir}`"
         if self.swanlab_mode == "online":
@@ -125,8 +126,12 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
         reachable, where = swanlab_reachable()
         if not reachable:
             # Without internet SwanLab would retry for a long time while every other rank waits for rank 0.
-            print(f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} s); "
-                  "logging offline instead: upload the run later with `swanlab sync`", file=sys.stderr, flush=True)
+            print(
+                f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} s); "
+                "logging offline instead: upload the run later with `swanlab sync`",
+                file=sys.stderr,
+                flush=True,
+            )
             mode, offline_because = "offline", "SwanLab cloud not reachable"
     log_dir = Path(os.environ.get("SWANLAB_LOG_DIR") or Path(output_dir) / "swanlog").resolve()
     # Keyword arguments passed through to swanlab.init on the main process.
@@ -134,6 +139,9 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
     if mode in ("offline", "local"):
         kwargs["log_dir"] = str(log_dir)
     return TrackerSetup(
-        log_with=["swanlab"], init_kwargs={"swanlab": kwargs}, swanlab_mode=mode, swanlab_dir=log_dir,
+        log_with=["swanlab"],
+        init_kwargs={"swanlab": kwargs},
+        swanlab_mode=mode,
+        swanlab_dir=log_dir,
         offline_because=offline_because,
     )

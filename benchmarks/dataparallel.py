@@ -26,7 +26,6 @@ import fire
 import torch
 import torch.nn as nn
 
-
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
@@ -41,9 +40,17 @@ def load_cifar_recipe():
     return module
 
 
-def main(gpus: int | None = None, batch_size: int = 512, steps: int = 30, images: int | None = None,
-         precision: str = "bf16", model: str = "resnet18", channels_last: bool = True, seed: int = 42,
-         output_dir: str = "outputs/dataparallel"):
+def main(
+    gpus: int | None = None,
+    batch_size: int = 512,
+    steps: int = 30,
+    images: int | None = None,
+    precision: str = "bf16",
+    model: str = "resnet18",
+    channels_last: bool = True,
+    seed: int = 42,
+    output_dir: str = "outputs/dataparallel",
+):
     """Train the CIFAR recipe's ResNet with nn.DataParallel over GPUS GPUs and write results.json.
 
     Args:
@@ -77,8 +84,9 @@ def main(gpus: int | None = None, batch_size: int = 512, steps: int = 30, images
         net = net.to(memory_format=torch.channels_last)
     parameters = sum(p.numel() for p in net.parameters())
     parallel = nn.DataParallel(net, device_ids=list(range(gpus)) or None)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1 * batch_size / 128, momentum=0.9, nesterov=True,
-                                weight_decay=5e-4)
+    optimizer = torch.optim.SGD(
+        net.parameters(), lr=0.1 * batch_size / 128, momentum=0.9, nesterov=True, weight_decay=5e-4
+    )
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
     dtype = DTYPES[precision]
 
@@ -101,26 +109,37 @@ def main(gpus: int | None = None, batch_size: int = 512, steps: int = 30, images
                     torch.cuda.synchronize(device)
                 durations.append(time.perf_counter() - begin)
                 step += 1
-                metrics.write(json.dumps({"step": step, "train/loss": loss.item(),
-                                          "perf/step_seconds": durations[-1]}) + "\n")
+                metrics.write(
+                    json.dumps({"step": step, "train/loss": loss.item(), "perf/step_seconds": durations[-1]}) + "\n"
+                )
                 if step == steps:
                     break
     measured = durations[1:]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results = {
-        "recipe": "dataparallel", "parallelism": "DataParallel", "model": model, "world_size": 1, "num_machines": 1,
-        "devices": max(gpus, 1), "device": name if device.type == "cpu" else f"{device} ({name})",
+        "recipe": "dataparallel",
+        "parallelism": "DataParallel",
+        "model": model,
+        "world_size": 1,
+        "num_machines": 1,
+        "devices": max(gpus, 1),
+        "device": name if device.type == "cpu" else f"{device} ({name})",
         "mixed_precision": precision,
-        "global_batch_size": batch_size, "per_process_batch_size": batch_size // max(gpus, 1),
-        "trainable_parameters": parameters, "steps": step, "wall_seconds": time.perf_counter() - started,
+        "global_batch_size": batch_size,
+        "per_process_batch_size": batch_size // max(gpus, 1),
+        "trainable_parameters": parameters,
+        "steps": step,
+        "wall_seconds": time.perf_counter() - started,
         "train_samples_per_second": batch_size * len(measured) / sum(measured),
         "median_step_seconds": statistics.median(measured),
         "peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "torch_version": torch.__version__,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"DataParallel over {max(gpus, 1)} device(s) ({name}): {results['train_samples_per_second']:.1f} samples/s, "
-          f"median step {results['median_step_seconds'] * 1e3:.1f} ms; saved {out / 'results.json'}")
+    print(
+        f"DataParallel over {max(gpus, 1)} device(s) ({name}): {results['train_samples_per_second']:.1f} samples/s, "
+        f"median step {results['median_step_seconds'] * 1e3:.1f} ms; saved {out / 'results.json'}"
+    )
 
 
 if __name__ == "__main__":

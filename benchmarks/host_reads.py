@@ -49,8 +49,8 @@ it succeeded but a quiet interval has reads (--check False turns that off).
 """
 
 import ast
-import inspect
 import collections
+import inspect
 import json
 import os
 import sys
@@ -62,17 +62,39 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 
 REPO = Path(__file__).resolve().parents[1]
-READ_OPS = {"item", "tolist", "numpy", "__array__", "cpu", "__bool__", "__float__", "__int__", "__complex__",
-            "__index__", "__format__", "__repr__", "__str__", "__contains__", "equal", "allclose", "is_nonzero"}
+READ_OPS = {
+    "item",
+    "tolist",
+    "numpy",
+    "__array__",
+    "cpu",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__complex__",
+    "__index__",
+    "__format__",
+    "__repr__",
+    "__str__",
+    "__contains__",
+    "equal",
+    "allclose",
+    "is_nonzero",
+}
 SHAPE_OPS = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique2"}
 INDEX_OPS = {"__getitem__", "__setitem__", "index_put_", "index_put"}
-DATA_LOADING = (f"torch{os.sep}utils{os.sep}data{os.sep}", f"accelerate{os.sep}data_loader.py",
-                f"transformers{os.sep}data{os.sep}")
+DATA_LOADING = (
+    f"torch{os.sep}utils{os.sep}data{os.sep}",
+    f"accelerate{os.sep}data_loader.py",
+    f"transformers{os.sep}data{os.sep}",
+)
 OPTIM_DIR = f"torch{os.sep}optim{os.sep}"
 # torch/amp/grad_scaler.py (FSDP's sharded scaler inherits the method): where the fp16 scaler reads found_inf
 GRAD_SCALER_FILE, GRAD_SCALER_STEP = "grad_scaler.py", "_maybe_opt_step"
-GRAD_SCALER_NOTE = ("fp16 GradScaler: reads found_inf on the host once per optimizer step to decide whether to skip "
-                    "optimizer.step; expected under fp16")
+GRAD_SCALER_NOTE = (
+    "fp16 GradScaler: reads found_inf on the host once per optimizer step to decide whether to skip "
+    "optimizer.step; expected under fp16"
+)
 SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation" from set_sync_debug_mode("warn")
 
 
@@ -126,8 +148,11 @@ def classify(name: str, args, kwargs, on_cuda: bool = False) -> str | None:
         index = args[1]
         if any(t.dtype == torch.bool for t in _tensors(index)):
             return "shape"
-    if name == "repeat_interleave" and "output_size" not in kwargs and any(
-            isinstance(a, torch.Tensor) for a in args[1:2]):
+    if (
+        name == "repeat_interleave"
+        and "output_size" not in kwargs
+        and any(isinstance(a, torch.Tensor) for a in args[1:2])
+    ):
         return "shape"
     return None
 
@@ -225,28 +250,52 @@ class Audit:
             for (kind, *_), per in self.sites.items():
                 counts[kind] += per.get(k, 0)
             allowed_here = k == 0 or k in allowed or k >= last
-            intervals.append({"interval": k, "after_step": k, "allowed": allowed_here,
-                              "reads": counts["read"], "shape": counts["shape"], "sync": counts["sync"],
-                              "cuda_syncs": counts["cuda_sync"], "host_tensor_reads": counts["host_tensor"],
-                              "grad_scaler_reads": counts["grad_scaler"],
-                              "grad_scaler_cuda_syncs": counts["grad_scaler_sync"],
-                              "quiet_violations": 0 if allowed_here else sum(counts[c] for c in failing)})
+            intervals.append(
+                {
+                    "interval": k,
+                    "after_step": k,
+                    "allowed": allowed_here,
+                    "reads": counts["read"],
+                    "shape": counts["shape"],
+                    "sync": counts["sync"],
+                    "cuda_syncs": counts["cuda_sync"],
+                    "host_tensor_reads": counts["host_tensor"],
+                    "grad_scaler_reads": counts["grad_scaler"],
+                    "grad_scaler_cuda_syncs": counts["grad_scaler_sync"],
+                    "quiet_violations": 0 if allowed_here else sum(counts[c] for c in failing),
+                }
+            )
         quiet = [i["interval"] for i in intervals if not i["allowed"]]
         sites = []
         for (kind, site, op, via), per in sorted(self.sites.items(), key=lambda kv: -sum(kv[1].values())):
             in_quiet = {k: n for k, n in per.items() if k in quiet}
-            sites.append({"kind": kind, "site": site, "op": op, "via": via, "count": sum(per.values()),
-                          "quiet_count": sum(in_quiet.values()), "intervals": dict(sorted(per.items())),
-                          "fails": kind in failing and bool(in_quiet)}
-                         | ({"note": GRAD_SCALER_NOTE} if kind.startswith("grad_scaler") else {}))
+            sites.append(
+                {
+                    "kind": kind,
+                    "site": site,
+                    "op": op,
+                    "via": via,
+                    "count": sum(per.values()),
+                    "quiet_count": sum(in_quiet.values()),
+                    "intervals": dict(sorted(per.items())),
+                    "fails": kind in failing and bool(in_quiet),
+                }
+                | ({"note": GRAD_SCALER_NOTE} if kind.startswith("grad_scaler") else {})
+            )
         scaler_reads = sum(i["grad_scaler_reads"] for i in intervals)
-        return {"steps": last, "allowed_intervals": sorted(i["interval"] for i in intervals if i["allowed"]),
-                "quiet_intervals": quiet, "quiet_reads": sum(i["reads"] for i in intervals if not i["allowed"]),
-                "quiet_violations": sum(i["quiet_violations"] for i in intervals),
-                # The read for step k + 1 happens inside that step, so it falls in interval k.
-                "grad_scaler_reads": scaler_reads,
-                "grad_scaler_reads_per_step": scaler_reads / last if last else 0.0,
-                "intervals": intervals, "sites": sites, "excluded": dict(self.excluded)}
+        return {
+            "steps": last,
+            "allowed_intervals": sorted(i["interval"] for i in intervals if i["allowed"]),
+            "quiet_intervals": quiet,
+            "quiet_reads": sum(i["reads"] for i in intervals if not i["allowed"]),
+            "quiet_violations": sum(i["quiet_violations"] for i in intervals),
+            # The read for step k + 1 happens inside that step, so it falls in interval k.
+            "grad_scaler_reads": scaler_reads,
+            "grad_scaler_reads_per_step": scaler_reads / last if last else 0.0,
+            "intervals": intervals,
+            "sites": sites,
+            "excluded": dict(self.excluded),
+        }
 
 
 def _short(filename: str) -> str:
@@ -283,12 +332,15 @@ def main_defaults(script: Path) -> dict:
     except Exception:  # not a script of run(main): its main() is read below
         command = None
     if callable(command):
-        return {name: param.default for name, param in inspect.signature(as_command(command)).parameters.items()
-                if param.default is not inspect.Parameter.empty}
+        return {
+            name: param.default
+            for name, param in inspect.signature(as_command(command)).parameters.items()
+            if param.default is not inspect.Parameter.empty
+        }
     tree = ast.parse(script.read_text())
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "main":
-            names = [a.arg for a in node.args.args][-len(node.args.defaults):] if node.args.defaults else []
+            names = [a.arg for a in node.args.args][-len(node.args.defaults) :] if node.args.defaults else []
             defaults = {}
             for name, default in zip(names, node.args.defaults):
                 try:
@@ -329,39 +381,54 @@ def output_path(output: str | None, argv: list[str]) -> Path:
 
 
 def print_table(report: dict) -> None:
-    print(f"\nhost reads per optimizer step: {report['script']} on {report['device']}, rank {report['rank']} of "
-          f"{report['world_size']}, {report['steps']} steps (log_every {report['log_every']}, checkpoint_every "
-          f"{report['checkpoint_every']})")
+    print(
+        f"\nhost reads per optimizer step: {report['script']} on {report['device']}, rank {report['rank']} of "
+        f"{report['world_size']}, {report['steps']} steps (log_every {report['log_every']}, checkpoint_every "
+        f"{report['checkpoint_every']})"
+    )
     scaler = report["grad_scaler_reads"] > 0
-    print(f"{'after step':>10} | {'allowed':>7} | {'reads':>5} | {'shape':>5} | {'sync':>4} | {'cuda syncs':>10}"
-          + (f" | {'fp16 scaler':>11}" if scaler else ""))
+    print(
+        f"{'after step':>10} | {'allowed':>7} | {'reads':>5} | {'shape':>5} | {'sync':>4} | {'cuda syncs':>10}"
+        + (f" | {'fp16 scaler':>11}" if scaler else "")
+    )
     for i in report["intervals"]:
         cuda = str(i["cuda_syncs"]) if report["sync_debug"] else "-"
-        print(f"{i['interval']:>10} | {'yes' if i['allowed'] else 'quiet':>7} | {i['reads']:>5} | {i['shape']:>5} | "
-              f"{i['sync']:>4} | {cuda:>10}" + (f" | {i['grad_scaler_reads']:>11}" if scaler else ""))
+        print(
+            f"{i['interval']:>10} | {'yes' if i['allowed'] else 'quiet':>7} | {i['reads']:>5} | {i['shape']:>5} | "
+            f"{i['sync']:>4} | {cuda:>10}" + (f" | {i['grad_scaler_reads']:>11}" if scaler else "")
+        )
     if scaler:
-        where = ", ".join(sorted({f"{s['site']} (via {s['via']})" for s in report["sites"]
-                                  if s["kind"] == "grad_scaler"}))
-        print(f"expected under fp16: {report['grad_scaler_reads']} GradScaler read(s) of found_inf, "
-              f"{report['grad_scaler_reads_per_step']:.3g} per optimizer step, at {where}: the scaler decides on the "
-              "host whether to skip optimizer.step (bf16 has no scaler); they fail nothing")
+        where = ", ".join(
+            sorted({f"{s['site']} (via {s['via']})" for s in report["sites"] if s["kind"] == "grad_scaler"})
+        )
+        print(
+            f"expected under fp16: {report['grad_scaler_reads']} GradScaler read(s) of found_inf, "
+            f"{report['grad_scaler_reads_per_step']:.3g} per optimizer step, at {where}: the scaler decides on the "
+            "host whether to skip optimizer.step (bf16 has no scaler); they fail nothing"
+        )
     quiet_sites = [s for s in report["sites"] if s["quiet_count"] and not s["kind"].startswith("grad_scaler")]
     if quiet_sites:
         print("on quiet steps:")
         for s in quiet_sites:
-            print(f"  {s['kind']:<11} {s['op']:<14} x{s['quiet_count']:<4} {s['site']}"
-                  + (f"  (via {s['via']})" if s["via"] != s["site"] else ""))
+            print(
+                f"  {s['kind']:<11} {s['op']:<14} x{s['quiet_count']:<4} {s['site']}"
+                + (f"  (via {s['via']})" if s["via"] != s["site"] else "")
+            )
     verdict = "PASS" if not report["quiet_violations"] else "FAIL"
-    print(f"{verdict}: {report['quiet_violations']} read(s) or sync(s) on {len(report['quiet_intervals'])} quiet "
-          f"interval(s); saved {report['output']}", flush=True)
+    print(
+        f"{verdict}: {report['quiet_violations']} read(s) or sync(s) on {len(report['quiet_intervals'])} quiet "
+        f"interval(s); saved {report['output']}",
+        flush=True,
+    )
 
 
 # -------------------------------------------------------------------------------------------------------- main
 SCRIPT_ARGS: list[str] = []
 
 
-def audit(script: str | None = None, output: str | None = None, allow: str = "", strict: bool = False,
-          check: bool = True):
+def audit(
+    script: str | None = None, output: str | None = None, allow: str = "", strict: bool = False, check: bool = True
+):
     """Run SCRIPT with its flags, counting host reads of tensor values per optimizer step (see the module notes).
 
     Usage: host_reads.py [--output PATH] [--allow 12,24] [--strict] [--check False] SCRIPT [SCRIPT FLAGS...]
@@ -428,10 +495,18 @@ def audit(script: str | None = None, output: str | None = None, allow: str = "",
             recorder.hook.remove()
 
     allowed, every = allowed_steps(path, argv, recorder.step, extra)
-    report = {"script": _short(str(path)), "args": argv, "rank": int(os.environ.get("RANK", "0")),
-              "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-              "device": torch.cuda.get_device_name() if recorder.on_cuda else "cpu", "sync_debug": sync_debug,
-              "exit_code": code, **every, "strict": strict, **recorder.summary(allowed, strict)}
+    report = {
+        "script": _short(str(path)),
+        "args": argv,
+        "rank": int(os.environ.get("RANK", "0")),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "device": torch.cuda.get_device_name() if recorder.on_cuda else "cpu",
+        "sync_debug": sync_debug,
+        "exit_code": code,
+        **every,
+        "strict": strict,
+        **recorder.summary(allowed, strict),
+    }
     out = output_path(output, argv)
     out.parent.mkdir(parents=True, exist_ok=True)
     report["output"] = str(out)
@@ -451,7 +526,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
     for i, arg in enumerate(argv):
         value_of_flag = i and argv[i - 1] in ("--output", "-o", "--allow", "-a")
         if arg.endswith(".py") and not arg.startswith("-") and not value_of_flag:
-            return argv[:i], arg, argv[i + 1:]
+            return argv[:i], arg, argv[i + 1 :]
     return argv, None, []
 
 

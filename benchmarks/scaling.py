@@ -56,12 +56,18 @@ def parse_setup(spec: str) -> dict:
             return {"name": f"dp-{int(value)}", "kind": "dp", "processes": 1, "devices": int(value), "gpu_ids": None}
         if kind == "ids":
             ids = [int(i) for i in value.split(",")]
-            return {"name": "gpus-" + "-".join(map(str, ids)), "kind": "gpu", "processes": len(ids),
-                    "gpu_ids": ",".join(map(str, ids))}
+            return {
+                "name": "gpus-" + "-".join(map(str, ids)),
+                "kind": "gpu",
+                "processes": len(ids),
+                "gpu_ids": ",".join(map(str, ids)),
+            }
     except ValueError:
         pass
-    fail(f"cannot read setup {spec!r}; write cpu:N (N CPU processes), gpu:N (N GPUs), ids:0,4 (those GPUs) or "
-         "dp:N (DataParallel over N GPUs)")
+    fail(
+        f"cannot read setup {spec!r}; write cpu:N (N CPU processes), gpu:N (N GPUs), ids:0,4 (those GPUs) or "
+        "dp:N (DataParallel over N GPUs)"
+    )
 
 
 def split_setups(setups) -> list[dict]:
@@ -102,8 +108,14 @@ def launch_command(setup: dict, threads: int, precision: str | None) -> tuple[li
         config = "cpu"
     else:
         config = "1gpu" if n == 1 else "2gpu"
-    command += ["--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", str(n),
-                "--num_cpu_threads_per_process", str(threads)]
+    command += [
+        "--config_file",
+        str(CONFIGS / f"{config}.yaml"),
+        "--num_processes",
+        str(n),
+        "--num_cpu_threads_per_process",
+        str(threads),
+    ]
     if setup["gpu_ids"]:
         command += ["--gpu_ids", setup["gpu_ids"]]
     if precision:
@@ -170,12 +182,19 @@ def analyse(rows: list[dict]) -> list[dict]:
     base = next((r for r in rows if r["devices"] == 1), None)
     per_process = {r["per_process_batch_size"] for r in rows}
     if len(per_process) > 1:
-        print(f"warning: the runs use different batches per process {sorted(per_process)}; "
-              "speed-ups compare unlike work")
+        print(
+            f"warning: the runs use different batches per process {sorted(per_process)}; speed-ups compare unlike work"
+        )
     for row in rows:
         n = row["devices"]
-        row.update(speedup=None, efficiency=None, comm_seconds=None, predicted_efficiency=None,
-                   prediction_error=None, limited_by=None)
+        row.update(
+            speedup=None,
+            efficiency=None,
+            comm_seconds=None,
+            predicted_efficiency=None,
+            prediction_error=None,
+            limited_by=None,
+        )
         if base is None:
             continue
         row["speedup"] = row["samples_per_second"] / base["samples_per_second"]
@@ -257,16 +276,31 @@ def chart(rows: list[dict], path: Path) -> Path | None:
     left.bar(names, [r["samples_per_second"] for r in rows], color="tab:blue", label="measured")
     base = next((r for r in rows if r["world_size"] == 1), None)
     if base:
-        left.plot(names, [base["samples_per_second"] * r["world_size"] for r in rows], "k--", marker="o",
-                  label="linear (n x 1 process)")
+        left.plot(
+            names,
+            [base["samples_per_second"] * r["world_size"] for r in rows],
+            "k--",
+            marker="o",
+            label="linear (n x 1 process)",
+        )
     left.set_ylabel("training samples/s")
     left.set_title("throughput")
     left.legend()
     positions = range(len(rows))
-    right.bar([p - 0.2 for p in positions], [100 * (r["efficiency"] or 0) for r in rows], width=0.4,
-              color="tab:blue", label="measured")
-    right.bar([p + 0.2 for p in positions], [100 * (r["predicted_efficiency"] or 0) for r in rows], width=0.4,
-              color="tab:orange", label="ring all-reduce model")
+    right.bar(
+        [p - 0.2 for p in positions],
+        [100 * (r["efficiency"] or 0) for r in rows],
+        width=0.4,
+        color="tab:blue",
+        label="measured",
+    )
+    right.bar(
+        [p + 0.2 for p in positions],
+        [100 * (r["predicted_efficiency"] or 0) for r in rows],
+        width=0.4,
+        color="tab:orange",
+        label="ring all-reduce model",
+    )
     right.set_xticks(list(positions), names)
     right.set_ylabel("scaling efficiency (%)")
     right.set_ylim(0, 110)
@@ -335,8 +369,9 @@ def run(  # noqa: PLR0913
         import torch
 
         if torch.cuda.device_count() < wanted:
-            fail(f"dp:{wanted} needs {wanted} GPUs (DataParallel drives GPUs only); "
-                 f"{torch.cuda.device_count()} visible")
+            fail(
+                f"dp:{wanted} needs {wanted} GPUs (DataParallel drives GPUs only); {torch.cuda.device_count()} visible"
+            )
     per_device_batch = per_device_batch or (16 if on_cpu else 256)
     precision = precision or ("no" if on_cpu else "bf16")
     if steps <= warmup + 1:
@@ -355,25 +390,71 @@ def run(  # noqa: PLR0913
         n = setup["processes"]
         if setup["kind"] == "dp":
             devices = setup["devices"]
-            print(f"\n== {setup['name']}: 1 process, DataParallel over {devices} GPUs, "
-                  f"batch {per_device_batch} per GPU", flush=True)
-            run_logged([sys.executable, str(REPO / "benchmarks" / "dataparallel.py"), "--gpus", str(devices),
-                        "--batch_size", str(per_device_batch * devices), "--steps", str(steps), "--model", model,
-                        "--precision", precision, "--output_dir", str(run_dir)], dict(os.environ),
-                       run_dir / "train.log")
+            print(
+                f"\n== {setup['name']}: 1 process, DataParallel over {devices} GPUs, batch {per_device_batch} per GPU",
+                flush=True,
+            )
+            run_logged(
+                [
+                    sys.executable,
+                    str(REPO / "benchmarks" / "dataparallel.py"),
+                    "--gpus",
+                    str(devices),
+                    "--batch_size",
+                    str(per_device_batch * devices),
+                    "--steps",
+                    str(steps),
+                    "--model",
+                    model,
+                    "--precision",
+                    precision,
+                    "--output_dir",
+                    str(run_dir),
+                ],
+                dict(os.environ),
+                run_dir / "train.log",
+            )
             run_dirs.append(str(run_dir))
             continue
         command, env = launch_command(setup, threads, precision)
         print(f"\n== {setup['name']}: {n} process(es), batch {per_device_batch} per process", flush=True)
         if n > 1:
-            run_logged(command + [str(REPO / "benchmarks" / "allreduce.py"), "--min_bytes", str(DDP_BUCKET_BYTES),
-                                  "--max_bytes", str(DDP_BUCKET_BYTES), "--output_dir", str(run_dir)],
-                       env, run_dir / "allreduce.log")
+            run_logged(
+                command
+                + [
+                    str(REPO / "benchmarks" / "allreduce.py"),
+                    "--min_bytes",
+                    str(DDP_BUCKET_BYTES),
+                    "--max_bytes",
+                    str(DDP_BUCKET_BYTES),
+                    "--output_dir",
+                    str(run_dir),
+                ],
+                env,
+                run_dir / "allreduce.log",
+            )
         global_batch = per_device_batch * n
-        recipe = [str(REPO / "recipes" / "cifar.py"), "--dataset", "synthetic", "--model", model,
-                  "--synthetic_size", str(global_batch * steps), "--batch_size", str(global_batch),
-                  "--max_steps", str(steps), "--log_every", "1", "--num_workers", str(workers), "--tracker", "none",
-                  "--output_dir", str(run_dir)]
+        recipe = [
+            str(REPO / "recipes" / "cifar.py"),
+            "--dataset",
+            "synthetic",
+            "--model",
+            model,
+            "--synthetic_size",
+            str(global_batch * steps),
+            "--batch_size",
+            str(global_batch),
+            "--max_steps",
+            str(steps),
+            "--log_every",
+            "1",
+            "--num_workers",
+            str(workers),
+            "--tracker",
+            "none",
+            "--output_dir",
+            str(run_dir),
+        ]
         run_logged(command + recipe + recipe_args.split(), env, run_dir / "train.log")
         run_dirs.append(str(run_dir))
     report(*run_dirs, output_dir=output_dir, warmup=warmup)

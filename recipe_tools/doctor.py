@@ -59,14 +59,19 @@ def load_config(config_file: str):
     try:
         config = load_config_from_file(str(config_file))
     except FileNotFoundError:
-        raise RecipeError(f"--config_file {config_file} does not exist; use one of accelerate_configs/*.yaml "
-                          "(accelerate_configs/2node.yaml for two nodes), the same file on every node") from None
+        raise RecipeError(
+            f"--config_file {config_file} does not exist; use one of accelerate_configs/*.yaml "
+            "(accelerate_configs/2node.yaml for two nodes), the same file on every node"
+        ) from None
     except (ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError) as err:  # syntax, keys, values
-        raise RecipeError(f"--config_file {config_file} is not a valid accelerate config: "
-                          f"{' '.join(str(err).split())[:300]}") from None
+        raise RecipeError(
+            f"--config_file {config_file} is not a valid accelerate config: {' '.join(str(err).split())[:300]}"
+        ) from None
     if not isinstance(config, ClusterConfig):
-        raise RecipeError(f"--config_file {config_file} is a SageMaker config; the doctor checks machines you launch "
-                          "yourself (compute_environment: LOCAL_MACHINE)")
+        raise RecipeError(
+            f"--config_file {config_file} is a SageMaker config; the doctor checks machines you launch "
+            "yourself (compute_environment: LOCAL_MACHINE)"
+        )
     return config
 
 
@@ -76,8 +81,9 @@ def cpu_requested(config) -> bool:
     try:
         from_env = parse_flag_from_env("ACCELERATE_USE_CPU")
     except ValueError:
-        raise RecipeError(f"ACCELERATE_USE_CPU={os.environ['ACCELERATE_USE_CPU']!r} is not a truth value; "
-                          "use true or false") from None
+        raise RecipeError(
+            f"ACCELERATE_USE_CPU={os.environ['ACCELERATE_USE_CPU']!r} is not a truth value; use true or false"
+        ) from None
     return from_env or bool(config.use_cpu) or config.distributed_type.value == "MULTI_CPU"
 
 
@@ -88,8 +94,7 @@ def number(name: str, value, kind=int):
         raise RecipeError(f"--{name} {value!r} is not a number") from None
 
 
-def make_plan(config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes,
-              timeout) -> Plan:
+def make_plan(config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout) -> Plan:
     """Check 1: the flags and the config agree with themselves."""
     machines = number("num_machines", num_machines if num_machines is not None else config.num_machines)
     processes = number("num_processes", num_processes if num_processes is not None else config.num_processes)
@@ -97,8 +102,10 @@ def make_plan(config, machine_rank, main_process_ip, main_process_port, num_mach
     if machines < 1:
         raise RecipeError(f"num_machines {machines} must be at least 1")
     if processes < machines:
-        raise RecipeError(f"num_processes {processes} must be at least num_machines {machines}: it counts the "
-                          "processes of ALL nodes together (e.g. 16 for 2 nodes x 8 GPUs)")
+        raise RecipeError(
+            f"num_processes {processes} must be at least num_machines {machines}: it counts the "
+            "processes of ALL nodes together (e.g. 16 for 2 nodes x 8 GPUs)"
+        )
     if processes % machines:
         per_node = max(1, processes // machines)
         raise RecipeError(
@@ -107,14 +114,18 @@ def make_plan(config, machine_rank, main_process_ip, main_process_port, num_mach
             f"{(per_node + 1) * machines} (processes per node x {machines} nodes)"
         )
     if not 0 <= rank < machines:
-        raise RecipeError(f"machine_rank {rank} is out of range for num_machines {machines}: give each node its "
-                          f"own --machine_rank from 0 to {machines - 1}, 0 on the main node")
+        raise RecipeError(
+            f"machine_rank {rank} is out of range for num_machines {machines}: give each node its "
+            f"own --machine_rank from 0 to {machines - 1}, 0 on the main node"
+        )
     ip = main_process_ip if main_process_ip is not None else config.main_process_ip
     if not ip and machines == 1:
         ip = "127.0.0.1"
     if not ip:
-        raise RecipeError("main_process_ip is not set (not in the config either): pass --main_process_ip <address of "
-                          "the machine_rank 0 node, as the other nodes reach it>, the same on every node")
+        raise RecipeError(
+            "main_process_ip is not set (not in the config either): pass --main_process_ip <address of "
+            "the machine_rank 0 node, as the other nodes reach it>, the same on every node"
+        )
     port = number("main_process_port", main_process_port or config.main_process_port or DEFAULT_PORT)
     if not 0 < port < 65536:
         raise RecipeError(f"--main_process_port {port} is not a TCP port (1-65535)")
@@ -129,8 +140,10 @@ def resolve(plan: Plan) -> list[str]:
     try:
         infos = socket.getaddrinfo(plan.main_ip, plan.port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
-        raise RecipeError(f"main_process_ip {plan.main_ip!r} does not resolve on this node ({err}): pass the main "
-                          "node's IP address (`hostname -I` on it), or add its name to /etc/hosts or DNS") from None
+        raise RecipeError(
+            f"main_process_ip {plan.main_ip!r} does not resolve on this node ({err}): pass the main "
+            "node's IP address (`hostname -I` on it), or add its name to /etc/hosts or DNS"
+        ) from None
     return list(dict.fromkeys(info[4][0] for info in infos))  # the resolver's order, without repeats
 
 
@@ -217,8 +230,15 @@ def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
                 "joins the nodes (`ip -brief addr`), or unset it"
             )
         if exact:  # gloo binds the interface's address: show it (none means gloo will fail on it)
-            value += " (" + ", ".join(f"{name.strip()} {interface_address(name.strip()) or 'no IPv4 address'}"
-                                     for name in value.split(",") if name.strip()) + ")"
+            value += (
+                " ("
+                + ", ".join(
+                    f"{name.strip()} {interface_address(name.strip()) or 'no IPv4 address'}"
+                    for name in value.split(",")
+                    if name.strip()
+                )
+                + ")"
+            )
         found.append(f"{variable}={value}")
     remote = not all(is_loopback(address) for address in main_addresses)
     if "GLOO_SOCKET_IFNAME" not in os.environ and remote and plan.num_machines > 1:
@@ -227,8 +247,11 @@ def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
         address = gloo_default_address()
         if address is None or is_loopback(address):
             local, interface = route_to(main_addresses[0])
-            fix = (f"GLOO_SOCKET_IFNAME={interface} (this node reaches {plan.main_ip} from {local} on {interface})"
-                   if interface else f"GLOO_SOCKET_IFNAME to one of: {', '.join(names)}")
+            fix = (
+                f"GLOO_SOCKET_IFNAME={interface} (this node reaches {plan.main_ip} from {local} on {interface})"
+                if interface
+                else f"GLOO_SOCKET_IFNAME to one of: {', '.join(names)}"
+            )
             raise RecipeError(
                 f"hostname {socket.gethostname()!r} resolves to {address or 'nothing'} on this node, so gloo would "
                 f"listen there and the other nodes could not reach it: set {fix}, and on every other node its own "
@@ -279,17 +302,24 @@ def nccl_device(gpu_ids: str, visible: int, environ=None) -> tuple[dict, int, st
     index = int(local)
     if str(gpu_ids).strip().lower() in ("", "all"):
         if index >= visible:
-            raise RecipeError(f"LOCAL_RANK {index} names GPU cuda:{index}, but this node sees {visible} GPU(s): "
-                              f"unset LOCAL_RANK or give it a value below {visible}")
+            raise RecipeError(
+                f"LOCAL_RANK {index} names GPU cuda:{index}, but this node sees {visible} GPU(s): "
+                f"unset LOCAL_RANK or give it a value below {visible}"
+            )
         listed = environ.get("CUDA_VISIBLE_DEVICES")
         return {}, index, f"cuda:{index}" + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else "")
     ids = [part.strip() for part in str(gpu_ids).split(",") if part.strip()]
     if index >= len(ids):
-        raise RecipeError(f"LOCAL_RANK {index} has no GPU among the config's gpu_ids {','.join(ids)} (one per local "
-                          f"process): unset LOCAL_RANK or give it a value below {len(ids)}")
+        raise RecipeError(
+            f"LOCAL_RANK {index} has no GPU among the config's gpu_ids {','.join(ids)} (one per local "
+            f"process): unset LOCAL_RANK or give it a value below {len(ids)}"
+        )
     listed = ",".join(ids)
-    return ({"CUDA_VISIBLE_DEVICES": listed}, index,
-            f"GPU {ids[index]} (cuda:{index} with CUDA_VISIBLE_DEVICES={listed}, from gpu_ids; LOCAL_RANK {index})")
+    return (
+        {"CUDA_VISIBLE_DEVICES": listed},
+        index,
+        f"GPU {ids[index]} (cuda:{index} with CUDA_VISIBLE_DEVICES={listed}, from gpu_ids; LOCAL_RANK {index})",
+    )
 
 
 def node_facts(plan: Plan, gpus: int) -> dict:
@@ -297,10 +327,16 @@ def node_facts(plan: Plan, gpus: int) -> dict:
     import torch
 
     return {
-        "rank": plan.machine_rank, "hostname": socket.gethostname(), "torch": torch.__version__,
-        "accelerate": accelerate.__version__, "python": platform.python_version(), "gpus": gpus,
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "use_cpu": plan.use_cpu,
-        "num_machines": plan.num_machines, "num_processes": plan.num_processes,
+        "rank": plan.machine_rank,
+        "hostname": socket.gethostname(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "python": platform.python_version(),
+        "gpus": gpus,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "use_cpu": plan.use_cpu,
+        "num_machines": plan.num_machines,
+        "num_processes": plan.num_processes,
     }
 
 
@@ -338,8 +374,9 @@ def host_store(plan: Plan, main_addresses: list[str]):
             "(did two nodes use machine_rank 0?)"
         )
     try:
-        return dist.TCPStore(plan.main_ip, plan.port, None, True, timedelta(seconds=plan.timeout),
-                             wait_for_workers=False)
+        return dist.TCPStore(
+            plan.main_ip, plan.port, None, True, timedelta(seconds=plan.timeout), wait_for_workers=False
+        )
     except (RuntimeError, OSError) as err:  # torch's DistNetworkError is a RuntimeError
         text = str(err)
         if address_in_use(err):
@@ -351,9 +388,11 @@ def join_store(plan: Plan, deadline: float):
     """Other ranks: reach the main node's port (retrying until the deadline), then open the store as a client."""
     import torch.distributed as dist
 
-    fixes = (f"is the doctor (or run) on the main node started with the same --main_process_port? does a firewall "
-             f"block TCP port {plan.port} (and the ports gloo/NCCL pick)? do all nodes use the same "
-             f"--main_process_ip / MASTER_ADDR {plan.main_ip}?")
+    fixes = (
+        f"is the doctor (or run) on the main node started with the same --main_process_port? does a firewall "
+        f"block TCP port {plan.port} (and the ports gloo/NCCL pick)? do all nodes use the same "
+        f"--main_process_ip / MASTER_ADDR {plan.main_ip}?"
+    )
     last = None
     while True:
         remaining = deadline - time.monotonic()
@@ -370,8 +409,10 @@ def join_store(plan: Plan, deadline: float):
         remaining = max(1.0, deadline - time.monotonic())
         return dist.TCPStore(plan.main_ip, plan.port, None, False, timedelta(seconds=remaining))
     except (RuntimeError, OSError) as err:
-        raise RecipeError(f"something answers on {plan.where} but the rendezvous store did not "
-                          f"({' '.join(str(err).split())[:200]}): {fixes}") from None
+        raise RecipeError(
+            f"something answers on {plan.where} but the rendezvous store did not "
+            f"({' '.join(str(err).split())[:200]}): {fixes}"
+        ) from None
 
 
 def store_call(plan: Plan, call):
@@ -379,9 +420,11 @@ def store_call(plan: Plan, call):
     try:
         return call()
     except (RuntimeError, OSError) as err:
-        raise RecipeError(f"lost the connection to the main node's store at {plan.where} "
-                          f"({' '.join(str(err).split())[:160]}): the doctor on the main node stopped; "
-                          "see its output") from None
+        raise RecipeError(
+            f"lost the connection to the main node's store at {plan.where} "
+            f"({' '.join(str(err).split())[:160]}): the doctor on the main node stopped; "
+            "see its output"
+        ) from None
 
 
 def claim(plan: Plan, store, facts: dict) -> None:
@@ -394,8 +437,10 @@ def claim(plan: Plan, store, facts: dict) -> None:
         first = "another node"
         if deadline_wait(lambda: store.check([first_key]), min(plan.timeout, 3)):
             first = json.loads(store.get(first_key))["hostname"]
-        raise RecipeError(f"machine_rank {plan.machine_rank} was already claimed by {first}: every node needs its "
-                          f"own --machine_rank from 0 to {plan.num_machines - 1} (0 on the main node)")
+        raise RecipeError(
+            f"machine_rank {plan.machine_rank} was already claimed by {first}: every node needs its "
+            f"own --machine_rank from 0 to {plan.num_machines - 1} (0 on the main node)"
+        )
 
 
 def compare(nodes: list[dict]) -> str | None:
@@ -406,17 +451,23 @@ def compare(nodes: list[dict]) -> str | None:
     for key, what in (("num_machines", "num_machines"), ("num_processes", "num_processes"), ("use_cpu", "CPU mode")):
         differ = [node for node in nodes if node[key] != main[key]]
         if differ:
-            shape.append(f"{what} {main[key]} on {label(main)} but "
-                         + ", ".join(f"{node[key]} on {label(node)}" for node in differ))
+            shape.append(
+                f"{what} {main[key]} on {label(main)} but "
+                + ", ".join(f"{node[key]} on {label(node)}" for node in differ)
+            )
     if shape:
-        problems.append("the nodes disagree on the run: " + ", ".join(shape)
-                        + " (use the same config, flags and ACCELERATE_USE_CPU on every node)")
+        problems.append(
+            "the nodes disagree on the run: "
+            + ", ".join(shape)
+            + " (use the same config, flags and ACCELERATE_USE_CPU on every node)"
+        )
     keys = [("torch", "torch"), ("accelerate", "accelerate")] + ([] if main["use_cpu"] else [("gpus", "GPU count")])
     for key, what in keys:
         values = sorted({str(node[key]) for node in nodes})
         if len(values) > 1:
-            groups = "; ".join(f"{value} on " + ", ".join(label(n) for n in nodes if str(n[key]) == value)
-                               for value in values)
+            groups = "; ".join(
+                f"{value} on " + ", ".join(label(n) for n in nodes if str(n[key]) == value) for value in values
+            )
             fix = "install the same versions on every node" if key != "gpus" else "give every node the same GPUs"
             problems.append(f"{what} differs between nodes: {groups} ({fix})")
     return "; ".join(problems) or None
@@ -430,14 +481,18 @@ def rendezvous(plan: Plan, store, facts: dict, deadline: float) -> list[dict]:
         # Rank 0 publishes within its own timeout, which began before this node could connect.
         found = deadline_wait(lambda: store_call(plan, lambda: store.check([verdict_key])), plan.timeout + 2)
         if not found:
-            raise RecipeError(f"reached {plan.where} but the main node gave no verdict within {plan.timeout:g}s: is "
-                              "a doctor with machine_rank 0 running there, with the same --num_machines?")
+            raise RecipeError(
+                f"reached {plan.where} but the main node gave no verdict within {plan.timeout:g}s: is "
+                "a doctor with machine_rank 0 running there, with the same --num_machines?"
+            )
         verdict = json.loads(store_call(plan, lambda: store.get(verdict_key)))
         if verdict["error"] or verdict["num_machines"] != plan.num_machines:
             store_call(plan, lambda: store.add(f"{KEY}bye", 1))
             main = verdict["nodes"][0] if verdict["nodes"] else {"rank": 0, "hostname": "?"}
-            error = verdict["error"] or (f"num_machines differs: {verdict['num_machines']} on {label(main)} but "
-                                         f"{plan.num_machines} here (use the same config and flags on every node)")
+            error = verdict["error"] or (
+                f"num_machines differs: {verdict['num_machines']} on {label(main)} but "
+                f"{plan.num_machines} here (use the same config and flags on every node)"
+            )
             raise RecipeError(f"the main node {main['hostname']} reports: {error}")
         return verdict["nodes"]
 
@@ -452,11 +507,15 @@ def rendezvous(plan: Plan, store, facts: dict, deadline: float) -> list[dict]:
     if status == "duplicate":
         twin = json.loads(store.get(f"{KEY}duplicate"))
         first = next((n for n in nodes if n["rank"] == twin["rank"]), {"hostname": "another node"})
-        error = (f"machine_rank {twin['rank']} was claimed twice, by {first['hostname']} and {twin['hostname']}: "
-                 f"every node needs its own --machine_rank from 0 to {plan.num_machines - 1} (0 on the main node)")
+        error = (
+            f"machine_rank {twin['rank']} was claimed twice, by {first['hostname']} and {twin['hostname']}: "
+            f"every node needs its own --machine_rank from 0 to {plan.num_machines - 1} (0 on the main node)"
+        )
     elif not status:
-        error = (f"only {len(seen)} of {plan.num_machines} nodes joined {plan.where} within {plan.timeout:g}s "
-                 f"(ranks seen: {seen}); start the doctor on every node with its own --machine_rank")
+        error = (
+            f"only {len(seen)} of {plan.num_machines} nodes joined {plan.where} within {plan.timeout:g}s "
+            f"(ranks seen: {seen}); start the doctor on every node with its own --machine_rank"
+        )
     else:
         error = compare(nodes)
     store.set(verdict_key, json.dumps({"error": error, "nodes": nodes, "num_machines": plan.num_machines}))
@@ -472,14 +531,24 @@ def check_data_path(plan: Plan, store) -> float:
     import torch
     import torch.distributed as dist
 
-    where = "GLOO_SOCKET_IFNAME=" + os.environ["GLOO_SOCKET_IFNAME"] if "GLOO_SOCKET_IFNAME" in os.environ else \
-        f"gloo picked the address of hostname {socket.gethostname()}"
-    fix = (f"the rendezvous at {plan.where} works but the nodes' data connections do not ({where}): set "
-           "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for GPU runs) on every node to the interface of the network "
-           "that joins them (`ip -brief addr`), and let the firewall pass TCP between the nodes on all ports")
+    where = (
+        "GLOO_SOCKET_IFNAME=" + os.environ["GLOO_SOCKET_IFNAME"]
+        if "GLOO_SOCKET_IFNAME" in os.environ
+        else f"gloo picked the address of hostname {socket.gethostname()}"
+    )
+    fix = (
+        f"the rendezvous at {plan.where} works but the nodes' data connections do not ({where}): set "
+        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for GPU runs) on every node to the interface of the network "
+        "that joins them (`ip -brief addr`), and let the firewall pass TCP between the nodes on all ports"
+    )
     try:
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=plan.machine_rank,
-                                world_size=plan.num_machines, timeout=timedelta(seconds=plan.timeout))
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("pg", store),
+            rank=plan.machine_rank,
+            world_size=plan.num_machines,
+            timeout=timedelta(seconds=plan.timeout),
+        )
     except (RuntimeError, OSError, ValueError) as err:
         raise RecipeError(f"gloo could not connect the nodes ({' '.join(str(err).split())[:160]}); {fix}") from None
     try:
@@ -489,8 +558,10 @@ def check_data_path(plan: Plan, store) -> float:
         elapsed = (time.perf_counter() - start) * 1000
         expected = plan.num_machines * (plan.num_machines + 1) / 2
         if value.item() != expected:
-            raise RecipeError(f"gloo all_reduce summed to {value.item():g} instead of {expected:g}: the nodes do not "
-                              "form one group; check that each node has its own --machine_rank")
+            raise RecipeError(
+                f"gloo all_reduce summed to {value.item():g} instead of {expected:g}: the nodes do not "
+                "form one group; check that each node has its own --machine_rank"
+            )
         return elapsed
     except (RuntimeError, OSError, ValueError) as err:
         raise RecipeError(f"gloo all_reduce failed ({' '.join(str(err).split())[:160]}); {fix}") from None
@@ -539,8 +610,14 @@ def nccl_child(spec: str) -> None:
     store = dist.TCPStore(job["host"], job["port"], None, False, timedelta(seconds=job["timeout"]))
     device = torch.device("cuda", job["device"])  # this process's GPU among those CUDA_VISIBLE_DEVICES shows
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=n,
-                            timeout=timedelta(seconds=job["timeout"]), device_id=device)
+    dist.init_process_group(
+        "nccl",
+        store=dist.PrefixStore("nccl", store),
+        rank=rank,
+        world_size=n,
+        timeout=timedelta(seconds=job["timeout"]),
+        device_id=device,
+    )
     numel = job["bytes"] // 4
     tensor = torch.full((numel,), float(rank + 1), device=device)
     dist.all_reduce(tensor)  # also NCCL's connection set-up, left out of the timing
@@ -556,8 +633,13 @@ def nccl_child(spec: str) -> None:
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest node's time is the collective's
     dist.destroy_process_group()
     algbw = numel * 4 / seconds.item() / 1e9
-    print(NCCL_RESULT + json.dumps({"seconds": seconds.item(), "algbw_gbps": algbw, "correct": correct,
-                                    "busbw_gbps": algbw * 2 * (n - 1) / n}), flush=True)
+    print(
+        NCCL_RESULT
+        + json.dumps(
+            {"seconds": seconds.item(), "algbw_gbps": algbw, "correct": correct, "busbw_gbps": algbw * 2 * (n - 1) / n}
+        ),
+        flush=True,
+    )
 
 
 def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
@@ -571,27 +653,43 @@ def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
     if plan.num_machines < 2:
         return "NCCL all-reduce not run: one node, so there is no network between nodes to measure"
     visible_devices, device, where = nccl_device(plan.gpu_ids, gpus)
-    spec = json.dumps({"host": plan.main_ip, "port": plan.port, "rank": plan.machine_rank, "world": plan.num_machines,
-                       "bytes": size_mb * 2**20, "iters": 5, "timeout": plan.timeout, "device": device})
+    spec = json.dumps(
+        {
+            "host": plan.main_ip,
+            "port": plan.port,
+            "rank": plan.machine_rank,
+            "world": plan.num_machines,
+            "bytes": size_mb * 2**20,
+            "iters": 5,
+            "timeout": plan.timeout,
+            "device": device,
+        }
+    )
     env = dict(os.environ, NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", **visible_devices)
     env.pop("NCCL_DEBUG_FILE", None)  # the lines are read from the child's output
     command = [sys.executable, "-c", f"from recipe_tools.doctor import nccl_child; nccl_child({spec!r})"]
-    fix = ("set NCCL_SOCKET_IFNAME to the interface that joins the nodes on every node; without InfiniBand also "
-           "NCCL_IB_DISABLE=1; let the firewall pass TCP between the nodes on all ports")
+    fix = (
+        "set NCCL_SOCKET_IFNAME to the interface that joins the nodes on every node; without InfiniBand also "
+        "NCCL_IB_DISABLE=1; let the firewall pass TCP between the nodes on all ports"
+    )
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3 * plan.timeout + 60)
     except subprocess.TimeoutExpired:
-        raise RecipeError(f"the NCCL all-reduce between the nodes did not finish within {3 * plan.timeout + 60:g}s "
-                          f"while gloo worked: {fix}") from None
+        raise RecipeError(
+            f"the NCCL all-reduce between the nodes did not finish within {3 * plan.timeout + 60:g}s "
+            f"while gloo worked: {fix}"
+        ) from None
     log = proc.stdout + proc.stderr
-    results = [line[len(NCCL_RESULT):] for line in proc.stdout.splitlines() if line.startswith(NCCL_RESULT)]
+    results = [line[len(NCCL_RESULT) :] for line in proc.stdout.splitlines() if line.startswith(NCCL_RESULT)]
     if proc.returncode or not results:
         last = next((line.strip() for line in reversed(log.splitlines()) if line.strip()), "no output")
         raise RecipeError(f"the NCCL all-reduce between the nodes failed (exit {proc.returncode}: {last[:200]}): {fix}")
     result = json.loads(results[-1])
     if not result["correct"]:
-        raise RecipeError("the NCCL all-reduce between the nodes gave a wrong sum: a NIC, driver or GPUDirect RDMA "
-                          "problem; try NCCL_IB_DISABLE=1 or NCCL_NET_GDR_LEVEL=0 to find which")
+        raise RecipeError(
+            "the NCCL all-reduce between the nodes gave a wrong sum: a NIC, driver or GPUDirect RDMA "
+            "problem; try NCCL_IB_DISABLE=1 or NCCL_NET_GDR_LEVEL=0 to find which"
+        )
     transport = nccl_transport(log)
     if transport["network"] == "IB":
         over = "InfiniBand/RoCE" + (", GPUDirect RDMA" if transport["gdr"] else "")
@@ -600,17 +698,25 @@ def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
     else:
         over = "a network NCCL did not name (look for NET/ lines with NCCL_DEBUG=INFO)"
     devices = f" via {transport['devices']}" if transport["devices"] else ""
-    return (f"NCCL all-reduce of {size_mb} MB across {plan.num_machines} node(s): busbw "
-            f"{result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s), over {over}{devices}; "
-            f"this node's GPU: {where}")
+    return (
+        f"NCCL all-reduce of {size_mb} MB across {plan.num_machines} node(s): busbw "
+        f"{result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f} GB/s), over {over}{devices}; "
+        f"this node's GPU: {where}"
+    )
 
 
 def table(nodes: list[dict]) -> str:
     header = ("rank", "hostname", "torch", "accelerate", "python", "GPUs visible")
     rows = [header] + [
-        (str(n["rank"]), n["hostname"], n["torch"], n["accelerate"], n["python"],
-         str(n["gpus"]) + (f" (CUDA_VISIBLE_DEVICES={n['cuda_visible_devices']})"
-                           if n["cuda_visible_devices"] is not None else ""))
+        (
+            str(n["rank"]),
+            n["hostname"],
+            n["torch"],
+            n["accelerate"],
+            n["python"],
+            str(n["gpus"])
+            + (f" (CUDA_VISIBLE_DEVICES={n['cuda_visible_devices']})" if n["cuda_visible_devices"] is not None else ""),
+        )
         for n in sorted(nodes, key=lambda n: n["rank"])
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -621,9 +727,16 @@ def ok(line: str) -> None:
     print(f"ok  {line}", flush=True)
 
 
-def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int | None = None,
-         main_process_ip: str | None = None, main_process_port: int | None = None, num_machines: int | None = None,
-         num_processes: int | None = None, timeout: float = 30, nccl_mb: int = 256):
+def main(
+    config_file: str = "accelerate_configs/2node.yaml",
+    machine_rank: int | None = None,
+    main_process_ip: str | None = None,
+    main_process_port: int | None = None,
+    num_machines: int | None = None,
+    num_processes: int | None = None,
+    timeout: float = 30,
+    nccl_mb: int = 256,
+):
     """Check that the nodes of a multi-node run can train together; run it on every node with the same flags.
 
     Args:
@@ -639,8 +752,10 @@ def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int |
     config = load_config(config_file)
     plan = make_plan(config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout)
     per_node = plan.num_processes // plan.num_machines
-    ok(f"config {config_file}: {plan.num_machines} node(s) x {per_node} process(es) = {plan.num_processes}, "
-       f"this node is machine_rank {plan.machine_rank}")
+    ok(
+        f"config {config_file}: {plan.num_machines} node(s) x {per_node} process(es) = {plan.num_processes}, "
+        f"this node is machine_rank {plan.machine_rank}"
+    )
     addresses = resolve(plan)
     ok(f"main node {plan.main_ip} resolves to {', '.join(addresses)}")
     ok(f"network interfaces: {check_interfaces(plan, addresses)}")
@@ -651,8 +766,11 @@ def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int |
     deadline = time.monotonic() + plan.timeout
     if plan.machine_rank == 0:
         store = host_store(plan, addresses)
-        print(f"..  serving the rendezvous on {plan.where}; waiting up to {plan.timeout:g}s for "
-              f"{plan.num_machines} node(s)", flush=True)
+        print(
+            f"..  serving the rendezvous on {plan.where}; waiting up to {plan.timeout:g}s for "
+            f"{plan.num_machines} node(s)",
+            flush=True,
+        )
     else:
         print(f"..  connecting to the main node at {plan.where} (up to {plan.timeout:g}s)", flush=True)
         store = join_store(plan, deadline)
@@ -668,8 +786,10 @@ def main(config_file: str = "accelerate_configs/2node.yaml", machine_rank: int |
         deadline_wait(lambda: store.add(f"{KEY}bye", 0) >= plan.num_machines - 1, min(plan.timeout, 10))
         if store.check([f"{KEY}duplicate"]):
             twin = json.loads(store.get(f"{KEY}duplicate"))
-            raise RecipeError(f"machine_rank {twin['rank']} was also claimed by {twin['hostname']} after the others "
-                              "joined: every node needs its own --machine_rank")
+            raise RecipeError(
+                f"machine_rank {twin['rank']} was also claimed by {twin['hostname']} after the others "
+                "joined: every node needs its own --machine_rank"
+            )
     else:
         store_call(plan, lambda: store.add(f"{KEY}bye", 1))
     print("nodes:")

@@ -74,26 +74,43 @@ def read_hostfile(path: str) -> list[Host]:
 def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
     """The shell script one node runs. It stops its whole process tree when its stdin closes, i.e. when the launcher
     (or the ssh connection to it) goes away, so no training process outlives a stopped run."""
-    launch = [*shlex.split(args.accelerate), "launch", "--config_file", args.config_file,
-              "--num_machines", str(len(hosts)), "--num_processes", str(sum(h.slots for h in hosts)),
-              "--machine_rank", str(rank), "--main_process_ip", args.main_process_ip,
-              "--main_process_port", str(args.main_process_port),
-              "--rdzv_conf", f"timeout={args.startup_timeout}",  # a node left alone stops instead of waiting
-              *shlex.split(args.launch_args), args.script, *args.script_args]
+    launch = [
+        *shlex.split(args.accelerate),
+        "launch",
+        "--config_file",
+        args.config_file,
+        "--num_machines",
+        str(len(hosts)),
+        "--num_processes",
+        str(sum(h.slots for h in hosts)),
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        args.main_process_ip,
+        "--main_process_port",
+        str(args.main_process_port),
+        "--rdzv_conf",
+        f"timeout={args.startup_timeout}",  # a node left alone stops instead of waiting
+        *shlex.split(args.launch_args),
+        args.script,
+        *args.script_args,
+    ]
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forward.items()))
-    return "\n".join([
-        f"cd {shlex.quote(args.workdir)} || exit 2",
-        "set -m",  # background jobs get their own process group, so one kill reaches torchrun and its workers
-        f"{'env ' + exports + ' ' if exports else ''}{shlex.join(launch)} &",
-        "child=$!",
-        f"( cat >/dev/null; kill -TERM -- -$child; sleep {STOP_GRACE_SECONDS}; kill -KILL -- -$child ) "
-        "</dev/stdin >/dev/null 2>&1 &",
-        "watcher=$!",
-        "set +m",  # no "[1]+ Done" job notices in the output
-        "wait $child; code=$?",
-        "kill -- -$watcher 2>/dev/null",
-        "exit $code",
-    ])
+    return "\n".join(
+        [
+            f"cd {shlex.quote(args.workdir)} || exit 2",
+            "set -m",  # background jobs get their own process group, so one kill reaches torchrun and its workers
+            f"{'env ' + exports + ' ' if exports else ''}{shlex.join(launch)} &",
+            "child=$!",
+            f"( cat >/dev/null; kill -TERM -- -$child; sleep {STOP_GRACE_SECONDS}; kill -KILL -- -$child ) "
+            "</dev/stdin >/dev/null 2>&1 &",
+            "watcher=$!",
+            "set +m",  # no "[1]+ Done" job notices in the output
+            "wait $child; code=$?",
+            "kill -- -$watcher 2>/dev/null",
+            "exit $code",
+        ]
+    )
 
 
 def node_command(rank: int, hosts: list[Host], args) -> list[str]:
@@ -104,8 +121,16 @@ def node_command(rank: int, hosts: list[Host], args) -> list[str]:
     forward = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES)}
     forward.update(args.env)
     remote = "bash -c " + shlex.quote(node_script(rank, hosts, args, forward))
-    return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={args.ssh_timeout}", *shlex.split(args.ssh_options),
-            host.name, remote]
+    return [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={args.ssh_timeout}",
+        *shlex.split(args.ssh_options),
+        host.name,
+        remote,
+    ]
 
 
 class Node:
@@ -117,8 +142,14 @@ class Node:
         self.rank, self.host = rank, host
         self.label = f"[{host.name}:{rank}]".ljust(width + 4)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._relay, daemon=True)
         self.reader.start()
 
@@ -156,8 +187,11 @@ def launch(args) -> int:
         check_port_free("0.0.0.0", args.main_process_port)
     width = max(len(h.name) for h in hosts) + len(str(len(hosts)))
     total = sum(h.slots for h in hosts)
-    print(f"starting {len(hosts)} node(s) x {main_host.slots} process(es) = {total}, main node "
-          f"{args.main_process_ip}:{args.main_process_port}", flush=True)
+    print(
+        f"starting {len(hosts)} node(s) x {main_host.slots} process(es) = {total}, main node "
+        f"{args.main_process_ip}:{args.main_process_port}",
+        flush=True,
+    )
     nodes = [Node(rank, host, node_command(rank, hosts, args), width) for rank, host in enumerate(hosts)]
 
     stopping = {"signal": None}
@@ -193,10 +227,16 @@ def launch(args) -> int:
         return 128 + stopping["signal"]
     if failed:
         code = failed.process.returncode
-        hint = (" (ssh failed: check `ssh -o BatchMode=yes " + failed.host.name + " true` works without a password)"
-                if code == 255 and not failed.host.is_local else "")
-        print(f"error: node {failed.host.name} (machine rank {failed.rank}) exited with code {code}{hint}; "
-              "the other nodes were stopped", file=sys.stderr)
+        hint = (
+            " (ssh failed: check `ssh -o BatchMode=yes " + failed.host.name + " true` works without a password)"
+            if code == 255 and not failed.host.is_local
+            else ""
+        )
+        print(
+            f"error: node {failed.host.name} (machine rank {failed.rank}) exited with code {code}{hint}; "
+            "the other nodes were stopped",
+            file=sys.stderr,
+        )
         return code
     print(f"all {len(nodes)} node(s) finished", flush=True)
     return 0
@@ -206,34 +246,56 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="accelerate-recipes-hostfile",
         description="Run `accelerate launch` on every node of a hostfile (ssh; localhost runs here) with the right "
-                    "machine rank, main address and port; prefix output by node; stop all nodes when one fails.",
+        "machine rank, main address and port; prefix output by node; stop all nodes when one fails.",
         epilog="hostfile example:\n  node1 slots=8   # main node (machine rank 0)\n  node2 slots=8\n\n"
-               "example: accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5",
+        "example: accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--hostfile", required=True, help="file with one `hostname slots=N` line per node")
-    parser.add_argument("--config_file", default="accelerate_configs/2node.yaml",
-                        help="accelerate config used on every node; num_machines/num_processes come from the hostfile")
-    parser.add_argument("--main_process_ip", default=None,
-                        help="address the other nodes reach the main node at (default: the first host's name)")
-    parser.add_argument("--main_process_port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)),
-                        help="rendezvous port on the main node (default: $MASTER_PORT or 29500)")
+    parser.add_argument(
+        "--config_file",
+        default="accelerate_configs/2node.yaml",
+        help="accelerate config used on every node; num_machines/num_processes come from the hostfile",
+    )
+    parser.add_argument(
+        "--main_process_ip",
+        default=None,
+        help="address the other nodes reach the main node at (default: the first host's name)",
+    )
+    parser.add_argument(
+        "--main_process_port",
+        type=int,
+        default=int(os.environ.get("MASTER_PORT", 29500)),
+        help="rendezvous port on the main node (default: $MASTER_PORT or 29500)",
+    )
     parser.add_argument("--workdir", default=os.getcwd(), help="project folder on every node (default: this one)")
     script = Path(sys.executable).parent / "accelerate"  # absent where accelerate came with PYTHONPATH, not a venv
-    parser.add_argument("--accelerate", default=str(script) if script.exists() else
-                        f"{sys.executable} -m accelerate.commands.accelerate_cli",
-                        help="accelerate command on every node (default: the one beside this Python, else this Python "
-                             "with -m accelerate.commands.accelerate_cli)")
-    parser.add_argument("--launch_args", default="",
-                        help='extra `accelerate launch` flags, e.g. "--mixed_precision bf16"')
-    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                        help="environment variable for every node (repeatable); NCCL_*, GLOO_*, ACCELERATE_*, "
-                             "SWANLAB_*, HF_*, TORCH_*, CUDA_*, OMP_* and PYTHON* are passed on to remote nodes anyway")
+    parser.add_argument(
+        "--accelerate",
+        default=str(script) if script.exists() else f"{sys.executable} -m accelerate.commands.accelerate_cli",
+        help="accelerate command on every node (default: the one beside this Python, else this Python "
+        "with -m accelerate.commands.accelerate_cli)",
+    )
+    parser.add_argument(
+        "--launch_args", default="", help='extra `accelerate launch` flags, e.g. "--mixed_precision bf16"'
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variable for every node (repeatable); NCCL_*, GLOO_*, ACCELERATE_*, "
+        "SWANLAB_*, HF_*, TORCH_*, CUDA_*, OMP_* and PYTHON* are passed on to remote nodes anyway",
+    )
     parser.add_argument("--ssh_options", default="", help='extra ssh options, e.g. "-p 2222 -i ~/.ssh/cluster"')
     parser.add_argument("--ssh_timeout", type=int, default=10, help="seconds ssh waits to connect to a node")
-    parser.add_argument("--startup_timeout", type=int, default=int(os.environ.get("STARTUP_TIMEOUT", 300)),
-                        help="seconds each node waits for the others to join before it stops with an error "
-                             "(default: $STARTUP_TIMEOUT or 300)")
+    parser.add_argument(
+        "--startup_timeout",
+        type=int,
+        default=int(os.environ.get("STARTUP_TIMEOUT", 300)),
+        help="seconds each node waits for the others to join before it stops with an error "
+        "(default: $STARTUP_TIMEOUT or 300)",
+    )
     parser.add_argument("script", help="the training script, e.g. recipes/cifar.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="flags for the script")
     args = parser.parse_args(argv)

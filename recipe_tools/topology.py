@@ -74,7 +74,7 @@ def parse(text: str, source: str = "nvidia-smi topo -m") -> Topology:
         raise RecipeError(f"no GPU matrix found in {source}; give the output of `nvidia-smi topo -m` as it prints it")
     header = [cell.strip() for cell in lines[header_index].strip().split("\t")]
     gpus, links, cpu, numa = [], {}, {}, {}
-    for line in lines[header_index + 1:]:
+    for line in lines[header_index + 1 :]:
         match = re.match(r"^GPU(\d+)\t", line)
         if not match:
             continue
@@ -90,8 +90,10 @@ def parse(text: str, source: str = "nvidia-smi topo -m") -> Topology:
         cpu[gpu], numa[gpu] = row.get("CPU Affinity", ""), row.get("NUMA Affinity", "")
     missing = [(a, b) for a, b in itertools.combinations(sorted(gpus), 2) if (a, b) not in links]
     if not gpus or missing:
-        raise RecipeError(f"the GPU matrix in {source} is incomplete (pairs without a link: {missing[:3]}); "
-                          "save the whole output of `nvidia-smi topo -m`")
+        raise RecipeError(
+            f"the GPU matrix in {source} is incomplete (pairs without a link: {missing[:3]}); "
+            "save the whole output of `nvidia-smi topo -m`"
+        )
     return Topology(sorted(gpus), links, cpu, numa)
 
 
@@ -166,11 +168,14 @@ def avoid(topo: Topology) -> str | None:
 def report(topo: Topology) -> str:
     found = groups(topo)
     fmt = lambda gs: "  ".join("{" + ",".join(map(str, g)) + "}" for g in gs) or "none"  # noqa: E731
-    lines = [f"{len(topo.gpus)} GPU(s)",
-             f"  NVLink groups:      {fmt(found['nvlink'])}",
-             f"  PCIe switch groups: {fmt(found['pcie_switch'])}",
-             f"  sockets/NUMA nodes: {fmt(found['socket'])}",
-             "", "recommended GPU sets (the slowest link decides the all-reduce speed):"]
+    lines = [
+        f"{len(topo.gpus)} GPU(s)",
+        f"  NVLink groups:      {fmt(found['nvlink'])}",
+        f"  PCIe switch groups: {fmt(found['pcie_switch'])}",
+        f"  sockets/NUMA nodes: {fmt(found['socket'])}",
+        "",
+        "recommended GPU sets (the slowest link decides the all-reduce speed):",
+    ]
     for gpus, reason in recommendations(topo):
         lines.append(f"  {len(gpus):>2} GPU(s): --gpu_ids {','.join(map(str, gpus)):<16} {reason}")
     warning = avoid(topo)
@@ -179,7 +184,8 @@ def report(topo: Topology) -> str:
     return "\n".join(lines)
 
 
-CONFIG_TEMPLATE = """# Written by `accelerate-recipes-topo --gpus {k}`: the {k} GPU(s) of this machine whose slowest link
+CONFIG_TEMPLATE = """\
+# Written by `accelerate-recipes-topo --gpus {k}`: the {k} GPU(s) of this machine whose slowest link
 # is fastest ({reason}).
 compute_environment: LOCAL_MACHINE
 distributed_type: {distributed_type}
@@ -204,12 +210,16 @@ def read_topology(file: str | None) -> tuple[Topology, str]:
             raise RecipeError(f"--file {file} does not exist; save one with `nvidia-smi topo -m > {path.name}`")
         return parse(path.read_text(), source=str(path)), str(path)
     if shutil.which("nvidia-smi") is None:
-        raise RecipeError("nvidia-smi not found: this machine has no NVIDIA driver (or it is not on PATH); run this on "
-                          "the GPU machine, or pass a saved `nvidia-smi topo -m` output with --file")
+        raise RecipeError(
+            "nvidia-smi not found: this machine has no NVIDIA driver (or it is not on PATH); run this on "
+            "the GPU machine, or pass a saved `nvidia-smi topo -m` output with --file"
+        )
     try:
         output = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
-        raise RecipeError("`nvidia-smi topo -m` did not answer within 60 s; check the driver with `nvidia-smi`") from None
+        raise RecipeError(
+            "`nvidia-smi topo -m` did not answer within 60 s; check the driver with `nvidia-smi`"
+        ) from None
     if output.returncode != 0:
         raise RecipeError(f"`nvidia-smi topo -m` failed: {(output.stderr or output.stdout).strip()[:200]}")
     return parse(output.stdout), "nvidia-smi topo -m"
@@ -235,10 +245,14 @@ def main(file: str | None = None, gpus: int | None = None, write_config: str | N
     if write_config:
         path = Path(write_config)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(CONFIG_TEMPLATE.format(
-            k=gpus, reason=reason, distributed_type="NO" if gpus == 1 else "MULTI_GPU",
-            gpu_ids=",".join(map(str, chosen)),
-        ))
+        path.write_text(
+            CONFIG_TEMPLATE.format(
+                k=gpus,
+                reason=reason,
+                distributed_type="NO" if gpus == 1 else "MULTI_GPU",
+                gpu_ids=",".join(map(str, chosen)),
+            )
+        )
         print(f"wrote {path}: accelerate launch --config_file {path} recipes/cifar.py")
 
 

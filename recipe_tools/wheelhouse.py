@@ -125,8 +125,13 @@ def missing_requirements(requirements: list[str], installed: dict[str, str]) -> 
 
 # ------------------------------------------------------------------------------------------------- download
 def pip_platform_args(target: dict) -> list[str]:
-    args = ["--only-binary=:all:", "--python-version", target["python_version"],
-            "--implementation", target.get("implementation", "cp")]
+    args = [
+        "--only-binary=:all:",
+        "--python-version",
+        target["python_version"],
+        "--implementation",
+        target.get("implementation", "cp"),
+    ]
     for tag in target["platforms"]:
         args += ["--platform", tag]
     return args
@@ -144,23 +149,57 @@ def download(target: dict, extras: list[str], out: Path, also: list[str]) -> lis
         # The target's packages pinned as constraints: dependencies it has are kept at its versions (local labels such
         # as +cu130 dropped: the index's build of the same version stands in for resolving), and so never downloaded.
         constraints = Path(tmp) / "constraints.txt"
-        constraints.write_text("".join(f"{name}=={version.split('+')[0]}\n" for name, version in installed.items()
-                                       if re.fullmatch(r"[0-9][0-9A-Za-z.!]*", version.split("+")[0])))
+        constraints.write_text(
+            "".join(
+                f"{name}=={version.split('+')[0]}\n"
+                for name, version in installed.items()
+                if re.fullmatch(r"[0-9][0-9A-Za-z.!]*", version.split("+")[0])
+            )
+        )
         report = Path(tmp) / "report.json"
-        resolve = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                   "--report", str(report), "--target", str(Path(tmp) / "never"), *pip_platform_args(target),
-                   "-c", str(constraints), *needed]
+        resolve = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            "--target",
+            str(Path(tmp) / "never"),
+            *pip_platform_args(target),
+            "-c",
+            str(constraints),
+            *needed,
+        ]
         proc = subprocess.run(resolve, capture_output=True, text=True)
         if proc.returncode:
             errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or [proc.stderr.strip()]
-            raise WheelhouseError(f"pip could not resolve {' '.join(needed)} for Python {target['python_version']} "
-                                  f"on {target['platforms'][0]}: {errors[-1]}")
+            raise WheelhouseError(
+                f"pip could not resolve {' '.join(needed)} for Python {target['python_version']} "
+                f"on {target['platforms'][0]}: {errors[-1]}"
+            )
         resolved = json.loads(report.read_text())["install"]
-    pins = sorted(f"{item['metadata']['name']}=={item['metadata']['version']}" for item in resolved
-                  if normalise(item["metadata"]["name"]) not in installed)
+    pins = sorted(
+        f"{item['metadata']['name']}=={item['metadata']['version']}"
+        for item in resolved
+        if normalise(item["metadata"]["name"]) not in installed
+    )
     if pins:
-        fetch = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(out),
-                 *pip_platform_args(target), *pins]
+        fetch = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--dest",
+            str(out),
+            *pip_platform_args(target),
+            *pins,
+        ]
         proc = subprocess.run(fetch, capture_output=True, text=True)
         if proc.returncode:
             raise WheelhouseError(f"pip download failed: {proc.stderr.strip().splitlines()[-1]}")
@@ -169,57 +208,79 @@ def download(target: dict, extras: list[str], out: Path, also: list[str]) -> lis
 
 
 def install_lines(out: str) -> str:
-    return (f"python3 -m pip install --no-index --find-links {out} -r {out}/requirements.txt\n"
-            f"# or, where that Python's site-packages is read-only:\n"
-            f"python3 -m pip install --no-index --no-deps --target ~/.accelerate-recipes-site {out}/*.whl\n"
-            f"export PYTHONPATH=~/.accelerate-recipes-site\n")
+    return (
+        f"python3 -m pip install --no-index --find-links {out} -r {out}/requirements.txt\n"
+        f"# or, where that Python's site-packages is read-only:\n"
+        f"python3 -m pip install --no-index --no-deps --target ~/.accelerate-recipes-site {out}/*.whl\n"
+        f"export PYTHONPATH=~/.accelerate-recipes-site\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe_tools.wheelhouse", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m recipe_tools.wheelhouse",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("describe", help="print this interpreter's Python version, platform and packages as JSON")
     get = commands.add_parser("download", help="on a connected machine: the wheels a described target lacks")
     get.add_argument("target", help="the JSON `describe` printed on the target machine")
-    get.add_argument("--extras", default=DEFAULT_EXTRAS,
-                     help=f"the project's extras to cover, comma-separated (default {DEFAULT_EXTRAS}; '' for none)")
+    get.add_argument(
+        "--extras",
+        default=DEFAULT_EXTRAS,
+        help=f"the project's extras to cover, comma-separated (default {DEFAULT_EXTRAS}; '' for none)",
+    )
     get.add_argument("--also", default="", help="more requirements, comma-separated (e.g. 'gguf==0.19.0')")
     get.add_argument("--out", default="wheelhouse", help="folder for the wheels (default wheelhouse)")
     check = commands.add_parser("check", help="exit 1 naming what this interpreter lacks for the project")
     check.add_argument("--extras", default=DEFAULT_EXTRAS, help=f"extras to check too (default {DEFAULT_EXTRAS})")
     args = parser.parse_args(argv)
-    split = (lambda text: [item.strip() for item in text.split(",") if item.strip()])
+
+    def split(text):
+        return [item.strip() for item in text.split(",") if item.strip()]
+
     try:
         if args.command == "describe":
             print(json.dumps(describe(), indent=1))
         elif args.command == "check":
             missing = missing_requirements(project_requirements(split(args.extras)), describe()["packages"])
             if missing:
-                raise WheelhouseError(f"{sys.executable} lacks {', '.join(missing)}: install them (offline: "
-                                      "python3 -m recipe_tools.wheelhouse --help), or use PYTHON_ENV=venv")
+                raise WheelhouseError(
+                    f"{sys.executable} lacks {', '.join(missing)}: install them (offline: "
+                    "python3 -m recipe_tools.wheelhouse --help), or use PYTHON_ENV=venv"
+                )
             print(f"{sys.executable} has every requirement of the project (extras: {args.extras or 'none'})")
         else:
             path = Path(args.target)
             if not path.is_file():
-                raise WheelhouseError(f"{path} not found: write it on the target machine with "
-                                      "`python3 -m recipe_tools.wheelhouse describe > target.json`")
+                raise WheelhouseError(
+                    f"{path} not found: write it on the target machine with "
+                    "`python3 -m recipe_tools.wheelhouse describe > target.json`"
+                )
             try:
                 target = json.loads(path.read_text())
                 target["python_version"], target["platforms"], target["packages"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise WheelhouseError(f"{path} is not the output of `recipe_tools.wheelhouse describe` ({err}); "
-                                      "write it again on the target machine") from None
-            print(f"resolving for Python {target['python_version']} on {target['platforms'][0]} "
-                  f"({len(target['packages'])} packages there already) ...", flush=True)
+                raise WheelhouseError(
+                    f"{path} is not the output of `recipe_tools.wheelhouse describe` ({err}); "
+                    "write it again on the target machine"
+                ) from None
+            print(
+                f"resolving for Python {target['python_version']} on {target['platforms'][0]} "
+                f"({len(target['packages'])} packages there already) ...",
+                flush=True,
+            )
             pins = download(target, split(args.extras), Path(args.out), split(args.also))
             if not pins:
                 print("the target has everything the project needs; nothing to download")
                 return 0
             (Path(args.out) / "INSTALL.txt").write_text(install_lines(args.out))
-            print(f"{len(pins)} wheels in {args.out}/: {', '.join(pins)}\n"
-                  f"copy {args.out}/ to the target and install there, without network:\n" + install_lines(args.out))
+            print(
+                f"{len(pins)} wheels in {args.out}/: {', '.join(pins)}\n"
+                f"copy {args.out}/ to the target and install there, without network:\n" + install_lines(args.out)
+            )
     except WheelhouseError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -43,9 +43,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from transformers import get_scheduler
 
 from accelerate_recipes import (
+    BestModel,
     Checkpoints,
     RecipeError,
-    BestModel,
     RunState,
     StepMeter,
     TrainingFlags,
@@ -59,6 +59,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     print_summary,
     run,
+    run_config,
     run_facts,
     setup_tracker,
     write_results,
@@ -68,8 +69,16 @@ from accelerate_recipes.seeding import SeededAugmentation
 
 DATASETS = ("cifar10", "cifar100", "synthetic", "imagefolder")
 CIFAR = {  # torchvision class, folder it extracts to, archive to place by hand when offline
-    "cifar10": (torchvision.datasets.CIFAR10, "cifar-10-batches-py", "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"),
-    "cifar100": (torchvision.datasets.CIFAR100, "cifar-100-python", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"),
+    "cifar10": (
+        torchvision.datasets.CIFAR10,
+        "cifar-10-batches-py",
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    ),
+    "cifar100": (
+        torchvision.datasets.CIFAR100,
+        "cifar-100-python",
+        "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    ),
 }
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10 training-set statistics
 MODELS = ("resnet18", "resnet34", "resnet50")
@@ -86,8 +95,18 @@ PRESETS = {
     # warmup over the first 20% of steps then linear decay to 0, flip + 4-pixel translate + 12-pixel cutout, no label
     # smoothing, flip test-time augmentation; its notes give 94.0% mean accuracy, 51 s on one A100). Batch 512 here, so
     # it divides over 1, 2, 4, 8 and 16 processes.
-    "fast94": dict(epochs=26, batch_size=512, lr=0.2, momentum=0.9, weight_decay=5e-4, warmup_ratio=0.2,
-                   schedule="linear", label_smoothing=0.0, cutout=12, tta_flip=True),
+    "fast94": dict(
+        epochs=26,
+        batch_size=512,
+        lr=0.2,
+        momentum=0.9,
+        weight_decay=5e-4,
+        warmup_ratio=0.2,
+        schedule="linear",
+        label_smoothing=0.0,
+        cutout=12,
+        tta_flip=True,
+    ),
 }
 
 
@@ -194,12 +213,18 @@ class ArrayImages(Dataset):
 def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify: bool):
     """CIFAR-10/100 through torchvision: downloaded when online, else read from `root`."""
     dataset_cls, folder, url = CIFAR[name]
-    if not verify:  # a copy you re-packed or subsetted yourself: same files, other checksums (torchvision skips md5=None)
-        dataset_cls = type(dataset_cls.__name__, (dataset_cls,), {
-            "train_list": [[file, None] for file, _ in dataset_cls.train_list],
-            "test_list": [[file, None] for file, _ in dataset_cls.test_list],
-            "meta": {**dataset_cls.meta, "md5": None},
-        })
+    if (
+        not verify
+    ):  # a copy you re-packed or subsetted yourself: same files, other checksums (torchvision skips md5=None)
+        dataset_cls = type(
+            dataset_cls.__name__,
+            (dataset_cls,),
+            {
+                "train_list": [[file, None] for file, _ in dataset_cls.train_list],
+                "test_list": [[file, None] for file, _ in dataset_cls.test_list],
+                "meta": {**dataset_cls.meta, "md5": None},
+            },
+        )
     previous_timeout = socket.getdefaulttimeout()
     socket.setdefaulttimeout(60)  # an unreachable mirror fails within a minute instead of hanging
     try:
@@ -224,7 +249,9 @@ def build_datasets(dataset, data_dir, synthetic_size, image_size, augment, downl
     size = image_size if dataset == "imagefolder" else 32
     normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
     resize = [transforms.Resize((size, size))] if dataset == "imagefolder" else []
-    augmentation = [transforms.RandomCrop(size, padding=size // 8), transforms.RandomHorizontalFlip()] if augment else []
+    augmentation = (
+        [transforms.RandomCrop(size, padding=size // 8), transforms.RandomHorizontalFlip()] if augment else []
+    )
     train_tf = transforms.Compose(resize + augmentation + normalize)
     test_tf = transforms.Compose(resize + normalize)
     root = Path(data_dir).expanduser()
@@ -249,7 +276,9 @@ def build_datasets(dataset, data_dir, synthetic_size, image_size, augment, downl
     train = torchvision.datasets.ImageFolder(str(root / "train"), transform=train_tf)
     test = torchvision.datasets.ImageFolder(str(root / "val"), transform=test_tf)
     if train.classes != test.classes:
-        raise RecipeError(f"class folders differ between {root / 'train'} and {root / 'val'}: {train.classes} vs {test.classes}")
+        raise RecipeError(
+            f"class folders differ between {root / 'train'} and {root / 'val'}: {train.classes} vs {test.classes}"
+        )
     return train, test, list(train.classes)
 
 
@@ -290,8 +319,9 @@ def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
     place = f"download {weights.url} and place it as {file.name} in {folder} (torch.hub.get_dir()/checkpoints)"
     if not file.is_file():
         if not download:
-            raise RecipeError(f"--pretrained needs {file.name} (torchvision's ImageNet {name}), not found in {folder}: "
-                              f"{place}")
+            raise RecipeError(
+                f"--pretrained needs {file.name} (torchvision's ImageNet {name}), not found in {folder}: {place}"
+            )
         previous_timeout = socket.getdefaulttimeout()
         socket.setdefaulttimeout(60)  # an unreachable server fails within a minute instead of hanging
         try:
@@ -309,8 +339,10 @@ def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
     expected = sha256_prefix(file.name)
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     if expected and not digest.startswith(expected):
-        say(f"warning: {file} is not torchvision's release (its SHA-256 does not start with {expected}); "
-            "using it as it is: delete it to download the release")
+        say(
+            f"warning: {file} is not torchvision's release (its SHA-256 does not start with {expected}); "
+            "using it as it is: delete it to download the release"
+        )
     return file
 
 
@@ -338,8 +370,10 @@ def build_model(name: str, num_classes: int, stem: str = "cifar", weights: Path 
         try:
             model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
         except Exception as err:  # a truncated or foreign file: unpickling or key/shape errors
-            raise RecipeError(f"{weights} is not torchvision's ImageNet {name} ({why(err)}); delete it and run again "
-                              f"to download it, or place the release from {IMAGENET_WEIGHTS[name].url} there") from None
+            raise RecipeError(
+                f"{weights} is not torchvision's ImageNet {name} ({why(err)}); delete it and run again "
+                f"to download it, or place the release from {IMAGENET_WEIGHTS[name].url} there"
+            ) from None
     model.fc = nn.Linear(model.fc.in_features, num_classes)  # the new task's classes replace ImageNet's 1000
     return model
 
@@ -366,15 +400,19 @@ def load_trained_model(model_dir: str) -> tuple[nn.Module, dict]:
     folder = Path(model_dir)
     missing = [name for name in (MODEL_CONFIG, "model.safetensors") if not (folder / name).is_file()]
     if missing:
-        raise RecipeError(f"--model {folder} is not the output of a finished cifar run (no {' or '.join(missing)} "
-                          "there); train first, or point --model at the --output_dir of a finished run")
+        raise RecipeError(
+            f"--model {folder} is not the output of a finished cifar run (no {' or '.join(missing)} "
+            "there); train first, or point --model at the --output_dir of a finished run"
+        )
     try:
         config = json.loads((folder / MODEL_CONFIG).read_text())
         net = build_model(config["model"], config["num_classes"], stem=config["stem"])
         net.load_state_dict(load_file(str(folder / "model.safetensors")))
     except (ValueError, KeyError, TypeError, RuntimeError, OSError) as err:
-        raise RecipeError(f"--model {folder}: {MODEL_CONFIG} and model.safetensors do not make a model ({why(err)}); "
-                          "point --model at the --output_dir of a finished run") from None
+        raise RecipeError(
+            f"--model {folder}: {MODEL_CONFIG} and model.safetensors do not make a model ({why(err)}); "
+            "point --model at the --output_dir of a finished run"
+        ) from None
     return net, config
 
 
@@ -429,8 +467,10 @@ def image_files(sources) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS)
             if not found:
-                raise RecipeError(f"--predict {path}: the folder holds no images ({', '.join(IMG_EXTENSIONS)}, "
-                                  "subfolders included); give image files or a folder of them")
+                raise RecipeError(
+                    f"--predict {path}: the folder holds no images ({', '.join(IMG_EXTENSIONS)}, "
+                    "subfolders included); give image files or a folder of them"
+                )
             files += found
         elif path.is_file():
             files.append(path)
@@ -444,8 +484,10 @@ def read_image(path: Path) -> Image.Image:
         with Image.open(path) as image:
             return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as err:  # PIL's UnidentifiedImageError is an OSError
-        raise RecipeError(f"--predict {path} cannot be read as an image ({why(err)}); give PNG, JPEG or another "
-                          "format PIL reads, or leave the file out") from None
+        raise RecipeError(
+            f"--predict {path} cannot be read as an image ({why(err)}); give PNG, JPEG or another "
+            "format PIL reads, or leave the file out"
+        ) from None
 
 
 @torch.no_grad()
@@ -458,10 +500,11 @@ def predict(args: CifarFlags) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device).eval()
     size = config["image_size"]  # the test-time preprocessing of the run that trained the model
-    preprocess = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor(),
-                                     transforms.Normalize(config["mean"], config["std"])])
+    preprocess = transforms.Compose(
+        [transforms.Resize((size, size)), transforms.ToTensor(), transforms.Normalize(config["mean"], config["std"])]
+    )
     for start in range(0, len(files), args.batch_size):
-        chunk = files[start:start + args.batch_size]
+        chunk = files[start : start + args.batch_size]
         images = torch.stack([preprocess(read_image(path)) for path in chunk]).to(device)
         scores, ids = model(images).float().softmax(dim=-1).max(dim=-1)
         for path, label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
@@ -479,8 +522,10 @@ def input_settings(args: CifarFlags) -> tuple[str, str, int, tuple, tuple]:
     """The model to train, its stem, and its inputs' size and normalisation (ImageNet's with --pretrained)."""
     model, stem = check_model_name(args.model or "resnet18"), "imagenet" if args.pretrained else "cifar"
     if args.pretrained and args.dataset != "imagefolder":
-        raise RecipeError(f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
-                          f"--dataset {args.dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained")
+        raise RecipeError(
+            f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
+            f"--dataset {args.dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained"
+        )
     imagenet = IMAGENET_WEIGHTS[model].transforms()  # the preprocessing the ImageNet weights expect
     mean, std = (tuple(imagenet.mean), tuple(imagenet.std)) if args.pretrained else (MEAN, STD)
     image_size = 32
@@ -494,13 +539,22 @@ def load_data(args: CifarFlags, accelerator, image_size: int, mean, std):
     read its copy."""
     with accelerator.local_main_process_first():
         train_set, test_set, classes = build_datasets(
-            args.dataset, args.data_dir, args.synthetic_size, image_size, args.augment,
-            download=args.download and accelerator.is_local_main_process, verify=args.verify_data, seed=args.seed,
-            mean=mean, std=std,
+            args.dataset,
+            args.data_dir,
+            args.synthetic_size,
+            image_size,
+            args.augment,
+            download=args.download and accelerator.is_local_main_process,
+            verify=args.verify_data,
+            seed=args.seed,
+            mean=mean,
+            std=std,
         )
     if args.dataset == "synthetic":
-        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
-                          "pipeline, not the model on real data.\n" + "!" * 100)
+        accelerator.print(
+            "!" * 100 + "\n!! SYNTHETIC DATA: generated images, not CIFAR. Accuracy here measures the "
+            "pipeline, not the model on real data.\n" + "!" * 100
+        )
     return train_set, test_set, classes
 
 
@@ -519,24 +573,47 @@ def build_loaders(args: CifarFlags, accelerator, train_set, test_set, per_proces
     train_loader = None
     if loader == "device":
         if any(array is None for array in arrays):
-            raise RecipeError(f"--loader device needs the images in memory; --dataset {args.dataset} reads files one "
-                              "by one: use --loader torch")
+            raise RecipeError(
+                f"--loader device needs the images in memory; --dataset {args.dataset} reads files one "
+                "by one: use --loader torch"
+            )
         # Each process reads its own share straight from device memory; nothing for prepare() to shard.
-        common = dict(device=accelerator.device, mean=mean, std=std, seed=args.seed,
-                      process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+        common = dict(
+            device=accelerator.device,
+            mean=mean,
+            std=std,
+            seed=args.seed,
+            process_index=accelerator.process_index,
+            num_processes=accelerator.num_processes,
+        )
         if train_set is not None:
-            train_loader = DeviceImageLoader(*arrays[0], per_process, train=True, pad=4 if args.augment else 0,
-                                             flip=args.augment, cutout=args.cutout, **common)
+            train_loader = DeviceImageLoader(
+                *arrays[0],
+                per_process,
+                train=True,
+                pad=4 if args.augment else 0,
+                flip=args.augment,
+                cutout=args.cutout,
+                **common,
+            )
         return train_set, train_loader, DeviceImageLoader(*arrays[-1], eval_batch, train=False, **common), loader
     if args.cutout:
         raise RecipeError("--cutout runs in the device loader only; use --loader device or drop --cutout")
-    loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+    loader_args = dict(
+        num_workers=num_workers, pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0
+    )
     if train_set is not None:
         # Augmentation seeded per (seed, epoch, image) and a shuffle generator of the loader's own: a resumed run then
         # sees the same batches, augmented the same way, as an uninterrupted one.
         train_set = SeededAugmentation(train_set, args.seed)
-        train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
-                                  generator=torch.Generator().manual_seed(args.seed), **loader_args)
+        train_loader = DataLoader(
+            train_set,
+            batch_size=per_process,
+            shuffle=True,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(args.seed),
+            **loader_args,
+        )
     return train_set, train_loader, DataLoader(test_set, batch_size=eval_batch, **loader_args), loader
 
 
@@ -553,8 +630,12 @@ def optimizer_for(args: CifarFlags, model: nn.Module, lr: float) -> torch.optim.
     """Nesterov SGD, with weight decay on conv and linear weights only (not on BatchNorm weights or biases)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    return torch.optim.SGD([{"params": decay, "weight_decay": args.weight_decay},
-                            {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=args.momentum, nesterov=True)
+    return torch.optim.SGD(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        momentum=args.momentum,
+        nesterov=True,
+    )
 
 
 def save_trained_model(accelerator, model, folder: Path, model_config: dict) -> None:
@@ -563,6 +644,68 @@ def save_trained_model(accelerator, model, folder: Path, model_config: dict) -> 
     accelerator.save_model(model_to_save(accelerator, model), folder)
     if accelerator.is_main_process:
         write_model_config(folder, model_config)
+
+
+def pretrained_weights(args: CifarFlags, accelerator, model_name: str) -> Path | None:
+    """torchvision's ImageNet weights file for --pretrained, else None: one process per node fetches it, the others
+    wait, then read that copy."""
+    if not args.pretrained:
+        return None
+    with accelerator.local_main_process_first():
+        download = args.download and accelerator.is_local_main_process
+        return imagenet_weights_file(model_name, download=download, say=accelerator.print)
+
+
+def describe_model(args: CifarFlags, model_name: str, stem: str, image_size: int, mean, std, classes) -> dict:
+    """What --predict and --eval_only rebuild a saved model from (model_config.json beside its weights)."""
+    return dict(
+        model=model_name,
+        stem=stem,
+        num_classes=len(classes),
+        classes=classes,
+        image_size=image_size,
+        mean=list(mean),
+        std=list(std),
+        dataset=args.dataset,
+        pretrained=args.pretrained,
+    )
+
+
+def epoch_line(state: RunState, num_epochs: int, seconds: float, samples_per_second: float) -> str:
+    """What each epoch's evaluation prints."""
+    evaluation = state.last_eval
+    return (
+        f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {evaluation['eval_accuracy']:.4f}, "
+        f"loss {evaluation['eval_loss']:.4f}, {seconds:.1f} s, {samples_per_second:.0f} samples/s"
+    )
+
+
+def print_run_summary(results: dict, output: Path, path: Path, tracking) -> None:
+    """The end of a training run: its summary table, where its files are, how to use the model."""
+    keys = [
+        "dataset",
+        "world_size",
+        "num_machines",
+        "mixed_precision",
+        "global_batch_size",
+        "loader",
+        "steps",
+        "epochs",
+        "eval_accuracy",
+        "best_metric",
+        "best_epoch",
+        "train_samples_per_second",
+        "median_step_seconds",
+        "peak_memory_mb",
+        "wall_seconds",
+    ]
+    print_summary(results, keys, title="cifar: summary")
+    print(
+        f"model, model_best/ (epoch {results['best_epoch']}), {MODEL_CONFIG} and {path.name} saved in {output}; "
+        f"classify images with: python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}"
+    )
+    if tracking.where():
+        print(tracking.where())
 
 
 # ---------------------------------------------------------------------------------------------------------- train
@@ -591,8 +734,9 @@ def train(args: CifarFlags) -> None:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
             dynamo_backend="inductor" if args.compile else None,  # prepare() then wraps the model in torch.compile
         )
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
-                               args.skip_nonfinite_steps, args.max_grad_norm)
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
     set_seed(args.seed)
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape: pick the fastest kernels once
     prepare_output_dir(output)
@@ -601,15 +745,12 @@ def train(args: CifarFlags) -> None:
 
     # ---- data
     train_set, test_set, classes = load_data(args, accelerator, image_size, mean, std)
-    train_set, train_loader, test_loader, loader = build_loaders(args, accelerator, train_set, test_set, per_process,
-                                                                 mean, std)
+    train_set, train_loader, test_loader, loader = build_loaders(
+        args, accelerator, train_set, test_set, per_process, mean, std
+    )
 
     # ---- model and optimizer
-    weights_file = None
-    if args.pretrained:  # one process per node fetches the file; the others wait, then read that copy
-        with accelerator.local_main_process_first():
-            weights_file = imagenet_weights_file(model_name, download=args.download and
-                                                 accelerator.is_local_main_process, say=accelerator.print)
+    weights_file = pretrained_weights(args, accelerator, model_name)
     model = ready_model(args, accelerator, build_model(model_name, len(classes), stem=stem, weights=weights_file))
     trainable = sum(p.numel() for p in model.parameters())  # their fp32 gradients are what DDP all-reduces
     optimizer = optimizer_for(args, model, lr)
@@ -619,8 +760,10 @@ def train(args: CifarFlags) -> None:
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)  # per process, after sharding
     if steps_per_epoch == 0:
-        raise RecipeError(f"the training set ({len(train_set)} images) is smaller than one global batch "
-                          f"({args.batch_size}); lower --batch_size or use more data")
+        raise RecipeError(
+            f"the training set ({len(train_set)} images) is smaller than one global batch "
+            f"({args.batch_size}); lower --batch_size or use more data"
+        )
     total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(args.warmup_ratio * total_steps)
@@ -628,21 +771,25 @@ def train(args: CifarFlags) -> None:
     scheduler = accelerator.prepare(get_scheduler(args.schedule, optimizer, warmup_steps, total_steps))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
-    config = dict(
-        recipe="cifar", dataset=args.dataset, model=model_name, pretrained=args.pretrained, image_size=image_size,
-        world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
-        per_process_batch_size=per_process, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        trainable_parameters=trainable, lr=lr, weight_decay=args.weight_decay, label_smoothing=args.label_smoothing,
-        max_grad_norm=args.max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
-        schedule=args.schedule, sync_bn=args.sync_bn, channels_last=args.channels_last, augment=args.augment,
-        cutout=args.cutout, tta_flip=args.tta_flip, loader=loader, compile=args.compile, preset=args.preset,
-        seed=args.seed, train_size=len(train_set), test_size=len(test_set),
-        distributed_type=accelerator.distributed_type.value, synthetic_data=args.dataset == "synthetic",
+    config = run_config(
+        "cifar",
+        args,
+        accelerator,
+        model=model_name,
+        image_size=image_size,
+        per_process_batch_size=per_process,
+        trainable_parameters=trainable,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        epochs=num_epochs,
+        loader=loader,
+        train_size=len(train_set),
+        test_size=len(test_set),
+        synthetic_data=args.dataset == "synthetic",
     )
     # saved beside each model (the last and model_best): what --predict and --eval_only rebuild it from
-    model_config = dict(model=model_name, stem=stem, num_classes=len(classes), classes=classes, image_size=image_size,
-                        mean=list(mean), std=list(std), dataset=args.dataset, pretrained=args.pretrained)
+    model_config = describe_model(args, model_name, stem, image_size, mean, std, classes)
 
     # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
     state = RunState(accelerator.device)
@@ -653,14 +800,23 @@ def train(args: CifarFlags) -> None:
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
     progress = TrainingProgress(
-        accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+        accelerator,
+        state,
+        output,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=len(train_loader),
+        global_batch_size=args.batch_size,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        skip_nonfinite=args.skip_nonfinite_steps,
+        resumed_from=resume_from,
+        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
-        """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
@@ -674,8 +830,11 @@ def train(args: CifarFlags) -> None:
             train_set.set_epoch(state.epoch)
         batches = train_loader
         if state.batches_done:  # skip what the interrupted run had trained on in this epoch
-            batches = (train_loader.skip_first_batches(state.batches_done) if loader == "device"
-                       else accelerator.skip_first_batches(train_loader, state.batches_done))
+            batches = (
+                train_loader.skip_first_batches(state.batches_done)
+                if loader == "device"
+                else accelerator.skip_first_batches(train_loader, state.batches_done)
+            )
         for images, labels in batches:
             state.batches_done += 1
             if args.channels_last:
@@ -709,10 +868,7 @@ def train(args: CifarFlags) -> None:
         if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
             plot_results(progress.metrics.path, output / "results.png")
             save_confusion_matrix(confusion, classes, output, draw=progress.finished)
-        accelerator.print(
-            f"epoch {state.epoch + 1}/{num_epochs}: eval accuracy {state.last_eval['eval_accuracy']:.4f}, "
-            f"loss {state.last_eval['eval_loss']:.4f}, {seconds:.1f} s, {progress.meter.samples_per_second:.0f} samples/s"
-        )
+        accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
     progress.close()
@@ -725,14 +881,7 @@ def train(args: CifarFlags) -> None:
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
-        print_summary(results, ["dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                                "loader", "steps", "epochs", "eval_accuracy", "best_metric", "best_epoch",
-                                "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
-                      title="cifar: summary")
-        print(f"model, model_best/ (epoch {results['best_epoch']}), {MODEL_CONFIG} and {path.name} saved in {output}; "
-              f"classify images with: python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
-        if tracking.where():
-            print(tracking.where())
+        print_run_summary(results, output, path, tracking)
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate
@@ -746,8 +895,10 @@ def evaluate_saved_model(args: CifarFlags) -> None:
     model, saved = load_trained_model(model_dir)
     image_size, mean, std = saved["image_size"], saved["mean"], saved["std"]  # what the model was trained with
     if args.dataset != "imagefolder" and image_size != 32:
-        raise RecipeError(f"--model {model_dir} takes {image_size} px images and --dataset {args.dataset} has 32 px "
-                          "ones: evaluate it on --dataset imagefolder")
+        raise RecipeError(
+            f"--model {model_dir} takes {image_size} px images and --dataset {args.dataset} has 32 px "
+            "ones: evaluate it on --dataset imagefolder"
+        )
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
@@ -759,32 +910,62 @@ def evaluate_saved_model(args: CifarFlags) -> None:
     prepare_output_dir(output)
     _, test_set, classes = load_data(args, accelerator, image_size, mean, std)
     if classes != saved["classes"]:
-        raise RecipeError(f"--model {model_dir} was trained on {len(saved['classes'])} classes ({short(saved['classes'])})"
-                          f" and --dataset {args.dataset} has {len(classes)} ({short(classes)}): evaluate it on data "
-                          "with the same classes")
+        raise RecipeError(
+            f"--model {model_dir} was trained on {len(saved['classes'])} classes ({short(saved['classes'])})"
+            f" and --dataset {args.dataset} has {len(classes)} ({short(classes)}): evaluate it on data "
+            "with the same classes"
+        )
     _, _, test_loader, loader = build_loaders(args, accelerator, None, test_set, per_process, mean, std)
     model, test_loader = accelerator.prepare(ready_model(args, accelerator, model), test_loader)
     evaluation, confusion = evaluate(model, test_loader, accelerator, len(classes), args.tta_flip)
-    accelerator.print(f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
-                      f"{evaluation['eval_samples']} test images")
+    accelerator.print(
+        f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
+        f"{evaluation['eval_samples']} test images"
+    )
     results = dict(
-        recipe="cifar", dataset=args.dataset, model=saved["model"], model_dir=str(model_dir), eval_only=True,
-        world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
-        per_process_batch_size=per_process, image_size=image_size, loader=loader, tta_flip=args.tta_flip,
-        test_size=len(test_set), distributed_type=accelerator.distributed_type.value,
-        synthetic_data=args.dataset == "synthetic", steps=0, epochs=0, wall_seconds=time.perf_counter() - started,
-        **evaluation, **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+        recipe="cifar",
+        dataset=args.dataset,
+        model=saved["model"],
+        model_dir=str(model_dir),
+        eval_only=True,
+        world_size=accelerator.num_processes,
+        num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision,
+        global_batch_size=args.batch_size,
+        per_process_batch_size=per_process,
+        image_size=image_size,
+        loader=loader,
+        tta_flip=args.tta_flip,
+        test_size=len(test_set),
+        distributed_type=accelerator.distributed_type.value,
+        synthetic_data=args.dataset == "synthetic",
+        steps=0,
+        epochs=0,
+        wall_seconds=time.perf_counter() - started,
+        **evaluation,
+        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
     )
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         save_confusion_matrix(confusion, classes, output, draw=True)
-        print_summary(results, ["dataset", "model", "world_size", "mixed_precision", "loader", "eval_accuracy",
-                                "eval_loss", "eval_samples", "wall_seconds"], title="cifar: evaluation")
+        print_summary(
+            results,
+            [
+                "dataset",
+                "model",
+                "world_size",
+                "mixed_precision",
+                "loader",
+                "eval_accuracy",
+                "eval_loss",
+                "eval_samples",
+                "wall_seconds",
+            ],
+            title="cifar: evaluation",
+        )
         print(f"{path.name} and the confusion matrix saved in {output}")
-
 
 
 # ----------------------------------------------------------------------------------------------------------- main
@@ -797,6 +978,7 @@ def main(args: CifarFlags) -> None:
     if args.eval_only:
         return evaluate_saved_model(args)
     return train(args)
+
 
 if __name__ == "__main__":
     run(main, presets=PRESETS)

@@ -47,7 +47,6 @@ def synthetic_images(num_images: int, num_classes: int = 10, seed: int = 0, size
     return images, labels.astype(np.int64)
 
 
-
 class DeviceImageLoader:
     """Batches of (images, labels) from a uint8 [N, H, W, C] array copied once to `device`.
 
@@ -64,8 +63,23 @@ class DeviceImageLoader:
     Yields float32 NCHW tensors in channels_last memory layout, normalised with `mean` and `std`.
     """
 
-    def __init__(self, images, labels, batch_size: int, device, *, train: bool, mean, std, seed: int = 0,
-                 process_index: int = 0, num_processes: int = 1, pad: int = 4, flip: bool = True, cutout: int = 0):
+    def __init__(
+        self,
+        images,
+        labels,
+        batch_size: int,
+        device,
+        *,
+        train: bool,
+        mean,
+        std,
+        seed: int = 0,
+        process_index: int = 0,
+        num_processes: int = 1,
+        pad: int = 4,
+        flip: bool = True,
+        cutout: int = 0,
+    ):
         images = torch.as_tensor(np.asarray(images))
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
             raise ValueError(f"images must be uint8 [N, H, W, C]; got {images.dtype} {tuple(images.shape)}")

@@ -60,6 +60,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     print_summary,
     run,
+    run_config,
     run_facts,
     setup_fsdp,
     setup_tracker,
@@ -105,7 +106,8 @@ class TextFlags(TrainingFlags):
         max_length: longest tokenised input; longer texts are truncated. Batches are padded to their longest example.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
-        cache_dir: cache of the `datasets` library (downloads and tokenised data); default ~/.cache/huggingface/datasets.
+        cache_dir: cache of the `datasets` library (downloads and tokenised data); default
+            ~/.cache/huggingface/datasets.
         model: the model to fine-tune: a Hugging Face Hub name or local directory of any checkpoint
             AutoModelForSequenceClassification loads (default google-bert/bert-base-cased). For --eval_only and
             --predict, the fine-tuned model: the output_dir of a finished run or its model_best/ (default
@@ -150,8 +152,9 @@ def load_file(path: str, split: str, cache_dir: str | None, flag: str | None = N
         raise RecipeError(f"{flag} {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file")
     builder, options = FILE_FORMATS[file.suffix.lower()]
     try:
-        return datasets.load_dataset(builder, data_files={split: str(file.resolve())}, split=split,
-                                     cache_dir=cache_dir, **options)
+        return datasets.load_dataset(
+            builder, data_files={split: str(file.resolve())}, split=split, cache_dir=cache_dir, **options
+        )
     except Exception as err:  # pyarrow / pandas parse errors of every kind
         reason = first_line(err)
         raise RecipeError(f"could not read {flag} {path} as {builder} ({reason}); check the file's format") from None
@@ -188,17 +191,24 @@ def load_text_data(task, train_file, validation_file, text_column, text_pair_col
     )
     for split, file in (("train", train_file), ("validation", validation_file)):
         columns = raw[split].column_names
-        for flag, column in (("text_column", text_column), ("text_pair_column", text_pair_column),
-                             ("label_column", label_column)):
+        for flag, column in (
+            ("text_column", text_column),
+            ("text_pair_column", text_pair_column),
+            ("label_column", label_column),
+        ):
             if column is not None and column not in columns:
                 raise RecipeError(f"{file} has no column {column!r} (--{flag}); its columns are {', '.join(columns)}")
     train_values = raw["train"].unique(label_column)
     if any(value is None or value != value for value in train_values):  # None, or NaN in a numeric column
-        raise RecipeError(f"{train_file}: some rows have no value in the label column {label_column!r}; fill or drop them")
+        raise RecipeError(
+            f"{train_file}: some rows have no value in the label column {label_column!r}; fill or drop them"
+        )
     label_values = sorted(train_values)
     if len(label_values) < 2:
-        raise RecipeError(f"{train_file}: the label column {label_column!r} has the single value {label_values[0]!r}; "
-                          "a classifier needs two or more labels")
+        raise RecipeError(
+            f"{train_file}: the label column {label_column!r} has the single value {label_values[0]!r}; "
+            "a classifier needs two or more labels"
+        )
     unseen = sorted(set(raw["validation"].unique(label_column)) - set(label_values), key=str)
     if unseen:
         raise RecipeError(
@@ -265,29 +275,43 @@ def load_data(accelerator, args: TextFlags, task: str | None, model_name: str) -
         transformers.logging.set_verbosity_error()
     with accelerator.local_main_process_first():
         raw, text_column, text_pair_column, label_column, label_values, extra_metric = load_text_data(
-            task, args.train_file, args.validation_file, args.text_column, args.text_pair_column, args.label_column,
+            task,
+            args.train_file,
+            args.validation_file,
+            args.text_column,
+            args.text_pair_column,
+            args.label_column,
             args.cache_dir,
         )
         tokenizer = load_tokenizer(model_name)
         label_ids = None if task else {value: i for i, value in enumerate(label_values)}
-        tokenized = tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids,
-                                      args.max_length)
+        tokenized = tokenize_datasets(
+            raw, tokenizer, text_column, text_pair_column, label_column, label_ids, args.max_length
+        )
     return TextData(raw, tokenized, tokenizer, [str(value) for value in label_values], extra_metric)
 
 
 def data_loaders(accelerator, args: TextFlags, data: TextData, per_process: int) -> tuple[DataLoader, DataLoader]:
     """The training loader (shuffled, whole batches only) and the validation loader, before accelerator.prepare."""
     # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
-    collator = DataCollatorWithPadding(data.tokenizer,
-                                       pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None)
+    collator = DataCollatorWithPadding(
+        data.tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
+    )
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
     loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
     # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
     # which checkpoints restore.
-    train_loader = DataLoader(data.tokenized["train"], batch_size=per_process, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(args.seed), **loader_args)
-    eval_loader = DataLoader(data.tokenized["validation"], batch_size=per_process * args.gradient_accumulation_steps,
-                             **loader_args)
+    train_loader = DataLoader(
+        data.tokenized["train"],
+        batch_size=per_process,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+        **loader_args,
+    )
+    eval_loader = DataLoader(
+        data.tokenized["validation"], batch_size=per_process * args.gradient_accumulation_steps, **loader_args
+    )
     return train_loader, eval_loader
 
 
@@ -314,8 +338,11 @@ def load_model(name: str, label_names: list[str], task: str | None):
     """Sequence-classification model from a Hub name or a local directory, with the label mapping."""
     with explain_load_failure(name):
         config = AutoConfig.from_pretrained(
-            name, num_labels=len(label_names), finetuning_task=task,
-            id2label=dict(enumerate(label_names)), label2id={label: i for i, label in enumerate(label_names)},
+            name,
+            num_labels=len(label_names),
+            finetuning_task=task,
+            id2label=dict(enumerate(label_names)),
+            label2id={label: i for i, label in enumerate(label_names)},
         )
         # A checkpoint already fine-tuned on another label set gets a fresh classifier of the right size.
         return AutoModelForSequenceClassification.from_pretrained(
@@ -331,6 +358,7 @@ def always_build_attention_masks() -> None:
     given, the mask is now always built: a padded batch gets the very mask it got before, an unpadded one an all-true
     mask (the same attention). Models that build their masks another way (DeBERTa, say) keep doing so.
     """
+
     def without_padding_check(stock):
         def build_mask(*args, attention_mask=None, **kwargs):
             if attention_mask is not None:
@@ -372,8 +400,11 @@ def evaluate(model, loader, accelerator, extra_metric: str | None, num_labels: i
         loss_sum += losses.sum().item()
     model.train()
     preds, labels = torch.cat(predictions), torch.cat(references)
-    result = {"eval_accuracy": (preds == labels).float().mean().item(), "eval_loss": loss_sum / len(labels),
-              "eval_samples": len(labels)}
+    result = {
+        "eval_accuracy": (preds == labels).float().mean().item(),
+        "eval_loss": loss_sum / len(labels),
+        "eval_samples": len(labels),
+    }
     if extra_metric == "matthews_correlation":  # CoLA
         result["eval_matthews_correlation"] = binary_matthews_corrcoef(preds, labels).item()
     elif extra_metric == "binary_f1":  # MRPC, QQP: F1 of the positive class, as GLUE reports it
@@ -385,7 +416,8 @@ def evaluate(model, loader, accelerator, extra_metric: str | None, num_labels: i
 
 # -------------------------------------------------------------------------------------------------------- predict
 def read_texts(source, text_column: str, text_pair_column: str | None) -> list[tuple[str, str | None]]:
-    """Texts to classify: a .txt file (one per line), a .csv/.tsv/.json/.jsonl file (its text column), or the text itself."""
+    """Texts to classify: a .txt file (one per line), a .csv/.tsv/.json/.jsonl file (its text column), or the text
+    itself."""
     items = source if isinstance(source, (list, tuple)) else [source]
     texts = []
     for item in map(str, items):
@@ -394,8 +426,10 @@ def read_texts(source, text_column: str, text_pair_column: str | None) -> list[t
             data = load_file(str(path), "predict", cache_dir=None, flag="--predict")
             for column in filter(None, (text_column, text_pair_column)):
                 if column not in data.column_names:
-                    raise RecipeError(f"{path} has no column {column!r} to classify; its columns are "
-                                      f"{', '.join(data.column_names)} (set --text_column)")
+                    raise RecipeError(
+                        f"{path} has no column {column!r} to classify; its columns are "
+                        f"{', '.join(data.column_names)} (set --text_column)"
+                    )
             pairs = data[text_pair_column] if text_pair_column else [None] * len(data)
             texts += list(zip(data[text_column], pairs))
         elif path.suffix.lower() == ".txt" and path.is_file():
@@ -407,17 +441,20 @@ def read_texts(source, text_column: str, text_pair_column: str | None) -> list[t
 
 def check_fine_tuned(model_dir: str) -> None:
     if not (Path(model_dir) / "config.json").is_file():
-        raise RecipeError(f"--model {model_dir} is not a fine-tuned model directory (no config.json); train first "
-                          "or point --model at the output_dir of a finished run")
+        raise RecipeError(
+            f"--model {model_dir} is not a fine-tuned model directory (no config.json); train first "
+            "or point --model at the output_dir of a finished run"
+        )
 
 
 def check_labels(model_dir: str, label_names: list[str]) -> None:
     """--eval_only: the data's labels, in id order, must be the ones the model was fine-tuned on."""
     trained = [str(name) for _, name in sorted(AutoConfig.from_pretrained(model_dir).id2label.items())]
     if trained != label_names:
-        raise RecipeError(f"--model {model_dir} was fine-tuned on the labels {trained[:10]} and the data has "
-                          f"{label_names[:10]}; evaluate it with the data flags of its training run")
-
+        raise RecipeError(
+            f"--model {model_dir} was fine-tuned on the labels {trained[:10]} and the data has "
+            f"{label_names[:10]}; evaluate it with the data flags of its training run"
+        )
 
 
 def predict(args: TextFlags) -> None:
@@ -431,16 +468,21 @@ def predict(args: TextFlags) -> None:
     texts = read_texts(args.predict, args.text_column, args.text_pair_column)
     with torch.no_grad():  # inference only: no graph kept for a backward pass
         for start in range(0, len(texts), args.batch_size):
-            chunk = texts[start:start + args.batch_size]
+            chunk = texts[start : start + args.batch_size]
             firsts = [t for t, _ in chunk]
             seconds = [p for _, p in chunk] if args.text_pair_column else None
-            inputs = tokenizer(firsts, seconds, truncation=True, max_length=args.max_length, padding=True,
-                               return_tensors="pt")
+            inputs = tokenizer(
+                firsts, seconds, truncation=True, max_length=args.max_length, padding=True, return_tensors="pt"
+            )
             probabilities = model(**inputs.to(device)).logits.float().softmax(dim=-1)
             scores, ids = probabilities.max(dim=-1)
             for (text, pair), label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
-                row = {"text": text, **({"text_pair": pair} if pair is not None else {}),
-                       "label": model.config.id2label[label_id], "score": round(score, 4)}
+                row = {
+                    "text": text,
+                    **({"text_pair": pair} if pair is not None else {}),
+                    "label": model.config.id2label[label_id],
+                    "score": round(score, 4),
+                }
                 print(json.dumps(row, ensure_ascii=False))
 
 
@@ -463,14 +505,34 @@ def warn_if_too_short(accelerator, args: TextFlags, total_steps: int, train_size
 def print_run_summary(results: dict, path: Path, tracking) -> None:
     """After training, on the main process: the summary table, what was saved where, and how to use it."""
     output = path.parent
-    print_summary(results, ["dataset", "model", "world_size", "num_machines", "mixed_precision", "global_batch_size",
-                            "steps", "epochs", "eval_accuracy", "eval_f1", "eval_matthews_correlation",
-                            "best_metric", "best_epoch",
-                            "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"],
-                  title="text classification: summary")
-    print(f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
-          f"classify with: python {os.path.relpath(__file__)} --predict 'some text' --model {output} "
-          f"(or --model {output / 'model_best'})")
+    print_summary(
+        results,
+        [
+            "dataset",
+            "model",
+            "world_size",
+            "num_machines",
+            "mixed_precision",
+            "global_batch_size",
+            "steps",
+            "epochs",
+            "eval_accuracy",
+            "eval_f1",
+            "eval_matthews_correlation",
+            "best_metric",
+            "best_epoch",
+            "train_samples_per_second",
+            "median_step_seconds",
+            "peak_memory_mb",
+            "wall_seconds",
+        ],
+        title="text classification: summary",
+    )
+    print(
+        f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
+        f"classify with: python {os.path.relpath(__file__)} --predict 'some text' --model {output} "
+        f"(or --model {output / 'model_best'})"
+    )
     where = tracking.where()
     if where:
         print(where)
@@ -501,9 +563,10 @@ def train(args: TextFlags) -> None:
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
-                               args.skip_nonfinite_steps, args.max_grad_norm)
-    world, machines = accelerator.num_processes, num_machines(accelerator.num_processes)
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
+    world = accelerator.num_processes
     set_seed(args.seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
@@ -548,14 +611,20 @@ def train(args: TextFlags) -> None:
     # (DeepSpeed ZeRO-3 regroups its parameters).
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
-    config = dict(
-        recipe="text_classification", dataset=dataset_name(args), model=model_name, world_size=world,
-        num_machines=machines, mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
-        per_process_batch_size=per_process, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        trainable_parameters=trainable, lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs, max_length=args.max_length,
-        num_labels=len(data.label_names), seed=args.seed, train_size=len(data.raw["train"]),
-        validation_size=len(data.raw["validation"]), distributed_type=accelerator.distributed_type.value,
+    config = run_config(
+        "text_classification",
+        args,
+        accelerator,
+        dataset=dataset_name(args),
+        model=model_name,
+        per_process_batch_size=per_process,
+        trainable_parameters=trainable,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        epochs=num_epochs,
+        num_labels=len(data.label_names),
+        train_size=len(data.raw["train"]),
+        validation_size=len(data.raw["validation"]),
         transformers_version=transformers.__version__,
     )
 
@@ -568,14 +637,23 @@ def train(args: TextFlags) -> None:
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
     progress = TrainingProgress(
-        accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+        accelerator,
+        state,
+        output,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=len(train_loader),
+        global_batch_size=args.batch_size,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        skip_nonfinite=args.skip_nonfinite_steps,
+        resumed_from=resume_from,
+        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
-        """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
@@ -586,7 +664,9 @@ def train(args: TextFlags) -> None:
         model.train()
         train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         # Skip what the interrupted run had trained on in this epoch.
-        batches = accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
+        batches = (
+            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
+        )
         for batch in batches:
             state.batches_done += 1
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
@@ -617,8 +697,10 @@ def train(args: TextFlags) -> None:
                 save_model(accelerator, model, data.tokenizer, folder)
         if accelerator.is_main_process:
             plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
-                          f"{progress.meter.samples_per_second:.1f} samples/s")
+        accelerator.print(
+            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
+            f"{progress.meter.samples_per_second:.1f} samples/s"
+        )
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()
     progress.close()
@@ -651,8 +733,9 @@ def evaluate_saved_model(args: TextFlags) -> None:
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
-                               args.skip_nonfinite_steps, args.max_grad_norm)
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
     set_seed(args.seed)
     prepare_output_dir(output)
 
@@ -664,11 +747,21 @@ def evaluate_saved_model(args: TextFlags) -> None:
     evaluation = evaluate(model, eval_loader, accelerator, data.extra_metric, len(data.label_names))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation examples")
 
-    results = dict(recipe="text_classification", dataset=dataset_name(args), model=model_dir, eval_only=True,
-                   world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
-                   mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
-                   validation_size=len(data.raw["validation"]), steps=0, wall_seconds=time.perf_counter() - started,
-                   **evaluation, **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0))
+    results = dict(
+        recipe="text_classification",
+        dataset=dataset_name(args),
+        model=model_dir,
+        eval_only=True,
+        world_size=accelerator.num_processes,
+        num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision,
+        global_batch_size=args.batch_size,
+        validation_size=len(data.raw["validation"]),
+        steps=0,
+        wall_seconds=time.perf_counter() - started,
+        **evaluation,
+        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:

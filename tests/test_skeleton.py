@@ -59,13 +59,22 @@ accelerator.load_state(resume_from)
 accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
 best = BestModel(accelerator, state, output, METRIC, patience=args.early_stopping_patience)
 progress = TrainingProgress(
-accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
-checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+accelerator,
+state,
+output,
+total_steps=total_steps,
+steps_per_epoch=steps_per_epoch,
+batches_per_epoch=len(train_loader),
+global_batch_size=args.batch_size,
+log_every=args.log_every,
+checkpoint_every=args.checkpoint_every,
+skip_nonfinite=args.skip_nonfinite_steps,
+resumed_from=resume_from,
+best=best,
 )
 guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 def save_checkpoint() -> None:
-"""Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+"""All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
 with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
 accelerator.save_state(path)
 guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
@@ -171,8 +180,14 @@ def code_lines(source: str) -> int:
             doc_lines.update(range(doc.lineno, doc.end_lineno + 1))
     code = set()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                              tokenize.ENDMARKER):
+        if token.type not in (
+            tokenize.COMMENT,
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
             code.update(line for line in range(token.start[0], token.end[0] + 1) if line not in doc_lines)
     return len(code)
 
@@ -183,7 +198,8 @@ def test_the_training_function_holds_the_shared_skeleton(recipe):
     assert not missing_in_order(lines_of(SKELETON), actual), (
         f"{recipe}'s train() departs from the skeleton every recipe shares; make the same change in all three "
         "recipes and in SKELETON, or keep the recipe's own lines outside it. Missing or out of order:\n"
-        + "\n".join(missing_in_order(lines_of(SKELETON), actual)))
+        + "\n".join(missing_in_order(lines_of(SKELETON), actual))
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -199,9 +215,13 @@ def flags_class(recipe: str) -> type:
     namespace: dict = {}
     tree = ast.parse(RECIPES[recipe].read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Flags"))
-    module = ast.Module(body=ast.parse("from dataclasses import dataclass, field\n"
-                                       "from accelerate_recipes.flags import TrainingFlags").body + [node],
-                        type_ignores=[])
+    module = ast.Module(
+        body=ast.parse(
+            "from dataclasses import dataclass, field\nfrom accelerate_recipes.flags import TrainingFlags"
+        ).body
+        + [node],
+        type_ignores=[],
+    )
     exec(compile(module, str(RECIPES[recipe]), "exec"), namespace)
     return namespace[node.name]
 

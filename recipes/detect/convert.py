@@ -62,17 +62,20 @@ def _place_image(source: Path, target: Path, link: bool) -> None:
 
 def _yolo_line(cls: int, box, width: float, height: float) -> str:
     x1, y1, x2, y2 = box
-    return (f"{cls} {(x1 + x2) / 2 / width:.6f} {(y1 + y2) / 2 / height:.6f} {(x2 - x1) / width:.6f} "
-            f"{(y2 - y1) / height:.6f}\n")
+    return (
+        f"{cls} {(x1 + x2) / 2 / width:.6f} {(y1 + y2) / 2 / height:.6f} {(x2 - x1) / width:.6f} "
+        f"{(y2 - y1) / height:.6f}\n"
+    )
 
 
 def _clip_box(box, width: float, height: float, where: str):
     """Clip a pixel box that leaves the image by at most PIXEL_TOLERANCE; further out is an error."""
     x1, y1, x2, y2 = box
-    if x1 < -PIXEL_TOLERANCE or y1 < -PIXEL_TOLERANCE or x2 > width + PIXEL_TOLERANCE or \
-            y2 > height + PIXEL_TOLERANCE:
-        raise RecipeError(f"{where}: box (x1 {x1:g}, y1 {y1:g}, x2 {x2:g}, y2 {y2:g}) extends past the "
-                          f"{width:g}x{height:g} image; fix the annotation or the image size")
+    if x1 < -PIXEL_TOLERANCE or y1 < -PIXEL_TOLERANCE or x2 > width + PIXEL_TOLERANCE or y2 > height + PIXEL_TOLERANCE:
+        raise RecipeError(
+            f"{where}: box (x1 {x1:g}, y1 {y1:g}, x2 {x2:g}, y2 {y2:g}) extends past the "
+            f"{width:g}x{height:g} image; fix the annotation or the image size"
+        )
     return max(x1, 0.0), max(y1, 0.0), min(x2, float(width)), min(y2, float(height))
 
 
@@ -119,18 +122,23 @@ def _report(out: Path, split: str, images: int, boxes: int, empty: int, skipped:
 # ------------------------------------------------------------------------------------------------------------- COCO
 def _load_json(path: Path) -> dict:
     if not path.is_file():
-        raise RecipeError(f"annotations file {path} not found; pass --annotations the COCO instances JSON (e.g. "
-                          "annotations/instances_val2017.json)")
+        raise RecipeError(
+            f"annotations file {path} not found; pass --annotations the COCO instances JSON (e.g. "
+            "annotations/instances_val2017.json)"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise RecipeError(f"{path} line {err.lineno}: not valid JSON ({err.msg}); re-download or fix the "
-                          "file") from None
+        raise RecipeError(
+            f"{path} line {err.lineno}: not valid JSON ({err.msg}); re-download or fix the file"
+        ) from None
     except UnicodeDecodeError as err:
         raise RecipeError(f"{path}: not a text (JSON) file ({err}); pass the COCO instances JSON") from None
     if not isinstance(data, dict) or not all(key in data for key in ("images", "annotations", "categories")):
-        raise RecipeError(f"{path}: not a COCO detection file (needs images, annotations and categories); pass "
-                          "the instances_*.json, not captions or keypoints")
+        raise RecipeError(
+            f"{path}: not a COCO detection file (needs images, annotations and categories); pass "
+            "the instances_*.json, not captions or keypoints"
+        )
     return data
 
 
@@ -149,8 +157,10 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
     annotations_file, image_dir, out_dir = Path(annotations), Path(images), Path(out)
     data = _load_json(annotations_file)
     if not image_dir.is_dir():
-        raise RecipeError(f"image folder {image_dir} not found; pass --images the folder of the JSON's file_name "
-                          "entries (e.g. val2017)")
+        raise RecipeError(
+            f"image folder {image_dir} not found; pass --images the folder of the JSON's file_name "
+            "entries (e.g. val2017)"
+        )
     try:
         categories = sorted(data["categories"], key=lambda c: int(c["id"]))
         category_names = {int(c["id"]): str(c["name"]) for c in categories}
@@ -164,16 +174,20 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
     entries = {}
     for entry in data["images"]:
         try:
-            entries[entry["id"]] = dict(file=str(entry["file_name"]), width=entry.get("width"),
-                                        height=entry.get("height"), lines=[])
+            entries[entry["id"]] = dict(
+                file=str(entry["file_name"]), width=entry.get("width"), height=entry.get("height"), lines=[]
+            )
         except (KeyError, TypeError):
-            raise RecipeError(f"{annotations_file}: an image entry lacks id or file_name "
-                              f"({str(entry)[:120]})") from None
+            raise RecipeError(
+                f"{annotations_file}: an image entry lacks id or file_name ({str(entry)[:120]})"
+            ) from None
     for entry in entries.values():
         source = image_dir / entry["file"]
         if not source.is_file():
-            raise RecipeError(f"image {source} (file_name {entry['file']!r} in {annotations_file}) not found; pass "
-                              "--images the folder that holds the JSON's images")
+            raise RecipeError(
+                f"image {source} (file_name {entry['file']!r} in {annotations_file}) not found; pass "
+                "--images the folder that holds the JSON's images"
+            )
         if not entry["width"] or not entry["height"]:  # optional in some exports: read it from the file
             with Image.open(source) as image:
                 entry["width"], entry["height"] = image.size
@@ -188,16 +202,16 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
         if ann.get("image_id") not in entries:
             raise RecipeError(f"{where}: image_id {ann.get('image_id')} is not in `images`; fix the annotation")
         if ann.get("category_id") not in class_of:
-            raise RecipeError(f"{where}: category_id {ann.get('category_id')} is not in `categories` (ids "
-                              f"{', '.join(map(str, sorted(class_of)))}); fix the annotation or add the category")
+            raise RecipeError(
+                f"{where}: category_id {ann.get('category_id')} is not in `categories` (ids "
+                f"{', '.join(map(str, sorted(class_of)))}); fix the annotation or add the category"
+            )
         entry = entries[ann["image_id"]]
         try:
             x, y, w, h = (float(v) for v in ann["bbox"])
         except (KeyError, TypeError, ValueError):
-            raise RecipeError(f"{where}: bbox must be [x, y, width, height] numbers; got "
-                              f"{ann.get('bbox')!r}") from None
-        box = _clip_box((x, y, x + w, y + h), entry["width"], entry["height"],
-                        f"{where} (image {entry['file']})")
+            raise RecipeError(f"{where}: bbox must be [x, y, width, height] numbers; got {ann.get('bbox')!r}") from None
+        box = _clip_box((x, y, x + w, y + h), entry["width"], entry["height"], f"{where} (image {entry['file']})")
         if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
             zero += 1
             continue
@@ -210,10 +224,18 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
         label.parent.mkdir(parents=True, exist_ok=True)
         label.write_text("".join(entry["lines"]))
     data_yaml = _write_data_yaml(out_dir, split, names)
-    skipped = "".join(f", {n} {what} skipped" for n, what in ((crowd, "crowd annotations"), (zero, "zero-size boxes"))
-                      if n)
-    _report(out_dir, split, len(entries), sum(len(e["lines"]) for e in entries.values()),
-            sum(not e["lines"] for e in entries.values()), skipped, data_yaml)
+    skipped = "".join(
+        f", {n} {what} skipped" for n, what in ((crowd, "crowd annotations"), (zero, "zero-size boxes")) if n
+    )
+    _report(
+        out_dir,
+        split,
+        len(entries),
+        sum(len(e["lines"]) for e in entries.values()),
+        sum(not e["lines"] for e in entries.values()),
+        skipped,
+        data_yaml,
+    )
     return data_yaml
 
 
@@ -237,8 +259,7 @@ def _parse_voc(xml_file: Path, image_dir: Path) -> dict:
     try:
         tree = ElementTree.parse(xml_file)
     except ElementTree.ParseError as err:
-        raise RecipeError(f"{xml_file} line {err.position[0]}: not valid XML ({err}); fix or remove the "
-                          "file") from None
+        raise RecipeError(f"{xml_file} line {err.position[0]}: not valid XML ({err}); fix or remove the file") from None
     root = tree.getroot()
     name = (root.findtext("filename") or "").strip()
     image = image_dir / name if name else None
@@ -246,8 +267,10 @@ def _parse_voc(xml_file: Path, image_dir: Path) -> dict:
         found = [image_dir / f"{xml_file.stem}{s}" for s in (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")]
         image = next((p for p in found if p.is_file()), None)
         if image is None:
-            raise RecipeError(f"{xml_file}: its image {name or xml_file.stem + '.jpg'} is not in {image_dir}; "
-                              "restore the image or remove the annotation")
+            raise RecipeError(
+                f"{xml_file}: its image {name or xml_file.stem + '.jpg'} is not in {image_dir}; "
+                "restore the image or remove the annotation"
+            )
     size = root.find("size")
     width = _number(size, "width", f"{xml_file} <size>") if size is not None else 0
     height = _number(size, "height", f"{xml_file} <size>") if size is not None else 0
@@ -262,8 +285,12 @@ def _parse_voc(xml_file: Path, image_dir: Path) -> dict:
         if box is None:
             raise RecipeError(f"{where} ({label}): <bndbox> is missing; fix the annotation")
         # VOC pixels are numbered from 1 and xmax, ymax are included: 0-based edges are xmin - 1 .. xmax
-        corners = (_number(box, "xmin", where) - 1, _number(box, "ymin", where) - 1, _number(box, "xmax", where),
-                   _number(box, "ymax", where))
+        corners = (
+            _number(box, "xmin", where) - 1,
+            _number(box, "ymin", where) - 1,
+            _number(box, "xmax", where),
+            _number(box, "ymax", where),
+        )
         objects.append((label, _clip_box(corners, width, height, f"{where} ({label})")))
     return dict(image=image, width=width, height=height, objects=objects)
 
@@ -285,20 +312,25 @@ def voc_to_yolo(root: str, out: str, split: str = "train", image_set: str | None
     annotation_dir, image_dir = voc / "Annotations", voc / "JPEGImages"
     for folder in (annotation_dir, image_dir):
         if not folder.is_dir():
-            raise RecipeError(f"{folder} not found; --root must be a Pascal VOC folder with Annotations/ and "
-                              "JPEGImages/ (e.g. VOCdevkit/VOC2012)")
+            raise RecipeError(
+                f"{folder} not found; --root must be a Pascal VOC folder with Annotations/ and "
+                "JPEGImages/ (e.g. VOCdevkit/VOC2012)"
+            )
     if image_set:
         list_file = voc / "ImageSets" / "Main" / f"{image_set}.txt"
         if not list_file.is_file():
             present = sorted(p.stem for p in list_file.parent.glob("*.txt") if "_" not in p.stem)
-            raise RecipeError(f"{list_file} not found; choose --image_set among: {', '.join(present) or 'none'}, or "
-                              "leave it out to convert every annotation")
+            raise RecipeError(
+                f"{list_file} not found; choose --image_set among: {', '.join(present) or 'none'}, or "
+                "leave it out to convert every annotation"
+            )
         ids = [line.split()[0] for line in list_file.read_text().splitlines() if line.strip()]
         xml_files = [annotation_dir / f"{i}.xml" for i in ids]
         for number, xml_file in enumerate(xml_files, start=1):
             if not xml_file.is_file():
-                raise RecipeError(f"{list_file} line {number}: {xml_file} not found; fix the list or restore the "
-                                  "annotation")
+                raise RecipeError(
+                    f"{list_file} line {number}: {xml_file} not found; fix the list or restore the annotation"
+                )
     else:
         xml_files = sorted(annotation_dir.glob("*.xml"))
     if not xml_files:

@@ -15,8 +15,7 @@ from accelerate_recipes import RecipeError
 
 MODEL_CONFIG = "detector.json"  # written by train.py next to model.safetensors: what rebuilds the model
 # One colour per class (cycling), each dark enough for white captions on it.
-PALETTE = ["#e6194b", "#0b6ee0", "#d35400", "#8e24aa", "#00897b", "#c0a000", "#3f51b5", "#2e7d32", "#ad1457",
-           "#5d4037"]
+PALETTE = ["#e6194b", "#0b6ee0", "#d35400", "#8e24aa", "#00897b", "#c0a000", "#3f51b5", "#2e7d32", "#ad1457", "#5d4037"]
 
 
 def read_model_config(model_dir: Path) -> dict:
@@ -25,8 +24,10 @@ def read_model_config(model_dir: Path) -> dict:
     config_file, weights = model_dir / MODEL_CONFIG, model_dir / "model.safetensors"
     for needed in (config_file, weights):
         if not needed.is_file():
-            raise RecipeError(f"{needed} not found; --model must be the output directory of a finished "
-                              "recipes/detect/train.py run (or its model_best/)")
+            raise RecipeError(
+                f"{needed} not found; --model must be the output directory of a finished "
+                "recipes/detect/train.py run (or its model_best/)"
+            )
     return json.loads(config_file.read_text())
 
 
@@ -40,12 +41,15 @@ def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
         model.load_state_dict(load_file(str(file)))
     except RuntimeError as err:
         first = str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise RecipeError(f"{flag} {file} does not fit this model ({first}); use the same --size and a data.yaml "
-                          "with the same number of classes as that run") from None
+        raise RecipeError(
+            f"{flag} {file} does not fit this model ({first}); use the same --size and a data.yaml "
+            "with the same number of classes as that run"
+        ) from None
 
 
-def build_model(size: str, num_classes: int, channels_last: bool, weights: str | Path | None = None,
-                flag: str = "--model") -> tuple[Detector, dict]:
+def build_model(
+    size: str, num_classes: int, channels_last: bool, weights: str | Path | None = None, flag: str = "--model"
+) -> tuple[Detector, dict]:
     """The detector of this size for this many classes, with the weights of an earlier run when given (`flag` names
     where they came from), in channels-last layout when asked; and its size figures (parameters, GFLOPs at 640, the
     size YOLO papers and model cards quote)."""
@@ -63,8 +67,14 @@ def upright_rgb(path) -> Image.Image:
     return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
 
 
-def draw_detections(image_path, boxes: torch.Tensor, labels: torch.Tensor, scores: torch.Tensor,
-                    names: list[str], fit: int | None = None) -> Image.Image:
+def draw_detections(
+    image_path,
+    boxes: torch.Tensor,
+    labels: torch.Tensor,
+    scores: torch.Tensor,
+    names: list[str],
+    fit: int | None = None,
+) -> Image.Image:
     """The image with one labelled box per detection (boxes in the image's own pixels); with `fit`, the image is first
     scaled to fit a fit x fit square, so the captions keep their size whatever the image's."""
     image = upright_rgb(image_path)
@@ -78,6 +88,7 @@ def draw_detections(image_path, boxes: torch.Tensor, labels: torch.Tensor, score
     colors = [PALETTE[int(c) % len(PALETTE)] for c in labels]
     tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1)
     # Captions in white on their box's colour: readable on any background.
-    drawn = draw_bounding_boxes(tensor, boxes.float(), labels=captions, colors=colors, width=2, fill_labels=True,
-                                label_colors="white")
+    drawn = draw_bounding_boxes(
+        tensor, boxes.float(), labels=captions, colors=colors, width=2, fill_labels=True, label_colors="white"
+    )
     return Image.fromarray(drawn.permute(1, 2, 0).numpy())

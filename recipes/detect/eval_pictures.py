@@ -19,8 +19,9 @@ MATCH_IOU = 0.45  # Ultralytics' confusion matrix: a prediction matches an objec
 MATCH_SCORE = 0.25  # ... and counts only with a score >= 0.25 (mAP uses every score)
 
 
-def detection_confusion_matrix(records: list, num_classes: int, iou_threshold: float = MATCH_IOU,
-                               score_threshold: float = MATCH_SCORE) -> torch.Tensor:
+def detection_confusion_matrix(
+    records: list, num_classes: int, iou_threshold: float = MATCH_IOU, score_threshold: float = MATCH_SCORE
+) -> torch.Tensor:
     """Counts [K + 1, K + 1]; rows: the true class, columns: the predicted class; index K is background.
 
     In each image, predictions scoring at least score_threshold are matched one-to-one to ground-truth boxes of any
@@ -62,23 +63,35 @@ def plot_pr_curve(pr: dict | None, names: list[str], png: Path) -> Path:
         recall, precision = pr["recall"], pr["precision"]
         many = len(valid) > 20  # beyond that a legend is unreadable: grey lines without names
         for k in valid:
-            ax.plot(recall, precision[:, k], linewidth=1, color="gray" if many else None, alpha=0.5 if many else 1,
-                    label=None if many else f"{names[pr['classes'][k]]} {precision[:, k].mean():.3f}")
+            ax.plot(
+                recall,
+                precision[:, k],
+                linewidth=1,
+                color="gray" if many else None,
+                alpha=0.5 if many else 1,
+                label=None if many else f"{names[pr['classes'][k]]} {precision[:, k].mean():.3f}",
+            )
         mean = precision[:, valid].mean(dim=1)
         ax.plot(recall, mean, linewidth=3, color="blue", label=f"all classes {mean.mean():.3f} mAP50")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     else:
         ax.text(0.5, 0.5, "no detections to evaluate", ha="center", va="center", color="gray")
-    ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="recall", ylabel="precision",
-           title="Precision-recall curve at IoU 0.5 (legend: AP50)")
+    ax.set(
+        xlim=(0, 1),
+        ylim=(0, 1.02),
+        xlabel="recall",
+        ylabel="precision",
+        title="Precision-recall curve at IoU 0.5 (legend: AP50)",
+    )
     ax.grid(alpha=0.3)
     figure.savefig(png, dpi=100)
     return png
 
 
 @picture
-def save_prediction_grid(records: list, names: list[str], png: Path, score_threshold: float = MATCH_SCORE,
-                         tile: int = 320) -> Path:
+def save_prediction_grid(
+    records: list, names: list[str], png: Path, score_threshold: float = MATCH_SCORE, tile: int = 320
+) -> Path:
     """The records' images with their predictions scoring at least score_threshold, each scaled into a tile x tile
     square before drawing (so captions stay readable), up to 4 to a row on a grey background."""
     columns = min(4, len(records))
@@ -86,8 +99,9 @@ def save_prediction_grid(records: list, names: list[str], png: Path, score_thres
     grid = Image.new("RGB", (columns * tile, rows * tile), (114, 114, 114))
     for i, record in enumerate(records):
         keep = record["scores"] >= score_threshold
-        image = draw_detections(record["path"], record["boxes"][keep], record["labels"][keep], record["scores"][keep],
-                                names, fit=tile)
+        image = draw_detections(
+            record["path"], record["boxes"][keep], record["labels"][keep], record["scores"][keep], names, fit=tile
+        )
         row, column = divmod(i, columns)
         grid.paste(image, (column * tile + (tile - image.width) // 2, row * tile + (tile - image.height) // 2))
     grid.save(png)
@@ -98,8 +112,12 @@ def save_eval_pictures(output: Path, pictures: dict, names: list[str]) -> None:
     """PR_curve.png, confusion_matrix.png / .csv and val_predictions.png in output, from what evaluate() returned."""
     plot_pr_curve(pictures["pr_curve"], names, output / "PR_curve.png")
     counts = pictures["confusion"]
-    save_confusion_matrix(counts, [*names, "background"], output,
-                          title=f"Confusion matrix (normalised per true class; score >= {MATCH_SCORE}, IoU >= {MATCH_IOU})"
-                                f"\n{int(counts[:-1].sum())} objects, {int(counts[-1].sum())} false positives")
+    save_confusion_matrix(
+        counts,
+        [*names, "background"],
+        output,
+        title=f"Confusion matrix (normalised per true class; score >= {MATCH_SCORE}, IoU >= {MATCH_IOU})"
+        f"\n{int(counts[:-1].sum())} objects, {int(counts[-1].sum())} false positives",
+    )
     if pictures["records"]:
         save_prediction_grid(pictures["records"], names, output / "val_predictions.png")

@@ -38,8 +38,10 @@ def list_images(sources) -> list[Path]:
         elif source.is_dir():
             found = sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
             if not found:
-                raise RecipeError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {source}; point --predict at an "
-                                  "image or a folder of images")
+                raise RecipeError(
+                    f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {source}; point --predict at an "
+                    "image or a folder of images"
+                )
             images += found
         else:
             raise RecipeError(f"--predict {source} does not exist; give an image file or a folder of images")
@@ -47,8 +49,15 @@ def list_images(sources) -> list[Path]:
 
 
 @torch.no_grad()
-def detect_images(model_dir: Path, sources, out: str | None = None, conf_threshold: float = 0.25,
-                  iou_threshold: float = 0.7, image_size: int | None = None, device: str | None = None) -> None:
+def detect_images(
+    model_dir: Path,
+    sources,
+    out: str | None = None,
+    conf_threshold: float = 0.25,
+    iou_threshold: float = 0.7,
+    image_size: int | None = None,
+    device: str | None = None,
+) -> None:
     """Detect objects in images (files or folders of them) with the model in `model_dir`: print one JSON line per
     image (image, detections), draw each image with its boxes into `out` (default <model_dir>/predictions) and write
     detections.json there. The progress bar and the closing count go to stderr."""
@@ -68,14 +77,28 @@ def detect_images(model_dir: Path, sources, out: str | None = None, conf_thresho
             raise RecipeError(f"cannot read image {path} ({err}); remove it or replace it with a valid image") from None
         boxed, ratio, pad = letterbox(original, size)
         batch = torch.from_numpy(np.ascontiguousarray(boxed)).permute(2, 0, 1)[None].to(device).float() / 255
-        found = postprocess(detector(batch), detector.strides, detector.reg_max, conf_threshold=conf_threshold,
-                            iou_threshold=iou_threshold)[0]
+        found = postprocess(
+            detector(batch),
+            detector.strides,
+            detector.reg_max,
+            conf_threshold=conf_threshold,
+            iou_threshold=iou_threshold,
+        )[0]
         boxes = scale_boxes_back(found["boxes"], ratio, pad, original.shape[:2]).cpu()
         scores, labels = found["scores"].cpu(), found["labels"].cpu()
         draw_detections(path, boxes, labels, scores, names).save(out_dir / f"{path.stem}.png")
-        entry = {"image": str(path), "detections": [
-            {"box": [round(v, 2) for v in box.tolist()], "score": round(float(s), 4), "class_id": int(c),
-             "class_name": names[int(c)]} for box, s, c in zip(boxes, scores, labels)]}
+        entry = {
+            "image": str(path),
+            "detections": [
+                {
+                    "box": [round(v, 2) for v in box.tolist()],
+                    "score": round(float(s), 4),
+                    "class_id": int(c),
+                    "class_name": names[int(c)],
+                }
+                for box, s, c in zip(boxes, scores, labels)
+            ],
+        }
         report.append(entry)
         print(json.dumps(entry), flush=True)
     (out_dir / "detections.json").write_text(json.dumps(report, indent=1))
@@ -84,5 +107,7 @@ def detect_images(model_dir: Path, sources, out: str | None = None, conf_thresho
 
 
 if __name__ == "__main__":
-    sys.exit("predict.py has no command line of its own; predict with: python recipes/detect/train.py --predict "
-             "IMAGE_OR_FOLDER --model OUTPUT_DIR")
+    sys.exit(
+        "predict.py has no command line of its own; predict with: python recipes/detect/train.py --predict "
+        "IMAGE_OR_FOLDER --model OUTPUT_DIR"
+    )

@@ -42,8 +42,7 @@ def _background(rng: np.random.Generator, width: int, height: int) -> np.ndarray
     if kind == 0:  # smooth noise: a coarse random grid, bilinearly upsampled
         cells = int(rng.integers(3, 8))
         coarse = rng.uniform(-35, 35, size=(cells, cells, 3)).astype(np.float32)
-        layers = [np.asarray(Image.fromarray(coarse[..., c]).resize((width, height), Image.BILINEAR))
-                  for c in range(3)]
+        layers = [np.asarray(Image.fromarray(coarse[..., c]).resize((width, height), Image.BILINEAR)) for c in range(3)]
         variation = np.stack(layers, axis=-1)
     else:
         ys = np.arange(height, dtype=np.float32)[:, None]
@@ -96,8 +95,10 @@ def _contrasting_colour(rng: np.random.Generator, under: np.ndarray) -> tuple:
     mean = under.mean(axis=0)
     for _ in range(50):
         colour = rng.integers(0, 256, size=3)
-        if np.linalg.norm(colour - mean) >= MIN_CONTRAST and \
-                np.linalg.norm(under - colour, axis=1).min() >= MIN_CONTRAST / 2:
+        if (
+            np.linalg.norm(colour - mean) >= MIN_CONTRAST
+            and np.linalg.norm(under - colour, axis=1).min() >= MIN_CONTRAST / 2
+        ):
             return tuple(int(c) for c in colour)
     return tuple(int(c) for c in np.where(mean > 127, 0, 255))  # the far corner of the colour cube
 
@@ -129,17 +130,18 @@ def synthetic_image(rng: np.random.Generator, image_size: int, num_classes: int,
             continue  # no room left for another shape
         mask = _shape_mask(SHAPES[cls], w, h)
         left, top, right, bottom = mask.getbbox()  # the drawn pixels, exclusive right/bottom: the tight box
-        colour = _contrasting_colour(rng, pixels[y1:y1 + h:3, x1:x1 + w:3].reshape(-1, 3))  # every 3rd: cheap
+        colour = _contrasting_colour(rng, pixels[y1 : y1 + h : 3, x1 : x1 + w : 3].reshape(-1, 3))  # every 3rd: cheap
         region = np.asarray(mask, dtype=bool)
-        pixels[y1:y1 + h, x1:x1 + w][region] = colour
+        pixels[y1 : y1 + h, x1 : x1 + w][region] = colour
         placed.append((x1, y1, x1 + w, y1 + h))
         objects.append((cls, x1 + left, y1 + top, x1 + right, y1 + bottom))
     image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
     return image, objects
 
 
-def _write_split(out: Path, split: str, count: int, image_size: int, num_classes: int, seed: int,
-                 background_fraction: float) -> None:
+def _write_split(
+    out: Path, split: str, count: int, image_size: int, num_classes: int, seed: int, background_fraction: float
+) -> None:
     images, labels = out / "images" / split, out / "labels" / split
     for folder, suffix in ((images, ".jpg"), (labels, ".txt")):
         folder.mkdir(parents=True, exist_ok=True)
@@ -147,25 +149,37 @@ def _write_split(out: Path, split: str, count: int, image_size: int, num_classes
             stale.unlink()
     split_id = {"train": 0, "val": 1}[split]
     # exactly round(count x fraction) background images, so the fraction holds for small sets too
-    backgrounds = set(np.random.default_rng([seed, split_id, 99]).permutation(count)[
-        : round(count * background_fraction)].tolist())
+    backgrounds = set(
+        np.random.default_rng([seed, split_id, 99]).permutation(count)[: round(count * background_fraction)].tolist()
+    )
     for i in range(count):
         rng = np.random.default_rng([seed, split_id, i])  # one stream per image: stable if counts change
         image, objects = synthetic_image(rng, image_size, num_classes, background=i in backgrounds)
         # 4:4:4 chroma keeps the shapes' colour edges sharp; quality 95 is what photo datasets typically hold
         image.save(images / f"{i:06d}.jpg", quality=JPEG_QUALITY, subsampling=0)
         w, h = image.size
-        lines = [f"{c} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} {(x2 - x1) / w:.6f} {(y2 - y1) / h:.6f}"
-                 for c, x1, y1, x2, y2 in objects]
+        lines = [
+            f"{c} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} {(x2 - x1) / w:.6f} {(y2 - y1) / h:.6f}"
+            for c, x1, y1, x2, y2 in objects
+        ]
         (labels / f"{i:06d}.txt").write_text("".join(line + "\n" for line in lines))
 
 
-def write_synthetic_dataset(out: str | Path, num_train: int = 256, num_val: int = 64, image_size: int = 256,
-                            num_classes: int = 3, seed: int = 0, background_fraction: float = 0.1) -> Path:
+def write_synthetic_dataset(
+    out: str | Path,
+    num_train: int = 256,
+    num_val: int = 64,
+    image_size: int = 256,
+    num_classes: int = 3,
+    seed: int = 0,
+    background_fraction: float = 0.1,
+) -> Path:
     """Write the generated set under `out` and return its data.yaml (written last: its presence means complete)."""
     if not 1 <= num_classes <= len(SHAPES):
-        raise RecipeError(f"num_classes {num_classes} is not supported by the generated set; choose 1 to "
-                          f"{len(SHAPES)} ({', '.join(SHAPES)})")
+        raise RecipeError(
+            f"num_classes {num_classes} is not supported by the generated set; choose 1 to "
+            f"{len(SHAPES)} ({', '.join(SHAPES)})"
+        )
     if image_size < 32:
         raise RecipeError(f"image_size {image_size} is too small for the generated set; use at least 32")
     if num_train < 1 or num_val < 1:
@@ -194,21 +208,38 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python recipes/detect/synthetic_shapes.py",
         description="Write a generated YOLO-format detection set (shapes on textured backgrounds) and print the "
-                    "path of its data.yaml.")
+        "path of its data.yaml.",
+    )
     parser.add_argument("--out", required=True, help="folder to write (images/, labels/, data.yaml)")
     parser.add_argument("--num_train", type=int, default=256, help="training images (default 256)")
     parser.add_argument("--num_val", type=int, default=64, help="validation images (default 64)")
-    parser.add_argument("--image_size", type=int, default=256,
-                        help="longer image side in pixels; some images are 3:4 or 4:3 (default 256)")
-    parser.add_argument("--num_classes", type=int, default=3,
-                        help=f"shape classes, 1 to {len(SHAPES)}: {', '.join(SHAPES)} in that order (default 3)")
+    parser.add_argument(
+        "--image_size",
+        type=int,
+        default=256,
+        help="longer image side in pixels; some images are 3:4 or 4:3 (default 256)",
+    )
+    parser.add_argument(
+        "--num_classes",
+        type=int,
+        default=3,
+        help=f"shape classes, 1 to {len(SHAPES)}: {', '.join(SHAPES)} in that order (default 3)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default 0)")
-    parser.add_argument("--background_fraction", type=float, default=0.1,
-                        help="fraction of images with no objects (default 0.1)")
+    parser.add_argument(
+        "--background_fraction", type=float, default=0.1, help="fraction of images with no objects (default 0.1)"
+    )
     args = parser.parse_args(argv)
     try:
-        path = write_synthetic_dataset(args.out, args.num_train, args.num_val, args.image_size, args.num_classes,
-                                       args.seed, args.background_fraction)
+        path = write_synthetic_dataset(
+            args.out,
+            args.num_train,
+            args.num_val,
+            args.image_size,
+            args.num_classes,
+            args.seed,
+            args.background_fraction,
+        )
     except RecipeError as err:
         parser.exit(2, f"error: {err}\n")
     print(path)

@@ -75,9 +75,25 @@ from accelerate_recipes.seeding import SeededAugmentation
 
 LOSS_NAMES = ("loss", "box_loss", "cls_loss", "dfl_loss")  # what RunState sums and metrics.jsonl logs as train/*
 EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD = 0.001, 0.25  # --conf_threshold's default: low for mAP, higher for use
-SUMMARY = ["model", "world_size", "num_machines", "mixed_precision", "global_batch_size", "image_size", "steps",
-           "epochs", "eval_map50", "eval_map50_95", "best_metric", "best_epoch", "eval_images",
-           "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "wall_seconds"]
+SUMMARY = [
+    "model",
+    "world_size",
+    "num_machines",
+    "mixed_precision",
+    "global_batch_size",
+    "image_size",
+    "steps",
+    "epochs",
+    "eval_map50",
+    "eval_map50_95",
+    "best_metric",
+    "best_epoch",
+    "eval_images",
+    "train_samples_per_second",
+    "median_step_seconds",
+    "peak_memory_mb",
+    "wall_seconds",
+]
 
 
 # ---------------------------------------------------------------------------------------------------------- flags
@@ -170,11 +186,14 @@ def check_flags(args: DetectFlags) -> None:
     if args.optimizer not in ("sgd", "adamw"):
         raise RecipeError(f"unknown --optimizer {args.optimizer!r}; choose sgd or adamw")
     if args.image_size is not None and (args.image_size % 32 or args.image_size < 64):
-        raise RecipeError(f"--image_size {args.image_size} must be a multiple of 32 and at least 64 (the head's "
-                          "largest stride is 32); e.g. --image_size 640")
+        raise RecipeError(
+            f"--image_size {args.image_size} must be a multiple of 32 and at least 64 (the head's "
+            "largest stride is 32); e.g. --image_size 640"
+        )
     if args.max_grad_norm < 0:
-        raise RecipeError(f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); "
-                          "e.g. --max_grad_norm 10")
+        raise RecipeError(
+            f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. --max_grad_norm 10"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------- data
@@ -184,8 +203,13 @@ def resolve_data(data: str, data_dir: str, synthetic_size: int, image_size: int,
         folder = Path(data_dir) / f"shapes-{synthetic_size}-{image_size}px-seed{seed}"
         with accelerator.local_main_process_first():  # one writer per node; the others then read its files
             if not (folder / "data.yaml").exists() and accelerator.is_local_main_process:
-                write_synthetic_dataset(folder, num_train=synthetic_size, num_val=max(8, synthetic_size // 4),
-                                        image_size=image_size, seed=seed)
+                write_synthetic_dataset(
+                    folder,
+                    num_train=synthetic_size,
+                    num_val=max(8, synthetic_size // 4),
+                    image_size=image_size,
+                    seed=seed,
+                )
         return folder / "data.yaml"
     if not data.endswith((".yaml", ".yml")):
         with accelerator.local_main_process_first():
@@ -205,8 +229,10 @@ def read_dataset(args: DetectFlags, image_size: int, accelerator) -> tuple[Path,
     data_yaml = resolve_data(args.data, args.data_dir, args.synthetic_size, image_size, args.seed, accelerator)
     dataset = load_data_config(data_yaml)
     if args.data == "synthetic":
-        accelerator.print("!" * 100 + "\n!! SYNTHETIC DATA: generated shapes, not a real dataset. mAP here measures "
-                          "the pipeline, not the detector on real images.\n" + "!" * 100)
+        accelerator.print(
+            "!" * 100 + "\n!! SYNTHETIC DATA: generated shapes, not a real dataset. mAP here measures "
+            "the pipeline, not the detector on real images.\n" + "!" * 100
+        )
     return data_yaml, dataset
 
 
@@ -218,11 +244,18 @@ def validation_set(dataset: DataConfig, image_size: int) -> YoloDataset:
 def loader_settings(accelerator, num_workers: int | None) -> dict:
     """The DataLoader arguments every loader here shares (on the CPU this also gives torch's threads the cores)."""
     num_workers = cpu_threads_and_workers(accelerator, num_workers)
-    return dict(collate_fn=collate, num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                persistent_workers=num_workers > 0)
+    return dict(
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------- model
-def build_optimizer(model: torch.nn.Module, name: str, lr: float, momentum: float,
-                    weight_decay: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, name: str, lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
     """AdamW or SGD (nesterov), with weight decay on conv and linear weights only (not on BatchNorm or biases)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
@@ -234,8 +267,9 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, momentum: floa
 
 # ----------------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, conf_threshold: float,
-             iou_threshold: float) -> tuple[dict, dict]:
+def evaluate(
+    model, loader, accelerator, names: list[str], channels_last: bool, conf_threshold: float, iou_threshold: float
+) -> tuple[dict, dict]:
     """COCO mAP@0.5 and mAP@0.5:0.95 (torchmetrics + pycocotools), each validation image counted exactly once.
 
     Every process predicts on its shard; gather_for_metrics collects the per-image records and drops the images the
@@ -249,18 +283,26 @@ def evaluate(model, loader, accelerator, names: list[str], channels_last: bool, 
         images = images.to(accelerator.device, non_blocking=True)  # pinned on a GPU: the copy does not stall
         with accelerator.autocast():
             outputs = model(to_model_input(images, channels_last))
-        detections = postprocess([o.float() for o in outputs], model.strides, model.reg_max,
-                                 conf_threshold=conf_threshold, iou_threshold=iou_threshold)
+        detections = postprocess(
+            [o.float() for o in outputs],
+            model.strides,
+            model.reg_max,
+            conf_threshold=conf_threshold,
+            iou_threshold=iou_threshold,
+        )
         batch = []
         for det, meta, truth in zip(detections, metas, targets):  # the targets never leave the host
             truth = truth[truth[:, 0] >= 0]  # drop the padding rows
-            batch.append(dict(
-                path=meta["path"],
-                boxes=scale_boxes_back(det["boxes"], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
-                scores=det["scores"].float().cpu(), labels=det["labels"].cpu(),
-                true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
-                true_labels=truth[:, 0].long(),
-            ))
+            batch.append(
+                dict(
+                    path=meta["path"],
+                    boxes=scale_boxes_back(det["boxes"], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
+                    scores=det["scores"].float().cpu(),
+                    labels=det["labels"].cpu(),
+                    true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
+                    true_labels=truth[:, 0].long(),
+                )
+            )
         records += accelerator.gather_for_metrics(batch, use_gather_object=True)
     model.train()
 
@@ -283,16 +325,22 @@ def coco_map(records: list, names: list[str]) -> tuple[dict, dict | None]:
     for the AP50-95 line: over IoU thresholds and recall points, all areas, the most detections; -1 entries (no
     ground truth) left out. A class with no ground truth in the set has no AP and is left out.
     """
-    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", backend="pycocotools", extended_summary=True,
-                                  sync_on_compute=False)
-    metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
-                  [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records])
+    metric = MeanAveragePrecision(
+        box_format="xyxy", iou_type="bbox", backend="pycocotools", extended_summary=True, sync_on_compute=False
+    )
+    metric.update(
+        [dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
+        [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records],
+    )
     values = metric.compute()
     per_class, pr_curve = {}, None
     if "precision" in values:  # absent when there was nothing to evaluate (no predictions or no images)
         precision = values["precision"][:, :, :, 0, -1]  # [IoU thresholds, recall points, classes]
-        pr_curve = dict(recall=torch.tensor(metric.rec_thresholds), precision=precision[0],  # IoU thresholds[0]: 0.5
-                        classes=values["classes"].reshape(-1).int().tolist())
+        pr_curve = dict(
+            recall=torch.tensor(metric.rec_thresholds),
+            precision=precision[0],  # IoU thresholds[0]: 0.5
+            classes=values["classes"].reshape(-1).int().tolist(),
+        )
         for k, c in enumerate(values["classes"].reshape(-1).tolist()):
             valid = precision[:, :, k][precision[:, :, k] > -1]
             if valid.numel():
@@ -309,8 +357,11 @@ def log_pictures(accelerator, records: list, names: list[str], step: int, score_
     pictures = []
     for record in records:
         keep = record["scores"] >= score_threshold
-        pictures.append(draw_detections(record["path"], record["boxes"][keep], record["labels"][keep],
-                                        record["scores"][keep], names))
+        pictures.append(
+            draw_detections(
+                record["path"], record["boxes"][keep], record["labels"][keep], record["scores"][keep], names
+            )
+        )
     for tracker in trackers:
         try:
             tracker.log_images({"eval/predictions": pictures}, step=step)
@@ -326,9 +377,11 @@ def per_class_scalars(evaluation: dict) -> dict:
 def epoch_line(state: RunState, num_epochs: int, seconds: float, images_per_second: float) -> str:
     """What an epoch's evaluation prints."""
     evaluation = state.last_eval
-    return (f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {evaluation['eval_map50']:.4f}, mAP50-95 "
-            f"{evaluation['eval_map50_95']:.4f} on {evaluation['eval_images']} images, {seconds:.1f} s, "
-            f"{images_per_second:.1f} images/s")
+    return (
+        f"epoch {state.epoch + 1}/{num_epochs}: mAP50 {evaluation['eval_map50']:.4f}, mAP50-95 "
+        f"{evaluation['eval_map50_95']:.4f} on {evaluation['eval_images']} images, {seconds:.1f} s, "
+        f"{images_per_second:.1f} images/s"
+    )
 
 
 def print_results(results: dict, output: Path, path: Path, tracking) -> None:
@@ -341,8 +394,10 @@ def print_results(results: dict, output: Path, path: Path, tracking) -> None:
     else:
         print_summary(results, SUMMARY, title="detect: summary")
         best = f", model_best/ (epoch {results['best_epoch']})" if results["best_epoch"] else ""
-        print(f"model, {MODEL_CONFIG}{best} and {path.name} saved in {output}; predict with: python "
-              f"{os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}")
+        print(
+            f"model, {MODEL_CONFIG}{best} and {path.name} saved in {output}; predict with: python "
+            f"{os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}"
+        )
     where = tracking.where()
     if where:
         print(where)
@@ -375,8 +430,9 @@ def train(args: DetectFlags) -> None:
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
-                               args.skip_nonfinite_steps, args.max_grad_norm)
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
     torch.backends.cudnn.benchmark = True  # training batches all have one shape: pick the fastest kernels once
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -384,17 +440,8 @@ def train(args: DetectFlags) -> None:
     resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
 
     # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
-    data_yaml, dataset = read_dataset(args, image_size, accelerator)
-    names = dataset.names
-    # Augmentation seeded per (seed, epoch, image): a resumed run, or one with another worker count, augments alike.
-    train_set = SeededAugmentation(YoloDataset(dataset.train, len(names), image_size=image_size, augment=True,
-                                               mosaic=args.mosaic, flip_lr=args.flip_lr, flip_ud=args.flip_ud,
-                                               hsv=tuple(float(v) for v in args.hsv), scale=args.scale), args.seed)
-    val_set = validation_set(dataset, image_size)
-    loader_args = loader_settings(accelerator, args.num_workers)
-    train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(args.seed), **loader_args)
-    val_loader = DataLoader(val_set, batch_size=per_process * args.gradient_accumulation_steps, **loader_args)
+    data_yaml, names, train_set, val_set = training_data(args, image_size, accelerator)
+    train_loader, val_loader = data_loaders(args, train_set, val_set, per_process, accelerator)
 
     # ---- model (random weights, or --init_weights), optimizer (no weight decay on BatchNorm and biases), loss
     model, info = build_model(args.size, len(names), args.channels_last, args.init_weights, flag="--init_weights")
@@ -405,34 +452,31 @@ def train(args: DetectFlags) -> None:
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate() moves only the images.
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
-    # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend adds one): its
-    # weights keep their own names in model.safetensors and in checkpoints.
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    ema = ModelEMA(unwrapped, args.ema_decay, ramp_steps=2000) if args.ema_decay else None
-    if ema is not None:
-        accelerator.register_for_checkpointing(ema)  # save_state / load_state carry the averaged weights too
+    unwrapped, ema = weight_average(accelerator, model, args.ema_decay)  # the EMA that is evaluated and saved
 
     # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
-    steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise RecipeError(f"the training set ({len(train_set)} images) is smaller than one global batch "
-                          f"({args.batch_size}); lower --batch_size or use more images")
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = min(max(round(args.warmup_epochs * steps_per_epoch), 20), total_steps // 2)
-    scheduler = accelerator.prepare(get_scheduler("cosine_with_min_lr", optimizer, warmup_steps, total_steps,
-                                                  scheduler_specific_kwargs={"min_lr_rate": args.final_lr_ratio}))
+    steps_per_epoch, total_steps, num_epochs, warmup_steps = schedule_lengths(args, len(train_loader), len(train_set))
+    scheduler = accelerator.prepare(warmup_cosine(optimizer, warmup_steps, total_steps, args.final_lr_ratio))
 
-    config = dict(
-        recipe="detect", dataset=str(data_yaml), init_weights=args.init_weights, model=f"yolo-{args.size}",
-        world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
-        per_process_batch_size=per_process, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        trainable_parameters=info["parameters"], gflops_at_640=info["gflops"], image_size=image_size,
-        num_classes=len(names), optimizer=args.optimizer, lr=lr, weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm, warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs,
-        ema_decay=args.ema_decay, mosaic=args.mosaic, seed=args.seed, train_size=len(train_set),
-        val_size=len(val_set), distributed_type=accelerator.distributed_type.value,
+    # Every training flag and the launch's facts, with what this recipe derived from them.
+    config = run_config(
+        "detect",
+        args,
+        accelerator,
+        mixed_precision=accelerator.mixed_precision,  # the launch's precision, not the flag's (None: the launcher's)
+        dataset=str(data_yaml),
+        model=f"yolo-{args.size}",
+        per_process_batch_size=per_process,
+        trainable_parameters=info["parameters"],
+        gflops_at_640=info["gflops"],
+        image_size=image_size,
+        num_classes=len(names),
+        lr=lr,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        epochs=num_epochs,
+        train_size=len(train_set),
+        val_size=len(val_set),
         synthetic_data=args.data == "synthetic",
     )
 
@@ -445,21 +489,28 @@ def train(args: DetectFlags) -> None:
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
     best = BestModel(accelerator, state, output, "eval_map50_95", patience=args.early_stopping_patience)
     progress = TrainingProgress(
-        accelerator, state, output, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=len(train_loader), global_batch_size=args.batch_size, log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every, skip_nonfinite=args.skip_nonfinite_steps, resumed_from=resume_from, best=best,
+        accelerator,
+        state,
+        output,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=len(train_loader),
+        global_batch_size=args.batch_size,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        skip_nonfinite=args.skip_nonfinite_steps,
+        resumed_from=resume_from,
+        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
 
     def save_checkpoint() -> None:
-        """Everything a resumed run needs to continue as if it had never stopped; after a stop signal, exit. Collective."""
+        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
         with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
-    # What --predict, --eval_only and --init_weights rebuild the model from, written beside its weights.
-    model_config = dict(size=args.size, num_classes=len(names), names=names, image_size=image_size,
-                        channels_last=args.channels_last)
+    model_config = detector_config(args, names, image_size)  # what --predict and --eval_only rebuild the model from
 
     def save_model(folder: Path) -> None:
         """The (EMA) weights and detector.json. Collective."""
@@ -467,9 +518,7 @@ def train(args: DetectFlags) -> None:
         if accelerator.is_main_process:
             (folder / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
 
-    accelerator.print(f"yolo-{args.size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at "
-                      f"640 for {len(names)} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {len(train_set)} training and "
-                      f"{len(val_set)} validation images")
+    accelerator.print(model_line(args.size, info, len(names), len(train_set), len(val_set)))
 
     # ---- training loop
     while state.epoch < num_epochs and not progress.finished:
@@ -478,7 +527,9 @@ def train(args: DetectFlags) -> None:
         train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         train_set.set_epoch(state.epoch)  # and so does each image's augmentation
         # Skip what the interrupted run had trained on in this epoch.
-        batches = accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
+        batches = (
+            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
+        )
         for images, targets, _ in batches:
             state.batches_done += 1
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
@@ -508,9 +559,15 @@ def train(args: DetectFlags) -> None:
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         # (of the EMA weights, every --eval_every epochs and after the last)
         if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == num_epochs:
-            eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
-            state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, names, args.channels_last,
-                                                 conf_threshold, args.iou_threshold)
+            state.last_eval, pictures = evaluate(
+                model_to_evaluate(accelerator, model, ema),
+                val_loader,
+                accelerator,
+                names,
+                args.channels_last,
+                conf_threshold,
+                args.iou_threshold,
+            )
             # logged with the epoch's figures, and each class's AP50-95 as eval/ap50_95/<class>
             seconds = progress.epoch_done(state.last_eval, **per_class_scalars(state.last_eval))
             if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
@@ -550,43 +607,76 @@ def evaluate_saved_model(args: DetectFlags) -> None:
     tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{saved['size']}", args.swanlab_mode)
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
-            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=tracking.log_with or None, project_dir=str(output),
+            mixed_precision=args.mixed_precision,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            log_with=tracking.log_with or None,
+            project_dir=str(output),
             dataloader_config=DataLoaderConfiguration(non_blocking=True),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps,
-                               args.skip_nonfinite_steps, args.max_grad_norm)
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
     set_seed(args.seed)
     prepare_output_dir(output)
 
     data_yaml, dataset = read_dataset(args, image_size, accelerator)
     names = dataset.names
     if len(names) != saved["num_classes"]:
-        raise RecipeError(f"--model {model_dir} detects {saved['num_classes']} classes and {data_yaml} has "
-                          f"{len(names)}: evaluate it on data with the same classes")
+        raise RecipeError(
+            f"--model {model_dir} detects {saved['num_classes']} classes and {data_yaml} has "
+            f"{len(names)}: evaluate it on data with the same classes"
+        )
     val_set = validation_set(dataset, image_size)
-    val_loader = DataLoader(val_set, batch_size=per_process * args.gradient_accumulation_steps,
-                            **loader_settings(accelerator, args.num_workers))
+    val_loader = DataLoader(
+        val_set,
+        batch_size=per_process * args.gradient_accumulation_steps,
+        **loader_settings(accelerator, args.num_workers),
+    )
     model, info = build_model(saved["size"], len(names), args.channels_last, model_dir, flag="--model")
     model = accelerator.prepare_model(model, evaluation_mode=True)  # on the device, no DDP wrapper: nothing to sync
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)  # sharded, boxes on the host
 
     config = dict(
-        recipe="detect", dataset=str(data_yaml), model=f"yolo-{saved['size']}", model_dir=str(model_dir),
-        eval_only=True, world_size=accelerator.num_processes, num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision, global_batch_size=args.batch_size,
-        per_process_batch_size=per_process, trainable_parameters=info["parameters"], gflops_at_640=info["gflops"],
-        image_size=image_size, num_classes=len(names), conf_threshold=conf_threshold,
-        iou_threshold=args.iou_threshold, val_size=len(val_set), distributed_type=accelerator.distributed_type.value,
+        recipe="detect",
+        dataset=str(data_yaml),
+        model=f"yolo-{saved['size']}",
+        model_dir=str(model_dir),
+        eval_only=True,
+        world_size=accelerator.num_processes,
+        num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision,
+        global_batch_size=args.batch_size,
+        per_process_batch_size=per_process,
+        trainable_parameters=info["parameters"],
+        gflops_at_640=info["gflops"],
+        image_size=image_size,
+        num_classes=len(names),
+        conf_threshold=conf_threshold,
+        iou_threshold=args.iou_threshold,
+        val_size=len(val_set),
+        distributed_type=accelerator.distributed_type.value,
         synthetic_data=args.data == "synthetic",
     )
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
-    evaluation, pictures = evaluate(accelerator.unwrap_model(model), val_loader, accelerator, names,
-                                    args.channels_last, conf_threshold, args.iou_threshold)
+    evaluation, pictures = evaluate(
+        accelerator.unwrap_model(model),
+        val_loader,
+        accelerator,
+        names,
+        args.channels_last,
+        conf_threshold,
+        args.iou_threshold,
+    )
     accelerator.log({"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0)
-    results = dict(config, steps=0, epochs=0, wall_seconds=time.perf_counter() - started, **evaluation,
-                   **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0))
+    results = dict(
+        config,
+        steps=0,
+        epochs=0,
+        wall_seconds=time.perf_counter() - started,
+        **evaluation,
+        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+    )
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -602,9 +692,15 @@ def predict(args: DetectFlags) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("--predict runs in one process: start it with python, not a launcher")
     check_flags(args)
-    detect_images(Path(args.model or args.output_dir), args.predict, out=args.predict_dir,
-                  conf_threshold=PREDICT_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold,
-                  iou_threshold=args.iou_threshold, image_size=args.image_size, device=args.predict_device)
+    detect_images(
+        Path(args.model or args.output_dir),
+        args.predict,
+        out=args.predict_dir,
+        conf_threshold=PREDICT_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold,
+        iou_threshold=args.iou_threshold,
+        image_size=args.image_size,
+        device=args.predict_device,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------- main

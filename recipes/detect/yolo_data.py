@@ -51,30 +51,116 @@ TRANSLATE = 0.1  # random shift of the augmented crop, as a fraction of its side
 
 # EXIF orientation tag values (EXIF 2.3, tag 0x0112) -> the PIL transpose that makes the picture upright
 EXIF_ORIENTATION = 0x0112
-UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-           8: Image.Transpose.ROTATE_90}
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 # RGB -> YIQ (NTSC): Y is the brightness, I and Q span the chroma plane in which a rotation turns the hue
 RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 YIQ_TO_RGB = np.linalg.inv(RGB_TO_YIQ)
 
 COCO_NAMES = [
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow", "elephant",
-    "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee", "skis", "snowboard",
-    "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard", "tennis racket", "bottle",
-    "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich", "orange", "broccoli",
-    "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch", "potted plant", "bed", "dining table", "toilet",
-    "tv", "laptop", "mouse", "remote", "keyboard", "cell phone", "microwave", "oven", "toaster", "sink",
-    "refrigerator", "book", "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "mouse",
+    "remote",
+    "keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 ]
 # Small public YOLO-format sets that Ultralytics hosts (the `download` URLs of its coco128.yaml and coco8.yaml).
 DOWNLOADS = {
-    "coco128": dict(url="https://github.com/ultralytics/assets/releases/download/v0.0.0/coco128.zip",
-                    train="images/train2017", val="images/train2017", names=COCO_NAMES),
-    "coco8": dict(url="https://github.com/ultralytics/assets/releases/download/v0.0.0/coco8.zip",
-                  train="images/train", val="images/val", names=COCO_NAMES),
+    "coco128": dict(
+        url="https://github.com/ultralytics/assets/releases/download/v0.0.0/coco128.zip",
+        train="images/train2017",
+        val="images/train2017",
+        names=COCO_NAMES,
+    ),
+    "coco8": dict(
+        url="https://github.com/ultralytics/assets/releases/download/v0.0.0/coco8.zip",
+        train="images/train",
+        val="images/val",
+        names=COCO_NAMES,
+    ),
 }
 
 
@@ -93,17 +179,18 @@ class DataConfig:
 
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise RecipeError(f"{path} not found; give the data.yaml of a YOLO-format dataset (keys path, train, val, "
-                          "names)")
+        raise RecipeError(
+            f"{path} not found; give the data.yaml of a YOLO-format dataset (keys path, train, val, names)"
+        )
     try:
         config = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         where = f" line {err.problem_mark.line + 1}" if getattr(err, "problem_mark", None) else ""
-        raise RecipeError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', None) or err}); fix the "
-                          "syntax") from None
+        raise RecipeError(
+            f"{path}{where}: not valid YAML ({getattr(err, 'problem', None) or err}); fix the syntax"
+        ) from None
     if not isinstance(config, dict):
-        raise RecipeError(f"{path}: expected a mapping with keys path, train, val, names; got "
-                          f"{type(config).__name__}")
+        raise RecipeError(f"{path}: expected a mapping with keys path, train, val, names; got {type(config).__name__}")
     return config
 
 
@@ -117,19 +204,24 @@ def _parse_names(config: dict, path: Path) -> list[str]:
         try:
             ids = sorted(int(k) for k in names)
         except (TypeError, ValueError):
-            raise RecipeError(f"{path}: the keys of `names` must be class ids 0, 1, 2, ...; got "
-                              f"{list(names)[:5]}") from None
+            raise RecipeError(
+                f"{path}: the keys of `names` must be class ids 0, 1, 2, ...; got {list(names)[:5]}"
+            ) from None
         if ids != list(range(len(ids))):
-            raise RecipeError(f"{path}: the ids in `names` must run 0..{len(ids) - 1} without gaps; got {ids[:10]}; "
-                              "renumber the classes (and their labels)")
+            raise RecipeError(
+                f"{path}: the ids in `names` must run 0..{len(ids) - 1} without gaps; got {ids[:10]}; "
+                "renumber the classes (and their labels)"
+            )
         names = [names.get(i, names.get(str(i))) for i in ids]
     if not isinstance(names, list) or not names:
-        raise RecipeError(f"{path}: `names` is empty or not a list/dict; list the class names, e.g. "
-                          "names: [person, car]")
+        raise RecipeError(
+            f"{path}: `names` is empty or not a list/dict; list the class names, e.g. names: [person, car]"
+        )
     names = [str(n) for n in names]
     if "nc" in config and config["nc"] != len(names):
-        raise RecipeError(f"{path}: nc is {config['nc']} but `names` has {len(names)} entries; fix nc or names "
-                          "(nc may be left out)")
+        raise RecipeError(
+            f"{path}: nc is {config['nc']} but `names` has {len(names)} entries; fix nc or names (nc may be left out)"
+        )
     return names
 
 
@@ -146,14 +238,19 @@ def _resolve_root(config: dict, yaml_path: Path) -> Path:
         if candidate.is_dir():
             return candidate
     looked = " or ".join(str(c) for c in candidates)
-    raise RecipeError(f"{yaml_path}: dataset folder `path: {config['path']}` not found (looked in {looked}); fix "
-                      "`path` (relative paths are read against the data.yaml folder) or remove it to use the "
-                      "data.yaml folder")
+    raise RecipeError(
+        f"{yaml_path}: dataset folder `path: {config['path']}` not found (looked in {looked}); fix "
+        "`path` (relative paths are read against the data.yaml folder) or remove it to use the "
+        "data.yaml folder"
+    )
 
 
 def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
-                  and p.is_file())
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file()
+    )
 
 
 def _images_listed(list_file: Path, root: Path) -> list[Path]:
@@ -167,12 +264,16 @@ def _images_listed(list_file: Path, root: Path) -> list[Path]:
         candidates = [given] if given.is_absolute() else [list_file.parent / given, root / given]
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
-            raise RecipeError(f"{list_file} line {number}: image {entry} not found (looked for "
-                              f"{' and '.join(os.path.abspath(c) for c in candidates)}); fix the path or remove "
-                              "the line")
+            raise RecipeError(
+                f"{list_file} line {number}: image {entry} not found (looked for "
+                f"{' and '.join(os.path.abspath(c) for c in candidates)}); fix the path or remove "
+                "the line"
+            )
         if found.suffix.lower() not in IMAGE_SUFFIXES:
-            raise RecipeError(f"{list_file} line {number}: {entry} is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}"
-                              "); list image files only")
+            raise RecipeError(
+                f"{list_file} line {number}: {entry} is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}"
+                "); list image files only"
+            )
         images.append(Path(os.path.abspath(found)))
     return images
 
@@ -182,8 +283,9 @@ def _split_images(config: dict, key: str, root: Path, yaml_path: Path) -> list[P
     images = []
     for entry in entries:
         if not isinstance(entry, str) or not entry:
-            raise RecipeError(f"{yaml_path}: `{key}: {entry!r}` must be a folder, a .txt list of images or a list "
-                              "of those")
+            raise RecipeError(
+                f"{yaml_path}: `{key}: {entry!r}` must be a folder, a .txt list of images or a list of those"
+            )
         given = Path(os.path.expanduser(entry))
         where = given if given.is_absolute() else root / given
         # abspath, not resolve: a symlinked image keeps the path whose images/ -> labels/ twin holds its labels
@@ -195,11 +297,15 @@ def _split_images(config: dict, key: str, root: Path, yaml_path: Path) -> list[P
         elif where.is_file() and where.suffix.lower() in IMAGE_SUFFIXES:
             found = [where]
         else:
-            raise RecipeError(f"{yaml_path}: {key} split {entry} not found (looked for {where}); fix `{key}` (a "
-                              f"folder of images or a .txt list, relative to path {root}) or create it")
+            raise RecipeError(
+                f"{yaml_path}: {key} split {entry} not found (looked for {where}); fix `{key}` (a "
+                f"folder of images or a .txt list, relative to path {root}) or create it"
+            )
         if not found:
-            raise RecipeError(f"{yaml_path}: {key} split {where} has no images "
-                              f"({', '.join(sorted(IMAGE_SUFFIXES))}); put the images there or fix `{key}`")
+            raise RecipeError(
+                f"{yaml_path}: {key} split {where} has no images "
+                f"({', '.join(sorted(IMAGE_SUFFIXES))}); put the images there or fix `{key}`"
+            )
         images += found
     return images
 
@@ -210,14 +316,21 @@ def load_data_config(path: str | Path) -> DataConfig:
     config = _read_yaml(path)
     for key in ("train", "val"):
         if config.get(key) in (None, "", []):
-            raise RecipeError(f"{path}: no `{key}` split; add `{key}: images/{key}` (a folder of images, a .txt "
-                              "list of images, or a list of those, relative to `path`)")
+            raise RecipeError(
+                f"{path}: no `{key}` split; add `{key}: images/{key}` (a folder of images, a .txt "
+                "list of images, or a list of those, relative to `path`)"
+            )
     names = _parse_names(config, path)
     root = _resolve_root(config, path)
     test = _split_images(config, "test", root, path) if config.get("test") else []
-    return DataConfig(root=root, train=_split_images(config, "train", root, path),
-                      val=_split_images(config, "val", root, path), names=names, test=test,
-                      yaml_file=Path(os.path.abspath(path)))
+    return DataConfig(
+        root=root,
+        train=_split_images(config, "train", root, path),
+        val=_split_images(config, "val", root, path),
+        names=names,
+        test=test,
+        yaml_file=Path(os.path.abspath(path)),
+    )
 
 
 def download_dataset(name: str, data_dir: Path, download: bool = True) -> Path:
@@ -229,15 +342,19 @@ def download_dataset(name: str, data_dir: Path, download: bool = True) -> Path:
     if Path(name).is_dir() and (Path(name) / "data.yaml").is_file():
         return Path(name) / "data.yaml"
     if name not in DOWNLOADS:
-        raise RecipeError(f"--data {name!r} is not a data.yaml, a folder holding one, synthetic, or a dataset we "
-                          f"download ({', '.join(DOWNLOADS)}); give the path of your data.yaml")
+        raise RecipeError(
+            f"--data {name!r} is not a data.yaml, a folder holding one, synthetic, or a dataset we "
+            f"download ({', '.join(DOWNLOADS)}); give the path of your data.yaml"
+        )
     spec, folder = DOWNLOADS[name], Path(data_dir) / name
     data_yaml = folder / "data.yaml"
     if data_yaml.is_file():
         return data_yaml
     if not download:
-        raise RecipeError(f"{data_yaml} is missing after the download on this node's first process; check that "
-                          f"{data_dir} is writable and that process's error")
+        raise RecipeError(
+            f"{data_yaml} is missing after the download on this node's first process; check that "
+            f"{data_dir} is writable and that process's error"
+        )
     archive = Path(data_dir) / f"{name}.zip"
     partial = archive.with_suffix(".zip.part")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
@@ -248,16 +365,22 @@ def download_dataset(name: str, data_dir: Path, download: bool = True) -> Path:
         with zipfile.ZipFile(archive) as zipped:
             zipped.extractall(data_dir)
     except (OSError, zipfile.BadZipFile) as err:
-        raise RecipeError(f"could not download {name} ({err}); download {spec['url']} by hand, unzip it into "
-                          f"{data_dir} and run again, or pass --data path/to/data.yaml") from None
+        raise RecipeError(
+            f"could not download {name} ({err}); download {spec['url']} by hand, unzip it into "
+            f"{data_dir} and run again, or pass --data path/to/data.yaml"
+        ) from None
     finally:
         partial.unlink(missing_ok=True)
     if not (folder / spec["train"]).is_dir():
         shutil.rmtree(folder, ignore_errors=True)
         raise RecipeError(f"{archive} did not unpack to {folder / spec['train']}; delete it and run again")
     archive.unlink()
-    config = {"path": os.path.abspath(folder), "train": spec["train"], "val": spec["val"],
-              "names": dict(enumerate(spec["names"]))}
+    config = {
+        "path": os.path.abspath(folder),
+        "train": spec["train"],
+        "val": spec["val"],
+        "names": dict(enumerate(spec["names"])),
+    }
     data_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
     return data_yaml
 
@@ -277,8 +400,9 @@ def _number(token: str, where: str) -> float:
     try:
         value = float(token)
     except ValueError:
-        raise RecipeError(f"{where}: {token!r} is not a number; fix the line: it is `class cx cy w h`, numbers "
-                          "only") from None
+        raise RecipeError(
+            f"{where}: {token!r} is not a number; fix the line: it is `class cx cy w h`, numbers only"
+        ) from None
     if not math.isfinite(value):
         raise RecipeError(f"{where}: {token!r} is not a finite number; fix the label")
     return value
@@ -287,8 +411,10 @@ def _number(token: str, where: str) -> float:
 def _unit(value: float, what: str, where: str) -> float:
     if -TOLERANCE <= value <= 1 + TOLERANCE:
         return min(max(value, 0.0), 1.0)
-    raise RecipeError(f"{where}: {what} = {value:g} is outside [0, 1]; YOLO labels are normalised (pixel x and "
-                      "width divided by the image width, y and height by its height): fix the label")
+    raise RecipeError(
+        f"{where}: {what} = {value:g} is outside [0, 1]; YOLO labels are normalised (pixel x and "
+        "width divided by the image width, y and height by its height): fix the label"
+    )
 
 
 def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str]]:
@@ -309,16 +435,22 @@ def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str
             continue
         where = f"{path} line {number}"
         if len(tokens) != 5 and (len(tokens) < 7 or len(tokens) % 2 == 0):
-            raise RecipeError(f"{where}: {len(tokens)} values; a line is `class cx cy w h` (5 values, normalised to "
-                              "0-1) or a polygon `class x1 y1 x2 y2 x3 y3 ...`: fix the line")
+            raise RecipeError(
+                f"{where}: {len(tokens)} values; a line is `class cx cy w h` (5 values, normalised to "
+                "0-1) or a polygon `class x1 y1 x2 y2 x3 y3 ...`: fix the line"
+            )
         values = [_number(t, where) for t in tokens]
         cls = values[0]
         if cls != int(cls):
-            raise RecipeError(f"{where}: class {tokens[0]} is not a whole number; fix the label: class ids are "
-                              "0-based indices into names in data.yaml")
+            raise RecipeError(
+                f"{where}: class {tokens[0]} is not a whole number; fix the label: class ids are "
+                "0-based indices into names in data.yaml"
+            )
         if not 0 <= cls < num_classes:
-            raise RecipeError(f"{where}: class {int(cls)} is out of range for the {num_classes} names in data.yaml "
-                              f"(0..{num_classes - 1}); fix the label or add the class to names")
+            raise RecipeError(
+                f"{where}: class {int(cls)} is out of range for the {num_classes} names in data.yaml "
+                f"(0..{num_classes - 1}); fix the label or add the class to names"
+            )
         if len(tokens) == 5:
             cx, cy = _unit(values[1], "cx", where), _unit(values[2], "cy", where)
             w, h = _unit(values[3], "w", where), _unit(values[4], "h", where)
@@ -342,8 +474,9 @@ def _check_image_header(path: Path) -> None:
     except FileNotFoundError:
         raise RecipeError(f"image {path} not found; restore it or remove it from the split") from None
     except (OSError, SyntaxError, ValueError) as err:
-        raise RecipeError(f"cannot read image {path} ({err}); replace it with a valid image or remove it from the "
-                          "split") from None
+        raise RecipeError(
+            f"cannot read image {path} ({err}); replace it with a valid image or remove it from the split"
+        ) from None
     if width < 1 or height < 1:
         raise RecipeError(f"image {path} is {width}x{height} pixels; replace it or remove it from the split")
 
@@ -375,8 +508,9 @@ def _load_image(path: Path, size: int) -> tuple[Image.Image, tuple[int, int], fl
     except FileNotFoundError:
         raise RecipeError(f"image {path} not found; restore it or remove it from the split") from None
     except (OSError, SyntaxError, ValueError) as err:
-        raise RecipeError(f"cannot read image {path} ({err}); replace it with a valid image or remove it from the "
-                          "split") from None
+        raise RecipeError(
+            f"cannot read image {path} ({err}); replace it with a valid image or remove it from the split"
+        ) from None
     if orientation in UPRIGHT:
         image = image.transpose(UPRIGHT[orientation])
     if image.size != new_size:
@@ -478,9 +612,19 @@ class YoloDataset(torch.utils.data.Dataset):
     Every label file is read and checked here, once: a bad one stops the program now, not mid-epoch.
     """
 
-    def __init__(self, image_files, num_classes: int, image_size: int = 640, augment: bool = False,
-                 mosaic: float = 1.0, flip_lr: float = 0.5, flip_ud: float = 0.0, hsv=(0.015, 0.7, 0.4),
-                 scale: float = 0.5, verbose: bool = True):
+    def __init__(
+        self,
+        image_files,
+        num_classes: int,
+        image_size: int = 640,
+        augment: bool = False,
+        mosaic: float = 1.0,
+        flip_lr: float = 0.5,
+        flip_ud: float = 0.0,
+        hsv=(0.015, 0.7, 0.4),
+        scale: float = 0.5,
+        verbose: bool = True,
+    ):
         self.image_files = [Path(p) for p in image_files]
         if not self.image_files:
             raise RecipeError("the dataset has no images; check the split in data.yaml")
@@ -498,23 +642,35 @@ class YoloDataset(torch.utils.data.Dataset):
         self.labels = [labels for labels, _, _ in scanned]
         dropped = [where for _, drop, _ in scanned for where in drop]
         label_files = sum(found for _, _, found in scanned)
-        self.counts = dict(images=len(self.labels), boxes=sum(len(lb) for lb in self.labels),
-                           backgrounds=sum(len(lb) == 0 for lb in self.labels), dropped_boxes=len(dropped),
-                           label_files=label_files)
+        self.counts = dict(
+            images=len(self.labels),
+            boxes=sum(len(lb) for lb in self.labels),
+            backgrounds=sum(len(lb) == 0 for lb in self.labels),
+            dropped_boxes=len(dropped),
+            label_files=label_files,
+        )
         if verbose and _on_rank_zero():
             print(self.summary(), flush=True)
             if dropped:
-                print(f"warning: dropped {len(dropped)} zero-size boxes (width or height 0), first at "
-                      f"{dropped[0]}; fix or delete those lines", flush=True)
+                print(
+                    f"warning: dropped {len(dropped)} zero-size boxes (width or height 0), first at "
+                    f"{dropped[0]}; fix or delete those lines",
+                    flush=True,
+                )
             if label_files == 0:
-                print(f"warning: no label files found; for {self.image_files[0]} the labels would be in "
-                      f"{label_path(self.image_files[0])} (the last images/ folder becomes labels/); every image "
-                      "is treated as background", flush=True)
+                print(
+                    f"warning: no label files found; for {self.image_files[0]} the labels would be in "
+                    f"{label_path(self.image_files[0])} (the last images/ folder becomes labels/); every image "
+                    "is treated as background",
+                    flush=True,
+                )
 
     def summary(self) -> str:
         c = self.counts
-        return (f"{self.image_files[0].parent}: {c['images']} images, {c['boxes']} boxes, {c['backgrounds']} "
-                f"background images (no boxes)")
+        return (
+            f"{self.image_files[0].parent}: {c['images']} images, {c['boxes']} boxes, {c['backgrounds']} "
+            f"background images (no boxes)"
+        )
 
     def __len__(self) -> int:
         return len(self.image_files)
@@ -577,8 +733,13 @@ class YoloDataset(torch.utils.data.Dataset):
         side = size / zoom
         x0 = canvas.width / 2 - side / 2 + rng.uniform(-TRANSLATE, TRANSLATE) * side
         y0 = canvas.height / 2 - side / 2 + rng.uniform(-TRANSLATE, TRANSLATE) * side
-        image = canvas.transform((size, size), Image.Transform.EXTENT, (x0, y0, x0 + side, y0 + side),
-                                 resample=Image.Resampling.BILINEAR, fillcolor=(PAD_VALUE,) * 3)
+        image = canvas.transform(
+            (size, size),
+            Image.Transform.EXTENT,
+            (x0, y0, x0 + side, y0 + side),
+            resample=Image.Resampling.BILINEAR,
+            fillcolor=(PAD_VALUE,) * 3,
+        )
         boxes = boxes.copy()
         boxes[:, [1, 3]] = (boxes[:, [1, 3]] - x0) * zoom
         boxes[:, [2, 4]] = (boxes[:, [2, 4]] - y0) * zoom

@@ -73,9 +73,15 @@ class TaskAlignedAssigner:
         self.eps = eps
 
     @torch.no_grad()
-    def __call__(self, pred_scores: torch.Tensor, pred_boxes: torch.Tensor, anchor_points: torch.Tensor,
-                 gt_labels: torch.Tensor, gt_boxes: torch.Tensor, gt_mask: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        pred_scores: torch.Tensor,
+        pred_boxes: torch.Tensor,
+        anchor_points: torch.Tensor,
+        gt_labels: torch.Tensor,
+        gt_boxes: torch.Tensor,
+        gt_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """pred_scores [B, A, C] sigmoid probabilities, pred_boxes [B, A, 4] xyxy pixels, anchor_points [A, 2] pixels,
         gt_labels [B, M] int64, gt_boxes [B, M, 4] xyxy pixels, gt_mask [B, M] bool (False for padding rows).
 
@@ -86,11 +92,13 @@ class TaskAlignedAssigner:
         num_gts = gt_boxes.shape[1]
         device = pred_scores.device
         if num_gts == 0:
-            return (torch.zeros(batch, num_anchors, dtype=torch.long, device=device),
-                    torch.zeros(batch, num_anchors, 4, device=device),
-                    torch.zeros(batch, num_anchors, num_classes, device=device),
-                    torch.zeros(batch, num_anchors, dtype=torch.bool, device=device),
-                    torch.zeros(batch, num_anchors, dtype=torch.long, device=device))
+            return (
+                torch.zeros(batch, num_anchors, dtype=torch.long, device=device),
+                torch.zeros(batch, num_anchors, 4, device=device),
+                torch.zeros(batch, num_anchors, num_classes, device=device),
+                torch.zeros(batch, num_anchors, dtype=torch.bool, device=device),
+                torch.zeros(batch, num_anchors, dtype=torch.long, device=device),
+            )
         pred_scores, pred_boxes, gt_boxes = pred_scores.float(), pred_boxes.float(), gt_boxes.float()
         gt_labels = gt_labels.long().clamp(0, num_classes - 1)  # padding rows may hold anything; gt_mask hides them
 
@@ -143,7 +151,7 @@ def pad_targets(per_image: list[torch.Tensor]) -> torch.Tensor:
     targets = torch.zeros(len(per_image), most, 5)
     targets[..., 0] = -1
     for i, rows in enumerate(per_image):
-        targets[i, :len(rows)] = rows
+        targets[i, : len(rows)] = rows
     return targets
 
 
@@ -156,8 +164,10 @@ def distribution_focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch
     weight_right = 1.0 - weight_left
     reg_max = logits.shape[-1]
     flat = logits.reshape(-1, reg_max)
-    loss = (F.cross_entropy(flat, left.reshape(-1), reduction="none").view(left.shape) * weight_left
-            + F.cross_entropy(flat, right.reshape(-1), reduction="none").view(left.shape) * weight_right)
+    loss = (
+        F.cross_entropy(flat, left.reshape(-1), reduction="none").view(left.shape) * weight_left
+        + F.cross_entropy(flat, right.reshape(-1), reduction="none").view(left.shape) * weight_right
+    )
     return loss.mean(-1)
 
 
@@ -174,8 +184,15 @@ class DetectionLoss:
     (whose size only the GPU knows). Class ids are not checked here; the data loader checks every label at start-up.
     """
 
-    def __init__(self, num_classes: int, strides: tuple[int, ...] = (8, 16, 32), reg_max: int = 16,
-                 box_weight: float = 7.5, cls_weight: float = 0.5, dfl_weight: float = 1.5):
+    def __init__(
+        self,
+        num_classes: int,
+        strides: tuple[int, ...] = (8, 16, 32),
+        reg_max: int = 16,
+        box_weight: float = 7.5,
+        cls_weight: float = 0.5,
+        dfl_weight: float = 1.5,
+    ):
         self.num_classes = num_classes
         self.strides = tuple(strides)
         self.reg_max = reg_max
@@ -190,13 +207,20 @@ class DetectionLoss:
         pred_boxes = distances_to_boxes(distances * stride_tensor, anchor_points)  # pixels
 
         if targets.ndim != 3 or targets.shape[0] != box_logits.shape[0] or targets.shape[-1] != 5:
-            raise ValueError(f"targets must be [{box_logits.shape[0]}, M, 5] (class, x1, y1, x2, y2; pad_targets); "
-                             f"got {tuple(targets.shape)}")
+            raise ValueError(
+                f"targets must be [{box_logits.shape[0]}, M, 5] (class, x1, y1, x2, y2; pad_targets); "
+                f"got {tuple(targets.shape)}"
+            )
         targets = targets.to(device=box_logits.device, dtype=torch.float32)
         gt_mask = targets[..., 0] >= 0  # padding rows have class -1
         _, target_boxes, target_scores, foreground, _ = self.assigner(
-            cls_logits.detach().sigmoid(), pred_boxes.detach(), anchor_points, targets[..., 0].long(),
-            targets[..., 1:], gt_mask)
+            cls_logits.detach().sigmoid(),
+            pred_boxes.detach(),
+            anchor_points,
+            targets[..., 0].long(),
+            targets[..., 1:],
+            gt_mask,
+        )
         target_scores_sum = target_scores.sum().clamp(min=1.0)
 
         cls_loss = F.binary_cross_entropy_with_logits(cls_logits, target_scores, reduction="sum") / target_scores_sum
@@ -209,8 +233,9 @@ class DetectionLoss:
         stand_in = torch.cat((anchor_points - 1.0, anchor_points + 1.0), dim=-1)  # [A, 4]
         ciou = complete_box_iou_loss(torch.where(fg, pred_boxes, stand_in), torch.where(fg, target_boxes, stand_in))
         box_loss = (ciou * weight).sum() / target_scores_sum
-        target_distances = torch.cat((anchor_points - target_boxes[..., :2], target_boxes[..., 2:] - anchor_points),
-                                     dim=-1)
+        target_distances = torch.cat(
+            (anchor_points - target_boxes[..., :2], target_boxes[..., 2:] - anchor_points), dim=-1
+        )
         target_distances = (target_distances / stride_tensor).clamp(0, self.reg_max - 1 - 0.01)  # right bin in range
         dfl = distribution_focal_loss(box_logits, target_distances)  # [B, A]
         dfl_loss = (dfl * weight).sum() / target_scores_sum

@@ -187,8 +187,9 @@ class Detector(nn.Module):
         return self.head(self.neck(*self.backbone(images)))
 
 
-def make_anchors(outputs: list[torch.Tensor], strides: tuple[int, ...], offset: float = 0.5
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def make_anchors(
+    outputs: list[torch.Tensor], strides: tuple[int, ...], offset: float = 0.5
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchor points of all levels: (anchor_points [A, 2] as (x, y) in input-image PIXELS, i.e. (cell + offset) *
     stride; stride_tensor [A, 1]). Level by level, row-major inside a level. Float32 on the outputs' device."""
     points, stride_rows = [], []
@@ -231,8 +232,9 @@ def decode(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int) 
     return boxes, cls_logits
 
 
-def class_aware_nms(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, iou_threshold: float,
-                    max_coordinate: float) -> torch.Tensor:
+def class_aware_nms(
+    boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, iou_threshold: float, max_coordinate: float
+) -> torch.Tensor:
     """NMS within each class, as one torchvision.ops.nms call: every class's boxes are shifted by class x
     (max_coordinate + 1), so boxes of different classes never overlap. Returns the kept indices, best score first.
 
@@ -243,8 +245,15 @@ def class_aware_nms(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Ten
 
 
 @torch.no_grad()
-def postprocess(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int, conf_threshold: float = 0.001,
-                iou_threshold: float = 0.7, max_detections: int = 300, max_candidates: int = 30000) -> list[dict]:
+def postprocess(
+    outputs: list[torch.Tensor],
+    strides: tuple[int, ...],
+    reg_max: int,
+    conf_threshold: float = 0.001,
+    iou_threshold: float = 0.7,
+    max_detections: int = 300,
+    max_candidates: int = 30000,
+) -> list[dict]:
     """Raw outputs -> per image dict(boxes [N, 4] float xyxy input pixels clipped to the image, scores [N],
     labels [N] int64), sorted by score, N <= max_detections.
 
@@ -262,8 +271,9 @@ def postprocess(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: 
         if img_scores.numel() > max_candidates:  # bounds NMS time when an untrained model fires everywhere
             top = img_scores.topk(max_candidates).indices
             img_boxes, img_scores, img_labels = img_boxes[top], img_scores[top], img_labels[top]
-        kept = class_aware_nms(img_boxes, img_scores, img_labels, iou_threshold,
-                               max_coordinate=max(width, height))[:max_detections]
+        kept = class_aware_nms(img_boxes, img_scores, img_labels, iou_threshold, max_coordinate=max(width, height))[
+            :max_detections
+        ]
         results.append(dict(boxes=img_boxes[kept], scores=img_scores[kept], labels=img_labels[kept].long()))
     return results
 
