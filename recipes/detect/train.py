@@ -44,7 +44,7 @@ from ema import ModelEMA
 from eval_pictures import detection_confusion_matrix, save_eval_pictures
 from predict import detect_images
 from synthetic_shapes import write_synthetic_dataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torchmetrics.detection import MeanAveragePrecision
 from transformers import get_scheduler
 from yolo_data import DataConfig, YoloDataset, collate, download_dataset, load_data_config, scale_boxes_back
@@ -66,6 +66,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     print_summary,
     run,
+    run_config,
     run_facts,
     setup_tracker,
     write_results,
@@ -236,6 +237,46 @@ def read_dataset(args: DetectFlags, image_size: int, accelerator) -> tuple[Path,
     return data_yaml, dataset
 
 
+def training_data(args: DetectFlags, image_size: int, accelerator) -> tuple[Path, list[str], Dataset, YoloDataset]:
+    """--data's data.yaml, its class names, the augmented training split and the validation split."""
+    data_yaml, dataset = read_dataset(args, image_size, accelerator)
+    names = dataset.names
+    # Augmentation seeded per (seed, epoch, image): a resumed run, or one with another worker count, augments alike.
+    train_set = SeededAugmentation(
+        YoloDataset(
+            dataset.train,
+            len(names),
+            image_size=image_size,
+            augment=True,
+            mosaic=args.mosaic,
+            flip_lr=args.flip_lr,
+            flip_ud=args.flip_ud,
+            hsv=tuple(float(v) for v in args.hsv),
+            scale=args.scale,
+        ),
+        args.seed,
+    )
+    return data_yaml, names, train_set, validation_set(dataset, image_size)
+
+
+def data_loaders(
+    args: DetectFlags, train_set: Dataset, val_set: Dataset, per_process: int, accelerator
+) -> tuple[DataLoader, DataLoader]:
+    """The training loader (shuffled by a seeded generator, whole batches only) and the validation loader (a whole
+    optimizer step's images per batch)."""
+    loader_args = loader_settings(accelerator, args.num_workers)
+    train_loader = DataLoader(
+        train_set,
+        batch_size=per_process,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+        **loader_args,
+    )
+    val_loader = DataLoader(val_set, batch_size=per_process * args.gradient_accumulation_steps, **loader_args)
+    return train_loader, val_loader
+
+
 def validation_set(dataset: DataConfig, image_size: int) -> YoloDataset:
     """The val split, letterboxed to image_size and not augmented; every label is checked here, up front."""
     return YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False)
@@ -263,6 +304,60 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
     return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999))
+
+
+def weight_average(accelerator, model: torch.nn.Module, decay: float) -> tuple[torch.nn.Module, ModelEMA | None]:
+    """The prepared model unwrapped, and the exponential moving average of its weights (None with --ema_decay 0),
+    registered so that save_state / load_state carry the averaged weights too."""
+    # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend adds one): its
+    # weights keep their own names in model.safetensors and in checkpoints.
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    ema = ModelEMA(unwrapped, decay, ramp_steps=2000) if decay else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)
+    return unwrapped, ema
+
+
+def schedule_lengths(args: DetectFlags, batches_per_epoch: int, train_size: int) -> tuple[int, int, int, int]:
+    """Optimizer steps per epoch, steps in all (--max_steps or --epochs), the epochs that makes, and warmup steps
+    (--warmup_epochs, at least 20, at most half the run)."""
+    steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+    if steps_per_epoch == 0:
+        raise RecipeError(
+            f"the training set ({train_size} images) is smaller than one global batch "
+            f"({args.batch_size}); lower --batch_size or use more images"
+        )
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    warmup_steps = min(max(round(args.warmup_epochs * steps_per_epoch), 20), total_steps // 2)
+    return steps_per_epoch, total_steps, num_epochs, warmup_steps
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_lr_ratio: float):
+    """Linear warmup, then cosine down to lr x final_lr_ratio, over optimizer steps."""
+    return get_scheduler(
+        "cosine_with_min_lr",
+        optimizer,
+        warmup_steps,
+        total_steps,
+        scheduler_specific_kwargs={"min_lr_rate": final_lr_ratio},
+    )
+
+
+def detector_config(args: DetectFlags, names: list[str], image_size: int) -> dict:
+    """What --predict, --eval_only and --init_weights rebuild the model from, written beside its weights."""
+    return dict(
+        size=args.size, num_classes=len(names), names=names, image_size=image_size, channels_last=args.channels_last
+    )
+
+
+def model_line(size: str, info: dict, num_classes: int, train_size: int, val_size: int) -> str:
+    """What training prints about the model and the data before it starts."""
+    return (
+        f"yolo-{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['gflops']:.1f} GFLOPs at "
+        f"640 for {num_classes} classes (YOLOv8n, 80 classes: 3.2M, 8.7); {train_size} training and "
+        f"{val_size} validation images"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- evaluation
@@ -369,6 +464,14 @@ def log_pictures(accelerator, records: list, names: list[str], step: int, score_
             accelerator.print(f"warning: could not log images to {tracker.name}: {err}")
 
 
+def show_evaluation(accelerator, pictures: dict, names: list[str], step: int, output: Path) -> None:
+    """An evaluation's pictures (main process): a few images with their boxes to the trackers, and PR_curve,
+    confusion_matrix and val_predictions (.png) to output_dir."""
+    if accelerator.is_main_process:
+        log_pictures(accelerator, pictures["records"][:4], names, step, score_threshold=0.25)
+        save_eval_pictures(output, pictures, names)
+
+
 def per_class_scalars(evaluation: dict) -> dict:
     """The AP50-95 of each class, as logged: eval/ap50_95/<class name>."""
     return {f"eval/ap50_95/{name}": ap for name, ap in evaluation["eval_ap_per_class"].items()}
@@ -463,7 +566,6 @@ def train(args: DetectFlags) -> None:
         "detect",
         args,
         accelerator,
-        mixed_precision=accelerator.mixed_precision,  # the launch's precision, not the flag's (None: the launcher's)
         dataset=str(data_yaml),
         model=f"yolo-{args.size}",
         per_process_batch_size=per_process,
@@ -559,23 +661,16 @@ def train(args: DetectFlags) -> None:
         guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
         # (of the EMA weights, every --eval_every epochs and after the last)
         if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == num_epochs:
+            eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
             state.last_eval, pictures = evaluate(
-                model_to_evaluate(accelerator, model, ema),
-                val_loader,
-                accelerator,
-                names,
-                args.channels_last,
-                conf_threshold,
-                args.iou_threshold,
+                eval_model, val_loader, accelerator, names, args.channels_last, conf_threshold, args.iou_threshold
             )
             # logged with the epoch's figures, and each class's AP50-95 as eval/ap50_95/<class>
             seconds = progress.epoch_done(state.last_eval, **per_class_scalars(state.last_eval))
             if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
                 with best.saving() as folder:
                     save_model(folder)
-            if accelerator.is_main_process:
-                log_pictures(accelerator, pictures["records"][:4], names, state.step, score_threshold=0.25)
-                save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
+            show_evaluation(accelerator, pictures, names, state.step, output)
             accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
         if accelerator.is_main_process:
             plot_results(progress.metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
