@@ -16,10 +16,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
-    sentiment_rows,
     stopped_with,
-    tiny_bert,
-    write_rows,
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -36,11 +33,9 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded")
-    return {"model": tiny_bert(root / "tiny-bert"), "root": root,
-            "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
-            "validation": write_rows(root / "reviews" / "dev.csv", sentiment_rows(63, seed=1))}
+def data(text_data, tmp_path_factory):
+    """conftest's tiny BERT and reviews (256 training rows, 63 validation rows); the runs write under their own root."""
+    return dict(text_data, root=tmp_path_factory.mktemp("sharded"))
 
 
 def launch(data, name, config, *extra, launcher=(), ok=True):
