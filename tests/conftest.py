@@ -298,6 +298,7 @@ def two_process_template_run(tmp_path_factory, recipe: str, *args) -> SimpleName
 
 
 def one_process_audited_run(tmp_path_factory, name: str, script: Path, *args, timeout=600) -> SimpleNamespace:
+    """The recipe run with plain python on 1 process, under the host-read audit."""
     tmp = tmp_path_factory.mktemp(f"one-{name}")
     out = tmp / "out"
     proc = check(run([PYTHON, AUDIT, script, *args, "--output_dir", out], recipe_env(tmp), timeout=timeout))
