@@ -4,17 +4,23 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from cifar_data import synthetic_images
 
+import accelerate_recipes
+
 REPO = Path(__file__).resolve().parents[1]
 CIFAR_SCRIPT = REPO / "recipes" / "cifar.py"
+DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
+AUDIT = REPO / "benchmarks" / "host_reads.py"
 CONFIGS = REPO / "accelerate_configs"
 BIN = Path(sys.executable).parent
 ACCELERATE = str(BIN / "accelerate")
@@ -179,3 +185,201 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
             writer.writeheader()
             writer.writerows(rows)
     return path
+
+
+# ------------------------------------------------------------------------------------------------------- tiny BERT
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """One tiny BERT for the whole session (the tests only read it)."""
+    return tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+@pytest.fixture(scope="session")
+def text_data(tiny_bert_dir, tmp_path_factory) -> dict:
+    """The tiny BERT and learnable reviews: 256 training rows (16 steps of 16 per epoch), 63 validation rows (an odd
+    count: with two processes the sampler pads one example, which must not be counted twice)."""
+    root = tmp_path_factory.mktemp("text-data")
+    return {
+        "model": tiny_bert_dir,
+        "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
+        "validation": write_rows(root / "reviews" / "dev.csv", sentiment_rows(63, seed=1)),
+        "root": root,
+    }
+
+
+# ------------------------------------------------------------------------------- a recipe copied as a template
+LIBRARY = Path(accelerate_recipes.__file__).resolve().parent
+RECIPES = REPO / "recipes"
+
+
+def local_imports(script: Path) -> set[str]:
+    """Modules `script` imports from its own folder, and theirs in turn."""
+    import ast
+
+    found, todo = set(), [script]
+    while todo:
+        tree = ast.parse(todo.pop().read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for name in names:
+                path = script.parent / f"{name.split('.')[0]}.py"
+                if path.is_file() and path.name not in found:
+                    found.add(path.name)
+                    todo.append(path)
+    return found
+
+
+def template_project(tmp_path: Path) -> tuple[Path, dict]:
+    """An empty project folder outside the repository, and the environment of a user who installed the library.
+
+    PYTHONPATH holds only a folder with the library package in it (where this checkout is not pip-installed, that
+    stands in for site-packages); the repository root, and with it recipes/, is not on it.
+    """
+    folder = tmp_path / "my_project"
+    folder.mkdir()
+    assert REPO not in folder.resolve().parents
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "accelerate_recipes").symlink_to(LIBRARY, target_is_directory=True)
+    env = recipe_env(tmp_path, PYTHONPATH=site, ACCELERATE_USE_CPU="true")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # the copy's __pycache__ is the evidence of what was imported
+    shutil.copy(CONFIGS / "cpu.yaml", folder / "cpu.yaml")
+    return folder, env
+
+
+def copy_recipe(folder: Path, recipe: str) -> tuple[str, set[str]]:
+    """Copy a recipe as README says: a one-file recipe and the modules beside it that it imports, or the detect/
+    folder. Returns the script to run, relative to the folder, and the modules it must import from the copy."""
+    if recipe == "detect":
+        shutil.copytree(RECIPES / "detect", folder / "detect", ignore=shutil.ignore_patterns("__pycache__"))
+        return "detect/train.py", local_imports(folder / "detect" / "train.py")
+    modules = local_imports(RECIPES / recipe)
+    for name in {recipe} | modules:
+        shutil.copy(RECIPES / name, folder / name)
+    return recipe, modules
+
+
+def launch_audited_copy(folder: Path, env: dict, script: str, *args, timeout=600) -> subprocess.CompletedProcess:
+    """`accelerate launch` on 2 gloo processes from the project folder, each process running the copied script under
+    the host-read audit (benchmarks/host_reads.py runs the script as __main__ with the script's folder first on
+    sys.path, as `python script` would; recipes/ stays on no import path)."""
+    cmd = [ACCELERATE, "launch", "--config_file", "cpu.yaml", "--num_processes", 2, "--main_process_port", free_port(),
+           "--num_cpu_threads_per_process", 1, AUDIT, script, *args]
+    return check(run(cmd, env, timeout=timeout, cwd=folder))
+
+
+def two_process_template_run(tmp_path_factory, recipe: str, *args) -> SimpleNamespace:
+    """The recipe copied into an empty project folder, run there on 2 gloo processes under the host-read audit."""
+    tmp = tmp_path_factory.mktemp(f"two-{recipe.split('.')[0]}")
+    folder, env = template_project(tmp)
+    script, modules = copy_recipe(folder, recipe)
+    proc = launch_audited_copy(folder, env, script, *args, "--output_dir", "out")
+    return SimpleNamespace(out=folder / "out", proc=proc, folder=folder, env=env, script=script, modules=modules)
+
+
+def one_process_audited_run(tmp_path_factory, name: str, script: Path, *args, timeout=600) -> SimpleNamespace:
+    """The recipe run with plain python on 1 process, under the host-read audit."""
+    tmp = tmp_path_factory.mktemp(f"one-{name}")
+    out = tmp / "out"
+    proc = check(run([PYTHON, AUDIT, script, *args, "--output_dir", out], recipe_env(tmp), timeout=timeout))
+    return SimpleNamespace(out=out, proc=proc)
+
+
+# ------------------------------------------------------------------- the shared runs: each recipe on 1 and 2 processes
+# Each recipe runs once on 1 process and once on 2 for the whole session; the tests that only read a run's folder
+# (results.json, pictures, host-read reports, models for --eval_only and --predict) share it, and a test that has to
+# write into one copies it first. The 2-process run is the recipe copied into an empty project folder (the template
+# test) and runs under the host-read audit, on the flags of the 1-process run (the 1 vs 2 processes comparison).
+
+# 645 generated images (a test split of 129, which does not divide by 2), a global batch of 32, 8 steps inside the
+# first epoch. Augmentation is off: its random crops are drawn per process. Logs at steps 1, 2, 4, 6 and 8: the
+# steps 3, 5 and 7 between them are the quiet ones the audit checks.
+CIFAR_RUN = ["--dataset", "synthetic", "--synthetic_size", "645", "--batch_size", "32", "--max_steps", "8",
+             "--tracker", "none", "--num_workers", "0", "--log_every", "2", "--checkpoint_every", "0",
+             "--augment", "False", "--lr", "0.02"]
+# 256 rows at a global batch of 16: 16 steps per epoch, 2 epochs; lr 3e-3 suits a randomly initialised tiny model.
+# Logs every 4 steps (epoch ends included): the steps between are quiet.
+TEXT_FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
+TEXT_RUN = [*TEXT_FAST, "--epochs", "2", "--checkpoint_every", "0"]
+# The detector on 2 processes: 32 generated training images (8 steps of 4 per epoch), 6 steps inside the first epoch,
+# logged at steps 1 and 6 only.
+DETECT_TWO = ["--data", "synthetic", "--synthetic_size", "32", "--data_dir", "data", "--image_size", "64",
+              "--batch_size", "4", "--max_steps", "6", "--log_every", "1000", "--checkpoint_every", "0",
+              "--tracker", "none", "--num_workers", "0"]
+
+
+def text_files(data: dict) -> list:
+    return ["--model", data["model"], "--train_file", data["train"], "--validation_file", data["validation"]]
+
+
+@pytest.fixture(scope="session")
+def cifar_one(tmp_path_factory):
+    """The CIFAR recipe on 1 process with CIFAR_RUN, under the host-read audit."""
+    return one_process_audited_run(tmp_path_factory, "cifar", CIFAR_SCRIPT, *CIFAR_RUN)
+
+
+@pytest.fixture(scope="session")
+def cifar_two(tmp_path_factory):
+    """cifar.py copied into an empty project, on 2 processes with CIFAR_RUN, under the host-read audit."""
+    return two_process_template_run(tmp_path_factory, "cifar.py", *CIFAR_RUN)
+
+
+@pytest.fixture(scope="session")
+def text_one(text_data, tmp_path_factory):
+    """The text recipe on 1 process: the tiny BERT fine-tuned for 2 epochs, under the host-read audit."""
+    return one_process_audited_run(tmp_path_factory, "text", TEXT_SCRIPT, *text_files(text_data), *TEXT_RUN)
+
+
+@pytest.fixture(scope="session")
+def text_two(text_data, tmp_path_factory):
+    """text_classification.py copied into an empty project, on 2 processes with the flags of text_one, audited."""
+    return two_process_template_run(tmp_path_factory, "text_classification.py", *text_files(text_data), *TEXT_RUN)
+
+
+@pytest.fixture(scope="session")
+def detect_two(tmp_path_factory):
+    """The detect/ folder copied into an empty project, on 2 processes under the host-read audit; --data synthetic is
+    the shapes set generated by the copied folder itself, in YOLO format under --data_dir."""
+    return two_process_template_run(tmp_path_factory, "detect", *DETECT_TWO)
+
+
+def read_audit(out: Path, rank: int = 0) -> dict:
+    return json.loads((Path(out) / ("host_reads.json" if rank == 0 else f"host_reads.rank{rank}.json")).read_text())
+
+
+def assert_quiet(report: dict, proc, steps: int, log_every: int) -> None:
+    """The audit's verdict on a run of `steps` steps logged every `log_every` (no checkpoint between epoch ends): the
+    steps between log steps are quiet and hold no read; the log step 1 reads the loss, so the counter is live."""
+    assert report["exit_code"] == 0 and report["steps"] == steps, proc.output[-3000:]
+    assert report["quiet_intervals"] == [s for s in range(2, steps) if s % log_every], report["quiet_intervals"]
+    assert report["quiet_intervals"], "no quiet step to check"
+    offenders = [f"{s['site']} {s['op']} x{s['quiet_count']} (via {s['via']})" for s in report["sites"] if s["fails"]]
+    assert report["quiet_violations"] == 0, "host reads between log steps:\n" + "\n".join(offenders)
+    assert report["intervals"][1]["reads"] >= 1  # the loss logged at step 1
+    assert "PASS: 0 read(s)" in proc.stdout
+
+
+# The detector on 1 process: 96 training and 21 validation images of the generated shapes set (21 divides neither by 2
+# processes nor by a batch of 4); 144 steps of batch 8 (12 epochs), evaluated once at the end: the shortest run
+# measured here that finds the shapes at all (36 steps of batch 16 left mAP50 at 0.000). Logs at step 1 and every 12
+# steps (the epoch ends); the steps between are the audit's quiet ones.
+DETECT_SMALL = ["--image_size", "128", "--optimizer", "adamw", "--lr", "0.002", "--tracker", "none",
+                "--num_workers", "0"]
+DETECT_RUN = ["--batch_size", "8", "--epochs", "12", "--eval_every", "12", "--seed", "0", "--log_every", "12",
+              "--checkpoint_every", "0", *DETECT_SMALL]
+
+
+@pytest.fixture(scope="session")
+def detect_shapes(tmp_path_factory) -> Path:
+    """The generated shapes set in YOLO format (its data.yaml)."""
+    from synthetic_shapes import write_synthetic_dataset
+
+    return write_synthetic_dataset(tmp_path_factory.mktemp("shapes"), num_train=96, num_val=21, image_size=128, seed=3)
+
+
+@pytest.fixture(scope="session")
+def detect_one(detect_shapes, tmp_path_factory):
+    """The detector trained on 1 process with DETECT_RUN, under the host-read audit."""
+    return one_process_audited_run(tmp_path_factory, "detect", DETECT_SCRIPT, "--data", detect_shapes, *DETECT_RUN)

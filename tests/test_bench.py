@@ -4,16 +4,16 @@ import json
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import PYTHON, REPO, check, fails_with, recipe_env, run, sentiment_rows, tiny_bert, write_rows
+from conftest import PYTHON, REPO, check, fails_with, recipe_env, run, sentiment_rows, write_rows
 
 from accelerate_recipes import cpu_precision
 
 
-def test_harness_on_tiny_shapes_writes_every_comparison(tmp_path):
+def test_harness_on_tiny_shapes_writes_every_comparison(tiny_bert_dir, tmp_path):
     text_data = tmp_path / "text"
     write_rows(text_data / "train.csv", sentiment_rows(96, seed=0))
     write_rows(text_data / "test.csv", sentiment_rows(32, seed=1))
-    model = tiny_bert(tmp_path / "tiny-bert")
+    model = tiny_bert_dir
     out = tmp_path / "bench"
     proc = check(run([PYTHON, REPO / "benchmarks" / "bench.py", "--batch_size", 8, "--steps", 3, "--images", 128,
                       "--text_model", model, "--text_data", text_data, "--output_dir", out],

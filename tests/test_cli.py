@@ -8,12 +8,12 @@ from importlib.util import module_from_spec, spec_from_file_location
 
 import fire
 import pytest
-from conftest import CIFAR_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, check, fails_with, recipe_env, run, tiny_bert
+from conftest import CIFAR_SCRIPT, DETECT_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, check, fails_with, recipe_env, run
 
 from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv
 from accelerate_recipes.cli import run as run_cli
 
-SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": REPO / "recipes" / "detect" / "train.py"}
+SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": DETECT_SCRIPT}
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_text_flags_arrive_as_typed(mains):
 
 
 @pytest.fixture(scope="module")
-def tiny_classifier(tmp_path_factory):
-    return tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+def tiny_classifier(tiny_bert_dir):
+    return tiny_bert_dir
 
 
 def test_predict_gets_one_text_with_its_comma(tiny_classifier, tmp_path):

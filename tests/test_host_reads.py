@@ -5,23 +5,18 @@ import textwrap
 
 import pytest
 from conftest import (
-    ACCELERATE,
-    CONFIGS,
+    AUDIT,
     PYTHON,
-    REPO,
     TEXT_SCRIPT,
+    assert_quiet,
     check,
     fails_with,
-    free_port,
+    read_audit,
     recipe_env,
     run,
-    sentiment_rows,
-    tiny_bert,
-    write_rows,
+    text_files,
 )
-from synthetic_shapes import write_synthetic_dataset
 
-AUDIT = REPO / "benchmarks" / "host_reads.py"
 # Six optimizer steps inside one epoch; logs only at steps 1 and 6, checkpoints only at the epoch end.
 QUIET = ["--max_steps", "6", "--log_every", "1000", "--checkpoint_every", "0", "--tracker", "none",
          "--num_workers", "0"]
@@ -31,52 +26,29 @@ def audited(out) -> dict:
     return json.loads((out / "host_reads.json").read_text())
 
 
-def assert_quiet(report: dict, proc) -> None:
-    """Steps 2-5 are quiet and hold no read; the log step 1 reads the loss, so the counter is live."""
-    assert report["exit_code"] == 0 and report["steps"] == 6, proc.output[-3000:]
-    assert report["quiet_intervals"] == [2, 3, 4, 5]
-    offenders = [f"{s['site']} {s['op']} x{s['quiet_count']} (via {s['via']})" for s in report["sites"] if s["fails"]]
-    assert report["quiet_violations"] == 0, "host reads between log steps:\n" + "\n".join(offenders)
-    assert report["intervals"][1]["reads"] >= 1  # the loss logged at step 1
-    assert "PASS: 0 read(s)" in proc.stdout
+def assert_both_ranks_quiet(two, steps: int, log_every: int) -> None:
+    """Each of the 2 gloo processes wrote its own audit, and each holds no read between log steps."""
+    for rank in (0, 1):
+        report = read_audit(two.out, rank)
+        assert report["world_size"] == 2 and report["rank"] == rank
+        assert_quiet(report, two.proc, steps, log_every)
 
 
-def test_cifar_loop_reads_nothing_between_log_steps(tmp_path):
-    out = tmp_path / "out"
-    proc = run([PYTHON, AUDIT, REPO / "recipes" / "cifar.py", "--dataset", "synthetic", "--synthetic_size", 160,
-                "--batch_size", 16, *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
-    assert_quiet(audited(out), proc)
+def test_cifar_loop_reads_nothing_between_log_steps_on_one_and_two_processes(cifar_one, cifar_two):
+    assert_quiet(read_audit(cifar_one.out), cifar_one.proc, steps=8, log_every=2)
+    assert_both_ranks_quiet(cifar_two, steps=8, log_every=2)
 
 
-def test_text_loop_reads_nothing_between_log_steps(tmp_path):
-    model = tiny_bert(tmp_path / "tiny-bert")
-    train = write_rows(tmp_path / "train.csv", sentiment_rows(160, seed=0))
-    dev = write_rows(tmp_path / "dev.csv", sentiment_rows(24, seed=1))
-    out = tmp_path / "out"
-    proc = run([PYTHON, AUDIT, TEXT_SCRIPT, "--model", model, "--train_file", train, "--validation_file", dev,
-                "--batch_size", 16, *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
-    assert_quiet(audited(out), proc)
+def test_text_loop_reads_nothing_between_log_steps_on_one_and_two_processes(text_one, text_two):
+    # two epochs: the epoch end (step 16) is a log step
+    assert_quiet(read_audit(text_one.out), text_one.proc, steps=32, log_every=4)
+    assert_both_ranks_quiet(text_two, steps=32, log_every=4)
 
 
-def test_detector_loop_reads_nothing_between_log_steps(tmp_path):
-    data = write_synthetic_dataset(tmp_path / "shapes", num_train=48, num_val=8, image_size=128, seed=3)
-    out = tmp_path / "out"
-    proc = run([PYTHON, AUDIT, REPO / "recipes" / "detect" / "train.py", "--data", data, "--image_size", 128,
-                "--batch_size", 8, *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
-    assert_quiet(audited(out), proc)
-
-
-def test_two_gloo_processes_each_write_their_audit(tmp_path):
-    out = tmp_path / "out"
-    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
-    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
-                "--main_process_port", free_port(),
-                "--num_cpu_threads_per_process", 1, AUDIT, REPO / "recipes" / "cifar.py", "--dataset", "synthetic",
-                "--synthetic_size", 320, "--batch_size", 32, *QUIET, "--output_dir", out], env, timeout=400)
-    for name in ("host_reads.json", "host_reads.rank1.json"):
-        report = json.loads((out / name).read_text())
-        assert report["world_size"] == 2 and report["rank"] == (1 if "rank1" in name else 0)
-        assert_quiet(report, proc)
+def test_detector_loop_reads_nothing_between_log_steps_on_one_and_two_processes(detect_one, detect_two):
+    # 12 epochs of 12 steps on 1 process, logged at the epoch ends; 6 steps inside one epoch on 2
+    assert_quiet(read_audit(detect_one.out), detect_one.proc, steps=144, log_every=12)
+    assert_both_ranks_quiet(detect_two, steps=6, log_every=1000)
 
 
 # accelerate builds its fp16 GradScaler and autocast only off the CPU (there it runs fp16 as fp32, with no scaler).
@@ -104,19 +76,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(tmp_path):
+def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, tmp_path):
     """Under fp16 the GradScaler reads found_inf in every optimizer step: counted apart, named, and not a failure."""
     launcher = tmp_path / "fp16_with_scaler.py"
     launcher.write_text(FP16_WITH_SCALER)
-    model = tiny_bert(tmp_path / "tiny-bert")
-    train = write_rows(tmp_path / "train.csv", sentiment_rows(160, seed=0))
-    dev = write_rows(tmp_path / "dev.csv", sentiment_rows(24, seed=1))
     out = tmp_path / "out"
-    proc = run([PYTHON, AUDIT, launcher, TEXT_SCRIPT, "--model", model, "--train_file", train, "--validation_file",
-                dev, "--batch_size", 16, "--mixed_precision", "fp16", *QUIET, "--output_dir", out],
-               recipe_env(tmp_path), timeout=300)
+    proc = run([PYTHON, AUDIT, launcher, TEXT_SCRIPT, *text_files(text_data), "--batch_size", 16,
+                "--mixed_precision", "fp16", *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
     report = audited(out)
-    assert_quiet(report, proc)
+    assert_quiet(report, proc, steps=6, log_every=1000)
     # Step k + 1 reads found_inf inside optimizer.step, before the step counter moves: one read in each interval 0-5.
     assert [i["grad_scaler_reads"] for i in report["intervals"]] == [1, 1, 1, 1, 1, 1, 0]
     assert report["grad_scaler_reads"] == 6 and report["grad_scaler_reads_per_step"] == 1.0

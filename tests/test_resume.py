@@ -16,10 +16,12 @@ import pytest
 import torch
 from conftest import (
     ACCELERATE,
+    CIFAR_RUN,
     CIFAR_SCRIPT,
     CONFIGS,
     PYTHON,
     REPO,
+    TEXT_RUN,
     TEXT_SCRIPT,
     check,
     fails_with,
@@ -28,9 +30,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
-    sentiment_rows,
-    tiny_bert,
-    write_rows,
+    text_files,
 )
 from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
@@ -46,21 +46,18 @@ CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "48", "--ba
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def data(text_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume-data")
     shapes = write_synthetic_dataset(root / "shapes", num_train=48, num_val=9, image_size=128, seed=3)
-    return {"bert": tiny_bert(root / "tiny-bert"),
-            "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
-            "dev": write_rows(root / "reviews" / "dev.csv", sentiment_rows(31, seed=1)),
-            "shapes": shapes}
+    return {"text": text_data, "shapes": shapes}
 
 
 def recipe_command(name: str, data: dict) -> list:
     if name == "cifar":
         return CIFAR
-    if name == "text":  # 16 steps per epoch; dropout draws from the global RNG that checkpoints restore
-        return [TEXT_SCRIPT, "--model", data["bert"], "--train_file", data["train"], "--validation_file", data["dev"],
-                "--batch_size", "16", "--lr", "3e-3", "--epochs", "6", "--checkpoint_every", "3", *COMMON]
+    if name == "text":  # conftest's text_one with a checkpoint every 3 steps: 2 epochs of 16 steps; dropout draws from
+        # the global RNG that checkpoints restore
+        return [TEXT_SCRIPT, *text_files(data["text"]), *TEXT_RUN, "--checkpoint_every", "3"]
     # detect: 6 steps per epoch, mosaic augmentation, EMA weights
     return [DETECT_SCRIPT, "--data", data["shapes"], "--image_size", "128", "--batch_size", "8", "--epochs", "3",
             "--checkpoint_every", "2", *COMMON]
@@ -117,11 +114,14 @@ def processes_with(variable: str, value: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
-    """The reference: each recipe run start to finish with the same flags."""
+def uninterrupted(data, tmp_path_factory, request):
+    """The reference: each recipe run start to finish with the same flags. The text recipe's is the shared text_one
+    (the same flags without the checkpoints, which change no number the run computes)."""
     outputs = {}
 
     def get(name: str) -> Path:
+        if name == "text":
+            return request.getfixturevalue("text_one").out
         if name not in outputs:
             tmp = tmp_path_factory.mktemp(f"reference-{name}")
             check(run([PYTHON, *recipe_command(name, data), "--output_dir", tmp / "out"], recipe_env(tmp), timeout=400))
@@ -131,7 +131,7 @@ def uninterrupted(data, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name, kill_after", [("cifar", 8), ("text", 30), ("detect", 8)])
+@pytest.mark.parametrize("name, kill_after", [("cifar", 8), ("text", 18), ("detect", 8)])
 def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kill_after, data, uninterrupted, tmp_path):
     out, log = tmp_path / "out", tmp_path / "killed.log"
     env = recipe_env(tmp_path)
@@ -159,16 +159,17 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kil
     assert len(list((out / "checkpoints").iterdir())) == 2  # --keep_checkpoints 2
 
 
-def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(tmp_path):
+def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(cifar_two, tmp_path):
+    """The reference is the shared 2-process CIFAR run (conftest's cifar_two: CIFAR_RUN, 8 steps inside one epoch);
+    this run has the same flags and a checkpoint every 2 steps, which changes no number it computes."""
     launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
               "--num_cpu_threads_per_process", "1"]
-    reference = tmp_path / "reference"
+    cifar = [CIFAR_SCRIPT, *CIFAR_RUN, "--checkpoint_every", "2"]
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
-    check(run([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", reference], env, timeout=400))
 
     out, log = tmp_path / "out", tmp_path / "killed.log"
     marked = dict(env, RESUME_TEST_RUN=str(tmp_path))
-    proc = start([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", out], marked, log)
+    proc = start([*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out], marked, log)
     try:
         wait_for_checkpoint(proc, out, 4, log)  # mid-epoch 1
         rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
@@ -180,10 +181,15 @@ def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
     assert not (out / "results.json").exists()
 
-    check(run([*launch, "--main_process_port", free_port(), *CIFAR, "--output_dir", out, "--resume", "auto"], env,
-              timeout=400))
-    assert read_results(out)["world_size"] == 2
-    assert_same_weights(out, reference)
+    progress = json.loads((out / "checkpoints" / f"step_{4:08d}" / "checkpoint.json").read_text())
+    assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
+
+    resumed = check(run([*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out, "--resume", "auto"],
+                        env, timeout=400))
+    assert "resumed from" in resumed.stdout
+    results = read_results(out)
+    assert results["world_size"] == 2 and results["steps"] == read_results(cifar_two.out)["steps"] == 8
+    assert_same_weights(out, cifar_two.out)
 
 
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted, tmp_path):

@@ -16,10 +16,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
-    sentiment_rows,
     stopped_with,
-    tiny_bert,
-    write_rows,
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -36,11 +33,9 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded")
-    return {"model": tiny_bert(root / "tiny-bert"), "root": root,
-            "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
-            "validation": write_rows(root / "reviews" / "dev.csv", sentiment_rows(63, seed=1))}
+def data(text_data, tmp_path_factory):
+    """conftest's tiny BERT and reviews (256 training rows, 63 validation rows); the runs write under their own root."""
+    return dict(text_data, root=tmp_path_factory.mktemp("sharded"))
 
 
 def launch(data, name, config, *extra, launcher=(), ok=True):
@@ -90,11 +85,12 @@ def test_fsdp_on_cpu_shards_and_trains_like_ddp(fsdp, ddp):
 
 
 def test_fsdp_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp):
-    proc, resumed = launch(data, "fsdp-resumed", "fsdp.yaml", "--resume", fsdp / "checkpoints" / "step_00000012")
-    assert "resumed from" in proc.output and "step 12 of 32" in proc.output
+    # step 24: 8 steps into the second epoch of 16
+    proc, resumed = launch(data, "fsdp-resumed", "fsdp.yaml", "--resume", fsdp / "checkpoints" / "step_00000024")
+    assert "resumed from" in proc.output and "step 24 of 32" in proc.output
     results = read_results(resumed)
     assert results["distributed_type"] == "FSDP" and results["steps"] == 32
-    assert sorted(losses(resumed)) == list(range(13, 33))
+    assert sorted(losses(resumed)) == list(range(25, 33))
     # Same weights, optimizer moments, schedule, RNG and data position: the continuation is the same run.
     assert_same_losses(resumed, fsdp, tolerance=1e-6)
 

@@ -9,6 +9,7 @@ from conftest import (
     ACCELERATE,
     CONFIGS,
     PYTHON,
+    TEXT_FAST,
     TEXT_SCRIPT,
     check,
     check_png,
@@ -19,7 +20,7 @@ from conftest import (
     recipe_env,
     run,
     sentiment_rows,
-    tiny_bert,
+    text_files,
     write_rows,
 )
 from safetensors.torch import load_file
@@ -27,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import AttentionMaskInterface, AutoModelForSequenceClassification, AutoTokenizer
 
 # 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly initialised tiny model.
-FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
+FAST = TEXT_FAST
 CONTRACT = ["recipe", "world_size", "num_machines", "mixed_precision", "global_batch_size", "steps", "wall_seconds",
             "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "eval_accuracy", "eval_f1"]
 
@@ -39,29 +40,14 @@ def load_recipe():
     return module
 
 
-@pytest.fixture(scope="module")
-def text_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    return {
-        "model": tiny_bert(root / "tiny-bert"),
-        "train": write_rows(root / "reviews" / "train.csv", sentiment_rows(256, seed=0)),
-        # An odd count: with two processes the sampler pads one example, which must not be counted twice.
-        "validation": write_rows(root / "reviews" / "dev.csv", sentiment_rows(63, seed=1)),
-        "root": root,
-    }
-
-
 def files(data):
-    return ["--model", data["model"], "--train_file", data["train"], "--validation_file", data["validation"]]
+    return text_files(data)
 
 
 @pytest.fixture(scope="module")
-def single_run(text_data, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
-    out = tmp / "out"
-    proc = check(run([PYTHON, TEXT_SCRIPT, *files(text_data), *FAST, "--epochs", "2", "--output_dir", out],
-                     recipe_env(tmp), timeout=300))
-    return out, proc
+def single_run(text_one):
+    """conftest's text_one: the tiny BERT fine-tuned for 2 epochs on 1 process (text_data, TEXT_RUN)."""
+    return text_one.out, text_one.proc
 
 
 def test_fine_tune_learns_and_writes_the_contract(single_run):
@@ -97,15 +83,15 @@ def test_predict_classifies_a_text_file_and_a_literal_text(single_run, tmp_path)
     out, _ = single_run
     texts = tmp_path / "texts.txt"
     texts.write_text("a lovely brilliant film\n\nboring terrible poor plot\n")
-    env = recipe_env(tmp_path)
-    rows = [json.loads(line) for line in check(run([PYTHON, TEXT_SCRIPT, "--predict", texts, "--model", out], env))
-            .stdout.splitlines()]
+    # A file and a literal text in one call. Without --model, --predict uses --output_dir: the run just trained (the
+    # model_best test below gives --model).
+    proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", texts, "--predict", "superb great movie", "--output_dir", out],
+                     recipe_env(tmp_path)))
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["text"], r["label"]) for r in rows] == [("a lovely brilliant film", "positive"),
-                                                        ("boring terrible poor plot", "negative")]
+                                                        ("boring terrible poor plot", "negative"),
+                                                        ("superb great movie", "positive")]
     assert all(0.5 < r["score"] <= 1 for r in rows)
-    # Without --model, --predict uses --output_dir: the run just trained.
-    proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", "superb great movie", "--output_dir", out], env))
-    assert json.loads(proc.stdout.splitlines()[-1])["label"] == "positive"
 
 
 def same_weights(a, b) -> bool:
@@ -153,11 +139,8 @@ def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(tex
     assert (again["steps"], again["stopped_early"], again["best_epoch"]) == (32, True, 1)
 
 
-def test_two_processes_over_gloo_count_each_validation_example_once(text_data, tmp_path):
-    out = tmp_path / "out"
-    check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1",
-               TEXT_SCRIPT, *files(text_data), *FAST, "--epochs", "2", "--output_dir", out],
-              recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=300))
+def test_two_processes_over_gloo_count_each_validation_example_once(text_two):
+    out = text_two.out  # the recipe copied into an empty project, on 2 processes, with the flags of text_one
     results = read_results(out)
     assert results["world_size"] == 2 and results["per_process_batch_size"] == 8
     assert results["samples_seen_per_process"] == [256, 256]

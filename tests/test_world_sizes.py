@@ -8,7 +8,7 @@ share 2 cores here.
 """
 
 from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, TEXT_SCRIPT, check, free_port, losses, read_results,
-                      recipe_env, run, sentiment_rows, stopped_with, tiny_bert, write_rows)
+                      recipe_env, run, sentiment_rows, stopped_with, write_rows)
 
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
@@ -46,8 +46,8 @@ def test_cifar_on_3_processes_runs_every_step_and_counts_each_test_image_once(tm
     assert sum(map(sum, read_confusion_matrix_csv(out / "confusion_matrix.csv")[1])) == 20
 
 
-def test_text_on_4_processes_runs_every_step_and_counts_each_validation_example_once(tmp_path):
-    model = tiny_bert(tmp_path / "tiny-bert")
+def test_text_on_4_processes_runs_every_step_and_counts_each_validation_example_once(tiny_bert_dir, tmp_path):
+    model = tiny_bert_dir
     train = write_rows(tmp_path / "reviews" / "train.csv", sentiment_rows(48, seed=0))
     validation = write_rows(tmp_path / "reviews" / "dev.csv", sentiment_rows(63, seed=1))  # 63 = 4 x 15 + 3
     out = tmp_path / "out"
