@@ -27,13 +27,19 @@ def main(dataset_size: int = 40):
         dist.all_reduce(total)
     for turn in range(world):  # print in rank order
         if turn == rank:
-            print(f"node {node} | rank {rank:>2} of world size {world} | local rank {local_rank} | "
-                  f"samples {share} | all-reduce sum {total.item():g}", flush=True)
+            print(
+                f"node {node} | rank {rank:>2} of world size {world} | local rank {local_rank} | "
+                f"samples {share} | all-reduce sum {total.item():g}",
+                flush=True,
+            )
         state.wait_for_everyone()
     if state.is_main_process:
-        print(f"world size {world} = {world // max(1, int(os.environ.get('LOCAL_WORLD_SIZE', world)))} node(s) x "
-              f"{os.environ.get('LOCAL_WORLD_SIZE', world)} process(es) per node; "
-              f"the sum 1 + ... + {world} = {world * (world + 1) // 2}", flush=True)
+        print(
+            f"world size {world} = {world // max(1, int(os.environ.get('LOCAL_WORLD_SIZE', world)))} node(s) x "
+            f"{os.environ.get('LOCAL_WORLD_SIZE', world)} process(es) per node; "
+            f"the sum 1 + ... + {world} = {world * (world + 1) // 2}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

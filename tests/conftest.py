@@ -28,8 +28,22 @@ TORCHRUN = str(BIN / "torchrun")
 PYTHON = sys.executable
 
 # Small enough for 2 CPU cores, large enough that the network visibly learns.
-TINY = ["--dataset", "synthetic", "--synthetic_size", "160", "--batch_size", "16", "--max_steps", "2",
-        "--tracker", "none", "--num_workers", "0", "--log_every", "1"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--synthetic_size",
+    "160",
+    "--batch_size",
+    "16",
+    "--max_steps",
+    "2",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+    "--log_every",
+    "1",
+]
 
 
 def free_port() -> int:
@@ -41,8 +55,17 @@ def free_port() -> int:
 def recipe_env(tmp_path: Path, **extra) -> dict:
     """Environment of a user with no SwanLab login and no internet, one CPU thread per process."""
     env = dict(os.environ)
-    for key in ("SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_LOG_DIR", "WORLD_SIZE", "RANK", "LOCAL_RANK",
-                "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "CUDA_VISIBLE_DEVICES"):
+    for key in (
+        "SWANLAB_MODE",
+        "SWANLAB_API_KEY",
+        "SWANLAB_LOG_DIR",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "ACCELERATE_USE_CPU",
+        "ACCELERATE_MIXED_PRECISION",
+        "CUDA_VISIBLE_DEVICES",
+    ):
         env.pop(key, None)
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
@@ -119,8 +142,12 @@ def write_cifar10(root: Path, num_train: int, num_test: int, seed: int = 0) -> P
 
     def dump(name, images, labels):
         rows = images.transpose(0, 3, 1, 2).reshape(len(images), -1)  # N x 3072: all R, then G, then B
-        entry = {"batch_label": name, "labels": labels.tolist(), "data": rows,
-                 "filenames": [f"{name}_{i}.png" for i in range(len(images))]}
+        entry = {
+            "batch_label": name,
+            "labels": labels.tolist(),
+            "data": rows,
+            "filenames": [f"{name}_{i}.png" for i in range(len(images))],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(entry, f, protocol=2)
 
@@ -152,8 +179,14 @@ def tiny_bert(folder: Path) -> Path:
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POSITIVE + NEGATIVE + NEUTRAL
     BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}).save_pretrained(folder)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     BertForSequenceClassification(config).save_pretrained(folder)
     return folder
 
@@ -189,6 +222,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 # ------------------------------------------------------------------------------------------------------- tiny BERT
 
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
     """One tiny BERT for the whole session (the tests only read it)."""
@@ -221,8 +255,13 @@ def local_imports(script: Path) -> set[str]:
     while todo:
         tree = ast.parse(todo.pop().read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                else []
+            )
             for name in names:
                 path = script.parent / f"{name.split('.')[0]}.py"
                 if path.is_file() and path.name not in found:
@@ -265,8 +304,21 @@ def launch_audited_copy(folder: Path, env: dict, script: str, *args, timeout=600
     """`accelerate launch` on 2 gloo processes from the project folder, each process running the copied script under
     the host-read audit (benchmarks/host_reads.py runs the script as __main__ with the script's folder first on
     sys.path, as `python script` would; recipes/ stays on no import path)."""
-    cmd = [ACCELERATE, "launch", "--config_file", "cpu.yaml", "--num_processes", 2, "--main_process_port", free_port(),
-           "--num_cpu_threads_per_process", 1, AUDIT, script, *args]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        "cpu.yaml",
+        "--num_processes",
+        2,
+        "--main_process_port",
+        free_port(),
+        "--num_cpu_threads_per_process",
+        1,
+        AUDIT,
+        script,
+        *args,
+    ]
     return check(run(cmd, env, timeout=timeout, cwd=folder))
 
 
@@ -296,18 +348,56 @@ def one_process_audited_run(tmp_path_factory, name: str, script: Path, *args, ti
 # 645 generated images (a test split of 129, which does not divide by 2), a global batch of 32, 8 steps inside the
 # first epoch. Augmentation is off: its random crops are drawn per process. Logs at steps 1, 2, 4, 6 and 8: the
 # steps 3, 5 and 7 between them are the quiet ones the audit checks.
-CIFAR_RUN = ["--dataset", "synthetic", "--synthetic_size", "645", "--batch_size", "32", "--max_steps", "8",
-             "--tracker", "none", "--num_workers", "0", "--log_every", "2", "--checkpoint_every", "0",
-             "--augment", "False", "--lr", "0.02"]
+CIFAR_RUN = [
+    "--dataset",
+    "synthetic",
+    "--synthetic_size",
+    "645",
+    "--batch_size",
+    "32",
+    "--max_steps",
+    "8",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+    "--log_every",
+    "2",
+    "--checkpoint_every",
+    "0",
+    "--augment",
+    "False",
+    "--lr",
+    "0.02",
+]
 # 256 rows at a global batch of 16: 16 steps per epoch, 2 epochs; lr 3e-3 suits a randomly initialised tiny model.
 # Logs every 4 steps (epoch ends included): the steps between are quiet.
 TEXT_FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
 TEXT_RUN = [*TEXT_FAST, "--epochs", "2", "--checkpoint_every", "0"]
 # The detector on 2 processes: 32 generated training images (8 steps of 4 per epoch), 6 steps inside the first epoch,
 # logged at steps 1 and 6 only.
-DETECT_TWO = ["--data", "synthetic", "--synthetic_size", "32", "--data_dir", "data", "--image_size", "64",
-              "--batch_size", "4", "--max_steps", "6", "--log_every", "1000", "--checkpoint_every", "0",
-              "--tracker", "none", "--num_workers", "0"]
+DETECT_TWO = [
+    "--data",
+    "synthetic",
+    "--synthetic_size",
+    "32",
+    "--data_dir",
+    "data",
+    "--image_size",
+    "64",
+    "--batch_size",
+    "4",
+    "--max_steps",
+    "6",
+    "--log_every",
+    "1000",
+    "--checkpoint_every",
+    "0",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+]
 
 
 def text_files(data: dict) -> list:
@@ -365,10 +455,33 @@ def assert_quiet(report: dict, proc, steps: int, log_every: int) -> None:
 # processes nor by a batch of 4); 144 steps of batch 8 (12 epochs), evaluated once at the end: the shortest run
 # measured here that finds the shapes at all (36 steps of batch 16 left mAP50 at 0.000). Logs at step 1 and every 12
 # steps (the epoch ends); the steps between are the audit's quiet ones.
-DETECT_SMALL = ["--image_size", "128", "--optimizer", "adamw", "--lr", "0.002", "--tracker", "none",
-                "--num_workers", "0"]
-DETECT_RUN = ["--batch_size", "8", "--epochs", "12", "--eval_every", "12", "--seed", "0", "--log_every", "12",
-              "--checkpoint_every", "0", *DETECT_SMALL]
+DETECT_SMALL = [
+    "--image_size",
+    "128",
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "0.002",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+]
+DETECT_RUN = [
+    "--batch_size",
+    "8",
+    "--epochs",
+    "12",
+    "--eval_every",
+    "12",
+    "--seed",
+    "0",
+    "--log_every",
+    "12",
+    "--checkpoint_every",
+    "0",
+    *DETECT_SMALL,
+]
 
 
 @pytest.fixture(scope="session")

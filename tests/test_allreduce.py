@@ -11,9 +11,30 @@ SCRIPT = REPO / "benchmarks" / "allreduce.py"
 
 def test_two_gloo_processes_sum_correctly_and_busbw_follows_the_formula(tmp_path):
     out = tmp_path / "out"
-    proc = check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1",
-                      SCRIPT, "--max_bytes", 2**20, "--dtype", "bf16", "--warmup", 1, "--iters", 2, "--output_dir", out],
-                     recipe_env(tmp_path, ACCELERATE_USE_CPU="true")))
+    proc = check(
+        run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                CONFIGS / "cpu.yaml",
+                "--num_cpu_threads_per_process",
+                "1",
+                SCRIPT,
+                "--max_bytes",
+                2**20,
+                "--dtype",
+                "bf16",
+                "--warmup",
+                1,
+                "--iters",
+                2,
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path, ACCELERATE_USE_CPU="true"),
+        )
+    )
     report = json.loads((out / "allreduce.json").read_text())
     assert (report["world_size"], report["backend"], report["device"]) == (2, "gloo", "cpu")
     assert [row["bytes"] for row in report["sizes"]] == [1024, 4096, 16384, 65536, 262144, 1048576]
@@ -26,8 +47,11 @@ def test_two_gloo_processes_sum_correctly_and_busbw_follows_the_formula(tmp_path
 
 
 def test_one_process_is_told_to_launch_more(tmp_path):
-    fails_with(run([PYTHON, SCRIPT, "--output_dir", tmp_path / "out"], recipe_env(tmp_path)),
-               "needs at least 2 processes", "make allreduce-cpu")
+    fails_with(
+        run([PYTHON, SCRIPT, "--output_dir", tmp_path / "out"], recipe_env(tmp_path)),
+        "needs at least 2 processes",
+        "make allreduce-cpu",
+    )
 
 
 def ring_sums(values, dtype):

@@ -15,9 +15,28 @@ def test_harness_on_tiny_shapes_writes_every_comparison(tiny_bert_dir, tmp_path)
     write_rows(text_data / "test.csv", sentiment_rows(32, seed=1))
     model = tiny_bert_dir
     out = tmp_path / "bench"
-    proc = check(run([PYTHON, REPO / "benchmarks" / "bench.py", "--batch_size", 8, "--steps", 3, "--images", 128,
-                      "--text_model", model, "--text_data", text_data, "--output_dir", out],
-                     recipe_env(tmp_path), timeout=600))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                REPO / "benchmarks" / "bench.py",
+                "--batch_size",
+                8,
+                "--steps",
+                3,
+                "--images",
+                128,
+                "--text_model",
+                model,
+                "--text_data",
+                text_data,
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path),
+            timeout=600,
+        )
+    )
     report = json.loads((out / "bench_results.json").read_text())
     rows = {row["name"]: row for row in report["comparisons"]}
     assert list(rows) == ["loader", "training", "overhead", "text"]  # no compile on a CPU by default
@@ -33,15 +52,19 @@ def test_harness_on_tiny_shapes_writes_every_comparison(tiny_bert_dir, tmp_path)
     used = "bf16" if cpu_precision() == "bf16" else "fp32"
     assert rows["training"]["precision"] == f"{used} / fp32" and rows["overhead"]["precision"] == f"{used} / {used}"
     assert f"| {used} / fp32 " in proc.stdout
-    assert rows["text"]["a_value"] == json.loads((out / "text" / "results.json").read_text())["train_samples_per_second"]
+    assert (
+        rows["text"]["a_value"] == json.loads((out / "text" / "results.json").read_text())["train_samples_per_second"]
+    )
     assert rows["overhead"]["note"].startswith("overhead ")
     assert "saved" in proc.stdout
 
 
 def test_fp16_on_a_cpu_is_refused_before_anything_runs(tmp_path):
     # accelerate would train the recipe in fp32 there, and the overhead row would compare it with an fp16 loop
-    proc = run([PYTHON, REPO / "benchmarks" / "bench.py", "--precision", "fp16", "--output_dir", tmp_path / "bench"],
-               recipe_env(tmp_path))
+    proc = run(
+        [PYTHON, REPO / "benchmarks" / "bench.py", "--precision", "fp16", "--output_dir", tmp_path / "bench"],
+        recipe_env(tmp_path),
+    )
     fails_with(proc, "--precision fp16 needs a GPU", "use --precision bf16 or no")
     assert not (tmp_path / "bench").exists()
 
@@ -54,8 +77,10 @@ def test_text_benchmark_launches_with_the_configs_make_uses_for_the_hardware():
     assert launch_config(2, gpus=8) == ("2gpu", {})
     assert launch_config(3, gpus=8) == ("8gpu", {})  # a count without a file of its own: --num_processes sets it
     for config in ("2gpu", "8gpu"):
-        assert load_config_from_file(str(REPO / "accelerate_configs" / f"{config}.yaml")).distributed_type.value == \
-            "MULTI_GPU"
+        assert (
+            load_config_from_file(str(REPO / "accelerate_configs" / f"{config}.yaml")).distributed_type.value
+            == "MULTI_GPU"
+        )
     # No GPU: gloo processes on the CPU.
     assert launch_config(2, gpus=0) == ("cpu", {"ACCELERATE_USE_CPU": "true"})
     assert launch_config(1, gpus=0) == (None, {})

@@ -7,8 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, check, fails_with, free_port, read_results, recipe_env,
-                      run)
+from conftest import (
+    ACCELERATE,
+    CIFAR_SCRIPT,
+    CONFIGS,
+    PYTHON,
+    check,
+    fails_with,
+    free_port,
+    read_results,
+    recipe_env,
+    run,
+)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -43,18 +53,53 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cifar_inference")
     data = write_image_folder(tmp / "imgs", 155, size=24, seed=3)
     out = tmp / "out"
-    check(run([PYTHON, CIFAR_SCRIPT, "--dataset", "imagefolder", "--data_dir", data, "--image_size", "16",
-               "--batch_size", "16", "--max_steps", "15", "--lr", "0.05", "--augment", "False", "--tracker", "none",
-               "--num_workers", "0", "--output_dir", out], recipe_env(tmp), timeout=300))
+    check(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "imagefolder",
+                "--data_dir",
+                data,
+                "--image_size",
+                "16",
+                "--batch_size",
+                "16",
+                "--max_steps",
+                "15",
+                "--lr",
+                "0.05",
+                "--augment",
+                "False",
+                "--tracker",
+                "none",
+                "--num_workers",
+                "0",
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp),
+            timeout=300,
+        )
+    )
     return data, out
 
 
 def test_a_finished_run_saves_what_inference_needs(trained):
     _, out = trained
     config = json.loads((out / "model_config.json").read_text())
-    assert config == dict(model="resnet18", stem="cifar", num_classes=3, classes=CLASSES, image_size=16,
-                          mean=[0.4914, 0.4822, 0.4465], std=[0.2470, 0.2435, 0.2616], dataset="imagefolder",
-                          pretrained=False)
+    assert config == dict(
+        model="resnet18",
+        stem="cifar",
+        num_classes=3,
+        classes=CLASSES,
+        image_size=16,
+        mean=[0.4914, 0.4822, 0.4465],
+        std=[0.2470, 0.2435, 0.2616],
+        dataset="imagefolder",
+        pretrained=False,
+    )
     assert (out / "model.safetensors").is_file()
     assert read_results(out)["eval_accuracy"] > 0.6  # chance is 1/3
     # model_best is a model folder like the last one: --predict and --eval_only take it as --model
@@ -66,8 +111,13 @@ def test_predict_prints_one_json_line_per_image(trained, tmp_path):
     data, out = trained
     val = sorted((data / "val").rglob("*.png"))
     single = data / "train" / "dog" / sorted(p.name for p in (data / "train" / "dog").iterdir())[0]
-    proc = check(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--predict", single, "--model", out],
-                     recipe_env(tmp_path), timeout=120))
+    proc = check(
+        run(
+            [PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--predict", single, "--model", out],
+            recipe_env(tmp_path),
+            timeout=120,
+        )
+    )
     rows = json_lines(proc.stdout)  # nothing but the JSON lines on stdout
     assert len(rows) == len(val) + 1 == 32
     assert [row["image"] for row in rows] == [str(p) for p in val] + [str(single)]
@@ -79,22 +129,58 @@ def test_predict_prints_one_json_line_per_image(trained, tmp_path):
     assert correct / len(val) == pytest.approx(read_results(out)["eval_accuracy"], abs=1.5 / len(val))
     assert correct / len(val) > 0.6
     # the best evaluation's model predicts with the accuracy the run recorded for it
-    best = json_lines(check(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", out / "model_best"],
-                                recipe_env(tmp_path), timeout=120)).stdout)
+    best = json_lines(
+        check(
+            run(
+                [PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", out / "model_best"],
+                recipe_env(tmp_path),
+                timeout=120,
+            )
+        ).stdout
+    )
     correct = sum(row["label"] == Path(row["image"]).parent.name for row in best)
     assert correct / len(val) == pytest.approx(read_results(out)["best_metric"], abs=1.5 / len(val))
 
 
 def test_eval_only_gives_the_same_accuracy_on_one_and_two_processes(trained, tmp_path):
     data, out = trained
-    common = ["--eval_only", "--model", out, "--dataset", "imagefolder", "--data_dir", data, "--batch_size", "8",
-              "--num_workers", "0"]
+    common = [
+        "--eval_only",
+        "--model",
+        out,
+        "--dataset",
+        "imagefolder",
+        "--data_dir",
+        data,
+        "--batch_size",
+        "8",
+        "--num_workers",
+        "0",
+    ]
     env = recipe_env(tmp_path)
     one = check(run([PYTHON, CIFAR_SCRIPT, *common, "--output_dir", tmp_path / "one"], env, timeout=120))
-    check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
-               "--main_process_port", free_port(),
-               "--num_cpu_threads_per_process", "1", CIFAR_SCRIPT, *common, "--output_dir", tmp_path / "two"],
-              dict(env, ACCELERATE_USE_CPU="true"), timeout=180))
+    check(
+        run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                CONFIGS / "cpu.yaml",
+                "--num_processes",
+                "2",
+                "--main_process_port",
+                free_port(),
+                "--num_cpu_threads_per_process",
+                "1",
+                CIFAR_SCRIPT,
+                *common,
+                "--output_dir",
+                tmp_path / "two",
+            ],
+            dict(env, ACCELERATE_USE_CPU="true"),
+            timeout=180,
+        )
+    )
     r1, r2 = read_results(tmp_path / "one"), read_results(tmp_path / "two")
     assert (r1["world_size"], r2["world_size"], r2["distributed_type"]) == (1, 2, "MULTI_CPU")
     # 31 images over 2 processes: the sampler repeats one, gather_for_metrics drops it again
@@ -119,27 +205,73 @@ def test_predict_errors(trained, tmp_path):
     empty.mkdir()
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", empty], env),
-               f"--model {empty} is not the output of a finished cifar run", "model_config.json", "--output_dir")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--predict", broken, "--model", out], env),
-               f"--predict {broken} cannot be read as an image")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--predict", empty, "--model", out], env),
-               f"--predict {empty}: the folder holds no images")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--predict", tmp_path / "missing.png", "--model", out], env),
-               "missing.png: no such file or folder")
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", empty], env),
+        f"--model {empty} is not the output of a finished cifar run",
+        "model_config.json",
+        "--output_dir",
+    )
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--predict", broken, "--model", out], env),
+        f"--predict {broken} cannot be read as an image",
+    )
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--predict", empty, "--model", out], env),
+        f"--predict {empty}: the folder holds no images",
+    )
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--predict", tmp_path / "missing.png", "--model", out], env),
+        "missing.png: no such file or folder",
+    )
 
 
 def test_eval_only_errors(trained, tmp_path):
     data, out = trained
     env = recipe_env(tmp_path)
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", data, "--output_dir", tmp_path / "o"], env),
-               f"--model {data} is not the output of a finished cifar run")
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", data, "--output_dir", tmp_path / "o"], env),
+        f"--model {data} is not the output of a finished cifar run",
+    )
     other = write_image_folder(tmp_path / "other", 30, size=16, seed=0, classes=["ant", "bee"])
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", out, "--dataset", "imagefolder", "--data_dir",
-                    other, "--batch_size", "2", "--output_dir", tmp_path / "o"], env),
-               "was trained on 3 classes (cat, dog, fox)", "has 2 (ant, bee)")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", out, "--dataset", "synthetic",
-                    "--output_dir", tmp_path / "o"], env), "takes 16 px images")
+    fails_with(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--eval_only",
+                "--model",
+                out,
+                "--dataset",
+                "imagefolder",
+                "--data_dir",
+                other,
+                "--batch_size",
+                "2",
+                "--output_dir",
+                tmp_path / "o",
+            ],
+            env,
+        ),
+        "was trained on 3 classes (cat, dog, fox)",
+        "has 2 (ant, bee)",
+    )
+    fails_with(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--eval_only",
+                "--model",
+                out,
+                "--dataset",
+                "synthetic",
+                "--output_dir",
+                tmp_path / "o",
+            ],
+            env,
+        ),
+        "takes 16 px images",
+    )
 
 
 def imagenet_like_file(torch_home: Path) -> dict:
@@ -159,9 +291,33 @@ def test_pretrained_fine_tunes_the_weights_in_torchs_cache(tmp_path):
     out = tmp_path / "out"
     env = recipe_env(tmp_path, TORCH_HOME=tmp_path / "torch")
     # --lr 0: the saved weights are exactly those the run started from
-    proc = check(run([PYTHON, CIFAR_SCRIPT, "--dataset", "imagefolder", "--data_dir", data, "--pretrained",
-                      "--batch_size", "4", "--max_steps", "1", "--lr", "0", "--tracker", "none", "--num_workers", "0",
-                      "--output_dir", out], env, timeout=200))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "imagefolder",
+                "--data_dir",
+                data,
+                "--pretrained",
+                "--batch_size",
+                "4",
+                "--max_steps",
+                "1",
+                "--lr",
+                "0",
+                "--tracker",
+                "none",
+                "--num_workers",
+                "0",
+                "--output_dir",
+                out,
+            ],
+            env,
+            timeout=200,
+        )
+    )
     # torchvision checks a file's hash only when it downloads it; the recipe says this one is not the release
     assert f"{WEIGHTS_NAME} is not torchvision's release" in proc.stdout
     saved = load_file(str(out / "model.safetensors"))
@@ -182,13 +338,32 @@ def test_pretrained_without_the_weights_offline_names_the_file_and_folder(tmp_pa
     data = write_image_folder(tmp_path / "imgs", 15, size=24, seed=0)
     folder = tmp_path / "torch" / "hub" / "checkpoints"
     env = recipe_env(tmp_path, TORCH_HOME=tmp_path / "torch")
-    base = [PYTHON, CIFAR_SCRIPT, "--dataset", "imagefolder", "--data_dir", data, "--pretrained", "--batch_size", "4",
-            "--tracker", "none", "--output_dir", tmp_path / "out"]
+    base = [
+        PYTHON,
+        CIFAR_SCRIPT,
+        "--dataset",
+        "imagefolder",
+        "--data_dir",
+        data,
+        "--pretrained",
+        "--batch_size",
+        "4",
+        "--tracker",
+        "none",
+        "--output_dir",
+        tmp_path / "out",
+    ]
     url = f"https://download.pytorch.org/models/{WEIGHTS_NAME}"
     # no internet here: the download fails at once and says where the file goes
     fails_with(run(base, env, timeout=120), f"could not download {WEIGHTS_NAME}", url, f"in {folder} ")
-    fails_with(run([*base, "--download", "False"], env, timeout=120), f"--pretrained needs {WEIGHTS_NAME}", url,
-               f"in {folder} ")
+    fails_with(
+        run([*base, "--download", "False"], env, timeout=120),
+        f"--pretrained needs {WEIGHTS_NAME}",
+        url,
+        f"in {folder} ",
+    )
     assert not list(folder.glob("*"))  # no partial file left to be taken for the weights next time
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--pretrained", "--output_dir", tmp_path / "o"],
-                   env), "--pretrained fine-tunes ImageNet weights on --dataset imagefolder")
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--pretrained", "--output_dir", tmp_path / "o"], env),
+        "--pretrained fine-tunes ImageNet weights on --dataset imagefolder",
+    )

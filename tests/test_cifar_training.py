@@ -5,15 +5,37 @@ import json
 
 import pytest
 import torch
-from conftest import (CIFAR_SCRIPT, PYTHON, check, check_png, fails_with, losses, read_metrics, read_results,
-                      recipe_env, run, write_cifar10)
+from conftest import (
+    CIFAR_SCRIPT,
+    PYTHON,
+    check,
+    check_png,
+    fails_with,
+    losses,
+    read_metrics,
+    read_results,
+    recipe_env,
+    run,
+    write_cifar10,
+)
 from safetensors.torch import load_file
 
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
 CONTRACT_KEYS = {
-    "recipe", "dataset", "world_size", "num_machines", "mixed_precision", "global_batch_size", "steps", "epochs",
-    "wall_seconds", "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "eval_accuracy",
+    "recipe",
+    "dataset",
+    "world_size",
+    "num_machines",
+    "mixed_precision",
+    "global_batch_size",
+    "steps",
+    "epochs",
+    "wall_seconds",
+    "train_samples_per_second",
+    "median_step_seconds",
+    "peak_memory_mb",
+    "eval_accuracy",
 }
 
 
@@ -25,12 +47,40 @@ def cifar_run(tmp_path_factory):
     data = write_cifar10(tmp / "data", num_train=640, num_test=130)
     out = tmp / "out"
     env = recipe_env(tmp)
-    proc = check(run(
-        [PYTHON, CIFAR_SCRIPT, "--dataset", "cifar10", "--data_dir", data, "--verify_data", "False",
-         "--download", "False", "--loader", "torch", "--batch_size", "32", "--epochs", "2", "--warmup_ratio", "0.2",
-         "--mixed_precision", "bf16", "--num_workers", "0", "--log_every", "5", "--output_dir", out],
-        env, timeout=400,
-    ))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "cifar10",
+                "--data_dir",
+                data,
+                "--verify_data",
+                "False",
+                "--download",
+                "False",
+                "--loader",
+                "torch",
+                "--batch_size",
+                "32",
+                "--epochs",
+                "2",
+                "--warmup_ratio",
+                "0.2",
+                "--mixed_precision",
+                "bf16",
+                "--num_workers",
+                "0",
+                "--log_every",
+                "5",
+                "--output_dir",
+                out,
+            ],
+            env,
+            timeout=400,
+        )
+    )
     return out, proc
 
 
@@ -126,9 +176,33 @@ def test_imagefolder_with_gradient_accumulation(tmp_path):
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(folder / f"{i}.png")
     out = tmp_path / "out"
-    check(run([PYTHON, CIFAR_SCRIPT, "--dataset", "imagefolder", "--data_dir", tmp_path / "imgs", "--image_size", "32",
-               "--batch_size", "16", "--gradient_accumulation_steps", "2", "--max_steps", "3", "--tracker", "none",
-               "--num_workers", "0", "--output_dir", out], recipe_env(tmp_path)))
+    check(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "imagefolder",
+                "--data_dir",
+                tmp_path / "imgs",
+                "--image_size",
+                "32",
+                "--batch_size",
+                "16",
+                "--gradient_accumulation_steps",
+                "2",
+                "--max_steps",
+                "3",
+                "--tracker",
+                "none",
+                "--num_workers",
+                "0",
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path),
+        )
+    )
     results = read_results(out)
     assert results["dataset"] == "imagefolder" and results["synthetic_data"] is False
     assert results["per_process_batch_size"] == 8 and results["gradient_accumulation_steps"] == 2
@@ -141,9 +215,34 @@ def test_fast94_preset_on_cifar_format_data_with_the_device_loader(tmp_path):
     flip test-time augmentation."""
     data = write_cifar10(tmp_path / "data", num_train=320, num_test=67)
     out = tmp_path / "out"
-    proc = check(run([PYTHON, CIFAR_SCRIPT, "--preset", "fast94", "--dataset", "cifar10", "--data_dir", data,
-                      "--verify_data", "False", "--download", "False", "--batch_size", "32", "--max_steps", "4",
-                      "--tracker", "none", "--output_dir", out], recipe_env(tmp_path), timeout=300))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--preset",
+                "fast94",
+                "--dataset",
+                "cifar10",
+                "--data_dir",
+                data,
+                "--verify_data",
+                "False",
+                "--download",
+                "False",
+                "--batch_size",
+                "32",
+                "--max_steps",
+                "4",
+                "--tracker",
+                "none",
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path),
+            timeout=300,
+        )
+    )
     results = read_results(out)
     assert results["preset"] == "fast94" and results["loader"] == "device"
     assert (results["lr"], results["label_smoothing"], results["schedule"]) == (0.2, 0.0, "linear")
@@ -157,12 +256,34 @@ def test_loader_and_preset_errors(tmp_path):
     env = recipe_env(tmp_path)
     (tmp_path / "imgs" / "train" / "a").mkdir(parents=True)
     (tmp_path / "imgs" / "val" / "a").mkdir(parents=True)
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--preset", "fast100", "--output_dir", tmp_path / "o"], env),
-               "unknown --preset 'fast100'; choose one of: fast94")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--loader", "torch", "--cutout", "8",
-                    "--tracker", "none", "--output_dir", tmp_path / "o"], env), "--cutout runs in the device loader")
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--loader", "gpu", "--output_dir", tmp_path / "o"],
-                   env), "unknown --loader 'gpu'; choose one of auto, device, torch")
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--preset", "fast100", "--output_dir", tmp_path / "o"], env),
+        "unknown --preset 'fast100'; choose one of: fast94",
+    )
+    fails_with(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "synthetic",
+                "--loader",
+                "torch",
+                "--cutout",
+                "8",
+                "--tracker",
+                "none",
+                "--output_dir",
+                tmp_path / "o",
+            ],
+            env,
+        ),
+        "--cutout runs in the device loader",
+    )
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--loader", "gpu", "--output_dir", tmp_path / "o"], env),
+        "unknown --loader 'gpu'; choose one of auto, device, torch",
+    )
 
 
 def same_tensors(a, b) -> bool:
@@ -177,10 +298,37 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
     set the accuracy fell at epoch 2 when measured here (0.125, then 0.0625): the run stopped there, and model_best
     (epoch 1) differed from the last model. Other CPUs may round otherwise; the checks hold for any course."""
     out = tmp_path / "out"
-    proc = check(run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "80", "--batch_size", "8",
-                      "--epochs", "5", "--checkpoint_every", "0", "--keep_checkpoints", "5",
-                      "--early_stopping_patience", "1", "--tracker", "none", "--num_workers", "0", "--log_every", "5",
-                      "--output_dir", out], recipe_env(tmp_path)))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "synthetic",
+                "--synthetic_size",
+                "80",
+                "--batch_size",
+                "8",
+                "--epochs",
+                "5",
+                "--checkpoint_every",
+                "0",
+                "--keep_checkpoints",
+                "5",
+                "--early_stopping_patience",
+                "1",
+                "--tracker",
+                "none",
+                "--num_workers",
+                "0",
+                "--log_every",
+                "5",
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path),
+        )
+    )
     results = read_results(out)
     accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
     # Patience 1, worked out from the logged evaluations: the run ends after the first one not above every earlier one.
@@ -192,15 +340,22 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
     assert (results["metric_for_best_model"], results["best_metric"]) == ("eval_accuracy", max(accuracy))
     assert results["best_epoch"] == best_epoch and results["best_step"] == 10 * best_epoch
     assert json.loads((out / "model_best" / "best.json").read_text()) == {
-        "metric": "eval_accuracy", "value": max(accuracy), "epoch": best_epoch, "step": 10 * best_epoch}
+        "metric": "eval_accuracy",
+        "value": max(accuracy),
+        "epoch": best_epoch,
+        "step": 10 * best_epoch,
+    }
     checkpoint = out / "checkpoints" / f"step_{10 * best_epoch:08d}" / "model.safetensors"
     assert same_tensors(out / "model_best" / "model.safetensors", checkpoint)
     last = out / "checkpoints" / f"step_{results['steps']:08d}" / "model.safetensors"
     assert same_tensors(out / "model.safetensors", last)  # the final model stays the last one
     assert same_tensors(out / "model_best" / "model.safetensors", out / "model.safetensors") == (
-        best_epoch == evaluations)
+        best_epoch == evaluations
+    )
     if results["stopped_early"]:
-        assert (f"stopped early after epoch {evaluations} of 5 (step {10 * evaluations} of 50): eval_accuracy did not "
-                f"improve in 1 evaluation(s) in a row (--early_stopping_patience 1); best eval_accuracy "
-                f"{max(accuracy):.4f} at epoch {best_epoch}") in proc.stdout
+        assert (
+            f"stopped early after epoch {evaluations} of 5 (step {10 * evaluations} of 50): eval_accuracy did not "
+            f"improve in 1 evaluation(s) in a row (--early_stopping_patience 1); best eval_accuracy "
+            f"{max(accuracy):.4f} at epoch {best_epoch}"
+        ) in proc.stdout
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints", "model_best"]  # no leftovers

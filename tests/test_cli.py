@@ -90,15 +90,23 @@ def test_wrapped_lines_with_a_colon_stay_in_their_entry():
     Returns:
         nothing.
     """)
-    assert docs == {"resume": "auto (continue) or the path of a checkpoint; default: start fresh.",
-                    "loader": "device: the whole set torch: a DataLoader"}
+    assert docs == {
+        "resume": "auto (continue) or the path of a checkpoint; default: start fresh.",
+        "loader": "device: the whole set torch: a DataLoader",
+    }
 
 
 def test_an_unrequested_one_letter_flag_is_refused_in_one_line(tmp_path, mains):
-    fails_with(run([PYTHON, CIFAR_SCRIPT, "-v"], recipe_env(tmp_path), timeout=120),
-               "unknown flag -v", "flags are spelled out, e.g. --verify_data")
-    for key, flag, guess in (("text", "-v", "--validation_file"), ("detect", "-s", "--synthetic_size"),
-                             ("detect", "-x=1", "--data")):
+    fails_with(
+        run([PYTHON, CIFAR_SCRIPT, "-v"], recipe_env(tmp_path), timeout=120),
+        "unknown flag -v",
+        "flags are spelled out, e.g. --verify_data",
+    )
+    for key, flag, guess in (
+        ("text", "-v", "--validation_file"),
+        ("detect", "-s", "--synthetic_size"),
+        ("detect", "-x=1", "--data"),
+    ):
         with pytest.raises(RecipeError, match=f"unknown flag {flag[:2]}; flags are spelled out, e.g. {guess}$"):
             prepare_argv(mains[key], [flag])
     with pytest.raises(RecipeError, match="unknown flag --epoch; did you mean --epochs"):
@@ -121,18 +129,60 @@ def parsed(main, argv):
 def test_text_flags_arrive_as_typed(mains):
     text = mains["text"]
     # prepare_argv reads the real signature; fire then parses the rewritten line (a keyword-only capture shows it).
-    rewritten = prepare_argv(text, ["--predict", "great, fun", "--run_name=1e-3", "--model", "007",
-                                    "--lr", "1e-3", "--gradient_checkpointing", "no"])
-    assert rewritten == ["--predict='great, fun'", "--run_name='1e-3'", "--model='007'", "--lr=1e-3",
-                         "--gradient_checkpointing=False"]
-    got = parsed(text, ["--predict=great, fun", "--run_name", "1e-3", "--project", "[1, 2]", "--text_column",
-                        "it's \"quoted\"", "--lr", "1e-3", "--max_steps", "None", "--gradient_checkpointing"])
-    assert got == {"predict": "great, fun", "run_name": "1e-3", "project": "[1, 2]",
-                   "text_column": "it's \"quoted\"", "lr": 1e-3, "max_steps": None, "gradient_checkpointing": True}
+    rewritten = prepare_argv(
+        text,
+        [
+            "--predict",
+            "great, fun",
+            "--run_name=1e-3",
+            "--model",
+            "007",
+            "--lr",
+            "1e-3",
+            "--gradient_checkpointing",
+            "no",
+        ],
+    )
+    assert rewritten == [
+        "--predict='great, fun'",
+        "--run_name='1e-3'",
+        "--model='007'",
+        "--lr=1e-3",
+        "--gradient_checkpointing=False",
+    ]
+    got = parsed(
+        text,
+        [
+            "--predict=great, fun",
+            "--run_name",
+            "1e-3",
+            "--project",
+            "[1, 2]",
+            "--text_column",
+            'it\'s "quoted"',
+            "--lr",
+            "1e-3",
+            "--max_steps",
+            "None",
+            "--gradient_checkpointing",
+        ],
+    )
+    assert got == {
+        "predict": "great, fun",
+        "run_name": "1e-3",
+        "project": "[1, 2]",
+        "text_column": 'it\'s "quoted"',
+        "lr": 1e-3,
+        "max_steps": None,
+        "gradient_checkpointing": True,
+    }
     assert parsed(text, ["--predict", "great, fun", "--predict", "1e-3"]) == {"predict": ["great, fun", "1e-3"]}
     detect = mains["detect"]
     assert parsed(detect, ["--hsv", "0.1,0.2,0.3", "--nochannels_last", "--seed", "-1"]) == {
-        "hsv": (0.1, 0.2, 0.3), "channels_last": False, "seed": -1}
+        "hsv": (0.1, 0.2, 0.3),
+        "channels_last": False,
+        "seed": -1,
+    }
     with pytest.raises(RecipeError, match="--resume needs a value"):
         prepare_argv(detect, ["--resume", "--seed", "1"])
     with pytest.raises(RecipeError, match="--eval_only takes True or False"):
@@ -145,15 +195,23 @@ def tiny_classifier(tiny_bert_dir):
 
 
 def test_predict_gets_one_text_with_its_comma(tiny_classifier, tmp_path):
-    proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", "great, fun", "--model", tiny_classifier],
-                     recipe_env(tmp_path), timeout=120))
+    proc = check(
+        run(
+            [PYTHON, TEXT_SCRIPT, "--predict", "great, fun", "--model", tiny_classifier],
+            recipe_env(tmp_path),
+            timeout=120,
+        )
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [row["text"] for row in rows] == ["great, fun"], proc.output[-2000:]
 
 
 def test_predict_repeated_classifies_each_text_as_typed(tiny_classifier, mains, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["text_classification.py", "--predict", "great, fun", "--predict", "1e-3",
-                                      "--model", str(tiny_classifier)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["text_classification.py", "--predict", "great, fun", "--predict", "1e-3", "--model", str(tiny_classifier)],
+    )
     run_cli(mains["text"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [row["text"] for row in rows] == ["great, fun", "1e-3"]

@@ -39,8 +39,13 @@ def resume(source: Path, step: int, output_dir: Path, *flags) -> str:
     for folder in (output_dir / "checkpoints").iterdir():
         if step_of(folder) > step:
             shutil.rmtree(folder)
-    proc = check(run([PYTHON, CIFAR_SCRIPT, *FLAGS, *flags, "--resume", "auto", "--output_dir", output_dir],
-                     recipe_env(output_dir.parent), timeout=1200))
+    proc = check(
+        run(
+            [PYTHON, CIFAR_SCRIPT, *FLAGS, *flags, "--resume", "auto", "--output_dir", output_dir],
+            recipe_env(output_dir.parent),
+            timeout=1200,
+        )
+    )
     return proc.output
 
 
@@ -77,8 +82,13 @@ def test_predict_and_eval_only_load_the_compiled_runs_models(compiled, tmp_path)
         assert len(rows) == TEST_IMAGES
         assert correct / TEST_IMAGES == pytest.approx(trained["eval_accuracy"], abs=1.5 / TEST_IMAGES)
         # the test split evaluated again, without compiling: the loss and accuracy the compiled run recorded
-        check(run([PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", model, *TINY, "--output_dir", tmp_path / name],
-                  env, timeout=300))
+        check(
+            run(
+                [PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", model, *TINY, "--output_dir", tmp_path / name],
+                env,
+                timeout=300,
+            )
+        )
         evaluation = read_results(tmp_path / name)
         assert evaluation["eval_samples"] == TEST_IMAGES
         assert evaluation["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-4)

@@ -84,8 +84,9 @@ def small_set(root: Path, split: str, count: int, size=(64, 48)) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
-    return write_synthetic_dataset(tmp_path_factory.mktemp("shapes"), num_train=40, num_val=12, image_size=128,
-                                   num_classes=4, seed=3)
+    return write_synthetic_dataset(
+        tmp_path_factory.mktemp("shapes"), num_train=40, num_val=12, image_size=128, num_classes=4, seed=3
+    )
 
 
 # ------------------------------------------------------------------------------------------------ generated set
@@ -127,14 +128,16 @@ def test_generated_boxes_are_tight_around_the_drawn_shape(shapes):
         for k, (c, x1, y1, x2, y2) in enumerate(boxes):
             others = np.delete(boxes, k, axis=0)
             margin = 4
-            if any(ox1 < x2 + margin and ox2 > x1 - margin and oy1 < y2 + margin and oy2 > y1 - margin
-                   for _, ox1, oy1, ox2, oy2 in others):
+            if any(
+                ox1 < x2 + margin and ox2 > x1 - margin and oy1 < y2 + margin and oy2 > y1 - margin
+                for _, ox1, oy1, ox2, oy2 in others
+            ):
                 continue  # overlapping or touching shapes hide each other's edges
             # a point inside every shape kind: the centre (circle, square, cross), low in the middle (triangle)
             px, py = int((x1 + x2) / 2), int(y1 + (0.75 if c == 2 else 0.5) * (y2 - y1))
-            colour = np.median(pixels[py - 1:py + 2, px - 1:px + 2].reshape(-1, 3), axis=0)
+            colour = np.median(pixels[py - 1 : py + 2, px - 1 : px + 2].reshape(-1, 3), axis=0)
             top, left = max(0, int(y1) - margin), max(0, int(x1) - margin)
-            region = pixels[top:int(y2) + margin, left:int(x2) + margin]
+            region = pixels[top : int(y2) + margin, left : int(x2) + margin]
             ys, xs = np.nonzero(np.linalg.norm(region - colour, axis=-1) < 40)
             found = (xs.min() + left, ys.min() + top, xs.max() + left + 1, ys.max() + top + 1)
             assert np.allclose(found, (x1, y1, x2, y2), atol=1.5), (image_file, found, (x1, y1, x2, y2))
@@ -169,16 +172,19 @@ def test_data_yaml_folders_lists_and_relative_path(tmp_path, monkeypatch):
     a, b = small_set(root, "a", 3), small_set(root, "b", 2)
     val = small_set(root, "val", 2)
     (root / "val.txt").write_text(f"./images/val/0.png\n\n{val[1]}\n")  # relative to the list, and absolute
-    yaml_file = write_yaml(tmp_path / "sets" / "data.yaml", {"path": "ds", "train": ["images/a", "images/b"],
-                                                             "val": "val.txt", "names": {0: "box", 1: "other"}})
+    yaml_file = write_yaml(
+        tmp_path / "sets" / "data.yaml",
+        {"path": "ds", "train": ["images/a", "images/b"], "val": "val.txt", "names": {0: "box", 1: "other"}},
+    )
     monkeypatch.chdir(tmp_path)  # `path` is read against the yaml's folder, not the working directory
     config = load_data_config(yaml_file)
     assert config.root == root
     assert config.train == a + b and config.val == val
     assert config.names == ["box", "other"] and config.test == []
 
-    write_yaml(yaml_file, {"train": "images/a", "val": "images/val", "names": ["box", "other"], "nc": 2,
-                           "path": str(root)})
+    write_yaml(
+        yaml_file, {"train": "images/a", "val": "images/val", "names": ["box", "other"], "nc": 2, "path": str(root)}
+    )
     config = load_data_config(yaml_file)
     assert config.train == a and config.names == ["box", "other"]
 
@@ -193,12 +199,16 @@ def test_data_yaml_errors(tmp_path):
         load_data_config(tmp_path / "nowhere.yaml")
 
     cases = [
-        ({"path": ".", "train": "images/train", "val": "images/valid", "names": ["a", "b"]},
-         r"val split images/valid not found .*ds/images/valid"),
+        (
+            {"path": ".", "train": "images/train", "val": "images/valid", "names": ["a", "b"]},
+            r"val split images/valid not found .*ds/images/valid",
+        ),
         ({"path": ".", "train": "images/train", "names": ["a", "b"]}, "no `val` split"),
         ({"path": ".", "train": "images/train", "val": "images/train", "names": []}, "names"),
-        ({"path": ".", "train": "images/train", "val": "images/train", "names": ["a", "b"], "nc": 3},
-         "nc is 3 but `names` has 2"),
+        (
+            {"path": ".", "train": "images/train", "val": "images/train", "names": ["a", "b"], "nc": 3},
+            "nc is 3 but `names` has 2",
+        ),
         ({"path": "missing", "train": "images/train", "val": "images/train", "names": ["a"]}, "missing.* not found"),
     ]
     for config, message in cases:
@@ -207,8 +217,9 @@ def test_data_yaml_errors(tmp_path):
 
     (root / "images" / "empty").mkdir()
     with pytest.raises(RecipeError, match="has no images"):
-        load_data_config(write_yaml(root / "data.yaml", {"train": "images/empty", "val": "images/train",
-                                                         "names": ["a", "b"]}))
+        load_data_config(
+            write_yaml(root / "data.yaml", {"train": "images/empty", "val": "images/train", "names": ["a", "b"]})
+        )
     (root / "data.yaml").write_text("train: [images/train\nval: x\n")
     with pytest.raises(RecipeError, match="data.yaml line .*not valid YAML"):
         load_data_config(root / "data.yaml")
@@ -294,13 +305,13 @@ def test_letterbox_and_scale_back_round_trip(as_tensor):
     height, width, size = 90, 160, 128
     original = np.zeros((height, width, 3), np.uint8)
     box = (37, 21, 121, 70)  # x1, y1, x2, y2 edges
-    original[box[1]:box[3], box[0]:box[2]] = 255
+    original[box[1] : box[3], box[0] : box[2]] = 255
     boxed, ratio, pad = letterbox(torch.from_numpy(original) if as_tensor else original, size)
     assert isinstance(boxed, torch.Tensor) == as_tensor
     boxed = np.asarray(boxed)
     assert boxed.shape == (size, size, 3) and boxed.dtype == np.uint8
     assert ratio == pytest.approx(size / width) and pad == (0, (size - round(height * ratio)) // 2)
-    assert (boxed[: pad[1]] == 114).all() and (boxed[pad[1] + round(height * ratio):] == 114).all()
+    assert (boxed[: pad[1]] == 114).all() and (boxed[pad[1] + round(height * ratio) :] == 114).all()
     # where the white rectangle landed, mapped back, is the rectangle
     ys, xs = np.nonzero(boxed[..., 0] > 127)
     found = torch.tensor([[xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]], dtype=torch.float32)
@@ -351,7 +362,7 @@ def test_exif_rotated_jpeg_loads_upright(tmp_path):
     image, boxes, meta = YoloDataset([stored], 1, image_size=64, verbose=False)[0]  # 1/3 scale: JPEG draft decode
     assert meta["orig_shape"] == (height, width)
     _, x1, y1, x2, y2 = boxes[0].tolist()
-    assert (image[0, int(y1) + 1:int(y2) - 1, int(x1) + 1:int(x2) - 1] > 200).all()
+    assert (image[0, int(y1) + 1 : int(y2) - 1, int(x1) + 1 : int(x2) - 1] > 200).all()
     back = scale_boxes_back(boxes[:, 1:], meta["ratio"], meta["pad"], meta["orig_shape"])
     assert torch.allclose(back, torch.tensor([box], dtype=torch.float32), atol=1.0)
 
@@ -363,8 +374,18 @@ def test_augmented_items_keep_boxes_on_their_objects(tmp_path):
         box = (8 + 5 * i, 10 + 3 * i, 40 + 6 * i, 36 + 4 * i)
         files.append(save_image(tmp_path / "images" / f"{i}.png", width, height, rects=[box]))
         write_labels(tmp_path / "labels" / f"{i}.txt", [yolo_line(i % 3, box, width, height)])
-    dataset = YoloDataset(files, num_classes=3, image_size=64, augment=True, mosaic=1.0, flip_lr=0.5, flip_ud=0.5,
-                          hsv=(0, 0, 0), scale=0.5, verbose=False)
+    dataset = YoloDataset(
+        files,
+        num_classes=3,
+        image_size=64,
+        augment=True,
+        mosaic=1.0,
+        flip_lr=0.5,
+        flip_ud=0.5,
+        hsv=(0, 0, 0),
+        scale=0.5,
+        verbose=False,
+    )
     torch.manual_seed(0)
     items = [dataset[i % 4] for i in range(16)]
     total = 0
@@ -376,7 +397,7 @@ def test_augmented_items_keep_boxes_on_their_objects(tmp_path):
         assert set(boxes[:, 0].tolist()) <= {0.0, 1.0, 2.0}
         grey = image[0].float()
         for _, x1, y1, x2, y2 in boxes.tolist():
-            inside = grey[int(np.ceil(y1)) + 1:int(y2) - 1, int(np.ceil(x1)) + 1:int(x2) - 1]
+            inside = grey[int(np.ceil(y1)) + 1 : int(y2) - 1, int(np.ceil(x1)) + 1 : int(x2) - 1]
             if inside.numel():
                 assert (inside > 200).float().mean() > 0.9, (x1, y1, x2, y2)
         total += len(boxes)
@@ -399,8 +420,8 @@ def test_colour_jitter_and_collate(shapes):
     assert len(set(counts)) > 1  # the padding is exercised
     assert targets.dtype == torch.float32 and targets.shape == (5, max(counts), 5)
     for i, item in enumerate(batch):  # each image's rows, then padding rows of class -1 and a zero box
-        assert torch.equal(targets[i, :counts[i]], item[1])
-        assert (targets[i, counts[i]:, 0] == -1).all() and (targets[i, counts[i]:, 1:] == 0).all()
+        assert torch.equal(targets[i, : counts[i]], item[1])
+        assert (targets[i, counts[i] :, 0] == -1).all() and (targets[i, counts[i] :, 1:] == 0).all()
     assert [m["path"] for m in metas] == [str(p) for p in config.train[:5]]
     empty = collate([(torch.zeros(3, 8, 8, dtype=torch.uint8), torch.zeros(0, 5), {})] * 2)
     assert empty[0].shape == (2, 3, 8, 8) and empty[1].shape == (2, 0, 5)
@@ -425,8 +446,10 @@ def coco_files(folder: Path, images: list[tuple], boxes: list[tuple]) -> Path:
         save_image(folder / "pictures" / name, width, height, rects=[tuple(round(v) for v in r) for r in rects])
     data = {
         "images": [{"id": i, "file_name": n, "width": w, "height": h} for i, n, w, h in images],
-        "annotations": [{"id": 100 + k, "image_id": i, "category_id": c, "bbox": [x, y, w, h], "iscrowd": crowd,
-                         "area": w * h} for k, (i, c, x, y, w, h, crowd) in enumerate(boxes)],
+        "annotations": [
+            {"id": 100 + k, "image_id": i, "category_id": c, "bbox": [x, y, w, h], "iscrowd": crowd, "area": w * h}
+            for k, (i, c, x, y, w, h, crowd) in enumerate(boxes)
+        ],
         "categories": [{"id": 7, "name": "bird"}, {"id": 1, "name": "cat"}, {"id": 3, "name": "dog"}],
     }
     annotations = folder / "instances.json"
@@ -436,8 +459,12 @@ def coco_files(folder: Path, images: list[tuple], boxes: list[tuple]) -> Path:
 
 def test_coco_to_yolo_round_trip_and_training_data(tmp_path):
     images = [(1, "a.jpg", 64, 48), (2, "b.png", 50, 70), (3, "empty.jpg", 40, 40)]
-    boxes = [(1, 3, 10.5, 4.25, 30.0, 20.5, 0), (1, 7, 0.0, 0.0, 12.0, 48.0, 0), (2, 1, 5.0, 6.0, 40.0, 60.0, 0),
-             (2, 3, 0.0, 0.0, 50.0, 70.0, 1)]  # the last: a crowd region, skipped
+    boxes = [
+        (1, 3, 10.5, 4.25, 30.0, 20.5, 0),
+        (1, 7, 0.0, 0.0, 12.0, 48.0, 0),
+        (2, 1, 5.0, 6.0, 40.0, 60.0, 0),
+        (2, 3, 0.0, 0.0, 50.0, 70.0, 1),
+    ]  # the last: a crowd region, skipped
     annotations = coco_files(tmp_path / "coco", images, boxes)
     out = tmp_path / "yolo"
     data_yaml = convert.coco_to_yolo(str(annotations), str(tmp_path / "coco" / "pictures"), str(out), split="train")
@@ -486,12 +513,16 @@ def test_coco_errors(tmp_path):
 
 def voc_xml(folder: Path, ident: str, width: int, height: int, objects) -> None:
     """root/Annotations/<ident>.xml in the VOC devkit's layout; objects: (name, xmin, ymin, xmax, ymax, difficult)."""
-    parts = [f"<annotation><folder>VOC2012</folder><filename>{ident}.jpg</filename>",
-             f"<size><width>{width}</width><height>{height}</height><depth>3</depth></size>"]
+    parts = [
+        f"<annotation><folder>VOC2012</folder><filename>{ident}.jpg</filename>",
+        f"<size><width>{width}</width><height>{height}</height><depth>3</depth></size>",
+    ]
     for name, xmin, ymin, xmax, ymax, difficult in objects:
-        parts.append(f"<object><name>{name}</name><pose>Unspecified</pose><truncated>0</truncated>"
-                     f"<difficult>{difficult}</difficult><bndbox><xmin>{xmin}</xmin><ymin>{ymin}</ymin>"
-                     f"<xmax>{xmax}</xmax><ymax>{ymax}</ymax></bndbox></object>")
+        parts.append(
+            f"<object><name>{name}</name><pose>Unspecified</pose><truncated>0</truncated>"
+            f"<difficult>{difficult}</difficult><bndbox><xmin>{xmin}</xmin><ymin>{ymin}</ymin>"
+            f"<xmax>{xmax}</xmax><ymax>{ymax}</ymax></bndbox></object>"
+        )
     (folder / "Annotations").mkdir(parents=True, exist_ok=True)
     (folder / "Annotations" / f"{ident}.xml").write_text("".join(parts) + "</annotation>")
     save_image(folder / "JPEGImages" / f"{ident}.jpg", width, height)
@@ -499,10 +530,12 @@ def voc_xml(folder: Path, ident: str, width: int, height: int, objects) -> None:
 
 def test_voc_to_yolo_round_trip_image_sets_and_cli(tmp_path):
     voc = tmp_path / "VOC2012"
-    objects = {"2008_000001": (64, 48, [("person", 1, 1, 64, 48, 0), ("dog", 10, 12, 30, 40, 1)]),
-               "2008_000002": (50, 70, [("cat", 5, 6, 45, 66, 0)]),
-               "2008_000003": (40, 40, []),
-               "2008_000004": (40, 40, [("bird", 3, 3, 9, 9, 0)])}
+    objects = {
+        "2008_000001": (64, 48, [("person", 1, 1, 64, 48, 0), ("dog", 10, 12, 30, 40, 1)]),
+        "2008_000002": (50, 70, [("cat", 5, 6, 45, 66, 0)]),
+        "2008_000003": (40, 40, []),
+        "2008_000004": (40, 40, [("bird", 3, 3, 9, 9, 0)]),
+    }
     for ident, (width, height, objs) in objects.items():
         voc_xml(voc, ident, width, height, objs)
     (voc / "ImageSets" / "Main").mkdir(parents=True)
@@ -521,9 +554,25 @@ def test_voc_to_yolo_round_trip_image_sets_and_cli(tmp_path):
     assert (out / "labels" / "train" / "2008_000003.txt").read_text() == ""
 
     # the command line, as users run it: the val split adds `bird` after the names already in use
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "detect" / "convert.py"), "voc", "--root", str(voc),
-                           "--out", str(out), "--split", "val", "--image_set", "val"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "detect" / "convert.py"),
+            "voc",
+            "--root",
+            str(voc),
+            "--out",
+            str(out),
+            "--split",
+            "val",
+            "--image_set",
+            "val",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert str(data_yaml) in proc.stdout and "val: 1 images, 1 boxes" in proc.stdout
     config = load_data_config(data_yaml)
@@ -551,8 +600,9 @@ def test_converted_labels_sit_beside_symlinked_images(tmp_path):
     """Linked images keep their own path, so images/ -> labels/ finds the converted labels, not the source's."""
     annotations = coco_files(tmp_path / "coco", [(1, "a.jpg", 32, 32)], [(1, 1, 4.0, 4.0, 8.0, 8.0, 0)])
     for split in ("train", "val"):
-        data_yaml = convert.coco_to_yolo(str(annotations), str(tmp_path / "coco" / "pictures"), str(tmp_path / "y"),
-                                         split=split)
+        data_yaml = convert.coco_to_yolo(
+            str(annotations), str(tmp_path / "coco" / "pictures"), str(tmp_path / "y"), split=split
+        )
     config = load_data_config(data_yaml)
     assert config.train == [tmp_path / "y" / "images" / "train" / "a.jpg"]
     assert os.path.realpath(config.train[0]) == str((tmp_path / "coco" / "pictures" / "a.jpg").resolve())

@@ -49,12 +49,15 @@ def reference_loss(criterion: DetectionLoss, outputs: list[torch.Tensor], rows: 
         gt_mask[image, slot] = True
 
     _, target_boxes, target_scores, foreground, _ = criterion.assigner(
-        cls_logits.detach().sigmoid(), pred_boxes.detach(), anchor_points, gt_labels, gt_boxes, gt_mask)
+        cls_logits.detach().sigmoid(), pred_boxes.detach(), anchor_points, gt_labels, gt_boxes, gt_mask
+    )
     target_scores_sum = target_scores.sum().clamp(min=1.0)
     cls_loss = F.binary_cross_entropy_with_logits(cls_logits, target_scores, reduction="sum") / target_scores_sum
     weight = target_scores.sum(-1)[foreground]
-    box_loss = (torchvision.ops.complete_box_iou_loss(pred_boxes[foreground], target_boxes[foreground],
-                                                      reduction="none") * weight).sum() / target_scores_sum
+    box_loss = (
+        torchvision.ops.complete_box_iou_loss(pred_boxes[foreground], target_boxes[foreground], reduction="none")
+        * weight
+    ).sum() / target_scores_sum
     strides_fg = stride_tensor.expand(batch_size, -1, -1)[foreground]
     anchors_fg = anchor_points.expand(batch_size, -1, -1)[foreground]
     target_fg = target_boxes[foreground]
@@ -69,8 +72,9 @@ def random_batch(seed: int, counts: list[int], num_classes: int = 4, size: int =
     """Random raw outputs of a batch of size x size images (logits of a trained-ish scale) and random objects, as
     per-image [n, 5] rows."""
     g = torch.Generator().manual_seed(seed)
-    outputs = [torch.randn(len(counts), 4 * 16 + num_classes, size // s, size // s, generator=g) * 2
-               for s in (8, 16, 32)]
+    outputs = [
+        torch.randn(len(counts), 4 * 16 + num_classes, size // s, size // s, generator=g) * 2 for s in (8, 16, 32)
+    ]
     per_image = []
     for n in counts:
         corner = torch.rand(n, 2, generator=g) * (size - 24)
@@ -177,8 +181,12 @@ def test_ema_follows_the_averaged_model_formula_and_round_trips():
 
 # ------------------------------------------------------------------------------------------------------------ NMS
 def per_class_nms(boxes, scores, labels, iou_threshold):
-    kept = torch.cat([torch.where(labels == c)[0][torchvision.ops.nms(boxes[labels == c], scores[labels == c],
-                                                                      iou_threshold)] for c in labels.unique()])
+    kept = torch.cat(
+        [
+            torch.where(labels == c)[0][torchvision.ops.nms(boxes[labels == c], scores[labels == c], iou_threshold)]
+            for c in labels.unique()
+        ]
+    )
     return kept[scores[kept].argsort(descending=True)]
 
 
@@ -210,17 +218,27 @@ def test_per_class_ap_from_one_evaluation_equals_per_class_evaluations():
         strays = torch.rand(3, 4, generator=g) * 60 + torch.tensor([0.0, 0.0, 60.0, 60.0])
         boxes = torch.cat((true_boxes + torch.randn(n, 4, generator=g) * 4, strays))
         labels = torch.cat((true_labels, torch.tensor([0, 3, 1])))
-        records.append(dict(boxes=boxes, scores=torch.rand(n + 3, generator=g), labels=labels, true_boxes=true_boxes,
-                            true_labels=true_labels))
+        records.append(
+            dict(
+                boxes=boxes,
+                scores=torch.rand(n + 3, generator=g),
+                labels=labels,
+                true_boxes=true_boxes,
+                true_labels=true_labels,
+            )
+        )
     names = ["a", "b", "c", "d"]
     result, _ = coco_map(records, names)
 
     metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", class_metrics=True, backend="pycocotools")
-    metric.update([dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
-                  [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records])
+    metric.update(
+        [dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
+        [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records],
+    )
     values = metric.compute()
-    expected = {names[int(c)]: ap for c, ap in zip(values["classes"].tolist(), values["map_per_class"].tolist())
-                if ap >= 0}
+    expected = {
+        names[int(c)]: ap for c, ap in zip(values["classes"].tolist(), values["map_per_class"].tolist()) if ap >= 0
+    }
     assert set(result["eval_ap_per_class"]) == set(expected) == {"a", "b", "c"}  # d: no ground truth, no AP
     for name, ap in expected.items():
         assert result["eval_ap_per_class"][name] == pytest.approx(ap, abs=1e-6), name
@@ -230,8 +248,20 @@ def test_per_class_ap_from_one_evaluation_equals_per_class_evaluations():
 
 
 # -------------------------------------------------------------------------------------------------- host reads
-HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "unique",
-              "masked_select", "argwhere"}
+HOST_READS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "unique",
+    "masked_select",
+    "argwhere",
+}
 
 
 class CountHostReads(TorchFunctionMode):
@@ -245,7 +275,8 @@ class CountHostReads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         mask_index = name in ("__getitem__", "__setitem__") and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool
-            for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))
+            for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
         if name in HOST_READS or mask_index:
             self.reads.append(name)
         return func(*args, **(kwargs or {}))

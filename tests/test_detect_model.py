@@ -28,8 +28,7 @@ def anchor_index(x: float, y: float, stride: int, height: int = 64, width: int =
     return int(hit)
 
 
-def raw_outputs(boxes: torch.Tensor, cls_logits: torch.Tensor, height: int = 64, width: int = 64
-                ) -> list[torch.Tensor]:
+def raw_outputs(boxes: torch.Tensor, cls_logits: torch.Tensor, height: int = 64, width: int = 64) -> list[torch.Tensor]:
     """Raw detector outputs (batch 1) whose decoded box at anchor a is boxes[a] (xyxy pixels, up to the DFL range) and
     whose class logits are cls_logits[a]. A side distance d (in bins) puts weight 1 - frac(d) on bin floor(d) and
     frac(d) on the next bin, so the DFL expectation is exactly d; an integer d puts all the mass on one bin."""
@@ -45,7 +44,7 @@ def raw_outputs(boxes: torch.Tensor, cls_logits: torch.Tensor, height: int = 64,
     flat = torch.cat((box_logits, cls_logits), dim=1)  # [A, 4 * REG_MAX + C]
     outputs, start = [], 0
     for h, w in level_shapes(height, width):
-        outputs.append(flat[start:start + h * w].T.reshape(1, -1, h, w).contiguous())
+        outputs.append(flat[start : start + h * w].T.reshape(1, -1, h, w).contiguous())
         start += h * w
     return outputs
 
@@ -67,8 +66,9 @@ def test_assigner_picks_topk_inside_anchors_by_iou():
     assert inside.sum() > 5  # the test needs more candidates than topk
 
     assigner = TaskAlignedAssigner(num_classes=3, topk=5)
-    labels, boxes, scores, fg, gt_index = assigner(pred_scores, pred_boxes, points, torch.tensor([[2]]), gt[None],
-                                                   torch.tensor([[True]]))
+    labels, boxes, scores, fg, gt_index = assigner(
+        pred_scores, pred_boxes, points, torch.tensor([[2]]), gt[None], torch.tensor([[True]])
+    )
     assert fg.shape == (1, num_anchors) and scores.shape == (1, num_anchors, 3)
     assert fg.sum() == 5
     assert not (fg[0] & ~inside).any(), "an anchor whose centre is outside the box got it"
@@ -83,8 +83,9 @@ def test_assigner_picks_topk_inside_anchors_by_iou():
     assert (scores[0, fg[0], 2] > 0).all()
     # a gt with a single anchor centre inside gets that one anchor, even with topk=10 and other anchors nearby
     small = torch.tensor([[[1.0, 1.0, 7.0, 7.0]]])
-    _, _, _, fg, _ = TaskAlignedAssigner(3, topk=10)(pred_scores, pred_boxes, points, torch.tensor([[0]]), small,
-                                                     torch.tensor([[True]]))
+    _, _, _, fg, _ = TaskAlignedAssigner(3, topk=10)(
+        pred_scores, pred_boxes, points, torch.tensor([[0]]), small, torch.tensor([[True]])
+    )
     assert fg[0].nonzero()[:, 0].tolist() == [anchor_index(4, 4, 8)]
 
 
@@ -94,8 +95,9 @@ def test_assigner_never_more_than_topk_per_gt(topk):
     gts = torch.tensor([[[0.0, 0.0, 64.0, 64.0], [30.0, 2.0, 62.0, 30.0]]])
     pred_boxes = default_boxes(points)[None]
     scores = torch.rand(1, points.shape[0], 2, generator=torch.Generator().manual_seed(0))
-    _, _, _, fg, gt_index = TaskAlignedAssigner(2, topk=topk)(scores, pred_boxes, points, torch.tensor([[0, 1]]),
-                                                              gts, torch.tensor([[True, True]]))
+    _, _, _, fg, gt_index = TaskAlignedAssigner(2, topk=topk)(
+        scores, pred_boxes, points, torch.tensor([[0, 1]]), gts, torch.tensor([[True, True]])
+    )
     for g in range(2):
         assert 1 <= (fg & (gt_index == g)).sum() <= topk
 
@@ -110,8 +112,13 @@ def test_assigner_competing_gts_go_to_higher_iou():
         pred_boxes = default_boxes(points)
         pred_boxes[shared] = target + torch.tensor([1.0, 1.0, 1.0, 1.0])  # overlaps the winner far more
         _, boxes, _, fg, gt_index = TaskAlignedAssigner(2, topk=13)(
-            torch.full((1, points.shape[0], 2), 0.5), pred_boxes[None], points, torch.tensor([[0, 1]]), gts,
-            torch.tensor([[True, True]]))
+            torch.full((1, points.shape[0], 2), 0.5),
+            pred_boxes[None],
+            points,
+            torch.tensor([[0, 1]]),
+            gts,
+            torch.tensor([[True, True]]),
+        )
         assert fg[0, shared]
         assert gt_index[0, shared] == winner
         assert torch.equal(boxes[0, shared], target)
@@ -125,13 +132,20 @@ def test_assigner_image_without_objects_and_empty_batch():
     assigner = TaskAlignedAssigner(4)
     # image 0 has one object, image 1 only a padding row (mask False) that overlaps everything
     gts = torch.tensor([[[8.0, 8.0, 40.0, 40.0]], [[0.0, 0.0, 64.0, 64.0]]])
-    labels, boxes, scores, fg, _ = assigner(pred_scores, pred_boxes, points, torch.tensor([[1], [3]]), gts,
-                                            torch.tensor([[True], [False]]))
+    labels, boxes, scores, fg, _ = assigner(
+        pred_scores, pred_boxes, points, torch.tensor([[1], [3]]), gts, torch.tensor([[True], [False]])
+    )
     assert fg[0].any() and not fg[1].any()
     assert scores[1].abs().sum() == 0 and boxes[1].abs().sum() == 0
     # no objects anywhere in the batch: M == 0
-    labels, boxes, scores, fg, gt_index = assigner(pred_scores, pred_boxes, points, torch.zeros(2, 0, dtype=torch.long),
-                                                   torch.zeros(2, 0, 4), torch.zeros(2, 0, dtype=torch.bool))
+    labels, boxes, scores, fg, gt_index = assigner(
+        pred_scores,
+        pred_boxes,
+        points,
+        torch.zeros(2, 0, dtype=torch.long),
+        torch.zeros(2, 0, 4),
+        torch.zeros(2, 0, dtype=torch.bool),
+    )
     assert labels.shape == (2, num_anchors) and boxes.shape == (2, num_anchors, 4)
     assert scores.shape == (2, num_anchors, 4) and gt_index.shape == (2, num_anchors)
     assert not fg.any() and scores.sum() == 0
@@ -204,8 +218,9 @@ def test_loss_without_objects_and_under_bf16():
 
 
 # ------------------------------------------------------------------------------------------------------ postprocess
-def detections_for(entries: list[tuple[tuple[float, float], list[float], int, float]], num_classes: int = 3,
-                   **kwargs) -> dict:
+def detections_for(
+    entries: list[tuple[tuple[float, float], list[float], int, float]], num_classes: int = 3, **kwargs
+) -> dict:
     """entries: (stride-8 anchor centre, box xyxy, class, logit); every other anchor scores sigmoid(-20)."""
     points, _ = anchors_for()
     boxes = default_boxes(points)
@@ -295,8 +310,9 @@ def test_tiny_overfit():
     images[0, :, 8:40, 8:40] = torch.tensor([0.9, 0.2, 0.2])[:, None, None]
     images[0, :, 36:60, 40:60] = torch.tensor([0.2, 0.2, 0.9])[:, None, None]
     images[1, :, 16:56, 4:36] = torch.tensor([0.2, 0.9, 0.2])[:, None, None]
-    targets = pad_targets([torch.tensor([[0.0, 8, 8, 40, 40], [1, 40, 36, 60, 60]]),
-                           torch.tensor([[1.0, 4, 16, 36, 56]])])
+    targets = pad_targets(
+        [torch.tensor([[0.0, 8, 8, 40, 40], [1, 40, 36, 60, 60]]), torch.tensor([[1.0, 4, 16, 36, 56]])]
+    )
     model = Detector(num_classes=2, size="n")
     criterion = DetectionLoss(num_classes=2, strides=model.strides, reg_max=model.reg_max)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)

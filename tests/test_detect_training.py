@@ -5,17 +5,40 @@ import json
 
 import pytest
 import torch
-from conftest import (ACCELERATE, CONFIGS, DETECT_SCRIPT, PYTHON, check, check_png,
-                      fails_with, free_port, losses, read_results, recipe_env,
-                      run)
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    DETECT_SCRIPT,
+    PYTHON,
+    check,
+    check_png,
+    fails_with,
+    free_port,
+    losses,
+    read_results,
+    recipe_env,
+    run,
+)
 from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
 
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
-TRAIN = REPO / "recipes" / "detect" / "train.py"
-SMALL = ["--image_size", "128", "--optimizer", "adamw", "--lr", "0.002", "--tracker", "none", "--num_workers", "0",
-         "--log_every", "1"]
+TRAIN = DETECT_SCRIPT
+SMALL = [
+    "--image_size",
+    "128",
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "0.002",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+    "--log_every",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +100,39 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     common = ["--data", shapes, "--eval_only", "True", "--batch_size", 4, *SMALL]
     # --model model_best on one process: the same weights as the final model (the run's one evaluation was the best)
     one = check(run([PYTHON, TRAIN, *common, "--model", model / "model_best", "--output_dir", tmp_path / "one"], env))
-    two = check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", 2,
-                     "--main_process_port", free_port(),
-                     "--num_cpu_threads_per_process", 1, TRAIN, *common, "--model", model, "--output_dir",
-                     tmp_path / "two"], env, timeout=400))
+    two = check(
+        run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                CONFIGS / "cpu.yaml",
+                "--num_processes",
+                2,
+                "--main_process_port",
+                free_port(),
+                "--num_cpu_threads_per_process",
+                1,
+                TRAIN,
+                *common,
+                "--model",
+                model,
+                "--output_dir",
+                tmp_path / "two",
+            ],
+            env,
+            timeout=400,
+        )
+    )
     a, b = read_results(tmp_path / "one"), read_results(tmp_path / "two")
     assert b["world_size"] == 2 and a["world_size"] == 1, (one.output[-800:], two.output[-800:])
     assert a["eval_images"] == b["eval_images"] == b["eval_unique_images"] == 21
     assert b["eval_map50_95"] == pytest.approx(a["eval_map50_95"], abs=1e-6)
     assert b["eval_map50"] == pytest.approx(a["eval_map50"], abs=1e-6)
     # --eval_only writes the evaluation's pictures too; the matrix counts each image once on any world size
-    assert (read_confusion_matrix_csv(tmp_path / "one" / "confusion_matrix.csv")
-            == read_confusion_matrix_csv(tmp_path / "two" / "confusion_matrix.csv"))
+    assert read_confusion_matrix_csv(tmp_path / "one" / "confusion_matrix.csv") == read_confusion_matrix_csv(
+        tmp_path / "two" / "confusion_matrix.csv"
+    )
     for name in ("PR_curve.png", "confusion_matrix.png", "val_predictions.png"):
         check_png(tmp_path / "two" / name)
 
@@ -96,8 +140,23 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
 def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
     model, _ = trained
     val_images = shapes.parent / "images" / "val"
-    proc = check(run([PYTHON, TRAIN, "--model", model, "--predict", val_images, "--predict_dir", tmp_path / "pred",
-                      "--conf_threshold", 0.01], recipe_env(tmp_path)))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                TRAIN,
+                "--model",
+                model,
+                "--predict",
+                val_images,
+                "--predict_dir",
+                tmp_path / "pred",
+                "--conf_threshold",
+                0.01,
+            ],
+            recipe_env(tmp_path),
+        )
+    )
     report = json.loads((tmp_path / "pred" / "detections.json").read_text())
     assert len(report) == 21 and len(list((tmp_path / "pred").glob("*.png"))) == 21
     for entry in report:
@@ -109,8 +168,23 @@ def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
     assert [json.loads(line) for line in proc.stdout.splitlines()] == report  # one JSON line per image, nothing else
     # --predict reads model_best as it reads the output directory: the same model finds the same boxes.
     first = val_images / report[0]["image"].rsplit("/", 1)[1]
-    check(run([PYTHON, TRAIN, "--model", model / "model_best", "--predict", first, "--predict_dir", tmp_path / "best",
-               "--conf_threshold", 0.01], recipe_env(tmp_path)))
+    check(
+        run(
+            [
+                PYTHON,
+                TRAIN,
+                "--model",
+                model / "model_best",
+                "--predict",
+                first,
+                "--predict_dir",
+                tmp_path / "best",
+                "--conf_threshold",
+                0.01,
+            ],
+            recipe_env(tmp_path),
+        )
+    )
     assert json.loads((tmp_path / "best" / "detections.json").read_text())[0]["detections"] == report[0]["detections"]
 
 
@@ -131,7 +205,9 @@ def test_a_bad_label_stops_the_recipe_naming_file_and_line_and_overwrites_nothin
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text('{"from": "an earlier run"}')
-    proc = run([PYTHON, TRAIN, "--data", data, "--batch_size", 4, "--epochs", 1, "--output_dir", out, *SMALL],
-               recipe_env(tmp_path))
+    proc = run(
+        [PYTHON, TRAIN, "--data", data, "--batch_size", 4, "--epochs", 1, "--output_dir", out, *SMALL],
+        recipe_env(tmp_path),
+    )
     fails_with(proc, str(label), "line 2: class 7 is out of range")
     assert (out / "results.json").read_text() == '{"from": "an earlier run"}'

@@ -50,8 +50,7 @@ def test_device_crops_and_flips_match_torchvision_and_cover_every_offset():
     reference = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()])
     torch.manual_seed(0)
     source = torch.from_numpy(image).permute(2, 0, 1)
-    torchvision_seen = [candidates[reference(source).permute(1, 2, 0).contiguous().numpy().tobytes()]
-                        for _ in range(n)]
+    torchvision_seen = [candidates[reference(source).permute(1, 2, 0).contiguous().numpy().tobytes()] for _ in range(n)]
 
     for seen in (device_seen, torchvision_seen):
         counts = {combo: seen.count(combo) for combo in candidates.values()}
@@ -88,9 +87,20 @@ def test_training_shards_are_disjoint_and_each_global_batch_is_the_same_for_any_
     n, global_batch = 103, 20
 
     def batches(world_size):
-        loaders = [DeviceImageLoader(np.zeros((n, 2, 2, 3), np.uint8), np.arange(n), global_batch // world_size, "cpu",
-                                     train=True, seed=7, process_index=r, num_processes=world_size, **RAW)
-                   for r in range(world_size)]
+        loaders = [
+            DeviceImageLoader(
+                np.zeros((n, 2, 2, 3), np.uint8),
+                np.arange(n),
+                global_batch // world_size,
+                "cpu",
+                train=True,
+                seed=7,
+                process_index=r,
+                num_processes=world_size,
+                **RAW,
+            )
+            for r in range(world_size)
+        ]
         epochs = []
         for _ in range(2):
             per_rank = [[labels.tolist() for _, labels in loader] for loader in loaders]
@@ -110,8 +120,16 @@ def test_evaluation_shards_cover_every_image_once():
     labels = []
     lengths = set()
     for rank in range(world):
-        loader = DeviceImageLoader(np.zeros((n, 2, 2, 3), np.uint8), np.arange(n), 8, "cpu", train=False,
-                                   process_index=rank, num_processes=world, **RAW)
+        loader = DeviceImageLoader(
+            np.zeros((n, 2, 2, 3), np.uint8),
+            np.arange(n),
+            8,
+            "cpu",
+            train=False,
+            process_index=rank,
+            num_processes=world,
+            **RAW,
+        )
         got = torch.cat([lab for _, lab in loader]).tolist()
         lengths.add(len(got))
         labels += got

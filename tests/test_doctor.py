@@ -31,8 +31,22 @@ debug: false
 
 
 def doctor_cmd(config, rank, port, *args, ip="127.0.0.1", timeout=20):
-    return [PYTHON, "-m", "recipe_tools.doctor", "--config_file", config, "--machine_rank", rank,
-            "--main_process_ip", ip, "--main_process_port", port, "--timeout", timeout, *args]
+    return [
+        PYTHON,
+        "-m",
+        "recipe_tools.doctor",
+        "--config_file",
+        config,
+        "--machine_rank",
+        rank,
+        "--main_process_ip",
+        ip,
+        "--main_process_port",
+        port,
+        "--timeout",
+        timeout,
+        *args,
+    ]
 
 
 def node_env(tmp_path, **extra):
@@ -52,8 +66,12 @@ def write_config(tmp_path):
 def test_two_nodes_on_one_machine_pass_and_list_both(tmp_path):
     config, port, env = write_config(tmp_path), free_port(), node_env(tmp_path)
     cmds = [doctor_cmd(config, rank, port) for rank in (0, 1)]
-    nodes = [subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    nodes = [
+        subprocess.Popen(
+            [str(c) for c in cmd], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for cmd in cmds
+    ]
     try:
         outputs = [node.communicate(timeout=90) for node in nodes]
     finally:
@@ -104,8 +122,9 @@ def test_num_processes_must_divide_over_the_nodes(tmp_path):
 
 
 def test_unknown_gloo_interface_lists_the_real_ones(tmp_path):
-    proc = run(doctor_cmd(write_config(tmp_path), 1, free_port()), node_env(tmp_path, GLOO_SOCKET_IFNAME="nosuch0"),
-               timeout=60)
+    proc = run(
+        doctor_cmd(write_config(tmp_path), 1, free_port()), node_env(tmp_path, GLOO_SOCKET_IFNAME="nosuch0"), timeout=60
+    )
     names = [name for _, name in socket.if_nameindex()]
     fails_with(proc, "GLOO_SOCKET_IFNAME='nosuch0'", "nosuch0 not found", ", ".join(names))
     assert proc.returncode == 2
@@ -129,8 +148,17 @@ def test_interface_lists_follow_nccl_and_gloo_syntax():
 
 def test_comparison_names_the_node_that_differs():
     def node(rank, torch_version="2.14.1", gpus=8, **extra):
-        return {"rank": rank, "hostname": f"gpu{rank}", "torch": torch_version, "accelerate": "1.15.0", "gpus": gpus,
-                "use_cpu": False, "num_machines": 2, "num_processes": 16, **extra}
+        return {
+            "rank": rank,
+            "hostname": f"gpu{rank}",
+            "torch": torch_version,
+            "accelerate": "1.15.0",
+            "gpus": gpus,
+            "use_cpu": False,
+            "num_machines": 2,
+            "num_processes": 16,
+            **extra,
+        }
 
     assert doctor.compare([node(0), node(1)]) is None
     verdict = doctor.compare([node(0), node(1, "2.13.0", gpus=4)])
@@ -180,21 +208,32 @@ h1:900:950 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/IB/0
 
 
 def test_nccl_info_lines_tell_infiniband_from_sockets():
-    assert doctor.nccl_transport(NCCL_OVER_IB) == {"network": "IB", "devices": "[0]mlx5_0:1/IB [1]mlx5_3:1/IB",
-                                                   "gdr": True}
+    assert doctor.nccl_transport(NCCL_OVER_IB) == {
+        "network": "IB",
+        "devices": "[0]mlx5_0:1/IB [1]mlx5_3:1/IB",
+        "gdr": True,
+    }
     # "NET/IB : No device found." must not count as InfiniBand.
-    assert doctor.nccl_transport(NCCL_OVER_SOCKETS) == {"network": "Socket", "devices": "[0]eno1:192.168.1.21<0>",
-                                                        "gdr": False}
-    assert doctor.nccl_transport(NCCL_OVER_ROCE_WITHOUT_GDR) == {"network": "IB", "devices": "[0]mlx5_bond_0:1/RoCE [RO]",
-                                                                 "gdr": False}
+    assert doctor.nccl_transport(NCCL_OVER_SOCKETS) == {
+        "network": "Socket",
+        "devices": "[0]eno1:192.168.1.21<0>",
+        "gdr": False,
+    }
+    assert doctor.nccl_transport(NCCL_OVER_ROCE_WITHOUT_GDR) == {
+        "network": "IB",
+        "devices": "[0]mlx5_bond_0:1/RoCE [RO]",
+        "gdr": False,
+    }
     assert doctor.nccl_transport("NCCL version 2.21.5+cuda12.4\nsome other output\n")["network"] is None
 
 
 def test_without_gpus_the_nccl_check_says_why_it_did_not_run():
-    plan = doctor.Plan(machine_rank=0, num_machines=2, num_processes=2, main_ip="127.0.0.1", port=1, timeout=5,
-                       use_cpu=False)
-    assert doctor.check_nccl(plan, gpus=0, size_mb=256) == ("NCCL all-reduce not run: this node has no GPU; only gloo "
-                                                           "was checked")
+    plan = doctor.Plan(
+        machine_rank=0, num_machines=2, num_processes=2, main_ip="127.0.0.1", port=1, timeout=5, use_cpu=False
+    )
+    assert doctor.check_nccl(plan, gpus=0, size_mb=256) == (
+        "NCCL all-reduce not run: this node has no GPU; only gloo was checked"
+    )
     plan.use_cpu = True
     assert "not run: CPU run" in doctor.check_nccl(plan, gpus=0, size_mb=256)
 
@@ -220,8 +259,9 @@ def test_nccl_check_uses_this_process_gpu_as_the_launcher_maps_gpu_ids(tmp_path)
     environ = {"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     assert doctor.nccl_device(plan.gpu_ids, 4, environ) == ({}, 3, "cuda:3 (CUDA_VISIBLE_DEVICES=4,5,6,7)")
     for gpu_ids, visible, local_rank, message in (
-            ("2,3", 8, "2", "LOCAL_RANK 2 has no GPU among the config's gpu_ids 2,3"),
-            ("all", 4, "4", "this node sees 4 GPU(s)"),
-            ("all", 4, "-1", "LOCAL_RANK='-1' is not a process index")):
+        ("2,3", 8, "2", "LOCAL_RANK 2 has no GPU among the config's gpu_ids 2,3"),
+        ("all", 4, "4", "this node sees 4 GPU(s)"),
+        ("all", 4, "-1", "LOCAL_RANK='-1' is not a process index"),
+    ):
         with pytest.raises(doctor.RecipeError, match=re.escape(message)):
             doctor.nccl_device(gpu_ids, visible, environ={"LOCAL_RANK": local_rank})

@@ -4,24 +4,33 @@ import inspect
 import re
 
 import pytest
-from accelerate_recipes.cli import as_command
 from conftest import CIFAR_SCRIPT, PYTHON, TINY, fails_with, recipe_env, run, write_cifar10
+
+from accelerate_recipes.cli import as_command
 
 
 def cifar(tmp_path, *args, **env):
-    return run([PYTHON, CIFAR_SCRIPT, "--num_workers", "0", "--tracker", "none", "--output_dir", tmp_path / "out", *args],
-               recipe_env(tmp_path, **env), timeout=120)
+    return run(
+        [PYTHON, CIFAR_SCRIPT, "--num_workers", "0", "--tracker", "none", "--output_dir", tmp_path / "out", *args],
+        recipe_env(tmp_path, **env),
+        timeout=120,
+    )
 
 
 def test_no_cifar_data_offline(tmp_path):
     # A proxy on a closed port makes the download fail at once, as on a machine without internet.
-    proc = cifar(tmp_path, "--data_dir", tmp_path / "nothing", https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+    proc = cifar(
+        tmp_path, "--data_dir", tmp_path / "nothing", https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9"
+    )
     fails_with(proc, "cifar-10-python.tar.gz", str(tmp_path / "nothing"), "--dataset synthetic")
 
 
 def test_no_cifar_data_without_download(tmp_path):
-    fails_with(cifar(tmp_path, "--dataset", "cifar100", "--data_dir", tmp_path, "--download", "False"),
-               "cifar-100-python.tar.gz", "--dataset synthetic")
+    fails_with(
+        cifar(tmp_path, "--dataset", "cifar100", "--data_dir", tmp_path, "--download", "False"),
+        "cifar-100-python.tar.gz",
+        "--dataset synthetic",
+    )
 
 
 def test_corrupt_cifar_file_is_named(tmp_path):
@@ -39,18 +48,34 @@ def test_missing_imagefolder_split(tmp_path):
 
 
 def test_global_batch_that_does_not_divide(tmp_path):
-    fails_with(cifar(tmp_path, "--dataset", "synthetic", "--synthetic_size", "64", "--batch_size", "30",
-                     "--gradient_accumulation_steps", "4"), "--batch_size 30", "multiple of 4")
+    fails_with(
+        cifar(
+            tmp_path,
+            "--dataset",
+            "synthetic",
+            "--synthetic_size",
+            "64",
+            "--batch_size",
+            "30",
+            "--gradient_accumulation_steps",
+            "4",
+        ),
+        "--batch_size 30",
+        "multiple of 4",
+    )
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--tracker", "nonsense"], ["unknown tracker", "swanlab"]),
-    (["--tracker", "swanlab", "--swanlab_mode", "cloud"], ["swanlab login", "SWANLAB_API_KEY", "offline"]),
-    (["--dataset", "mnist"], ["unknown --dataset", "synthetic"]),
-    (["--model", "vgg11"], ["unknown --model", "resnet18"]),
-    # accelerate would train it in fp32 on the CPU while results.json says fp16
-    (["--mixed_precision", "fp16"], ["--mixed_precision fp16 is not applied on cpu", "fp32"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--tracker", "nonsense"], ["unknown tracker", "swanlab"]),
+        (["--tracker", "swanlab", "--swanlab_mode", "cloud"], ["swanlab login", "SWANLAB_API_KEY", "offline"]),
+        (["--dataset", "mnist"], ["unknown --dataset", "synthetic"]),
+        (["--model", "vgg11"], ["unknown --model", "resnet18"]),
+        # accelerate would train it in fp32 on the CPU while results.json says fp16
+        (["--mixed_precision", "fp16"], ["--mixed_precision fp16 is not applied on cpu", "fp32"]),
+    ],
+)
 def test_bad_options(tmp_path, args, fragments):
     fails_with(cifar(tmp_path, *TINY[:-6], *args), *fragments)
 

@@ -28,11 +28,14 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
 
 def test_unknown_steps_and_parts_are_named(tmp_path):
     env = recipe_env(tmp_path)
-    fails_with(run([PYTHON, CHECK, "--device", "cpu", "--steps", "fast94,warp-drive"], env),
-               "unknown step(s) warp-drive", "dp-vs-ddp", "nccl-doctor")
+    fails_with(
+        run([PYTHON, CHECK, "--device", "cpu", "--steps", "fast94,warp-drive"], env),
+        "unknown step(s) warp-drive",
+        "dp-vs-ddp",
+        "nccl-doctor",
+    )
     fails_with(run([PYTHON, CHECK, "--device", "cpu", "--part", "3/2"], env), "--part 3/2 is not K/N", "--part 1/2")
-    fails_with(run([PYTHON, CHECK, "--merge", "--output_dir", tmp_path / "none"], env),
-               "no part reports", "--part 1/N")
+    fails_with(run([PYTHON, CHECK, "--merge", "--output_dir", tmp_path / "none"], env), "no part reports", "--part 1/N")
 
 
 def test_help_explains_the_parts_the_merge_and_the_verdicts(tmp_path):
@@ -48,8 +51,13 @@ def plain_checkout(tmp_path) -> tuple[str, dict]:
     so this project is not installed, and no `accelerate` script lies beside the interpreter."""
     python = getattr(sys, "_base_executable", sys.executable)
     packages = os.pathsep.join(dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib")))
-    env = recipe_env(tmp_path, PYTHONPATH=packages, PATH=os.pathsep.join(
-        p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != Path(PYTHON).parent.resolve()))
+    env = recipe_env(
+        tmp_path,
+        PYTHONPATH=packages,
+        PATH=os.pathsep.join(
+            p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != Path(PYTHON).parent.resolve()
+        ),
+    )
     probe = run([python, "-c", "import torch, accelerate, fire; import accelerate_recipes"], env, cwd=tmp_path)
     assert "No module named 'accelerate_recipes'" in probe.stderr, probe.output[-2000:]
     assert not (Path(python).parent / "accelerate").exists()
@@ -81,11 +89,14 @@ def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp
     results = {r["step"]: r for r in report["steps"]}
     assert [r["step"] for r in report["steps"]] == [s for s in gpu_check.STEPS if s in SMOKE]  # each once, in order
     left_out = [s for s in gpu_check.STEPS if s not in SMOKE]
-    assert report["verdict"] == (f"PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA); {', '.join(left_out)} "
-                                 "(not in --steps)"), report["verdict"]
+    assert report["verdict"] == (
+        f"PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA); {', '.join(left_out)} (not in --steps)"
+    ), report["verdict"]
     assert report["mode"] == "cpu smoke" and report["machine"]["torch"] and report["machine"]["accelerate"]
-    assert [(p["part"], p["steps"], p["ran"]) for p in report["parts"]] == [("1/2", plan[0], True),
-                                                                             ("2/2", plan[1], True)]
+    assert [(p["part"], p["steps"], p["ran"]) for p in report["parts"]] == [
+        ("1/2", plan[0], True),
+        ("2/2", plan[1], True),
+    ]
 
     audit = results["audit-cifar"]["figures"]
     assert audit["steps"] == 8 and audit["quiet_intervals"] == [2, 3, 4, 5, 6, 7] and audit["quiet_violations"] == 0
@@ -132,14 +143,32 @@ def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp
     other = dict(parts[1], part="3/3", plan=[SMOKE[:3], SMOKE[3:6], SMOKE[6:]])
     (out / "part-3").mkdir()
     (out / "part-3" / "report.json").write_text(json.dumps(other))
-    fails_with(run([PYTHON, CHECK, "--merge", "--output_dir", out], recipe_env(tmp_path), timeout=120),
-               "belong to different checks", "part-3")
+    fails_with(
+        run([PYTHON, CHECK, "--merge", "--output_dir", out], recipe_env(tmp_path), timeout=120),
+        "belong to different checks",
+        "part-3",
+    )
 
 
 def test_preempt_ends_within_the_budget(tmp_path):
     budget = 6
-    proc = run([PYTHON, CHECK, "--device", "cpu", "--quick", "--steps", "preempt", "--budget", budget,
-                "--output_dir", tmp_path / "out"], recipe_env(tmp_path), timeout=120)
+    proc = run(
+        [
+            PYTHON,
+            CHECK,
+            "--device",
+            "cpu",
+            "--quick",
+            "--steps",
+            "preempt",
+            "--budget",
+            budget,
+            "--output_dir",
+            tmp_path / "out",
+        ],
+        recipe_env(tmp_path),
+        timeout=120,
+    )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     (preempt,) = report["steps"]
     # Whatever this machine's speed: the step ends within the budget; where that was too little to stop and resume a
@@ -158,22 +187,44 @@ def one_gpu_records() -> list[dict]:
     records = []
     for name in gpu_check.STEPS:
         figures = {"world_size": 1, "distributed_type": "FSDP"} if name == "text-fsdp" else {"steps": 8}
-        records.append({"step": name, "status": "not run" if needs[name] else "pass", "commands": [],
-                        "wall_seconds": 0.0 if needs[name] else 12.5, "figures": {} if needs[name] else figures,
-                        "detail": needs[name] or ""})
+        records.append(
+            {
+                "step": name,
+                "status": "not run" if needs[name] else "pass",
+                "commands": [],
+                "wall_seconds": 0.0 if needs[name] else 12.5,
+                "figures": {} if needs[name] else figures,
+                "detail": needs[name] or "",
+            }
+        )
     return records
 
 
 def test_a_one_gpu_report_is_partial_and_names_what_it_did_not_prove():
     records = one_gpu_records()
     verdict = gpu_check.assess(records)
-    assert verdict["verdict"] == ("PARTIAL: not proved: text-deepspeed, nccl-doctor, ddp, sync-bn, allreduce, "
-                                  "dp-vs-ddp (needs 2+ GPUs); FSDP sharding (one process)")
+    assert verdict["verdict"] == (
+        "PARTIAL: not proved: text-deepspeed, nccl-doctor, ddp, sync-bn, allreduce, "
+        "dp-vs-ddp (needs 2+ GPUs); FSDP sharding (one process)"
+    )
     assert gpu_check.exit_status(verdict["verdict"]) == 0
     assert verdict["notes"] == {"text-fsdp": gpu_check.UNSHARDED}
-    report = {**verdict, "mode": "gpu", "quick": False, "wall_seconds": 600.0, "steps": records,
-              "machine": {"devices": ["NVIDIA H100 80GB HBM3"], "torch": "2.11.0", "cuda": "12.8",
-                          "accelerate": "1.15.0", "transformers": "5.17.0", "python": "3.12.3", "host": "gpu-box"}}
+    report = {
+        **verdict,
+        "mode": "gpu",
+        "quick": False,
+        "wall_seconds": 600.0,
+        "steps": records,
+        "machine": {
+            "devices": ["NVIDIA H100 80GB HBM3"],
+            "torch": "2.11.0",
+            "cuda": "12.8",
+            "accelerate": "1.15.0",
+            "transformers": "5.17.0",
+            "python": "3.12.3",
+            "host": "gpu-box",
+        },
+    }
     text = gpu_check.markdown(report)
     assert "| text-fsdp | pass (unsharded: world size 1, no NCCL traffic) | 12.5 |" in text
     assert "| ddp | not run (needs 2+ GPUs) |" in text and "| nccl-doctor | not run (needs 2+ GPUs) |" in text

@@ -18,8 +18,18 @@ from conftest import (
 )
 
 # Six optimizer steps inside one epoch; logs only at steps 1 and 6, checkpoints only at the epoch end.
-QUIET = ["--max_steps", "6", "--log_every", "1000", "--checkpoint_every", "0", "--tracker", "none",
-         "--num_workers", "0"]
+QUIET = [
+    "--max_steps",
+    "6",
+    "--log_every",
+    "1000",
+    "--checkpoint_every",
+    "0",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+]
 
 
 def audited(out) -> dict:
@@ -53,7 +63,7 @@ def test_detector_loop_reads_nothing_between_log_steps_on_one_and_two_processes(
 
 # accelerate builds its fp16 GradScaler and autocast only off the CPU (there it runs fp16 as fp32, with no scaler).
 # This launcher gives the Accelerator what it builds on a GPU, with torch's CPU GradScaler, then runs the recipe.
-FP16_WITH_SCALER = '''
+FP16_WITH_SCALER = """
 import os
 import runpy
 import sys
@@ -73,7 +83,7 @@ accelerate.Accelerator = Accelerator
 sys.argv = [os.path.abspath(sys.argv[1]), *sys.argv[2:]]  # the recipe and its flags
 sys.path[0] = os.path.dirname(sys.argv[0])
 runpy.run_path(sys.argv[0], run_name="__main__")
-'''
+"""
 
 
 def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, tmp_path):
@@ -81,8 +91,24 @@ def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, 
     launcher = tmp_path / "fp16_with_scaler.py"
     launcher.write_text(FP16_WITH_SCALER)
     out = tmp_path / "out"
-    proc = run([PYTHON, AUDIT, launcher, TEXT_SCRIPT, *text_files(text_data), "--batch_size", 16,
-                "--mixed_precision", "fp16", *QUIET, "--output_dir", out], recipe_env(tmp_path), timeout=300)
+    proc = run(
+        [
+            PYTHON,
+            AUDIT,
+            launcher,
+            TEXT_SCRIPT,
+            *text_files(text_data),
+            "--batch_size",
+            16,
+            "--mixed_precision",
+            "fp16",
+            *QUIET,
+            "--output_dir",
+            out,
+        ],
+        recipe_env(tmp_path),
+        timeout=300,
+    )
     report = audited(out)
     assert_quiet(report, proc, steps=6, log_every=1000)
     # Step k + 1 reads found_inf inside optimizer.step, before the step counter moves: one read in each interval 0-5.
@@ -97,7 +123,7 @@ def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, 
 
 
 # A loop that reads its loss every step (the classic `.item()` in the loop) and reads in its collate function.
-LEAKY = '''
+LEAKY = """
 import torch
 from torch.utils.data import DataLoader
 
@@ -124,7 +150,7 @@ def main(log_every: int = 1000, checkpoint_every: int = 0):
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def test_a_read_in_every_step_is_counted_at_its_line_and_fails_the_run(tmp_path):
@@ -148,7 +174,8 @@ def test_a_read_in_every_step_is_counted_at_its_line_and_fails_the_run(tmp_path)
     assert json.loads(out.read_text())["quiet_violations"] == 0
 
 
-@pytest.mark.parametrize("args, message", [([], "name the script to audit"),
-                                           (["missing.py"], "missing.py does not exist")])
+@pytest.mark.parametrize(
+    "args, message", [([], "name the script to audit"), (["missing.py"], "missing.py does not exist")]
+)
 def test_audit_errors(args, message, tmp_path):
     fails_with(run([PYTHON, AUDIT, *args], recipe_env(tmp_path)), message)

@@ -6,12 +6,32 @@ import subprocess
 import pytest
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import (ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, REPO, TINY, TORCHRUN, check, free_port, read_results,
-                      recipe_env, run)
+from conftest import (
+    ACCELERATE,
+    CIFAR_SCRIPT,
+    CONFIGS,
+    PYTHON,
+    REPO,
+    TINY,
+    TORCHRUN,
+    check,
+    free_port,
+    read_results,
+    recipe_env,
+    run,
+)
 
 # file -> (processes in total, machines); what each config promises.
-PROMISES = {"1gpu": (1, 1), "2gpu": (2, 1), "4gpu": (4, 1), "8gpu": (8, 1), "2node": (16, 2), "cpu": (2, 1),
-            "fsdp": (8, 1), "deepspeed": (8, 1)}
+PROMISES = {
+    "1gpu": (1, 1),
+    "2gpu": (2, 1),
+    "4gpu": (4, 1),
+    "8gpu": (8, 1),
+    "2node": (16, 2),
+    "cpu": (2, 1),
+    "fsdp": (8, 1),
+    "deepspeed": (8, 1),
+}
 DISTRIBUTED_TYPE = {"1gpu": "NO", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}  # the others: MULTI_GPU
 
 
@@ -55,13 +75,30 @@ def launch_nodes(config: str, tmp_path, machines: int, processes: int, timeout=3
     port = free_port()
     out = tmp_path / "out"
     cmds = [
-        [ACCELERATE, "launch", "--config_file", CONFIGS / f"{config}.yaml", "--num_processes", processes,
-         "--num_cpu_threads_per_process", "1", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
-         "--main_process_port", port, PROBE, out]
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            CONFIGS / f"{config}.yaml",
+            "--num_processes",
+            processes,
+            "--num_cpu_threads_per_process",
+            "1",
+            "--machine_rank",
+            rank,
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            PROBE,
+            out,
+        ]
         for rank in range(machines)
     ]
-    procs = [subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in cmds]
+    procs = [
+        subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in cmds
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -83,8 +120,23 @@ def test_each_single_machine_config_launches_its_world_size(name, tmp_path):
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
     out = tmp_path / "out"
     port = [] if name == "1gpu" else ["--main_process_port", free_port()]
-    check(run([ACCELERATE, "launch", "--config_file", CONFIGS / f"{name}.yaml", *port,
-               "--num_cpu_threads_per_process", "1", PROBE, out], env, timeout=300))
+    check(
+        run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                CONFIGS / f"{name}.yaml",
+                *port,
+                "--num_cpu_threads_per_process",
+                "1",
+                PROBE,
+                out,
+            ],
+            env,
+            timeout=300,
+        )
+    )
     records = probe_records(out, processes)
     assert [r["local_rank"] for r in records] == list(range(processes))
     assert {r["machine_rank"] for r in records} == {0}
@@ -112,15 +164,47 @@ def test_torchrun(tmp_path):
 def test_deprecated_torch_distributed_launch_passes_local_rank(tmp_path):
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="1")
     # It appends --local-rank=N to the script's arguments; the recipe accepts and ignores it.
-    check(run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port", free_port(),
-               CIFAR_SCRIPT, *TINY, "--output_dir", tmp_path / "out"], env))
+    check(
+        run(
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.launch",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                free_port(),
+                CIFAR_SCRIPT,
+                *TINY,
+                "--output_dir",
+                tmp_path / "out",
+            ],
+            env,
+        )
+    )
     assert read_results(tmp_path / "out")["world_size"] == 2
 
 
 def test_multi_gpu_launch_without_gpus_is_stopped_by_the_guard(tmp_path):
     env = recipe_env(tmp_path)  # no ACCELERATE_USE_CPU: the trap
-    proc = run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", free_port(),
-                "--num_cpu_threads_per_process", "1", CIFAR_SCRIPT, *TINY, "--output_dir", tmp_path / "out"], env)
+    proc = run(
+        [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            free_port(),
+            "--num_cpu_threads_per_process",
+            "1",
+            CIFAR_SCRIPT,
+            *TINY,
+            "--output_dir",
+            tmp_path / "out",
+        ],
+        env,
+    )
     assert proc.returncode != 0
     assert "did not form one process group" in proc.output and "ACCELERATE_USE_CPU=true" in proc.output
     assert not (tmp_path / "out" / "results.json").exists()

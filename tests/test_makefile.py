@@ -14,8 +14,13 @@ def make(*args):
     # -o: the install stamps count as up to date, so a target run for real (to see its check fail) never reinstalls
     # the package into the environment running the tests.
     stamps = [f"-o{VENV}/.installed{extra}" for extra in ("", "-text", "-detect", "-deepspeed", "-bench", "-dev")]
-    return subprocess.run(["make", "--no-print-directory", f"VENV={VENV}", *stamps, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["make", "--no-print-directory", f"VENV={VENV}", *stamps, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def launch_line(proc):
@@ -102,8 +107,15 @@ def test_allreduce_targets_launch_the_benchmark_with_the_recipe_configs():
 
 
 def test_hostfile_targets_start_the_multinode_launcher_with_launch_options():
-    proc = make("-n", "cifar-hostfile", "HOSTFILE=hosts.txt", "GPU_IDS=0,1", "PRECISION=bf16", "MASTER_PORT=29700",
-                "ARGS=--epochs 2")
+    proc = make(
+        "-n",
+        "cifar-hostfile",
+        "HOSTFILE=hosts.txt",
+        "GPU_IDS=0,1",
+        "PRECISION=bf16",
+        "MASTER_PORT=29700",
+        "ARGS=--epochs 2",
+    )
     line = next(line for line in proc.stdout.splitlines() if "recipe_tools.multinode" in line)
     assert "--hostfile hosts.txt --config_file accelerate_configs/2node.yaml --main_process_port 29700" in line
     assert '--launch_args "--gpu_ids 0,1 --mixed_precision bf16"' in line
@@ -116,8 +128,10 @@ def test_hostfile_targets_start_the_multinode_launcher_with_launch_options():
 def test_doctor_target_passes_the_node_settings():
     proc = make("-n", "doctor", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1", "CONFIG=8gpu", "ARGS=--timeout 60")
     text = " ".join(proc.stdout.replace("\\\n", " ").split())
-    assert ("-m recipe_tools.doctor --config_file accelerate_configs/8gpu.yaml --machine_rank 1 "
-            "--main_process_ip 10.0.0.1 --main_process_port 29500 --timeout 60") in text
+    assert (
+        "-m recipe_tools.doctor --config_file accelerate_configs/8gpu.yaml --machine_rank 1 "
+        "--main_process_ip 10.0.0.1 --main_process_port 29500 --timeout 60"
+    ) in text
     assert "set MASTER_ADDR" in make("doctor").stderr
 
 
@@ -145,16 +159,22 @@ def test_gpu_ids_set_the_process_count_so_no_rank_lacks_a_gpu():
     assert "--num_processes 2 " in launch_line(make("-n", "text-fsdp", "GPU_IDS=4,5"))
     proc = make("cifar-1gpu", "GPU_IDS=0,1")
     assert proc.returncode == 2 and "accelerate launch" not in proc.stdout
-    assert proc.stderr.splitlines()[0] == ("error: GPU_IDS=0,1 names 2 GPUs but cifar-1gpu runs one process: "
-                                           "use one id or make cifar-2gpu GPU_IDS=0,1")
+    assert proc.stderr.splitlines()[0] == (
+        "error: GPU_IDS=0,1 names 2 GPUs but cifar-1gpu runs one process: use one id or make cifar-2gpu GPU_IDS=0,1"
+    )
 
 
 def test_cpu_threads_follow_the_cores_make_may_use():
     # nproc counts the affinity mask (taskset, SLURM, cpusets): one allowed core gives one thread, whatever the machine.
     first = min(os.sched_getaffinity(0))
-    pinned = subprocess.run(["make", "--no-print-directory", f"VENV={VENV}", "-n", "detect-cpu", "NPROC=1"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60,
-                            preexec_fn=lambda: os.sched_setaffinity(0, {first}))
+    pinned = subprocess.run(
+        ["make", "--no-print-directory", f"VENV={VENV}", "-n", "detect-cpu", "NPROC=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: os.sched_setaffinity(0, {first}),
+    )
     assert "--num_processes 1 --num_cpu_threads_per_process 1 " in launch_line(pinned)
     line = launch_line(make("-n", "detect-cpu", "NPROC=1"))
     assert f"--num_cpu_threads_per_process {len(os.sched_getaffinity(0))} " in line
@@ -165,18 +185,31 @@ def test_cpu_threads_follow_the_cores_make_may_use():
 
 def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
     """PYTHON_ENV=system: the interpreter given, no venv, no pip; the install step is a check of what it lacks."""
-    proc = make("-n", "cifar-2gpu", "text-cpu", "gpu-check", "PART=1/2", "PYTHON_ENV=system", "PYTHON=/opt/py/bin/python3")
+    proc = make(
+        "-n", "cifar-2gpu", "text-cpu", "gpu-check", "PART=1/2", "PYTHON_ENV=system", "PYTHON=/opt/py/bin/python3"
+    )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
     assert not any(".venv" in line or str(VENV) in line or "-m venv" in line for line in lines), proc.stdout
     assert "/opt/py/bin/python3 -m recipe_tools.wheelhouse check --extras 'text,detect'" in lines
-    assert any(line.startswith("/opt/py/bin/python3 -m accelerate.commands.accelerate_cli launch --config_file "
-                               "accelerate_configs/2gpu.yaml") and line.rstrip().endswith("recipes/cifar.py")
-               for line in lines), proc.stdout
+    assert any(
+        line.startswith(
+            "/opt/py/bin/python3 -m accelerate.commands.accelerate_cli launch --config_file "
+            "accelerate_configs/2gpu.yaml"
+        )
+        and line.rstrip().endswith("recipes/cifar.py")
+        for line in lines
+    ), proc.stdout
     assert "/opt/py/bin/python3 benchmarks/gpu_check.py --part 1/2" in [line.strip() for line in lines]
     # the checkout is on PYTHONPATH for the scripts, ahead of what the user had there
-    proc = subprocess.run(["make", "--no-print-directory", "-p", "-n", "help", "PYTHON_ENV=system"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH="/extra"))
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-p", "-n", "help", "PYTHON_ENV=system"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH="/extra"),
+    )
     assert f"PYTHONPATH := {REPO}:/extra" in proc.stdout
     proc = make("help", "PYTHON_ENV=conda")
     assert proc.returncode != 0 and "choose venv (the default" in proc.stderr

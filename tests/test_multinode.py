@@ -34,9 +34,25 @@ def two_local_nodes(tmp_path, slots=(1, 1)):
 
 def test_hostfile_with_two_localhost_nodes_trains_the_recipe(tmp_path):
     out = tmp_path / "out"
-    proc = check(run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", free_port(),
-                      "--launch_args", "--num_cpu_threads_per_process 1", CIFAR_SCRIPT, *TINY, "--output_dir", out],
-                     recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=300))
+    proc = check(
+        run(
+            [
+                *LAUNCHER,
+                "--hostfile",
+                two_local_nodes(tmp_path),
+                "--main_process_port",
+                free_port(),
+                "--launch_args",
+                "--num_cpu_threads_per_process 1",
+                CIFAR_SCRIPT,
+                *TINY,
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path, ACCELERATE_USE_CPU="true"),
+            timeout=300,
+        )
+    )
     results = read_results(out)
     assert (results["world_size"], results["num_machines"]) == (2, 2)
     assert results["samples_seen_per_process"] == [16, 16]
@@ -57,8 +73,11 @@ def test_one_failing_node_stops_the_others(tmp_path):
         "time.sleep(600)\n"
     )
     started = time.monotonic()
-    proc = run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", free_port(), script],
-               recipe_env(tmp_path, ACCELERATE_USE_CPU="true"), timeout=120)
+    proc = run(
+        [*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", free_port(), script],
+        recipe_env(tmp_path, ACCELERATE_USE_CPU="true"),
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "error: node localhost (machine rank 1) exited with code 1; the other nodes were stopped" in proc.stderr
     assert time.monotonic() - started < 90
@@ -71,26 +90,44 @@ def test_hostfile_and_port_errors(tmp_path):
     env = recipe_env(tmp_path)
     bad = tmp_path / "bad.txt"
     bad.write_text("node1 slots=8\nnode2 8\n")
-    fails_with(run([*LAUNCHER, "--hostfile", bad, CIFAR_SCRIPT], env), "bad.txt:2: cannot read 'node2 8'",
-               "`node1 slots=8`")
-    fails_with(run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path, (2, 1)), CIFAR_SCRIPT], env),
-               "different slots per node (localhost=2, localhost=1)")
+    fails_with(
+        run([*LAUNCHER, "--hostfile", bad, CIFAR_SCRIPT], env), "bad.txt:2: cannot read 'node2 8'", "`node1 slots=8`"
+    )
+    fails_with(
+        run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path, (2, 1)), CIFAR_SCRIPT], env),
+        "different slots per node (localhost=2, localhost=1)",
+    )
     fails_with(run([*LAUNCHER, "--hostfile", tmp_path / "none.txt", CIFAR_SCRIPT], env), "none.txt does not exist")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        fails_with(run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", port, CIFAR_SCRIPT],
-                       env), f"port {port} on 0.0.0.0 is in use", "--main_process_port")
+        fails_with(
+            run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", port, CIFAR_SCRIPT], env),
+            f"port {port} on 0.0.0.0 is in use",
+            "--main_process_port",
+        )
 
 
 def test_remote_nodes_get_ssh_with_rank_address_and_forwarded_network_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("gpu-a slots=8\ngpu-b slots=8\n")
-    args = multinode.parse_args(["--hostfile", str(hostfile), "--main_process_ip", "10.0.0.1",
-                                 "--workdir", "/srv/my proj", "--env", "SWANLAB_MODE=offline",
-                                 "recipes/cifar.py", "--epochs", "5"])
+    args = multinode.parse_args(
+        [
+            "--hostfile",
+            str(hostfile),
+            "--main_process_ip",
+            "10.0.0.1",
+            "--workdir",
+            "/srv/my proj",
+            "--env",
+            "SWANLAB_MODE=offline",
+            "recipes/cifar.py",
+            "--epochs",
+            "5",
+        ]
+    )
     hosts = multinode.read_hostfile(args.hostfile)
     command = multinode.node_command(1, hosts, args)
     assert command[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"] and command[5] == "gpu-b"
@@ -99,8 +136,9 @@ def test_remote_nodes_get_ssh_with_rank_address_and_forwarded_network_settings(m
     assert script.startswith("cd '/srv/my proj' || exit 2")
     launch = next(line for line in script.splitlines() if " launch " in line)
     assert "NCCL_SOCKET_IFNAME=eth0" in launch and "SWANLAB_MODE=offline" in launch
-    assert ("--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip 10.0.0.1 "
-            "--main_process_port 29500") in launch
+    assert (
+        "--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500"
+    ) in launch
     assert launch.rstrip(" &").endswith("recipes/cifar.py --epochs 5")
 
 
@@ -121,13 +159,34 @@ def test_slurm_node_script_joins_two_nodes_through_c10d(tmp_path):
     procs = []
     try:
         for node in (0, 1):
-            env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true", SLURM_NNODES=2, SLURM_NODEID=node, GPUS_PER_NODE=1,
-                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, ACCELERATE=ACCELERATE,
-                             LAUNCH_ARGS="--num_cpu_threads_per_process 1")
-            procs.append(subprocess.Popen(
-                [str(REPO / "slurm" / "node_launch.sh"), str(REPO / "benchmarks" / "allreduce.py"), "--max_bytes",
-                 "4096", "--output_dir", str(tmp_path / f"out{node}")],
-                env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            env = recipe_env(
+                tmp_path,
+                ACCELERATE_USE_CPU="true",
+                SLURM_NNODES=2,
+                SLURM_NODEID=node,
+                GPUS_PER_NODE=1,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                ACCELERATE=ACCELERATE,
+                LAUNCH_ARGS="--num_cpu_threads_per_process 1",
+            )
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(REPO / "slurm" / "node_launch.sh"),
+                        str(REPO / "benchmarks" / "allreduce.py"),
+                        "--max_bytes",
+                        "4096",
+                        "--output_dir",
+                        str(tmp_path / f"out{node}"),
+                    ],
+                    env=env,
+                    cwd=REPO,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
             if node == 0:
                 wait_for_listener(port)
         outputs = [p.communicate(timeout=180)[0] for p in procs]
@@ -155,22 +214,26 @@ def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(t
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(
         "#!/usr/bin/env bash\n"
-        f"echo \"$@\" > {tmp_path}/srun_args\n"
+        f'echo "$@" > {tmp_path}/srun_args\n'
         f"trap 'kill $sleeper; echo TERM > {tmp_path}/srun_signal; exit 75' TERM\n"
         "sleep 60 >/dev/null 2>&1 & sleeper=$!\n"
         "wait $sleeper\n"
     )
     (bin_dir / "scontrol").write_text(
-        "#!/usr/bin/env bash\n"
-        "if [ \"$1\" = show ]; then echo node-a; exit 0; fi\n"
-        f"echo \"$@\" > {tmp_path}/scontrol_args\n"
+        f'#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node-a; exit 0; fi\necho "$@" > {tmp_path}/scontrol_args\n'
     )
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     env = recipe_env(tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b", SLURM_CPUS_PER_TASK="64")
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    job = subprocess.Popen(["bash", str(REPO / "slurm" / "multi_node.sbatch"), "recipes/cifar.py", "--epochs", "5"],
-                           env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    job = subprocess.Popen(
+        ["bash", str(REPO / "slurm" / "multi_node.sbatch"), "recipes/cifar.py", "--epochs", "5"],
+        env=env,
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while not (tmp_path / "srun_args").exists():
         assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]

@@ -17,16 +17,25 @@ def bare_interpreter(folder):
     follow from a .pth-added path)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
     python = folder / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
 
 def clean_checkout(folder):
     """The files a clone would hold: tracked and not ignored, as they are in the working tree now."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
+    names = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     for name in filter(None, names):
         source = REPO / name
         if source.is_file():
@@ -40,13 +49,25 @@ def test_gpu_check_cpu_smoke_runs_from_a_plain_checkout_without_installing(tmp_p
     checkout = clean_checkout(tmp_path / "checkout")
     env = recipe_env(tmp_path)
     env.pop("PYTHONPATH", None)
-    probe = run([python, "-c", "import torch, accelerate, transformers, fire; import accelerate_recipes"], env,
-                cwd=tmp_path)
+    probe = run(
+        [python, "-c", "import torch, accelerate, transformers, fire; import accelerate_recipes"], env, cwd=tmp_path
+    )
     assert "No module named 'accelerate_recipes'" in probe.stderr, probe.output  # the dependencies, not the package
 
     out = tmp_path / "check"
-    proc = run(["make", "--no-print-directory", "gpu-check", "PYTHON_ENV=system", f"PYTHON={python}",
-                f"ARGS=--device cpu --quick --steps ddp,allreduce,nccl-doctor --output_dir {out}"], env, cwd=checkout, timeout=600)
+    proc = run(
+        [
+            "make",
+            "--no-print-directory",
+            "gpu-check",
+            "PYTHON_ENV=system",
+            f"PYTHON={python}",
+            f"ARGS=--device cpu --quick --steps ddp,allreduce,nccl-doctor --output_dir {out}",
+        ],
+        env,
+        cwd=checkout,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.output[-4000:]
     assert not (checkout / ".venv").exists() and "pip install" not in proc.output
     report = json.loads((out / "report.json").read_text())

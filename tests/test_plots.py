@@ -21,15 +21,30 @@ from accelerate_recipes.plots import (
 
 
 def write_metrics(path, with_eval=True, steps=60, per_epoch=20):
-    """A metrics.jsonl as TrainingProgress writes it: train rows every 5 steps, eval rows at epoch ends; a last line cut short."""
+    """A metrics.jsonl as TrainingProgress writes it: train rows every 5 steps, eval rows at epoch ends; a last line
+    cut short."""
     lines = []
     for step in [1, *range(5, steps + 1, 5)]:
-        lines.append({"step": step, "train/loss": 2.3 * math.exp(-step / 30), "train/lr": 0.1 * (1 - step / steps),
-                      "train/epoch": step / per_epoch, "perf/step_seconds": 0.5,
-                      "perf/samples_per_second": 100.0 + step})
+        lines.append(
+            {
+                "step": step,
+                "train/loss": 2.3 * math.exp(-step / 30),
+                "train/lr": 0.1 * (1 - step / steps),
+                "train/epoch": step / per_epoch,
+                "perf/step_seconds": 0.5,
+                "perf/samples_per_second": 100.0 + step,
+            }
+        )
         if with_eval and step % per_epoch == 0:
-            lines.append({"step": step, "eval/accuracy": step / (steps + 10), "eval/loss": 2.0 - step / 60,
-                          "eval/ap50_95/cat": 0.3, "perf/epoch_seconds": 10.0})
+            lines.append(
+                {
+                    "step": step,
+                    "eval/accuracy": step / (steps + 10),
+                    "eval/loss": 2.0 - step / 60,
+                    "eval/ap50_95/cat": 0.3,
+                    "perf/epoch_seconds": 10.0,
+                }
+            )
     path.write_text("".join(json.dumps(row) + "\n" for row in lines) + '{"step": 61, "train/lo')
     return path
 
@@ -80,32 +95,54 @@ for epoch in range(3):
     save_confusion_matrix([[1, 0], [0, 1]], ["a", "b"], {str(tmp_path)!r})
 print("finished")
 """
-    proc = subprocess.run([PYTHON, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [PYTHON, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines == ["matplotlib is not installed, so this run draws no pictures (results.png, ...); get them with: "
-                     "pip install matplotlib", "finished"]
+    assert lines == [
+        "matplotlib is not installed, so this run draws no pictures (results.png, ...); get them with: "
+        "pip install matplotlib",
+        "finished",
+    ]
     assert (tmp_path / "confusion_matrix.csv").is_file()
     assert not list(tmp_path.glob("*.png"))
 
 
 def record(true_boxes, true_labels, boxes, labels, scores):
-    return dict(true_boxes=torch.tensor(true_boxes, dtype=torch.float).reshape(-1, 4),
-                true_labels=torch.tensor(true_labels, dtype=torch.long),
-                boxes=torch.tensor(boxes, dtype=torch.float).reshape(-1, 4),
-                labels=torch.tensor(labels, dtype=torch.long), scores=torch.tensor(scores, dtype=torch.float))
+    return dict(
+        true_boxes=torch.tensor(true_boxes, dtype=torch.float).reshape(-1, 4),
+        true_labels=torch.tensor(true_labels, dtype=torch.long),
+        boxes=torch.tensor(boxes, dtype=torch.float).reshape(-1, 4),
+        labels=torch.tensor(labels, dtype=torch.long),
+        scores=torch.tensor(scores, dtype=torch.float),
+    )
 
 
 def test_detection_confusion_matrix_matches_as_ultralytics_does():
     records = [
         # object 0 (class 0) found as class 0; object 1 (class 1) found as class 2; a 0.2-score box ignored
-        record([[0, 0, 10, 10], [20, 20, 40, 40]], [0, 1],
-               [[0, 0, 10, 10], [21, 21, 40, 40], [0, 0, 10, 10]], [0, 2, 1], [0.9, 0.5, 0.2]),
+        record(
+            [[0, 0, 10, 10], [20, 20, 40, 40]],
+            [0, 1],
+            [[0, 0, 10, 10], [21, 21, 40, 40], [0, 0, 10, 10]],
+            [0, 2, 1],
+            [0.9, 0.5, 0.2],
+        ),
         # two predictions on one object: the better overlap matches, the other is a false positive (background row);
         # a box overlapping an object at IoU 0.25 (< 0.45) matches nothing: that object is missed
-        record([[0, 0, 10, 10], [50, 50, 70, 70]], [1, 0],
-               [[0, 0, 10, 9], [0, 0, 10, 10], [50, 50, 60, 60]], [1, 1, 0], [0.9, 0.4, 0.8]),
+        record(
+            [[0, 0, 10, 10], [50, 50, 70, 70]],
+            [1, 0],
+            [[0, 0, 10, 9], [0, 0, 10, 10], [50, 50, 60, 60]],
+            [1, 1, 0],
+            [0.9, 0.4, 0.8],
+        ),
         # no objects: every prediction is a false positive; no predictions: every object is missed
         record([], [], [[5, 5, 9, 9]], [2], [0.3]),
         record([[1, 1, 5, 5]], [2], [], [], []),
@@ -134,9 +171,15 @@ def test_pr_curve_table_is_the_one_map50_is_computed_from(tmp_path):
         true_labels = torch.randint(0, 3, (n,), generator=g)
         boxes = torch.cat((true_boxes + torch.randn(n, 4, generator=g) * 3, torch.rand(2, 4, generator=g) * 30))
         boxes[-2:, 2:] += 40
-        records.append(dict(boxes=boxes, scores=torch.rand(n + 2, generator=g),
-                            labels=torch.cat((true_labels, torch.tensor([0, 3]))), true_boxes=true_boxes,
-                            true_labels=true_labels))
+        records.append(
+            dict(
+                boxes=boxes,
+                scores=torch.rand(n + 2, generator=g),
+                labels=torch.cat((true_labels, torch.tensor([0, 3]))),
+                true_boxes=true_boxes,
+                true_labels=true_labels,
+            )
+        )
     scores, pr = coco_map(records, ["a", "b", "c", "d"])
     precision = pr["precision"]
     assert pr["recall"].tolist() == pytest.approx([i / 100 for i in range(101)])
@@ -148,4 +191,3 @@ def test_pr_curve_table_is_the_one_map50_is_computed_from(tmp_path):
     assert 0 < scores["eval_map50"] < 1
     check_png(plot_pr_curve(pr, ["a", "b", "c", "d"], tmp_path / "PR_curve.png"))
     check_png(plot_pr_curve(None, ["a"], tmp_path / "empty.png"))  # nothing evaluated: the axes and a note
-

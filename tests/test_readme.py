@@ -1,4 +1,5 @@
 """README.md and README_zh.md list the same commands, every `make X` they name exists, and README.md stays short."""
+
 import re
 import shutil
 import subprocess
@@ -60,8 +61,9 @@ def test_the_two_setup_commands_are_there():
 @lru_cache(maxsize=1)
 def makefile_targets() -> tuple[set[str], list[re.Pattern]]:
     """Explicit targets and pattern rules (cifar-%gpu style) from make's own database, generated ones included."""
-    out = subprocess.run(["make", "-pRrq", "-f", "Makefile", ":"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        ["make", "-pRrq", "-f", "Makefile", ":"], cwd=REPO, capture_output=True, text=True, timeout=60
+    ).stdout
     names = {m.group(1) for m in re.finditer(r"^([A-Za-z0-9_%./-]+):(?!=)", out, re.M)}
     patterns = [re.compile(re.escape(n).replace("%", ".+") + "$") for n in names if "%" in n]
     return {n for n in names if "%" not in n}, patterns

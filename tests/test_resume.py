@@ -41,8 +41,20 @@ from accelerate_recipes.checkpoints import is_complete
 DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
 COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1"]
 # Two epochs, a checkpoint every 2 steps: a kill lands mid-epoch with several checkpoints behind it.
-CIFAR = [CIFAR_SCRIPT, "--dataset", "synthetic", "--synthetic_size", "48", "--batch_size", "8", "--epochs", "2",
-         "--checkpoint_every", "2", *COMMON]  # 6 steps per epoch
+CIFAR = [
+    CIFAR_SCRIPT,
+    "--dataset",
+    "synthetic",
+    "--synthetic_size",
+    "48",
+    "--batch_size",
+    "8",
+    "--epochs",
+    "2",
+    "--checkpoint_every",
+    "2",
+    *COMMON,
+]  # 6 steps per epoch
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +71,20 @@ def recipe_command(name: str, data: dict) -> list:
         # the global RNG that checkpoints restore
         return [TEXT_SCRIPT, *text_files(data["text"]), *TEXT_RUN, "--checkpoint_every", "3"]
     # detect: 6 steps per epoch, mosaic augmentation, EMA weights
-    return [DETECT_SCRIPT, "--data", data["shapes"], "--image_size", "128", "--batch_size", "8", "--epochs", "3",
-            "--checkpoint_every", "2", *COMMON]
+    return [
+        DETECT_SCRIPT,
+        "--data",
+        data["shapes"],
+        "--image_size",
+        "128",
+        "--batch_size",
+        "8",
+        "--epochs",
+        "3",
+        "--checkpoint_every",
+        "2",
+        *COMMON,
+    ]
 
 
 def weights(output_dir: Path) -> dict:
@@ -84,15 +108,18 @@ def assert_same_best(a: Path, b: Path) -> None:
 
 def start(cmd, env, log: Path) -> subprocess.Popen:
     # Its own session, so a kill of the group reaches every process it started.
-    return subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_for_checkpoint(proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
     marker = output_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json"
     deadline = time.monotonic() + timeout
     while not marker.exists():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None, (
+            f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
+        )
         assert time.monotonic() < deadline, f"no checkpoint at step {step} after {timeout} s"
         time.sleep(0.02)
 
@@ -145,8 +172,9 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kil
     progress = json.loads((out / "checkpoints" / f"step_{kill_after:08d}" / "checkpoint.json").read_text())
     assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
 
-    resumed = check(run([PYTHON, *recipe_command(name, data), "--output_dir", out, "--resume", "auto"], env,
-                        timeout=400))
+    resumed = check(
+        run([PYTHON, *recipe_command(name, data), "--output_dir", out, "--resume", "auto"], env, timeout=400)
+    )
     assert "resumed from" in resumed.stdout
     results = read_results(out)
     assert results["resumed_from"].startswith(str(out / "checkpoints" / "step_"))
@@ -162,8 +190,16 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kil
 def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(cifar_two, tmp_path):
     """The reference is the shared 2-process CIFAR run (conftest's cifar_two: CIFAR_RUN, 8 steps inside one epoch);
     this run has the same flags and a checkpoint every 2 steps, which changes no number it computes."""
-    launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
-              "--num_cpu_threads_per_process", "1"]
+    launch = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        CONFIGS / "cpu.yaml",
+        "--num_processes",
+        "2",
+        "--num_cpu_threads_per_process",
+        "1",
+    ]
     cifar = [CIFAR_SCRIPT, *CIFAR_RUN, "--checkpoint_every", "2"]
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
 
@@ -184,8 +220,13 @@ def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(cifar_
     progress = json.loads((out / "checkpoints" / f"step_{4:08d}" / "checkpoint.json").read_text())
     assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
 
-    resumed = check(run([*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out, "--resume", "auto"],
-                        env, timeout=400))
+    resumed = check(
+        run(
+            [*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out, "--resume", "auto"],
+            env,
+            timeout=400,
+        )
+    )
     assert "resumed from" in resumed.stdout
     results = read_results(out)
     assert results["world_size"] == 2 and results["steps"] == read_results(cifar_two.out)["steps"] == 8
@@ -233,8 +274,12 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp
     # A learning rate of 1e12 sends the loss to inf/NaN at the second step.
     exploding = [PYTHON, *CIFAR, "--max_steps", "6", "--checkpoint_every", "1", "--lr", "1e12", "--warmup_ratio", "0"]
     out = tmp_path / "out"
-    error = fails_with(run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
-                       "the loss is not finite", "at step 2", "--skip_nonfinite_steps")
+    error = fails_with(
+        run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
+        "the loss is not finite",
+        "at step 2",
+        "--skip_nonfinite_steps",
+    )
     good = out / "checkpoints" / "step_00000001"
     assert str(good) in error
     assert [p.name for p in (out / "checkpoints").iterdir()] == [good.name]
@@ -259,8 +304,12 @@ def test_keep_checkpoints_rotates_and_a_second_fresh_start_is_refused(uninterrup
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     before = (out / "results.json").read_bytes()
-    fails_with(run([PYTHON, *CIFAR, "--output_dir", out], recipe_env(tmp_path), timeout=120),
-               "holds checkpoints of an earlier run", "--resume auto", "another --output_dir")
+    fails_with(
+        run([PYTHON, *CIFAR, "--output_dir", out], recipe_env(tmp_path), timeout=120),
+        "holds checkpoints of an earlier run",
+        "--resume auto",
+        "another --output_dir",
+    )
     assert (out / "results.json").read_bytes() == before  # nothing overwritten
 
 
@@ -271,8 +320,10 @@ def test_bad_resume_and_output_errors(case, uninterrupted, tmp_path):
     args, fragments = {
         "missing": (["--resume", tmp_path / "nowhere"], ["nowhere does not exist", "--resume auto"]),
         "incomplete": (["--resume", tmp_path], ["is not a complete checkpoint", "--resume auto"]),
-        "other settings": (["--resume", newest, "--batch_size", "32"],
-                           ["belongs to a run with other settings", "global_batch_size 8 there, 32 now"]),
+        "other settings": (
+            ["--resume", newest, "--batch_size", "32"],
+            ["belongs to a run with other settings", "global_batch_size 8 there, 32 now"],
+        ),
         "output not writable": (["--output_dir", tmp_path / "a-file" / "out"], ["cannot write to --output_dir"]),
     }[case]
     (tmp_path / "a-file").write_text("in the way of a folder")
@@ -285,10 +336,29 @@ def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "step_00000002.partial").write_text("in the way")
-    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2",
-                "--num_cpu_threads_per_process", "1", "--main_process_port", free_port(), *CIFAR, "--max_steps", "4",
-                "--checkpoint_every", "1", "--output_dir", out], recipe_env(tmp_path, ACCELERATE_USE_CPU="true"),
-               timeout=300)
+    proc = run(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            CONFIGS / "cpu.yaml",
+            "--num_processes",
+            "2",
+            "--num_cpu_threads_per_process",
+            "1",
+            "--main_process_port",
+            free_port(),
+            *CIFAR,
+            "--max_steps",
+            "4",
+            "--checkpoint_every",
+            "1",
+            "--output_dir",
+            out,
+        ],
+        recipe_env(tmp_path, ACCELERATE_USE_CPU="true"),
+        timeout=300,
+    )
     assert proc.returncode != 0
     # Both processes stop, neither waits for the other (rank 1's line may land after rank 0's progress bar).
     errors = re.findall(r"error(?: \(rank 1\))?: could not write checkpoint [^\n]*", proc.stderr)
@@ -301,9 +371,25 @@ def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_
 def test_nonfinite_loss_between_log_steps_is_caught_at_the_next_log_step_before_any_save(tmp_path):
     # The guard reads the device at log steps only: the loss turns non-finite at step 2 and is seen at step 4, and no
     # checkpoint is written after it.
-    exploding = [PYTHON, *CIFAR, "--max_steps", "6", "--checkpoint_every", "0", "--log_every", "4", "--lr", "1e12",
-                 "--warmup_ratio", "0"]
+    exploding = [
+        PYTHON,
+        *CIFAR,
+        "--max_steps",
+        "6",
+        "--checkpoint_every",
+        "0",
+        "--log_every",
+        "4",
+        "--lr",
+        "1e12",
+        "--warmup_ratio",
+        "0",
+    ]
     out = tmp_path / "out"
-    fails_with(run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
-               "the loss is not finite", "from step 2 on (seen at step 4)", "no checkpoint was saved before it")
+    fails_with(
+        run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
+        "the loss is not finite",
+        "from step 2 on (seen at step 4)",
+        "no checkpoint was saved before it",
+    )
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())

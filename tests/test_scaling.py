@@ -20,8 +20,27 @@ def one_vs_two(tmp_path_factory):
     """One scaling run on 1 and 2 gloo processes, read by the report test and re-run by the fresh-start test."""
     tmp = tmp_path_factory.mktemp("scaling")
     out = tmp / "scaling"
-    proc = check(run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,cpu:2", "--per_device_batch", 4, "--steps", 5,
-                      "--warmup", 2, "--output_dir", out], recipe_env(tmp), timeout=600))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                SCRIPT,
+                "run",
+                "--setups",
+                "cpu:1,cpu:2",
+                "--per_device_batch",
+                4,
+                "--steps",
+                5,
+                "--warmup",
+                2,
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp),
+            timeout=600,
+        )
+    )
     return out, proc
 
 
@@ -61,11 +80,16 @@ def test_cpu_one_vs_two_processes_table_chart_and_ring_prediction(one_vs_two):
 
 
 def test_report_names_what_is_missing_and_bad_setups(tmp_path):
-    fails_with(run([PYTHON, SCRIPT, "report", tmp_path / "nowhere", "--output_dir", tmp_path / "o"],
-                   recipe_env(tmp_path)),
-               "nowhere/results.json does not exist", "output_dir of finished recipe runs")
-    fails_with(run([PYTHON, SCRIPT, "run", "--setups", "gpus:2"], recipe_env(tmp_path)),
-               "cannot read setup 'gpus:2'", "ids:0,4 (those GPUs)")
+    fails_with(
+        run([PYTHON, SCRIPT, "report", tmp_path / "nowhere", "--output_dir", tmp_path / "o"], recipe_env(tmp_path)),
+        "nowhere/results.json does not exist",
+        "output_dir of finished recipe runs",
+    )
+    fails_with(
+        run([PYTHON, SCRIPT, "run", "--setups", "gpus:2"], recipe_env(tmp_path)),
+        "cannot read setup 'gpus:2'",
+        "ids:0,4 (those GPUs)",
+    )
     fails_with(run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,ids:0,4"], recipe_env(tmp_path)), "mix of cpu and gpu")
 
 
@@ -74,8 +98,21 @@ def test_scaling_run_again_in_the_same_folder_starts_fresh(one_vs_two, tmp_path)
     out = tmp_path / "scaling"
     shutil.copytree(one_vs_two[0], out)  # a finished run's folder, checkpoints and all
     first = (out / "cpu-1" / "results.json").stat().st_mtime_ns
-    command = [PYTHON, SCRIPT, "run", "--setups", "cpu:1", "--per_device_batch", 4,
-               "--steps", 3, "--warmup", 1, "--output_dir", out]
+    command = [
+        PYTHON,
+        SCRIPT,
+        "run",
+        "--setups",
+        "cpu:1",
+        "--per_device_batch",
+        4,
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        "--output_dir",
+        out,
+    ]
     check(run(command, recipe_env(tmp_path), timeout=300))
     assert (out / "cpu-1" / "results.json").stat().st_mtime_ns > first
     assert json.loads((out / "scaling.json").read_text())["rows"][0]["setup"] == "cpu-1"
@@ -85,8 +122,24 @@ def test_dataparallel_loop_reports_like_a_recipe_and_dp_setups_need_gpus(tmp_pat
     """The dp:N setup's loop (one process, nn.DataParallel) writes the recipes' results format; without GPUs
     DataParallel only calls the model, so here it runs as one device and `dp:2` is refused."""
     run_dir = tmp_path / "dp-1"
-    check(run([PYTHON, REPO / "benchmarks" / "dataparallel.py", "--batch_size", 4, "--steps", 3, "--precision", "no",
-               "--output_dir", run_dir], recipe_env(tmp_path), timeout=300))
+    check(
+        run(
+            [
+                PYTHON,
+                REPO / "benchmarks" / "dataparallel.py",
+                "--batch_size",
+                4,
+                "--steps",
+                3,
+                "--precision",
+                "no",
+                "--output_dir",
+                run_dir,
+            ],
+            recipe_env(tmp_path),
+            timeout=300,
+        )
+    )
     results = json.loads((run_dir / "results.json").read_text())
     assert results["parallelism"] == "DataParallel" and (results["world_size"], results["devices"]) == (1, 1)
     assert results["steps"] == 3 and results["trainable_parameters"] == 11_173_962  # the recipe's ResNet18
@@ -94,11 +147,16 @@ def test_dataparallel_loop_reports_like_a_recipe_and_dp_setups_need_gpus(tmp_pat
     step_seconds = [json.loads(line)["perf/step_seconds"] for line in logged]
     assert results["train_samples_per_second"] == pytest.approx(4 * 2 / sum(step_seconds[1:]))
 
-    check(run([PYTHON, SCRIPT, "report", run_dir, "--output_dir", tmp_path / "report", "--warmup", 1],
-              recipe_env(tmp_path)))
+    check(
+        run(
+            [PYTHON, SCRIPT, "report", run_dir, "--output_dir", tmp_path / "report", "--warmup", 1],
+            recipe_env(tmp_path),
+        )
+    )
     (row,) = json.loads((tmp_path / "report" / "scaling.json").read_text())["rows"]
     assert row["parallelism"] == "DataParallel"
     assert row["samples_per_second"] == pytest.approx(4 / statistics.fmean(step_seconds[1:]))
     assert "| dp-1 | 1 (DataParallel, 1 GPUs) |" in (tmp_path / "report" / "scaling.md").read_text()
-    fails_with(run([PYTHON, SCRIPT, "run", "--setups", "gpu:2,dp:2"], recipe_env(tmp_path)),
-               "dp:2 needs 2 GPUs", "0 visible")
+    fails_with(
+        run([PYTHON, SCRIPT, "run", "--setups", "gpu:2,dp:2"], recipe_env(tmp_path)), "dp:2 needs 2 GPUs", "0 visible"
+    )

@@ -1,11 +1,10 @@
-"""FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 run the text recipe for real on 2 CPU processes over gloo, launched with the shipped
-fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains with the same flags."""
+"""FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 run the text recipe for real on 2 CPU processes over gloo, launched with the
+shipped fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains with the same flags."""
 
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import (
     ACCELERATE,
     CONFIGS,
@@ -23,9 +22,28 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 # 256 rows, global batch 16 over 2 processes x 2 accumulation steps: 16 optimizer steps per epoch, 32 in all.
 # --max_grad_norm 0.05 clips on most steps (without it the DDP loss differs by 0.1 by step 32), so the runs agree only
 # if every backend clips the same global norm, and accumulates as the flag says.
-FLAGS = ["--batch_size", "16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.05", "--lr", "3e-3",
-         "--epochs", "2", "--checkpoint_every", "12", "--keep_checkpoints", "5", "--log_every", "1",
-         "--tracker", "none", "--num_workers", "0"]
+FLAGS = [
+    "--batch_size",
+    "16",
+    "--gradient_accumulation_steps",
+    "2",
+    "--max_grad_norm",
+    "0.05",
+    "--lr",
+    "3e-3",
+    "--epochs",
+    "2",
+    "--checkpoint_every",
+    "12",
+    "--keep_checkpoints",
+    "5",
+    "--log_every",
+    "1",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+]
 # The same fp32 arithmetic on the same micro-batches; only the order of the gradient sums differs (all-reduce vs
 # reduce-scatter), which moves the loss by ~1e-7 here (measured max 6e-8 over 32 steps). A wrong batch, a missed
 # accumulation step or another clipping shifts it by > 1e-2 within a few steps.
@@ -42,13 +60,39 @@ def launch(data, name, config, *extra, launcher=(), ok=True):
     """The recipe under `accelerate launch` with 2 CPU processes, as `make text-fsdp` would start it on a CPU box."""
     out = data["root"] / name
     # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(data["root"], ACCELERATE_USE_CPU="true",
-                     TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
-    proc = run([ACCELERATE, "launch", "--config_file", CONFIGS / config, "--num_processes", "2",
-                "--mixed_precision", "no", "--num_cpu_threads_per_process", "1", "--main_process_port", free_port(),
-                *launcher,
-                TEXT_SCRIPT, "--model", data["model"], "--train_file", data["train"],
-                "--validation_file", data["validation"], *FLAGS, "--output_dir", out, *extra], env, timeout=300)
+    env = recipe_env(
+        data["root"], ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions"
+    )
+    proc = run(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            CONFIGS / config,
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+            "--num_cpu_threads_per_process",
+            "1",
+            "--main_process_port",
+            free_port(),
+            *launcher,
+            TEXT_SCRIPT,
+            "--model",
+            data["model"],
+            "--train_file",
+            data["train"],
+            "--validation_file",
+            data["validation"],
+            *FLAGS,
+            "--output_dir",
+            out,
+            *extra,
+        ],
+        env,
+        timeout=300,
+    )
     return (check(proc) if ok else proc), out
 
 
@@ -111,15 +155,19 @@ def test_fsdp_saved_model_is_the_whole_trained_model(data, fsdp, ddp):
     assert max((saved[k] - reference[k]).abs().max().item() for k in saved) < 1e-4
     # model_best, gathered the same way at the best evaluation: the whole model of that epoch's sharded checkpoint.
     best_step = read_results(fsdp)["best_step"]
-    merge_fsdp_weights(str(fsdp / "checkpoints" / f"step_{best_step:08d}" / "pytorch_model_fsdp_0"),
-                       str(data["root"] / "merged-best"))
+    merge_fsdp_weights(
+        str(fsdp / "checkpoints" / f"step_{best_step:08d}" / "pytorch_model_fsdp_0"), str(data["root"] / "merged-best")
+    )
     shards = load_file(data["root"] / "merged-best" / "model.safetensors")
     best = AutoModelForSequenceClassification.from_pretrained(fsdp / "model_best").state_dict()
     assert set(shards) == set(best) and all(torch.equal(shards[k], best[k]) for k in best)
     tokenizer = AutoTokenizer.from_pretrained(fsdp)
     with torch.no_grad():
-        ids = model(**tokenizer(["great superb lovely", "awful dull boring"], padding=True,
-                                return_tensors="pt")).logits.argmax(-1).tolist()
+        ids = (
+            model(**tokenizer(["great superb lovely", "awful dull boring"], padding=True, return_tensors="pt"))
+            .logits.argmax(-1)
+            .tolist()
+        )
     assert [model.config.id2label[i] for i in ids] == ["positive", "negative"]
 
 
@@ -149,6 +197,7 @@ def test_accumulation_pinned_by_the_launcher_stops_the_run(data):
 
 
 def test_skip_nonfinite_steps_is_refused_under_deepspeed(data):
-    proc, out = launch(data, "skip", "deepspeed.yaml", "--skip_nonfinite_steps", launcher=["--zero_stage", "2"],
-                       ok=False)
+    proc, out = launch(
+        data, "skip", "deepspeed.yaml", "--skip_nonfinite_steps", launcher=["--zero_stage", "2"], ok=False
+    )
     stopped_with(proc, out, "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already steps")

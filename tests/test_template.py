@@ -17,8 +17,10 @@ README = (REPO / "README.md").read_text()
 
 def check_isolated(folder: Path, env: dict) -> None:
     """From the project folder, the library imports from where it is installed and recipes/ is not importable."""
-    probe = ("import importlib.util, sys, accelerate_recipes; print(accelerate_recipes.__file__); "
-             "print(importlib.util.find_spec('recipes')); print(*sys.path, sep='\\n')")
+    probe = (
+        "import importlib.util, sys, accelerate_recipes; print(accelerate_recipes.__file__); "
+        "print(importlib.util.find_spec('recipes')); print(*sys.path, sep='\\n')"
+    )
     out = subprocess.run([PYTHON, "-c", probe], cwd=folder, env=env, capture_output=True, text=True, check=True)
     library, spec, *path = out.stdout.splitlines()
     assert Path(library).resolve().parent == LIBRARY

@@ -29,8 +29,20 @@ from transformers import AttentionMaskInterface, AutoModelForSequenceClassificat
 
 # 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly initialised tiny model.
 FAST = TEXT_FAST
-CONTRACT = ["recipe", "world_size", "num_machines", "mixed_precision", "global_batch_size", "steps", "wall_seconds",
-            "train_samples_per_second", "median_step_seconds", "peak_memory_mb", "eval_accuracy", "eval_f1"]
+CONTRACT = [
+    "recipe",
+    "world_size",
+    "num_machines",
+    "mixed_precision",
+    "global_batch_size",
+    "steps",
+    "wall_seconds",
+    "train_samples_per_second",
+    "median_step_seconds",
+    "peak_memory_mb",
+    "eval_accuracy",
+    "eval_f1",
+]
 
 
 def load_recipe():
@@ -85,12 +97,18 @@ def test_predict_classifies_a_text_file_and_a_literal_text(single_run, tmp_path)
     texts.write_text("a lovely brilliant film\n\nboring terrible poor plot\n")
     # A file and a literal text in one call. Without --model, --predict uses --output_dir: the run just trained (the
     # model_best test below gives --model).
-    proc = check(run([PYTHON, TEXT_SCRIPT, "--predict", texts, "--predict", "superb great movie", "--output_dir", out],
-                     recipe_env(tmp_path)))
+    proc = check(
+        run(
+            [PYTHON, TEXT_SCRIPT, "--predict", texts, "--predict", "superb great movie", "--output_dir", out],
+            recipe_env(tmp_path),
+        )
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [(r["text"], r["label"]) for r in rows] == [("a lovely brilliant film", "positive"),
-                                                        ("boring terrible poor plot", "negative"),
-                                                        ("superb great movie", "positive")]
+    assert [(r["text"], r["label"]) for r in rows] == [
+        ("a lovely brilliant film", "positive"),
+        ("boring terrible poor plot", "negative"),
+        ("superb great movie", "positive"),
+    ]
     assert all(0.5 < r["score"] <= 1 for r in rows)
 
 
@@ -108,8 +126,12 @@ def test_model_best_is_the_best_epochs_model_and_predict_reads_it(single_run, tm
     best = out / "model_best"
     assert same_weights(best, out) == (results["best_epoch"] == 2)  # the last epoch's model only when it was the best
     assert AutoTokenizer.from_pretrained(best).vocab == AutoTokenizer.from_pretrained(out).vocab
-    rows = [json.loads(line) for line in check(run([PYTHON, TEXT_SCRIPT, "--predict", "a lovely brilliant film",
-                                                    "--model", best], recipe_env(tmp_path))).stdout.splitlines()]
+    rows = [
+        json.loads(line)
+        for line in check(
+            run([PYTHON, TEXT_SCRIPT, "--predict", "a lovely brilliant film", "--model", best], recipe_env(tmp_path))
+        ).stdout.splitlines()
+    ]
     assert len(rows) == 1 and rows[0]["label"] in ("positive", "negative")
     assert f"--model {best}" in proc.stdout
 
@@ -118,17 +140,31 @@ def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(tex
     """Learning rate 0: the weights never change (AdamW's decay is scaled by the learning rate too), so the second
     evaluation ties the first and patience 1 ends the run after 2 of 3 epochs, as a normal end."""
     out, env = tmp_path / "out", recipe_env(tmp_path)
-    command = [PYTHON, TEXT_SCRIPT, *files(text_data), *FAST, "--lr", "0", "--epochs", "3",
-               "--early_stopping_patience", "1", "--output_dir", out]
+    command = [
+        PYTHON,
+        TEXT_SCRIPT,
+        *files(text_data),
+        *FAST,
+        "--lr",
+        "0",
+        "--epochs",
+        "3",
+        "--early_stopping_patience",
+        "1",
+        "--output_dir",
+        out,
+    ]
     proc = check(run(command, env, timeout=300))
     results = read_results(out)
     accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
     assert len(accuracy) == 2 and accuracy[0] == accuracy[1]
     assert results["steps"] == 32 and results["stopped_early"] is True and results["early_stopping_patience"] == 1
     assert (results["best_epoch"], results["best_step"], results["best_metric"]) == (1, 16, accuracy[0])
-    line = (f"stopped early after epoch 2 of 3 (step 32 of 48): eval_accuracy did not improve in 1 evaluation(s) in a "
-            f"row (--early_stopping_patience 1); best eval_accuracy {accuracy[0]:.4f} at epoch 1, its model in "
-            f"{out / 'model_best'}")
+    line = (
+        f"stopped early after epoch 2 of 3 (step 32 of 48): eval_accuracy did not improve in 1 evaluation(s) in a "
+        f"row (--early_stopping_patience 1); best eval_accuracy {accuracy[0]:.4f} at epoch 1, its model in "
+        f"{out / 'model_best'}"
+    )
     assert line in proc.stdout.splitlines()
     assert same_weights(out / "model_best", out)  # nothing was learnt: the best and the last are the same model
     assert (out / "checkpoints" / f"step_{32:08d}").is_dir()  # the epoch-end checkpoint, written before stopping
@@ -151,13 +187,41 @@ def test_two_processes_over_gloo_count_each_validation_example_once(text_two):
 
 def test_eval_only_on_one_and_two_processes_reproduces_the_runs_evaluation(single_run, text_data, tmp_path):
     out, _ = single_run
-    common = ["--eval_only", "--model", out, "--train_file", text_data["train"], "--validation_file",
-              text_data["validation"], "--batch_size", "16", "--tracker", "none", "--num_workers", "0"]
+    common = [
+        "--eval_only",
+        "--model",
+        out,
+        "--train_file",
+        text_data["train"],
+        "--validation_file",
+        text_data["validation"],
+        "--batch_size",
+        "16",
+        "--tracker",
+        "none",
+        "--num_workers",
+        "0",
+    ]
     env = recipe_env(tmp_path)
     one = check(run([PYTHON, TEXT_SCRIPT, *common, "--output_dir", tmp_path / "one"], env))
-    check(run([ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1",
-               TEXT_SCRIPT, *common, "--output_dir", tmp_path / "two"], dict(env, ACCELERATE_USE_CPU="true"),
-              timeout=300))
+    check(
+        run(
+            [
+                ACCELERATE,
+                "launch",
+                "--config_file",
+                CONFIGS / "cpu.yaml",
+                "--num_cpu_threads_per_process",
+                "1",
+                TEXT_SCRIPT,
+                *common,
+                "--output_dir",
+                tmp_path / "two",
+            ],
+            dict(env, ACCELERATE_USE_CPU="true"),
+            timeout=300,
+        )
+    )
     trained, r1, r2 = read_results(out), read_results(tmp_path / "one"), read_results(tmp_path / "two")
     assert (r1["world_size"], r2["world_size"]) == (1, 2) and r1["eval_only"] is True and r1["steps"] == 0
     assert r1["eval_samples"] == r2["eval_samples"] == 63  # the odd example out counted once on 2 processes
@@ -168,13 +232,47 @@ def test_eval_only_on_one_and_two_processes_reproduces_the_runs_evaluation(singl
     assert f"accuracy {r1['eval_accuracy']:.4f}" in one.stdout
     assert not (tmp_path / "one" / "model.safetensors").exists()  # evaluated, not trained or saved
     # data with other labels, and a folder that holds no fine-tuned model, are refused in one line
-    relabelled = [dict(row, label={"positive": "good", "negative": "bad"}[row["label"]])
-                  for row in sentiment_rows(32, seed=5)]
+    relabelled = [
+        dict(row, label={"positive": "good", "negative": "bad"}[row["label"]]) for row in sentiment_rows(32, seed=5)
+    ]
     other = write_rows(tmp_path / "other" / "train.csv", relabelled)
-    fails_with(run([PYTHON, TEXT_SCRIPT, "--eval_only", "--model", out, "--train_file", other, "--validation_file",
-                    other, "--output_dir", tmp_path / "o"], env), "was fine-tuned on the labels", "data flags")
-    fails_with(run([PYTHON, TEXT_SCRIPT, "--eval_only", "--model", tmp_path / "other", "--task", "sst2",
-                    "--output_dir", tmp_path / "o2"], env), "not a fine-tuned model directory")
+    fails_with(
+        run(
+            [
+                PYTHON,
+                TEXT_SCRIPT,
+                "--eval_only",
+                "--model",
+                out,
+                "--train_file",
+                other,
+                "--validation_file",
+                other,
+                "--output_dir",
+                tmp_path / "o",
+            ],
+            env,
+        ),
+        "was fine-tuned on the labels",
+        "data flags",
+    )
+    fails_with(
+        run(
+            [
+                PYTHON,
+                TEXT_SCRIPT,
+                "--eval_only",
+                "--model",
+                tmp_path / "other",
+                "--task",
+                "sst2",
+                "--output_dir",
+                tmp_path / "o2",
+            ],
+            env,
+        ),
+        "not a fine-tuned model directory",
+    )
 
 
 def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
@@ -182,17 +280,44 @@ def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
     firsts, seconds = sentiment_rows(96, seed=2), sentiment_rows(96, seed=3)
 
     def pair_rows(a, b):
-        return [{"premise": x["text"], "hypothesis": y["text"],
-                 "label": 0 if x["label"] == y["label"] == "positive" else 1 if x["label"] == y["label"] else 2}
-                for x, y in zip(a, b)]
+        return [
+            {
+                "premise": x["text"],
+                "hypothesis": y["text"],
+                "label": 0 if x["label"] == y["label"] == "positive" else 1 if x["label"] == y["label"] else 2,
+            }
+            for x, y in zip(a, b)
+        ]
 
     train = write_rows(tmp_path / "pairs" / "train.jsonl", pair_rows(firsts[:80], seconds[:80]))
     dev = write_rows(tmp_path / "pairs" / "dev.jsonl", pair_rows(firsts[80:], seconds[80:]))
     out = tmp_path / "out"
-    proc = check(run([PYTHON, TEXT_SCRIPT, "--model", text_data["model"], "--train_file", train, "--validation_file",
-                      dev, "--text_column", "premise", "--text_pair_column", "hypothesis", *FAST,
-                      "--gradient_accumulation_steps", "2", "--max_steps", "3", "--output_dir", out],
-                     recipe_env(tmp_path)))
+    proc = check(
+        run(
+            [
+                PYTHON,
+                TEXT_SCRIPT,
+                "--model",
+                text_data["model"],
+                "--train_file",
+                train,
+                "--validation_file",
+                dev,
+                "--text_column",
+                "premise",
+                "--text_pair_column",
+                "hypothesis",
+                *FAST,
+                "--gradient_accumulation_steps",
+                "2",
+                "--max_steps",
+                "3",
+                "--output_dir",
+                out,
+            ],
+            recipe_env(tmp_path),
+        )
+    )
     assert "optimizer steps in all" not in proc.output  # --max_steps asks for a short run: no warning
     results = read_results(out)
     assert results["num_labels"] == 3 and results["steps"] == 3 and results["eval_samples"] == 16
@@ -203,8 +328,19 @@ def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
 
 
 def test_missing_label_column_is_one_clear_line(text_data, tmp_path):
-    proc = run([PYTHON, TEXT_SCRIPT, *files(text_data), *FAST, "--label_column", "sentiment",
-                "--output_dir", tmp_path / "out"], recipe_env(tmp_path))
+    proc = run(
+        [
+            PYTHON,
+            TEXT_SCRIPT,
+            *files(text_data),
+            *FAST,
+            "--label_column",
+            "sentiment",
+            "--output_dir",
+            tmp_path / "out",
+        ],
+        recipe_env(tmp_path),
+    )
     fails_with(proc, "no column 'sentiment'", "--label_column", "text, label")
     assert not (tmp_path / "out" / "results.json").exists()
 
@@ -220,8 +356,9 @@ def load(recipe, train, validation, **columns):
 
 
 def test_unseen_validation_label_is_refused(recipe, text_data, tmp_path):
-    dev = write_rows(tmp_path / "dev.csv", [{"text": "good film", "label": "positive"},
-                                            {"text": "meh film", "label": "neutral"}])
+    dev = write_rows(
+        tmp_path / "dev.csv", [{"text": "good film", "label": "positive"}, {"text": "meh film", "label": "neutral"}]
+    )
     with pytest.raises(recipe.RecipeError, match="'neutral'.*never occur"):
         load(recipe, text_data["train"], dev)
 
@@ -231,7 +368,9 @@ def test_file_errors_name_the_file_and_the_fix(recipe, text_data, tmp_path):
         load(recipe, tmp_path / "missing.csv", text_data["validation"])
     with pytest.raises(recipe.RecipeError, match="unknown format '.xlsx'"):
         load(recipe, tmp_path / "train.xlsx", text_data["validation"])
-    empty_labels = write_rows(tmp_path / "train.csv", [{"text": "good", "label": "positive"}, {"text": "bad", "label": ""}])
+    empty_labels = write_rows(
+        tmp_path / "train.csv", [{"text": "good", "label": "positive"}, {"text": "bad", "label": ""}]
+    )
     with pytest.raises(recipe.RecipeError, match="no value in the label column"):
         load(recipe, empty_labels, text_data["validation"])
     one_label = write_rows(tmp_path / "one.csv", [{"text": "good", "label": "positive"}] * 3)
@@ -267,8 +406,9 @@ class HostChecks(TorchFunctionMode):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_attention_masks_built_without_a_host_read_keep_logits_and_loss(recipe, text_data, attention):
     tokenizer = AutoTokenizer.from_pretrained(text_data["model"])
-    batch = tokenizer(["good film", "the plot was awful dull and boring", "a superb story"], padding=True,
-                      return_tensors="pt")
+    batch = tokenizer(
+        ["good film", "the plot was awful dull and boring", "a superb story"], padding=True, return_tensors="pt"
+    )
     assert not batch["attention_mask"].all()  # padded, as the collator pads
     model = AutoModelForSequenceClassification.from_pretrained(text_data["model"], attn_implementation=attention).eval()
 

@@ -72,8 +72,20 @@ def test_command_prints_groups_recommendations_and_what_to_avoid(tmp_path):
 def test_write_config_gives_accelerate_a_config_with_the_best_gpus(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     config = tmp_path / "best4.yaml"
-    proc = run([PYTHON, "-m", "recipe_tools.topology", "--file", TOPO / "nvlink_pairs_2socket.txt",
-                "--gpus", "4", "--write_config", config], env)
+    proc = run(
+        [
+            PYTHON,
+            "-m",
+            "recipe_tools.topology",
+            "--file",
+            TOPO / "nvlink_pairs_2socket.txt",
+            "--gpus",
+            "4",
+            "--write_config",
+            config,
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.output
     loaded = load_config_from_file(str(config))
     assert loaded.num_processes == 4 and str(loaded.gpu_ids) == "0,1,2,3"
@@ -86,15 +98,18 @@ def test_without_nvidia_smi_or_with_a_bad_file_the_error_says_what_to_do(tmp_pat
     env = dict(os.environ, PYTHONPATH=str(REPO), PATH=str(empty_path))
     fails_with(run([PYTHON, "-m", "recipe_tools.topology"], env), "nvidia-smi not found", "--file")
     (tmp_path / "bad.txt").write_text("No devices were found\n")
-    fails_with(run([PYTHON, "-m", "recipe_tools.topology", "--file", tmp_path / "bad.txt"], env),
-               "no GPU matrix found")
+    fails_with(run([PYTHON, "-m", "recipe_tools.topology", "--file", tmp_path / "bad.txt"], env), "no GPU matrix found")
 
 
 def test_large_machine_uses_the_greedy_search_and_still_keeps_nvlink_groups_together():
     # 32 GPUs in NVLink groups of 4, eight groups per socket: too many sets to try them all.
     gpus = list(range(32))
-    links = {(a, b): "NV8" if a // 4 == b // 4 else ("NODE" if a // 16 == b // 16 else "SYS")
-             for a in gpus for b in gpus if a < b}
+    links = {
+        (a, b): "NV8" if a // 4 == b // 4 else ("NODE" if a // 16 == b // 16 else "SYS")
+        for a in gpus
+        for b in gpus
+        if a < b
+    }
     topo = Topology(gpus, links)
     assert best_set(topo, 4) == (0, 1, 2, 3)
     assert topo.slowest(best_set(topo, 16))[0] == "NODE"

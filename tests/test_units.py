@@ -46,8 +46,13 @@ class OneProcess:
         self.logged.append((step, values))
 
 
-CONFIG = {"recipe": "cifar", "model": "resnet18", "global_batch_size": 64, "gradient_accumulation_steps": 1,
-          "world_size": 2}
+CONFIG = {
+    "recipe": "cifar",
+    "model": "resnet18",
+    "global_batch_size": 64,
+    "gradient_accumulation_steps": 1,
+    "world_size": 2,
+}
 
 
 def checkpoint(out, step, config=CONFIG, complete=True, suffix=""):
@@ -71,9 +76,9 @@ def test_auto_takes_the_newest_complete_checkpoint(tmp_path):
     checkpoint(tmp_path, 90)
     newest = checkpoint(tmp_path, 120)
     checkpoint(tmp_path, 100)
-    checkpoint(tmp_path, 150, complete=False)          # its save was cut short: no checkpoint.json
-    checkpoint(tmp_path, 160, suffix=".partial")       # save_state still writing
-    checkpoint(tmp_path, 170, suffix=".deleting")      # rotation cut short, even with its checkpoint.json
+    checkpoint(tmp_path, 150, complete=False)  # its save was cut short: no checkpoint.json
+    checkpoint(tmp_path, 160, suffix=".partial")  # save_state still writing
+    checkpoint(tmp_path, 170, suffix=".deleting")  # rotation cut short, even with its checkpoint.json
     (tmp_path / "checkpoints" / "notes").mkdir()
     ckpts = Checkpoints(OneProcess(), tmp_path)
     assert ckpts.newest() == newest
@@ -160,8 +165,9 @@ def test_keeping_no_checkpoint_is_refused(tmp_path):
 
 # -------------------------------------------------------------------------------------------------- MetricsLog
 def write_metrics(path, steps):
-    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in steps)
-                    + '{"step": 9, "train/lo')  # the last line, cut short by the crash
+    path.write_text(
+        "".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in steps) + '{"step": 9, "train/lo'
+    )  # the last line, cut short by the crash
 
 
 def steps_in(path):
@@ -199,14 +205,31 @@ def make_log(tmp_path):
     closed after the test."""
     logs = []
 
-    def make(patience=0, state=None, accelerator=None, total_steps=100, resumed_from=None, metric="eval_accuracy",
-             higher_is_better=True):
+    def make(
+        patience=0,
+        state=None,
+        accelerator=None,
+        total_steps=100,
+        resumed_from=None,
+        metric="eval_accuracy",
+        higher_is_better=True,
+    ):
         accelerator = accelerator or OneProcess()
         state = state or RunState(accelerator.device)
         best = BestModel(accelerator, state, tmp_path, metric, higher_is_better=higher_is_better, patience=patience)
-        log = TrainingProgress(accelerator, state, tmp_path, total_steps=total_steps, steps_per_epoch=10,
-                               batches_per_epoch=10, global_batch_size=8, log_every=10, checkpoint_every=0,
-                               resumed_from=resumed_from, best=best)
+        log = TrainingProgress(
+            accelerator,
+            state,
+            tmp_path,
+            total_steps=total_steps,
+            steps_per_epoch=10,
+            batches_per_epoch=10,
+            global_batch_size=8,
+            log_every=10,
+            checkpoint_every=0,
+            resumed_from=resumed_from,
+            best=best,
+        )
         logs.append(log)
         return log
 
@@ -245,12 +268,27 @@ def test_only_a_strictly_better_evaluation_improves_and_patience_counts_evaluati
     log.close()
     assert log.accelerator.printed[-1].startswith(
         "stopped early after epoch 5 of 10 (step 50 of 100): eval_accuracy did not improve in 2 evaluation(s) in a "
-        "row (--early_stopping_patience 2); best eval_accuracy 0.6000 at epoch 3, its model in ")
+        "row (--early_stopping_patience 2); best eval_accuracy 0.6000 at epoch 3, its model in "
+    )
     results = log.results(started=0.0)
-    assert {k: results[k] for k in ("metric_for_best_model", "best_metric", "best_epoch", "best_step",
-                                    "early_stopping_patience", "stopped_early")} == {
-        "metric_for_best_model": "eval_accuracy", "best_metric": 0.6, "best_epoch": 3, "best_step": 30,
-        "early_stopping_patience": 2, "stopped_early": True}
+    assert {
+        k: results[k]
+        for k in (
+            "metric_for_best_model",
+            "best_metric",
+            "best_epoch",
+            "best_step",
+            "early_stopping_patience",
+            "stopped_early",
+        )
+    } == {
+        "metric_for_best_model": "eval_accuracy",
+        "best_metric": 0.6,
+        "best_epoch": 3,
+        "best_step": 30,
+        "early_stopping_patience": 2,
+        "stopped_early": True,
+    }
 
 
 def test_without_patience_the_best_is_kept_but_the_run_goes_to_its_last_step(make_log):
@@ -289,7 +327,11 @@ def test_the_best_and_the_patience_count_survive_save_state_and_load_state(make_
     restored = RunState(torch.device("cpu"))
     restored.load_state_dict(torch.load(_saved(tmp_path, saved), weights_only=False))
     assert (restored.best_metric, restored.best_epoch, restored.best_step, restored.evals_without_improvement) == (
-        0.8, 2, 20, 1)
+        0.8,
+        2,
+        20,
+        1,
+    )
     resumed = make_log(patience=2, state=restored, resumed_from=tmp_path / "checkpoints" / "step_00000030")
     assert not end_epoch(resumed, 0.8)  # equal to the carried best: not an improvement, and the second in a row
     assert stopped_early(resumed) and resumed.state.best_epoch == 2
@@ -302,8 +344,17 @@ def _saved(tmp_path, state_dict):
 
 
 def test_a_checkpoint_written_before_best_tracking_loads_with_no_best(make_log):
-    old = {"step": 30, "epoch": 3, "batches_done": 0, "samples_seen": 240, "first_loss": 2.3, "last_loss": 1.1,
-           "last_eval": {"eval_accuracy": 0.5}, "micro_batches": 0, "running": [0.0]}
+    old = {
+        "step": 30,
+        "epoch": 3,
+        "batches_done": 0,
+        "samples_seen": 240,
+        "first_loss": 2.3,
+        "last_loss": 1.1,
+        "last_eval": {"eval_accuracy": 0.5},
+        "micro_batches": 0,
+        "running": [0.0],
+    }
     state = RunState(torch.device("cpu"))
     state.load_state_dict(old)
     assert (state.step, state.best_metric, state.evals_without_improvement) == (30, None, 0)
@@ -356,8 +407,12 @@ def test_model_best_is_replaced_whole_with_its_record(make_log, tmp_path):
     end_epoch(log, 0.6)
     write_best(log, b"epoch 2")
     assert (best / "model.safetensors").read_bytes() == b"epoch 2"
-    assert json.loads((best / "best.json").read_text()) == {"metric": "eval_accuracy", "value": 0.6, "epoch": 2,
-                                                            "step": 20}
+    assert json.loads((best / "best.json").read_text()) == {
+        "metric": "eval_accuracy",
+        "value": 0.6,
+        "epoch": 2,
+        "step": 20,
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model_best"]  # no leftovers
 
 
@@ -366,8 +421,11 @@ def test_a_failed_write_of_model_best_keeps_the_previous_one(make_log, tmp_path)
     end_epoch(log, 0.3)
     write_best(log, b"epoch 1")
     end_epoch(log, 0.6)
-    with pytest.raises(RecipeError, match=r"could not write .*model_best.partial \(OSError: disk full\); the previous "
-                                          "model_best is kept"):
+    with pytest.raises(
+        RecipeError,
+        match=r"could not write .*model_best.partial \(OSError: disk full\); the previous "
+        "model_best is kept",
+    ):
         with log.best.saving() as folder:
             (folder / "model.safetensors").write_bytes(b"half of epoch 2")
             raise OSError("disk full")
@@ -384,12 +442,15 @@ def folder_with(path, weights: bytes, record: bool = True):
         (path / "best.json").write_text("{}")
 
 
-@pytest.mark.parametrize("left, expected", [
-    ({"model_best.deleting": b"old", "model_best.partial": b"new"}, b"new"),  # cut between the two renames
-    ({"model_best.deleting": b"old"}, b"old"),
-    ({"model_best": b"old", "model_best.partial": None}, b"old"),  # cut while writing: the new one has no record
-    ({"model_best": b"new", "model_best.deleting": b"old"}, b"new"),  # cut while deleting the previous one
-])
+@pytest.mark.parametrize(
+    "left, expected",
+    [
+        ({"model_best.deleting": b"old", "model_best.partial": b"new"}, b"new"),  # cut between the two renames
+        ({"model_best.deleting": b"old"}, b"old"),
+        ({"model_best": b"old", "model_best.partial": None}, b"old"),  # cut while writing: the new one has no record
+        ({"model_best": b"new", "model_best.deleting": b"old"}, b"new"),  # cut while deleting the previous one
+    ],
+)
 def test_a_crash_while_saving_model_best_leaves_a_whole_one_at_the_next_start(left, expected, tmp_path):
     for name, weights in left.items():
         folder_with(tmp_path / name, weights or b"half", record=weights is not None)

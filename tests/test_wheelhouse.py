@@ -20,7 +20,9 @@ def test_describe_and_check_this_interpreter(tmp_path):
     major, minor = target["python_version"].split(".")
     assert int(major) == 3 and int(minor) >= 10 and target["implementation"] == "cp"
     assert {"torch", "accelerate", "transformers", "fire"} <= set(target["packages"])
-    assert target["platforms"][-1].startswith("linux_") and any(t.startswith("manylinux_2_") for t in target["platforms"])
+    assert target["platforms"][-1].startswith("linux_") and any(
+        t.startswith("manylinux_2_") for t in target["platforms"]
+    )
     proc = run([*TOOL, "check", "--extras", "text,detect"], recipe_env(tmp_path), timeout=120)
     assert proc.returncode == 0 and "has every requirement" in proc.stdout, proc.output[-2000:]
 
@@ -33,8 +35,11 @@ def test_download_fetches_only_what_the_target_lacks_for_its_python(tmp_path):
     target["python_version"] = "3.12"
     (tmp_path / "target.json").write_text(json.dumps(target))
     out = tmp_path / "wheels"
-    proc = run([*TOOL, "download", tmp_path / "target.json", "--extras", "text,detect", "--out", out],
-               recipe_env(tmp_path), timeout=300)
+    proc = run(
+        [*TOOL, "download", tmp_path / "target.json", "--extras", "text,detect", "--out", out],
+        recipe_env(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.output[-3000:]
     wheels = sorted(p.name for p in out.glob("*.whl"))
     assert [w.split("-")[0] for w in wheels] == ["fire", "termcolor"], wheels
