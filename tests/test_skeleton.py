@@ -46,6 +46,9 @@ step_scheduler_with_optimizer=False,
 # How long a process waits for the others, at start-up and in every collective, before it stops.
 kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
 )
+per_process = check_launch(
+accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+)
 set_seed(args.seed)
 prepare_output_dir(output)
 checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
