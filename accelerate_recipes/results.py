@@ -71,6 +71,9 @@ def run_config(recipe: str, args, accelerator, **derived) -> dict:
     recipe's flags dataclass), and what the recipe derived from them; a derived value wins over the flag of its name
     (the learning rate the recipe chose, the epochs --max_steps makes)."""
     flags = {name: value for name, value in dataclasses.asdict(args).items() if name not in NOT_SETTINGS}
+    # Trackers take bool, int, float, str or None (accelerate's store_init_configuration); a list flag (--hsv 0.1,0.2)
+    # is recorded as typed.
+    flags = {name: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for name, v in flags.items()}
     flags.pop("batch_size", None)  # recorded as global_batch_size
     launch = dict(
         recipe=recipe,

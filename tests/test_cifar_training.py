@@ -162,6 +162,12 @@ def test_two_processes_match_one_process(cifar_one, cifar_two):
     diffs = [abs(l1[s] - l2[s]) for s in l1]
     assert max(diffs) < 0.05, diffs
     assert "2 process(es) on 1 machine(s)" in cifar_two.proc.stdout
+    # The settings run_config records: the precision accelerate applied (not the flag's default None), the global
+    # batch, every training flag as given, the values the recipe derived, and no flag that only says where files go.
+    assert r2["mixed_precision"] in ("no", "bf16", "fp16") and r2["global_batch_size"] == 32
+    assert r2["momentum"] == 0.9 and r2["augment"] is False and r2["lr"] == 0.02
+    assert r2["model"] == "resnet18" and r2["epochs"] == 1 and r2["total_steps"] == 8
+    assert not {"output_dir", "resume", "tracker", "batch_size", "predict"} & set(r2)
 
 
 def test_imagefolder_with_gradient_accumulation(tmp_path):
