@@ -92,8 +92,11 @@ $(VENV)/.installed-%: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[$*]'
 	@touch $@
 
-test: install lint ## run the linter, then the test suite (CPU, offline; multi-process runs over gloo)
-	$(PY) -m pytest tests
+# pytest workers: one per core this process may use, at most 4 (each worker builds the shared runs its tests read).
+# Most tests wait on one recipe process at a time, which leaves the other cores idle without them.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+test: install lint ## run the linter, then the test suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: install ## ruff: the lint rules and the formatting the code keeps (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter
 	$(PY) -m ruff check .
