@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import socket
@@ -46,10 +47,29 @@ TINY = [
 ]
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that no other test of this session is given.
+
+    The kernel's own choice (bind to port 0) comes from its ephemeral range, where it also puts the local end of every
+    connection and where another pytest worker may be given the same number before a launcher binds it. So each
+    worker draws from a block of its own below that range (20000-29999 split between up to 4 workers), never twice.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 4
+    low = 20000 + 2500 * worker
+    for port in random.Random().sample(range(low, low + 2500), 2500):
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{low + 2499}")
 
 
 def recipe_env(tmp_path: Path, **extra) -> dict:
