@@ -58,6 +58,12 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted((f for f in directory.iterdir() if f.is_dir() and is_complete(f)), key=step_of)
 
 
+def newest_checkpoint(directory: Path) -> Path | None:
+    """The newest complete checkpoint in `directory`, or None."""
+    found = complete_checkpoints(directory)
+    return found[-1] if found else None
+
+
 def read_progress(folder: Path) -> dict:
     try:
         return json.loads((folder / PROGRESS_FILE).read_text())
@@ -100,8 +106,7 @@ class Checkpoints:
         self.last_saved: Path | None = None
 
     def newest(self) -> Path | None:
-        found = complete_checkpoints(self.directory)
-        return found[-1] if found else None
+        return newest_checkpoint(self.directory)
 
     def resolve(self, resume: str | None) -> Path | None:
         """The checkpoint `--resume` names: None (start fresh), "auto" (the newest complete one, if any) or a path.

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from accelerate_recipes.checkpoints import BEST_DIR, BEST_RECORD, CHECKPOINTS_DIR, complete_checkpoints, saving_folder
+from accelerate_recipes.checkpoints import BEST_DIR, BEST_RECORD, CHECKPOINTS_DIR, newest_checkpoint, saving_folder
 from accelerate_recipes.errors import RecipeError
 from accelerate_recipes.guard import StepGuard
 from accelerate_recipes.meter import StepMeter, peak_memory_mb
@@ -217,12 +217,9 @@ class TrainingProgress:
         self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
         self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
         checkpoints = Path(output_dir) / CHECKPOINTS_DIR  # a stop names the newest complete one there
-
-        def newest_checkpoint():
-            found = complete_checkpoints(checkpoints)
-            return found[-1] if found else None
-
-        self.guard = StepGuard(accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=newest_checkpoint)
+        self.guard = StepGuard(
+            accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=lambda: newest_checkpoint(checkpoints)
+        )
         self.meter = StepMeter(accelerator.device)
         self.metrics = MetricsLog(accelerator, output_dir)
         self.progress_bar = tqdm(
