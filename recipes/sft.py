@@ -1,0 +1,818 @@
+#!/usr/bin/env python
+"""Supervised fine-tuning (SFT) of a chat model with Hugging Face Accelerate, LoRA or full: 1 GPU, N GPUs, N nodes.
+
+    python recipes/sft.py --model Qwen/Qwen2.5-0.5B-Instruct --train_file chats.jsonl --lora_r 16
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/sft.py --train_file chats.jsonl
+    python recipes/sft.py --predict "Is this review fresh or rotten? A joy." --model outputs/sft
+    python recipes/sft.py --chat --model outputs/sft                  # talk to it, answers streamed
+    python recipes/sft.py --merge outputs/sft-merged --model outputs/sft   # the adapter merged into its base
+
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
+schedule -> resume -> loop -> eval -> save); evaluate_saved_model() is --eval_only, predict() --predict, chat() --chat
+and merge() --merge; the flags are SftFlags, the data formats and the loss mask are in sft_data.py beside this file.
+`--batch_size` is the GLOBAL batch of conversations, and the loss of a step is the mean over every answer token of it
+(all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
+
+Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets and peft).
+"""
+
+from accelerate_recipes.cli import answer_help_from_source
+
+answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import datasets
+import peft
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    set_seed,
+)
+from sft_data import (
+    check_chat_template,
+    check_packing,
+    collator,
+    ensure_pad_token,
+    exact_match,
+    generation_prompt,
+    load_conversations,
+    to_messages,
+    tokenize_splits,
+)
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, get_scheduler
+
+from accelerate_recipes import (
+    BestModel,
+    Checkpoints,
+    RecipeError,
+    RunState,
+    StepMeter,
+    TrainingFlags,
+    TrainingProgress,
+    check_launch,
+    cpu_threads_and_workers,
+    explain_startup_failure,
+    first_line,
+    model_to_save,
+    num_machines,
+    prepare_output_dir,
+    print_summary,
+    run,
+    run_config,
+    run_facts,
+    setup_fsdp,
+    setup_tracker,
+    write_results,
+)
+from accelerate_recipes.plots import plot_results
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+SAMPLES_FILE = "samples.jsonl"  # the first answers of --eval_generate, every epoch
+SAMPLES_KEPT = 5
+
+
+@dataclass
+class SftFlags(TrainingFlags):
+    """Fine-tune a chat model on conversations (LoRA with --lora_r, else in full), or use the fine-tuned model.
+
+    The loss covers the assistant's turns only (every one of a multi-turn conversation, with the token that ends
+    the turn), found in the text the model's own chat template renders. AdamW's learning rate warms up linearly, then
+    decays linearly to zero. The defaults follow common SFT practice (TRL's and LLaMA-Factory's): global batch 16,
+    lr 2e-4 for LoRA and 2e-5 in full, gradients clipped to norm 1.0, 3 epochs.
+
+    Args:
+        train_file: training conversations, .json (a list) or .jsonl (one per line), in any of these formats:
+            {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} (multi-turn), ShareGPT's
+            {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}, Alpaca's {"instruction", "input",
+            "output"}, or {"prompt", "completion"}.
+        validation_file: validation conversations in the same formats; default: --validation_size of the training
+            data, held out.
+        dataset: a Hugging Face Hub dataset by name instead of files (its train split, and its validation or test
+            split); downloaded on first use, then read from the cache.
+        validation_size: fraction of the training conversations held out for validation when no validation file or
+            split is given.
+        max_length: longest conversation in tokens; longer ones are cut, and those left without an answer token are
+            dropped (both counted and reported).
+        packing: put each micro-batch's conversations in one row without padding, attention kept inside each one
+            (positions restart per conversation): faster when lengths vary. Needs an attention implementation that
+            keeps packed sequences apart (sdpa, eager, flex_attention, flash_attention_2/3).
+        lora_r: rank of a LoRA adapter (peft) trained on every linear layer instead of the whole model; 0: a full
+            fine-tune. 8-64 are usual.
+        lora_alpha: LoRA scale numerator (the update is scaled by alpha / r); default 2 x --lora_r.
+        lora_dropout: dropout on the LoRA branch's input.
+        lora_target_modules: the layers that get adapters: all-linear (default, every linear layer but the output
+            head) or comma-separated module names (q_proj,v_proj).
+        gradient_checkpointing: recompute activations in the backward pass (non-reentrant): much less memory for
+            long conversations, about a third slower.
+        attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
+        eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
+            that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
+            the first few go to output_dir/samples.jsonl and the tracker. 0: no generation.
+        max_new_tokens: longest generated answer (--eval_generate, --predict, --chat).
+        cache_dir: cache of the `datasets` library (downloads and tokenised data).
+        model: the model to fine-tune: a Hub name or a local folder of any chat model AutoModelForCausalLM loads
+            with its tokenizer and chat template (Qwen2.5 / Qwen3, Llama, SmolLM; default
+            Qwen/Qwen2.5-0.5B-Instruct), or a .gguf file (dequantised to fp32). For --eval_only, --predict, --chat and
+            --merge: the fine-tuned model (an adapter or a full model; default --output_dir).
+        lr: peak learning rate; default 2e-4 with --lora_r, 2e-5 for a full fine-tune.
+        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
+        seed: seed for LoRA's initial weights, data order and dropout.
+        eval_only: evaluate the fine-tuned model in --model (default --output_dir) on the validation conversations
+            of the data flags: loss, perplexity and, with --eval_generate, exact match. Writes results.json to
+            --output_dir; runs on any number of processes, each conversation counted once.
+        predict: answer prompts instead of training: a prompt, a .txt file (one prompt per line) or a .json/.jsonl
+            file of conversations (answered after their last user turn), with the model in --model. Prints one JSON
+            line per prompt; give --predict several times for several.
+        chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
+        merge: write the model in --model as one plain transformers folder to this path: a LoRA adapter merged into
+            its base, or a .gguf file converted; `from_pretrained` loads it without peft.
+    """
+
+    train_file: str | None = None
+    validation_file: str | None = None
+    dataset: str | None = None
+    validation_size: float = 0.1
+    max_length: int = 1024
+    packing: bool = False
+    lora_r: int = 0
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.05
+    lora_target_modules: str = "all-linear"
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+    warmup_ratio: float = 0.03
+    eval_generate: int = 0
+    max_new_tokens: int = 128
+    cache_dir: str | None = None
+    chat: bool = False
+    merge: str | None = None
+    # The shared flags this task defaults otherwise.
+    batch_size: int = 16
+    max_grad_norm: float = 1.0
+    output_dir: str = "outputs/sft"
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def dataset_name(args: SftFlags) -> str:
+    """The Hub dataset's name, or <folder>-<name> of the training file (e.g. chats-train)."""
+    if args.dataset:
+        return args.dataset.rsplit("/", 1)[-1]
+    if not args.train_file:
+        raise RecipeError("give --train_file (a .json/.jsonl of conversations) or --dataset (a Hub dataset)")
+    return f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
+
+
+def load_data(accelerator, args: SftFlags, tokenizer) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
+    """(raw conversations, tokenised with the loss mask, counts per split). The local main process of each node
+    reads and tokenises first (into the datasets cache); the others then read the cached result."""
+    if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    dataset_name(args)  # refuses a run without data before anything loads
+    with accelerator.local_main_process_first():
+        raw = load_conversations(
+            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+        )
+        tokenized, counts = tokenize_splits(raw, tokenizer, args.max_length)
+    for split, count in counts.items():
+        if count["truncated"] or count["without_targets"]:
+            accelerator.print(
+                f"{split}: {count['truncated']} of {count['examples']} conversations cut at --max_length "
+                f"{args.max_length}; {count['without_targets']} of them kept no answer token and were dropped"
+            )
+    return raw, tokenized, counts
+
+
+def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process: int) -> tuple[DataLoader, DataLoader]:
+    """The training loader (shuffled, whole batches only; packed with --packing) and the validation loader (padded,
+    so each conversation's loss stays its own), before accelerator.prepare."""
+    pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
+    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
+    loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
+    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
+    # which checkpoints restore.
+    train_loader = DataLoader(
+        tokenized["train"],
+        batch_size=per_process,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+        collate_fn=collator(tokenizer, args.packing, pad_to),
+        **loader_args,
+    )
+    eval_loader = DataLoader(
+        tokenized["validation"],
+        batch_size=per_process * args.gradient_accumulation_steps,
+        collate_fn=collator(tokenizer, False, pad_to),
+        **loader_args,
+    )
+    return train_loader, eval_loader
+
+
+def whole_steps(batches, accumulation: int, accelerator, limit: int):
+    """The first `limit` batches, each given `num_items_in_batch`: the answer tokens of its whole optimizer step (all
+    its micro-batches, all processes), counted before the step's first forward pass.
+
+    The model then returns its summed token losses divided by that count, and the step's loss is the mean over every
+    answer token of the global batch, however the batch is split (transformers' Trainer does the same since 4.46;
+    a mean per micro-batch would weigh short answers more). The rest of the loader is read and left out: a few
+    batches at an epoch's end that make no whole step, as drop_last leaves out a partial batch.
+    """
+    step = []
+    for index, batch in enumerate(batches):
+        if index >= limit:
+            continue
+        step.append(batch)
+        if len(step) == accumulation:
+            targets = sum((b["labels"][:, 1:] != -100).sum() for b in step)  # the model shifts labels by one
+            targets = accelerator.reduce(targets, reduction="sum")  # on the device: no read on the host
+            yield from (dict(b, num_items_in_batch=targets) for b in step)
+            step = []
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+@contextmanager
+def explain_load_failure(name: str):
+    """A model or tokenizer that cannot be loaded becomes one line saying what to give instead."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        reason = first_line(err)
+        raise RecipeError(
+            f"could not load --model {name!r} ({reason}); give a local folder with config.json, the weights and the "
+            "tokenizer files, a .gguf file, or a Hugging Face Hub name while online (cached under ~/.cache/huggingface)"
+        ) from None
+
+
+def load_tokenizer(name: str):
+    """The model's tokenizer, with its chat template and a pad token (a .gguf file carries both)."""
+    path = Path(name).expanduser()
+    with explain_load_failure(name):
+        if path.suffix == ".gguf":
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    check_chat_template(tokenizer, name)
+    ensure_pad_token(tokenizer)
+    return tokenizer
+
+
+def load_base_model(name: str, dtype=torch.float32, attn_implementation: str | None = None):
+    """A causal LM from a Hub name, a folder, or a .gguf file.
+
+    transformers dequantises a GGUF file to `dtype` but refuses to save or train a model loaded that way; its weights
+    are therefore moved into the same architecture built from its config, which trains and saves as any other.
+    """
+    path = Path(name).expanduser()
+    with explain_load_failure(name):
+        if path.suffix != ".gguf":
+            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+        if not path.is_file():
+            raise RecipeError(f"--model {name}: no such .gguf file")
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config.quantization_config = None
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        return model
+
+
+def add_lora(model, args: SftFlags):
+    """Freeze the model and give it a LoRA adapter (peft) on the layers --lora_target_modules names."""
+    targets = args.lora_target_modules
+    config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha or 2 * args.lora_r,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+    )
+    return peft.get_peft_model(model, config)
+
+
+def build_model(args: SftFlags, model_name: str, mixed_precision: str):
+    """The model to train: the whole of it, or (--lora_r) frozen with a LoRA adapter; gradient checkpointing and
+    packing set up as the flags ask."""
+    # A LoRA run keeps the frozen base in bf16 when it trains in bf16 (half the memory); full fine-tunes keep fp32
+    # master weights and let autocast compute in bf16.
+    dtype = torch.bfloat16 if args.lora_r and mixed_precision == "bf16" else torch.float32
+    model = load_base_model(model_name, dtype, args.attn_implementation)
+    model.config.use_cache = False  # no cache in training; packed rows also need none to keep examples apart
+    if args.packing:
+        check_packing(model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r:  # the frozen embeddings' output must carry a gradient for the checkpointed blocks to get one
+            model.enable_input_require_grads()
+    if args.lora_r:
+        model = add_lora(model, args)
+    return model
+
+
+def is_adapter(folder) -> bool:
+    return (Path(folder) / "adapter_config.json").is_file()
+
+
+def load_fine_tuned(model_dir: str, dtype=torch.float32):
+    """(model, tokenizer) of a finished run: a LoRA adapter on its base (read from where the adapter says), or a
+    full model; a .gguf file or any chat model works too (--predict on the model before fine-tuning)."""
+    path = Path(model_dir)
+    if path.suffix != ".gguf" and not (path / "config.json").is_file() and not is_adapter(path):
+        raise RecipeError(
+            f"--model {model_dir} is not a fine-tuned model folder (no adapter_config.json or config.json); train "
+            "first or point --model at the output_dir of a finished run"
+        )
+    tokenizer = load_tokenizer(model_dir)
+    if not is_adapter(path):
+        return load_base_model(model_dir, dtype), tokenizer
+    base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = load_base_model(base_name, dtype)
+    return peft.PeftModel.from_pretrained(base, model_dir), tokenizer
+
+
+def save_model(accelerator, model, tokenizer, folder) -> None:
+    """The adapter (LoRA) or the whole model, as from_pretrained / peft and --predict read it, with the tokenizer.
+    Collective: every process calls it."""
+    # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
+    state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
+    accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(
+        folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(folder)
+
+
+# -------------------------------------------------------------------------------------------------------- evaluate
+@torch.no_grad()
+def evaluate(model, loader, accelerator) -> dict:
+    """Loss per answer token (and its perplexity) over the whole validation split, each conversation counted once."""
+    model.eval()
+    loss_sum, token_count, conversations = 0.0, 0, 0
+    for batch in loader:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        labels = batch["labels"][:, 1:]
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        )
+        # One (loss sum, answer tokens) pair per conversation; gather_for_metrics drops the conversations the sampler
+        # repeated to give every process an equal share.
+        sums, counts = accelerator.gather_for_metrics((losses.sum(dim=1), (labels != -100).sum(dim=1)))
+        loss_sum += sums.double().sum().item()
+        token_count += counts.sum().item()
+        conversations += len(counts)
+    model.train()
+    loss = loss_sum / max(token_count, 1)
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(min(loss, 50.0)),
+        "eval_tokens": token_count,
+        "eval_samples": conversations,
+    }
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, conversations, accelerator, max_new_tokens: int, batch_size: int):
+    """Greedy answers to the given validation conversations' last prompts, compared with their references:
+    ({eval_exact_match, eval_generated}, [{prompt, reference, answer}, ...]).
+
+    Each process answers its share (accelerate's split_between_processes); the answers are gathered in order.
+    """
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise RecipeError(
+            "--eval_generate needs the whole model in each process; with FSDP or DeepSpeed, evaluate the saved model "
+            "with --eval_only --eval_generate N in one process instead"
+        )
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    pairs = [generation_prompt(messages) for messages in conversations]
+    answers = []
+    with accelerator.split_between_processes(list(range(len(pairs)))) as mine:
+        for start in range(0, len(mine), batch_size):
+            prompts = [pairs[i][0] for i in mine[start : start + batch_size]]
+            answers += list(
+                zip(mine[start : start + batch_size], greedy(unwrapped, tokenizer, prompts, max_new_tokens))
+            )
+    unwrapped.train()
+    answers = sorted(accelerator.gather_object(answers))  # (index, answer) pairs of every process
+    samples = [
+        {"prompt": pairs[i][0][-1]["content"], "reference": pairs[i][1], "answer": answer} for i, answer in answers
+    ]
+    matches = [exact_match(s["answer"], s["reference"]) for s in samples]
+    return {"eval_exact_match": sum(matches) / max(len(matches), 1), "eval_generated": len(matches)}, samples
+
+
+def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None) -> list[str]:
+    """Greedy answers to conversations that end with a user turn, in one left-padded batch."""
+    tokenizer.padding_side = "left"  # a decoder continues from the last position of each row
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    output = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+        streamer=streamer,
+    )
+    tokenizer.padding_side = "right"
+    return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def write_samples(accelerator, output: Path, epoch: int, samples: list[dict], tracking) -> None:
+    """The first answers of an evaluation, to samples.jsonl and to SwanLab as text (main process)."""
+    if not accelerator.is_main_process or not samples:
+        return
+    with open(output / SAMPLES_FILE, "a") as file:
+        for sample in samples[:SAMPLES_KEPT]:
+            file.write(json.dumps({"epoch": epoch, **sample}, ensure_ascii=False) + "\n")
+    if tracking.log_with == "swanlab":
+        import swanlab
+
+        texts = [swanlab.Text(f"{s['prompt']}\n-> {s['answer']} (reference: {s['reference']})") for s in samples]
+        accelerator.get_tracker("swanlab", unwrap=True).log({"eval/samples": texts[:SAMPLES_KEPT]})
+
+
+# -------------------------------------------------------------------------------------------------------- predict
+def read_prompts(source) -> list[list[dict]]:
+    """Conversations to answer: the prompt itself, a .txt file (one prompt per line) or a .json/.jsonl file of
+    conversations in the training formats (answered after their last user turn)."""
+    prompts = []
+    for item in map(str, source if isinstance(source, (list, tuple)) else [source]):
+        path = Path(item).expanduser()
+        if path.suffix.lower() in (".json", ".jsonl") and path.is_file():
+            rows = datasets.load_dataset("json", data_files=str(path), split="train")
+            for row in rows:
+                messages = to_messages(row)
+                prompts.append(generation_prompt(messages)[0] if messages[-1]["role"] == "assistant" else messages)
+        elif path.suffix.lower() == ".txt" and path.is_file():
+            prompts += [[{"role": "user", "content": line}] for line in path.read_text().splitlines() if line.strip()]
+        else:
+            prompts.append([{"role": "user", "content": item}])
+    return prompts
+
+
+def inference_model(args: SftFlags):
+    """(model, tokenizer) of --model (default --output_dir) on the GPU when there is one, in bf16 there."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    model, tokenizer = load_fine_tuned(args.model or args.output_dir, dtype)
+    return model.to(device).eval(), tokenizer
+
+
+def predict(args: SftFlags) -> None:
+    """--predict: answer prompts greedily with the model in --model (default --output_dir) in this one process and
+    print one JSON line per prompt: prompt, answer."""
+    model, tokenizer = inference_model(args)
+    prompts = read_prompts(args.predict)
+    with torch.no_grad():
+        for start in range(0, len(prompts), args.batch_size):
+            chunk = prompts[start : start + args.batch_size]
+            for prompt, answer in zip(chunk, greedy(model, tokenizer, chunk, args.max_new_tokens)):
+                print(json.dumps({"prompt": prompt[-1]["content"], "answer": answer}, ensure_ascii=False), flush=True)
+
+
+def chat(args: SftFlags) -> None:
+    """--chat: a conversation in the terminal with the model in --model, each answer streamed as it is generated."""
+    model, tokenizer = inference_model(args)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    messages = []
+    print(f"chatting with {args.model or args.output_dir}; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> " if sys.stdin.isatty() else "")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        print("model> ", end="", flush=True)
+        with torch.no_grad():
+            answer = greedy(model, tokenizer, [messages], args.max_new_tokens, streamer=streamer)[0]
+        messages.append({"role": "assistant", "content": answer})
+
+
+def merge(args: SftFlags) -> None:
+    """--merge DIR: the model in --model as one plain transformers folder: an adapter merged into its base weights,
+    or a .gguf file converted. Loads with from_pretrained alone."""
+    model, tokenizer = load_fine_tuned(args.model or args.output_dir)
+    if isinstance(model, peft.PeftModel):
+        model = model.merge_and_unload()
+    model.save_pretrained(args.merge)
+    tokenizer.save_pretrained(args.merge)
+    print(f"merged model saved in {args.merge}; load it with AutoModelForCausalLM.from_pretrained({args.merge!r})")
+
+
+# ------------------------------------------------------------------------------------------------------ reporting
+def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, per_process: int) -> dict:
+    """What the run derived from its flags and data, for run_config (the tracker, checkpoints, results.json)."""
+    return dict(
+        dataset=dataset_name(args),
+        model=model_name,
+        method="lora" if args.lora_r else "full",
+        lr=lr,
+        lora_alpha=args.lora_alpha or 2 * args.lora_r,
+        per_process_batch_size=per_process,
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        parameters=sum(p.numel() for p in model.parameters()),
+        train_size=counts["train"]["examples"] - counts["train"]["without_targets"],
+        validation_size=counts["validation"]["examples"] - counts["validation"]["without_targets"],
+        train_truncated=counts["train"]["truncated"],
+        train_dropped=counts["train"]["without_targets"],
+        transformers_version=transformers.__version__,
+        peft_version=peft.__version__,
+    )
+
+
+def token_rates(results: dict, train_set) -> dict:
+    """Training tokens and answer tokens per second: samples per second x the training set's mean tokens per
+    conversation (padding not counted)."""
+    samples_per_second = results["train_samples_per_second"]
+    return dict(
+        train_tokens_per_second=samples_per_second * sum(train_set["num_tokens"]) / len(train_set),
+        train_target_tokens_per_second=samples_per_second * sum(train_set["num_targets"]) / len(train_set),
+    )
+
+
+def scores_line(evaluation: dict) -> str:
+    """An evaluation in one line: `loss 1.2345, perplexity 3.4364, exact_match 0.8125`."""
+    keys = ("eval_loss", "eval_perplexity", "eval_exact_match")
+    return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
+
+
+def print_run_summary(results: dict, path: Path, tracking) -> None:
+    """After training, on the main process: the summary table, what was saved where, and how to use it."""
+    output = path.parent
+    keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
+    keys += ["steps", "epochs", "eval_loss", "eval_perplexity", "eval_exact_match", "best_metric", "best_epoch"]
+    keys += ["train_tokens_per_second", "train_target_tokens_per_second", "peak_memory_mb", "wall_seconds"]
+    print_summary(results, keys, title="chat fine-tuning: summary")
+    what = "adapter" if results["method"] == "lora" else "model"
+    print(
+        f"{what}, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
+        f"try it: python {os.path.relpath(__file__)} --chat --model {output}"
+    )
+    where = tracking.where()
+    if where:
+        print(where)
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+def train(args: SftFlags) -> None:
+    """Fine-tune --model on the data flags' conversations, evaluate after every epoch, and save the last and the
+    best model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
+    started = time.perf_counter()
+    output = Path(args.output_dir)
+    model_name = args.model or DEFAULT_MODEL
+    lr = args.lr or (2e-4 if args.lora_r else 2e-5)
+
+    # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode)
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            # Steps by count, not at a loader's end: whole_steps reads a step's batches before its first forward.
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+            ),
+            log_with=tracking.log_with or None,
+            project_dir=str(output),
+            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
+            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+            step_scheduler_with_optimizer=False,
+            # How long a process waits for the others, at start-up and in every collective, before it stops.
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
+    world = accelerator.num_processes
+    set_seed(args.seed)
+    prepare_output_dir(output)
+    checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
+    resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
+
+    # ---- data, tokenizer and model
+    tokenizer = load_tokenizer(model_name)
+    raw, tokenized, counts = load_data(accelerator, args, tokenizer)
+    model = build_model(args, model_name, accelerator.mixed_precision)
+    train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
+
+    # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim > 1]
+    no_decay = [p for p in trainable if p.ndim <= 1]  # biases and norm weights
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
+
+    # ---- the run's length in optimizer steps: whole steps only (whole_steps leaves an epoch's remainder out)
+    steps_per_epoch = len(train_loader) // world // args.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise RecipeError(
+            f"the training set ({len(tokenized['train'])} conversations) is smaller than one global batch "
+            f"({args.batch_size}); lower --batch_size or use more data"
+        )
+    batches_per_epoch = steps_per_epoch * args.gradient_accumulation_steps
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    warmup_steps = round(args.warmup_ratio * total_steps)
+
+    setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+
+    config = run_config("sft", args, accelerator, **settings(args, model_name, lr, model, counts, per_process))
+    config.update(warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs)
+
+    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    state = RunState(accelerator.device)
+    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    if resume_from is not None:
+        checkpoints.check_compatible(resume_from, config)
+        accelerator.load_state(resume_from)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    best = BestModel(
+        accelerator, state, output, "eval_loss", higher_is_better=False, patience=args.early_stopping_patience
+    )
+    progress = TrainingProgress(
+        accelerator,
+        state,
+        output,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=batches_per_epoch,
+        global_batch_size=args.batch_size,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        skip_nonfinite=args.skip_nonfinite_steps,
+        resumed_from=resume_from,
+        best=best,
+    )
+    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+
+    def save_checkpoint() -> None:
+        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
+        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
+            accelerator.save_state(path)
+        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+
+    # ---- training loop
+    while state.epoch < num_epochs and not progress.finished:
+        progress.start_epoch()
+        model.train()
+        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
+        # Skip what the interrupted run had trained on in this epoch.
+        batches = (
+            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
+        )
+        batches = whole_steps(
+            batches, args.gradient_accumulation_steps, accelerator, batches_per_epoch - state.batches_done
+        )
+        for batch in batches:
+            state.batches_done += 1
+            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+                # Summed token losses / the step's answer tokens; x world x accumulation undoes the means that DDP
+                # and accelerator.backward take, so the gradient is that of the global batch's mean token loss.
+                loss = model(**batch).loss * world * args.gradient_accumulation_steps
+                accelerator.backward(loss)
+                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                if accelerator.sync_gradients:
+                    if args.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not guard.skip_update(state.step + 1):
+                        optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            state.add(loss.detach(), samples=per_process)  # the mean over a step's micro-batches is the step's loss
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+                save_checkpoint()
+            if progress.finished:
+                break
+
+        # ---- evaluation once per epoch, on the whole validation split
+        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        state.last_eval = evaluate(model, eval_loader, accelerator)
+        if args.eval_generate:
+            conversations = raw["validation"]["messages"][: args.eval_generate]
+            scores, samples = generate_answers(
+                model, tokenizer, conversations, accelerator, args.max_new_tokens, per_process
+            )
+            state.last_eval.update(scores)
+            write_samples(accelerator, output, state.epoch + 1, samples, tracking)
+        seconds = progress.epoch_done(state.last_eval)
+        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+            with best.saving() as folder:
+                save_model(accelerator, model, tokenizer, folder)
+        if accelerator.is_main_process:
+            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
+        state.epoch, state.batches_done = state.epoch + 1, 0
+        save_checkpoint()
+    progress.close()
+
+    # ---- save the model and the run's results
+    accelerator.wait_for_everyone()
+    save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    results = dict(config, **progress.results(started))
+    results.update(token_rates(results, tokenized["train"]))
+    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        path = write_results(output, results)
+        print_run_summary(results, path, tracking)
+
+
+# -------------------------------------------------------------------------------------------------------- evaluate
+def evaluate_saved_model(args: SftFlags) -> None:
+    """--eval_only: the model in --model (default --output_dir) on the whole validation split of the data flags,
+    each conversation counted once, on any number of processes; results.json goes to --output_dir."""
+    started = time.perf_counter()
+    output = Path(args.output_dir)
+    model_dir = args.model or args.output_dir
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            dataloader_config=DataLoaderConfiguration(non_blocking=True),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
+    set_seed(args.seed)
+    prepare_output_dir(output)
+
+    model, tokenizer = load_fine_tuned(model_dir)
+    raw, tokenized, _ = load_data(accelerator, args, tokenizer)
+    _, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
+    model, eval_loader = accelerator.prepare(model, eval_loader)
+    evaluation = evaluate(model, eval_loader, accelerator)
+    if args.eval_generate:
+        conversations = raw["validation"]["messages"][: args.eval_generate]
+        scores, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8)
+        evaluation.update(scores)
+        accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
+    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation conversations")
+
+    results = dict(
+        recipe="sft",
+        dataset=dataset_name(args),
+        model=model_dir,
+        eval_only=True,
+        world_size=accelerator.num_processes,
+        num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision,
+        global_batch_size=args.batch_size,
+        validation_size=len(tokenized["validation"]),
+        steps=0,
+        wall_seconds=time.perf_counter() - started,
+        **evaluation,
+        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+    )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        print(f"{write_results(output, results).name} saved in {output}")
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(args: SftFlags) -> None:
+    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    if args.predict is not None and args.eval_only:
+        raise RecipeError("give --predict or --eval_only, not both")
+    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge))) > 1:
+        raise RecipeError("give one of --predict, --eval_only, --chat and --merge")
+    if args.predict is not None:
+        return predict(args)
+    if args.chat:
+        return chat(args)
+    if args.merge:
+        return merge(args)
+    if args.eval_only:
+        return evaluate_saved_model(args)
+    return train(args)
+
+
+if __name__ == "__main__":
+    run(main)
