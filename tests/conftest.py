@@ -516,3 +516,25 @@ def detect_shapes(tmp_path_factory) -> Path:
 def detect_one(detect_shapes, tmp_path_factory):
     """The detector trained on 1 process with DETECT_RUN, under the host-read audit."""
     return one_process_audited_run(tmp_path_factory, "detect", DETECT_SCRIPT, "--data", detect_shapes, *DETECT_RUN)
+
+
+# ------------------------------------------------------------------------------------------- tiny chat model (SFT)
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with a Llama-3-like chat template (no pad token), saved as a model folder."""
+    from sft_fixtures import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-chat-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory) -> dict:
+    """The learnable chat task in the messages JSONL format: 96 training and 32 validation conversations."""
+    from sft_fixtures import chat_examples, write_chat_file
+
+    root = tmp_path_factory.mktemp("sft-data")
+    return {
+        "train": write_chat_file(root / "train.jsonl", chat_examples(96, seed=0), "messages"),
+        "validation": write_chat_file(root / "validation.jsonl", chat_examples(32, seed=1), "messages"),
+        "root": root,
+    }
