@@ -767,7 +767,8 @@ def evaluate_saved_model(args: SftFlags) -> None:
     model, tokenizer = load_fine_tuned(model_dir)
     raw, tokenized, _ = load_data(accelerator, args, tokenizer)
     _, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
-    model, eval_loader = accelerator.prepare(model, eval_loader)
+    # evaluation_mode: no DDP wrapper, which refuses a model without trainable weights (a loaded adapter)
+    model, eval_loader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(eval_loader)
     evaluation = evaluate(model, eval_loader, accelerator)
     if args.eval_generate:
         conversations = raw["validation"]["messages"][: args.eval_generate]

@@ -125,7 +125,8 @@ def test_eval_only_on_two_nodes_counts_each_conversation_once(sft_one, sft_data,
     hostfile.write_text("localhost slots=1\nlocalhost slots=1\n")
     out = tmp_path / "eval"
     launcher = [PYTHON, "-m", "recipe_tools.multinode", "--hostfile", hostfile, "--main_process_port", free_port()]
-    launcher += ["--launch_args", "--num_cpu_threads_per_process 1", SFT_SCRIPT, "--eval_only"]
+    # fp32 as the training run (2node.yaml asks for bf16, which a CPU may emulate)
+    launcher += ["--launch_args", "--num_cpu_threads_per_process 1 --mixed_precision no", SFT_SCRIPT, "--eval_only"]
     data = ["--train_file", sft_data["train"], "--validation_file", sft_data["validation"], "--batch_size", "8"]
     data += ["--eval_generate", "8", "--max_new_tokens", "6", "--model", sft_one.out, "--output_dir", out]
     check(run([*launcher, *data], recipe_env(tmp_path, ACCELERATE_USE_CPU="true")))
