@@ -40,6 +40,7 @@ from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
+    gather_object,
     set_seed,
 )
 from sft_data import (
@@ -412,7 +413,7 @@ def generate_answers(model, tokenizer, conversations, accelerator, max_new_token
                 zip(mine[start : start + batch_size], greedy(unwrapped, tokenizer, prompts, max_new_tokens))
             )
     unwrapped.train()
-    answers = sorted(accelerator.gather_object(answers))  # (index, answer) pairs of every process
+    answers = sorted(gather_object(answers))  # (index, answer) pairs of every process
     samples = [
         {"prompt": pairs[i][0][-1]["content"], "reference": pairs[i][1], "answer": answer} for i, answer in answers
     ]

@@ -95,8 +95,10 @@ def recipe_env(tmp_path: Path, **extra) -> dict:
     return env
 
 
-def run(cmd, env, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def run(cmd, env, timeout=300, cwd=REPO, input=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=input
+    )
     proc.output = proc.stdout + proc.stderr
     return proc
 
@@ -538,3 +540,71 @@ def sft_data(tmp_path_factory) -> dict:
         "validation": write_chat_file(root / "validation.jsonl", chat_examples(32, seed=1), "messages"),
         "root": root,
     }
+
+
+# ------------------------------------------------------------------------------------- the shared SFT runs (chat)
+SFT_SCRIPT = REPO / "recipes" / "sft.py"
+# 96 conversations at a global batch of 8: 12 steps per epoch, 2 epochs, every step logged (the 1 vs 2 processes
+# comparison reads each step's loss). LoRA without dropout: dropout masks are drawn per process.
+SFT_COMMON = ["--batch_size", "8", "--lr", "1e-2", "--max_length", "128", "--max_new_tokens", "6"]
+SFT_COMMON += ["--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0"]
+SFT_RUN = [
+    *SFT_COMMON,
+    "--lora_r",
+    "8",
+    "--lora_dropout",
+    "0",
+    "--epochs",
+    "2",
+    "--eval_generate",
+    "8",
+    "--log_every",
+    "1",
+]
+# A full fine-tune that learns the task: 4 epochs, each evaluated with 16 greedy answers.
+SFT_FULL = [*SFT_COMMON, "--epochs", "4", "--eval_generate", "16", "--log_every", "4"]
+
+
+def sft_files(model: Path, data: dict) -> list:
+    return ["--model", model, "--train_file", data["train"], "--validation_file", data["validation"]]
+
+
+def plain_run(tmp_path_factory, name: str, *args, timeout=300) -> SimpleNamespace:
+    """A recipe run with plain python on 1 process."""
+    tmp = tmp_path_factory.mktemp(name)
+    out = tmp / "out"
+    proc = check(run([PYTHON, *args, "--output_dir", out], recipe_env(tmp), timeout=timeout))
+    return SimpleNamespace(out=out, proc=proc)
+
+
+@pytest.fixture(scope="session")
+def sft_one(tiny_chat_model, sft_data, tmp_path_factory):
+    """The SFT recipe on 1 process: a LoRA adapter on the tiny chat model, 2 epochs, batches padded."""
+    return plain_run(tmp_path_factory, "sft-one", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_RUN)
+
+
+@pytest.fixture(scope="session")
+def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
+    """sft.py copied into an empty project, on 2 processes with the flags of sft_one, packed rows and gradient
+    checkpointing (neither changes a number), under the host-read audit."""
+    return two_process_template_run(
+        tmp_path_factory,
+        "sft.py",
+        *sft_files(tiny_chat_model, sft_data),
+        *SFT_RUN,
+        "--packing",
+        "--gradient_checkpointing",
+    )
+
+
+@pytest.fixture(scope="session")
+def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
+    """sft_one's flags on 1 process with 2 micro-batches per step."""
+    args = [*sft_files(tiny_chat_model, sft_data), *SFT_RUN, "--gradient_accumulation_steps", "2"]
+    return plain_run(tmp_path_factory, "sft-accumulated", SFT_SCRIPT, *args)
+
+
+@pytest.fixture(scope="session")
+def sft_full(tiny_chat_model, sft_data, tmp_path_factory):
+    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL)."""
+    return plain_run(tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL)

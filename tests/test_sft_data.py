@@ -1,0 +1,336 @@
+"""The SFT recipe's data side on real tokenizers and tiny real models: chat files in every format, the assistant-only
+loss mask under three chat templates, truncation, padding and packing."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import PYTHON, REPO, recipe_env, run
+from sft_data import (
+    assistant_turn_end,
+    check_chat_template,
+    check_packing,
+    collator,
+    ensure_pad_token,
+    exact_match,
+    generation_prompt,
+    load_conversations,
+    to_messages,
+    tokenize_conversation,
+    tokenize_splits,
+)
+from sft_fixtures import build_chat_tokenizer, chat_examples, single_turn, write_chat_file
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+
+from accelerate_recipes.errors import RecipeError
+
+TEMPLATES = ("chatml", "llama3", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("chat-tokenizers")
+    return {template: build_chat_tokenizer(root / template, template) for template in TEMPLATES}
+
+
+def load(train, validation=None, tmp_path=None, validation_size=0.25, seed=0, dataset=None):
+    cache = str(tmp_path / "cache") if tmp_path else None
+    return load_conversations(train, validation, dataset, cache, validation_size, seed)
+
+
+def one_line_error(call, *fragments) -> str:
+    with pytest.raises(RecipeError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def target_runs(tokenizer, encoded: dict) -> list[str]:
+    """The decoded text of each run of consecutive target tokens."""
+    runs, current = [], []
+    for label in encoded["labels"] + [-100]:
+        if label != -100:
+            current.append(label)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------------- formats
+def test_every_file_format_reads_to_the_same_messages(tmp_path):
+    examples = chat_examples(64, seed=3)
+    single = single_turn(examples)
+    assert len(single) >= 20 and len(single) < len(examples)  # the multi-turn and system ones are left to the rest
+    for fmt, rows in (
+        ("messages", examples),
+        ("sharegpt", examples),
+        ("alpaca", single),
+        ("prompt_completion", single),
+    ):
+        for suffix in (".json", ".jsonl"):
+            train = write_chat_file(tmp_path / f"{fmt}-train{suffix}", rows, fmt)
+            validation = write_chat_file(tmp_path / f"{fmt}-dev{suffix}", rows[:5], fmt)
+            raw = load(train, validation, tmp_path)
+            assert raw["train"].column_names == ["messages"] and raw["validation"].column_names == ["messages"]
+            assert list(raw["train"]["messages"]) == rows, (fmt, suffix)
+            assert list(raw["validation"]["messages"]) == rows[:5], (fmt, suffix)
+
+    # TRL's conversational prompt/completion, and Alpaca's input joined to the instruction
+    trl = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is it red?"}],
+        "completion": [{"role": "assistant", "content": "yes"}],
+    }
+    assert to_messages(trl) == trl["prompt"] + trl["completion"]
+    alpaca = {"instruction": "Name the colour.", "input": "the sky", "output": "blue"}
+    assert to_messages(alpaca) == [
+        {"role": "user", "content": "Name the colour.\n\nthe sky"},
+        {"role": "assistant", "content": "blue"},
+    ]
+
+
+def test_validation_is_held_out_of_train_without_a_validation_file(tmp_path):
+    rows = chat_examples(40, seed=4)
+    train = write_chat_file(tmp_path / "train.jsonl", rows, "messages")
+    first = load(train, tmp_path=tmp_path, validation_size=0.25, seed=7)
+    again = load(train, tmp_path=tmp_path, validation_size=0.25, seed=7)
+    assert (len(first["train"]), len(first["validation"])) == (30, 10)
+    assert list(first["validation"]["messages"]) == list(again["validation"]["messages"])  # the seed decides
+    held = [json.dumps(m) for m in first["validation"]["messages"]]
+    kept = [json.dumps(m) for m in first["train"]["messages"]]
+    assert sorted(held + kept) == sorted(json.dumps(m) for m in rows)
+
+
+def test_a_dataset_folder_uses_its_test_split_for_validation(tmp_path):
+    folder = tmp_path / "chats"
+    write_chat_file(folder / "train.jsonl", chat_examples(20, seed=0), "sharegpt")
+    write_chat_file(folder / "test.jsonl", chat_examples(7, seed=1), "sharegpt")
+    raw = load(None, tmp_path=tmp_path, dataset=str(folder))
+    assert list(raw["validation"]["messages"]) == chat_examples(7, seed=1)
+    assert len(raw["train"]) == 20
+
+
+def test_an_unreachable_hub_dataset_says_connect_or_give_files(tmp_path):
+    code = (
+        "import sft_data\n"
+        "try:\n"
+        "    sft_data.load_conversations(None, None, 'no-such-user/no-such-chats', None, 0.1, 0)\n"
+        "except sft_data.RecipeError as err:\n"
+        "    print('error:', err)\n"
+    )
+    proc = run([PYTHON, "-c", code], recipe_env(tmp_path, PYTHONPATH=f"{REPO}:{REPO / 'recipes'}"), timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.output[-3000:]
+    assert "no-such-user/no-such-chats" in lines[0] and "connect once" in lines[0] and "--train_file" in lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------- the mask
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_the_mask_covers_each_assistant_turn_and_its_end_and_nothing_else(tokenizers, template):
+    tokenizer = tokenizers[template]
+    turn_end = assistant_turn_end(tokenizer)
+    assert turn_end == {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>"}[template]
+    examples = chat_examples(40, seed=5)
+    kinds = {(m[0]["role"] == "system", sum(t["role"] == "assistant" for t in m)) for m in examples}
+    assert {(True, 1), (False, 1), (False, 2)} <= kinds  # system messages and two-answer conversations are covered
+    for messages in examples:
+        encoded = tokenize_conversation(tokenizer, messages, 512, turn_end)
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        assert encoded["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        answers = [m["content"] + turn_end for m in messages if m["role"] == "assistant"]
+        assert target_runs(tokenizer, encoded) == answers, text
+        assert encoded["num_targets"] == sum(label != -100 for label in encoded["labels"])
+        assert encoded["num_tokens"] == len(encoded["input_ids"]) and not encoded["truncated"]
+
+
+def test_qwen3_masks_the_earlier_answer_that_a_prefix_rendering_gets_wrong(tokenizers):
+    tokenizer = tokenizers["qwen3"]
+    messages = [
+        {"role": "user", "content": "What colour is the plum?"},
+        {"role": "assistant", "content": "purple"},
+        {"role": "user", "content": "And what colour is the snow?"},
+        {"role": "assistant", "content": "white"},
+    ]
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    prefix = tokenizer.apply_chat_template(messages[:2], tokenize=False)
+    assert not whole.startswith(prefix)  # the last answer's thinking block moves: prefix-and-diff masks break here
+    encoded = tokenize_conversation(tokenizer, messages, 512, assistant_turn_end(tokenizer))
+    assert target_runs(tokenizer, encoded) == ["purple<|im_end|>", "white<|im_end|>"]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_answers_equal_to_earlier_text_are_found_in_their_own_turn(tokenizers, template):
+    tokenizer = tokenizers[template]
+    turn_end = assistant_turn_end(tokenizer)
+    # the answer repeats the question; then contents equal to the template's own words (a role name, the words of
+    # ChatML's default system message), which a search from the start would find in the headers
+    for messages in (
+        [{"role": "user", "content": "fresh"}, {"role": "assistant", "content": "fresh"}],
+        [{"role": "user", "content": "You are a helpful assistant."}, {"role": "assistant", "content": "assistant"}],
+        [{"role": "user", "content": "user"}, {"role": "assistant", "content": "user"}],
+    ):
+        encoded = tokenize_conversation(tokenizer, messages, 512, turn_end)
+        assert target_runs(tokenizer, encoded) == [messages[1]["content"] + turn_end]
+        # the targets are the last tokens: the answer and its end, with only trailing template text after them
+        last_target = max(i for i, label in enumerate(encoded["labels"]) if label != -100)
+        assert tokenizer.decode(encoded["input_ids"][last_target + 1 :]).strip() == ""
+
+
+# -------------------------------------------------------------------------------------------------- truncation
+def test_examples_cut_before_their_answer_are_dropped_and_counted(tmp_path, tokenizers):
+    tokenizer = tokenizers["llama3"]
+    turn_end = assistant_turn_end(tokenizer)
+    rows = chat_examples(48, seed=6)
+    raw = load(write_chat_file(tmp_path / "train.jsonl", rows, "messages"), tmp_path=tmp_path)
+    full = [tokenize_conversation(tokenizer, m, 512, turn_end) for m in raw["train"]["messages"]]
+    first_targets = sorted(next(i for i, label in enumerate(e["labels"]) if label != -100) for e in full)
+    max_length = first_targets[len(first_targets) // 2]  # about half the examples lose every answer token
+    cut_off = sum(first >= max_length for first in first_targets)
+    assert 0 < cut_off < len(full)
+
+    tokenized, stats = tokenize_splits(raw, tokenizer, max_length)
+    train = stats["train"]
+    assert train["examples"] == len(full) and train["without_targets"] == cut_off
+    assert train["truncated"] == sum(len(e["input_ids"]) > max_length for e in full)
+    assert len(tokenized["train"]) == len(full) - cut_off
+    assert tokenized["train"].column_names == ["input_ids", "labels", "num_tokens", "num_targets"]
+    assert all(0 < n for n in tokenized["train"]["num_targets"])
+    assert max(len(ids) for ids in tokenized["train"]["input_ids"]) <= max_length
+    assert train["tokens"] == sum(tokenized["train"]["num_tokens"])
+    assert train["target_tokens"] == sum(tokenized["train"]["num_targets"])
+
+    message = one_line_error(lambda: tokenize_splits(raw, tokenizer, 3), "raise --max_length")
+    assert message == "no example of train keeps an assistant token within --max_length 3; raise --max_length"
+
+
+# ------------------------------------------------------------------------------------------ batches on a real model
+@pytest.fixture(scope="module")
+def chat_batch(tiny_chat_model, sft_data, tmp_path_factory):
+    """The tiny Llama's tokenizer (pad token set) and 5 tokenised examples of different lengths."""
+    tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(tiny_chat_model))
+    raw = load(sft_data["train"], sft_data["validation"], tmp_path_factory.mktemp("sft-cache"))
+    tokenized, _ = tokenize_splits(raw, tokenizer, 256)
+    features = list(tokenized["train"].select(range(12)))
+    by_length = {f["num_tokens"]: f for f in features}  # distinct lengths, so padding and packing both matter
+    features = list(by_length.values())[:5]
+    assert len(features) >= 4
+    return tokenizer, features
+
+
+def own_logits(model, feature) -> torch.Tensor:
+    return model(input_ids=torch.tensor([feature["input_ids"]])).logits[0]
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_packed_examples_attend_only_within_themselves(tiny_chat_model, chat_batch, attention):
+    tokenizer, features = chat_batch
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation=attention).eval()
+    check_packing(model)
+    assert model.config.use_cache is False
+    batch = collator(tokenizer, packing=True)(features)
+    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention mask: the positions tell the examples
+    lengths = [f["num_tokens"] for f in features]
+    assert batch["input_ids"].shape == (1, sum(lengths))
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        start = 0
+        for feature, length in zip(features, lengths):
+            assert batch["position_ids"][0, start : start + length].tolist() == list(range(length))
+            # each example's first label is dropped: it would be predicted from the previous example's last token
+            assert batch["labels"][0, start : start + length].tolist() == [-100] + feature["labels"][1:]
+            torch.testing.assert_close(packed[start : start + length], own_logits(model, feature), atol=1e-5, rtol=0)
+            start += length
+        # without restarting positions the later examples see the earlier ones: the comparison above can fail
+        flat = model(input_ids=batch["input_ids"]).logits[0]
+    assert (flat[lengths[0] :] - packed[lengths[0] :]).abs().max() > 1e-3
+
+
+def test_packing_refuses_attention_that_would_mix_examples(tiny_chat_model):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # a user's own kernel registered by name: nothing tells it where packed examples start
+    AttentionInterface.register("my_kernel", sdpa_attention_forward)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation="my_kernel")
+    one_line_error(lambda: check_packing(model), "--packing", "'my_kernel'", "sdpa", "drop --packing")
+
+
+def test_padded_batch_masks_padding_and_matches_examples_one_by_one(tiny_chat_model, chat_batch):
+    tokenizer, features = chat_batch
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|eot_id|>"  # Llama 3 has no pad token of its own
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation="sdpa").eval()
+    batch = collator(tokenizer, packing=False, pad_to_multiple_of=8)(features)
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    width = batch["input_ids"].shape[1]
+    assert width % 8 == 0 and width >= max(f["num_tokens"] for f in features)
+    for row, feature in enumerate(features):
+        length = feature["num_tokens"]
+        assert batch["attention_mask"][row].tolist() == [1] * length + [0] * (width - length)  # padded on the right
+        assert batch["labels"][row].tolist() == feature["labels"] + [-100] * (width - length)
+
+    def summed_loss(logits, labels):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+
+    with torch.no_grad():
+        out = model(**batch)
+        together = summed_loss(out.logits, batch["labels"])
+        one_by_one = sum(summed_loss(own_logits(model, f)[None], torch.tensor([f["labels"]])) for f in features)
+    torch.testing.assert_close(together, one_by_one, atol=1e-4, rtol=1e-5)
+    targets = (batch["labels"][:, 1:] != -100).sum()
+    assert targets == sum(f["num_targets"] for f in features)  # position 0 is never a target (the template's header)
+    torch.testing.assert_close(out.loss, together / targets)  # transformers' mean is over the same targets
+
+    # a tokenizer that pads on the left (some do, for generation) still gets right-padded training batches
+    tokenizer.padding_side = "left"
+    try:
+        again = collator(tokenizer, packing=False)(features)
+    finally:
+        tokenizer.padding_side = "right"
+    assert again["attention_mask"][:, 0].all()
+
+
+# --------------------------------------------------------------------------------------------------- evaluation
+def test_generation_prompt_and_exact_match():
+    messages = chat_examples(40, seed=8)
+    two_answers = next(m for m in messages if sum(t["role"] == "assistant" for t in m) == 2)
+    prompt, reference = generation_prompt(two_answers)
+    assert prompt == two_answers[:-1] and prompt[-1]["role"] == "user" and reference == two_answers[-1]["content"]
+    assert exact_match("  Fresh. ", "fresh")
+    assert exact_match("The review   is\nfresh.", "the review is fresh")
+    assert not exact_match("not fresh", "fresh")
+    assert not exact_match("rotten", "fresh")
+
+
+# ------------------------------------------------------------------------------------------------- bad inputs
+def test_bad_inputs_are_one_line_errors_naming_the_fix(tmp_path, tokenizers):
+    missing = tmp_path / "nowhere.jsonl"
+    one_line_error(lambda: load(missing, tmp_path=tmp_path), str(missing), "does not exist", ".jsonl")
+    csv = tmp_path / "chats.csv"
+    csv.write_text("prompt,completion\nhi,hello\n")
+    one_line_error(lambda: load(csv, tmp_path=tmp_path), "'.csv'", ".json or .jsonl")
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"messages": [')
+    one_line_error(lambda: load(broken, tmp_path=tmp_path), "could not read --train_file", "check the file's format")
+
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "a warm film"}\n')
+    expected = (f"--train_file {texts} row 1", "fits no chat format", "'messages'", "'conversations'", "'prompt'")
+    one_line_error(lambda: load(texts, tmp_path=tmp_path), *expected)
+    roles = tmp_path / "roles.jsonl"
+    ok = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    odd = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "hello"}]}
+    roles.write_text(json.dumps(ok) + "\n" + json.dumps(odd) + "\n")
+    one_line_error(lambda: load(roles, tmp_path=tmp_path), "row 2", "'robot'", "system, user, assistant")
+    one_line_error(lambda: to_messages({"messages": [{"role": "user", "content": "hi"}]}), "no assistant turn")
+
+    base = build_chat_tokenizer(tmp_path / "base", "chatml")
+    base.chat_template = None
+    one_line_error(lambda: check_chat_template(base, "tiny-base"), "tiny-base", "no chat template", "-Instruct")
+    check_chat_template(tokenizers["chatml"], "tiny-chat")
+
+    train = write_chat_file(tmp_path / "train.jsonl", chat_examples(8, seed=0), "messages")
+    one_line_error(lambda: load(train, tmp_path=tmp_path, validation_size=1.5), "--validation_size 1.5")
+    one_line_error(lambda: load(None, train, tmp_path=tmp_path), "--validation_file needs --train_file")
