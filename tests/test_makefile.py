@@ -13,7 +13,8 @@ VENV = Path(sys.prefix)  # the environment running the tests; `make -n` only pri
 def make(*args):
     # -o: the install stamps count as up to date, so a target run for real (to see its check fail) never reinstalls
     # the package into the environment running the tests.
-    stamps = [f"-o{VENV}/.installed{extra}" for extra in ("", "-text", "-detect", "-deepspeed", "-bench", "-dev")]
+    extras = ("", "-text", "-detect", "-sft", "-deepspeed", "-bench", "-dev")
+    stamps = [f"-o{VENV}/.installed{extra}" for extra in extras]
     return subprocess.run(
         ["make", "--no-print-directory", f"VENV={VENV}", *stamps, *args],
         cwd=REPO,
@@ -79,6 +80,24 @@ def test_text_cpu_defaults_to_the_offline_data_and_args_replace_them():
     assert line.startswith("ACCELERATE_USE_CPU=true") and "--train_file data/rotten_tomatoes/train.csv" in line
     line = launch_line(make("-n", "text-cpu", "ARGS=--train_file mine.csv --validation_file dev.csv"))
     assert line.rstrip().endswith("recipes/text_classification.py --train_file mine.csv --validation_file dev.csv")
+
+
+def test_sft_targets_launch_the_chat_recipe_and_sft_cpu_defaults_to_the_offline_task():
+    line = launch_line(make("-n", "sft-1gpu", "ARGS=--train_file chats.jsonl --lora_r 16"))
+    assert "accelerate launch --config_file accelerate_configs/1gpu.yaml" in line
+    assert line.rstrip().endswith("recipes/sft.py --train_file chats.jsonl --lora_r 16")
+    line = launch_line(make("-n", "sft-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"))
+    assert "2node.yaml" in line and "--machine_rank 1 --main_process_ip 10.0.0.1" in line and "recipes/sft.py" in line
+    proc = make("-n", "sft-cpu")
+    assert "benchmarks/sft_bench.py write_data --output data/sft_rotten_tomatoes" in proc.stdout
+    line = launch_line(proc)
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "recipes/sft.py --model $(" in line
+    assert "--train_file data/sft_rotten_tomatoes/train.jsonl" in line and "--lora_r 16" in line
+    line = launch_line(make("-n", "sft-cpu", "ARGS=--train_file mine.jsonl"))
+    assert line.rstrip().endswith("recipes/sft.py --train_file mine.jsonl")
+    out = make("help").stdout
+    for target in ("sft-cpu", "sft-1gpu", "sft-2node", "sft-hostfile", "sft-data"):
+        assert f"  {target} " in out
 
 
 def test_sharded_targets_pick_their_config_and_gpu_count():
