@@ -454,6 +454,7 @@ def run(
 
     runs, commands = {}, {}
     for name in names:
+        load = os.getloadavg()[0]  # other work on the machine slows every setup it overlaps: a note for the report
         if name == "base":
             results, seconds, commands[name] = evaluate_only(name, weights)
         elif name.startswith("ours-"):
@@ -481,6 +482,7 @@ def run(
             for key in ("eval_loss", "eval_perplexity", "eval_exact_match", "eval_generated"):
                 results[key] = scored.get(key)
         results["bench_wall_seconds"] = seconds
+        results["load_before"], results["load_after"] = load, os.getloadavg()[0]
         runs[name] = results
     settings = dict(train_size=train_size, validation_size=validation_size, eval_generate=eval_generate)
     settings.update(batch_size=batch_size, epochs=epochs, lr=lr, max_length=max_length, lora_r=lora_r)
@@ -534,6 +536,8 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
     print("\n".join(lines))
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
+    loads = ", ".join(f"{n} {r['load_before']:.1f} / {r['load_after']:.1f}" for n, r in runs.items())
+    print(f"1-minute load average before / after each step (other work slows the setups it overlaps): {loads}")
     if "trl-1" in runs:
         t = runs["trl-1"]
         print(
@@ -544,6 +548,7 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
     keep = ("world_size", "steps", "eval_loss", "eval_perplexity", "eval_exact_match", "eval_generated", "train_loss")
     keep += ("train_seconds", "train_samples_per_second", "train_tokens_per_second", "train_target_tokens_per_second")
     keep += ("wall_seconds", "bench_wall_seconds", "warmup_steps", "trl_exact_match", "trl_eval_loss")
+    keep += ("load_before", "load_after")
     keep += ("mean_tokens_per_example", "mean_targets_per_example", "trainer")
     summary = {
         "benchmark": "sft_smollm2_rotten_tomatoes",
@@ -558,6 +563,7 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
     md = [f"# Chat fine-tuning benchmark\n\n{title}\n", "| " + " | ".join(header) + " |"]
     md += ["|" + "---|" * len(header)] + ["| " + " | ".join(row) + " |" for row in rows]
     md += [""] + [f"- {key}: {value:.2f}" for key, value in ratios.items()]
+    md += [f"- 1-minute load average before / after each step: {loads}"]
     md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), "", "Commands:", ""]
     md += [f"    # {name}\n    {command}" for name, command in commands.items()]
     (out / "report.md").write_text("\n".join(md) + "\n")
