@@ -13,7 +13,7 @@ and merge() --merge; the flags are SftFlags, the data formats and the loss mask 
 `--batch_size` is the GLOBAL batch of conversations, and the loss of a step is the mean over every answer token of it
 (all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
 
-Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets and peft).
+Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
 from accelerate_recipes.cli import answer_help_from_source
@@ -294,6 +294,7 @@ def load_base_model(name: str, dtype=torch.float32, attn_implementation: str | N
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
+        model.config._name_or_path = str(path)  # what an adapter records as its base: the file, not its folder
         return model
 
 

@@ -28,6 +28,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 from test_resume import start, wait_for_checkpoint
+from test_template import assert_copy_ran
 
 ADAPTER = "adapter_model.safetensors"
 
@@ -62,6 +63,17 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     # The loss falls from the first step to the last.
     assert one["train_loss_last"] < one["train_loss_first"] - 0.2
+
+
+def test_sft_copy_runs_on_two_processes(sft_two):
+    """sft.py and sft_data.py copied into an empty project ran there on 2 processes, and saved model_best together at
+    the evaluation of the lowest loss."""
+    assert_copy_ran(sft_two)
+    assert sft_two.modules == {"sft_data.py"}
+    results = read_results(sft_two.out)
+    losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]
+    assert results["best_epoch"] == losses.index(min(losses)) + 1
+    assert (sft_two.out / "model_best" / ADAPTER).is_file() and (sft_two.out / "model_best" / "best.json").is_file()
 
 
 def test_results_samples_and_the_saved_adapter(sft_one):
