@@ -439,18 +439,18 @@ def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, str
     return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def write_samples(accelerator, output: Path, epoch: int, samples: list[dict], tracking) -> None:
+def write_samples(accelerator, output: Path, epoch: int, step: int, samples: list[dict], tracking) -> None:
     """The first answers of an evaluation, to samples.jsonl and to SwanLab as text (main process)."""
     if not accelerator.is_main_process or not samples:
         return
     with open(output / SAMPLES_FILE, "a") as file:
         for sample in samples[:SAMPLES_KEPT]:
             file.write(json.dumps({"epoch": epoch, **sample}, ensure_ascii=False) + "\n")
-    if tracking.log_with == "swanlab":
+    if "swanlab" in tracking.log_with:
         import swanlab
 
-        texts = [swanlab.Text(f"{s['prompt']}\n-> {s['answer']} (reference: {s['reference']})") for s in samples]
-        accelerator.get_tracker("swanlab", unwrap=True).log({"eval/samples": texts[:SAMPLES_KEPT]})
+        texts = [swanlab.Text(f"{s['prompt']} -> {s['answer']} (reference: {s['reference']})") for s in samples]
+        accelerator.get_tracker("swanlab").log({"eval/samples": texts[:SAMPLES_KEPT]}, step=step)
 
 
 # -------------------------------------------------------------------------------------------------------- predict
@@ -724,7 +724,7 @@ def train(args: SftFlags) -> None:
                 model, tokenizer, conversations, accelerator, args.max_new_tokens, per_process
             )
             state.last_eval.update(scores)
-            write_samples(accelerator, output, state.epoch + 1, samples, tracking)
+            write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
         seconds = progress.epoch_done(state.last_eval)
         if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
             with best.saving() as folder:

@@ -104,6 +104,11 @@ def test_a_full_fine_tune_learns_the_task(sft_full):
     assert evaluations[-1]["eval/loss"] < 0.6 * evaluations[0]["eval/loss"]
     assert evaluations[-1]["eval/exact_match"] >= evaluations[0]["eval/exact_match"]
     assert (sft_full.out / "model.safetensors").is_file() and (sft_full.out / "config.json").is_file()
+    # SwanLab, offline: the scalars and the sample answers as text.
+    (swanlab_run,) = (sft_full.out / "swanlog").glob("run-*")
+    logged = next(swanlab_run.glob("run-*.swanlab")).read_bytes()
+    assert b"eval/exact_match" in logged and b"eval/samples" in logged
+    assert any((swanlab_run / "media" / "text").iterdir())
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
