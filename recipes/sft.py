@@ -294,7 +294,7 @@ def load_base_model(name: str, dtype=torch.float32, attn_implementation: str | N
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
-        model.config._name_or_path = str(path)  # what an adapter records as its base: the file, not its folder
+        model.name_or_path = model.config._name_or_path = str(path)  # an adapter's base: the file, not its folder
         return model
 
 
