@@ -20,6 +20,7 @@ from accelerate_recipes.cli import answer_help_from_source
 
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
+import copy
 import json
 import math
 import os
@@ -424,9 +425,10 @@ def generate_answers(model, tokenizer, conversations, accelerator, max_new_token
 
 def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None) -> list[str]:
     """Greedy answers to conversations that end with a user turn, in one left-padded batch."""
-    tokenizer.padding_side = "left"  # a decoder continues from the last position of each row
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    left_padding = copy.copy(tokenizer)  # a decoder continues from the last position of each row
+    left_padding.padding_side = "left"
+    inputs = left_padding(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     output = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
@@ -435,7 +437,6 @@ def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, str
         pad_token_id=tokenizer.pad_token_id,
         streamer=streamer,
     )
-    tokenizer.padding_side = "right"
     return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
