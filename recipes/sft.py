@@ -66,6 +66,7 @@ from accelerate_recipes import (
     StepMeter,
     TrainingFlags,
     TrainingProgress,
+    always_build_attention_masks,
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
@@ -622,6 +623,7 @@ def train(args: SftFlags) -> None:
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only
+    always_build_attention_masks()  # no host read of the padding in each forward pass
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim > 1]
     no_decay = [p for p in trainable if p.ndim <= 1]  # biases and norm weights

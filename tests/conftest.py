@@ -608,5 +608,7 @@ def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sft_full(tiny_chat_model, sft_data, tmp_path_factory):
-    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL)."""
-    return plain_run(tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL)
+    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL), under the host-read audit."""
+    return one_process_audited_run(
+        tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL
+    )

@@ -17,9 +17,11 @@ from conftest import (
     SFT_FULL,
     SFT_RUN,
     SFT_SCRIPT,
+    assert_quiet,
     check,
     fails_with,
     free_port,
+    read_audit,
     read_metrics,
     read_results,
     recipe_env,
@@ -109,6 +111,12 @@ def test_a_full_fine_tune_learns_the_task(sft_full):
     logged = next(swanlab_run.glob("run-*.swanlab")).read_bytes()
     assert b"eval/exact_match" in logged and b"eval/samples" in logged
     assert any((swanlab_run / "media" / "text").iterdir())
+
+
+def test_the_loop_reads_nothing_on_the_host_between_log_steps(sft_full):
+    """48 steps logged every 4 (padded batches): the loss normalisation's count and all-reduce stay on the device, and
+    the attention masks are built without reading the padding."""
+    assert_quiet(read_audit(sft_full.out), sft_full.proc, steps=48, log_every=4)
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
