@@ -34,6 +34,7 @@ _EXPORTS = {
         "launch",
     ),
     **dict.fromkeys(["BestModel", "RunState", "TrainingProgress"], "loop"),
+    **dict.fromkeys(["always_build_attention_masks"], "masks"),
     **dict.fromkeys(["StepMeter", "peak_memory_mb"], "meter"),
     **dict.fromkeys(["TrainingFlags"], "flags"),
     **dict.fromkeys(["MetricsLog", "print_summary", "run_config", "run_facts", "write_results"], "results"),

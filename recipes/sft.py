@@ -13,13 +13,14 @@ and merge() --merge; the flags are SftFlags, the data formats and the loss mask 
 `--batch_size` is the GLOBAL batch of conversations, and the loss of a step is the mean over every answer token of it
 (all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
 
-Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets and peft).
+Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
 from accelerate_recipes.cli import answer_help_from_source
 
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
+import copy
 import json
 import math
 import os
@@ -65,6 +66,7 @@ from accelerate_recipes import (
     StepMeter,
     TrainingFlags,
     TrainingProgress,
+    always_build_attention_masks,
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
@@ -294,6 +296,7 @@ def load_base_model(name: str, dtype=torch.float32, attn_implementation: str | N
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         model.load_state_dict(loaded.state_dict())
         model.generation_config = loaded.generation_config
+        model.name_or_path = model.config._name_or_path = str(path)  # an adapter's base: the file, not its folder
         return model
 
 
@@ -423,9 +426,10 @@ def generate_answers(model, tokenizer, conversations, accelerator, max_new_token
 
 def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None) -> list[str]:
     """Greedy answers to conversations that end with a user turn, in one left-padded batch."""
-    tokenizer.padding_side = "left"  # a decoder continues from the last position of each row
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    left_padding = copy.copy(tokenizer)  # a decoder continues from the last position of each row
+    left_padding.padding_side = "left"
+    inputs = left_padding(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     output = model.generate(
         **inputs,
         max_new_tokens=max_new_tokens,
@@ -434,22 +438,21 @@ def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, str
         pad_token_id=tokenizer.pad_token_id,
         streamer=streamer,
     )
-    tokenizer.padding_side = "right"
     return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def write_samples(accelerator, output: Path, epoch: int, samples: list[dict], tracking) -> None:
+def write_samples(accelerator, output: Path, epoch: int, step: int, samples: list[dict], tracking) -> None:
     """The first answers of an evaluation, to samples.jsonl and to SwanLab as text (main process)."""
     if not accelerator.is_main_process or not samples:
         return
     with open(output / SAMPLES_FILE, "a") as file:
         for sample in samples[:SAMPLES_KEPT]:
             file.write(json.dumps({"epoch": epoch, **sample}, ensure_ascii=False) + "\n")
-    if tracking.log_with == "swanlab":
+    if "swanlab" in tracking.log_with:
         import swanlab
 
-        texts = [swanlab.Text(f"{s['prompt']}\n-> {s['answer']} (reference: {s['reference']})") for s in samples]
-        accelerator.get_tracker("swanlab", unwrap=True).log({"eval/samples": texts[:SAMPLES_KEPT]})
+        texts = [swanlab.Text(f"{s['prompt']} -> {s['answer']} (reference: {s['reference']})") for s in samples]
+        accelerator.get_tracker("swanlab").log({"eval/samples": texts[:SAMPLES_KEPT]}, step=step)
 
 
 # -------------------------------------------------------------------------------------------------------- predict
@@ -620,6 +623,7 @@ def train(args: SftFlags) -> None:
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only
+    always_build_attention_masks()  # no host read of the padding in each forward pass
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim > 1]
     no_decay = [p for p in trainable if p.ndim <= 1]  # biases and norm weights
@@ -723,7 +727,7 @@ def train(args: SftFlags) -> None:
                 model, tokenizer, conversations, accelerator, args.max_new_tokens, per_process
             )
             state.last_eval.update(scores)
-            write_samples(accelerator, output, state.epoch + 1, samples, tracking)
+            write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
         seconds = progress.epoch_done(state.last_eval)
         if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
             with best.saving() as folder:

@@ -199,8 +199,8 @@ def check_chat_template(tokenizer, model_name) -> None:
     """A base model's tokenizer has no chat template, and SFT on chats needs one to write the turns."""
     if not getattr(tokenizer, "chat_template", None):
         raise RecipeError(
-            f"{model_name} has no chat template (a base model); fine-tune an -Instruct or chat model, or give "
-            "a tokenizer whose tokenizer_config.json holds a chat_template"
+            f"{model_name} has no chat template (a base model); fine-tune an -Instruct or chat model, or put a "
+            "chat template in the model's folder (chat_template.jinja)"
         )
 
 

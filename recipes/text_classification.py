@@ -35,7 +35,6 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, se
 from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
 from transformers import (
-    AttentionMaskInterface,
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -51,6 +50,7 @@ from accelerate_recipes import (
     StepMeter,
     TrainingFlags,
     TrainingProgress,
+    always_build_attention_masks,
     check_launch,
     cpu_threads_and_workers,
     explain_startup_failure,
@@ -348,30 +348,6 @@ def load_model(name: str, label_names: list[str], task: str | None):
         return AutoModelForSequenceClassification.from_pretrained(
             name, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
         )
-
-
-def always_build_attention_masks() -> None:
-    """Have transformers build every padded batch's attention mask without first reading the padding on the host.
-
-    Its stock sdpa and eager mask builders first ask `padding_mask.all()`, to drop the mask of a batch without padding;
-    on a GPU that answer is a read from the device in every forward pass, which stalls the queue. With a padding mask
-    given, the mask is now always built: a padded batch gets the very mask it got before, an unpadded one an all-true
-    mask (the same attention). Models that build their masks another way (DeBERTa, say) keep doing so.
-    """
-
-    def without_padding_check(stock):
-        def build_mask(*args, attention_mask=None, **kwargs):
-            if attention_mask is not None:
-                kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-            return stock(*args, attention_mask=attention_mask, **kwargs)
-
-        build_mask.stock = stock
-        return build_mask
-
-    for name in ("sdpa", "eager"):
-        stock = AttentionMaskInterface()[name]
-        if not hasattr(stock, "stock"):  # not already replaced in this process
-            AttentionMaskInterface.register(name, without_padding_check(stock))
 
 
 def save_model(accelerator, model, tokenizer, folder) -> None:

@@ -547,9 +547,11 @@ SFT_SCRIPT = REPO / "recipes" / "sft.py"
 # 96 conversations at a global batch of 8: 12 steps per epoch, 2 epochs, every step logged (the 1 vs 2 processes
 # comparison reads each step's loss). LoRA without dropout: dropout masks are drawn per process.
 SFT_COMMON = ["--batch_size", "8", "--lr", "1e-2", "--max_length", "128", "--max_new_tokens", "6"]
-SFT_COMMON += ["--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0"]
+SFT_COMMON += ["--checkpoint_every", "0", "--num_workers", "0"]
 SFT_RUN = [
     *SFT_COMMON,
+    "--tracker",
+    "none",
     "--lora_r",
     "8",
     "--lora_dropout",
@@ -561,8 +563,8 @@ SFT_RUN = [
     "--log_every",
     "1",
 ]
-# A full fine-tune that learns the task: 4 epochs, each evaluated with 16 greedy answers.
-SFT_FULL = [*SFT_COMMON, "--epochs", "4", "--eval_generate", "16", "--log_every", "4"]
+# A full fine-tune that learns the task: 4 epochs, each evaluated with 16 greedy answers, tracked by SwanLab offline.
+SFT_FULL = [*SFT_COMMON, "--epochs", "4", "--eval_generate", "16", "--log_every", "4", "--swanlab_mode", "offline"]
 
 
 def sft_files(model: Path, data: dict) -> list:
@@ -606,5 +608,7 @@ def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sft_full(tiny_chat_model, sft_data, tmp_path_factory):
-    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL)."""
-    return plain_run(tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL)
+    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL), under the host-read audit."""
+    return one_process_audited_run(
+        tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL
+    )

@@ -17,9 +17,11 @@ from conftest import (
     SFT_FULL,
     SFT_RUN,
     SFT_SCRIPT,
+    assert_quiet,
     check,
     fails_with,
     free_port,
+    read_audit,
     read_metrics,
     read_results,
     recipe_env,
@@ -28,6 +30,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 from test_resume import start, wait_for_checkpoint
+from test_template import assert_copy_ran
 
 ADAPTER = "adapter_model.safetensors"
 
@@ -64,6 +67,17 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert one["train_loss_last"] < one["train_loss_first"] - 0.2
 
 
+def test_sft_copy_runs_on_two_processes(sft_two):
+    """sft.py and sft_data.py copied into an empty project ran there on 2 processes, and saved model_best together at
+    the evaluation of the lowest loss."""
+    assert_copy_ran(sft_two)
+    assert sft_two.modules == {"sft_data.py"}
+    results = read_results(sft_two.out)
+    losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]
+    assert results["best_epoch"] == losses.index(min(losses)) + 1
+    assert (sft_two.out / "model_best" / ADAPTER).is_file() and (sft_two.out / "model_best" / "best.json").is_file()
+
+
 def test_results_samples_and_the_saved_adapter(sft_one):
     out = sft_one.out
     results = read_results(out)
@@ -92,6 +106,17 @@ def test_a_full_fine_tune_learns_the_task(sft_full):
     assert evaluations[-1]["eval/loss"] < 0.6 * evaluations[0]["eval/loss"]
     assert evaluations[-1]["eval/exact_match"] >= evaluations[0]["eval/exact_match"]
     assert (sft_full.out / "model.safetensors").is_file() and (sft_full.out / "config.json").is_file()
+    # SwanLab, offline: the scalars and the sample answers as text.
+    (swanlab_run,) = (sft_full.out / "swanlog").glob("run-*")
+    logged = next(swanlab_run.glob("run-*.swanlab")).read_bytes()
+    assert b"eval/exact_match" in logged and b"eval/samples" in logged
+    assert any((swanlab_run / "media" / "text").iterdir())
+
+
+def test_the_loop_reads_nothing_on_the_host_between_log_steps(sft_full):
+    """48 steps logged every 4 (padded batches): the loss normalisation's count and all-reduce stay on the device, and
+    the attention masks are built without reading the padding."""
+    assert_quiet(read_audit(sft_full.out), sft_full.proc, steps=48, log_every=4)
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])

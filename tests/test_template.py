@@ -35,7 +35,7 @@ def imported_from_copy(folder: Path, modules: set[str]) -> None:
 
 def test_readme_names_every_file_a_copy_needs():
     section = README.split("## Copying a recipe as a template", 1)[1].split("\n## ", 1)[0]
-    for script in ("cifar.py", "text_classification.py"):
+    for script in ("cifar.py", "text_classification.py", "sft.py"):
         for name in {script} | local_imports(RECIPES / script):
             assert f"recipes/{name}" in section, name
     assert "recipes/detect/" in section and "cpu.yaml" in section

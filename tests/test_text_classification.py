@@ -27,6 +27,8 @@ from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionMaskInterface, AutoModelForSequenceClassification, AutoTokenizer
 
+from accelerate_recipes import always_build_attention_masks
+
 # 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly initialised tiny model.
 FAST = TEXT_FAST
 CONTRACT = [
@@ -421,7 +423,7 @@ def test_attention_masks_built_without_a_host_read_keep_logits_and_loss(recipe, 
     stock = {name: AttentionMaskInterface()[name] for name in ("sdpa", "eager")}
     *before, checks_before = forward()
     try:
-        recipe.always_build_attention_masks()
+        always_build_attention_masks()
         *after, checks_after = forward()
     finally:  # the stock mask builders again for the rest of this process
         for name, build in stock.items():
