@@ -13,7 +13,7 @@ from conftest import CIFAR_SCRIPT, DETECT_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, che
 from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv
 from accelerate_recipes.cli import run as run_cli
 
-SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": DETECT_SCRIPT}
+SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": DETECT_SCRIPT, "sft": REPO / "recipes" / "sft.py"}
 
 
 @pytest.fixture(scope="module")
