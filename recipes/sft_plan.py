@@ -48,6 +48,7 @@ class ModelSize:
     residual_bytes: int  # the dtype of the hidden states between blocks: that of the embeddings
     hidden: int
     intermediate: int
+    q_dim: int  # attention heads x head size: the width of the queries and of the attention output
     kv_dim: int
     layers: int
     vocab: int
@@ -73,7 +74,8 @@ class ModelSize:
             residual_bytes=model.get_input_embeddings().weight.element_size(),
             hidden=config.hidden_size,
             intermediate=config.intermediate_size,
-            kv_dim=getattr(config, "num_key_value_heads", None) or heads * head_dim,
+            q_dim=heads * head_dim,
+            kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
             layers=config.num_hidden_layers,
             vocab=config.vocab_size,
             block_bytes=max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks), default=0),
@@ -138,19 +140,20 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     longest conversation of a batch makes --max_length the worst case).
 
     A Llama / Qwen2 block keeps for its backward pass, per token, in the compute dtype e: the inputs and outputs of its
-    two norms (4h), the queries and the attention output (2h), the keys and values (2 kv_dim), and in the gated MLP the
-    gate and up outputs, the activation and the product fed to down_proj (4 x intermediate). This follows the
-    per-tensor count of Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    34 s b h bytes per GPT block with a 4h MLP in 16-bit), adapted to the gated MLP and to sdpa / flash attention,
-    which keep no s x s score matrix. With gradient checkpointing only each block's input stays (h per token in the
-    hidden states' dtype), plus one block's activations while it is recomputed. The logits come on top: at the loss
-    they exist at once in the compute dtype, as transformers' fp32 copy and as the fp32 log-probabilities the
-    cross-entropy keeps for its backward pass (b s V x (2 + 4 + 4) bytes under bf16, x 8 in fp32 runs, where the copy
-    is the same tensor): the largest single term for small models with vocabularies of 150k tokens.
+    two norms (4h), the queries and the attention output (2 q_dim, = 2h in most models), the keys and values
+    (2 kv_dim), and in the gated MLP the gate and up outputs, the activation and the product fed to down_proj
+    (4 x intermediate). This follows the per-tensor count of Korthikanti et al., 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models": 34 s b h bytes per GPT block with a 4h MLP in 16-bit), adapted to the
+    gated MLP and to sdpa / flash attention, which keep no s x s score matrix. With gradient checkpointing only each
+    block's input stays (h per token in the hidden states' dtype), plus one block's activations while it is
+    recomputed. The logits come on top: at the loss they exist at once in the compute dtype, as transformers' fp32
+    copy and as the fp32 log-probabilities the cross-entropy keeps for its backward pass (b s V x (2 + 4 + 4) bytes
+    under bf16, x 8 in fp32 runs, where the copy is the same tensor): the largest single term for small models with
+    vocabularies of 150k tokens.
     """
     tokens = launch.micro_batch * launch.max_length
     e = launch.compute_bytes
-    per_block = tokens * e * (6 * size.hidden + 2 * size.kv_dim + 4 * size.intermediate)
+    per_block = tokens * e * (4 * size.hidden + 2 * size.q_dim + 2 * size.kv_dim + 4 * size.intermediate)
     if launch.checkpointing:
         blocks = size.layers * tokens * size.hidden * size.residual_bytes + per_block
     else:
@@ -246,17 +249,26 @@ def advice(size: ModelSize, launch: Launch) -> str:
         )
     if lora:
         candidates.append(("--lora_r 16", lora, {}))
+    # No single change: those this hardware allows together, then sharding over these processes, then over more.
+    together = dict(checkpointing=True, micro_batch=1)
+    named = [
+        n for n, wanted in (("--lora_r 16", lora), ("--gradient_checkpointing", not launch.checkpointing)) if wanted
+    ]
+    named += [f"micro-batch 1 (--gradient_accumulation_steps {launch.accumulation * launch.micro_batch})"] * (
+        micro != 1
+    )
+    if len(named) > 1:
+        candidates.append((" and ".join(named), lora or size, together))
     if launch.strategy != "fsdp":
         for n in (launch.processes, 2, 4, 8, 16, 32, 64):
             if n > 1 and n >= launch.processes:
                 per = max(1, launch.micro_batch * launch.processes // n)
-                what = f"FSDP (full shard) on {n} processes of this memory"
+                where = f"these {n} processes" if n == launch.processes else f"{n} processes of this memory"
+                what = f"FSDP (full shard) on {where}"
                 candidates.append((what, size, dict(strategy="fsdp", processes=n, micro_batch=per)))
-    # No single change: all of them together, each then more processes.
-    together = dict(checkpointing=True, micro_batch=1, strategy="fsdp")
-    for n in (max(launch.processes, 2), 4, 8, 16, 32, 64):
-        what = f"{'--lora_r 16, ' if lora else ''}--gradient_checkpointing, micro-batch 1 and FSDP on {n} processes"
-        candidates.append((what, lora or size, dict(together, processes=n)))
+                candidates.append(
+                    (" and ".join([what, *named]), lora or size, dict(together, strategy="fsdp", processes=n))
+                )
     for what, candidate_size, changes in candidates:
         changed = Launch(**{**launch.__dict__, **changes})
         total = parts(candidate_size, changed)["total"]
