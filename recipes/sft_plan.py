@@ -234,7 +234,9 @@ def fits(total_mb: float, launch: Launch) -> bool:
 
 
 def advice(size: ModelSize, launch: Launch) -> str:
-    """One line naming the change that makes the run fit: the first candidate, cheapest first, whose plan fits."""
+    """One line naming the change that makes the run fit: the first candidate whose plan fits, in this order: what
+    keeps the method and the devices (checkpointing, smaller micro-batches, FSDP over the processes there are), LoRA,
+    these together, then FSDP over more devices of the same memory."""
     base_bytes = 2 if launch.compute_bytes == 2 else 4
     lora = size.as_lora(16, base_bytes) if not launch.lora_r and size.lora_per_rank else None
     candidates = []
@@ -244,31 +246,35 @@ def advice(size: ModelSize, launch: Launch) -> str:
     while micro > 1:
         micro //= 2
         steps = launch.accumulation * launch.micro_batch // micro
-        candidates.append(
-            (f"--gradient_accumulation_steps {steps} (micro-batch {micro})", size, dict(micro_batch=micro))
-        )
+        what = f"--gradient_accumulation_steps {steps} (micro-batch {micro})"
+        candidates.append((what, size, dict(micro_batch=micro)))
+
+    def sharded(n: int) -> list:
+        """FSDP over n processes (the same global batch, so a smaller micro-batch each), alone and with the rest."""
+        if launch.strategy == "fsdp" or n < max(2, launch.processes):
+            return []
+        where = f"these {n} processes" if n == launch.processes else f"{n} processes of this memory"
+        what = f"FSDP (full shard) on {where}"
+        per = max(1, launch.micro_batch * launch.processes // n)
+        return [
+            (what, size, dict(strategy="fsdp", processes=n, micro_batch=per)),
+            (" and ".join([what, *named]), lora or size, dict(together, strategy="fsdp", processes=n)),
+        ]
+
+    together = dict(checkpointing=True, micro_batch=1)
+    named = ["--lora_r 16"] if lora else []
+    named += [] if launch.checkpointing else ["--gradient_checkpointing"]
+    if launch.micro_batch > 1:
+        named.append(f"micro-batch 1 (--gradient_accumulation_steps {launch.accumulation * launch.micro_batch})")
+    candidates += sharded(launch.processes)[:1]
     if lora:
         candidates.append(("--lora_r 16", lora, {}))
-    # No single change: those this hardware allows together, then sharding over these processes, then over more.
-    together = dict(checkpointing=True, micro_batch=1)
-    named = [
-        n for n, wanted in (("--lora_r 16", lora), ("--gradient_checkpointing", not launch.checkpointing)) if wanted
-    ]
-    named += [f"micro-batch 1 (--gradient_accumulation_steps {launch.accumulation * launch.micro_batch})"] * (
-        micro != 1
-    )
     if len(named) > 1:
         candidates.append((" and ".join(named), lora or size, together))
-    if launch.strategy != "fsdp":
-        for n in (launch.processes, 2, 4, 8, 16, 32, 64):
-            if n > 1 and n >= launch.processes:
-                per = max(1, launch.micro_batch * launch.processes // n)
-                where = f"these {n} processes" if n == launch.processes else f"{n} processes of this memory"
-                what = f"FSDP (full shard) on {where}"
-                candidates.append((what, size, dict(strategy="fsdp", processes=n, micro_batch=per)))
-                candidates.append(
-                    (" and ".join([what, *named]), lora or size, dict(together, strategy="fsdp", processes=n))
-                )
+    candidates += sharded(launch.processes)[1:]
+    for n in (2, 4, 8, 16, 32, 64):
+        if n > launch.processes:
+            candidates += sharded(n)
     for what, candidate_size, changes in candidates:
         changed = Launch(**{**launch.__dict__, **changes})
         total = parts(candidate_size, changed)["total"]
