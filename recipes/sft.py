@@ -835,8 +835,8 @@ def main(args: SftFlags) -> None:
     """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
-    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge))) > 1:
-        raise RecipeError("give one of --predict, --eval_only, --chat and --merge")
+    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge, args.plan_only))) > 1:
+        raise RecipeError("give one of --predict, --eval_only, --chat, --merge and --plan_only")
     if args.predict is not None:
         return predict(args)
     if args.chat:

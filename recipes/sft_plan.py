@@ -190,6 +190,8 @@ def device_memory(accelerator) -> tuple[float, str]:
 
 def launch_of(accelerator, args, per_process: int) -> Launch:
     """The run's launch, or the one --plan_devices / --plan_device_gb / --plan_sharding assume instead."""
+    if args.plan_devices < 0 or args.plan_device_gb < 0:
+        raise RecipeError("--plan_devices and --plan_device_gb must be >= 0 (0: those of this launch)")
     strategy = args.plan_sharding or launched_strategy(accelerator)
     if strategy not in SHARDED:
         raise RecipeError(f"--plan_sharding {strategy}: use one of {', '.join(STRATEGIES)}")

@@ -148,6 +148,7 @@ def test_plan_only_plans_7b_from_its_config_alone(tmp_path):
     assert "does NOT fit" in proc.stdout and "would fit with --gradient_checkpointing:" in proc.stdout
     assert not out.exists()
     fails_with(run([PYTHON, SFT_SCRIPT, *flags, "--plan_sharding", "zero4"], recipe_env(tmp_path)), "--plan_sharding")
+    fails_with(run([PYTHON, SFT_SCRIPT, *flags, "--chat"], recipe_env(tmp_path)), "--plan_only")
 
 
 # ------------------------------------------------------------------------------------- plan against measured peak
