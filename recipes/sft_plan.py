@@ -10,7 +10,8 @@ What one process keeps, by strategy (N processes):
 
 Bytes per parameter: a trainable one costs its weight, its gradient and AdamW's two moments in its own dtype (fp32: 4 +
 4 + 8 = 16 B; the full fine-tune's master weights and LoRA's adapters are fp32); a frozen one (LoRA's base) only its
-weight (2 B in bf16 runs, 4 B in fp32 runs). The counts are the model's own, so they hold for any architecture.
+weight (2 B in bf16 runs, 4 B in fp32 runs). The counts and dtypes are read from the model itself, so these parts
+hold for any architecture; the activation estimate assumes a Llama-like decoder block (see activations()).
 """
 
 import os
@@ -62,7 +63,8 @@ class ModelSize:
         trainable = [p for p in params if p.requires_grad]
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        blocks = [m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", []) or [])]
+        block_names = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in block_names]
         head = model.get_output_embeddings()
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
         is_lora = any("lora_" in name for name, _ in model.named_parameters())
@@ -73,7 +75,8 @@ class ModelSize:
             frozen_bytes=sum(p.numel() * p.element_size() for p in params if not p.requires_grad),
             residual_bytes=model.get_input_embeddings().weight.element_size(),
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            # configs without the name (GPT-2's n_inner, often None) mean the classic 4 x hidden
+            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             q_dim=heads * head_dim,
             kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
             layers=config.num_hidden_layers,
