@@ -55,6 +55,7 @@ from sft_data import (
     to_messages,
     tokenize_splits,
 )
+from sft_plan import meta_model, print_plan
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, get_scheduler
 
@@ -145,6 +146,13 @@ class SftFlags(TrainingFlags):
         chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
         merge: write the model in --model as one plain transformers folder to this path: a LoRA adapter merged into
             its base, or a .gguf file converted; `from_pretrained` loads it without peft.
+        plan_only: print the memory plan (per-process weights, gradients, AdamW states, activations and whether they
+            fit; when not, the change that would) and exit without loading the weights or the data: the model is
+            built from its config on the meta device, so planning a 7B run needs no memory.
+        plan_devices: plan for this many processes (one per GPU) instead of the launch's, e.g. 8.
+        plan_device_gb: plan for devices of this many GB each instead of the memory seen (free GPU memory, or the
+            host's available memory divided by the local processes on the CPU).
+        plan_sharding: plan for ddp, zero1, zero2, fsdp (full shard) or zero3 instead of the launch's strategy.
     """
 
     train_file: str | None = None
@@ -165,6 +173,10 @@ class SftFlags(TrainingFlags):
     cache_dir: str | None = None
     chat: bool = False
     merge: str | None = None
+    plan_only: bool = False
+    plan_devices: int = 0
+    plan_device_gb: float = 0.0
+    plan_sharding: str | None = None
     # The shared flags this task defaults otherwise.
     batch_size: int = 16
     max_grad_norm: float = 1.0
@@ -313,13 +325,13 @@ def add_lora(model, args: SftFlags):
     return peft.get_peft_model(model, config)
 
 
-def build_model(args: SftFlags, model_name: str, mixed_precision: str):
+def build_model(args: SftFlags, model_name: str, mixed_precision: str, meta: bool = False):
     """The model to train: the whole of it, or (--lora_r) frozen with a LoRA adapter; gradient checkpointing and
-    packing set up as the flags ask."""
+    packing set up as the flags ask. `meta`: the architecture alone, on the meta device (--plan_only)."""
     # A LoRA run keeps the frozen base in bf16 when it trains in bf16 (half the memory); full fine-tunes keep fp32
     # master weights and let autocast compute in bf16.
     dtype = torch.bfloat16 if args.lora_r and mixed_precision == "bf16" else torch.float32
-    model = load_base_model(model_name, dtype, args.attn_implementation)
+    model = meta_model(model_name, dtype) if meta else load_base_model(model_name, dtype, args.attn_implementation)
     model.config.use_cache = False  # no cache in training; packed rows also need none to keep examples apart
     if args.packing:
         check_packing(model)
@@ -621,6 +633,7 @@ def train(args: SftFlags) -> None:
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
     model = build_model(args, model_name, accelerator.mixed_precision)
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
+    plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only
     always_build_attention_masks()  # no host read of the padding in each forward pass
@@ -743,7 +756,7 @@ def train(args: SftFlags) -> None:
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
-    results.update(token_rates(results, tokenized["train"]))
+    results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -802,13 +815,28 @@ def evaluate_saved_model(args: SftFlags) -> None:
         print(f"{write_results(output, results).name} saved in {output}")
 
 
+# ------------------------------------------------------------------------------------------------------------ plan
+def plan_only(args: SftFlags) -> None:
+    """--plan_only: the memory plan of the run these flags describe, on its launch (or the one --plan_* assume),
+    from the model's config alone; nothing is loaded, trained or written."""
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
+    model = build_model(args, args.model or DEFAULT_MODEL, accelerator.mixed_precision, meta=True)
+    print_plan(accelerator, args, model, per_process)
+    accelerator.end_training()
+
+
 # ----------------------------------------------------------------------------------------------------------- main
 def main(args: SftFlags) -> None:
     """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
-    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge))) > 1:
-        raise RecipeError("give one of --predict, --eval_only, --chat and --merge")
+    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge, args.plan_only))) > 1:
+        raise RecipeError("give one of --predict, --eval_only, --chat, --merge and --plan_only")
     if args.predict is not None:
         return predict(args)
     if args.chat:
@@ -817,6 +845,8 @@ def main(args: SftFlags) -> None:
         return merge(args)
     if args.eval_only:
         return evaluate_saved_model(args)
+    if args.plan_only:
+        return plan_only(args)
     return train(args)
 
 
