@@ -353,12 +353,26 @@ def load_fine_tuned(model_dir: str, dtype=torch.float32):
     return peft.PeftModel.from_pretrained(base, model_dir), tokenizer
 
 
+def share_tied_weights(state_dict: dict, model) -> None:
+    """Point the names of one tied weight (a tied lm_head and input embeddings) at one tensor of `state_dict`.
+
+    save_pretrained writes a tied weight once only when its names share storage; FSDP2's gathered state dict holds a
+    copy per name, which would write the output head again (the size of the embeddings)."""
+    first = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name and name in state_dict and kept in state_dict:
+            state_dict[name] = state_dict[kept]
+
+
 def save_model(accelerator, model, tokenizer, folder) -> None:
     """The adapter (LoRA) or the whole model, as from_pretrained / peft and --predict read it, with the tokenizer.
     Collective: every process calls it."""
     # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
     state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
-    accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    share_tied_weights(state_dict, unwrapped)
+    unwrapped.save_pretrained(
         folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
     if accelerator.is_main_process:
