@@ -176,3 +176,14 @@ def test_eval_generate_is_refused_at_start_when_the_model_is_sharded(data):
     proc, out = launch(data, "generate", "fsdp.yaml", *LORA, "--eval_generate", "2", ok=False)
     stopped_with(proc, out, "--eval_generate needs the whole model in each process, and this run shards it (FSDP)")
     assert "train:" not in proc.output  # stopped before any training
+
+
+def test_fsdp_lora_trains_in_bf16_with_a_bf16_frozen_base_and_an_fp32_adapter(data):
+    # A LoRA run in bf16 loads its frozen base in bf16 and peft keeps the adapter in fp32: the mix of dtypes (and of
+    # frozen and trainable weights) that FSDP1's flat parameters refuse within one unit; FSDP2 shards each on its own.
+    proc, out = launch(data, "fsdp-lora-bf16", "fsdp.yaml", *LORA, "--mixed_precision", "bf16")
+    assert "FSDP, device cpu:0, mixed precision bf16" in proc.output
+    steps = losses(out)
+    assert sorted(steps) == list(range(1, 9)) and steps[8] < steps[1] - 0.1, steps
+    saved = adapter(out)
+    assert len(saved) == 28 and {t.dtype for t in saved.values()} == {torch.float32}
