@@ -371,9 +371,20 @@ def share_tied_weights(state_dict: dict | None, model) -> None:
 def save_model(accelerator, model, tokenizer, folder) -> None:
     """The adapter (LoRA) or the whole model, as from_pretrained / peft and --predict read it, with the tokenizer.
     Collective: every process calls it."""
-    # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
-    state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if accelerator.distributed_type == DistributedType.FSDP and isinstance(unwrapped, peft.PeftModel):
+        # FSDP2: gather the adapter's shards only (all ranks, in the same order), not the whole frozen base, which
+        # get_state_dict would copy to the main process' RAM to keep a few MB of it.
+        from torch.distributed.tensor import DTensor
+
+        state_dict = {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu()
+            for name, param in unwrapped.named_parameters()
+            if param.requires_grad
+        }
+    else:
+        # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
+        state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
     share_tied_weights(state_dict, unwrapped)
     unwrapped.save_pretrained(
         folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
