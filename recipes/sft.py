@@ -365,12 +365,40 @@ def load_fine_tuned(model_dir: str, dtype=torch.float32):
     return peft.PeftModel.from_pretrained(base, model_dir), tokenizer
 
 
+def share_tied_weights(state_dict: dict | None, model) -> None:
+    """Point the names of one tied weight (a tied lm_head and input embeddings) at one tensor of `state_dict`.
+
+    save_pretrained writes a tied weight once only when its names share storage; FSDP2's gathered state dict holds a
+    copy per name, which would write the output head again (the size of the embeddings). ZeRO-3 gives None off the
+    main process: nothing to do there."""
+    if not state_dict:
+        return
+    first = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name and name in state_dict and kept in state_dict:
+            state_dict[name] = state_dict[kept]
+
+
 def save_model(accelerator, model, tokenizer, folder) -> None:
     """The adapter (LoRA) or the whole model, as from_pretrained / peft and --predict read it, with the tokenizer.
     Collective: every process calls it."""
-    # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
-    state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
-    accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if accelerator.distributed_type == DistributedType.FSDP and isinstance(unwrapped, peft.PeftModel):
+        # FSDP2: gather the adapter's shards only (all ranks, in the same order), not the whole frozen base, which
+        # get_state_dict would copy to the main process' RAM to keep a few MB of it.
+        from torch.distributed.tensor import DTensor
+
+        state_dict = {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu()
+            for name, param in unwrapped.named_parameters()
+            if param.requires_grad
+        }
+    else:
+        # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
+        state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
+    share_tied_weights(state_dict, unwrapped)
+    unwrapped.save_pretrained(
         folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
     if accelerator.is_main_process:
@@ -405,6 +433,17 @@ def evaluate(model, loader, accelerator) -> dict:
     }
 
 
+def check_generation(accelerator, eval_generate: int) -> None:
+    """At start-up, not after the first epoch: --eval_generate decodes with the whole model in each process, which
+    FSDP and DeepSpeed ZeRO-3 split across them."""
+    if eval_generate and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise RecipeError(
+            "--eval_generate needs the whole model in each process, and this run shards it "
+            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model with --eval_only "
+            "--eval_generate N in one process instead"
+        )
+
+
 @torch.no_grad()
 def generate_answers(model, tokenizer, conversations, accelerator, max_new_tokens: int, batch_size: int):
     """Greedy answers to the given validation conversations' last prompts, compared with their references:
@@ -412,11 +451,6 @@ def generate_answers(model, tokenizer, conversations, accelerator, max_new_token
 
     Each process answers its share (accelerate's split_between_processes); the answers are gathered in order.
     """
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise RecipeError(
-            "--eval_generate needs the whole model in each process; with FSDP or DeepSpeed, evaluate the saved model "
-            "with --eval_only --eval_generate N in one process instead"
-        )
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()
     pairs = [generation_prompt(messages) for messages in conversations]
@@ -622,6 +656,7 @@ def train(args: SftFlags) -> None:
     per_process = check_launch(
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
+    check_generation(accelerator, args.eval_generate)
     world = accelerator.num_processes
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -778,6 +813,7 @@ def evaluate_saved_model(args: SftFlags) -> None:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
+    check_generation(accelerator, args.eval_generate)
     set_seed(args.seed)
     prepare_output_dir(output)
 

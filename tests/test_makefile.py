@@ -105,6 +105,15 @@ def test_sharded_targets_pick_their_config_and_gpu_count():
     assert "--config_file accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line
     line = launch_line(make("-n", "text-deepspeed"))
     assert "accelerate_configs/deepspeed.yaml" in line and "--num_processes" not in line
+    line = launch_line(make("-n", "sft-fsdp", "GPUS=4", "ARGS=--train_file chats.jsonl --lora_r 16"))
+    assert "--config_file accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line
+    assert line.rstrip().endswith("recipes/sft.py --train_file chats.jsonl --lora_r 16")
+    proc = make("-n", "sft-deepspeed", "GPU_IDS=0,1", "ARGS=--train_file chats.jsonl")
+    line = launch_line(proc)
+    assert "--config_file accelerate_configs/deepspeed.yaml" in line and "--num_processes 2" in line
+    assert line.rstrip().endswith("recipes/sft.py --train_file chats.jsonl")
+    out = make("help").stdout
+    assert "  sft-fsdp " in out and "  sft-deepspeed " in out
 
 
 def test_help_lists_every_text_target():

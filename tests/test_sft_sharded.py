@@ -1,0 +1,189 @@
+"""The chat recipe sharded for real on 2 CPU processes over gloo: FSDP2 (fsdp.yaml) and DeepSpeed ZeRO-3
+(deepspeed.yaml), LoRA and full fine-tunes with gradient checkpointing, against DDP (cpu.yaml) with the same flags."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    ACCELERATE,
+    CONFIGS,
+    PYTHON,
+    SFT_SCRIPT,
+    check,
+    free_port,
+    losses,
+    read_results,
+    recipe_env,
+    run,
+    sft_files,
+    stopped_with,
+)
+from safetensors.torch import load_file
+
+# 96 conversations, global batch 8 = 2 processes x 2 per process x 2 accumulation steps: 12 steps per epoch, 8 run,
+# a checkpoint every 4 (step 4 is mid-epoch). --max_grad_norm 0.1 clips (1.0 would not, on this task), so the runs
+# agree only if every backend clips the same global norm of its sharded gradients.
+FLAGS = ["--batch_size", "8", "--gradient_accumulation_steps", "2", "--lr", "1e-2", "--max_grad_norm", "0.1"]
+FLAGS += ["--max_length", "128", "--max_steps", "8", "--checkpoint_every", "4", "--keep_checkpoints", "3"]
+FLAGS += ["--log_every", "1", "--tracker", "none", "--num_workers", "0", "--gradient_checkpointing"]
+LORA = ["--lora_r", "8", "--lora_dropout", "0"]  # dropout masks are drawn per process: none, to compare runs
+# Same fp32 arithmetic on the same micro-batches; only where the gradient sums happen differs (all-reduce vs
+# reduce-scatter). Measured max difference over the 8 steps: 0 for LoRA (FSDP2 and ZeRO-3), 4.8e-7 (FSDP2) and
+# 9.5e-7 (ZeRO-3) for the full fine-tune. A wrong batch, a missed accumulation step or another clipping moves the
+# loss by > 5e-3.
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data(tiny_chat_model, sft_data, tmp_path_factory):
+    return dict(files=sft_files(tiny_chat_model, sft_data), root=tmp_path_factory.mktemp("sft-sharded"))
+
+
+def launch(data, name, config, *extra, ok=True):
+    """sft.py under `accelerate launch` with 2 CPU processes, as `make sft-fsdp` would start it on a CPU box."""
+    out = data["root"] / name
+    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
+    env = recipe_env(
+        data["root"], ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions"
+    )
+    proc = run(
+        [
+            ACCELERATE,
+            "launch",
+            "--config_file",
+            CONFIGS / config,
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+            "--num_cpu_threads_per_process",
+            "1",
+            "--main_process_port",
+            free_port(),
+            SFT_SCRIPT,
+            *data["files"],
+            *FLAGS,
+            "--output_dir",
+            out,
+            *extra,
+        ],
+        env,
+        timeout=300,
+    )
+    return (check(proc) if ok else proc), out
+
+
+@pytest.fixture(scope="module")
+def ddp_lora(data):
+    return launch(data, "ddp-lora", "cpu.yaml", *LORA)[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp_lora(data):
+    return launch(data, "fsdp-lora", "fsdp.yaml", *LORA)[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_full(data):
+    return launch(data, "ddp-full", "cpu.yaml")[1]
+
+
+def assert_same_losses(run_dir, reference, tolerance=TOLERANCE):
+    ours, theirs = losses(run_dir), losses(reference)
+    assert ours and set(ours) <= set(theirs)
+    worst = max(abs(ours[s] - theirs[s]) for s in ours)
+    assert worst <= tolerance, (worst, ours, theirs)
+
+
+def assert_same_weights(ours, theirs, tolerance=0.0):
+    assert sorted(ours) == sorted(theirs)
+    worst = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    assert worst <= tolerance, worst
+
+
+def adapter(run_dir):
+    return load_file(run_dir / "adapter_model.safetensors")
+
+
+def test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter(fsdp_lora, ddp_lora):
+    results = read_results(fsdp_lora)
+    assert results["distributed_type"] == "FSDP" and results["world_size"] == 2 and results["steps"] == 8
+    assert results["method"] == "lora" and results["per_process_batch_size"] == 2
+    assert_same_losses(fsdp_lora, ddp_lora)
+    steps = losses(fsdp_lora)
+    assert steps[8] < steps[1] - 0.1, steps
+    # SHARDED_STATE_DICT: each rank wrote its own shard of the weights and of the optimizer state.
+    checkpoint = fsdp_lora / "checkpoints" / "step_00000004"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # The adapter gathered from both ranks: every LoRA matrix of the 7 linear layers x 2 blocks, whole, and bit for
+    # bit what DDP trained (measured: no difference at all).
+    saved = adapter(fsdp_lora)
+    assert len(saved) == 28 and all("lora_" in k for k in saved)
+    assert saved["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (8, 64)
+    assert_same_weights(saved, adapter(ddp_lora))
+    assert_same_weights(adapter(fsdp_lora / "model_best"), adapter(ddp_lora / "model_best"))
+
+
+def test_the_fsdp_adapter_answers_in_one_process(data, fsdp_lora):
+    env = recipe_env(data["root"])
+    proc = check(run([PYTHON, SFT_SCRIPT, "--predict", "What colour is the sky?", "--model", fsdp_lora], env))
+    assert '"prompt": "What colour is the sky?"' in proc.stdout
+
+
+def test_fsdp_lora_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp_lora):
+    proc, resumed = launch(
+        data, "fsdp-lora-resumed", "fsdp.yaml", *LORA, "--resume", fsdp_lora / "checkpoints" / "step_00000004"
+    )
+    assert "resumed from" in proc.output and "step 4 of 8" in proc.output
+    assert read_results(resumed)["distributed_type"] == "FSDP"
+    assert sorted(losses(resumed)) == [5, 6, 7, 8]
+    # Same adapter weights, optimizer moments, schedule and data position: the continuation is the same run.
+    assert_same_losses(resumed, fsdp_lora, tolerance=0.0)
+    assert_same_weights(adapter(resumed), adapter(fsdp_lora))
+
+
+def test_fsdp_full_fine_tune_trains_like_ddp(data, ddp_full):
+    _, out = launch(data, "fsdp-full", "fsdp.yaml")
+    results = read_results(out)
+    assert results["distributed_type"] == "FSDP" and results["method"] == "full" and results["steps"] == 8
+    assert_same_losses(out, ddp_full)
+    # The whole model, with the tied output head written once as DDP writes it; measured max difference 1.2e-7.
+    assert_same_weights(load_file(out / "model.safetensors"), load_file(ddp_full / "model.safetensors"), 1e-6)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_deepspeed_zero3_trains_like_ddp(method, request, data):
+    lora = method == "lora"
+    reference = request.getfixturevalue("ddp_lora" if lora else "ddp_full")
+    _, out = launch(data, f"zero3-{method}", "deepspeed.yaml", *(LORA if lora else []))
+    results = read_results(out)
+    assert results["distributed_type"] == "DEEPSPEED" and results["gradient_accumulation_steps"] == 2
+    states = sorted((out / "checkpoints" / "step_00000004" / "pytorch_model").glob("*mp_rank_00_model_states.pt"))
+    assert [p.name.split("_mp_")[0] for p in states] == ["zero_pp_rank_0", "zero_pp_rank_1"]  # one shard per rank
+    engine = torch.load(states[0], map_location="cpu", weights_only=False)["ds_config"]
+    assert engine["zero_optimization"]["stage"] == 3 and engine["gradient_clipping"] == 0.1
+    assert_same_losses(out, reference)
+    # DeepSpeed's own Adam step; measured max difference from DDP's weights: 1.6e-7 (adapter), 5.3e-6 (full model).
+    if lora:
+        assert_same_weights(adapter(out), adapter(reference), 1e-5)
+    else:
+        assert_same_weights(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"), 1e-4)
+
+
+def test_eval_generate_is_refused_at_start_when_the_model_is_sharded(data):
+    proc, out = launch(data, "generate", "fsdp.yaml", *LORA, "--eval_generate", "2", ok=False)
+    stopped_with(proc, out, "--eval_generate needs the whole model in each process, and this run shards it (FSDP)")
+    assert "train:" not in proc.output  # stopped before any training
+
+
+def test_fsdp_lora_trains_in_bf16_with_a_bf16_frozen_base_and_an_fp32_adapter(data):
+    # A LoRA run in bf16 loads its frozen base in bf16 and peft keeps the adapter in fp32: the mix of dtypes (and of
+    # frozen and trainable weights) that FSDP1's flat parameters refuse within one unit; FSDP2 shards each on its own.
+    proc, out = launch(data, "fsdp-lora-bf16", "fsdp.yaml", *LORA, "--mixed_precision", "bf16")
+    assert "FSDP, device cpu:0, mixed precision bf16" in proc.output
+    steps = losses(out)
+    assert sorted(steps) == list(range(1, 9)) and steps[8] < steps[1] - 0.1, steps
+    saved = adapter(out)
+    assert len(saved) == 28 and {t.dtype for t in saved.values()} == {torch.float32}
