@@ -208,13 +208,15 @@ def test_the_plan_accounts_for_the_memory_training_adds(plan_runs, runtime_mb, p
     """On the CPU the measured peak is the process's max RSS, most of it the runtime, so the plan (~420 MB on 1
     process in full, ~350 MB on each of 2 DDP processes with checkpointing) is compared with the peak less the runtime.
 
-    They agree within a factor of 1.5 (and the plan must not overstate by more than 1.25): RSS also holds what the plan
-    leaves out, AdamW's temporaries at the optimizer step (a parameter-sized buffer: where checkpointing leaves few
-    activations, the peak moves there) and the memory-mapped weights file, and misses activations freed before the
-    peak. Measured: 1.09-1.13x the plan on 1 process, 1.25-1.26x on 2 processes with checkpointing (1.04-1.09x
-    without).
+    The measured part must stay within 1.5x the plan: RSS also holds what the plan leaves out, AdamW's temporaries at
+    the optimizer step (a parameter-sized buffer: where checkpointing leaves few activations, the peak moves there) and
+    the memory-mapped weights file. Measured on a quiet machine: 1.09-1.13x the plan on 1 process, 1.25-1.26x on 2
+    processes with checkpointing (1.04-1.09x without). Only this upper bound is asserted: under memory pressure (the
+    full suite on 2 workers) the kernel evicts mapped pages from the resident set, and the same run measured 147 MB
+    against its plan of 420 there. A low RSS says nothing; one above 1.5x the plan would mean the plan misses what
+    training holds.
     """
     larger = trained(plan_runs, "larger", processes)
     planned, measured = larger["memory_plan_mb"]["total"], larger["peak_memory_mb"] - runtime_mb
     assert planned > 300
-    assert planned / 1.25 <= measured <= planned * 1.5, (planned, measured)
+    assert measured <= planned * 1.5, (planned, measured)
