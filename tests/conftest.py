@@ -344,6 +344,18 @@ def launch_audited_copy(folder: Path, env: dict, script: str, *args, timeout=600
     return check(run(cmd, env, timeout=timeout, cwd=folder))
 
 
+def sharded_launch(root: Path, name: str, config: str, script: Path, *args, launcher=(), ok=True):
+    """`script` under `accelerate launch` with `config` (cpu.yaml, fsdp.yaml, deepspeed.yaml) on 2 CPU processes in
+    fp32, as `make text-fsdp` / `make sft-fsdp` start it on a CPU box; output in root/name. Returns (proc, out)."""
+    out = root / name
+    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
+    env = recipe_env(root, ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    cmd = [ACCELERATE, "launch", "--config_file", CONFIGS / config, "--num_processes", "2", "--mixed_precision", "no"]
+    cmd += ["--num_cpu_threads_per_process", "1", "--main_process_port", free_port(), *launcher, script, *args]
+    proc = run([*cmd, "--output_dir", out], env, timeout=300)
+    return (check(proc) if ok else proc), out
+
+
 def two_process_template_run(tmp_path_factory, recipe: str, *args) -> SimpleNamespace:
     """The recipe copied into an empty project folder, run there on 2 gloo processes under the host-read audit."""
     tmp = tmp_path_factory.mktemp(f"two-{recipe.split('.')[0]}")

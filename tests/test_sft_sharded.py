@@ -1,22 +1,18 @@
 """The chat recipe sharded for real on 2 CPU processes over gloo: FSDP2 (fsdp.yaml) and DeepSpeed ZeRO-3
 (deepspeed.yaml), LoRA and full fine-tunes with gradient checkpointing, against DDP (cpu.yaml) with the same flags."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import (
-    ACCELERATE,
-    CONFIGS,
     PYTHON,
     SFT_SCRIPT,
     check,
-    free_port,
     losses,
     read_results,
     recipe_env,
     run,
     sft_files,
+    sharded_launch,
     stopped_with,
 )
 from safetensors.torch import load_file
@@ -41,37 +37,8 @@ def data(tiny_chat_model, sft_data, tmp_path_factory):
 
 
 def launch(data, name, config, *extra, ok=True):
-    """sft.py under `accelerate launch` with 2 CPU processes, as `make sft-fsdp` would start it on a CPU box."""
-    out = data["root"] / name
-    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(
-        data["root"], ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions"
-    )
-    proc = run(
-        [
-            ACCELERATE,
-            "launch",
-            "--config_file",
-            CONFIGS / config,
-            "--num_processes",
-            "2",
-            "--mixed_precision",
-            "no",
-            "--num_cpu_threads_per_process",
-            "1",
-            "--main_process_port",
-            free_port(),
-            SFT_SCRIPT,
-            *data["files"],
-            *FLAGS,
-            "--output_dir",
-            out,
-            *extra,
-        ],
-        env,
-        timeout=300,
-    )
-    return (check(proc) if ok else proc), out
+    """sft.py with the data's files and FLAGS, on 2 CPU processes under `config`, as `make sft-fsdp` starts it."""
+    return sharded_launch(data["root"], name, config, SFT_SCRIPT, *data["files"], *FLAGS, *extra, ok=ok)
 
 
 @pytest.fixture(scope="module")

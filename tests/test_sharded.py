@@ -1,20 +1,13 @@
 """FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 run the text recipe for real on 2 CPU processes over gloo, launched with the
 shipped fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains with the same flags."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import (
-    ACCELERATE,
-    CONFIGS,
     TEXT_SCRIPT,
-    check,
-    free_port,
     losses,
     read_results,
-    recipe_env,
-    run,
+    sharded_launch,
     stopped_with,
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -57,43 +50,9 @@ def data(text_data, tmp_path_factory):
 
 
 def launch(data, name, config, *extra, launcher=(), ok=True):
-    """The recipe under `accelerate launch` with 2 CPU processes, as `make text-fsdp` would start it on a CPU box."""
-    out = data["root"] / name
-    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(
-        data["root"], ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions"
-    )
-    proc = run(
-        [
-            ACCELERATE,
-            "launch",
-            "--config_file",
-            CONFIGS / config,
-            "--num_processes",
-            "2",
-            "--mixed_precision",
-            "no",
-            "--num_cpu_threads_per_process",
-            "1",
-            "--main_process_port",
-            free_port(),
-            *launcher,
-            TEXT_SCRIPT,
-            "--model",
-            data["model"],
-            "--train_file",
-            data["train"],
-            "--validation_file",
-            data["validation"],
-            *FLAGS,
-            "--output_dir",
-            out,
-            *extra,
-        ],
-        env,
-        timeout=300,
-    )
-    return (check(proc) if ok else proc), out
+    """The text recipe with the data's files and FLAGS, on 2 CPU processes under `config`."""
+    files = ["--model", data["model"], "--train_file", data["train"], "--validation_file", data["validation"]]
+    return sharded_launch(data["root"], name, config, TEXT_SCRIPT, *files, *FLAGS, *extra, launcher=launcher, ok=ok)
 
 
 @pytest.fixture(scope="module")
