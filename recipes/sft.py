@@ -45,6 +45,8 @@ from accelerate.utils import (
     set_seed,
 )
 from sft_data import (
+    FILE_SUFFIXES,
+    as_conversations,
     check_chat_template,
     check_packing,
     collator,
@@ -52,7 +54,7 @@ from sft_data import (
     exact_match,
     generation_prompt,
     load_conversations,
-    to_messages,
+    load_file,
     tokenize_splits,
 )
 from sft_plan import meta_model, print_plan
@@ -508,10 +510,9 @@ def read_prompts(source) -> list[list[dict]]:
     prompts = []
     for item in map(str, source if isinstance(source, (list, tuple)) else [source]):
         path = Path(item).expanduser()
-        if path.suffix.lower() in (".json", ".jsonl") and path.is_file():
-            rows = datasets.load_dataset("json", data_files=str(path), split="train")
-            for row in rows:
-                messages = to_messages(row)
+        if path.suffix.lower() in FILE_SUFFIXES and path.is_file():
+            rows = as_conversations(load_file(path, "predict", None, flag="--predict"), f"--predict {path}")
+            for messages in rows["messages"]:
                 prompts.append(generation_prompt(messages)[0] if messages[-1]["role"] == "assistant" else messages)
         elif path.suffix.lower() == ".txt" and path.is_file():
             prompts += [[{"role": "user", "content": line}] for line in path.read_text().splitlines() if line.strip()]

@@ -101,10 +101,11 @@ def to_messages(example: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def load_file(path, split: str, cache_dir: str | None) -> datasets.Dataset:
-    """One .json (a list of objects) or .jsonl (one object per line) file through the `datasets` JSON loader."""
+def load_file(path, split: str, cache_dir: str | None, flag: str | None = None) -> datasets.Dataset:
+    """One .json (a list of objects) or .jsonl (one object per line) file through the `datasets` JSON loader; errors
+    name `flag` (default --<split>_file)."""
     file = Path(path).expanduser()
-    flag = f"--{split}_file"
+    flag = flag or f"--{split}_file"
     if file.suffix.lower() not in FILE_SUFFIXES:
         raise RecipeError(f"{flag} {path}: unknown format {file.suffix!r}; give a .json or .jsonl file of chats")
     if not file.is_file():

@@ -22,7 +22,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from accelerate_recipes import RecipeError
+from accelerate_recipes import RecipeError, first_line
 from accelerate_recipes.launch import per_process_batch_size
 
 MB = 2**20
@@ -228,7 +228,7 @@ def meta_model(name: str, dtype):
         else:
             config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:
-        raise RecipeError(f"could not read the config of --model {name!r}: {str(err).splitlines()[0]}") from None
+        raise RecipeError(f"could not read the config of --model {name!r}: {first_line(err)}") from None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
