@@ -1,12 +1,17 @@
 """The chat recipe sharded for real on 2 CPU processes over gloo: FSDP2 (fsdp.yaml) and DeepSpeed ZeRO-3
-(deepspeed.yaml), LoRA and full fine-tunes with gradient checkpointing, against DDP (cpu.yaml) with the same flags."""
+(deepspeed.yaml), LoRA and full fine-tunes with gradient checkpointing, against DDP (cpu.yaml) with the same flags.
+The FSDP2 LoRA run spans two "nodes" on 127.0.0.1, as fsdp.yaml is used across machines."""
+
+import json
 
 import pytest
 import torch
 from conftest import (
+    CONFIGS,
     PYTHON,
     SFT_SCRIPT,
     check,
+    free_port,
     losses,
     read_results,
     recipe_env,
@@ -16,6 +21,7 @@ from conftest import (
     stopped_with,
 )
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # 96 conversations, global batch 8 = 2 processes x 2 per process x 2 accumulation steps: 12 steps per epoch, 8 run,
 # a checkpoint every 4 (step 4 is mid-epoch). --max_grad_norm 0.1 clips (1.0 would not, on this task), so the runs
@@ -48,7 +54,17 @@ def ddp_lora(data):
 
 @pytest.fixture(scope="module")
 def fsdp_lora(data):
-    return launch(data, "fsdp-lora", "fsdp.yaml", *LORA)[1]
+    """FSDP2 over two "nodes" of one process each on 127.0.0.1: the hostfile launcher starts fsdp.yaml on each with
+    --num_machines 2, its machine rank and the main node's address, as on two servers."""
+    hosts = data["root"] / "hosts.txt"
+    hosts.write_text("localhost slots=1\nlocalhost slots=1\n")
+    out = data["root"] / "fsdp-lora"
+    launcher = [PYTHON, "-m", "recipe_tools.multinode", "--hostfile", hosts, "--config_file", CONFIGS / "fsdp.yaml"]
+    launcher += ["--main_process_port", free_port(), "--launch_args", "--num_cpu_threads_per_process 1 --mixed_precision no"]
+    args = [*data["files"], *FLAGS, *LORA, "--output_dir", out]
+    proc = check(run([*launcher, SFT_SCRIPT, *args], recipe_env(data["root"], ACCELERATE_USE_CPU="true")))
+    assert "all 2 node(s) finished" in proc.stdout
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +92,7 @@ def adapter(run_dir):
 def test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter(fsdp_lora, ddp_lora):
     results = read_results(fsdp_lora)
     assert results["distributed_type"] == "FSDP" and results["world_size"] == 2 and results["steps"] == 8
-    assert results["method"] == "lora" and results["per_process_batch_size"] == 2
+    assert results["num_machines"] == 2 and results["method"] == "lora" and results["per_process_batch_size"] == 2
     assert_same_losses(fsdp_lora, ddp_lora)
     steps = losses(fsdp_lora)
     assert steps[8] < steps[1] - 0.1, steps
@@ -93,10 +109,25 @@ def test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter(fsdp_lora,
     assert_same_weights(adapter(fsdp_lora / "model_best"), adapter(ddp_lora / "model_best"))
 
 
-def test_the_fsdp_adapter_answers_in_one_process(data, fsdp_lora):
+def test_the_fsdp_adapter_and_its_merged_model_answer_alike_in_one_process(data, fsdp_lora):
+    """The adapter gathered from two nodes' shards answers in one process; merged into its base it is a plain model that
+    transformers loads and that answers the same, greedy token for token."""
     env = recipe_env(data["root"])
-    proc = check(run([PYTHON, SFT_SCRIPT, "--predict", "What colour is the sky?", "--model", fsdp_lora], env))
-    assert '"prompt": "What colour is the sky?"' in proc.stdout
+    prompts = ["What colour is the sky?", "Is 'a dull, tedious film' fresh or rotten?"]
+    asked = [PYTHON, SFT_SCRIPT, "--max_new_tokens", "6", "--predict", prompts[0], "--predict", prompts[1]]
+    answers = [json.loads(line) for line in check(run([*asked, "--model", fsdp_lora], env)).stdout.splitlines()]
+    assert [row["prompt"] for row in answers] == prompts
+    merged = data["root"] / "fsdp-lora-merged"
+    check(run([PYTHON, SFT_SCRIPT, "--merge", merged, "--model", fsdp_lora], env))
+    assert not (merged / "adapter_config.json").exists()
+    assert [json.loads(line) for line in check(run([*asked, "--model", merged], env)).stdout.splitlines()] == answers
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    chat = [{"role": "user", "content": prompts[0]}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :]
+    assert tokenizer.decode(generated, skip_special_tokens=True).strip() == answers[0]["answer"].strip()
 
 
 def test_fsdp_lora_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp_lora):
