@@ -38,6 +38,11 @@ SHARDED = {
 STRATEGIES = tuple(SHARDED)
 
 
+def numel(parameter) -> int:
+    """Elements of a parameter, whole: DeepSpeed ZeRO-3 may have partitioned it at load, leaving it empty."""
+    return getattr(parameter, "ds_numel", None) or parameter.numel()
+
+
 @dataclass(frozen=True)
 class ModelSize:
     """What the plan needs of a model, read from the model object (real or on the meta device)."""
@@ -69,10 +74,10 @@ class ModelSize:
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
         is_lora = any("lora_" in name for name, _ in model.named_parameters())
         return cls(
-            parameters=sum(p.numel() for p in params),
-            trainable=sum(p.numel() for p in trainable),
+            parameters=sum(numel(p) for p in params),
+            trainable=sum(numel(p) for p in trainable),
             trainable_bytes=trainable[0].element_size() if trainable else 4,
-            frozen_bytes=sum(p.numel() * p.element_size() for p in params if not p.requires_grad),
+            frozen_bytes=sum(numel(p) * p.element_size() for p in params if not p.requires_grad),
             residual_bytes=model.get_input_embeddings().weight.element_size(),
             hidden=config.hidden_size,
             # configs without the name (GPT-2's n_inner, often None) mean the classic 4 x hidden
@@ -81,7 +86,7 @@ class ModelSize:
             kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
             layers=config.num_hidden_layers,
             vocab=config.vocab_size,
-            block_bytes=max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks), default=0),
+            block_bytes=max((sum(numel(p) * p.element_size() for p in b.parameters()) for b in blocks), default=0),
             # LoRA adds r x (in + out) parameters to a linear layer (its A and B matrices)
             lora_per_rank=0 if is_lora else sum(m.in_features + m.out_features for m in linears),
         )

@@ -3,12 +3,15 @@
 The FSDP2 LoRA run spans two "nodes" on 127.0.0.1, as fsdp.yaml is used across machines."""
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import (
     CONFIGS,
     PYTHON,
+    REPO,
     SFT_SCRIPT,
     check,
     free_port,
@@ -35,6 +38,7 @@ LORA = ["--lora_r", "8", "--lora_dropout", "0"]  # dropout masks are drawn per p
 # 9.5e-7 (ZeRO-3) for the full fine-tune. A wrong batch, a missed accumulation step or another clipping moves the
 # loss by > 5e-3.
 TOLERANCE = 1e-5
+SHARDING = REPO / "benchmarks" / "sharding.py"
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +72,16 @@ def fsdp_lora(data):
 
 
 @pytest.fixture(scope="module")
-def ddp_full(data):
-    return launch(data, "ddp-full", "cpu.yaml")[1]
+def lesson(data):
+    """The full fine-tunes under DDP, FSDP2 and ZeRO-3, run by the concepts guide's command (benchmarks/sharding.py)
+    with the model, data and FLAGS of these tests; its report reads their results."""
+    out = data["root"] / "lesson"
+    model, *files = data["files"][1::2]  # --model M --train_file T --validation_file V
+    command = [PYTHON, SHARDING, "run", "--model", model, "--train_file", files[0], "--validation_file", files[1]]
+    command += [f"--sft_args={' '.join(FLAGS)}", "--output_dir", out]
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    proc = check(run(command, env, timeout=600))
+    return SimpleNamespace(out=out, proc=proc, rows=json.loads((out / "sharding.json").read_text()))
 
 
 def assert_same_losses(run_dir, reference, tolerance=TOLERANCE):
@@ -142,8 +154,8 @@ def test_fsdp_lora_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp_lora):
     assert_same_weights(adapter(resumed), adapter(fsdp_lora))
 
 
-def test_fsdp_full_fine_tune_trains_like_ddp(data, ddp_full):
-    _, out = launch(data, "fsdp-full", "fsdp.yaml")
+def test_fsdp_full_fine_tune_trains_like_ddp(lesson):
+    out, ddp_full = lesson.out / "fsdp", lesson.out / "ddp"
     results = read_results(out)
     assert results["distributed_type"] == "FSDP" and results["method"] == "full" and results["steps"] == 8
     assert_same_losses(out, ddp_full)
@@ -151,11 +163,37 @@ def test_fsdp_full_fine_tune_trains_like_ddp(data, ddp_full):
     assert_same_weights(load_file(out / "model.safetensors"), load_file(ddp_full / "model.safetensors"), 1e-6)
 
 
+def test_the_lesson_reports_what_each_strategy_plans_and_uses_per_process(lesson):
+    """The concepts guide's table: per strategy the planned memory per process and the measured peak. Sharding over 2
+    processes halves the weights (the norms FSDP2 keeps whole aside) and the AdamW states per process, and leaves half
+    the gradients where DDP holds them twice (its all-reduce buckets); the peak is the host's resident memory here, so
+    only its presence and order of size are checked."""
+    rows = {row["strategy"]: row for row in lesson.rows}
+    assert list(rows) == ["DDP", "FSDP2", "ZeRO-3"] and {r["processes"] for r in rows.values()} == {2}
+    whole = rows["DDP"]["plan_mb"]
+    for name in ("FSDP2", "ZeRO-3"):
+        plan = rows[name]["plan_mb"]
+        assert plan["optimizer"] == pytest.approx(whole["optimizer"] / 2, rel=1e-6), (name, plan, whole)
+        assert plan["gradients"] == pytest.approx(whole["gradients"] / 4, rel=1e-6), (name, plan, whole)
+        assert whole["weights"] / 2 <= plan["weights"] < whole["weights"] and plan["total"] < whole["total"]
+        assert plan["activations"] == whole["activations"]
+    for row in rows.values():
+        assert row["peak_memory_kind"] == "host_max_rss" and 200 < row["peak_memory_mb"] < 8000, row
+        assert row["median_step_seconds"] > 0 and row["eval_loss"] == pytest.approx(rows["DDP"]["eval_loss"], abs=1e-4)
+    table = (lesson.out / "sharding.md").read_text()
+    assert table.startswith("| strategy | processes | weights MB") and table.count("\n| ") == 3  # a row per strategy
+    assert "== ZeRO-3 on 2 process(es)" in lesson.proc.stdout and "| FSDP2 | 2 |" in lesson.proc.stdout
+
+
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_deepspeed_zero3_trains_like_ddp(method, request, data):
     lora = method == "lora"
-    reference = request.getfixturevalue("ddp_lora" if lora else "ddp_full")
-    _, out = launch(data, f"zero3-{method}", "deepspeed.yaml", *(LORA if lora else []))
+    if lora:
+        reference = request.getfixturevalue("ddp_lora")
+        _, out = launch(data, "zero3-lora", "deepspeed.yaml", *LORA)
+    else:
+        lesson = request.getfixturevalue("lesson")
+        reference, out = lesson.out / "ddp", lesson.out / "zero3"
     results = read_results(out)
     assert results["distributed_type"] == "DEEPSPEED" and results["gradient_accumulation_steps"] == 2
     states = sorted((out / "checkpoints" / "step_00000004" / "pytorch_model").glob("*mp_rank_00_model_states.pt"))
