@@ -657,8 +657,7 @@ class Check:
         adapter and a full fine-tune, both packed, on all GPUs (FSDP2 with 2+); throughput, memory against the
         recipe's own plan, and MFU."""
         small = self.quick or not self.cuda
-        seconds, which = self.limit(timeout)
-        end = time.monotonic() + seconds
+        end = time.monotonic() + self.limit(timeout)[0]  # both runs and the inputs within the step's time
         assets = sft_assets(run_dir / "inputs", *((32, 8) if small else (2000, 64)), real_shape=not small)
         processes = self.gpus if self.cuda else 2
         steps = 3 if small else 30
@@ -689,7 +688,7 @@ class Check:
             "--cache_dir",
             run_dir / "datasets-cache",
         ]
-        # On a GPU the configs' bf16; the CPU computes in fp32, as `make sft-fsdp` does there.
+        # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
         launch = self.launch("1gpu") if self.gpus == 1 else self.launch("fsdp", processes)
         peak = peak_tflops(gpu_name()) if self.cuda else None
@@ -704,8 +703,10 @@ class Check:
             losses = train_losses(out)
             if code != 0:
                 problems.append(f"{method}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
-            elif not losses or not all(math.isfinite(x) for x in losses):
-                problems.append(f"{method}: training losses {losses or 'not logged'}, not all finite")
+            elif not losses:
+                problems.append(f"{method}: no training loss in {out / 'metrics.jsonl'}")
+            elif not all(math.isfinite(x) for x in losses):
+                problems.append(f"{method}: a non-finite training loss among {losses}")
             elif not results.get("peak_memory_mb"):
                 problems.append(f"{method}: no peak_memory_mb in {out / 'results.json'}")
         notes = [
