@@ -269,10 +269,13 @@ scaling: $(call needs,bench) ## scaling report (table, chart, predicted vs measu
 	$(PY) benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)
 
 # The GPU paths, proven on the GPUs of this machine: host-read audit under CUDA sync debug mode, bench, fast94 epoch
-# time, FSDP/DeepSpeed, detector at 640 px, SIGTERM + resume; with 2+ GPUs also DDP, SyncBN, all-reduce, DataParallel
-# vs DDP and the NCCL doctor. Exit 2 without a GPU. PART=1/2 then PART=2/2 runs it in two parts of at most 9 minutes
-# each on one H100 (for machines whose commands are time-limited), and gpu-check-merge joins their reports.
-# On a machine whose python3 already has PyTorch: make gpu-check PYTHON_ENV=system (no venv, no install).
+# time, FSDP/DeepSpeed, chat fine-tuning (LoRA and full), detector at 640 px, SIGTERM + resume; with 2+ GPUs also
+# DDP, SyncBN, all-reduce, DataParallel vs DDP and the NCCL doctor. Exit 2 without a GPU. PART=1/2 then PART=2/2 runs
+# it in two parts of at most 9 minutes each on one H100 (for machines whose commands are time-limited), and
+# gpu-check-merge joins their reports.
+# On a machine whose python3 already has PyTorch: make gpu-check PYTHON_ENV=system (no venv, no install). That checks
+# the text and detect extras (datasets among them), not the sft extra: the sft step needs peft too (not gguf), and a
+# python3 without it gets the step reported as not run.
 PART ?=
 GPU_CHECK_NEEDS = $(if $(filter system,$(PYTHON_ENV)),system-python-text+detect,$(VENV)/.installed-dev)
 .PHONY: gpu-check gpu-check-merge

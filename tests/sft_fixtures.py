@@ -1,13 +1,16 @@
 """Tiny chat models and chat data for the SFT recipe's tests, built offline in well under a second.
 
 The tokenizers are byte-level BPE models trained here on a generated corpus, with chat templates written to behave like
-the families users fine-tune (Qwen2.5's ChatML, Llama 3, Qwen3's thinking blocks); the models are randomly initialised
-Llama / Qwen2 networks of a few thousand parameters, saved as folders the Auto classes load.
+the families users fine-tune (Qwen2.5's ChatML, Llama 3, Qwen3's thinking blocks; built by benchmarks/chat_assets.py);
+the models are randomly initialised Llama / Qwen2 networks of a few thousand parameters, saved as folders the Auto
+classes load.
 """
 
 import json
 import random
 from pathlib import Path
+
+import chat_assets  # benchmarks/: the templates and the tokenizer builder gpu-check's sft step uses too
 
 # ------------------------------------------------------------------------------------------------ the learnable task
 # Colours are a fixed mapping (object -> colour), reviews are fresh when their adjectives are positive: both learnable
@@ -37,45 +40,6 @@ SYSTEM_PROMPTS = ["You answer in one word.", "You are a film critic.", "Be brief
 # Words the templates themselves write, which the corpus covers so they are few tokens each.
 TEMPLATE_WORDS = "system user assistant You are a helpful assistant. think".split()
 
-CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-
-# Our own Jinja templates. ChatML as Qwen2.5 writes it: a default system message when the conversation has none.
-CHATML_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# Llama 3: bos first, each turn's content trimmed between a header and <|eot_id|>.
-LLAMA3_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{{- message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
-# Qwen3 without generation markers: only the last assistant turn (or the generation prompt) carries an empty thinking
-# block, so the rendering of a prefix is not a prefix of the whole rendering.
-QWEN3_TEMPLATE = (
-    "{%- set ns = namespace(last_assistant=-1) %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}{%- set ns.last_assistant = loop.index0 %}{%- endif %}"
-    "{%- endfor %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' and loop.index0 == ns.last_assistant and not add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-)
-TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "qwen3": QWEN3_TEMPLATE}
 ARCH_TEMPLATES = {"llama": "llama3", "qwen2": "chatml"}
 
 
@@ -141,45 +105,9 @@ def corpus(rng: random.Random, lines: int = 600) -> list[str]:
 
 
 def build_chat_tokenizer(folder: Path, template: str = "chatml"):
-    """A byte-level BPE tokenizer (vocabulary 512) with the special tokens and chat template of `template` ("chatml",
-    "llama3" or "qwen3"), saved to `folder` and returned as the transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; one of {', '.join(TEMPLATES)}")
-    specials = LLAMA3_SPECIALS if template == "llama3" else CHATML_SPECIALS
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(corpus(random.Random(0)), trainer=trainer)
-    # offsets of byte-level tokens point at the text itself (a leading space included), as in GPT-2/Qwen/Llama 3
-    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
-    if template == "llama3":
-        bos = "<|begin_of_text|>"
-        # Llama 3 prepends bos when asked for special tokens; the template writes it too, so SFT must not ask.
-        bpe.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(
-                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))]
-                ),
-            ]
-        )
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token="<|eot_id|>")
-    else:
-        tokenizer = PreTrainedTokenizerFast(
-            tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
-        )
-    tokenizer.chat_template = TEMPLATES[template]
-    tokenizer.save_pretrained(folder)
-    return tokenizer
+    """A byte-level BPE tokenizer (vocabulary 512) trained on `corpus`, with the special tokens and chat template of
+    `template` ("chatml", "llama3" or "qwen3"), saved to `folder` and returned as the transformers tokenizer."""
+    return chat_assets.build_chat_tokenizer(folder, corpus(random.Random(0)), template)
 
 
 # ------------------------------------------------------------------------------------------------------------ model

@@ -15,7 +15,18 @@ from accelerate_recipes import PREEMPTED_EXIT_CODE
 
 CHECK = REPO / "benchmarks" / "gpu_check.py"
 # The same orchestration as on a GPU, with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run.
-SMOKE = ["audit-cifar", "fast94", "preempt", "nccl-doctor", "ddp", "allreduce", "text-fsdp", "sync-bn", "dp-vs-ddp"]
+SMOKE = [
+    "audit-cifar",
+    "fast94",
+    "preempt",
+    "nccl-doctor",
+    "ddp",
+    "allreduce",
+    "text-fsdp",
+    "sft",
+    "sync-bn",
+    "dp-vs-ddp",
+]
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
@@ -67,16 +78,22 @@ def plain_checkout(tmp_path) -> tuple[str, dict]:
 def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp_path):
     out = tmp_path / "check"
     plan = gpu_check.split(SMOKE, 2, gpu_check.requirements(0, True))
-    assert sorted(plan[0] + plan[1]) == sorted(SMOKE) and "allreduce" in plan[1], plan  # allreduce runs through make
+    assert sorted(plan[0] + plan[1]) == sorted(SMOKE), plan
+    # allreduce runs through make with this environment's interpreter; the other part runs from a plain checkout
+    plain = next(k for k in (1, 2) if "allreduce" not in plan[k - 1])
     home = plan.index(next(p for p in plan if "fast94" in p)) + 1
     stale = out / f"part-{home}" / "fast94" / "checkpoints" / "step_00000099"
     stale.mkdir(parents=True)  # an earlier check's leftovers: the step must start clean
     python, plain_env = plain_checkout(tmp_path)
     common = ["--device", "cpu", "--quick", "--steps", ",".join(SMOKE), "--output_dir", out]
-    first = run([python, CHECK, *common, "--part", "1/2"], plain_env, timeout=600, cwd=tmp_path)
-    second = run([PYTHON, CHECK, *common, "--part", "2/2"], recipe_env(tmp_path), timeout=600)
+    procs = [
+        run([python, CHECK, *common, "--part", f"{k}/2"], plain_env, timeout=600, cwd=tmp_path)
+        if k == plain
+        else run([PYTHON, CHECK, *common, "--part", f"{k}/2"], recipe_env(tmp_path), timeout=600)
+        for k in (1, 2)
+    ]
     parts = [json.loads((out / f"part-{k}" / "report.json").read_text()) for k in (1, 2)]
-    for k, (proc, part) in enumerate(zip((first, second), parts), start=1):
+    for k, (proc, part) in enumerate(zip(procs, parts), start=1):
         failed = {r["step"]: r["detail"][-1500:] for r in part["steps"] if r["status"] == "fail"}
         assert proc.returncode == 0 and not failed, (k, failed, proc.output[-2000:])
         assert part["part"] == f"{k}/2" and part["plan"] == plan and [r["step"] for r in part["steps"]] == plan[k - 1]
@@ -122,7 +139,16 @@ def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp
     assert doctor["nccl"].startswith("NCCL all-reduce not run: CPU run") and doctor["busbw_gbps"] is None
     for name in ("sync-bn", "dp-vs-ddp"):
         assert results[name]["status"] == "not run" and results[name]["detail"] == "needs CUDA"
-    for name in ("audit-cifar", "fast94", "preempt", "ddp", "allreduce", "text-fsdp", "nccl-doctor"):
+    sft = results["sft"]
+    assert len(sft["commands"]) == 2 and "--lora_r 16" in sft["commands"][0] and "--lora_r" not in sft["commands"][1]
+    for method in ("lora", "full"):
+        figures = sft["figures"][method]
+        assert figures["method"] == method and figures["steps"] == 3, figures
+        assert (figures["distributed_type"], figures["world_size"], figures["mixed_precision"]) == ("FSDP", 2, "no")
+        assert figures["train_tokens_per_second"] > figures["train_target_tokens_per_second"] > 0
+        assert figures["peak_memory_mb"] > 0 and figures["memory_plan_mb"]["total"] > 0
+        assert "model_flops_utilisation" not in figures  # no GPU peak to divide by on the CPU
+    for name in ("audit-cifar", "fast94", "preempt", "ddp", "allreduce", "text-fsdp", "nccl-doctor", "sft"):
         assert results[name]["status"] == "pass" and results[name]["wall_seconds"] > 0 and results[name]["commands"]
     table = (out / "report.md").read_text()
     assert table.startswith("# GPU check: PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA)")
@@ -234,6 +260,26 @@ def test_a_one_gpu_report_is_partial_and_names_what_it_did_not_prove():
     records[0].update(status="fail", detail="exit 1")
     verdict = gpu_check.assess(records)["verdict"]
     assert verdict.startswith("FAIL: audit-cifar; not proved: text-deepspeed") and gpu_check.exit_status(verdict) == 1
+
+
+def test_sft_figures_count_model_flops_as_palm_does_and_compare_peak_memory_with_the_plan():
+    assets = {"matmul_parameters": 1000, "layers": 2, "hidden": 10}
+    results = {
+        "train_tokens_per_second": 1e6,
+        "train_samples_per_second": 1e4,  # 100 tokens per conversation
+        "world_size": 2,
+        "peak_memory_mb": 150.0,
+        "peak_memory_kind": "cuda_max_allocated",
+        "memory_plan_mb": {"weights": 40.0, "total": 100.0},
+    }
+    # per token: 6N (full) or 4N (LoRA) + 12 x layers x hidden x 100 = 24,000; x 1e6 tokens/s over 2 GPUs of 1 TFLOPS
+    full = gpu_check.sft_figures(results, assets, 1.0, "full")
+    lora = gpu_check.sft_figures(results, assets, 1.0, "lora")
+    assert full["model_flops_utilisation"] == 0.015 and lora["model_flops_utilisation"] == 0.014
+    assert full["peak_over_plan"] == 1.5 and full["mean_tokens_per_conversation"] == 100.0
+    cpu = gpu_check.sft_figures(dict(results, peak_memory_kind="host_max_rss"), assets, None, "full")
+    assert "model_flops_utilisation" not in cpu and "peak_over_plan" not in cpu
+    assert gpu_check.requirements(1, False, ("peft",))["sft"] == "peft not installed"
 
 
 def test_two_parts_on_one_gpu_hold_every_step_once_and_fit_the_part_budget():
