@@ -268,6 +268,12 @@ SETUPS ?=
 scaling: $(call needs,bench) ## scaling report (table, chart, predicted vs measured efficiency) over SETUPS, into outputs/scaling
 	$(PY) benchmarks/scaling.py run $(if $(SETUPS),--setups $(SETUPS)) $(ARGS)
 
+# When the model does not fit (docs/concepts.md, section 6): one chat model fine-tuned under DDP, FSDP2 and ZeRO-3 on
+# 2 CPU processes or the GPUs here, each strategy's planned and measured memory per process and step time.
+.PHONY: sharding
+sharding: $(call needs,sft) deepspeed-extra ## DDP vs FSDP2 vs ZeRO-3: memory per process (plan, peak) and step time, into outputs/sharding
+	$(PY) benchmarks/sharding.py run $(ARGS)
+
 # The GPU paths, proven on the GPUs of this machine: host-read audit under CUDA sync debug mode, bench, fast94 epoch
 # time, FSDP/DeepSpeed, chat fine-tuning (LoRA and full), detector at 640 px, SIGTERM + resume; with 2+ GPUs also
 # DDP, SyncBN, all-reduce, DataParallel vs DDP and the NCCL doctor. Exit 2 without a GPU. PART=1/2 then PART=2/2 runs

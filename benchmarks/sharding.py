@@ -4,21 +4,22 @@ processes, with the memory each strategy plans and uses per process and the step
 
     python benchmarks/sharding.py run                       # 2 CPU processes, or every GPU of this machine
     python benchmarks/sharding.py run --processes 4 --strategies ddp,fsdp
-    python benchmarks/sharding.py run --model Qwen/Qwen2.5-0.5B-Instruct --train_file chats.jsonl --validation_file dev.jsonl
+    python benchmarks/sharding.py run --model Qwen/Qwen2.5-0.5B-Instruct --train_file a.jsonl --validation_file b.jsonl
     python benchmarks/sharding.py report outputs/sharding/ddp outputs/sharding/fsdp      # table from finished runs
     make sharding
 
 Each strategy runs recipes/sft.py with its config of accelerate_configs/ (cpu.yaml or 8gpu.yaml for DDP, fsdp.yaml,
 deepspeed.yaml), the same model, data, global batch and steps. Without --model it trains a generated model of Qwen2's
-architecture (hidden 1024, 8 blocks, 100M parameters, random weights) on generated conversations: no download, and
-large enough that its weights, gradients and AdamW states (1.6 GB per process under DDP in fp32) outweigh the runtime.
+architecture (hidden 768, 6 blocks, 38M parameters, random weights, fp32) on generated conversations: no download.
 
 The report (sharding.md and sharding.json in the output folder) gives per strategy the recipe's memory plan per
-process (weights, gradients, optimizer states, activations, total), the measured peak of the largest process, and how
-both differ from DDP: DDP keeps everything on every process; FSDP2 and ZeRO-3 keep 1/N of the weights, gradients and
-optimizer states on each of N processes and gather each block's weights when it runs, which costs communication per
-step. On a GPU the measured peak is the memory PyTorch allocated; on the CPU it is the process's peak resident memory,
-which includes the Python / PyTorch runtime (about 0.9 GB), so compare the differences between rows there.
+process (weights, gradients, optimizer states, activations, total), the measured peak of the largest process, the step
+time, and how plan and peak differ from DDP's. DDP keeps everything on every process; FSDP2 and ZeRO-3 keep 1/N of
+the weights, gradients and optimizer states on each of N processes and gather each block's weights when it runs,
+which costs communication every step. On a GPU the measured peak is what PyTorch's allocator handed out, the figure
+the plan predicts. On the CPU it is the process's peak resident memory: the Python / PyTorch runtime (about 0.9 GB)
+plus what the host's allocator keeps of freed buffers, which the gathers and scatters of sharding churn; there the plan
+columns show the division and the peak shows what a CPU run really costs (docs/concepts.md, section 6).
 """
 
 import json
@@ -37,9 +38,9 @@ STRATEGIES = {"ddp": "DDP", "fsdp": "FSDP2", "zero3": "ZeRO-3"}
 # A full fine-tune (sharding matters most there) of short conversations: the steps are few and the activations small,
 # so weights, gradients and optimizer states decide the memory.
 LESSON_FLAGS = {
-    "--batch_size": "8",
-    "--max_length": "128",
-    "--max_steps": "8",
+    "--batch_size": "4",
+    "--max_length": "256",
+    "--max_steps": "6",
     "--epochs": "1",
     "--lr": "1e-4",
     "--log_every": "1",
@@ -47,6 +48,16 @@ LESSON_FLAGS = {
     "--tracker": "none",
     "--num_workers": "0",
 }
+# Qwen2's architecture (grouped-query attention, gated MLP, tied embeddings) at 38M parameters.
+LESSON_SHAPE = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
 PLAN_PARTS = ("weights", "gradients", "optimizer", "activations", "logits", "total")
 
 
@@ -75,14 +86,10 @@ def launch_command(strategy: str, processes: int, cuda: bool, precision: str, po
 
 def lesson_assets(folder: Path) -> tuple[Path, Path, Path]:
     """The generated model, its chat tokenizer and conversations (see the module's help)."""
-    from chat_assets import write_chat_assets
+    from chat_assets import write_chat_assets  # beside this file
 
-    return write_chat_assets(
-        folder,
-        shape=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16),
-        train=256,
-        validation=16,
-    )
+    assets = write_chat_assets(folder, LESSON_SHAPE, train=256, validation=16, dtype="float32")
+    return Path(assets["model"]), Path(assets["train"]), Path(assets["validation"])
 
 
 def figures(run_dir: Path) -> dict:
@@ -100,6 +107,7 @@ def figures(run_dir: Path) -> dict:
         "strategy": {"MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "FSDP": "FSDP2", "DEEPSPEED": "ZeRO-3"}.get(kind, kind),
         "processes": results["world_size"],
         "method": results.get("method"),
+        "parameters": results.get("parameters"),
         "mixed_precision": results.get("mixed_precision"),
         "plan_mb": {k: plan[k] for k in PLAN_PARTS if k in plan},
         "peak_memory_mb": results["peak_memory_mb"],
@@ -113,19 +121,21 @@ def figures(run_dir: Path) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     base = next((r for r in rows if r["strategy"] == "DDP"), rows[0])
+    versus = base["strategy"]
     head = (
         "| strategy | processes | weights MB | gradients MB | optimizer MB | activations MB | planned MB | "
-        f"measured peak MB | planned vs {base['strategy']} | measured vs {base['strategy']} | step s | tokens/s | eval loss |"
+        f"measured peak MB | planned vs {versus} | measured vs {versus} | step s | tokens/s | eval loss |"
     )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         plan = r["plan_mb"]
         activations = plan.get("activations", 0) + plan.get("logits", 0)
         tokens = r["train_tokens_per_second"]
+        planned, peak = plan["total"], r["peak_memory_mb"]
         lines.append(
             f"| {r['strategy']} | {r['processes']} | {plan.get('weights', 0):,.0f} | {plan.get('gradients', 0):,.0f} | "
-            f"{plan.get('optimizer', 0):,.0f} | {activations:,.0f} | {plan['total']:,.0f} | {r['peak_memory_mb']:,.0f} | "
-            f"{plan['total'] - base['plan_mb']['total']:+,.0f} | {r['peak_memory_mb'] - base['peak_memory_mb']:+,.0f} | "
+            f"{plan.get('optimizer', 0):,.0f} | {activations:,.0f} | {planned:,.0f} | {peak:,.0f} | "
+            f"{planned - base['plan_mb']['total']:+,.0f} | {peak - base['peak_memory_mb']:+,.0f} | "
             f"{r['median_step_seconds']:.2f} | {'-' if tokens is None else f'{tokens:,.0f}'} | "
             f"{'-' if r['eval_loss'] is None else format(r['eval_loss'], '.4f')} |"
         )
@@ -177,14 +187,14 @@ def train(
     """Fine-tune one model under each strategy on the same processes, then print the report.
 
     Args:
-        strategies: comma-separated, of ddp (all-reduce, a whole copy per process), fsdp (FSDP2), zero3 (DeepSpeed ZeRO-3)
+        strategies: comma-separated, of ddp (a whole copy per process), fsdp (FSDP2), zero3 (DeepSpeed ZeRO-3)
         processes: processes per strategy (default: every GPU here, at least 2; 2 on the CPU)
         model: a chat model (Hub name or folder) with --train_file and --validation_file; default: the generated one
         train_file: conversations for training (JSON/JSONL, any format sft.py reads)
         validation_file: conversations for evaluation
         mixed_precision: no, bf16 or fp16 (default: bf16 on GPUs, no on the CPU)
-        sft_args: more sft.py flags, one string, e.g. "--lora_r 16 --gradient_checkpointing"; they override the lesson's
-            (--batch_size 8 --max_length 128 --max_steps 8 --lr 1e-4, full fine-tune)
+        sft_args: more sft.py flags as one string, --sft_args="--lora_r 16 --gradient_checkpointing"; they override
+            the lesson's (--batch_size 4 --max_length 256 --max_steps 6 --lr 1e-4, full fine-tune)
         output_dir: one folder per strategy, and the report
     """
     import torch

@@ -57,7 +57,7 @@ from sft_data import (
     load_file,
     tokenize_splits,
 )
-from sft_plan import meta_model, print_plan
+from sft_plan import meta_model, numel, print_plan
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, get_scheduler
 
@@ -582,8 +582,8 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
         lr=lr,
         lora_alpha=args.lora_alpha or 2 * args.lora_r,
         per_process_batch_size=per_process,
-        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        parameters=sum(p.numel() for p in model.parameters()),
+        trainable_parameters=sum(numel(p) for p in model.parameters() if p.requires_grad),
+        parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them at load
         train_size=counts["train"]["examples"] - counts["train"]["without_targets"],
         validation_size=counts["validation"]["examples"] - counts["validation"]["without_targets"],
         train_truncated=counts["train"]["truncated"],

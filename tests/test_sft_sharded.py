@@ -64,7 +64,12 @@ def fsdp_lora(data):
     hosts.write_text("localhost slots=1\nlocalhost slots=1\n")
     out = data["root"] / "fsdp-lora"
     launcher = [PYTHON, "-m", "recipe_tools.multinode", "--hostfile", hosts, "--config_file", CONFIGS / "fsdp.yaml"]
-    launcher += ["--main_process_port", free_port(), "--launch_args", "--num_cpu_threads_per_process 1 --mixed_precision no"]
+    launcher += [
+        "--main_process_port",
+        free_port(),
+        "--launch_args",
+        "--num_cpu_threads_per_process 1 --mixed_precision no",
+    ]
     args = [*data["files"], *FLAGS, *LORA, "--output_dir", out]
     proc = check(run([*launcher, SFT_SCRIPT, *args], recipe_env(data["root"], ACCELERATE_USE_CPU="true")))
     assert "all 2 node(s) finished" in proc.stdout
@@ -170,6 +175,7 @@ def test_the_lesson_reports_what_each_strategy_plans_and_uses_per_process(lesson
     only its presence and order of size are checked."""
     rows = {row["strategy"]: row for row in lesson.rows}
     assert list(rows) == ["DDP", "FSDP2", "ZeRO-3"] and {r["processes"] for r in rows.values()} == {2}
+    assert len({r["parameters"] for r in rows.values()}) == 1  # counted whole, also where ZeRO-3 partitioned them
     whole = rows["DDP"]["plan_mb"]
     for name in ("FSDP2", "ZeRO-3"):
         plan = rows[name]["plan_mb"]
