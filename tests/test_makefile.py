@@ -114,6 +114,10 @@ def test_sharded_targets_pick_their_config_and_gpu_count():
     assert line.rstrip().endswith("recipes/sft.py --train_file chats.jsonl")
     out = make("help").stdout
     assert "  sft-fsdp " in out and "  sft-deepspeed " in out
+    # the concepts guide's "when the model does not fit" command
+    lines = make("-n", "sharding", "ARGS=--processes 4").stdout.splitlines()
+    assert lines[-1].endswith("benchmarks/sharding.py run --processes 4") and "  sharding " in out
+    assert "make sharding" in (REPO / "docs" / "concepts.md").read_text()
 
 
 def test_help_lists_every_text_target():
