@@ -161,7 +161,7 @@ def test_eval_only_on_two_nodes_counts_each_conversation_once(sft_one, sft_data,
     assert results["eval_exact_match"] == trained["eval_exact_match"]
 
 
-def test_predict_chat_and_merge_answer_alike(sft_one, tmp_path):
+def test_predict_and_chat_answer_alike(sft_one, tmp_path):
     env = recipe_env(tmp_path)
     prompts = ["What colour is the snow?", "Is 'a dull, tedious film' fresh or rotten?"]
     asked = [PYTHON, SFT_SCRIPT, "--max_new_tokens", "6"]
@@ -171,12 +171,7 @@ def test_predict_chat_and_merge_answer_alike(sft_one, tmp_path):
     # --chat reads turns from stdin and streams each answer; an empty line ends it.
     chat = check(run([*asked, "--chat", "--model", sft_one.out], env, input=f"{prompts[0]}\n\n"))
     assert rows[0]["answer"].strip() in chat.stdout
-    merged = tmp_path / "merged"
-    check(run([PYTHON, SFT_SCRIPT, "--merge", merged, "--model", sft_one.out], env))
-    assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
-    assert not any("lora" in key for key in load_file(str(merged / "model.safetensors")))
-    again = check(run([*asked, "--predict", prompts[0], "--predict", prompts[1], "--model", merged], env))
-    assert [json.loads(line) for line in again.stdout.splitlines()] == rows
+    # --merge: test_sft_sharded merges the adapter trained on two nodes under FSDP2 and loads it in transformers
 
 
 def test_bad_input_is_one_line(tiny_chat_model, sft_data, tmp_path):

@@ -127,8 +127,9 @@ def test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter(fsdp_lora,
 
 
 def test_the_fsdp_adapter_and_its_merged_model_answer_alike_in_one_process(data, fsdp_lora):
-    """The adapter gathered from two nodes' shards answers in one process; merged into its base it is a plain model that
-    transformers loads and that answers the same, greedy token for token."""
+    """The adapter gathered from two nodes' shards answers in one process (--predict); merged into its base (--merge)
+    it is one plain model, without LoRA weights, that transformers loads and that answers the same, greedy token for
+    token."""
     env = recipe_env(data["root"])
     prompts = ["What colour is the sky?", "Is 'a dull, tedious film' fresh or rotten?"]
     asked = [PYTHON, SFT_SCRIPT, "--max_new_tokens", "6", "--predict", prompts[0], "--predict", prompts[1]]
@@ -136,15 +137,15 @@ def test_the_fsdp_adapter_and_its_merged_model_answer_alike_in_one_process(data,
     assert [row["prompt"] for row in answers] == prompts
     merged = data["root"] / "fsdp-lora-merged"
     check(run([PYTHON, SFT_SCRIPT, "--merge", merged, "--model", fsdp_lora], env))
-    assert not (merged / "adapter_config.json").exists()
-    assert [json.loads(line) for line in check(run([*asked, "--model", merged], env)).stdout.splitlines()] == answers
+    assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
+    assert not any("lora" in key for key in load_file(merged / "model.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(merged)
     model = AutoModelForCausalLM.from_pretrained(merged)
-    assert not any("lora" in name for name, _ in model.named_parameters())
-    chat = [{"role": "user", "content": prompts[0]}]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    generated = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :]
-    assert tokenizer.decode(generated, skip_special_tokens=True).strip() == answers[0]["answer"].strip()
+    for prompt, expected in zip(prompts, answers):
+        chat = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        generated = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :]
+        assert tokenizer.decode(generated, skip_special_tokens=True).strip() == expected["answer"].strip()
 
 
 def test_fsdp_lora_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp_lora):
