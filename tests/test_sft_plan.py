@@ -9,6 +9,7 @@ import shutil
 import peft
 import pytest
 import torch
+from chat_assets import QWEN25_05B
 from conftest import (
     ACCELERATE,
     CONFIGS,
@@ -26,16 +27,7 @@ from sft_plan import Launch, ModelSize, advice, parts
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 MB = 2**20
-# Qwen2.5-0.5B's and Qwen2.5-7B's shapes, from the models' config.json on the Hugging Face Hub.
-QWEN_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+# Qwen2.5-7B's shape, from the model's config.json on the Hugging Face Hub (0.5B's is chat_assets.QWEN25_05B).
 QWEN_7B = dict(
     hidden_size=3584,
     intermediate_size=18944,
@@ -52,7 +44,7 @@ BLOCK_05B = (896 * 896 + 896) + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 48
 
 def meta_qwen(lora_r: int = 0):
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN_05B), dtype=torch.bfloat16 if lora_r else None)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B), dtype=torch.bfloat16 if lora_r else None)
     if lora_r:
         model = peft.get_peft_model(
             model, peft.LoraConfig(task_type="CAUSAL_LM", r=lora_r, target_modules="all-linear")
