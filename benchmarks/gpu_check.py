@@ -102,7 +102,7 @@ ESTIMATED_SECONDS = {
     "bench": 240,
     "fast94": 90,
     "text-fsdp": 60,
-    "sft": 120,  # the 0.5B model built and saved, then 30 steps each of LoRA and full, with their saves
+    "sft": 120,  # the 0.5B model built and saved, then 20 steps each of LoRA and full, with their saves
     "detect-640": 120,
     "preempt": 90,
     "text-deepspeed": 90,
@@ -518,10 +518,10 @@ class Check:
         small = self.quick or not self.cuda
         end = time.monotonic() + self.limit(timeout)[0]  # both runs and the inputs within the step's time
         assets = write_chat_assets(
-            run_dir / "inputs", TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (2000, 64))
+            run_dir / "inputs", TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (640, 64))
         )
         processes = self.gpus if self.cuda else 2
-        steps = 3 if small else 30
+        steps = 3 if small else 20  # 20 x 16 conversations per GPU: half the 640 generated, read once
         common = [
             RECIPES / "sft.py",
             "--model",
