@@ -16,7 +16,9 @@ import importlib
 _EXPORTS = {
     **dict.fromkeys(["Checkpoints", "model_to_save"], "checkpoints"),
     **dict.fromkeys(["run"], "cli"),
-    **dict.fromkeys(["PREEMPTED_EXIT_CODE", "Preempted", "RecipeError", "first_line"], "errors"),
+    **dict.fromkeys(
+        ["PREEMPTED_EXIT_CODE", "Preempted", "RecipeError", "explain_load_failure", "first_line"], "errors"
+    ),
     **dict.fromkeys(["StepGuard"], "guard"),
     **dict.fromkeys(
         [

@@ -26,7 +26,6 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -72,8 +71,8 @@ from accelerate_recipes import (
     always_build_attention_masks,
     check_launch,
     cpu_threads_and_workers,
+    explain_load_failure,
     explain_startup_failure,
-    first_line,
     model_to_save,
     num_machines,
     prepare_output_dir,
@@ -264,23 +263,10 @@ def whole_steps(batches, accumulation: int, accelerator, limit: int):
 
 
 # ---------------------------------------------------------------------------------------------------------- model
-@contextmanager
-def explain_load_failure(name: str):
-    """A model or tokenizer that cannot be loaded becomes one line saying what to give instead."""
-    try:
-        yield
-    except (OSError, ValueError) as err:
-        reason = first_line(err)
-        raise RecipeError(
-            f"could not load --model {name!r} ({reason}); give a local folder with config.json, the weights and the "
-            "tokenizer files, a .gguf file, or a Hugging Face Hub name while online (cached under ~/.cache/huggingface)"
-        ) from None
-
-
 def load_tokenizer(name: str):
     """The model's tokenizer, with its chat template and a pad token (a .gguf file carries both)."""
     path = Path(name).expanduser()
-    with explain_load_failure(name):
+    with explain_load_failure(name, also=", a .gguf file"):
         if path.suffix == ".gguf":
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
@@ -297,7 +283,7 @@ def load_base_model(name: str, dtype=torch.float32, attn_implementation: str | N
     are therefore moved into the same architecture built from its config, which trains and saves as any other.
     """
     path = Path(name).expanduser()
-    with explain_load_failure(name):
+    with explain_load_failure(name, also=", a .gguf file"):
         if path.suffix != ".gguf":
             return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
         if not path.is_file():

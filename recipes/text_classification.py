@@ -22,7 +22,6 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -53,6 +52,7 @@ from accelerate_recipes import (
     always_build_attention_masks,
     check_launch,
     cpu_threads_and_workers,
+    explain_load_failure,
     explain_startup_failure,
     first_line,
     model_to_save,
@@ -316,19 +316,6 @@ def data_loaders(accelerator, args: TextFlags, data: TextData, per_process: int)
 
 
 # ---------------------------------------------------------------------------------------------------------- model
-@contextmanager
-def explain_load_failure(name: str):
-    """A model or tokenizer that cannot be loaded becomes one line saying what to give instead."""
-    try:
-        yield
-    except (OSError, ValueError) as err:
-        reason = first_line(err)
-        raise RecipeError(
-            f"could not load --model {name!r} ({reason}); give a local directory with config.json, the weights and the "
-            "tokenizer files, or a Hugging Face Hub name while online (it is cached under ~/.cache/huggingface)"
-        ) from None
-
-
 def load_tokenizer(name: str):
     with explain_load_failure(name):
         return AutoTokenizer.from_pretrained(name)

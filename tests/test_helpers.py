@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PYTHON, recipe_env, run
 
-from accelerate_recipes import RecipeError, per_process_batch_size
+from accelerate_recipes import RecipeError, explain_load_failure, per_process_batch_size
 from accelerate_recipes.cli import _drop_legacy_local_rank
 from accelerate_recipes.launch import check_visible_gpus
 from accelerate_recipes.tracking import resolve_swanlab_mode, setup_tracker
@@ -20,6 +20,18 @@ def test_global_batch_splits_over_processes_and_accumulation():
     assert per_process_batch_size(512, 16, 2) == 16
     with pytest.raises(RecipeError, match="multiple of 24"):
         per_process_batch_size(500, 8, 3)
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line_naming_what_to_give(tmp_path):
+    from transformers import AutoConfig
+
+    empty = tmp_path / "empty"  # a local folder: transformers looks no further than its files
+    empty.mkdir()
+    with pytest.raises(RecipeError) as raised, explain_load_failure(str(empty), also=", a .gguf file"):
+        AutoConfig.from_pretrained(empty)
+    message = str(raised.value)
+    assert message.startswith(f"could not load --model '{empty}' (") and "\n" not in message
+    assert "config.json" in message and ", a .gguf file, or a Hugging Face Hub name while online" in message
 
 
 def test_legacy_local_rank_flag_is_dropped():
