@@ -205,6 +205,9 @@ def text_assets(folder: Path, rows: int, quick: bool) -> dict:
             if quick
             else dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
         )
+        import torch
+
+        torch.manual_seed(0)  # the same network on every machine, so reports compare
         BertForSequenceClassification(
             BertConfig(vocab_size=len(vocab), max_position_embeddings=64, **size)
         ).save_pretrained(model)

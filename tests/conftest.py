@@ -196,7 +196,9 @@ NEUTRAL = "the a movie film plot actor story was is and it very".split()
 
 
 def tiny_bert(folder: Path) -> Path:
-    """A 2-layer, hidden-32 BERT with random weights and a word-level tokenizer over the test vocabulary."""
+    """A 2-layer, hidden-32 BERT with random weights (seeded: every session trains the same network) and a word-level
+    tokenizer over the test vocabulary."""
+    import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + POSITIVE + NEGATIVE + NEUTRAL
@@ -209,6 +211,7 @@ def tiny_bert(folder: Path) -> Path:
         intermediate_size=64,
         max_position_embeddings=64,
     )
+    torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(folder)
     return folder
 
