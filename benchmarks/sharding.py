@@ -5,7 +5,7 @@ processes, with the memory each strategy plans and uses per process and the step
     python benchmarks/sharding.py run                       # 2 CPU processes, or every GPU of this machine
     python benchmarks/sharding.py run --processes 4 --strategies ddp,fsdp
     python benchmarks/sharding.py run --model Qwen/Qwen2.5-0.5B-Instruct --train_file a.jsonl --validation_file b.jsonl
-    python benchmarks/sharding.py report outputs/sharding/ddp outputs/sharding/fsdp      # table from finished runs
+    python benchmarks/sharding.py report --run_dir outputs/sharding/ddp --run_dir my-runs/fsdp   # finished runs
     make sharding
 
 Each strategy runs recipes/sft.py with its config of accelerate_configs/ (cpu.yaml or 8gpu.yaml for DDP, fsdp.yaml,
@@ -151,19 +151,20 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def report(*run_dirs: str, output_dir: str = "outputs/sharding") -> None:
+def report(run_dir: str | list[str] | None = None, output_dir: str = "outputs/sharding") -> None:
     """The table of finished sft.py runs (DDP first when there is one), printed and written to OUTPUT_DIR.
 
     Args:
-        run_dirs: output folders of sft.py runs, e.g. outputs/sharding/ddp outputs/sharding/fsdp
+        run_dir: the output folder of a finished sft.py run; repeat the flag for each run to compare
         output_dir: where sharding.md and sharding.json go
     """
-    write_report([Path(d) for d in run_dirs], Path(output_dir))
+    runs = [run_dir] if isinstance(run_dir, str) else list(run_dir or [])
+    write_report([Path(d) for d in runs], Path(output_dir))
 
 
 def write_report(run_dirs: list[Path], out: Path) -> list[dict]:
     if not run_dirs:
-        raise RecipeError("give the output folders of finished sft.py runs, e.g. report outputs/sharding/ddp ...")
+        raise RecipeError("give finished sft.py runs: report --run_dir outputs/sharding/ddp --run_dir outputs/other")
     rows = sorted((figures(d) for d in run_dirs), key=lambda r: r["strategy"] != "DDP")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
@@ -209,8 +210,13 @@ def train(
         raise RecipeError("give --model, --train_file and --validation_file together, or none of them")
     cuda = torch.cuda.is_available()
     processes = int(processes or max(2, torch.cuda.device_count()))
+    if processes < 2:
+        raise RecipeError(f"--processes {processes}: sharding divides the model over 2 or more processes")
     if cuda and processes > torch.cuda.device_count():
-        raise RecipeError(f"--processes {processes}: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise RecipeError(
+            f"--processes {processes}: this machine has {torch.cuda.device_count()} GPU(s); sharding needs 2 or more, "
+            'or run the lesson on 2 CPU processes: CUDA_VISIBLE_DEVICES="" make sharding'
+        )
     precision = mixed_precision or ("bf16" if cuda else "no")
     out = Path(output_dir)
     if model is None:

@@ -169,7 +169,7 @@ def test_fsdp_full_fine_tune_trains_like_ddp(lesson):
     assert_same_weights(load_file(out / "model.safetensors"), load_file(ddp_full / "model.safetensors"), 1e-6)
 
 
-def test_the_lesson_reports_what_each_strategy_plans_and_uses_per_process(lesson):
+def test_the_lesson_reports_what_each_strategy_plans_and_uses_per_process(lesson, data):
     """The concepts guide's table: per strategy the planned memory per process and the measured peak. Sharding over 2
     processes halves the weights (the norms FSDP2 keeps whole aside) and the AdamW states per process, and leaves half
     the gradients where DDP holds them twice (its all-reduce buckets); the peak is the host's resident memory here, so
@@ -190,6 +190,17 @@ def test_the_lesson_reports_what_each_strategy_plans_and_uses_per_process(lesson
     table = (lesson.out / "sharding.md").read_text()
     assert table.startswith("| strategy | processes | weights MB") and table.count("\n| ") == 3  # a row per strategy
     assert "== ZeRO-3 on 2 process(es)" in lesson.proc.stdout and "| FSDP2 | 2 |" in lesson.proc.stdout
+    # `report` on finished runs, in any order: DDP's row first, the others measured against it
+    again = data["root"] / "lesson-report"
+    proc = check(
+        run(
+            [PYTHON, SHARDING, "report", "--run_dir", lesson.out / "zero3", "--run_dir", lesson.out / "ddp"]
+            + ["--output_dir", again],
+            recipe_env(data["root"]),
+        )
+    )
+    assert [row["strategy"] for row in json.loads((again / "sharding.json").read_text())] == ["DDP", "ZeRO-3"]
+    assert "| ZeRO-3 | 2 |" in proc.stdout
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
