@@ -143,20 +143,17 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def logged(run_dir: Path, key: str) -> list[float]:
+    """Every value a run logged under `key` in its metrics.jsonl, in order (none when the file is missing)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r[key] for r in rows if key in r]
+
+
 def epoch_seconds(run_dir: Path) -> list[float]:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [round(r["perf/epoch_seconds"], 3) for r in rows if "perf/epoch_seconds" in r]
-
-
-def train_losses(run_dir: Path) -> list[float]:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [r["train/loss"] for r in rows if "train/loss" in r]
+    return [round(seconds, 3) for seconds in logged(run_dir, "perf/epoch_seconds")]
 
 
 def key_figures(results: dict, *keys) -> dict:
@@ -564,7 +561,7 @@ class Check:
             code, last = self.execute(command, run_dir, end - time.monotonic(), f"{method}.txt")
             results = read_json(out / "results.json")
             figures[method] = sft_figures(results, assets, peak, method)
-            losses = train_losses(out)
+            losses = logged(out, "train/loss")
             if code != 0:
                 problems.append(f"{method}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
             elif not losses:

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpu_check import free_port  # beside this file
+
 from accelerate_recipes.cli import RecipeError, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,14 +252,6 @@ def importlib_missing(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is None
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
