@@ -67,7 +67,7 @@ need_master = @if [ -z "$(MASTER_ADDR)" ]; then \
 	echo "error: set MASTER_ADDR to the IP of node 0 (the same on every node), e.g. make $@ NODE_RANK=1 MASTER_ADDR=10.0.0.1" >&2; \
 	exit 2; fi
 
-.PHONY: help install test lint demo clean topo doctor
+.PHONY: help install test test-portable lint demo clean topo doctor
 
 help: ## list the targets
 	@echo "usage: make <target> [NODE_RANK=0 MASTER_ADDR=ip MASTER_PORT=29500 GPU_IDS=0,1 GPUS=8 PRECISION=bf16|fp16|no NPROC=2 ARGS='...']"
@@ -97,6 +97,12 @@ $(VENV)/.installed-%: pyproject.toml
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 test: install lint ## run the linter, then the test suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+
+# A CPU without AVX-512 and native bf16 (some machines of the same cloud kind): torch's kernels, oneDNN and MKL kept to
+# AVX2, so bf16 is emulated there as it would be and every run must pick fp32 by itself (cpu_precision).
+AVX2_ONLY := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-portable: install lint ## the test suite as a CPU without AVX-512 or native bf16 runs it (torch, oneDNN and MKL kept to AVX2)
+	$(AVX2_ONLY) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: install ## ruff: the lint rules and the formatting the code keeps (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter
 	$(PY) -m ruff check .

@@ -154,11 +154,22 @@ def cpu_threads_and_workers(accelerator, requested_workers: int | None = None, l
     return workers
 
 
+CPU_BF16_VARIABLE = "ACCELERATE_RECIPES_CPU_BF16"
+
+
 def cpu_has_bf16() -> bool:
     """True when this CPU computes bf16 natively (AVX512-BF16 or AMX on x86, the BF16 extension on Arm).
 
-    Without it torch emulates bf16 autocast on the CPU, ~40x slower than fp32: pick fp32 there.
+    Without it torch emulates bf16 autocast on the CPU, ~40x slower than fp32: pick fp32 there. The CPU's flags are
+    not enough: `ONEDNN_MAX_CPU_ISA=AVX2` keeps oneDNN (torch's bf16 kernels) off AVX-512, which makes bf16 as slow
+    as on a CPU without it, and torch's own check follows that limit. ACCELERATE_RECIPES_CPU_BF16=0 or 1 overrides
+    both (say what another machine has, or test the other path).
     """
+    override = os.environ.get(CPU_BF16_VARIABLE, "").strip().lower()
+    if override in ("0", "1", "false", "true", "no", "yes"):
+        return override in ("1", "true", "yes")
+    if override:
+        raise RecipeError(f"{CPU_BF16_VARIABLE}={override!r}: set it to 1 (native bf16) or 0 (fp32), or unset it")
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -167,7 +178,10 @@ def cpu_has_bf16() -> bool:
     for line in text.splitlines():
         if line.startswith(("flags", "Features")):
             flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if not flags & {"avx512_bf16", "amx_bf16", "bf16"}:
+        return False
+    mkldnn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return mkldnn_bf16 is None or bool(mkldnn_bf16())
 
 
 def cpu_precision() -> str:

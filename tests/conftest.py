@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,6 +46,77 @@ TINY = [
     "--log_every",
     "1",
 ]
+
+
+# Time limits. Every limit in this suite is written for the reference machine (the 2-core x86-64 machine with AVX-512
+# and native bf16 whose times docs/tests.md gives, Nov 2026) and scaled by TIME_SCALE: how much slower this CPU runs a
+# short fixed fp32 workload than that machine did (never below 1, at most 8), or TEST_TIME_SCALE when set (e.g. 3 on a
+# machine shared with other jobs). A hang still ends at the scaled limit.
+REFERENCE_WORKLOAD_SECONDS = 0.0175  # the workload below on the reference machine (measured 0.0163-0.0177)
+
+
+def measure_workload_seconds() -> float:
+    """Best of 5 of one forward and backward pass of a small conv net on 16 CIFAR-sized images, fp32, one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(64, 10),
+        )
+        images = torch.randn(16, 3, 32, 32, generator=generator)
+        best = float("inf")
+        for _ in range(6):  # the first pass warms up oneDNN's kernels and is only counted if it is the fastest
+            start = time.perf_counter()
+            net(images).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def time_scale() -> float:
+    given = os.environ.get("TEST_TIME_SCALE")
+    if given:
+        try:
+            scale = float(given)
+        except ValueError:
+            scale = 0.0
+        if scale <= 0:
+            raise pytest.UsageError(f"TEST_TIME_SCALE={given!r}: give a positive number, e.g. TEST_TIME_SCALE=2")
+        return scale
+    return min(8.0, max(1.0, measure_workload_seconds() / REFERENCE_WORKLOAD_SECONDS))
+
+
+TIME_SCALE = time_scale()
+
+
+def time_limit(seconds: float) -> float:
+    """A time limit written for the reference machine, on this one."""
+    return seconds * TIME_SCALE
+
+
+def pytest_report_header(config):
+    source = "TEST_TIME_SCALE" if os.environ.get("TEST_TIME_SCALE") else "measured against the reference CPU"
+    return f"time limits x {TIME_SCALE:.2f} ({source})"
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-timeout's limit per test (pyproject's `timeout`, or a test's own mark) scaled like every other limit."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        seconds = default if mark is None else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+        if seconds:
+            item.add_marker(pytest.mark.timeout(time_limit(seconds)), append=False)
 
 
 _PORTS_GIVEN: set[int] = set()
@@ -97,7 +169,13 @@ def recipe_env(tmp_path: Path, **extra) -> dict:
 
 def run(cmd, env, timeout=300, cwd=REPO, input=None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [str(c) for c in cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, input=input
+        [str(c) for c in cmd],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=time_limit(timeout),
+        input=input,
     )
     proc.output = proc.stdout + proc.stderr
     return proc

@@ -3,7 +3,7 @@
 import re
 import subprocess
 
-from conftest import BIN, REPO, free_port, recipe_env
+from conftest import BIN, REPO, free_port, recipe_env, time_limit
 
 GUIDE = REPO / "docs" / "concepts.md"
 
@@ -19,7 +19,12 @@ def test_guide_ranks_loop_on_two_local_nodes(tmp_path):
         .replace("accelerate launch", f"{BIN}/accelerate launch")
     )
     proc = subprocess.run(
-        ["bash", "-c", loop], cwd=REPO, env=recipe_env(tmp_path), capture_output=True, text=True, timeout=180
+        ["bash", "-c", loop],
+        cwd=REPO,
+        env=recipe_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=time_limit(180),
     )
     lines = sorted(
         re.findall(

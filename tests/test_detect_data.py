@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import time_limit
 from PIL import Image, ImageDraw
 from synthetic_shapes import main, write_synthetic_dataset
 from yolo_data import (
@@ -571,7 +572,7 @@ def test_voc_to_yolo_round_trip_image_sets_and_cli(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=120,
+        timeout=time_limit(120),
     )
     assert proc.returncode == 0, proc.stderr
     assert str(data_yaml) in proc.stdout and "val: 1 images, 1 boxes" in proc.stdout

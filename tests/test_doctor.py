@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, fails_with, free_port, recipe_env, run
+from conftest import PYTHON, REPO, fails_with, free_port, recipe_env, run, time_limit
 
 from recipe_tools import doctor
 from recipe_tools.doctor import missing_interfaces
@@ -73,7 +73,7 @@ def test_two_nodes_on_one_machine_pass_and_list_both(tmp_path):
         for cmd in cmds
     ]
     try:
-        outputs = [node.communicate(timeout=90) for node in nodes]
+        outputs = [node.communicate(timeout=time_limit(90)) for node in nodes]
     finally:
         for node in nodes:
             node.kill()

@@ -19,6 +19,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
+    time_limit,
 )
 
 # file -> (processes in total, machines); what each config promises.
@@ -102,7 +103,7 @@ def launch_nodes(config: str, tmp_path, machines: int, processes: int, timeout=3
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
+            outputs.append(proc.communicate(timeout=time_limit(timeout))[0])
     finally:
         for proc in procs:
             proc.kill()

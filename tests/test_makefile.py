@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, time_limit
 
 VENV = Path(sys.prefix)  # the environment running the tests; `make -n` only prints, so nothing is installed
 
@@ -20,7 +20,7 @@ def make(*args):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=time_limit(60),
     )
 
 
@@ -204,7 +204,7 @@ def test_cpu_threads_follow_the_cores_make_may_use():
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=time_limit(60),
         preexec_fn=lambda: os.sched_setaffinity(0, {first}),
     )
     assert "--num_processes 1 --num_cpu_threads_per_process 1 " in launch_line(pinned)
@@ -239,7 +239,7 @@ def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=time_limit(60),
         env=dict(os.environ, PYTHONPATH="/extra"),
     )
     assert f"PYTHONPATH := {REPO}:/extra" in proc.stdout

@@ -19,6 +19,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
+    time_limit,
 )
 
 from recipe_tools import multinode
@@ -143,7 +144,7 @@ def test_remote_nodes_get_ssh_with_rank_address_and_forwarded_network_settings(m
 
 
 def wait_for_listener(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + time_limit(timeout)
     while time.monotonic() < deadline:
         with socket.socket() as probe:
             if probe.connect_ex(("127.0.0.1", port)) == 0:
@@ -189,7 +190,7 @@ def test_slurm_node_script_joins_two_nodes_through_c10d(tmp_path):
             )
             if node == 0:
                 wait_for_listener(port)
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
+        outputs = [p.communicate(timeout=time_limit(180))[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -234,12 +235,12 @@ def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(t
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + time_limit(30)
     while not (tmp_path / "srun_args").exists():
         assert time.monotonic() < deadline and job.poll() is None, job.communicate()[0]
         time.sleep(0.05)
     job.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@180` sends to the batch script
-    output = job.communicate(timeout=30)[0]
+    output = job.communicate(timeout=time_limit(30))[0]
     assert job.returncode == 0, output
     assert (tmp_path / "srun_signal").read_text().strip() == "TERM"
     assert (tmp_path / "scontrol_args").read_text().split() == ["requeue", "4242"]

@@ -8,14 +8,14 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from conftest import REPO, recipe_env, run
+from conftest import REPO, recipe_env, run, time_limit
 
 
 def bare_interpreter(folder):
     """A venv without pip whose only packages are this environment's site-packages, read through a .pth line: the
     dependencies are there, this project is not (its editable install is a .pth of that folder, which Python does not
     follow from a .pth-added path)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=time_limit(120))
     python = folder / "bin" / "python"
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, check_png
+from conftest import PYTHON, REPO, check_png, time_limit
 from eval_pictures import detection_confusion_matrix, plot_pr_curve
 from train import coco_map
 
@@ -100,7 +100,7 @@ print("finished")
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=time_limit(120),
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr

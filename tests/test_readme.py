@@ -7,6 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from conftest import time_limit
 
 REPO = Path(__file__).resolve().parent.parent
 EN, ZH = REPO / "README.md", REPO / "README_zh.md"
@@ -62,7 +63,7 @@ def test_the_two_setup_commands_are_there():
 def makefile_targets() -> tuple[set[str], list[re.Pattern]]:
     """Explicit targets and pattern rules (cifar-%gpu style) from make's own database, generated ones included."""
     out = subprocess.run(
-        ["make", "-pRrq", "-f", "Makefile", ":"], cwd=REPO, capture_output=True, text=True, timeout=60
+        ["make", "-pRrq", "-f", "Makefile", ":"], cwd=REPO, capture_output=True, text=True, timeout=time_limit(60)
     ).stdout
     names = {m.group(1) for m in re.finditer(r"^([A-Za-z0-9_%./-]+):(?!=)", out, re.M)}
     patterns = [re.compile(re.escape(n).replace("%", ".+") + "$") for n in names if "%" in n]

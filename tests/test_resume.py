@@ -31,6 +31,7 @@ from conftest import (
     recipe_env,
     run,
     text_files,
+    time_limit,
 )
 from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
@@ -115,7 +116,7 @@ def start(cmd, env, log: Path) -> subprocess.Popen:
 
 def wait_for_checkpoint(proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
     marker = output_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json"
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + time_limit(timeout)
     while not marker.exists():
         assert proc.poll() is None, (
             f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
@@ -211,7 +212,7 @@ def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(cifar_
         rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
         assert rank1, "rank 1 not found"
         os.kill(rank1[0], signal.SIGKILL)
-        assert proc.wait(timeout=120) != 0  # the launcher notices and stops rank 0
+        assert proc.wait(timeout=time_limit(120)) != 0  # the launcher notices and stops rank 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -240,7 +241,7 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted,
     proc = start([*stopping, "--output_dir", out], env, log)
     wait_for_checkpoint(proc, out, 6, log)  # the end of epoch 1
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE, log.read_text()[-3000:]
+    assert proc.wait(timeout=time_limit(120)) == PREEMPTED_EXIT_CODE, log.read_text()[-3000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved[-1] > "step_00000006", saved  # a new checkpoint, after the epoch-end one
     stop_line = [line for line in log.read_text().splitlines() if line.startswith("stopped:")]

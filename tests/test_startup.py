@@ -6,7 +6,19 @@ import socket
 import subprocess
 import time
 
-from conftest import ACCELERATE, CIFAR_SCRIPT, CONFIGS, PYTHON, REPO, TINY, fails_with, free_port, recipe_env, run
+from conftest import (
+    ACCELERATE,
+    CIFAR_SCRIPT,
+    CONFIGS,
+    PYTHON,
+    REPO,
+    TINY,
+    fails_with,
+    free_port,
+    recipe_env,
+    run,
+    time_limit,
+)
 
 
 def lone_process(tmp_path, rank: int, port: int, timeout: int = 10) -> subprocess.Popen:
@@ -45,8 +57,8 @@ def test_a_rank_that_never_joins_and_a_missing_main_node_end_within_the_timeout(
     main_alone = lone_process(tmp_path, 0, free_port())
     port = free_port()
     worker_alone = lone_process(tmp_path, 1, port)
-    out0, err0 = main_alone.communicate(timeout=180)
-    out1, err1 = worker_alone.communicate(timeout=180)
+    out0, err0 = main_alone.communicate(timeout=time_limit(180))
+    out1, err1 = worker_alone.communicate(timeout=time_limit(180))
     # 10 s of waiting; the rest is importing torch and building the data on a loaded 2-core machine.
     assert time.monotonic() - started < 120
     for proc, stderr in ((main_alone, err0), (worker_alone, err1)):
@@ -101,7 +113,7 @@ def test_busy_port_is_named(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         proc = lone_process(tmp_path, 0, port)
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=time_limit(180))
     proc.stdout, proc.stderr, proc.output = stdout, stderr, stdout + stderr
     fails_with(proc, f"port {port} on 127.0.0.1 is in use", "--main_process_port")
 
@@ -177,12 +189,12 @@ def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_with_one_checkpoin
         stderr=subprocess.STDOUT,
     )
     marker = out / "checkpoints" / "step_00000010" / "checkpoint.json"  # the end of epoch 1
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + time_limit(300)
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes stop the job: the launcher passes it to its workers
-    assert proc.wait(timeout=120) != 0
+    assert proc.wait(timeout=time_limit(120)) != 0
     text = log.read_text()
     stops = [line for line in text.splitlines() if line.startswith("stopped:")]
     assert len(stops) == 1 and "SIGTERM at step" in stops[0], text[-3000:]  # rank 0 reports for both

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from conftest import PYTHON, check, recipe_env, run
 
 from accelerate_recipes.checkpoints import Checkpoints, recover_folder
 from accelerate_recipes.cli import RecipeError, expand_preset
@@ -488,3 +489,20 @@ def test_no_preset_leaves_the_command_line_as_it_is():
 def test_an_unknown_preset_names_the_known_ones():
     with pytest.raises(RecipeError, match="unknown --preset 'fast94'; choose one of: fast, tiny"):
         expand_preset(["--preset", "fast94"], PRESETS)
+
+
+def test_cpu_precision_follows_what_torch_may_use_and_the_documented_override(tmp_path):
+    """bf16 is picked on the CPU only where it is native: never where oneDNN is kept to AVX2 (bf16 is emulated there,
+    tens of times slower than fp32), and ACCELERATE_RECIPES_CPU_BF16 overrides the detection either way."""
+    env = recipe_env(tmp_path)
+    env.pop("ACCELERATE_RECIPES_CPU_BF16", None)
+
+    def precision(**extra):
+        probe = "from accelerate_recipes import cpu_precision; print(cpu_precision())"
+        return run([PYTHON, "-c", probe], {**env, **extra}, timeout=120)
+
+    assert check(precision(ONEDNN_MAX_CPU_ISA="AVX2")).stdout.strip() == "no"
+    assert check(precision(ACCELERATE_RECIPES_CPU_BF16="0")).stdout.strip() == "no"
+    assert check(precision(ONEDNN_MAX_CPU_ISA="AVX2", ACCELERATE_RECIPES_CPU_BF16="1")).stdout.strip() == "bf16"
+    bad = precision(ACCELERATE_RECIPES_CPU_BF16="maybe")
+    assert bad.returncode != 0 and "ACCELERATE_RECIPES_CPU_BF16='maybe': set it to 1 (native bf16) or 0" in bad.stderr
