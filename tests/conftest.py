@@ -93,7 +93,12 @@ def time_scale() -> float:
         if scale <= 0:
             raise pytest.UsageError(f"TEST_TIME_SCALE={given!r}: give a positive number, e.g. TEST_TIME_SCALE=2")
         return scale
-    return min(8.0, max(1.0, measure_workload_seconds() / REFERENCE_WORKLOAD_SECONDS))
+    inherited = os.environ.get("MEASURED_TEST_TIME_SCALE")  # pytest-xdist's workers take the main process's figure
+    if inherited:
+        return float(inherited)
+    scale = min(8.0, max(1.0, measure_workload_seconds() / REFERENCE_WORKLOAD_SECONDS))
+    os.environ["MEASURED_TEST_TIME_SCALE"] = f"{scale:.3f}"
+    return scale
 
 
 TIME_SCALE = time_scale()
