@@ -290,24 +290,27 @@ scaling: $(call needs,bench) ## scaling report (table, chart, predicted vs measu
 sharding: $(call needs,sft) deepspeed-extra ## DDP vs FSDP2 vs ZeRO-3: memory per process (plan, peak) and step time, into outputs/sharding
 	$(PY) benchmarks/sharding.py run $(ARGS)
 
-# The GPU paths, proven on the GPUs of this machine: host-read audit under CUDA sync debug mode, bench, fast94 epoch
-# time, FSDP/DeepSpeed, chat fine-tuning (LoRA and full), detector at 640 px, SIGTERM + resume; with 2+ GPUs also
-# DDP, SyncBN, all-reduce, DataParallel vs DDP and the NCCL doctor. Exit 2 without a GPU. PART=1/2 then PART=2/2 runs
-# it in two parts of at most 9 minutes each on one H100 (for machines whose commands are time-limited), and
-# gpu-check-merge joins their reports.
+# The GPU paths, proven on the GPUs of this machine, most valuable first: chat fine-tuning (LoRA, full, FSDP2), the
+# CIFAR fast path, text under FSDP, the detector at 640 px, SIGTERM + resume, bench with --compile, DeepSpeed ZeRO-3,
+# the host-read audits; with 2+ GPUs also DDP, SyncBN, all-reduce, DataParallel vs DDP and the NCCL doctor. One call
+# fits in 9 minutes (--budget 510) and rewrites outputs/gpu-check/report.md after every step. AFTER=report.json (or
+# AFTER=docs/gpu-proof.json) runs only what that did not prove on these GPUs and software; gpu-check-merge folds a
+# report into docs/gpu-proof.md and .json (no GPU needed). Exit 2 without a GPU.
 # On a machine whose python3 already has PyTorch: make gpu-check PYTHON_ENV=system (no venv, no install). That checks
 # the text and detect extras (datasets among them), not the sft extra: the sft step needs peft too (not gguf), and a
 # python3 without it gets the step reported as not run.
-PART ?=
+AFTER ?=
+REPORT ?= outputs/gpu-check/report.json
 GPU_CHECK_NEEDS = $(if $(filter system,$(PYTHON_ENV)),system-python-text+detect,$(VENV)/.installed-dev)
 .PHONY: gpu-check gpu-check-merge
-gpu-check: $(GPU_CHECK_NEEDS) ## prove every GPU path on this machine's GPUs (PART=1/2, 2/2); report in outputs/gpu-check
-	$(PY) benchmarks/gpu_check.py $(if $(PART),--part $(PART)) $(ARGS)
-gpu-check-merge: $(GPU_CHECK_NEEDS) ## merge the reports of the gpu-check parts into outputs/gpu-check/report.md
-	$(PY) benchmarks/gpu_check.py --merge $(ARGS)
+gpu-check: $(GPU_CHECK_NEEDS) ## prove the GPU paths here in one 9-minute call (AFTER=earlier report); report in outputs/gpu-check
+	$(PY) benchmarks/gpu_check.py $(if $(AFTER),--after $(AFTER)) $(ARGS)
+gpu-check-merge: $(call needs) ## fold a gpu-check report (REPORT=outputs/gpu-check/report.json) into docs/gpu-proof.md
+	$(PY) benchmarks/gpu_check.py --merge $(REPORT) $(ARGS)
 
 # Offline machines: on the target, `python3 -m recipe_tools.wheelhouse describe > target.json`; here (online),
-# the wheels it lacks for the project go to WHEELHOUSE; EXTRAS picks the extras (default text,detect).
+# the wheels it lacks for the project go to WHEELHOUSE; EXTRAS picks the extras (default text,detect,sft,deepspeed:
+# what gpu-check runs, DeepSpeed and its hjson included).
 TARGET_ENV ?=
 WHEELHOUSE ?= wheelhouse
 EXTRAS ?=

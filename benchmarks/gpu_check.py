@@ -1,29 +1,42 @@
 #!/usr/bin/env python
 """One command that proves the GPU paths on whatever NVIDIA GPUs this machine has, and writes a report.
 
-    make gpu-check                                      # all steps, about 15 minutes on one H100
-    python benchmarks/gpu_check.py --part 1/2           # the same in two parts of at most 9 minutes each,
-    python benchmarks/gpu_check.py --part 2/2           #   each with its report in OUTPUT_DIR/part-K/
-    python benchmarks/gpu_check.py --merge              # the parts' reports as one, in OUTPUT_DIR
-    python benchmarks/gpu_check.py --steps bench,fast94 # some steps only
-    python benchmarks/gpu_check.py --device cpu --quick # the harness itself, tiny sizes on gloo CPU processes
+    make gpu-check                                           # every step that fits in one call of 9 minutes
+    python benchmarks/gpu_check.py --after docs/gpu-proof.json --results_dir DIR
+                                                             # only what is not yet proven on these GPUs and
+                                                             #   software; report and logs into DIR
+    python benchmarks/gpu_check.py --merge DIR/report.json   # fold a report into docs/gpu-proof.md and .json
+    python benchmarks/gpu_check.py --steps sft,fast94        # some steps only
+    python benchmarks/gpu_check.py --device cpu --quick      # the harness itself, tiny sizes on gloo CPU processes
 
 It runs from a plain checkout: an interpreter that holds torch, accelerate and transformers is enough (this package
 need not be installed); the checkout's own modules are put first on every step's PYTHONPATH.
 
-Steps (each a subprocess with its own time limit and a fresh folder under OUTPUT_DIR/<step>/):
-  audit-cifar, audit-text, audit-detect   benchmarks/host_reads.py on each recipe, under CUDA sync debug mode: no
-                                          host read and no synchronisation between log steps
-  bench        benchmarks/bench.py (what `make bench` runs): recipe vs article loop vs bare loop, --compile, MFU
-  fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time
+One call is made to fit a short GPU allocation (15 minutes, a command limited to 10): --budget defaults to 510 s, so
+that the call, report included, ends within 9 minutes. It first records the machine (GPUs, driver, Python and package
+versions, /dev/shm, make, gcc, nvcc), then runs the steps in order of value, each a subprocess with its own time limit
+and a fresh folder under OUTPUT_DIR/<step>/, and rewrites OUTPUT_DIR/report.md and report.json after every step, so
+that a call killed from outside still leaves every figure it reached. A step whose estimated time no longer fits is
+left for the next call; a running step that the budget cuts short is stopped (SIGTERM to its launcher, so that the
+recipes save a checkpoint, then its whole process tree) and reported as incomplete, with the figures it reached.
+--after REPORT skips the steps that REPORT (or docs/gpu-proof.json) already proved on GPUs of the same kind with the
+same software, so that calls add up until every step is proven.
+
+Steps, in the order they run:
+  sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here: tokens/s,
+               peak memory against the recipe's memory plan, MFU; on one GPU also LoRA under fsdp.yaml on one process
+               (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter gathered on save); FSDP2 with 2+ GPUs
+  fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time, accuracy
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
-  sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here (FSDP2 with 2+
-               GPUs): tokens/s, peak memory against the recipe's memory plan, MFU
   detect-640   recipes/detect/train.py at 640 px on generated shapes
   preempt      a CIFAR run stopped by SIGTERM (exit 75, checkpoint) and resumed with --resume auto to the end
+  bench        benchmarks/bench.py (what `make bench` runs): recipe vs article loop vs bare loop, --compile, MFU
+  text-deepspeed  the text recipe with deepspeed.yaml (ZeRO-3) when deepspeed imports; unsharded on one GPU; its
+               CUDA ops build at first use (nvcc and ninja), which its estimate includes
+  audit-cifar, audit-text, audit-detect   benchmarks/host_reads.py on each recipe, under CUDA sync debug mode: no
+                                          host read and no synchronisation between log steps
   with 2+ GPUs:
-  text-deepspeed  the text recipe with deepspeed.yaml, when deepspeed is installed
   nccl-doctor  two `python -m recipe_tools.doctor` processes playing two nodes of one GPU each: rendezvous, gloo and
                an NCCL all-reduce between two GPUs
   ddp, sync-bn, allreduce, dp-vs-ddp      2gpu.yaml on all GPUs, --sync_bn, `make allreduce-<N>gpu`, and torch's
@@ -31,15 +44,14 @@ Steps (each a subprocess with its own time limit and a fresh folder under OUTPUT
 Nothing is downloaded: data is generated, the text model is built here (all-MiniLM-L6-v2 when its package is installed),
 the chat model and its tokenizer too.
 
-OUTPUT_DIR/report.md and report.json hold the machine (GPUs, driver, torch, CUDA, accelerate), and per step its
-command, wall time, status (pass, fail, not run: why) and key figures from the run's own results, then the verdict:
-  PASS        every step ran and passed
-  PARTIAL     nothing failed, but some steps could not run here (2+ GPUs, deepspeed, CUDA) or were left to another
-              part or out of --steps: the report names them
-  INCOMPLETE  a step was left out by the time budget, or (--merge) a part has not run
+The verdict of a report:
+  PASS        every step passed (in this call or, with --after, an earlier one)
+  PARTIAL     nothing failed or was cut, but some steps could not run here (2+ GPUs, deepspeed, CUDA) or were left
+              out of --steps, or ran unsharded on one process: the report names them
+  INCOMPLETE  the budget cut a step short or left steps for the next call: run again with --after OUTPUT_DIR/report.json
   FAIL        a step failed
-The exit status is 0 for PASS and PARTIAL (nothing failed), 1 for FAIL and INCOMPLETE, 2 for a usage error or no GPU
-(and no --device cpu).
+The exit status is 0 for PASS and PARTIAL, 1 for FAIL and INCOMPLETE, 2 for a usage error or no GPU (and no
+--device cpu).
 """
 
 import sys
@@ -53,6 +65,8 @@ from accelerate_recipes.cli import answer_help_from_source
 
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch imports
 
+import datetime
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -64,8 +78,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import time
 
+import psutil  # a dependency of accelerate
 from chat_assets import QWEN25_05B, TINY_QWEN2, write_chat_assets  # beside this file
 from gpu_peaks import peak_tflops
 
@@ -74,19 +90,21 @@ from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
 AUDIT = REPO / "benchmarks" / "host_reads.py"
+PROOF = REPO / "docs" / "gpu-proof.json"  # what has been proven on GPUs so far; docs/gpu-proof.md beside it
 # `accelerate launch` through this interpreter: its console script need not sit beside it (or exist at all).
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+# In order of value: what a user most needs proven comes first, so that a short call proves that much at least.
 STEPS = [
+    "sft",
+    "fast94",
+    "text-fsdp",
+    "detect-640",
+    "preempt",
+    "bench",
+    "text-deepspeed",
     "audit-cifar",
     "audit-text",
     "audit-detect",
-    "bench",
-    "fast94",
-    "text-fsdp",
-    "sft",
-    "detect-640",
-    "preempt",
-    "text-deepspeed",
     "nccl-doctor",
     "ddp",
     "sync-bn",
@@ -94,49 +112,68 @@ STEPS = [
     "dp-vs-ddp",
 ]
 # Estimated seconds of each step on one H100 (two for the 2+ GPU steps), start-up and data generation included; not
-# measured yet: a report's wall_seconds replace them. --part balances the parts by these.
+# measured yet. A step starts only when its estimate fits in what is left of --budget (on a GPU).
 ESTIMATED_SECONDS = {
+    "sft": 150,  # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2
+    "fast94": 90,
+    "text-fsdp": 60,
+    "detect-640": 120,
+    "preempt": 90,
+    "bench": 240,
+    "text-deepspeed": 200,  # DeepSpeed's fused Adam and other CUDA ops compiled at first use: about 2 minutes
     "audit-cifar": 60,
     "audit-text": 45,
     "audit-detect": 75,
-    "bench": 240,
-    "fast94": 90,
-    "text-fsdp": 60,
-    "sft": 120,  # the 0.5B model built and saved, then 20 steps each of LoRA and full, with their saves
-    "detect-640": 120,
-    "preempt": 90,
-    "text-deepspeed": 90,
     "nccl-doctor": 30,
     "ddp": 60,
     "sync-bn": 60,
     "allreduce": 45,
     "dp-vs-ddp": 120,
 }
-# Each step's own time limit; all fit in one part's budget.
+# Each step's own time limit: over it the step failed (hung); when --budget ends first, it is incomplete instead.
 TIMEOUTS = {
+    "sft": 420,
+    "fast94": 300,
+    "text-fsdp": 300,
+    "detect-640": 420,
+    "preempt": 420,
+    "bench": 480,
+    "text-deepspeed": 480,
     "audit-cifar": 300,
     "audit-text": 300,
     "audit-detect": 300,
-    "bench": 480,
-    "fast94": 300,
-    "text-fsdp": 300,
-    "sft": 420,
-    "detect-640": 420,
-    "preempt": 420,
-    "text-deepspeed": 300,
     "nccl-doctor": 240,
     "ddp": 300,
     "sync-bn": 300,
     "allreduce": 300,
     "dp-vs-ddp": 480,
 }
-PART_BUDGET, WHOLE_BUDGET = 520, 1800  # default --budget: one part ends within 9 minutes, report included
-UNSHARDED = "unsharded: world size 1, no NCCL traffic; proves the FSDP code path, not sharding"
+# One call within 9 minutes: the budget, then at most STOP_GRACE_SECONDS for a cut step to save and exit, and the
+# report and logs written.
+DEFAULT_BUDGET, STOP_GRACE_SECONDS = 510, 20
+UNSHARDED = "unsharded: world size 1, no NCCL traffic; proves the sharded code path, not sharding"
+NEXT_CALL = "left for the next call"  # the detail of a step the budget did not reach
+RESULT_FILES = ("report.md", "report.json", "logs.tar.gz")  # all that --results_dir receives
+# What the logs tar leaves out: models, checkpoints and generated inputs (a full fine-tune writes about 10 GB).
+LOG_SUFFIXES, LOG_MAX_BYTES = (".txt", ".jsonl", ".json", ".md", ".log"), 2_000_000
+NOT_LOGS = {"checkpoints", "inputs", "data", "datasets-cache", "text-data", "bert", "model"}
+MODEL_FILES = re.compile(
+    r"(config|tokenizer.*|vocab|merges|special_tokens_map|generation_config|.*\.index)\.(json|txt)"
+)
+# What a later fix may need to know about the machine: recorded before the first step.
+PACKAGES = (
+    "torch torchvision accelerate transformers peft datasets pyarrow fsspec huggingface-hub tokenizers safetensors "
+    "numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil pyyaml"
+).split()
 WORDS = {
     "positive": "good great fine superb lovely brilliant".split(),
     "negative": "bad awful poor dull boring terrible".split(),
     "neutral": "the a movie film plot actor story was is and it very".split(),
 }
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT reached gpu-check itself: stop the running step, write the report, end."""
 
 
 def read_json(path: Path) -> dict:
@@ -228,6 +265,8 @@ class Check:
         self.out, self.gpus, self.quick, self.deadline = out, gpus, quick, deadline
         self.cuda = gpus > 0
         self.results: list[dict] = []
+        self.cut = False  # set when the budget stopped a command of the running step
+        self.running: set[subprocess.Popen] = set()  # the commands started and not yet ended
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", SWANLAB_MODE="disabled")
         # Every step's processes import this checkout's packages, installed or not; a PYTHONPATH already set (wheels
         # unpacked with pip --target) stays behind it.
@@ -275,60 +314,76 @@ class Check:
         left = self.deadline - time.monotonic()
         return (max(1.0, left), "what was left of --budget") if left < timeout else (timeout, "the step's own limit")
 
-    def execute(self, command: list[str], run_dir: Path, timeout: float, log_name: str = "log.txt") -> tuple[int, str]:
-        """Run one command with its output in RUN_DIR/log.txt; (exit status, last lines). 124: over its time."""
-        timeout, which = self.limit(timeout)
-        log = run_dir / log_name
-        with log.open("w") as handle:
+    def start(self, command: list, log: Path, env: dict | None = None) -> subprocess.Popen:
+        """COMMAND in a session of its own (a signal to gpu-check does not reach it; stop() ends it), output to LOG."""
+        with log.open("w") as handle:  # the child holds its own copy of the file
             handle.write("$ " + " ".join(map(str, command)) + "\n")
             handle.flush()
             proc = subprocess.Popen(
                 [str(c) for c in command],
                 cwd=REPO,
-                env=self.env,
+                env=env or self.env,
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                stop(proc)
-                code = 124
+        self.running.add(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen, seconds: float, which: str) -> int:
+        """PROC's exit status, or 124 after stopping it when SECONDS pass (a cut when WHICH is the budget)."""
+        try:
+            return proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            self.cut = self.cut or "budget" in which or time.monotonic() >= self.deadline
+            stop(proc)
+            return 124
+
+    def execute(self, command: list[str], run_dir: Path, timeout: float, log_name: str = "log.txt") -> tuple[int, str]:
+        """Run one command with its output in RUN_DIR/log.txt; (exit status, last lines). 124: over its time."""
+        timeout, which = self.limit(timeout)
+        log = run_dir / log_name
+        code = self.wait(self.start(command, log), timeout, which)
         last = tail(log)
         if code == 124:
             last = f"stopped after {timeout:.0f} s, {which}\n{last}"
         return code, last
 
-    def step(self, name: str, needs: str | None, body, timeout: float) -> None:
-        """Run one step's BODY(run_dir, timeout) -> (status, commands, figures, detail) and record the outcome."""
+    def step(self, name: str, body, timeout: float) -> dict:
+        """Run one step's BODY(run_dir, timeout) -> (status, commands, figures, detail); its record. A failure that
+        the budget caused (a command stopped when --budget ran out) is recorded as incomplete, not failed."""
         print(f"== {name}", flush=True)
-        record = {"step": name, "status": "not run", "commands": [], "wall_seconds": 0.0, "figures": {}, "detail": ""}
-        if needs:
-            record["detail"] = needs
-        elif time.monotonic() >= self.deadline:
-            record["detail"] = "time budget spent"
-        else:
-            run_dir = self.folder(name)
-            started = time.perf_counter()
-            try:
-                status, commands, figures, detail = body(run_dir, timeout)
-            except Exception as err:  # a broken step is a failed step, the others still run
-                status, commands, figures, detail = "fail", [], {}, f"{type(err).__name__}: {err}"
-            record.update(
-                status=status,
-                commands=commands,
-                figures=figures,
-                detail=detail,
-                wall_seconds=round(time.perf_counter() - started, 1),
-                output_dir=str(run_dir),
-            )
+        run_dir = self.folder(name)
+        started = time.perf_counter()
+        self.cut = interrupted = False
+        try:
+            status, commands, figures, detail = body(run_dir, timeout)
+        except Interrupted:
+            status, commands, figures, detail = "incomplete", [], {}, "gpu-check was stopped by a signal"
+            interrupted = True
+        except Exception as err:  # a broken step is a failed step, the others still run
+            status, commands, figures, detail = "fail", [], {}, f"{type(err).__name__}: {err}"
+        for proc in list(self.running):  # whatever the body left running (an exception, a signal) ends with it
+            stop(proc)
+        self.running.clear()
+        if status == "fail" and self.cut:
+            status, detail = "incomplete", f"cut short when --budget ran out; {detail}"
+        record = {
+            "step": name,
+            "status": status,
+            "commands": commands,
+            "wall_seconds": round(time.perf_counter() - started, 1),
+            "figures": figures,
+            "detail": detail,
+            "output_dir": str(run_dir),
+            "finished_at": now(),
+            "host": platform.node(),
+        }
         self.results.append(record)
-        print(
-            f"   {record['status']}{': ' + record['detail'].splitlines()[-1] if record['detail'] else ''} "
-            f"({record['wall_seconds']} s)",
-            flush=True,
-        )
+        print(f"   {status}{': ' + detail.splitlines()[-1] if detail else ''} ({record['wall_seconds']} s)", flush=True)
+        if interrupted:
+            raise Interrupted
+        return record
 
     def simple(self, command, run_dir, timeout, figures, expect: int = 0):
         """One command; pass when it exits EXPECT and figures(run_dir) works."""
@@ -511,16 +566,25 @@ class Check:
 
         return body
 
+    def sft_runs(self) -> list[tuple[str, list[str], int]]:
+        """(name, launch, processes) of each chat fine-tune: with 2+ GPUs LoRA and full under FSDP2 on all of them;
+        on one GPU (and the CPU) LoRA and full on one device, then LoRA under fsdp.yaml: one process on a GPU
+        (unsharded), two gloo processes on the CPU (FSDP needs a process group there)."""
+        if self.gpus >= 2:
+            launch = self.launch("fsdp", self.gpus)
+            return [("lora", launch, self.gpus), ("full", launch, self.gpus)]
+        fsdp = 1 if self.cuda else 2
+        return [("lora", self.single(), 1), ("full", self.single(), 1), ("lora-fsdp", self.launch("fsdp", fsdp), fsdp)]
+
     def sft(self, run_dir, timeout):
-        """recipes/sft.py twice on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU): a LoRA
-        adapter and a full fine-tune, both packed, on all GPUs (FSDP2 with 2+); throughput, memory against the
-        recipe's own plan, and MFU."""
+        """recipes/sft.py on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU): a LoRA adapter
+        and a full fine-tune, packed, and on one GPU LoRA under FSDP2 too; throughput, memory against the recipe's own
+        plan, and MFU. A run the budget cuts keeps the figures of the runs before it."""
         small = self.quick or not self.cuda
-        end = time.monotonic() + self.limit(timeout)[0]  # both runs and the inputs within the step's time
+        end = time.monotonic() + self.limit(timeout)[0]  # every run and the inputs within the step's time
         assets = write_chat_assets(
             run_dir / "inputs", TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (640, 64))
         )
-        processes = self.gpus if self.cuda else 2
         steps = 3 if small else 20  # 20 x 16 conversations per GPU: half the 640 generated, read once
         common = [
             RECIPES / "sft.py",
@@ -533,9 +597,6 @@ class Check:
             "--packing",
             "--max_length",
             "1024",
-            # a decent load per GPU: 16 conversations of ~450 tokens, packed into one row of ~7,000 tokens
-            "--batch_size",
-            str((2 if small else 16) * processes),
             "--max_steps",
             str(steps),
             "--log_every",
@@ -551,28 +612,36 @@ class Check:
         ]
         # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
-        launch = self.launch("1gpu") if self.gpus == 1 else self.launch("fsdp", processes)
         peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems = [], {}, []
-        for method, extra in (("lora", ["--lora_r", "16"]), ("full", [])):
-            out = run_dir / method
-            command = [*launch, *common, *extra, "--output_dir", out]
+        for name, launch, processes in self.sft_runs():
+            method = name.split("-")[0]
+            out = run_dir / name
+            # a decent load per GPU: 16 conversations of ~450 tokens, packed into one row of ~7,000 tokens
+            batch = ["--batch_size", str((2 if small else 16) * processes)]
+            command = [*launch, *common, *batch, *(["--lora_r", "16"] if method == "lora" else []), "--output_dir", out]
             shown.append(" ".join(map(str, command)))
-            code, last = self.execute(command, run_dir, end - time.monotonic(), f"{method}.txt")
+            code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
             results = read_json(out / "results.json")
-            figures[method] = sft_figures(results, assets, peak, method)
             losses = logged(out, "train/loss")
+            figures[name] = sft_figures(results, assets, peak, method)
+            if method == "lora":
+                figures[name]["adapter_saved"] = (out / "adapter_model.safetensors").is_file()
             if code != 0:
-                problems.append(f"{method}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                if code == 124:
+                    break  # out of time: the runs after it would not fit either
             elif not losses:
-                problems.append(f"{method}: no training loss in {out / 'metrics.jsonl'}")
+                problems.append(f"{name}: no training loss in {out / 'metrics.jsonl'}")
             elif not all(math.isfinite(x) for x in losses):
-                problems.append(f"{method}: a non-finite training loss among {losses}")
+                problems.append(f"{name}: a non-finite training loss among {losses}")
             elif not results.get("peak_memory_mb"):
-                problems.append(f"{method}: no peak_memory_mb in {out / 'results.json'}")
+                problems.append(f"{name}: no peak_memory_mb in {out / 'results.json'}")
+            elif method == "lora" and not figures[name]["adapter_saved"]:
+                problems.append(f"{name}: no adapter_model.safetensors in {out}")
         notes = [
-            f"{method}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's total"
-            for method, f in figures.items()
+            f"{name}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's total"
+            for name, f in figures.items()
             if f.get("peak_over_plan", 0) > 1.5
         ]
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems + notes)
@@ -663,40 +732,31 @@ class Check:
         started = time.monotonic()
         end = started + seconds
         log = run_dir / "log.txt"
-        with log.open("w") as handle:
-            proc = subprocess.Popen(
-                [str(c) for c in command],
-                cwd=REPO,
-                env=self.env,
-                stdout=handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        proc = self.start(command, log)
+        metrics = run_dir / "metrics.jsonl"
+        steps = 0
+        while proc.poll() is None and time.monotonic() < started + seconds / 2:
+            steps = metrics.read_text().count('"train/loss"') if metrics.is_file() else 0
+            if steps >= 3:
+                break
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            return "fail", shown, {}, f"the run ended (exit {proc.returncode}) before step 3:\n{tail(log)}"
+        if steps < 3:
+            self.cut = "budget" in which
+            stop(proc)
+            return (
+                "fail",
+                shown,
+                {"steps_reached": steps},
+                f"step 3 not reached within {seconds / 2:.0f} s (half of {which}, {seconds:.0f} s):\n{tail(log)}",
             )
-            metrics = run_dir / "metrics.jsonl"
-            steps = 0
-            while proc.poll() is None and time.monotonic() < started + seconds / 2:
-                steps = metrics.read_text().count('"train/loss"') if metrics.is_file() else 0
-                if steps >= 3:
-                    break
-                time.sleep(0.2)
-            if proc.poll() is not None:
-                return "fail", shown, {}, f"the run ended (exit {proc.returncode}) before step 3:\n{tail(log)}"
-            if steps < 3:
-                stop(proc)
-                return (
-                    "fail",
-                    shown,
-                    {"steps_reached": steps},
-                    f"step 3 not reached within {seconds / 2:.0f} s (half of {which}, {seconds:.0f} s):\n{tail(log)}",
-                )
-            signalled_at = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            wait = max(1.0, (end - signalled_at) / 2)
-            try:
-                code = proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                stop(proc)
-                return "fail", shown, {}, f"no exit within {wait:.0f} s of SIGTERM ({which}):\n{tail(log)}"
+        signalled_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        wait = max(1.0, (end - signalled_at) / 2)
+        code = self.wait(proc, wait, which)
+        if code == 124:
+            return "fail", shown, {}, f"no exit within {wait:.0f} s of SIGTERM ({which}):\n{tail(log)}"
         stop_seconds = time.monotonic() - signalled_at
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*") if p.is_dir())
         if code != PREEMPTED_EXIT_CODE or not checkpoints:
@@ -752,26 +812,11 @@ class Check:
         seconds, which = self.limit(timeout)
         end = time.monotonic() + seconds
         logs = [run_dir / f"rank{rank}.txt" for rank in (0, 1)]
-        procs = []
-        for rank, (command, log) in enumerate(zip(commands, logs)):
-            with log.open("w") as handle:  # the child holds its own copy of the file
-                procs.append(
-                    subprocess.Popen(
-                        [str(c) for c in command],
-                        cwd=REPO,
-                        stdout=handle,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        env=dict(self.env, LOCAL_RANK=str(rank)),
-                    )
-                )
-        codes = []
-        for proc in procs:
-            try:
-                codes.append(proc.wait(timeout=max(1.0, end - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                stop(proc)
-                codes.append(124)
+        procs = [
+            self.start(command, log, dict(self.env, LOCAL_RANK=str(rank)))
+            for rank, (command, log) in enumerate(zip(commands, logs))
+        ]
+        codes = [self.wait(proc, max(1.0, end - time.monotonic()), which) for proc in procs]
         outputs = [log.read_text(errors="replace") for log in logs]
         nccl = next((line[4:] for line in outputs[0].splitlines() if "NCCL all-reduce" in line), "")
         busbw = re.search(r"busbw ([\d.]+) GB/s", nccl)
@@ -950,13 +995,49 @@ def sft_figures(results: dict, assets: dict, peak: float | None, method: str) ->
     return figures
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Kill a command started in a session of its own: the launcher and every process it started."""
+def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
+    """End a step's command and every process it started, as a user would: SIGTERM to the launcher's process group
+    first (torchrun passes it on to its workers, and the recipes save a checkpoint and exit 75), then, after at most
+    GRACE seconds, SIGKILL to whatever is left of the process tree. torchrun starts each worker in a session of its
+    own, outside the launcher's group, and a worker whose launcher has ended is no longer its child: so the tree is
+    collected before the signal and again while it ends, and each process in it is killed by identity (PID and start
+    time, so that a reused PID is left alone)."""
+    tree = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    end = time.monotonic() + grace
+    while time.monotonic() < end:
+        tree |= descendants(proc.pid)
+        if proc.poll() is not None and not any(alive(p) for p in tree):
+            break
+        time.sleep(0.1)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
+    psutil.wait_procs(list(tree), timeout=5)
+
+
+def descendants(pid: int) -> set:
+    try:
+        return set(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return set()
+
+
+def alive(process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -966,72 +1047,109 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 # ------------------------------------------------------------------------------------------------------ plan
-def requirements(gpus: int, deepspeed: bool, missing_for_sft: tuple[str, ...] = ()) -> dict[str, str | None]:
+def requirements(
+    gpus: int, deepspeed_problem: str | None = "deepspeed not installed", missing_for_sft: tuple[str, ...] = ()
+) -> dict[str, str | None]:
     """Per step, why it cannot run on this machine (None: it runs). On the CPU two gloo processes stand in for two
     GPUs, and the recipes run FSDP2 over gloo (accelerate's launcher alone would not); SyncBatchNorm, DataParallel,
-    NCCL and DeepSpeed's GPU path need CUDA. MISSING_FOR_SFT: the packages of the chat recipe (peft, datasets) that
-    this interpreter lacks."""
+    NCCL and DeepSpeed's GPU path need CUDA. DEEPSPEED_PROBLEM: why deepspeed does not import here (None: it does).
+    MISSING_FOR_SFT: the packages of the chat recipe (peft, datasets) that this interpreter lacks."""
     needs = dict.fromkeys(STEPS)
     if missing_for_sft:
         needs["sft"] = f"{', '.join(missing_for_sft)} not installed"
     two = None if gpus >= 2 else "needs 2+ GPUs" if gpus else "needs CUDA"
-    needs.update(
-        {"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": two or (None if deepspeed else "deepspeed not installed")}
-    )
+    needs.update({"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": deepspeed_problem if gpus else "needs CUDA"})
     if gpus:
         needs.update({"nccl-doctor": two, "ddp": two, "allreduce": two})
     return needs
 
 
-def split(steps: list[str], parts: int, needs: dict[str, str | None]) -> list[list[str]]:
-    """STEPS in PARTS groups of about equal estimated time: the longest step first into the part with the least so
-    far; a step that cannot run here costs nothing. Each part runs in the order of STEPS, except that bench, whose
-    compile time is the least known, runs last: if it overruns the budget, it cuts only itself short."""
-    loads, groups = [0] * parts, [[] for _ in range(parts)]
-    for name in sorted(steps, key=lambda s: (-(0 if needs.get(s) else ESTIMATED_SECONDS[s]), STEPS.index(s))):
-        k = loads.index(min(loads))
-        groups[k].append(name)
-        loads[k] += 0 if needs.get(name) else ESTIMATED_SECONDS[name]
-    return [sorted(g, key=lambda s: (s == "bench", STEPS.index(s))) for g in groups]
+def proof_key(mode: str, quick: bool, machine: dict) -> dict:
+    """What a proof holds for: the GPUs (kind and count) and the software the steps ran with."""
+    packages = machine.get("packages", {})
+    return {
+        "mode": mode,
+        "quick": quick,
+        "devices": machine["devices"],
+        **{name: machine.get(name) for name in ("torch", "cuda", "accelerate", "transformers")},
+        "peft": packages.get("peft"),
+    }
 
 
-def estimate(steps: list[str], needs: dict[str, str | None]) -> int:
-    return sum(ESTIMATED_SECONDS[s] for s in steps if not needs.get(s))
+def proven_steps(earlier: dict, key: dict) -> tuple[dict[str, dict], list[str]]:
+    """The passed step records of EARLIER (a report, or a proof file such as docs/gpu-proof.json) that hold for KEY,
+    and, when none can, how EARLIER's GPUs or software differ from these."""
+    if "machines" in earlier:
+        for machine in earlier["machines"]:
+            if machine["key"] == key:
+                return dict(machine["steps"]), []
+        return {}, [f"no entry for {_describe_key(key)}"]
+    if earlier.get("key") != key:
+        theirs = earlier.get("key", {})
+        return {}, [f"{k} {theirs.get(k)!r} there, {v!r} here" for k, v in key.items() if theirs.get(k) != v]
+    return {r["step"]: r for r in earlier.get("steps", []) if r["status"] == "pass"}, []
 
 
-def parse_part(part) -> tuple[int, int]:
-    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(part))
-    if not match or not 1 <= int(match[1]) <= int(match[2]):
-        raise RecipeError(f"--part {part} is not K/N with 1 <= K <= N; e.g. --part 1/2, then --part 2/2, then --merge")
-    return int(match[1]), int(match[2])
+def _describe_key(key: dict) -> str:
+    devices = key["devices"]
+    return (
+        f"{len(devices)} x {devices[0] if devices else '?'}, torch {key['torch']}, CUDA {key['cuda']}, "
+        f"accelerate {key['accelerate']}, transformers {key['transformers']}, peft {key['peft']}"
+        + (" (--quick)" if key.get("quick") else "")
+        + (f" ({key['mode']})" if key.get("mode") != "gpu" else "")
+    )
+
+
+def read_earlier(path: str) -> dict:
+    """--after PATH: a report.json of an earlier call (or its folder), or a proof file."""
+    file = Path(path)
+    file = file / "report.json" if file.is_dir() else file
+    if not file.is_file():
+        raise RecipeError(
+            f"--after {path} not found: give the report.json an earlier call wrote (OUTPUT_DIR/report.json or "
+            f"RESULTS_DIR/report.json), or {PROOF.relative_to(REPO)}"
+        )
+    try:
+        earlier = json.loads(file.read_text())
+        earlier["machines"] if "machines" in earlier else (earlier["key"], earlier["steps"])
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise RecipeError(
+            f"--after {path} is neither a gpu-check report nor a proof file ({type(err).__name__}: {err}); give the "
+            "report.json that gpu-check wrote"
+        ) from None
+    return earlier
 
 
 # ----------------------------------------------------------------------------------------------------- report
 def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
-    """The verdict over step records (status pass, fail or not run), with ABSENT the steps this report does not hold
-    and why ("not in --steps", "in part 2/2"): {"verdict", "not_proved": ["step: why"], "notes": {step: note}}.
+    """The verdict over step records (status pass, fail, incomplete or not run), with ABSENT the steps this report
+    does not hold and why ("not in --steps"): {"verdict", "not_proved": ["step: why"], "notes": {step: note}}.
 
-    FAIL when a step failed; INCOMPLETE when the time budget (or a part that has not run) left a step out; PARTIAL
-    when nothing failed but not every path was proved here (no 2+ GPUs, no deepspeed, no CUDA, FSDP on one process,
-    steps left out); PASS otherwise. The verdict names every step that is not PASS, grouped by why."""
+    FAIL when a step failed; INCOMPLETE when the budget cut a step short or left it for the next call; PARTIAL when
+    nothing failed but not every path was proved here (no 2+ GPUs, no deepspeed, no CUDA, a sharded path on one
+    process, steps left out); PASS otherwise. The verdict names every step that is not PASS, grouped by why."""
     failed = [r["step"] for r in steps if r["status"] == "fail"]
     left_out = [
-        f"{r['step']}: {r['detail']}"
+        f"{r['step']}: {r['detail'].splitlines()[0] if r['status'] == 'not run' else 'cut short by --budget'}"
         for r in steps
-        if r["status"] == "not run" and (r["detail"] == "time budget spent" or r["detail"].startswith("part "))
+        if r["status"] == "incomplete" or (r["status"] == "not run" and r["detail"].startswith(NEXT_CALL))
     ]
     not_proved = [
         f"{r['step']}: {r['detail']}"
         for r in steps
-        if r["status"] == "not run" and f"{r['step']}: {r['detail']}" not in left_out
+        if r["status"] == "not run" and r["step"] not in {line.split(": ")[0] for line in left_out}
     ]
     not_proved += [f"{name}: {why}" for name, why in (absent or {}).items()]
     notes = {}
     for r in steps:
-        if r["step"] == "text-fsdp" and r["status"] == "pass" and r["figures"].get("world_size") == 1:
-            notes[r["step"]] = UNSHARDED
-            not_proved.append(f"FSDP sharding: text-fsdp ran {UNSHARDED}")
+        if r["status"] == "pass" and unsharded(r["figures"]):
+            notes[r["step"]] = f"{', '.join(unsharded(r['figures']))} {UNSHARDED}"
+            not_proved.append(f"sharding in {r['step']}: {UNSHARDED}")
         if r["step"] == "nccl-doctor" and r["status"] == "pass" and not r["figures"].get("busbw_gbps"):
             notes[r["step"]] = "gloo only; " + (r["figures"].get("nccl") or "the NCCL all-reduce did not run")
     verdict = [f"FAIL: {', '.join(failed)}"] if failed else []
@@ -1041,12 +1159,27 @@ def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
     return {"verdict": "; ".join(verdict) or "PASS", "not_proved": not_proved, "notes": notes}
 
 
+def unsharded(figures: dict) -> list[str]:
+    """The runs in a step's FIGURES that took a sharded path (FSDP, DeepSpeed) on one process: "ran" for the step's
+    own run, or the names of its runs (sft's lora-fsdp)."""
+
+    def one(f):
+        return f.get("world_size") == 1 and f.get("distributed_type") in ("FSDP", "DEEPSPEED")
+
+    if one(figures):
+        return ["ran"]
+    runs = [name for name, f in figures.items() if isinstance(f, dict) and one(f)]
+    return [f"{', '.join(runs)} ran"] if runs else []
+
+
 def _grouped(lines: list[str]) -> str:
     """["a: why", "b: why", "c: other"] as "a, b (why); c (other)", for a verdict of one line."""
     reasons: dict[str, list[str]] = {}
     for line in lines:
         what, why = line.split(": ", 1)
-        reasons.setdefault("one process" if what == "FSDP sharding" else why, []).append(what)
+        if what.startswith("sharding in "):
+            what, why = f"sharding in {what[12:]}", "one process"
+        reasons.setdefault(why, []).append(what)
     return "; ".join(f"{', '.join(names)} ({why})" for why, names in reasons.items())
 
 
@@ -1055,60 +1188,120 @@ def exit_status(verdict: str) -> int:
     return 1 if verdict.startswith(("FAIL", "INCOMPLETE")) else 0
 
 
-def machine_facts(gpus: int) -> dict:
-    import accelerate
-    import torch
-    import transformers
+def first_line(command: list[str], pick: str | None = None) -> str | None:
+    """The first line of COMMAND's output (the one holding PICK, when given), or None when it does not run."""
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return next((line for line in lines if pick and pick in line), lines[0] if lines else None)
 
+
+def machine_facts(gpus: int) -> dict:
+    """What a later fix would need to know about this machine, recorded before the first step: Python and package
+    versions, GPUs and driver, /dev/shm (DataLoader workers share tensors through it), make, gcc, nvcc and ninja (which
+    DeepSpeed needs to build its CUDA ops), and whether deepspeed imports."""
+    import torch
+
+    packages = {}
+    for name in PACKAGES:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
     facts = {
         "host": platform.node(),
+        "recorded_at": now(),
         "python": platform.python_version(),
+        "executable": sys.executable,
+        "platform": platform.platform(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "accelerate": accelerate.__version__,
-        "transformers": transformers.__version__,
+        "accelerate": packages["accelerate"],
+        "transformers": packages["transformers"],
+        "packages": packages,
         "gpus": gpus,
-        "devices": [torch.cuda.get_device_name(i) for i in range(gpus)] or [f"CPU ({os.cpu_count()} cores)"],
+        "cpus": f"{len(os.sched_getaffinity(0))} of {os.cpu_count()}",
     }
-    if gpus:
-        smi = shutil.which("nvidia-smi")
-        if smi:
-            try:
-                proc = subprocess.run(
-                    [smi, "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                )
-                facts["nvidia_smi"] = proc.stdout.strip().splitlines()
-            except subprocess.TimeoutExpired:
-                facts["nvidia_smi"] = ["nvidia-smi did not answer within 60 s"]
-    facts["deepspeed"] = importlib.util.find_spec("deepspeed") is not None
+    smi = shutil.which("nvidia-smi")
+    if gpus and smi:
+        query = ["--query-gpu=name,driver_version,memory.total,compute_cap", "--format=csv,noheader"]
+        try:
+            rows = subprocess.run([smi, *query], capture_output=True, text=True, timeout=60).stdout.splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            rows = []
+        facts["nvidia_smi"] = [row.strip() for row in rows if row.strip()]
+        # the names from nvidia-smi: torch would open a CUDA context here and hold its memory through every step
+        facts["devices"] = [row.split(",")[0] for row in facts["nvidia_smi"]][:gpus]
+    if gpus and len(facts.get("devices", [])) != gpus:
+        facts["devices"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    if not gpus:
+        facts["devices"] = [f"CPU ({os.cpu_count()} cores)"]
+    try:
+        shm = shutil.disk_usage("/dev/shm")
+        facts["dev_shm"] = f"{shm.total / 2**30:.1f} GiB, {shm.free / 2**30:.1f} GiB free"
+    except OSError:
+        facts["dev_shm"] = None
+    nvcc = shutil.which("nvcc") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
+    facts["tools"] = {
+        "make": first_line(["make", "--version"]),
+        "gcc": first_line(["gcc", "--version"]),
+        "nvcc": first_line([nvcc, "--version"], "release"),
+        "ninja": first_line(["ninja", "--version"]),
+        "nvidia-smi": first_line([smi], "Driver Version") if smi else None,
+    }
+    facts["deepspeed_import"] = deepspeed_imports() if gpus else None
+    facts["commit"] = first_line(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
     return facts
+
+
+def deepspeed_imports() -> str:
+    """ "ok <version>", or why `import deepspeed` fails in this interpreter (a missing wheel such as hjson)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed not installed"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import deepspeed; print(deepspeed.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    except subprocess.TimeoutExpired:
+        return "deepspeed did not import within 180 s"
+    if proc.returncode:
+        return f"deepspeed does not import: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+    return f"ok {proc.stdout.strip().splitlines()[-1]}"
 
 
 def markdown(report: dict) -> str:
     m = report["machine"]
+    tools = m.get("tools", {})
+    packages = m.get("packages", {})
     lines = [
         f"# GPU check: {report['verdict']}",
         "",
         f"{', '.join(m['devices'])}; torch {m['torch']}, CUDA {m['cuda']}, accelerate {m['accelerate']}, "
-        f"transformers {m['transformers']}, Python {m['python']}; host {m['host']}; mode {report['mode']}; "
-        f"{report['wall_seconds']:.0f} s in all.",
+        f"transformers {m['transformers']}, Python {m['python']}; host {m['host']}; mode {report['mode']}"
+        f"{' (--quick)' if report.get('quick') else ''}; started {report.get('started_at', '?')}, "
+        f"{report['wall_seconds']:.0f} s so far of a --budget of {report.get('budget', 0):.0f} s.",
         "",
+        f"Driver and GPUs: {'; '.join(m.get('nvidia_smi', [])) or '-'}. /dev/shm: {m.get('dev_shm')}. "
+        + ", ".join(f"{k}: {v}" for k, v in tools.items() if k != "nvidia-smi")
+        + f". deepspeed: {m.get('deepspeed_import') or packages.get('deepspeed') or 'not installed'}. Packages: "
+        + ", ".join(f"{k} {v}" for k, v in packages.items() if v)
+        + f"; not installed: {', '.join(k for k, v in packages.items() if not v) or 'none'}.",
+        "",
+        f"Command: `{report.get('command', '')}`",
+        "",
+        "| step | status | seconds | key figures |",
+        "|---|---|---:|---|",
     ]
-    for p in report.get("parts", []):
-        lines.append(
-            f"- part {p['part']}: {', '.join(p['steps']) or 'no steps'}; "
-            + (f"ran in {p['wall_seconds']:.0f} s on {p['host']}" if p["ran"] else "not run")
-        )
-    if report.get("parts"):
-        lines.append("")
-    lines += ["| step | status | seconds | key figures |", "|---|---|---:|---|"]
     notes = report.get("notes", {})
     for r in report["steps"]:
         figures = "; ".join(f"{k}: {_short(v)}" for k, v in r["figures"].items() if k not in ("quiet_sites",))
         status = r["status"] + (f" ({r['detail'].splitlines()[0]})" if r["status"] == "not run" and r["detail"] else "")
+        status += f" (earlier call, {r.get('finished_at', '?')})" if r.get("carried") else ""
         status += f" ({notes[r['step']].split(';')[0]})" if r["step"] in notes else ""
         lines.append(f"| {r['step']} | {status} | {r['wall_seconds']} | {figures or '-'} |")
     if report.get("not_proved"):
@@ -1137,132 +1330,199 @@ def _short(value) -> str:
     return str(value)
 
 
-def write_report(out: Path, report: dict) -> int:
-    """OUTPUT_DIR/report.json and report.md, the table printed; returns the exit status of the verdict."""
+def write_text(path: Path, text: str) -> None:
+    """Whole or not at all: a call killed while writing leaves the previous version."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.replace(path)
+
+
+def write_report(out: Path, report: dict, results_dir: Path | None = None) -> None:
+    """OUTPUT_DIR/report.json and report.md; with RESULTS_DIR, those two and logs.tar.gz there as well."""
     text = markdown(report)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(text)
-    print("\n" + text.split("\n## ")[0].rstrip())
+    for folder in [out] + ([results_dir] if results_dir else []):
+        write_text(folder / "report.json", json.dumps(report, indent=2) + "\n")
+        write_text(folder / "report.md", text)
+    if results_dir:
+        part = results_dir / "logs.tar.gz.part"
+        with tarfile.open(part, "w:gz") as tar:
+            for path in log_files(out):
+                tar.add(path, arcname=str(path.relative_to(out)))
+        part.replace(results_dir / "logs.tar.gz")
+
+
+def log_files(out: Path) -> list[Path]:
+    """The steps' logs and small result files under OUT: no model, checkpoint or generated input."""
+    files = []
+    for step in STEPS:
+        for path in sorted((out / step).rglob("*")):
+            relative = path.relative_to(out / step)
+            if (
+                path.is_file()
+                and path.suffix in LOG_SUFFIXES
+                and not NOT_LOGS.intersection(relative.parts[:-1])
+                and not MODEL_FILES.fullmatch(path.name)
+                and path.stat().st_size <= LOG_MAX_BYTES
+            ):
+                files.append(path)
+    return files
+
+
+def print_summary(out: Path, report: dict, results_dir: Path | None) -> int:
+    print("\n" + markdown(report).split("\n## ")[0].rstrip())
     if report["not_proved"]:
         print("not proved by this report:\n" + "\n".join(f"  {line}" for line in report["not_proved"]))
     print(f"saved {out / 'report.md'} and {out / 'report.json'}")
+    if results_dir:
+        print(f"and {', '.join(RESULT_FILES)} in {results_dir}")
+    if report["verdict"].startswith("INCOMPLETE"):
+        print(f"next call: the same command with --after {out / 'report.json'} runs only what is still unproven")
     return exit_status(report["verdict"])
 
 
-def merge_reports(out: Path) -> int:
-    """OUTPUT_DIR/part-*/report.json as one report in OUTPUT_DIR: every step of the plan once, in the order of
-    STEPS, those of a part that has not run as not run; the verdict over all of them."""
-    reports = {}
-    for path in sorted(out.glob("part-*/report.json")):
+# ------------------------------------------------------------------------------------------------------ proof
+PROOF_ABOUT = (
+    "What has run on a GPU: every step of `make gpu-check` that passed on real GPUs, per kind of GPU and software, "
+    "with the driver, the versions and the command of each figure. Only `python benchmarks/gpu_check.py --merge "
+    "REPORT` writes it, from the report.json of a call on GPUs."
+)
+
+
+def markdown_proof(proof: dict) -> str:
+    lines = [
+        "# GPU proof",
+        "",
+        PROOF_ABOUT + " The command for a 15-minute GPU allocation, and how calls add up: "
+        "[benchmarks.md](benchmarks.md#proving-the-gpu-paths-make-gpu-check). The same in JSON: "
+        "[gpu-proof.json](gpu-proof.json).",
+        "",
+    ]
+    if not proof["machines"]:
+        lines += [
+            "**Nothing has been proven on a GPU yet.** Every figure of this project so far comes from CPUs "
+            '([benchmarks.md](benchmarks.md#measured-figures)); each row of the README that says "not measured yet" '
+            "waits for an entry here.",
+        ]
+    for machine in proof["machines"]:
+        key, m = machine["key"], machine["machine"]
+        proven = [s for s in STEPS if s in machine["steps"]]
+        lines += [
+            f"## {_describe_key(key)}",
+            "",
+            f"Driver and GPUs: {'; '.join(m.get('nvidia_smi', [])) or '-'}; Python {m.get('python')}; "
+            f"deepspeed {m.get('deepspeed_import') or 'not installed'}; host {m.get('host')}.",
+            "",
+            f"Proven: {', '.join(proven) or 'nothing'}. Not yet: "
+            f"{', '.join(s for s in STEPS if s not in proven) or 'nothing'}.",
+            "",
+            "| step | seconds | key figures | proven |",
+            "|---|---:|---|---|",
+        ]
+        for name in proven:
+            r = machine["steps"][name]
+            figures = "; ".join(f"{k}: {_short(v)}" for k, v in r["figures"].items() if k not in ("quiet_sites",))
+            lines.append(f"| {name} | {r['wall_seconds']} | {figures or '-'} | {r.get('finished_at', '?')} |")
+        lines += ["", "Commands:", ""]
+        for name in proven:
+            lines += [f"- {name}:", ""] + [f"      {c}" for c in machine["steps"][name]["commands"]] + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def merge_reports(reports: list[str], proof_path: Path) -> int:
+    """Fold the passed steps of REPORTS into PROOF_PATH (JSON) and the markdown beside it; runs no step, needs no
+    GPU. A later proof of a step on the same GPUs and software replaces the earlier one."""
+    proof = read_json(proof_path) or {"about": PROOF_ABOUT, "machines": []}
+    for given in reports:
+        path = Path(given) / "report.json" if Path(given).is_dir() else Path(given)
+        if not path.is_file():
+            raise RecipeError(f"--merge {given}: not found; give the report.json that a gpu-check call wrote")
         report = json.loads(path.read_text())
-        if "part" not in report:
-            continue
-        reports[report["part"]] = (path, report)
-    if not reports:
-        raise RecipeError(
-            f"no part reports in {out}/part-*/report.json; run --part 1/N ... --part N/N with the same "
-            "--output_dir first"
-        )
-    first_path, first = next(iter(reports.values()))
-    for path, report in reports.values():
-        if (report["plan"], report["mode"], report["quick"]) != (first["plan"], first["mode"], first["quick"]):
+        if not {"key", "machine", "steps"} <= set(report):
             raise RecipeError(
-                f"{path} and {first_path} belong to different checks (other --part N, --steps, "
-                "--device or --quick, or another machine's GPUs); remove the stale part folder or run "
-                "every part again"
+                f"--merge {given} is not a gpu-check report (no key, machine and steps); give report.json"
             )
-    plan = first["plan"]
-    count = len(plan)
-    by_step, parts = {}, []
-    for k, group in enumerate(plan, start=1):
-        name = f"{k}/{count}"
-        if name in reports:
-            report = reports[name][1]
-            by_step.update({r["step"]: r for r in report["steps"]})
-            parts.append(
-                {
-                    "part": name,
-                    "steps": group,
-                    "ran": True,
-                    "verdict": report["verdict"],
-                    "host": report["machine"]["host"],
-                    "devices": report["machine"]["devices"],
-                    "wall_seconds": report["wall_seconds"],
-                }
+        if report["key"]["mode"] != "gpu" and proof_path.resolve() == PROOF.resolve():
+            raise RecipeError(
+                f"--merge {given} is a CPU smoke report (--device cpu); {PROOF.relative_to(REPO)} holds GPU proof "
+                "only: merge it elsewhere with --proof OTHER.json"
             )
-        else:
-            by_step.update(
-                {
-                    s: {
-                        "step": s,
-                        "status": "not run",
-                        "commands": [],
-                        "wall_seconds": 0.0,
-                        "figures": {},
-                        "detail": f"part {name} not run",
-                    }
-                    for s in group
-                }
-            )
-            parts.append({"part": name, "steps": group, "ran": False})
-    chosen = sorted(by_step, key=STEPS.index)
-    steps = [by_step[s] for s in chosen]
-    absent = {s: "not in --steps" for s in STEPS if s not in chosen}
-    merged = {
-        **assess(steps, absent),
-        "mode": first["mode"],
-        "quick": first["quick"],
-        "machine": first["machine"],
-        "wall_seconds": round(sum(p.get("wall_seconds", 0) for p in parts), 1),
-        "parts": parts,
-        "plan": plan,
-        "steps": steps,
-    }
-    print(f"gpu-check: merged {len(reports)} of {count} part(s) from {out}", flush=True)
-    return write_report(out, merged)
+        machine = next((m for m in proof["machines"] if m["key"] == report["key"]), None)
+        if machine is None:
+            machine = {"key": report["key"], "machine": report["machine"], "steps": {}}
+            proof["machines"].append(machine)
+        passed = {r["step"]: r for r in report["steps"] if r["status"] == "pass"}
+        for name, record in passed.items():
+            kept = {k: record.get(k) for k in ("commands", "wall_seconds", "figures", "detail", "finished_at")}
+            machine["steps"][name] = {**kept, "host": record.get("host", report["machine"]["host"])}
+        machine["steps"] = {s: machine["steps"][s] for s in STEPS if s in machine["steps"]}
+        print(f"gpu-check: {len(passed)} proven step(s) of {path} for {_describe_key(report['key'])}", flush=True)
+    proof_path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(proof_path, json.dumps(proof, indent=2) + "\n")
+    write_text(proof_path.with_suffix(".md"), markdown_proof(proof))
+    print(f"saved {proof_path} and {proof_path.with_suffix('.md')}")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------------- main
+def not_run(name: str, why: str) -> dict:
+    return {"step": name, "status": "not run", "commands": [], "wall_seconds": 0.0, "figures": {}, "detail": why}
+
+
+def interrupt(signum, frame):
+    for number in (signal.SIGTERM, signal.SIGINT):  # once: the clean-up that follows must not be cut short itself
+        signal.signal(number, signal.SIG_IGN)
+    raise Interrupted
+
+
 def main(
     device: str = "auto",
     quick: bool = False,
     steps: str | None = None,
-    part: str | None = None,
-    merge: bool = False,
+    after: str | None = None,
+    merge: str | None = None,
+    proof: str | None = None,
     output_dir: str = "outputs/gpu-check",
-    budget: float | None = None,
+    results_dir: str | None = None,
+    budget: float = DEFAULT_BUDGET,
 ):
-    """Run every GPU path of the project on this machine's GPUs and write OUTPUT_DIR/report.md and report.json.
+    """Run the GPU paths of the project on this machine's GPUs, in order of value, and write OUTPUT_DIR/report.md
+    and report.json after every step.
 
     The verdict: PASS (every step passed), PARTIAL (nothing failed, but the report names steps that did not run
-    here: 2+ GPUs, deepspeed or CUDA missing, another part's steps, steps left out of --steps, and FSDP on one GPU,
-    which runs unsharded), INCOMPLETE (the time budget or a missing part left a step out), FAIL. Exit status 0 for
+    here: 2+ GPUs, deepspeed or CUDA missing, steps left out of --steps, and sharded paths on one GPU, which run
+    unsharded), INCOMPLETE (the budget cut a step short or left steps for the next call), FAIL. Exit status 0 for
     PASS and PARTIAL, 1 for INCOMPLETE and FAIL, 2 without a GPU (unless --device cpu) or for a wrong flag.
 
     Args:
         device: auto (all visible NVIDIA GPUs; exit 2 when there are none) or cpu (the same orchestration on gloo CPU
             processes with tiny sizes; steps that need CUDA are reported as not run).
         quick: tiny sizes everywhere (seconds per step), to check the harness rather than the hardware.
-        steps: comma-separated subset of: audit-cifar, audit-text, audit-detect, bench, fast94, text-fsdp, sft,
-            detect-640, preempt, text-deepspeed, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp; default all.
-        part: K/N runs the K-th of N parts of the steps (with --steps, of those), for machines that limit how long
-            one command may run: the steps are split into N groups of about equal estimated time on this machine
-            (one H100: about 15 minutes in all, so N=2 gives parts of at most 9 minutes; more GPUs run more steps,
-            use N=3). Part K writes OUTPUT_DIR/part-K/report.md and report.json and its steps' folders. Run every
-            part on this machine (or one with the same GPUs and packages), with the same flags, then --merge.
-        merge: merge OUTPUT_DIR/part-*/report.json into OUTPUT_DIR/report.md and report.json: the machine,
-            every step once, a part that has not run named as such, and one verdict over all; runs no step.
+        steps: comma-separated subset of: sft, fast94, text-fsdp, detect-640, preempt, bench, text-deepspeed,
+            audit-cifar, audit-text, audit-detect, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp (the order they
+            run in, most valuable first); default all.
+        after: an earlier call's report.json (or its folder), or docs/gpu-proof.json: the steps it proved on GPUs of
+            the same kind and count with the same torch, CUDA, accelerate, transformers and peft are not run again
+            but carried into this report, so that calls of a few minutes each add up to the whole check.
+        merge: report.json files (comma-separated, or their folders) to fold into --proof: the steps they proved, per
+            GPU kind and software, with driver, versions and commands; runs no step and needs no GPU.
+        proof: the proof file --merge writes, with its markdown beside it (default docs/gpu-proof.json; it takes
+            reports of GPU calls only).
         output_dir: where the report and one fresh folder per step go.
-        budget: seconds for the check (for one part with --part); a step that would start after it is reported as
-            not run, and a running step is stopped when it ends. Default 520 with --part (the part, report included,
-            ends within 9 minutes), else 1800.
+        results_dir: a folder that receives, after every step, only report.md, report.json and logs.tar.gz (the
+            steps' logs and small result files, no model or checkpoint): what to keep of a machine that goes away.
+        budget: seconds for the steps of this call (default 510: with the stop of a cut step and the report, the call
+            ends within 9 minutes). On a GPU a step starts only if its estimated time fits in what is left (else it
+            is left for the next call); a running step is stopped when the budget ends and reported as incomplete.
     """
     started = time.monotonic()
     out = Path(output_dir)
-    if merge:
-        if part is not None:
-            raise RecipeError("give --part (run one part) or --merge (merge the parts' reports), not both")
-        sys.exit(merge_reports(out))
+    if merge is not None:
+        reports = [r.strip() for r in str(merge).split(",") if r.strip()]
+        if not reports or merge is True:
+            raise RecipeError("--merge needs the report.json files to fold in, e.g. --merge outputs/gpu-check")
+        sys.exit(merge_reports(reports, Path(proof) if proof else PROOF))
+    if proof is not None:
+        raise RecipeError("--proof names where --merge writes; give it together with --merge REPORT")
     if device not in ("auto", "cpu"):
         raise RecipeError(f"unknown --device {device!r}; choose auto (the GPUs) or cpu (harness smoke run)")
     chosen = STEPS if steps is None else [s.strip() for s in str(steps).split(",") if s.strip()]
@@ -1270,10 +1530,15 @@ def main(
     if unknown:
         raise RecipeError(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     chosen = sorted(dict.fromkeys(chosen), key=STEPS.index)
-    k, count = parse_part(part) if part is not None else (1, 1)
-    budget = float(budget if budget is not None else PART_BUDGET if part is not None else WHOLE_BUDGET)
+    budget = float(budget)
     if budget <= 0:
         raise RecipeError(f"--budget {budget:g} must be a positive number of seconds")
+    results = Path(results_dir) if results_dir else None
+    if results and results.resolve() == out.resolve():
+        raise RecipeError(
+            "--results_dir must be another folder than --output_dir: it receives the report and logs only"
+        )
+    earlier = read_earlier(after) if after else None
     import torch
 
     gpus = torch.cuda.device_count()
@@ -1284,63 +1549,102 @@ def main(
         )
     if device == "cpu":
         gpus = 0
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, interrupt)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("report.md", "report.json"):
+        (out / stale).unlink(missing_ok=True)
+    if results:
+        results.mkdir(parents=True, exist_ok=True)
+        for stale in RESULT_FILES:
+            (results / stale).unlink(missing_ok=True)
+    print(f"gpu-check: {gpus} GPU(s); recording the machine ...", flush=True)
+    machine = machine_facts(gpus)
+    mode = "gpu" if gpus else "cpu smoke"
+    key = proof_key(mode, quick, machine)
+    deepspeed = machine["deepspeed_import"]
     needs = requirements(
         gpus,
-        importlib.util.find_spec("deepspeed") is not None,
+        None if deepspeed and deepspeed.startswith("ok") else deepspeed,
         tuple(p for p in ("peft", "datasets") if importlib.util.find_spec(p) is None),
     )
-    plan = split(chosen, count, needs)
-    mine = plan[k - 1]
+    proven, differences = proven_steps(earlier, key) if earlier else ({}, [])
+    if differences:
+        print(f"note: --after {after} holds no proof for these GPUs and software ({'; '.join(differences)})")
+    records: dict[str, dict | None] = {}
+    for name in chosen:
+        if name in proven:
+            records[name] = {**proven[name], "step": name, "status": "pass", "carried": True}
+        else:
+            records[name] = not_run(name, needs[name]) if needs[name] else None
+    check = Check(out, gpus, quick, started + budget)
     absent = {s: "not in --steps" for s in STEPS if s not in chosen}
-    absent.update({s: f"in part {j}/{count}" for j, group in enumerate(plan, start=1) if j != k for s in group})
-    folder = out / f"part-{k}" if part is not None else out
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in ("report.md", "report.json"):
-        (folder / stale).unlink(missing_ok=True)
-        (out / stale).unlink(missing_ok=True)  # a merged report no longer holds this run
-    check = Check(folder, gpus, quick, started + budget)
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+
+    def report(reached: bool = False) -> dict:
+        """The report as it stands: the steps not run yet are left for the next call."""
+        why = f"{NEXT_CALL}: not reached" + (" (gpu-check was stopped by a signal)" if reached else "")
+        held = [records[name] or not_run(name, why) for name in chosen]
+        whole = {
+            **assess(held, absent),
+            "mode": mode,
+            "quick": quick,
+            "key": key,
+            "machine": machine,
+            "command": command,
+            "after": after,
+            "started_at": machine["recorded_at"],
+            "budget": budget,
+            "wall_seconds": round(time.monotonic() - started, 1),
+            "steps": held,
+        }
+        write_report(out, whole, results)
+        return whole
+
     bodies = {
+        "sft": check.sft,
+        "fast94": check.fast94,
+        "text-fsdp": check.text_sharded("fsdp"),
+        "detect-640": check.detect,
+        "preempt": check.preempt,
+        "bench": check.bench,
+        "text-deepspeed": check.text_sharded("deepspeed"),
         "audit-cifar": check.audit("cifar"),
         "audit-text": check.audit("text"),
         "audit-detect": check.audit("detect"),
-        "bench": check.bench,
-        "fast94": check.fast94,
-        "text-fsdp": check.text_sharded("fsdp"),
-        "sft": check.sft,
-        "detect-640": check.detect,
-        "preempt": check.preempt,
-        "text-deepspeed": check.text_sharded("deepspeed"),
         "nccl-doctor": check.nccl_doctor,
         "ddp": check.ddp(sync_bn=False),
         "sync-bn": check.ddp(sync_bn=True),
         "allreduce": check.allreduce,
         "dp-vs-ddp": check.dp_vs_ddp,
     }
-    expected = estimate(mine, needs)
+    todo = [name for name in chosen if records[name] is None]
     print(
-        f"gpu-check: {gpus} GPU(s); {f'part {k}/{count}: ' if part else ''}steps {', '.join(mine) or 'none'}"
-        f"{f' (estimated {expected / 60:.1f} min)' if gpus else ''}; budget {budget:.0f} s; output {folder}",
+        f"gpu-check: steps {', '.join(todo) or 'none'}"
+        + (f" (estimated {sum(ESTIMATED_SECONDS[s] for s in todo) / 60:.1f} min)" if gpus else "")
+        + (f"; proven before: {', '.join(proven)}" if proven else "")
+        + f"; budget {budget:.0f} s; output {out}",
         flush=True,
     )
-    if gpus and expected > budget:
-        print(
-            f"note: the estimate is over --budget {budget:.0f} s; the steps it leaves out are reported as not run "
-            f"(split into more parts: --part K/{count + 1})",
-            flush=True,
-        )
-    for name in mine:
-        check.step(name, needs[name], bodies[name], TIMEOUTS[name])
-    report = {
-        **assess(check.results, absent),
-        "mode": "gpu" if gpus else "cpu smoke",
-        "quick": quick,
-        "machine": machine_facts(gpus),
-        "wall_seconds": round(time.monotonic() - started, 1),
-        "steps": check.results,
-    }
-    if part is not None:
-        report.update(part=f"{k}/{count}", plan=plan, budget=budget)
-    sys.exit(write_report(folder, report))
+    stopped = False
+    try:
+        report()  # the machine first: a call that goes no further still says what it found
+        for name in todo:
+            left = check.deadline - time.monotonic()
+            if left < 1:
+                records[name] = not_run(name, f"{NEXT_CALL}: --budget spent")
+            elif gpus and ESTIMATED_SECONDS[name] > left:
+                records[name] = not_run(
+                    name, f"{NEXT_CALL}: estimated {ESTIMATED_SECONDS[name]} s, {left:.0f} s of --budget left"
+                )
+            else:
+                records[name] = check.step(name, bodies[name], TIMEOUTS[name])
+                report()
+    except Interrupted:
+        stopped = True
+        if check.results and records.get(check.results[-1]["step"]) is None:
+            records[check.results[-1]["step"]] = check.results[-1]
+    sys.exit(print_summary(out, report(stopped), results))
 
 
 if __name__ == "__main__":

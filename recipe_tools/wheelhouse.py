@@ -8,6 +8,7 @@ gigabytes that are already there. Instead:
     python3 -m recipe_tools.wheelhouse describe > target.json
     # 2. on any machine with internet, from the checkout:
     make wheelhouse TARGET_ENV=target.json            # or: python3 -m recipe_tools.wheelhouse download target.json
+                                                      #   (what gpu-check needs, DeepSpeed included)
     # 3. copy wheelhouse/ to the GPU machine, then there (the line is also in wheelhouse/INSTALL.txt):
     python3 -m pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
     make gpu-check PYTHON_ENV=system                  # every make target runs with python3 as it is, no venv
@@ -29,7 +30,10 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_EXTRAS = "text,detect"  # the recipes and gpu-check; add dev for the tests, deepspeed for ZeRO
+DEFAULT_EXTRAS = "text,detect"  # what `check` asks of an interpreter by default: the CIFAR, text and detect recipes
+# What `download` fetches by default: everything gpu-check runs, the chat recipe (peft, gguf) and DeepSpeed (a
+# py3-none-any wheel, with hjson, which PyTorch images lack) included; add dev for the tests.
+DOWNLOAD_EXTRAS = "text,detect,sft,deepspeed"
 
 
 class WheelhouseError(Exception):
@@ -229,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     get.add_argument("target", help="the JSON `describe` printed on the target machine")
     get.add_argument(
         "--extras",
-        default=DEFAULT_EXTRAS,
-        help=f"the project's extras to cover, comma-separated (default {DEFAULT_EXTRAS}; '' for none)",
+        default=DOWNLOAD_EXTRAS,
+        help=f"the project's extras to cover, comma-separated (default {DOWNLOAD_EXTRAS}; '' for none)",
     )
     get.add_argument("--also", default="", help="more requirements, comma-separated (e.g. 'gguf==0.19.0')")
     get.add_argument("--out", default="wheelhouse", help="folder for the wheels (default wheelhouse)")

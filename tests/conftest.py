@@ -1,5 +1,6 @@
 """Shared helpers: run the recipes as users do (subprocesses), write tiny data in real on-disk formats."""
 
+import getpass
 import json
 import os
 import pickle
@@ -9,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -122,6 +124,16 @@ def pytest_collection_modifyitems(config, items):
         seconds = default if mark is None else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
         if seconds:
             item.add_marker(pytest.mark.timeout(time_limit(seconds)), append=False)
+
+
+# torch.compile's on-disk cache does not tell kernels built under ATEN_CPU_CAPABILITY=avx2 (make test-portable) from
+# native ones: a native run that loaded them crashed ("malloc(): unaligned fastbin chunk detected"). One cache per
+# instruction-set limit, for every run the suite starts.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    isa_limit = "-".join(os.environ.get(name, "native") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{isa_limit.lower()}"
+    )
 
 
 _PORTS_GIVEN: set[int] = set()

@@ -1,32 +1,27 @@
 """`make gpu-check`'s harness: without a GPU it says so and exits 2; its CPU smoke mode runs the real steps on gloo
-processes, in parts (one of them from a plain checkout, the package not installed), and merges the parts' reports."""
+processes from a plain checkout (the package not installed) in one call that keeps only report and logs in its
+results folder; a step stopped by the budget leaves no process and is incomplete, the steps before it on disk; a
+second call after the first runs only what is not proven; reports fold into a proof file."""
 
 import json
 import os
-import shutil
 import sys
 import sysconfig
+import tarfile
+import time
 from pathlib import Path
 
 import gpu_check
-from conftest import PYTHON, REPO, fails_with, recipe_env, run
+import psutil
+import pytest
+from conftest import PYTHON, REPO, fails_with, recipe_env, run, time_limit
 
 from accelerate_recipes import PREEMPTED_EXIT_CODE
 
 CHECK = REPO / "benchmarks" / "gpu_check.py"
-# The same orchestration as on a GPU, with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run.
-SMOKE = [
-    "audit-cifar",
-    "fast94",
-    "preempt",
-    "nccl-doctor",
-    "ddp",
-    "allreduce",
-    "text-fsdp",
-    "sft",
-    "sync-bn",
-    "dp-vs-ddp",
-]
+# Steps of the one-GPU plan with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run. preempt runs
+# in the budget test below, ddp and allreduce in test_no_install.py (through make, nothing installed).
+SMOKE = ["sft", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
@@ -37,22 +32,29 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_steps_and_parts_are_named(tmp_path):
+def test_bad_input_is_one_line_naming_cause_and_fix(tmp_path):
     env = recipe_env(tmp_path)
-    fails_with(
-        run([PYTHON, CHECK, "--device", "cpu", "--steps", "fast94,warp-drive"], env),
-        "unknown step(s) warp-drive",
-        "dp-vs-ddp",
-        "nccl-doctor",
-    )
-    fails_with(run([PYTHON, CHECK, "--device", "cpu", "--part", "3/2"], env), "--part 3/2 is not K/N", "--part 1/2")
-    fails_with(run([PYTHON, CHECK, "--merge", "--output_dir", tmp_path / "none"], env), "no part reports", "--part 1/N")
+    cpu = [PYTHON, CHECK, "--device", "cpu"]
+    fails_with(run([*cpu, "--steps", "fast94,warp-drive"], env), "unknown step(s) warp-drive", "dp-vs-ddp")
+    fails_with(run([*cpu, "--after", tmp_path / "none.json"], env), "--after", "not found", "docs/gpu-proof.json")
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    fails_with(run([*cpu, "--after", tmp_path / "other.json"], env), "neither a gpu-check report nor a proof file")
+    fails_with(run([*cpu, "--merge", tmp_path / "none"], env), "--merge", "not found", "report.json")
+    fails_with(run([*cpu, "--results_dir", "x", "--output_dir", "x"], env), "another folder than --output_dir")
 
 
-def test_help_explains_the_parts_the_merge_and_the_verdicts(tmp_path):
+def test_help_explains_the_calls_the_proof_and_the_verdicts(tmp_path):
     proc = run([PYTHON, CHECK, "--help"], recipe_env(tmp_path), timeout=60)
     assert proc.returncode == 0, proc.output[-2000:]
-    for words in ("--part TEXT", "OUTPUT_DIR/part-K/report.md", "--merge", "PARTIAL", "unsharded", "--budget"):
+    for words in (
+        "--after TEXT",
+        "docs/gpu-proof.json",
+        "--merge",
+        "--results_dir",
+        "PARTIAL",
+        "unsharded",
+        "--budget",
+    ):
         assert words in proc.stdout, words
 
 
@@ -75,63 +77,58 @@ def plain_checkout(tmp_path) -> tuple[str, dict]:
     return python, env
 
 
-def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp_path):
-    out = tmp_path / "check"
-    plan = gpu_check.split(SMOKE, 2, gpu_check.requirements(0, True))
-    assert sorted(plan[0] + plan[1]) == sorted(SMOKE), plan
-    # allreduce runs through make with this environment's interpreter; the other part runs from a plain checkout
-    plain = next(k for k in (1, 2) if "allreduce" not in plan[k - 1])
-    home = plan.index(next(p for p in plan if "fast94" in p)) + 1
-    stale = out / f"part-{home}" / "fast94" / "checkpoints" / "step_00000099"
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    """One call of the CPU smoke mode from a plain checkout, with a results folder; its output and report."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    out, results = tmp / "check", tmp / "results"
+    stale = out / "fast94" / "checkpoints" / "step_00000099"
     stale.mkdir(parents=True)  # an earlier check's leftovers: the step must start clean
-    python, plain_env = plain_checkout(tmp_path)
-    common = ["--device", "cpu", "--quick", "--steps", ",".join(SMOKE), "--output_dir", out]
-    procs = [
-        run([python, CHECK, *common, "--part", f"{k}/2"], plain_env, timeout=600, cwd=tmp_path)
-        if k == plain
-        else run([PYTHON, CHECK, *common, "--part", f"{k}/2"], recipe_env(tmp_path), timeout=600)
-        for k in (1, 2)
-    ]
-    parts = [json.loads((out / f"part-{k}" / "report.json").read_text()) for k in (1, 2)]
-    for k, (proc, part) in enumerate(zip(procs, parts), start=1):
-        failed = {r["step"]: r["detail"][-1500:] for r in part["steps"] if r["status"] == "fail"}
-        assert proc.returncode == 0 and not failed, (k, failed, proc.output[-2000:])
-        assert part["part"] == f"{k}/2" and part["plan"] == plan and [r["step"] for r in part["steps"]] == plan[k - 1]
-        assert part["verdict"].startswith("PARTIAL: not proved: ") and f"(in part {3 - k}/2)" in part["verdict"]
-        assert (out / f"part-{k}" / "report.md").read_text().startswith("# GPU check: PARTIAL")
-
-    merge = run([PYTHON, CHECK, "--merge", "--output_dir", out], recipe_env(tmp_path), timeout=120)
-    assert merge.returncode == 0, merge.output[-2000:]
+    python, env = plain_checkout(tmp)
+    command = ["--device", "cpu", "--quick", "--steps", ",".join(SMOKE), "--output_dir", out, "--results_dir", results]
+    proc = run([python, CHECK, *command], env, timeout=600, cwd=tmp)
     report = json.loads((out / "report.json").read_text())
+    return {"proc": proc, "out": out, "results": results, "report": report, "stale": stale}
+
+
+@pytest.fixture(scope="module")
+def budget_cut(tmp_path_factory) -> dict:
+    """A call whose budget holds preempt (tiny on the CPU) but cuts bench short (its full size takes minutes on a
+    CPU); its output and report."""
+    tmp = tmp_path_factory.mktemp("budget")
+    out = tmp / "first"
+    budget = time_limit(45)
+    command = ["--device", "cpu", "--steps", "preempt,bench", "--budget", budget, "--output_dir", out]
+    started = time.monotonic()
+    proc = run([PYTHON, CHECK, *command], recipe_env(tmp), timeout=600)
+    seconds = time.monotonic() - started
+    report = json.loads((out / "report.json").read_text())
+    return {"proc": proc, "out": out, "report": report, "budget": budget, "seconds": seconds}
+
+
+def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke):
+    proc, report = smoke["proc"], smoke["report"]
     results = {r["step"]: r for r in report["steps"]}
-    assert [r["step"] for r in report["steps"]] == [s for s in gpu_check.STEPS if s in SMOKE]  # each once, in order
+    failed = {name: r["detail"][-1500:] for name, r in results.items() if r["status"] != "pass"}
+    assert proc.returncode == 0 and set(failed) == {"sync-bn", "dp-vs-ddp"}, (failed, proc.output[-3000:])
+    assert [r["step"] for r in report["steps"]] == SMOKE  # in order of value, each once
     left_out = [s for s in gpu_check.STEPS if s not in SMOKE]
     assert report["verdict"] == (
-        f"PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA); {', '.join(left_out)} (not in --steps)"
+        "PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA); " + f"{', '.join(left_out)} (not in --steps)"
     ), report["verdict"]
-    assert report["mode"] == "cpu smoke" and report["machine"]["torch"] and report["machine"]["accelerate"]
-    assert [(p["part"], p["steps"], p["ran"]) for p in report["parts"]] == [
-        ("1/2", plan[0], True),
-        ("2/2", plan[1], True),
-    ]
+    # The machine comes first, with what a later fix needs.
+    machine = report["machine"]
+    assert report["mode"] == "cpu smoke" and machine["torch"] and machine["accelerate"] and machine["python"]
+    assert {"peft", "pyarrow", "fsspec", "datasets", "deepspeed"} <= set(machine["packages"])
+    assert machine["packages"]["peft"] and machine["dev_shm"].endswith("free") and machine["tools"]["make"]
+    assert machine["tools"]["gcc"].startswith("gcc") and "nvidia-smi" in machine["tools"]
+    assert report["key"] == gpu_check.proof_key("cpu smoke", True, machine)
 
-    audit = results["audit-cifar"]["figures"]
-    assert audit["steps"] == 8 and audit["quiet_intervals"] == [2, 3, 4, 5, 6, 7] and audit["quiet_violations"] == 0
     fast94 = results["fast94"]["figures"]
     recipe = json.loads((Path(results["fast94"]["output_dir"]) / "results.json").read_text())
     assert fast94["train_samples_per_second"] == recipe["train_samples_per_second"] > 0
     assert len(fast94["epoch_seconds"]) == 1 and fast94["epoch_seconds"][0] > 0 and fast94["train_images"] == 128
-    assert recipe["preset"] == "fast94" and not stale.exists()
-    preempt = results["preempt"]["figures"]
-    assert preempt["stop_exit_code"] == PREEMPTED_EXIT_CODE and preempt["checkpoints"]
-    assert preempt["steps"] == preempt["total_steps"] == 10 and preempt["resumed_from"]
-    assert "SIGTERM at step" in (Path(results["preempt"]["output_dir"]) / "log.txt").read_text()
-    assert results["ddp"]["figures"]["world_size"] == 2 and results["ddp"]["figures"]["distributed_type"] == "MULTI_CPU"
-    assert " -m accelerate.commands.accelerate_cli launch --config_file " in results["ddp"]["commands"][0]
-    allreduce = results["allreduce"]["figures"]
-    assert allreduce["world_size"] == 2 and allreduce["best_busbw_gbps"] > 0
-    command = results["allreduce"]["commands"][0]
-    assert command.startswith("make ") and "allreduce-cpu" in command
+    assert recipe["preset"] == "fast94" and not smoke["stale"].exists()
     fsdp = results["text-fsdp"]["figures"]
     assert fsdp["distributed_type"] == "FSDP" and fsdp["world_size"] == 2 and fsdp["steps"] > 0
     doctor = results["nccl-doctor"]["figures"]
@@ -139,80 +136,175 @@ def test_cpu_smoke_runs_in_two_parts_and_merges_them_into_one_partial_report(tmp
     assert doctor["nccl"].startswith("NCCL all-reduce not run: CPU run") and doctor["busbw_gbps"] is None
     for name in ("sync-bn", "dp-vs-ddp"):
         assert results[name]["status"] == "not run" and results[name]["detail"] == "needs CUDA"
-    sft = results["sft"]
-    assert len(sft["commands"]) == 2 and "--lora_r 16" in sft["commands"][0] and "--lora_r" not in sft["commands"][1]
-    for method in ("lora", "full"):
-        figures = sft["figures"][method]
-        assert figures["method"] == method and figures["steps"] == 3, figures
-        assert (figures["distributed_type"], figures["world_size"], figures["mixed_precision"]) == ("FSDP", 2, "no")
-        assert figures["train_tokens_per_second"] > figures["train_target_tokens_per_second"] > 0
-        assert figures["peak_memory_mb"] > 0 and figures["memory_plan_mb"]["total"] > 0
-        assert "model_flops_utilisation" not in figures  # no GPU peak to divide by on the CPU
-    for name in ("audit-cifar", "fast94", "preempt", "ddp", "allreduce", "text-fsdp", "nccl-doctor", "sft"):
-        assert results[name]["status"] == "pass" and results[name]["wall_seconds"] > 0 and results[name]["commands"]
-    table = (out / "report.md").read_text()
+    for name in ("sft", "fast94", "text-fsdp", "nccl-doctor"):
+        assert results[name]["wall_seconds"] > 0 and results[name]["commands"] and results[name]["finished_at"]
+    table = (smoke["out"] / "report.md").read_text()
     assert table.startswith("# GPU check: PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA)")
     assert f"| fast94 | pass | {results['fast94']['wall_seconds']} |" in table
     assert "| sync-bn | not run (needs CUDA) |" in table and "| nccl-doctor | pass (gloo only) |" in table
     assert f"train_samples_per_second: {fast94['train_samples_per_second']:.4g}" in table
-    assert "- text-deepspeed: not in --steps" in table
+    assert "- text-deepspeed: not in --steps" in table and "/dev/shm" in table and "pyarrow" in table
 
-    # A part that has not run: its steps are named as such, and the check is incomplete.
-    shutil.move(out / "part-2", tmp_path / "part-2")
-    merge = run([PYTHON, CHECK, "--merge", "--output_dir", out], recipe_env(tmp_path), timeout=120)
-    report = json.loads((out / "report.json").read_text())
-    assert merge.returncode == 1, merge.output[-2000:]
-    assert report["verdict"].startswith(f"INCOMPLETE: {', '.join(plan[1])} (part 2/2 not run)"), report["verdict"]
-    assert [r["step"] for r in report["steps"] if r["detail"] == "part 2/2 not run"] == plan[1]
-    # A part of another split is refused rather than merged.
-    shutil.move(tmp_path / "part-2", out / "part-2")
-    other = dict(parts[1], part="3/3", plan=[SMOKE[:3], SMOKE[3:6], SMOKE[6:]])
-    (out / "part-3").mkdir()
-    (out / "part-3" / "report.json").write_text(json.dumps(other))
-    fails_with(
-        run([PYTHON, CHECK, "--merge", "--output_dir", out], recipe_env(tmp_path), timeout=120),
-        "belong to different checks",
-        "part-3",
+
+def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
+    sft = next(r for r in smoke["report"]["steps"] if r["step"] == "sft")
+    assert sft["status"] == "pass" and list(sft["figures"]) == ["lora", "full", "lora-fsdp"], sft
+    assert [("--lora_r 16" in c, " -m accelerate.commands.accelerate_cli launch " in c) for c in sft["commands"]] == [
+        (True, False),
+        (False, False),
+        (True, True),
+    ]
+    assert "accelerate_configs/fsdp.yaml --num_processes 2" in sft["commands"][2]
+    for name, figures in sft["figures"].items():
+        method = name.split("-")[0]
+        assert figures["method"] == method and figures["steps"] == 3 and figures["mixed_precision"] == "no", figures
+        assert figures["train_tokens_per_second"] > figures["train_target_tokens_per_second"] > 0
+        assert figures["peak_memory_mb"] > 0 and figures["memory_plan_mb"]["total"] > 0
+        assert "model_flops_utilisation" not in figures  # no GPU peak to divide by on the CPU
+        assert figures.get("adapter_saved", method == "lora") is (method == "lora")
+    assert (sft["figures"]["lora"]["distributed_type"], sft["figures"]["lora"]["world_size"]) == ("NO", 1)
+    # FSDP needs a process group on the CPU: two gloo processes there, one (unsharded) on one GPU
+    assert (sft["figures"]["lora-fsdp"]["distributed_type"], sft["figures"]["lora-fsdp"]["world_size"]) == ("FSDP", 2)
+    one_gpu = gpu_check.Check(Path("unused"), 1, False, 0.0).sft_runs()
+    assert [(name, processes) for name, _, processes in one_gpu] == [("lora", 1), ("full", 1), ("lora-fsdp", 1)]
+    assert " ".join(one_gpu[2][1]).endswith(
+        "launch --config_file " + str(gpu_check.CONFIGS / "fsdp.yaml") + " --num_processes 1"
     )
+    assert [name for name, _, _ in gpu_check.Check(Path("unused"), 2, False, 0.0).sft_runs()] == ["lora", "full"]
 
 
-def test_preempt_ends_within_the_budget(tmp_path):
-    budget = 6
-    proc = run(
-        [
-            PYTHON,
-            CHECK,
-            "--device",
-            "cpu",
-            "--quick",
-            "--steps",
-            "preempt",
-            "--budget",
-            budget,
-            "--output_dir",
-            tmp_path / "out",
-        ],
-        recipe_env(tmp_path),
-        timeout=120,
+def test_results_folder_receives_the_report_and_one_tar_of_logs_without_models(smoke):
+    results = smoke["results"]
+    assert sorted(p.name for p in results.iterdir()) == ["logs.tar.gz", "report.json", "report.md"]
+    assert json.loads((results / "report.json").read_text()) == smoke["report"]
+    with tarfile.open(results / "logs.tar.gz") as tar:
+        names = tar.getnames()
+        sizes = sum(member.size for member in tar.getmembers())
+    for log in ("sft/lora.txt", "sft/full.txt", "sft/lora-fsdp.txt", "fast94/log.txt", "nccl-doctor/rank0.txt"):
+        assert log in names, names
+    assert "sft/full/results.json" in names and "sft/lora/metrics.jsonl" in names
+    assert not [
+        n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")) or "/checkpoints/" in n
+    ]
+    assert not [n for n in names if n.split("/")[1] in ("inputs", "text-data")], names
+    model_bytes = sum(p.stat().st_size for p in (smoke["out"] / "sft").rglob("*.safetensors"))
+    assert model_bytes > 10 * sizes  # the models stayed behind
+
+
+def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_repository(smoke, tmp_path):
+    env = recipe_env(tmp_path)
+    report = smoke["out"] / "report.json"
+    fails_with(run([PYTHON, CHECK, "--merge", report], env), "CPU smoke report", "--proof OTHER.json")
+    proof = tmp_path / "proof.json"
+    merged = run([PYTHON, CHECK, "--merge", f"{report},{smoke['out']}", "--proof", proof], env, timeout=120)
+    assert merged.returncode == 0, merged.output[-2000:]
+    (machine,) = json.loads(proof.read_text())["machines"]
+    assert machine["key"] == smoke["report"]["key"] and list(machine["steps"]) == [
+        "sft",
+        "fast94",
+        "text-fsdp",
+        "nccl-doctor",
+    ]
+    steps = {r["step"]: r for r in smoke["report"]["steps"]}
+    assert machine["steps"]["fast94"]["figures"] == steps["fast94"]["figures"]
+    assert machine["steps"]["fast94"]["commands"] == steps["fast94"]["commands"]
+    text = proof.with_suffix(".md").read_text()
+    assert "Proven: sft, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
+    assert steps["fast94"]["commands"][0] in text and "torch " + smoke["report"]["machine"]["torch"] in text
+    # --after a proof file: what it holds for this machine is not run again
+    carried, differences = gpu_check.proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
+    assert sorted(carried) == sorted(machine["steps"]) and not differences
+    other = dict(smoke["report"]["key"], torch="0.0.1")
+    assert gpu_check.proven_steps(json.loads(proof.read_text()), other) == (
+        {},
+        [f"no entry for {gpu_check._describe_key(other)}"],
     )
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    (preempt,) = report["steps"]
-    # Whatever this machine's speed: the step ends within the budget; where that was too little to stop and resume a
-    # run, it fails saying the budget stopped it.
-    assert 0 < preempt["wall_seconds"] <= budget + 2, preempt
-    if preempt["status"] == "fail":
-        assert proc.returncode == 1 and report["verdict"].startswith("FAIL: preempt"), proc.output[-2000:]
-        assert "--budget" in preempt["detail"], preempt
-    else:
-        assert preempt["status"] == "pass" and proc.returncode == 0, proc.output[-2000:]
+    torch = smoke["report"]["machine"]["torch"]
+    assert gpu_check.proven_steps(smoke["report"], other)[1] == [f"torch {torch!r} there, '0.0.1' here"]
+
+
+def test_the_repository_proof_holds_only_gpu_figures_and_its_markdown_follows_from_it():
+    proof = json.loads(gpu_check.PROOF.read_text())
+    assert all(machine["key"]["mode"] == "gpu" for machine in proof["machines"])
+    assert gpu_check.PROOF.with_suffix(".md").read_text() == gpu_check.markdown_proof(proof)
+    if not proof["machines"]:
+        assert "**Nothing has been proven on a GPU yet.**" in gpu_check.markdown_proof(proof)
+
+
+def processes_of(folder: Path) -> list:
+    """Every process whose command line names FOLDER: what a step working there left running."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(folder) in " ".join(process.info["cmdline"] or []) and gpu_check.alive(process):
+            found.append(process)
+    return found
+
+
+def test_a_stopped_step_leaves_no_process_behind(tmp_path):
+    """2 gloo processes under torchrun, each in a session of its own: SIGTERM to the launcher lets the recipes save a
+    checkpoint and exit 75; nothing of the step is left afterwards."""
+    check = gpu_check.Check(tmp_path, 0, True, time.monotonic() + 600)
+    run_dir = check.folder("ddp")
+    command = [
+        *check.launch("2gpu", 2),
+        REPO / "recipes" / "cifar.py",
+        *("--dataset", "synthetic", "--synthetic_size", "4096", "--batch_size", "16", "--epochs", "20"),
+        *("--log_every", "1", "--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0"),
+        *("--output_dir", run_dir),
+    ]
+    proc = check.start(command, run_dir / "log.txt")
+    deadline = time.monotonic() + time_limit(120)
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and '"train/loss"' in metrics.read_text()) and time.monotonic() < deadline:
+        assert proc.poll() is None, (run_dir / "log.txt").read_text()[-3000:]
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "cifar.py" in " ".join(p.cmdline())]
+    assert len(workers) == 2 and all(os.getsid(w.pid) != os.getsid(proc.pid) for w in workers), workers
+    gpu_check.stop(proc)
+    assert not processes_of(run_dir)
+    log = (run_dir / "log.txt").read_text()
+    assert "SIGTERM at step" in log, log[-3000:]
+    assert list((run_dir / "checkpoints").glob("step_*")), log[-3000:]  # the recipes saved before they ended
+
+
+def test_a_budget_cut_is_incomplete_keeps_the_steps_before_and_a_later_call_runs_only_the_rest(budget_cut, tmp_path):
+    """The budget cuts bench short: the report on disk holds preempt's figures and bench as incomplete, no process of
+    bench is left, and the call ends within the budget and a stop's grace; a second call after the first skips
+    preempt."""
+    proc, report, first = budget_cut["proc"], budget_cut["report"], budget_cut["out"]
+    preempt, bench = report["steps"]
+    assert proc.returncode == 1 and preempt["status"] == "pass", proc.output[-3000:]
+    assert bench["status"] == "incomplete" and bench["detail"].startswith("cut short when --budget ran out"), bench
+    assert report["verdict"].startswith("INCOMPLETE: bench (cut short by --budget)"), report["verdict"]
+    assert budget_cut["seconds"] < budget_cut["budget"] + gpu_check.STOP_GRACE_SECONDS + time_limit(20)
+    assert not processes_of(first)
+    assert f"--after {first / 'report.json'}" in proc.stdout
+    figures = preempt["figures"]
+    assert figures["stop_exit_code"] == PREEMPTED_EXIT_CODE and figures["checkpoints"] and figures["resumed_from"]
+    assert figures["steps"] == figures["total_steps"] == 10
+    assert "SIGTERM at step" in (Path(preempt["output_dir"]) / "log.txt").read_text()
+
+    second = tmp_path / "second"
+    command = [PYTHON, CHECK, "--device", "cpu", "--steps", "preempt,bench", "--budget", 2, "--output_dir", second]
+    proc = run([*command, "--after", first / "report.json"], recipe_env(tmp_path), timeout=300)
+    again = json.loads((second / "report.json").read_text())
+    carried, bench = again["steps"]
+    assert carried == {**preempt, "carried": True} and not (second / "preempt").exists(), proc.output[-3000:]
+    # bench is cut short again, or (on a loaded machine) the 2 s were spent before it could start
+    assert bench["status"] in ("incomplete", "not run") and again["verdict"].startswith("INCOMPLETE: bench"), again
+    assert "proven before: preempt" in proc.stdout
+    assert "| preempt | pass (earlier call, " in (second / "report.md").read_text()
+    assert not processes_of(second)
 
 
 def one_gpu_records() -> list[dict]:
     """What a check on one GPU without deepspeed records: the steps that need 2+ GPUs not run, the others passed."""
-    needs = gpu_check.requirements(1, False)
+    needs = gpu_check.requirements(1, "deepspeed not installed")
     records = []
     for name in gpu_check.STEPS:
         figures = {"world_size": 1, "distributed_type": "FSDP"} if name == "text-fsdp" else {"steps": 8}
+        if name == "sft":
+            figures = {"lora": {"world_size": 1}, "lora-fsdp": {"world_size": 1, "distributed_type": "FSDP"}}
         records.append(
             {
                 "step": name,
@@ -230,36 +322,27 @@ def test_a_one_gpu_report_is_partial_and_names_what_it_did_not_prove():
     records = one_gpu_records()
     verdict = gpu_check.assess(records)
     assert verdict["verdict"] == (
-        "PARTIAL: not proved: text-deepspeed, nccl-doctor, ddp, sync-bn, allreduce, "
-        "dp-vs-ddp (needs 2+ GPUs); FSDP sharding (one process)"
-    )
+        "PARTIAL: not proved: text-deepspeed (deepspeed not installed); nccl-doctor, ddp, sync-bn, allreduce, "
+        "dp-vs-ddp (needs 2+ GPUs); sharding in sft, sharding in text-fsdp (one process)"
+    ), verdict["verdict"]
     assert gpu_check.exit_status(verdict["verdict"]) == 0
-    assert verdict["notes"] == {"text-fsdp": gpu_check.UNSHARDED}
-    report = {
-        **verdict,
-        "mode": "gpu",
-        "quick": False,
-        "wall_seconds": 600.0,
-        "steps": records,
-        "machine": {
-            "devices": ["NVIDIA H100 80GB HBM3"],
-            "torch": "2.11.0",
-            "cuda": "12.8",
-            "accelerate": "1.15.0",
-            "transformers": "5.17.0",
-            "python": "3.12.3",
-            "host": "gpu-box",
-        },
+    assert verdict["notes"] == {
+        "sft": f"lora-fsdp ran {gpu_check.UNSHARDED}",
+        "text-fsdp": f"ran {gpu_check.UNSHARDED}",
     }
-    text = gpu_check.markdown(report)
-    assert "| text-fsdp | pass (unsharded: world size 1, no NCCL traffic) | 12.5 |" in text
-    assert "| ddp | not run (needs 2+ GPUs) |" in text and "| nccl-doctor | not run (needs 2+ GPUs) |" in text
-    assert "- FSDP sharding: text-fsdp ran unsharded: world size 1, no NCCL traffic; proves the FSDP code path" in text
-    # With 2 GPUs but no deepspeed, text-deepspeed says so; a failed step makes the verdict FAIL, exit status 1.
-    assert gpu_check.requirements(2, False)["text-deepspeed"] == "deepspeed not installed"
+    # deepspeed that imports runs on one GPU too (unsharded); on the CPU its GPU path needs CUDA
+    assert gpu_check.requirements(1, None)["text-deepspeed"] is None
+    assert gpu_check.requirements(0, None)["text-deepspeed"] == "needs CUDA"
+    # A step left for the next call makes the check incomplete; a failed step makes it fail; both exit 1.
+    records[1] = gpu_check.not_run("fast94", f"{gpu_check.NEXT_CALL}: estimated 90 s, 40 s of --budget left")
+    verdict = gpu_check.assess(records)["verdict"]
+    assert (
+        verdict.startswith(f"INCOMPLETE: fast94 ({gpu_check.NEXT_CALL}: estimated 90 s")
+        and gpu_check.exit_status(verdict) == 1
+    )
     records[0].update(status="fail", detail="exit 1")
     verdict = gpu_check.assess(records)["verdict"]
-    assert verdict.startswith("FAIL: audit-cifar; not proved: text-deepspeed") and gpu_check.exit_status(verdict) == 1
+    assert verdict.startswith("FAIL: sft; INCOMPLETE: fast94") and gpu_check.exit_status(verdict) == 1
 
 
 def test_sft_figures_count_model_flops_as_palm_does_and_compare_peak_memory_with_the_plan():
@@ -279,16 +362,19 @@ def test_sft_figures_count_model_flops_as_palm_does_and_compare_peak_memory_with
     assert full["peak_over_plan"] == 1.5 and full["mean_tokens_per_conversation"] == 100.0
     cpu = gpu_check.sft_figures(dict(results, peak_memory_kind="host_max_rss"), assets, None, "full")
     assert "model_flops_utilisation" not in cpu and "peak_over_plan" not in cpu
-    assert gpu_check.requirements(1, False, ("peft",))["sft"] == "peft not installed"
+    assert gpu_check.requirements(1, None, ("peft",))["sft"] == "peft not installed"
 
 
-def test_two_parts_on_one_gpu_hold_every_step_once_and_fit_the_part_budget():
-    needs = gpu_check.requirements(1, False)
-    whole = gpu_check.estimate(gpu_check.STEPS, needs)
-    assert whole > gpu_check.PART_BUDGET  # one command on a 9-minute limit would not hold it
-    plan = gpu_check.split(gpu_check.STEPS, 2, needs)
-    assert sorted(plan[0] + plan[1]) == sorted(gpu_check.STEPS) and plan == gpu_check.split(gpu_check.STEPS, 2, needs)
-    for part in plan:
-        assert gpu_check.estimate(part, needs) <= gpu_check.PART_BUDGET - 60, plan
-        assert "bench" not in part or part[-1] == "bench"  # the least known step last: it can only cut itself
-        assert all(gpu_check.TIMEOUTS[s] <= gpu_check.PART_BUDGET for s in part)
+def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_first():
+    """The default budget, a cut step's grace and the report within 9 minutes; every step's own limit within the
+    budget; on one H100 the first call holds the chat fine-tune, the CIFAR fast path, text, detector, preemption."""
+    assert gpu_check.DEFAULT_BUDGET + gpu_check.STOP_GRACE_SECONDS + 10 <= 9 * 60
+    assert all(gpu_check.TIMEOUTS[s] <= gpu_check.DEFAULT_BUDGET for s in gpu_check.STEPS)
+    assert gpu_check.STEPS[:6] == ["sft", "fast94", "text-fsdp", "detect-640", "preempt", "bench"]
+    needs = gpu_check.requirements(1, None)
+    first, left = [], gpu_check.DEFAULT_BUDGET
+    for name in (s for s in gpu_check.STEPS if not needs[s]):
+        if gpu_check.ESTIMATED_SECONDS[name] <= left:
+            first.append(name)
+            left -= gpu_check.ESTIMATED_SECONDS[name]
+    assert first[:5] == ["sft", "fast94", "text-fsdp", "detect-640", "preempt"], first

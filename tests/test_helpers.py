@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import PYTHON, recipe_env, run
 
-from accelerate_recipes import RecipeError, explain_load_failure, per_process_batch_size
+from accelerate_recipes import RecipeError, explain_load_failure
 from accelerate_recipes.cli import _drop_legacy_local_rank
-from accelerate_recipes.launch import check_visible_gpus
+from accelerate_recipes.launch import check_visible_gpus, per_process_batch_size
 from accelerate_recipes.tracking import resolve_swanlab_mode, setup_tracker
 
 

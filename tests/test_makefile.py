@@ -218,7 +218,13 @@ def test_cpu_threads_follow_the_cores_make_may_use():
 def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
     """PYTHON_ENV=system: the interpreter given, no venv, no pip; the install step is a check of what it lacks."""
     proc = make(
-        "-n", "cifar-2gpu", "text-cpu", "gpu-check", "PART=1/2", "PYTHON_ENV=system", "PYTHON=/opt/py/bin/python3"
+        "-n",
+        "cifar-2gpu",
+        "text-cpu",
+        "gpu-check",
+        "AFTER=docs/gpu-proof.json",
+        "PYTHON_ENV=system",
+        "PYTHON=/opt/py/bin/python3",
     )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr
@@ -232,7 +238,7 @@ def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
         and line.rstrip().endswith("recipes/cifar.py")
         for line in lines
     ), proc.stdout
-    assert "/opt/py/bin/python3 benchmarks/gpu_check.py --part 1/2" in [line.strip() for line in lines]
+    assert "/opt/py/bin/python3 benchmarks/gpu_check.py --after docs/gpu-proof.json" in [line.strip() for line in lines]
     # the checkout is on PYTHONPATH for the scripts, ahead of what the user had there
     proc = subprocess.run(
         ["make", "--no-print-directory", "-p", "-n", "help", "PYTHON_ENV=system"],

@@ -13,6 +13,7 @@ from pathlib import Path
 from conftest import LIBRARY, PYTHON, RECIPES, REPO, local_imports, read_metrics, read_results
 
 README = (REPO / "README.md").read_text()
+GUIDE = (REPO / "docs" / "template.md").read_text()
 
 
 def check_isolated(folder: Path, env: dict) -> None:
@@ -33,12 +34,16 @@ def imported_from_copy(folder: Path, modules: set[str]) -> None:
     assert {m.removesuffix(".py") for m in modules} <= cached, (modules, cached)
 
 
-def test_readme_names_every_file_a_copy_needs():
-    section = README.split("## Copying a recipe as a template", 1)[1].split("\n## ", 1)[0]
+def test_the_guide_names_every_file_a_copy_needs_and_the_readme_every_starter():
+    section = GUIDE.split("## Copy a full recipe", 1)[1].split("\n## ", 1)[0]
     for script in ("cifar.py", "text_classification.py", "sft.py"):
         for name in {script} | local_imports(RECIPES / script):
             assert f"recipes/{name}" in section, name
     assert "recipes/detect/" in section and "cpu.yaml" in section
+    starters = sorted(p.name for p in (RECIPES / "starters").glob("*.py"))
+    assert starters == ["cifar.py", "sft.py", "text_classification.py"]
+    for text in (README.split("## Start your own project", 1)[1].split("\n## ", 1)[0], GUIDE):
+        assert all(f"recipes/starters/{name}" in text for name in starters)
 
 
 def assert_model_best(out: Path, metric: str, *files: str) -> None:
