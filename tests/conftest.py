@@ -50,15 +50,15 @@ TINY = [
 ]
 
 
-# Time limits. Every limit in this suite is written for the reference machine (the 2-core x86-64 machine with AVX-512
-# and native bf16 whose times docs/tests.md gives, Nov 2026) and scaled by TIME_SCALE: how much slower this CPU runs a
+# Time limits. Every limit in this suite is written for the reference machine (a 2-core x86-64 machine of the CI's kind
+# with AVX-512 and native bf16, Nov 2026) and scaled by TIME_SCALE: how much slower this CPU runs a
 # short fixed fp32 workload than that machine did (never below 1, at most 8), or TEST_TIME_SCALE when set (e.g. 3 on a
 # machine shared with other jobs). A hang still ends at the scaled limit.
 REFERENCE_WORKLOAD_SECONDS = 0.0175  # the workload below on the reference machine (measured 0.0163-0.0177)
 
 
 def measure_workload_seconds() -> float:
-    """Best of 5 of one forward and backward pass of a small conv net on 16 CIFAR-sized images, fp32, one thread."""
+    """The fastest of 6 forward and backward passes of a small conv net on 16 CIFAR-sized images, fp32, one thread."""
     import torch
 
     threads = torch.get_num_threads()
@@ -76,7 +76,7 @@ def measure_workload_seconds() -> float:
         )
         images = torch.randn(16, 3, 32, 32, generator=generator)
         best = float("inf")
-        for _ in range(6):  # the first pass warms up oneDNN's kernels and is only counted if it is the fastest
+        for _ in range(6):  # the first pass also warms up oneDNN's kernels; the fastest one counts
             start = time.perf_counter()
             net(images).sum().backward()
             best = min(best, time.perf_counter() - start)

@@ -251,3 +251,19 @@ def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
     assert f"PYTHONPATH := {REPO}:/extra" in proc.stdout
     proc = make("help", "PYTHON_ENV=conda")
     assert proc.returncode != 0 and "choose venv (the default" in proc.stderr
+
+
+def test_starter_runs_the_recipes_starter_with_the_same_launch_and_a_recipe_without_one_is_named():
+    starters = {"cifar-8gpu": "cifar.py", "text-2gpu": "text_classification.py", "sft-1gpu": "sft.py"}
+    for target, starter in starters.items():
+        line = launch_line(make("-n", target, "STARTER=1", "ARGS=--epochs 1"))
+        assert f"recipes/starters/{starter} --epochs 1" in line, line
+        assert launch_line(make("-n", target)).split(" recipes/")[0] == line.split(" recipes/")[0]
+    line = launch_line(make("-n", "sft-2node", "STARTER=1", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"))
+    assert "2node.yaml" in line and "--machine_rank 1" in line and line.rstrip().endswith("recipes/starters/sft.py")
+    # sft-cpu without ARGS: the starter's own defaults, without the full recipe's --eval_generate
+    line = launch_line(make("-n", "-o", "sft-data", "sft-cpu", "STARTER=1"))
+    assert "recipes/starters/sft.py --model" in line and "--eval_generate" not in line, line
+    proc = make("-n", "detect-2gpu", "STARTER=1")
+    assert proc.returncode != 0 and "recipes/detect/train.py has no starter" in proc.stderr, proc.stderr
+    assert "recipes/starters/cifar.py" in proc.stderr
