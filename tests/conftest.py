@@ -442,6 +442,41 @@ def launch_audited_copy(folder: Path, env: dict, script: str, *args, timeout=600
     return check(run(cmd, env, timeout=timeout, cwd=folder))
 
 
+# What a starter may import besides the standard library: the public packages a user installs with pip.
+STARTER_PACKAGES = {"accelerate", "torch", "torchvision", "transformers", "datasets", "peft", "swanlab", "fire"}
+
+
+def imported_packages(script: Path) -> set[str]:
+    """The top-level packages a script imports (absolute imports only: a relative one fails here)."""
+    import ast
+
+    imported = set()
+    for node in ast.walk(ast.parse(Path(script).read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"relative import of {node.module} in {script}"
+            imported.add(node.module.split(".")[0])
+    return imported
+
+
+def assert_public_imports_only(script: Path) -> set[str]:
+    imported = imported_packages(script)
+    assert imported - STARTER_PACKAGES - set(sys.stdlib_module_names) == set(), imported
+    return imported
+
+
+def without_library(tmp: Path) -> Path:
+    """A folder to put first on PYTHONPATH so that this project's code cannot be imported: its library (installed in
+    this environment) and the modules beside the recipes are shadowed by ones that raise ImportError."""
+    decoys = tmp / "without-library"
+    (decoys / "accelerate_recipes").mkdir(parents=True, exist_ok=True)
+    refuse = "raise ImportError('a starter imports public packages only')\n"
+    for module in ("accelerate_recipes/__init__.py", "cifar_data.py", "sft_data.py"):
+        (decoys / module).write_text(refuse)
+    return decoys
+
+
 def sharded_launch(root: Path, name: str, config: str, script: Path, *args, launcher=(), ok=True):
     """`script` under `accelerate launch` with `config` (cpu.yaml, fsdp.yaml, deepspeed.yaml) on 2 CPU processes in
     fp32, as `make text-fsdp` / `make sft-fsdp` start it on a CPU box; output in root/name. Returns (proc, out)."""

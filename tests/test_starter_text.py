@@ -9,7 +9,6 @@ evaluation per epoch), so the masks match too.
 import ast
 import re
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from conftest import (
     PYTHON,
     REPO,
     TEXT_RUN,
+    assert_public_imports_only,
     check,
     fails_with,
     free_port,
@@ -28,11 +28,11 @@ from conftest import (
     recipe_env,
     run,
     text_files,
+    without_library,
 )
 from transformers import AutoModelForSequenceClassification
 
 STARTER = REPO / "recipes" / "starters" / "text_classification.py"
-PUBLIC_PACKAGES = {"accelerate", "torch", "torchvision", "transformers", "datasets", "peft", "swanlab", "fire"}
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+) lr ")
 EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+: accuracy ([\d.]+) on (\d+) examples$", re.MULTILINE)
 TOLERANCE = 1e-5
@@ -41,12 +41,7 @@ TOLERANCE = 1e-5
 def starter_env(tmp: Path, **extra) -> dict:
     """A user's environment without this project: the repository on no import path, and its library (installed in
     this checkout's environment) shadowed by a package that refuses to be imported."""
-    blocked = tmp / "without-library"
-    (blocked / "accelerate_recipes").mkdir(parents=True, exist_ok=True)
-    (blocked / "accelerate_recipes" / "__init__.py").write_text(
-        "raise ImportError('the starter must not import accelerate_recipes')\n"
-    )
-    return recipe_env(tmp, PYTHONPATH=blocked, **extra)
+    return recipe_env(tmp, PYTHONPATH=without_library(tmp), **extra)
 
 
 def printed_losses(stdout: str) -> dict[int, float]:
@@ -119,15 +114,7 @@ def main_arguments() -> dict[str, str]:
 
 
 def test_imports_only_public_packages():
-    allowed = PUBLIC_PACKAGES | set(sys.stdlib_module_names)
-    imported = set()
-    for node in ast.walk(ast.parse(STARTER.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"relative import of {node.module}"
-            imported.add(node.module.split(".")[0])
-    assert imported and imported <= allowed, imported - allowed
+    imported = assert_public_imports_only(STARTER)
     assert {"accelerate", "torch", "transformers", "datasets", "fire"} <= imported
 
 
