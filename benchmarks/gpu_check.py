@@ -111,19 +111,20 @@ STEPS = [
     "allreduce",
     "dp-vs-ddp",
 ]
-# Estimated seconds of each step on one H100 (two for the 2+ GPU steps), start-up and data generation included; not
-# measured yet. A step starts only when its estimate fits in what is left of --budget (on a GPU).
+# Estimated seconds of each step on one H100 (two for the 2+ GPU steps), start-up and data generation included: the
+# measured time on one H100 80GB (docs/gpu-proof.md), rounded up, where it ran; a guess for bench and the 2+ GPU steps.
+# A step starts only when its estimate fits in what is left of --budget (on a GPU).
 ESTIMATED_SECONDS = {
-    "sft": 150,  # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2
-    "fast94": 90,
-    "text-fsdp": 60,
-    "detect-640": 120,
-    "preempt": 90,
+    "sft": 215,  # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2: 207 s
+    "fast94": 65,  # 58 s
+    "text-fsdp": 45,  # 42 s
+    "detect-640": 100,  # 96 s
+    "preempt": 50,  # 46 s
     "bench": 240,
-    "text-deepspeed": 200,  # DeepSpeed's fused Adam and other CUDA ops compiled at first use: about 2 minutes
-    "audit-cifar": 60,
-    "audit-text": 45,
-    "audit-detect": 75,
+    "text-deepspeed": 60,  # 56 s, DeepSpeed's CUDA ops included
+    "audit-cifar": 40,  # 36 s
+    "audit-text": 40,  # 36 s
+    "audit-detect": 75,  # 69 s
     "nccl-doctor": 30,
     "ddp": 60,
     "sync-bn": 60,
@@ -1571,6 +1572,8 @@ def main(
     proven, differences = proven_steps(earlier, key) if earlier else ({}, [])
     if differences:
         print(f"note: --after {after} holds no proof for these GPUs and software ({'; '.join(differences)})")
+    # steps proven before are carried into this report even when --steps names others, so the report says all it knows
+    chosen = sorted(dict.fromkeys([*chosen, *proven]), key=STEPS.index)
     records: dict[str, dict | None] = {}
     for name in chosen:
         if name in proven:
