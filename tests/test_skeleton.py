@@ -28,6 +28,7 @@ RECIPES = {
     "text": REPO / "recipes" / "text_classification.py",
     "detect": REPO / "recipes" / "detect" / "train.py",
     "sft": REPO / "recipes" / "sft.py",
+    "grpo": REPO / "recipes" / "grpo.py",
 }
 
 SKELETON = '''

@@ -1,0 +1,1003 @@
+#!/usr/bin/env python
+"""Reinforcement learning with verifiable rewards (GRPO) for a chat model with Hugging Face Accelerate, LoRA or full:
+1 GPU, N GPUs, N nodes.
+
+    python recipes/grpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct --train_file math.jsonl --reward number
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/grpo.py --dataset openai/gsm8k:main
+    python recipes/grpo.py --eval_only --model outputs/grpo --validation_file test.jsonl   # mean reward, accuracy
+    python recipes/grpo.py --predict "What is 3 + 5?" --model outputs/grpo
+    python recipes/grpo.py --chat --model outputs/grpo
+
+Each optimizer step: every process takes its share of --batch_size prompts, samples --num_generations completions of
+each (a group, never split across processes), scores them with the --reward functions, turns the rewards into
+group-relative advantages, and takes the clipped policy-gradient step. The loss is the sum of the completion tokens'
+losses over the whole global batch (every process, every accumulation micro-step) divided by its completion tokens,
+counted before the first forward pass, so the same flags train the same way on any number of GPUs.
+
+Sampling is keyed: each completion's random draws are a function of (--seed, epoch, prompt, completion number,
+position) alone, not of a generator's state, so the same prompts give the same completions on 1 process, on 8, with
+or without accumulation, and after a resume.
+
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
+resume -> loop: roll out, score, update -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
+--merge are the chat recipe's own (recipes/sft.py). Rewards and the prompt formats are in grpo_rewards.py.
+
+Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+"""
+
+from accelerate_recipes.cli import answer_help_from_source
+
+answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
+
+import contextlib
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import datasets
+import peft
+import sft as chat_recipe
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    gather_object,
+    set_seed,
+)
+from grpo_rewards import Rewards, check_columns, load_prompts
+from sft import (  # the chat recipe's model loading and saving, and its --chat and --merge
+    chat,
+    is_adapter,
+    load_base_model,
+    load_fine_tuned,
+    load_tokenizer,
+    merge,
+    save_model,
+    write_samples,
+)
+from sft_plan import numel
+from torch.utils.data import DataLoader
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, get_scheduler
+
+from accelerate_recipes import (
+    BestModel,
+    Checkpoints,
+    RecipeError,
+    RunState,
+    StepMeter,
+    TrainingFlags,
+    TrainingProgress,
+    check_launch,
+    explain_startup_failure,
+    num_machines,
+    prepare_output_dir,
+    print_summary,
+    run,
+    run_config,
+    run_facts,
+    setup_fsdp,
+    setup_tracker,
+    write_results,
+)
+from accelerate_recipes.plots import plot_results
+
+DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+SAMPLES_KEPT = 4  # completions per log step written to samples.jsonl and the tracker
+
+
+@dataclass
+class GrpoFlags(TrainingFlags):
+    """Improve a chat model with GRPO on prompts whose answers a program can check (LoRA with --lora_r, else in full).
+
+    Each optimizer step samples --num_generations completions for each of --batch_size prompts, scores them with the
+    --reward functions, and raises the likelihood of the completions that scored above their group's mean. The
+    defaults follow current practice (TRL's GRPOConfig, DAPO): 8 completions per prompt, no KL term (--beta 0),
+    clipping at 0.2, one update per batch of rollouts, the token-level loss over the whole global batch.
+
+    Args:
+        train_file: training prompts, .json (a list) or .jsonl (one per line): rows with a `prompt` (text) or
+            `messages` (a conversation to continue; a final assistant turn is taken as the answer), or GSM8K's
+            `question` and `answer` (the part after `####` is the answer); every other column (`answer`, ...) is
+            passed to the rewards by name.
+        validation_file: held-out prompts in the same formats, answered greedily at each evaluation; default:
+            --validation_size of the training prompts.
+        dataset: a Hugging Face Hub dataset instead of files, as name or name:config (openai/gsm8k:main): its train
+            split, and its validation or test split; downloaded on first use.
+        validation_size: fraction of the training prompts held out when no validation file or split is given.
+        max_prompt_length: longest prompt in tokens (rendered with the chat template); longer ones are left out and
+            counted.
+        reward: the reward functions, comma-separated; the first is the correctness check behind `accuracy`.
+            Built in: number (the completion's last number equals the answer's), tag (the answer inside
+            <answer>...</answer> equals the answer), exact (the whole completion equals a short answer), format (one
+            <answer>...</answer> pair ends the completion), length (the completion ended before --max_new_tokens).
+            Your own: path/to/file.py:function or package.module:function, called as f(prompts, completions,
+            **columns) and returning one float per completion (TRL's convention).
+        reward_weights: one weight per reward, comma-separated; the reward of a completion is the weighted sum.
+        answer_tag: the tag the tag and format rewards look for.
+        num_generations: completions sampled per prompt (the group the advantages are relative to); memory and
+            generation time grow with it.
+        max_new_tokens: longest completion; also the longest answer of --predict and --chat.
+        temperature: sampling temperature of the rollouts (the log-probabilities of the update use it too).
+        top_p: nucleus sampling of the rollouts: sample among the most likely tokens whose probabilities sum to it.
+        beta: weight of the KL penalty against the reference policy (the model before this run: under LoRA the base
+            with the adapter switched off, in full fine-tunes a frozen copy); 0 (the default) loads no reference.
+        epsilon: the ratio of new to old probability is clipped to [1 - epsilon, 1 + epsilon_high].
+        epsilon_high: the upper clip; default --epsilon (DAPO's "clip higher" uses 0.28).
+        num_iterations: optimizer steps taken on each batch of rollouts; 1 is on-policy (the ratio is 1).
+        scale_rewards: group (divide each group's centred rewards by the group's standard deviation), batch (by the
+            whole global batch's) or none (Dr. GRPO: centred only).
+        loss_type: dapo (sum of token losses / completion tokens of the global batch; the default), grpo (the mean of
+            each completion's token mean over the global batch) or dr_grpo (sum of token losses / (completions x
+            --max_new_tokens)).
+        mask_truncated: leave completions that hit --max_new_tokens out of the loss.
+        lora_r: rank of a LoRA adapter (peft) trained on every linear layer instead of the whole model; 0: full.
+            With --model an adapter of the chat recipe, that adapter is trained on.
+        lora_alpha: LoRA scale numerator (the update is scaled by alpha / r); default 2 x --lora_r.
+        lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the ratio of an on-policy step is 1.
+        lora_target_modules: all-linear (every linear layer but the output head) or comma-separated module names.
+        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
+        attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
+        eval_every: also evaluate every N optimizer steps (0: at each epoch's end only).
+        cache_dir: cache of the `datasets` library.
+        model: the policy to train: a Hub name or folder of a chat model, a .gguf file, or the chat recipe's output
+            (an adapter or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For --eval_only, --predict, --chat
+            and --merge: the trained model (default --output_dir).
+        lr: peak learning rate; default 1e-5 with --lora_r, 1e-6 for a full fine-tune.
+        seed: seed for LoRA's initial weights, the prompt order and the sampling keys.
+        eval_only: evaluate --model greedily on the validation prompts (mean reward, accuracy) and write
+            results.json to --output_dir; any number of processes, each prompt counted once.
+        predict: answer prompts (text, a .txt file of one per line, or a .json/.jsonl of chats) with --model; one
+            JSON line per prompt.
+        chat: talk to --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
+        merge: write --model as one plain transformers folder to this path (an adapter merged into its base).
+    """
+
+    train_file: str | None = None
+    validation_file: str | None = None
+    dataset: str | None = None
+    validation_size: float = 0.1
+    max_prompt_length: int = 512
+    reward: str = "number"
+    reward_weights: str | None = None
+    answer_tag: str = "answer"
+    num_generations: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"
+    mask_truncated: bool = False
+    lora_r: int = 0
+    lora_alpha: int | None = None
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+    warmup_ratio: float = 0.0
+    eval_every: int = 0
+    cache_dir: str | None = None
+    chat: bool = False
+    merge: str | None = None
+    # The shared flags this task defaults otherwise: the global batch counts prompts, not completions.
+    batch_size: int = 16
+    epochs: int = 1
+    max_grad_norm: float = 1.0
+    log_every: int = 1
+    checkpoint_every: int = 50
+    output_dir: str = "outputs/grpo"
+
+
+def check_flags(args: GrpoFlags) -> None:
+    """Flags that cannot work together, before anything loads."""
+    if args.loss_type not in LOSS_TYPES:
+        raise RecipeError(f"--loss_type {args.loss_type}: give one of {', '.join(LOSS_TYPES)}")
+    if args.scale_rewards not in SCALE_REWARDS:
+        raise RecipeError(f"--scale_rewards {args.scale_rewards}: give one of {', '.join(SCALE_REWARDS)}")
+    if args.num_generations < 2:
+        raise RecipeError(f"--num_generations {args.num_generations}: a group needs 2 or more completions to compare")
+    if args.num_iterations < 1 or args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise RecipeError("--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1")
+
+
+# ----------------------------------------------------------------------------------------------------------- data
+def dataset_name(args: GrpoFlags) -> str:
+    if args.dataset:
+        return args.dataset.split(":")[0].rsplit("/", 1)[-1]
+    if not args.train_file:
+        raise RecipeError("give --train_file (a .json/.jsonl of prompts) or --dataset (a Hub dataset)")
+    return f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
+
+
+def tokenize_prompts(accelerator, tokenizer, rows: list[dict], max_prompt_length: int, split: str) -> list[dict]:
+    """Each row with `prompt_ids`: its messages rendered with the chat template and the generation prompt. Rows
+    longer than --max_prompt_length are left out, and counted."""
+    kept = []
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_prompt_length:
+            kept.append(dict(row, prompt_ids=ids))
+    if len(kept) < len(rows):
+        accelerator.print(f"{split}: {len(rows) - len(kept)} of {len(rows)} prompts longer than --max_prompt_length")
+    if not kept:
+        raise RecipeError(f"{split}: no prompt fits in --max_prompt_length {max_prompt_length}; raise it")
+    return kept
+
+
+def reward_columns(rows: list[dict]) -> dict:
+    """The data's columns as lists, for the reward functions' **columns (prompt, messages and ids left out)."""
+    names = {k for row in rows for k in row} - {"prompt", "messages", "prompt_ids"}
+    return {name: [row.get(name) for row in rows] for name in sorted(names)}
+
+
+# ---------------------------------------------------------------------------------------------------------- model
+def build_policy(args: GrpoFlags, model_name: str, mixed_precision: str):
+    """The policy to train: the whole model, or a LoRA adapter on its frozen base (a chat-recipe adapter in --model
+    is trained on; merged into its base for a full fine-tune)."""
+    dtype = torch.bfloat16 if args.lora_r and mixed_precision == "bf16" else torch.float32
+    if is_adapter(model_name):
+        model, _ = load_fine_tuned(model_name, dtype)
+        if args.lora_r:  # go on training the chat recipe's adapter: its base stays what the adapter names
+            model = peft.PeftModel.from_pretrained(model.get_base_model(), model_name, is_trainable=True)
+        else:
+            model = model.merge_and_unload()
+    else:
+        model = load_base_model(model_name, dtype, args.attn_implementation)
+    model.config.use_cache = False  # the training forward passes need no cache; generation asks for one
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.lora_r:
+            model.enable_input_require_grads()
+    if args.lora_r and not isinstance(model, peft.PeftModel):
+        targets = args.lora_target_modules
+        config = peft.LoraConfig(
+            task_type="CAUSAL_LM",
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha or 2 * args.lora_r,
+            lora_dropout=args.lora_dropout,
+            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        )
+        model = peft.get_peft_model(model, config)
+    return model
+
+
+def reference_policy(args: GrpoFlags, accelerator, model):
+    """The policy the KL term holds the model near: None with --beta 0; under LoRA the base itself (the adapter is
+    switched off for it, no second copy); in a full fine-tune a frozen copy of the starting weights."""
+    if not args.beta or args.lora_r:
+        return None
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise RecipeError(
+            "--beta with a full fine-tune needs a second, frozen copy of the model, which this recipe does not shard; "
+            "use --lora_r (the reference is the base itself) or --beta 0"
+        )
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    return reference.to(accelerator.device)
+
+
+# ------------------------------------------------------------------------------------------------------- rollouts
+MIX = (0x5851F42D4C957F2D, 0x2545F4914F6CDD1D, 0x14057B7EF767814F, 0x3C6EF372FE94F82B)
+
+
+def hashed_uniform(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), one per (row, token), from a counter-based hash of (row key, position, token):
+    the same numbers for the same row wherever and in whatever batch it is generated (int64 arithmetic wraps)."""
+    offset = position * MIX[1] % (1 << 62)  # a Python int must fit in int64 before it meets the tensor
+    x = keys[:, None] * MIX[0] + offset + torch.arange(vocab, device=keys.device)[None] * MIX[2]
+    for multiplier in (MIX[3], MIX[0]):
+        x = x ^ (x >> 29)
+        x = x * multiplier
+    x = x ^ (x >> 32)
+    bits = (x >> 40) & 0xFFFFFF  # 24 random bits
+    return (bits.float() + 0.5) / 2**24
+
+
+class KeyedSampling(LogitsProcessor):
+    """Sampling through greedy decoding: the argmax of (logits / temperature + Gumbel noise) is a draw from the
+    softmax (the Gumbel-max trick), and the noise of each row comes from its key, not from the global RNG."""
+
+    def __init__(self, keys: torch.Tensor, temperature: float, top_p: float):
+        self.keys, self.temperature, self.top_p = keys, temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            ordered, order = scores.sort(dim=-1, descending=True)
+            probabilities = ordered.softmax(dim=-1)
+            above = probabilities.cumsum(dim=-1) - probabilities  # the mass of the likelier tokens
+            outside = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, above > self.top_p)
+            scores = scores.masked_fill(outside, -math.inf)
+        uniform = hashed_uniform(self.keys, input_ids.shape[1], scores.shape[-1])
+        return scores - torch.log(-torch.log(uniform))
+
+
+def sampling_keys(seed: int, epoch: int, prompt_index: torch.Tensor, generations: int) -> torch.Tensor:
+    """One int64 key per completion: (seed, epoch, prompt, completion number), prompt-major as the rows are."""
+    base = ((seed * 1_000_003 + epoch) * 0x9E3779B1) % (1 << 62)
+    rows = prompt_index.to(torch.int64)[:, None] * 4099 + torch.arange(generations, device=prompt_index.device)
+    return rows.reshape(-1) * 0x632BE5AB + base  # distinct per (seed, epoch, prompt, completion); wraps in int64
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token that ends a turn: the generation config's (Qwen's <|im_end|>, Llama 3's <|eot_id|>) and the
+    tokenizer's eos."""
+    configured = model.generation_config.eos_token_id
+    ids = configured if isinstance(configured, list) else [configured]
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
+
+
+@contextlib.contextmanager
+def whole_weights_for_generation(accelerator, model):
+    """Generation with the weights gathered once, not once per token: under FSDP2 every shard unit is unsharded and
+    kept so until generation ends; under DeepSpeed ZeRO-3 the parameters are gathered for its duration. Each process
+    then holds the whole model while it generates (the memory cost of sharded generation)."""
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import FSDPModule
+
+        # One forward pass through the root first: peft's generate enters below it, and FSDP2 must have set up the
+        # root (lazily, at its first forward) before any inner unit runs.
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=accelerator.device))
+        units = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield unwrapped
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True, recurse=False)
+    elif (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
+    ):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+            yield unwrapped
+    else:
+        yield unwrapped
+
+
+@torch.no_grad()
+def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> dict:
+    """Completions of left-padded prompts through `generate` with the KV cache: sampled with keyed noise when `keys`
+    are given (one per row), else greedy. Returns the rows' prompt and completion ids, masks, and which were cut."""
+    width = max(map(len, prompt_ids))
+    pad = tokenizer.pad_token_id
+    device = accelerator.device
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    stop = eos_ids(accelerator.unwrap_model(model), tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad, eos_token_id=stop
+    )
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    with whole_weights_for_generation(accelerator, model) as policy:
+        was_training = policy.training
+        policy.eval()
+        output = policy.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([KeyedSampling(keys, args.temperature, args.top_p)])
+            if keys is not None
+            else None,
+            # sharded: every process keeps stepping until all are done, as their forward passes are collective
+            synced_gpus=sharded and accelerator.num_processes > 1,
+        )
+        policy.train(was_training)
+    completion = output[:, width:]
+    is_stop = torch.isin(completion, torch.tensor(stop, device=device))
+    ended = is_stop.any(dim=1)
+    first_stop = torch.where(ended, is_stop.int().argmax(dim=1), completion.shape[1])
+    mask = (torch.arange(completion.shape[1], device=device)[None] <= first_stop[:, None]).long()
+    return dict(prompt=input_ids, prompt_mask=attention_mask, completion=completion, mask=mask, truncated=~ended)
+
+
+def completion_texts(tokenizer, rollout: dict) -> list[str]:
+    ids = (rollout["completion"] * rollout["mask"]).tolist()
+    lengths = rollout["mask"].sum(dim=1).tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lengths)], skip_special_tokens=True)
+
+
+def roll_out(accelerator, model, tokenizer, rows: list[dict], indices: torch.Tensor, epoch: int, args) -> dict:
+    """One micro-batch of rollouts: --num_generations sampled completions of each prompt (rows prompt-major)."""
+    started = time.perf_counter()
+    generations = args.num_generations
+    prompts = [rows[i]["prompt_ids"] for i in indices.tolist() for _ in range(generations)]
+    keys = sampling_keys(args.seed, epoch, indices.to(accelerator.device), generations)
+    rollout = generate(accelerator, model, tokenizer, prompts, args, keys)
+    rollout.update(indices=indices.tolist(), texts=completion_texts(tokenizer, rollout))
+    rollout["generation_seconds"] = time.perf_counter() - started  # generate reads EOS flags: already synchronised
+    return rollout
+
+
+def score(rewards: Rewards, rows: list[dict], rollout: dict, generations: int) -> None:
+    """The rewards of a micro-batch's completions, per function and weighted, into `rollout` (host lists)."""
+    picked = [rows[i] for i in rollout["indices"] for _ in range(generations)]
+    columns = dict(reward_columns(picked), truncated=rollout["truncated"].tolist())
+    per_function = rewards.score([row["prompt"] for row in picked], rollout["texts"], columns)
+    rollout.update(per_function=per_function, rewards=rewards.total(per_function))
+
+
+def advantages(accelerator, rollouts: list[dict], generations: int, scale: str) -> dict:
+    """Group-relative advantages of a step's rollouts, computed from every process's rewards (gathered: a group is
+    whole on one process, the batch's spread needs them all). Returns the step's figures for the log."""
+    device = accelerator.device
+    mine = torch.tensor([r for rollout in rollouts for r in rollout["rewards"]], device=device, dtype=torch.float64)
+    everyone = accelerator.gather(mine).view(-1, generations)  # every group of the global batch
+    std = everyone.std(dim=1, keepdim=True)
+    own = mine.view(-1, generations)
+    centred = own - own.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (own.std(dim=1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        centred = centred / (everyone.std() + 1e-4)
+    start = 0
+    for rollout in rollouts:
+        rows = len(rollout["rewards"])
+        rollout["advantages"] = centred.reshape(-1)[start : start + rows].float()
+        start += rows
+    return {"reward_std_in_group": std.mean().item(), "zero_signal_groups": (std.squeeze(1) == 0).float().mean().item()}
+
+
+# ----------------------------------------------------------------------------------------------------------- loss
+def token_logprobs(model, rollout: dict, temperature: float) -> torch.Tensor:
+    """Log-probabilities of the completion tokens under `model` (at the sampling temperature)."""
+    input_ids = torch.cat([rollout["prompt"], rollout["completion"]], dim=1)
+    attention_mask = torch.cat([rollout["prompt_mask"], rollout["mask"]], dim=1)
+    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate numbered them, left padding skipped
+    width = rollout["prompt"].shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    logits = logits[:, width - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, rollout["completion"][..., None]).squeeze(-1)
+
+
+def policy_loss(logprobs, rollout: dict, args, reference_logprobs) -> tuple:
+    """The clipped surrogate of a micro-batch, as its share of the global batch's loss: (loss, clip fraction, kl)."""
+    old = rollout.get("old_logprobs", logprobs.detach())  # on-policy (--num_iterations 1): ratio 1, same gradient
+    ratio = torch.exp(logprobs - old)
+    advantage = rollout["advantages"][:, None]
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + high)
+    per_token = -torch.min(ratio * advantage, clipped * advantage)
+    mask = rollout["loss_mask"].float()
+    kl = torch.zeros((), device=logprobs.device)
+    if reference_logprobs is not None:
+        delta = reference_logprobs - logprobs
+        per_token_kl = torch.exp(delta) - delta - 1  # k3: unbiased, never negative
+        per_token = per_token + args.beta * per_token_kl
+        kl = (per_token_kl * mask).sum() / mask.sum().clamp(min=1)
+    normaliser = rollout["normaliser"]  # the same on every process (loss_normaliser)
+    if args.loss_type == "grpo":
+        loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / normaliser
+    else:  # dapo: / completion tokens of the global batch; dr_grpo: / (completions x max_new_tokens)
+        loss = (per_token * mask).sum() / normaliser
+    is_clipped = ((ratio < 1 - args.epsilon) & (advantage < 0)) | ((ratio > 1 + high) & (advantage > 0))
+    clip_fraction = (is_clipped.float() * mask).sum() / mask.sum().clamp(min=1)
+    return loss, clip_fraction.detach(), kl.detach()
+
+
+def loss_normaliser(accelerator, rollouts: list[dict], args):
+    """What a step's summed losses are divided by, the same on every process: its completion tokens (dapo) or
+    completions (grpo, dr_grpo x --max_new_tokens) over the whole global batch, counted before the forward pass."""
+    if args.loss_type == "dapo":
+        tokens = sum(r["loss_mask"].sum() for r in rollouts)
+        return accelerator.reduce(tokens.float(), reduction="sum").clamp(min=1)
+    completions = args.batch_size * args.num_generations
+    return completions * (args.max_new_tokens if args.loss_type == "dr_grpo" else 1)
+
+
+@torch.no_grad()
+def reference_token_logprobs(model, reference, rollout: dict, args, accelerator):
+    """The reference policy's log-probabilities of the completion tokens; None with --beta 0."""
+    if not args.beta:
+        return None
+    if reference is None:  # LoRA: the base model is the adapter switched off
+        with accelerator.unwrap_model(model).disable_adapter():
+            return token_logprobs(model, rollout, args.temperature)
+    with accelerator.autocast():
+        return token_logprobs(reference, rollout, args.temperature)
+
+
+# -------------------------------------------------------------------------------------------------------- evaluate
+@torch.no_grad()
+def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, args, batch: int) -> tuple:
+    """Greedy answers to every validation prompt, scored: ({eval_reward, eval_accuracy, eval_*reward*}, samples).
+    Each process answers its share in the same number of batches (a sharded model generates in step)."""
+    indices = list(range(len(rows)))
+    share = math.ceil(len(indices) / accelerator.num_processes)
+    share = math.ceil(share / batch) * batch
+    padded = indices + indices[-1:] * (share * accelerator.num_processes - len(indices))  # equal shares; dropped later
+    answers = []
+    with accelerator.split_between_processes(padded) as mine:
+        for start in range(0, len(mine), batch):
+            chunk = mine[start : start + batch]
+            rollout = generate(accelerator, model, tokenizer, [rows[i]["prompt_ids"] for i in chunk], args)
+            answers += list(zip(chunk, completion_texts(tokenizer, rollout), rollout["truncated"].tolist()))
+    answers = sorted(dict((i, (text, cut)) for i, text, cut in gather_object(answers)).items())
+    picked = [rows[i] for i, _ in answers]
+    texts = [text for _, (text, _) in answers]
+    columns = dict(reward_columns(picked), truncated=[cut for _, (_, cut) in answers])
+    per_function = rewards.score([row["prompt"] for row in picked], texts, columns)
+    totals = rewards.total(per_function)
+    scores = {
+        "eval_reward": sum(totals) / len(totals),
+        "eval_accuracy": sum(v >= 1.0 for v in per_function[0]) / len(totals),
+        **{f"eval_reward_{n}": sum(v) / len(v) for n, v in zip(rewards.names, per_function)},
+        "eval_samples": len(totals),
+    }
+    samples = [
+        {
+            "prompt": str(row["messages"][-1]["content"]),
+            "answer": text,
+            "reference": str(row.get("answer", "")),
+            "reward": reward,
+        }
+        for row, text, reward in zip(picked, texts, totals)
+    ]
+    return scores, samples
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+def rollout_steps(batches, limit: int, accelerator, model, tokenizer, rows, rewards: Rewards, epoch: int, args, speed):
+    """The micro-batches of whole optimizer steps, each a rollout ready for the update, --num_iterations times over.
+
+    A step's rollouts are all generated, scored and given their advantages before its first forward pass: the
+    advantages may need the whole batch's spread, and the loss is normalised by the completion tokens of the whole
+    global batch, counted here. Of the first `limit` loader batches, the last that make no whole step are left out.
+    """
+    accumulation, generations = args.gradient_accumulation_steps, args.num_generations
+    step = []
+    for index, indices in enumerate(batches):
+        if index >= limit:
+            continue
+        step.append(indices)
+        if len(step) < accumulation:
+            continue
+        rollouts = [roll_out(accelerator, model, tokenizer, rows, i, epoch, args) for i in step]
+        step = []
+        for rollout in rollouts:
+            score(rewards, rows, rollout, generations)
+            rollout["loss_mask"] = rollout["mask"] * (~rollout["truncated"][:, None] if args.mask_truncated else 1)
+        spread = advantages(accelerator, rollouts, generations, args.scale_rewards)
+        normaliser = loss_normaliser(accelerator, rollouts, args)
+        for rollout in rollouts:
+            tokens = int(rollout["prompt_mask"].sum() + rollout["mask"].sum())
+            rollout.update(normaliser=normaliser, figures=reward_figures(rollout, spread), tokens=tokens)
+            if args.num_iterations > 1:  # the policy that sampled, for the ratios of the later updates
+                with torch.no_grad():
+                    rollout["old_logprobs"] = token_logprobs(model, rollout, args.temperature)
+        speed.generated(sum(int(r["mask"].sum()) for r in rollouts), sum(r["generation_seconds"] for r in rollouts))
+        for _ in range(args.num_iterations):
+            yield from rollouts
+
+
+def train(args: GrpoFlags) -> None:
+    """GRPO on the data flags' prompts; evaluate at each epoch's end (and every --eval_every steps), and save the
+    last and the best model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
+    started = time.perf_counter()
+    check_flags(args)
+    output = Path(args.output_dir)
+    model_name = args.model or DEFAULT_MODEL
+    lr = args.lr or (1e-5 if args.lora_r else 1e-6)
+    rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
+
+    # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode)
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            # Steps by count: a step's rollouts are all generated before its first forward pass.
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
+            ),
+            log_with=tracking.log_with or None,
+            project_dir=str(output),
+            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
+            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
+            step_scheduler_with_optimizer=False,
+            # How long a process waits for the others, at start-up and in every collective, before it stops.
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(
+        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
+    )
+    world, accumulation, generations = accelerator.num_processes, args.gradient_accumulation_steps, args.num_generations
+    set_seed(args.seed)
+    prepare_output_dir(output)
+    checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
+    resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
+
+    # ---- data: prompts with the columns the rewards read, rendered with the model's chat template
+    tokenizer = load_tokenizer(model_name)
+    train_rows, validation_rows = load_prompt_splits(accelerator, args, tokenizer, rewards)
+    seeded = torch.Generator().manual_seed(args.seed)
+    # The loader hands out prompt indices (whole batches only); the shuffle has a generator of its own.
+    train_loader = DataLoader(list(range(len(train_rows))), per_process, shuffle=True, drop_last=True, generator=seeded)
+
+    # ---- model, reference policy and optimizer: AdamW on the trainable weights, weight decay on matrices only
+    model = build_policy(args, model_name, accelerator.mixed_precision)
+    reference = reference_policy(args, accelerator, model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay, no_decay = [p for p in trainable if p.ndim > 1], [p for p in trainable if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+
+    # ---- the run's length: each batch of rollouts gives --num_iterations optimizer steps
+    rollouts_per_epoch = whole_steps_per_epoch(len(train_loader), world, accumulation, len(train_rows), args)
+    steps_per_epoch = rollouts_per_epoch * args.num_iterations
+    batches_per_epoch = steps_per_epoch * accumulation  # micro-batch updates; a loader batch gives num_iterations
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    warmup_steps = round(args.warmup_ratio * total_steps)
+
+    setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the prompt loader across processes, move to the device.
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+
+    config = run_config("grpo", args, accelerator, **settings(args, model_name, lr, model, rewards, train_rows))
+    config.update(validation_size=len(validation_rows), per_process_batch_size=per_process, epochs=num_epochs)
+    config.update(warmup_steps=warmup_steps, total_steps=total_steps)
+
+    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    # Sampling is keyed (KeyedSampling): a resumed run samples the same completions without any RNG state.
+    figures = figure_names(rewards)
+    state = RunState(accelerator.device, figures)
+    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    if resume_from is not None:
+        checkpoints.check_compatible(resume_from, config)
+        accelerator.load_state(resume_from)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    best = BestModel(accelerator, state, output, "eval_reward", patience=args.early_stopping_patience)
+    progress = TrainingProgress(
+        accelerator,
+        state,
+        output,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        batches_per_epoch=batches_per_epoch,
+        global_batch_size=args.batch_size,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+        skip_nonfinite=args.skip_nonfinite_steps,
+        resumed_from=resume_from,
+        best=best,
+    )
+    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    speed = Throughput(accelerator.device)
+
+    def save_checkpoint() -> None:
+        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
+        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
+            accelerator.save_state(path)
+        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
+
+    def evaluate_now() -> dict:
+        """Greedy answers to every validation prompt, scored; a few go to samples.jsonl and the tracker."""
+        rows = per_process * generations
+        scores, samples = evaluate(accelerator, model, tokenizer, validation_rows, rewards, args, rows)
+        write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
+        return scores
+
+    def evaluate_mid_epoch() -> None:
+        """--eval_every: an evaluation between epoch ends, logged and judged as those are."""
+        state.last_eval = evaluate_now()
+        progress.metrics.log({f"eval/{k.removeprefix('eval_')}": v for k, v in state.last_eval.items()}, state.step)
+        if best.judge(state.last_eval):
+            with best.saving() as folder:
+                save_model(accelerator, model, tokenizer, folder)
+
+    # ---- training loop
+    # Each optimizer step: roll out (rollout_steps generates and scores the step's completions), then update.
+    while state.epoch < num_epochs and not progress.finished:
+        progress.start_epoch()
+        model.train()
+        train_loader.set_epoch(state.epoch)  # the prompt order of each epoch depends on the seed and epoch only
+        # Skip the prompts the interrupted run had trained on in this epoch (a loader batch per num_iterations).
+        done = state.batches_done // args.num_iterations
+        batches = accelerator.skip_first_batches(train_loader, done) if done else train_loader
+        limit, models = rollouts_per_epoch * accumulation - done, (accelerator, model, tokenizer)
+        batches = rollout_steps(batches, limit, *models, train_rows, rewards, state.epoch, args, speed)
+        for rollout in batches:
+            state.batches_done += 1
+            speed.update_started()
+            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+                reference_logprobs = reference_token_logprobs(model, reference, rollout, args, accelerator)
+                logprobs = token_logprobs(model, rollout, args.temperature)
+                loss, clip_fraction, kl = policy_loss(logprobs, rollout, args, reference_logprobs)
+                # This micro-batch's share of the global batch's loss; x world x accumulation undoes the means that
+                # DDP and accelerator.backward take, so the gradient is that of the global batch's loss.
+                loss = loss * world * accumulation
+                accelerator.backward(loss)
+                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                if accelerator.sync_gradients:
+                    if args.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    if not guard.skip_update(state.step + 1):
+                        optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            rewarded = rollout["figures"]  # in the order of `figures`: loss, reward figures, clip fraction, kl, ...
+            values = [loss.detach()[None], rewarded[:6], torch.stack([clip_fraction, kl]), rewarded[6:]]
+            state.add(torch.cat([v.to(loss.device) for v in values]), samples=len(rollout["indices"]))
+            speed.trained(rollout["tokens"])
+            if not accelerator.sync_gradients:
+                continue
+            speed.update_ended()
+            scheduler.step()
+            if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
+                save_checkpoint()
+            if state.step % args.log_every == 0 or state.step == 1:
+                log_samples(accelerator, output, state, train_rows, rollout, tracking)
+            if args.eval_every and state.step % args.eval_every == 0 and not progress.finished:
+                evaluate_mid_epoch()
+            if progress.finished:
+                break
+
+        # ---- evaluation once per epoch, on the whole validation split
+        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        state.last_eval = evaluate_now()
+        seconds = progress.epoch_done(state.last_eval, **{f"perf/{k}": v for k, v in speed.rates().items()})
+        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+            with best.saving() as folder:
+                save_model(accelerator, model, tokenizer, folder)
+        if accelerator.is_main_process:
+            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
+        state.epoch, state.batches_done = state.epoch + 1, 0
+        save_checkpoint()
+    progress.close()
+
+    # ---- save the model and the run's results
+    accelerator.wait_for_everyone()
+    save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    results = dict(config, **progress.results(started))
+    results.update(speed.rates())  # tokens/s of generation and of the updates, apart
+    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        path = write_results(output, results)
+        print_run_summary(results, path, tracking)
+
+
+def whole_steps_per_epoch(loader_batches: int, world: int, accumulation: int, prompts: int, args: GrpoFlags) -> int:
+    """Batches of rollouts per epoch: whole global batches of prompts only."""
+    steps = loader_batches // world // accumulation
+    if steps == 0:
+        raise RecipeError(
+            f"the training prompts ({prompts}) are fewer than one global batch ({args.batch_size}); lower "
+            "--batch_size or use more prompts"
+        )
+    return steps
+
+
+def load_prompt_splits(accelerator, args: GrpoFlags, tokenizer, rewards: Rewards) -> tuple[list, list]:
+    """(training prompts, validation prompts), tokenised, with the columns the rewards need checked. The local main
+    process of each node reads first (into the datasets cache); the others then read the cached files."""
+    if not accelerator.is_local_main_process:
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    dataset_name(args)  # refuses a run without data before anything loads
+    with accelerator.local_main_process_first():
+        train_rows, validation_rows = load_prompts(
+            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+        )
+    train_rows = tokenize_prompts(accelerator, tokenizer, train_rows, args.max_prompt_length, "train")
+    validation_rows = tokenize_prompts(accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation")
+    check_columns(rewards, train_rows, "training prompts")
+    check_columns(rewards, validation_rows, "validation prompts")
+    return train_rows, validation_rows
+
+
+def settings(args: GrpoFlags, model_name: str, lr: float, model, rewards: Rewards, train_rows: list) -> dict:
+    """What the run derived from its flags and data, for run_config (the tracker, checkpoints, results.json)."""
+    return dict(
+        dataset=dataset_name(args),
+        model=model_name,
+        method="lora" if args.lora_r else "full",
+        lr=lr,
+        rewards=rewards.names,
+        reward_weights=rewards.weights,
+        train_size=len(train_rows),
+        trainable_parameters=sum(numel(p) for p in model.parameters() if p.requires_grad),
+        parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them
+        transformers_version=transformers.__version__,
+        peft_version=peft.__version__,
+    )
+
+
+def figure_names(rewards: Rewards) -> tuple[str, ...]:
+    """What each update logs as train/<name>, averaged over micro-batches and processes between log steps."""
+    names = ["loss", "reward", "reward_std", "accuracy", "solved", "completion_length", "truncated"]
+    return (*names, "clip_fraction", "kl", *[f"reward_{name}" for name in rewards.names])
+
+
+def reward_figures(rollout: dict, spread: dict) -> list[float]:
+    """A micro-batch's reward, reward_std, accuracy, solved, completion_length, truncated and per-reward means."""
+    rewards, first = rollout["rewards"], rollout["per_function"][0]
+    generations = len(rewards) // len(rollout["indices"])
+    correct = [v >= 1.0 for v in first]
+    solved = [any(correct[i : i + generations]) for i in range(0, len(correct), generations)]
+    lengths = rollout["mask"].sum(dim=1).tolist()
+    return torch.tensor(
+        [
+            sum(rewards) / len(rewards),
+            spread["reward_std_in_group"],
+            sum(correct) / len(correct),
+            sum(solved) / len(solved),
+            sum(lengths) / len(lengths),
+            sum(rollout["truncated"].tolist()) / len(lengths),
+            *[sum(v) / len(v) for v in rollout["per_function"]],
+        ]
+    )
+
+
+class Throughput:
+    """Tokens per second of generation and of the updates, apart: completion tokens over the time in generate, and
+    prompt + completion tokens over the time from an optimizer step's first forward pass to its end. The end waits
+    for the device once per step, which costs nothing here: the next rollouts' generation waits for it anyway."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.generated_tokens, self.generation_seconds, self.trained_tokens, self.train_seconds = 0, 0.0, 0, 0.0
+        self.update_start: float | None = None
+
+    def generated(self, tokens: int, seconds: float) -> None:
+        self.generated_tokens += tokens
+        self.generation_seconds += seconds
+
+    def update_started(self) -> None:
+        if self.update_start is None:
+            self.update_start = time.perf_counter()
+
+    def trained(self, tokens: int) -> None:
+        self.trained_tokens += tokens
+
+    def update_ended(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.train_seconds += time.perf_counter() - self.update_start
+        self.update_start = None
+
+    def rates(self) -> dict:
+        return {
+            "generation_tokens_per_second": self.generated_tokens / max(self.generation_seconds, 1e-9),
+            "train_tokens_per_second": self.trained_tokens / max(self.train_seconds, 1e-9),
+        }
+
+
+def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: dict, tracking) -> None:
+    """A few of this step's completions with their rewards, to samples.jsonl and the tracker (main process)."""
+    generations = len(rollout["rewards"]) // len(rollout["indices"])
+    samples = [
+        {
+            "step": state.step,
+            "prompt": str(rows[rollout["indices"][i // generations]]["messages"][-1]["content"]),
+            "answer": rollout["texts"][i],
+            "reference": str(rows[rollout["indices"][i // generations]].get("answer", "")),
+            "reward": rollout["rewards"][i],
+        }
+        for i in range(min(SAMPLES_KEPT, len(rollout["texts"])))
+    ]
+    write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
+
+
+def scores_line(evaluation: dict) -> str:
+    keys = ("eval_reward", "eval_accuracy")
+    return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
+
+
+def print_run_summary(results: dict, path: Path, tracking) -> None:
+    keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
+    keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "best_metric", "best_step"]
+    keys += ["generation_tokens_per_second", "train_tokens_per_second", "peak_memory_mb", "wall_seconds"]
+    print_summary(results, keys, title="GRPO: summary")
+    what = "adapter" if results["method"] == "lora" else "model"
+    print(
+        f"{what}, tokenizer, model_best/ and {path.name} saved in {path.parent}; try it: python recipes/grpo.py "
+        f"--chat --model {path.parent}"
+    )
+    where = tracking.where()
+    if where:
+        print(where)
+
+
+# -------------------------------------------------------------------------------------------------------- evaluate
+def evaluate_saved_model(args: GrpoFlags) -> None:
+    """--eval_only: --model (default --output_dir; also a model before any GRPO) answers every validation prompt
+    greedily; mean reward and accuracy to results.json in --output_dir. Any number of processes."""
+    started = time.perf_counter()
+    check_flags(args)
+    output = Path(args.output_dir)
+    model_dir = args.model or args.output_dir
+    rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
+    with explain_startup_failure(args.dist_timeout):
+        accelerator = Accelerator(
+            mixed_precision=args.mixed_precision,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
+        )
+    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
+    set_seed(args.seed)
+    prepare_output_dir(output)
+    if Path(model_dir).suffix == ".gguf" or is_adapter(model_dir) or (Path(model_dir) / "config.json").is_file():
+        model, tokenizer = load_fine_tuned(model_dir)
+    else:  # a Hub name
+        model, tokenizer = load_base_model(model_dir), load_tokenizer(model_dir)
+    with accelerator.local_main_process_first():
+        train_rows, validation_rows = load_prompts(
+            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+        )
+    validation_rows = tokenize_prompts(accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation")
+    check_columns(rewards, validation_rows, "validation prompts")
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    evaluation, samples = evaluate(
+        accelerator, model, tokenizer, validation_rows, rewards, args, per_process * args.num_generations
+    )
+    accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
+    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation prompts")
+    results = dict(
+        recipe="grpo",
+        dataset=dataset_name(args),
+        model=model_dir,
+        eval_only=True,
+        rewards=rewards.names,
+        world_size=accelerator.num_processes,
+        num_machines=num_machines(accelerator.num_processes),
+        mixed_precision=accelerator.mixed_precision,
+        max_new_tokens=args.max_new_tokens,
+        steps=0,
+        wall_seconds=time.perf_counter() - started,
+        **evaluation,
+        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
+    )
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        print(f"{write_results(output, results).name} saved in {output}")
+
+
+def predict(args: GrpoFlags) -> None:
+    """--predict: the chat recipe's, with the model in --model (default --output_dir): one JSON line per prompt."""
+    chat_recipe.predict(args)
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def main(args: GrpoFlags) -> None:
+    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    if args.predict is not None and args.eval_only:
+        raise RecipeError("give --predict or --eval_only, not both")
+    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge))) > 1:
+        raise RecipeError("give one of --predict, --eval_only, --chat and --merge")
+    if args.predict is not None:
+        return predict(args)
+    if args.chat:
+        return chat(args)
+    if args.merge:
+        return merge(args)
+    if args.eval_only:
+        return evaluate_saved_model(args)
+    return train(args)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,274 @@
+"""Verifiable rewards for the GRPO recipe (recipes/grpo.py): the built-in checks, the user's own functions, and the
+prompts they score.
+
+A reward function takes `(prompts, completions, **columns)` and returns one float per completion, as TRL's
+GRPOTrainer calls them: `prompts` as the data gave them (a string, or a list of messages), `completions` the decoded
+answers, and every other column of the data (`answer`, ...) as a list of the same length, plus `truncated` (True
+where the answer hit --max_new_tokens before its end-of-turn token). The recipe names its rewards with
+`--reward number,format` or `--reward my_rewards.py:brevity` and weighs them with `--reward_weights`.
+"""
+
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+
+import datasets
+from sft_data import FILE_SUFFIXES, exact_match, listed_messages, load_file, short
+
+from accelerate_recipes import RecipeError
+from accelerate_recipes.errors import first_line
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+GSM8K_ANSWER = "####"  # GSM8K's answers end with "#### 42"
+
+
+# ---------------------------------------------------------------------------------------------------- the checks
+def last_number(text: str) -> float | None:
+    """The last number written in `text` (thousands separators allowed: "1,234.5"), or None."""
+    found = NUMBER.findall(text or "")
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def tagged(text: str, tag: str) -> str | None:
+    """What the last <tag>...</tag> of `text` holds, or None."""
+    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text or "", flags=re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def number(prompts, completions, answer, **columns) -> list[float]:
+    """1.0 when the last number of the completion equals the answer's number (GSM8K's `#### 42` included), else 0."""
+    scores = []
+    for completion, reference in zip(completions, answer):
+        expected, given = last_number(str(reference)), last_number(completion)
+        scores.append(float(expected is not None and given is not None and math.isclose(given, expected, abs_tol=1e-6)))
+    return scores
+
+
+def tag(prompts, completions, answer, answer_tag="answer", **columns) -> list[float]:
+    """1.0 when the completion holds <answer>X</answer> and X equals the answer (as a number when both are numbers,
+    else as text up to case and surrounding punctuation), else 0."""
+    scores = []
+    for completion, reference in zip(completions, answer):
+        inside = tagged(completion, answer_tag)
+        if inside is None:
+            scores.append(0.0)
+            continue
+        expected, given = last_number(str(reference)), last_number(inside)
+        if expected is not None and given is not None and NUMBER.fullmatch(inside.strip()):
+            scores.append(float(math.isclose(given, expected, abs_tol=1e-6)))
+        else:
+            scores.append(float(exact_match(inside, str(reference))))
+    return scores
+
+
+def exact(prompts, completions, answer, **columns) -> list[float]:
+    """1.0 when the whole completion equals the short answer up to case, whitespace and surrounding punctuation."""
+    return [float(exact_match(completion, str(reference))) for completion, reference in zip(completions, answer)]
+
+
+def format(prompts, completions, answer_tag="answer", **columns) -> list[float]:  # noqa: A001 (the reward's name)
+    """1.0 when the completion holds exactly one <answer>...</answer> pair and nothing after it, else 0."""
+    pattern = re.compile(rf"^(?:(?!<{answer_tag}>).)*<{answer_tag}>.+?</{answer_tag}>\s*$", flags=re.DOTALL)
+    return [float(bool(pattern.match(completion or ""))) for completion in completions]
+
+
+def length(prompts, completions, truncated, **columns) -> list[float]:
+    """1.0 when the completion ended by itself (its end-of-turn token) before --max_new_tokens, else 0."""
+    return [0.0 if cut else 1.0 for cut in truncated]
+
+
+BUILT_IN = {"number": number, "tag": tag, "exact": exact, "format": format, "length": length}
+NEEDS_ANSWER = {"number", "tag", "exact"}
+
+
+# ------------------------------------------------------------------------------------------------- user's rewards
+def load_reward(spec: str):
+    """A built-in reward by name, or the user's `path/to/file.py:function` or `package.module:function`."""
+    spec = spec.strip()
+    if spec in BUILT_IN:
+        return spec, BUILT_IN[spec]
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise RecipeError(
+            f"--reward {spec}: not a built-in reward ({', '.join(BUILT_IN)}) nor file.py:function / module:function"
+        )
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise RecipeError(f"--reward {spec}: {path} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.path.insert(0, str(path.resolve().parent))  # so the file may import its neighbours
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except RecipeError:
+        raise
+    except Exception as err:
+        raise RecipeError(
+            f"--reward {spec}: importing {where} failed ({type(err).__name__}: {first_line(err)})"
+        ) from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RecipeError(f"--reward {spec}: {where} has no function {name!r}")
+    return spec, function
+
+
+class Rewards:
+    """The run's reward functions and weights: `score(prompts, completions, columns)` -> per function, one list of
+    floats per completion, each checked; `total(scores)` the weighted sum per completion."""
+
+    def __init__(self, specs, weights=None, answer_tag: str = "answer"):
+        specs = [s for s in (specs.split(",") if isinstance(specs, str) else list(specs)) if str(s).strip()]
+        if not specs:
+            raise RecipeError("--reward names no reward; give one or more of " + ", ".join(BUILT_IN))
+        self.functions = [load_reward(str(s)) for s in specs]
+        if weights is None:
+            weights = [1.0] * len(specs)
+        elif isinstance(weights, str):
+            weights = [w for w in weights.split(",") if w.strip()]
+        elif not isinstance(weights, (list, tuple)):
+            weights = [weights]
+        try:
+            self.weights = [float(w) for w in weights]
+        except ValueError:
+            raise RecipeError(f"--reward_weights {weights}: give numbers, one per --reward") from None
+        if len(self.weights) != len(self.functions):
+            raise RecipeError(
+                f"--reward_weights gives {len(self.weights)} weight(s) for {len(self.functions)} reward(s) "
+                f"({', '.join(n for n, _ in self.functions)}); give one per reward"
+            )
+        self.answer_tag = answer_tag
+        self.names = [name.rsplit(":", 1)[-1] for name, _ in self.functions]
+
+    @property
+    def needs_answer(self) -> bool:
+        return any(name in NEEDS_ANSWER for name, _ in self.functions)
+
+    def score(self, prompts: list, completions: list[str], columns: dict) -> list[list[float]]:
+        scores = []
+        for name, function in self.functions:
+            extra = dict(columns, answer_tag=self.answer_tag) if name in BUILT_IN else columns
+            try:
+                values = function(prompts=prompts, completions=completions, **extra)
+            except Exception as err:
+                raise RecipeError(
+                    f"reward {name} raised {type(err).__name__}: {first_line(err)}; fix the function (it is called "
+                    "as f(prompts, completions, **columns))"
+                ) from None
+            try:
+                values = [float(v) for v in values]
+            except (TypeError, ValueError):
+                raise RecipeError(f"reward {name} returned {short(values)}; return one float per completion") from None
+            if len(values) != len(completions):
+                raise RecipeError(
+                    f"reward {name} returned {len(values)} value(s) for {len(completions)} completions; return one "
+                    "float per completion"
+                )
+            if not all(math.isfinite(v) for v in values):
+                raise RecipeError(f"reward {name} returned a NaN or infinite value; return finite floats")
+            scores.append(values)
+        return scores
+
+    def total(self, scores: list[list[float]]) -> list[float]:
+        return [sum(w * s for w, s in zip(self.weights, per)) for per in zip(*scores)]
+
+
+# ------------------------------------------------------------------------------------------------------- prompts
+def gsm8k_answer(text) -> str:
+    """GSM8K's reference ("... reasoning ... #### 1,234") as its final answer ("1234")."""
+    text = str(text)
+    return text.rsplit(GSM8K_ANSWER, 1)[-1].strip().replace(",", "") if GSM8K_ANSWER in text else text.strip()
+
+
+def as_prompt_row(row: dict, where: str) -> dict:
+    """One row of prompt data as {prompt: str | messages, messages: [...], answer?, other columns}: a `prompt`
+    (text), `messages` (a conversation to continue: an assistant turn at its end is taken as the answer when there is
+    no `answer` column), or GSM8K's `question` + `answer`."""
+    row = dict(row)
+    if row.get("prompt") is not None:
+        prompt = row.pop("prompt")
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = listed_messages(prompt, row, where)
+    elif row.get("messages") is not None:
+        prompt = messages = listed_messages(row.pop("messages"), row, where)
+        if messages and messages[-1]["role"] == "assistant":
+            if row.get("answer") is None:
+                row["answer"] = messages[-1]["content"]
+            prompt = messages = messages[:-1]
+        if not messages:
+            raise RecipeError(f"{where}: a conversation with nothing to continue: {short(row)}")
+    elif row.get("question") is not None:  # GSM8K's layout
+        prompt = row.pop("question")
+        messages = [{"role": "user", "content": prompt}]
+        if row.get("answer") is not None:
+            row["answer"] = gsm8k_answer(row["answer"])
+    else:
+        raise RecipeError(
+            f"{where}: a row without `prompt`, `messages` or `question`: {short(row)}; give one of them per row"
+        )
+    return dict(row, prompt=prompt, messages=messages)
+
+
+def read_prompt_rows(rows, where: str) -> list[dict]:
+    return [as_prompt_row(row, f"{where}, row {i + 1}") for i, row in enumerate(rows)]
+
+
+def load_prompts(train_file, validation_file, dataset, cache_dir, validation_size: float, seed: int):
+    """(training prompts, validation prompts, name): from .json/.jsonl files, or a Hub dataset
+    (`name` or `name:config`, its train split and its test/validation split), else --validation_size held out."""
+    if dataset:
+        name, _, config = dataset.partition(":")
+        try:
+            splits = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
+        except Exception as err:
+            raise RecipeError(
+                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name or name:config) "
+                "and the network, or give --train_file"
+            ) from None
+        held = next((s for s in ("validation", "test") if s in splits), None)
+        train = read_prompt_rows(splits["train"], f"--dataset {dataset}")
+        validation = read_prompt_rows(splits[held], f"--dataset {dataset}") if held else None
+    else:
+        if not train_file:
+            raise RecipeError("give --train_file (a .json/.jsonl of prompts) or --dataset (a Hub dataset)")
+        for path, flag in ((train_file, "--train_file"), (validation_file, "--validation_file")):
+            if path and Path(path).suffix.lower() not in FILE_SUFFIXES:
+                raise RecipeError(f"{flag} {path}: unknown format; give a .json or .jsonl file of prompts")
+        train = read_prompt_rows(load_file(train_file, "train", cache_dir), str(train_file))
+        validation = None
+        if validation_file:
+            validation = read_prompt_rows(load_file(validation_file, "validation", cache_dir), str(validation_file))
+    if validation is None:
+        held_out = max(1, round(validation_size * len(train)))
+        if held_out >= len(train):
+            raise RecipeError(f"{len(train)} prompt(s) leave none to train on after holding out --validation_size")
+        order = list(range(len(train)))
+        import random
+
+        random.Random(seed).shuffle(order)
+        validation = [train[i] for i in sorted(order[:held_out])]
+        train = [train[i] for i in sorted(order[held_out:])]
+    return train, validation
+
+
+def check_columns(rewards: Rewards, rows: list[dict], where: str) -> None:
+    """Every reward that compares with an answer finds one in every row."""
+    if rewards.needs_answer:
+        missing = next((i for i, row in enumerate(rows) if row.get("answer") in (None, "")), None)
+        if missing is not None:
+            raise RecipeError(
+                f"{where}: row {missing + 1} has no `answer`, which --reward {','.join(rewards.names)} compares "
+                f"with: {short(rows[missing]['prompt'])}; add an answer column or use rewards that need none"
+            )
