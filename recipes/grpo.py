@@ -703,7 +703,8 @@ def train(args: GrpoFlags) -> None:
     def evaluate_mid_epoch() -> None:
         """--eval_every: an evaluation between epoch ends, logged and judged as those are."""
         state.last_eval = evaluate_now()
-        progress.metrics.log({f"eval/{k.removeprefix('eval_')}": v for k, v in state.last_eval.items()}, state.step)
+        scores = {f"eval/{k.removeprefix('eval_')}": v for k, v in state.last_eval.items() if k != "eval_samples"}
+        progress.metrics.log(scores, state.step)
         if best.judge(state.last_eval):
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)

@@ -1,0 +1,234 @@
+"""The GRPO recipe (recipes/grpo.py) run as users run it: LoRA on 1 process, with accumulation, on 2 gloo processes
+under DDP, FSDP2 over two "nodes" on 127.0.0.1 and DeepSpeed ZeRO-3; a full fine-tune with a KL term and two updates
+per batch of rollouts; kill and resume; --eval_only on 2 processes; --predict; a reward that breaks.
+
+The policy is the tiny random Llama of the chat tests; the prompts ask for colours ("What colour is the plum?"), and
+the rewards are `exact` (the one-word answer) and a user's function from a file that prefers shorter completions,
+which a random model learns within a few steps.
+"""
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+from conftest import (
+    CONFIGS,
+    PYTHON,
+    REPO,
+    check,
+    fails_with,
+    free_port,
+    read_metrics,
+    read_results,
+    recipe_env,
+    run,
+)
+from safetensors.torch import load_file
+from sft_fixtures import COLOURS
+from test_resume import start, wait_for_checkpoint
+
+GRPO_SCRIPT = REPO / "recipes" / "grpo.py"
+ADAPTER = "adapter_model.safetensors"
+BREVITY = '''
+def brevity(prompts, completions, **columns):
+    """Shorter completions score higher."""
+    return [-len(completion) / 40 for completion in completions]
+
+
+def broken(prompts, completions, **columns):
+    return [0.0]  # one value for many completions
+'''
+# 48 prompts at a global batch of 8 prompts x 4 completions: 6 steps per epoch; a checkpoint every 2 steps, an
+# evaluation at step 3 (--eval_every) and at the epoch's end. LoRA without dropout (its default here).
+GRPO_RUN = ["--batch_size", "8", "--num_generations", "4", "--max_new_tokens", "8", "--lr", "1e-2", "--epochs", "1"]
+GRPO_RUN += ["--reward_weights", "1,1", "--lora_r", "8", "--tracker", "none"]
+GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
+# The same rollouts (keyed sampling) and one fp32 reduction order apart: measured max differences 1.5e-8 (loss),
+# 6e-8 (mean reward) and 2.1e-6 (adapter weights, which reach 0.2) between 1 process, 2 processes and accumulation.
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
+    """Colour prompts: training rows as `prompt` + `answer`, validation rows as conversations whose final assistant
+    turn is the answer; the user's reward file beside them."""
+    root = tmp_path_factory.mktemp("grpo-data")
+    rng = random.Random(0)
+    rows = [{"prompt": f"What colour is the {thing}?", "answer": colour} for thing, colour in COLOURS.items()] * 4
+    rng.shuffle(rows)
+    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:48]))
+    validation = [
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+        for r in rows[48:]
+    ]
+    (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in validation))
+    (root / "brevity.py").write_text(BREVITY)
+    files = ["--model", tiny_chat_model, "--train_file", root / "train.jsonl"]
+    files += ["--validation_file", root / "validation.jsonl"]
+    return dict(root=root, files=files, reward=f"exact,{root / 'brevity.py'}:brevity")
+
+
+def grpo(data: dict, name: str, *extra, reward=None, launcher=(), ok=True):
+    """grpo.py with the data's files, its rewards (or `reward`) and GRPO_RUN, then `extra`; output in root/name."""
+    out = data["root"] / name
+    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=os.path.expanduser("~/.cache/torch_extensions"))
+    if launcher:
+        env["ACCELERATE_USE_CPU"] = "true"
+    cmd = [*launcher, GRPO_SCRIPT, *data["files"], "--reward", reward or data["reward"], *GRPO_RUN, *extra]
+    proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=300)
+    return (check(proc) if ok else proc), out
+
+
+def launcher(config: str) -> list:
+    """`accelerate launch` with `config` on 2 CPU processes in fp32 (as `make grpo-fsdp` starts it on a CPU box)."""
+    cmd = [PYTHON, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", CONFIGS / config]
+    cmd += ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
+    return [*cmd, "--main_process_port", free_port()]
+
+
+@pytest.fixture(scope="module")
+def grpo_one(grpo_data):
+    return grpo(grpo_data, "one")[1]
+
+
+@pytest.fixture(scope="module")
+def grpo_accumulated(grpo_data):
+    return grpo(grpo_data, "accumulated", "--gradient_accumulation_steps", "2")[1]
+
+
+@pytest.fixture(scope="module")
+def grpo_ddp(grpo_data):
+    return grpo(grpo_data, "ddp", launcher=launcher("cpu.yaml"))[1]
+
+
+@pytest.fixture(scope="module")
+def grpo_zero3(grpo_data):
+    return grpo(grpo_data, "zero3", launcher=launcher("deepspeed.yaml"))[1]
+
+
+@pytest.fixture(scope="module")
+def grpo_fsdp_two_nodes(grpo_data):
+    """FSDP2 over two "nodes" of one process each on 127.0.0.1, started by the hostfile launcher as on two servers."""
+    hosts = grpo_data["root"] / "hosts.txt"
+    hosts.write_text("localhost slots=1\nlocalhost slots=1\n")
+    multinode = [PYTHON, "-m", "recipe_tools.multinode", "--hostfile", hosts, "--config_file", CONFIGS / "fsdp.yaml"]
+    multinode += ["--main_process_port", free_port(), "--launch_args"]
+    multinode += ["--num_cpu_threads_per_process 1 --mixed_precision no"]
+    proc, out = grpo(grpo_data, "fsdp-two-nodes", launcher=multinode)
+    assert "all 2 node(s) finished" in proc.stdout
+    return out
+
+
+def per_step(out, key: str) -> dict[int, float]:
+    return {row["step"]: row[key] for row in read_metrics(out) if key in row}
+
+
+def test_the_same_rollouts_and_updates_on_1_process_2_processes_and_with_accumulation(
+    grpo_one, grpo_accumulated, grpo_ddp, grpo_fsdp_two_nodes, grpo_zero3
+):
+    """Keyed sampling gives every run the same completions (the same rewards, step by step), and the loss normalised
+    over the global batch gives the same losses and adapter, however the batch is split or sharded."""
+    reference_rewards, reference_losses = per_step(grpo_one, "train/reward"), per_step(grpo_one, "train/loss")
+    adapter = load_file(str(grpo_one / ADAPTER))
+    assert len(reference_losses) == 6
+    for out in (grpo_accumulated, grpo_ddp, grpo_fsdp_two_nodes, grpo_zero3):
+        results = read_results(out)
+        assert results["steps"] == 6 and results["global_batch_size"] == 8, out.name
+        rewards, losses = per_step(out, "train/reward"), per_step(out, "train/loss")
+        assert rewards.keys() == reference_rewards.keys() and losses.keys() == reference_losses.keys()
+        assert all(abs(rewards[k] - reference_rewards[k]) <= TOLERANCE for k in rewards), (out.name, rewards)
+        assert all(abs(losses[k] - reference_losses[k]) <= TOLERANCE for k in losses), (out.name, losses)
+        other = load_file(str(out / ADAPTER))
+        assert other.keys() == adapter.keys()
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) <= TOLERANCE, out.name
+    assert (read_results(grpo_ddp)["world_size"], read_results(grpo_ddp)["distributed_type"]) == (2, "MULTI_CPU")
+    assert read_results(grpo_fsdp_two_nodes)["num_machines"] == 2
+    assert read_results(grpo_fsdp_two_nodes)["distributed_type"] == "FSDP"
+    assert read_results(grpo_zero3)["distributed_type"] == "DEEPSPEED"
+
+
+def test_what_a_user_watches(grpo_one):
+    """Per step: reward (each function's too), spread, accuracy, solved prompts, length, clip fraction, KL; evaluations
+    at --eval_every and at the epoch's end; samples; results.json with tokens/s of generation and training apart."""
+    rows = read_metrics(grpo_one)
+    step = next(row for row in rows if row.get("step") == 1 and "train/loss" in row)
+    for key in ("reward", "reward_std", "accuracy", "solved", "completion_length", "truncated", "clip_fraction", "kl"):
+        assert f"train/{key}" in step, key
+    assert "train/reward_exact" in step and "train/reward_brevity" in step
+    assert step["train/reward"] == pytest.approx(step["train/reward_exact"] + step["train/reward_brevity"], abs=1e-6)
+    assert 0 < step["train/completion_length"] <= 8 and step["train/kl"] == 0.0  # --beta 0: no reference policy
+    evaluations = [row for row in rows if "eval/reward" in row]
+    assert [row["step"] for row in evaluations] == [3, 6]
+    assert all(0 <= row["eval/accuracy"] <= 1 and "eval/reward_brevity" in row for row in evaluations)
+    results = read_results(grpo_one)
+    assert results["recipe"] == "grpo" and results["metric_for_best_model"] == "eval_reward"
+    assert results["eval_samples"] == 16  # every validation prompt, once
+    assert results["generation_tokens_per_second"] > 0 and results["train_tokens_per_second"] > 0
+    assert results["rewards"] == ["exact", "brevity"] and results["method"] == "lora"
+    samples = [json.loads(line) for line in (grpo_one / "samples.jsonl").read_text().splitlines()]
+    assert {"prompt", "answer", "reference", "reward"} <= samples[0].keys()
+    assert samples[0]["prompt"].startswith("What colour is the")
+    assert (grpo_one / "results.png").is_file() and (grpo_one / "model_best" / ADAPTER).is_file()
+
+
+def test_a_full_fine_tune_with_a_kl_term_and_two_updates_per_rollout_learns_the_reward(grpo_data):
+    """Full fine-tune, a frozen reference copy (--beta), two updates per batch of rollouts (the second off-policy,
+    clipped ratio), sequence-mean loss, batch-scaled advantages: the reward it is taught rises."""
+    extra = ["--lora_r", "0", "--lr", "3e-3", "--epochs", "2", "--beta", "0.04", "--num_iterations", "2"]
+    extra += ["--loss_type", "grpo", "--scale_rewards", "batch", "--mask_truncated", "--checkpoint_every", "0"]
+    proc, out = grpo(grpo_data, "full", *extra)
+    results = read_results(out)
+    assert results["method"] == "full" and results["steps"] == 24  # 6 batches of rollouts x 2 updates x 2 epochs
+    brevity = per_step(out, "train/reward_brevity")
+    assert sum(brevity[s] for s in (21, 22, 23, 24)) > sum(brevity[s] for s in (1, 2, 3, 4)) + 0.2, brevity
+    kl = per_step(out, "train/kl")
+    assert kl[1] == pytest.approx(0.0, abs=1e-6) and kl[24] > 0  # the policy leaves the reference
+    assert (out / "model.safetensors").is_file()
+    ask = ["--predict", "What colour is the sky?", "--model", out, "--max_new_tokens", "4"]
+    predicted = check(run([PYTHON, GRPO_SCRIPT, *ask], recipe_env(grpo_data["root"])))
+    assert json.loads(predicted.stdout.splitlines()[-1])["prompt"] == "What colour is the sky?"
+
+
+def test_sigkill_then_resume_auto_continues_bit_for_bit(grpo_one, grpo_data):
+    out = grpo_data["root"] / "killed"
+    log = grpo_data["root"] / "killed.log"
+    cmd = [PYTHON, GRPO_SCRIPT, *grpo_data["files"], "--reward", grpo_data["reward"], *GRPO_RUN, "--output_dir", out]
+    env = recipe_env(grpo_data["root"])
+    proc = start(cmd, env, log)
+    try:
+        wait_for_checkpoint(proc, out, 2, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / "results.json").exists(), "the run finished before it was killed"
+    resumed = check(run([*cmd, "--resume", "auto"], env))
+    assert "resumed from" in resumed.stdout
+    for folder in ("", "model_best"):
+        a, b = load_file(str(grpo_one / folder / ADAPTER)), load_file(str(out / folder / ADAPTER))
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{folder or 'last'} differs"
+    reference = per_step(grpo_one, "train/loss")
+    assert per_step(out, "train/loss").items() >= {k: v for k, v in reference.items() if k > 2}.items()
+
+
+def test_eval_only_on_two_processes_scores_each_prompt_once(grpo_one, grpo_data):
+    out = grpo_data["root"] / "eval"
+    data = ["--train_file", grpo_data["root"] / "train.jsonl", "--validation_file"]
+    data += [grpo_data["root"] / "validation.jsonl", "--reward", grpo_data["reward"], "--max_new_tokens", "8"]
+    cmd = [*launcher("cpu.yaml"), GRPO_SCRIPT, "--eval_only", "--model", grpo_one, *data, "--batch_size", "8"]
+    env = recipe_env(grpo_data["root"], ACCELERATE_USE_CPU="true")
+    check(run([*cmd, "--num_generations", "4", "--output_dir", out], env))
+    results, trained = read_results(out), read_results(grpo_one)
+    assert (results["world_size"], results["eval_samples"]) == (2, 16)
+    assert results["eval_reward"] == pytest.approx(trained["eval_reward"], abs=1e-6)
+
+
+def test_a_reward_that_breaks_stops_the_run_with_one_line(grpo_data):
+    broken = grpo_data["reward"].replace(":brevity", ":broken")
+    proc, _ = grpo(grpo_data, "broken", reward=broken, ok=False)
+    fails_with(proc, "brevity.py:broken returned 1 value(s) for 32 completions; return one float per completion")
+    proc, _ = grpo(grpo_data, "missing", reward="exact,nothing.py:f", ok=False)
+    fails_with(proc, "--reward nothing.py:f", "does not exist")
