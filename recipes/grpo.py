@@ -291,19 +291,32 @@ def reference_policy(args: GrpoFlags, accelerator, model):
 
 
 # ------------------------------------------------------------------------------------------------------- rollouts
-MIX = (0x5851F42D4C957F2D, 0x2545F4914F6CDD1D, 0x14057B7EF767814F, 0x3C6EF372FE94F82B)
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 that has its bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+GOLDEN, MIX_1, MIX_2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)  # logical: torch's >> on int64 copies the sign bit
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (Steele, Lea and Flood, 2014) on int64 tensors, whose arithmetic wraps."""
+    x = x + GOLDEN
+    x = (x ^ _shift_right(x, 30)) * MIX_1
+    x = (x ^ _shift_right(x, 27)) * MIX_2
+    return x ^ _shift_right(x, 31)
 
 
 def hashed_uniform(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
     """Uniform numbers in (0, 1), one per (row, token), from a counter-based hash of (row key, position, token):
-    the same numbers for the same row wherever and in whatever batch it is generated (int64 arithmetic wraps)."""
-    offset = position * MIX[1] % (1 << 62)  # a Python int must fit in int64 before it meets the tensor
-    x = keys[:, None] * MIX[0] + offset + torch.arange(vocab, device=keys.device)[None] * MIX[2]
-    for multiplier in (MIX[3], MIX[0]):
-        x = x ^ (x >> 29)
-        x = x * multiplier
-    x = x ^ (x >> 32)
-    bits = (x >> 40) & 0xFFFFFF  # 24 random bits
+    the same numbers for the same row wherever and in whatever batch it is generated."""
+    row = splitmix64(splitmix64(keys) + position)  # one stream per (row, position)
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    bits = _shift_right(splitmix64(row[:, None] + tokens[None] * GOLDEN), 40)  # 24 random bits per token
     return (bits.float() + 0.5) / 2**24
 
 
@@ -328,9 +341,9 @@ class KeyedSampling(LogitsProcessor):
 
 def sampling_keys(seed: int, epoch: int, prompt_index: torch.Tensor, generations: int) -> torch.Tensor:
     """One int64 key per completion: (seed, epoch, prompt, completion number), prompt-major as the rows are."""
-    base = ((seed * 1_000_003 + epoch) * 0x9E3779B1) % (1 << 62)
+    run = splitmix64(torch.tensor([seed * 1_000_003 + epoch], dtype=torch.int64))
     rows = prompt_index.to(torch.int64)[:, None] * 4099 + torch.arange(generations, device=prompt_index.device)
-    return rows.reshape(-1) * 0x632BE5AB + base  # distinct per (seed, epoch, prompt, completion); wraps in int64
+    return splitmix64(rows.reshape(-1) + run.to(prompt_index.device))  # per (seed, epoch, prompt, completion)
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -595,8 +608,7 @@ def train(args: GrpoFlags) -> None:
     last and the best model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
     started = time.perf_counter()
     check_flags(args)
-    output = Path(args.output_dir)
-    model_name = args.model or DEFAULT_MODEL
+    output, model_name = Path(args.output_dir), args.model or DEFAULT_MODEL
     lr = args.lr or (1e-5 if args.lora_r else 1e-6)
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
 
@@ -622,7 +634,8 @@ def train(args: GrpoFlags) -> None:
     per_process = check_launch(
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
-    world, accumulation, generations = accelerator.num_processes, args.gradient_accumulation_steps, args.num_generations
+    world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
+    rows = per_process * args.num_generations  # a micro-batch's completions; evaluation answers as many at once
     set_seed(args.seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
@@ -695,7 +708,6 @@ def train(args: GrpoFlags) -> None:
 
     def evaluate_now() -> dict:
         """Greedy answers to every validation prompt, scored; a few go to samples.jsonl and the tracker."""
-        rows = per_process * generations
         scores, samples = evaluate(accelerator, model, tokenizer, validation_rows, rewards, args, rows)
         write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
         return scores

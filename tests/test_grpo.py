@@ -49,6 +49,12 @@ GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
 # The same rollouts (keyed sampling) and one fp32 reduction order apart: measured max differences 1.5e-8 (loss),
 # 6e-8 (mean reward) and 2.1e-6 (adapter weights, which reach 0.2) between 1 process, 2 processes and accumulation.
 TOLERANCE = 1e-5
+# FSDP2 and ZeRO-3 sum the gradients in another order (reduce-scatter) and DeepSpeed clips and steps in its own code.
+# AdamW divides each update by the gradient's own running scale, so an entry whose gradient is near zero turns a
+# reordered-sum error of a few ulps into an update difference of up to lr per step: the sharded adapters are held
+# to 1e-4 (measured: 2.1e-6 FSDP2, 1.4e-5 ZeRO-3); the rewards, which show that every completion was the same, and
+# the losses stay within TOLERANCE.
+SHARDED_WEIGHTS_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +150,8 @@ def test_the_same_rollouts_and_updates_on_1_process_2_processes_and_with_accumul
         assert all(abs(losses[k] - reference_losses[k]) <= TOLERANCE for k in losses), (out.name, losses)
         other = load_file(str(out / ADAPTER))
         assert other.keys() == adapter.keys()
-        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) <= TOLERANCE, out.name
+        tolerance = SHARDED_WEIGHTS_TOLERANCE if out in (grpo_fsdp_two_nodes, grpo_zero3) else TOLERANCE
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) <= tolerance, out.name
     assert (read_results(grpo_ddp)["world_size"], read_results(grpo_ddp)["distributed_type"]) == (2, "MULTI_CPU")
     assert read_results(grpo_fsdp_two_nodes)["num_machines"] == 2
     assert read_results(grpo_fsdp_two_nodes)["distributed_type"] == "FSDP"
@@ -178,7 +185,7 @@ def test_what_a_user_watches(grpo_one):
 def test_a_full_fine_tune_with_a_kl_term_and_two_updates_per_rollout_learns_the_reward(grpo_data):
     """Full fine-tune, a frozen reference copy (--beta), two updates per batch of rollouts (the second off-policy,
     clipped ratio), sequence-mean loss, batch-scaled advantages: the reward it is taught rises."""
-    extra = ["--lora_r", "0", "--lr", "3e-3", "--epochs", "2", "--beta", "0.04", "--num_iterations", "2"]
+    extra = ["--lora_r", "0", "--lr", "1e-2", "--epochs", "2", "--beta", "0.04", "--num_iterations", "2"]
     extra += ["--loss_type", "grpo", "--scale_rewards", "batch", "--mask_truncated", "--checkpoint_every", "0"]
     proc, out = grpo(grpo_data, "full", *extra)
     results = read_results(out)
