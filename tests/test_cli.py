@@ -14,6 +14,7 @@ from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prep
 from accelerate_recipes.cli import run as run_cli
 
 SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": DETECT_SCRIPT, "sft": REPO / "recipes" / "sft.py"}
+SCRIPTS["grpo"] = REPO / "recipes" / "grpo.py"
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,26 @@ def test_sft_targets_launch_the_chat_recipe_and_sft_cpu_defaults_to_the_offline_
         assert f"  {target} " in out
 
 
+def test_grpo_targets_launch_the_grpo_recipe_and_grpo_cpu_defaults_to_the_offline_task():
+    line = launch_line(make("-n", "grpo-8gpu", "ARGS=--train_file math.jsonl --lora_r 16"))
+    assert "--config_file accelerate_configs/8gpu.yaml" in line
+    assert line.rstrip().endswith("recipes/grpo.py --train_file math.jsonl --lora_r 16")
+    line = launch_line(make("-n", "grpo-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"))
+    assert "2node.yaml" in line and "--machine_rank 1 --main_process_ip 10.0.0.1" in line and "recipes/grpo.py" in line
+    proc = make("-n", "grpo-cpu")
+    assert "benchmarks/grpo_bench.py write_data --output data/grpo_arithmetic" in proc.stdout
+    line = launch_line(proc)
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "recipes/grpo.py --model $(" in line
+    assert "--train_file data/grpo_arithmetic/train.jsonl" in line and "--reward number" in line
+    line = launch_line(make("-n", "grpo-fsdp", "GPUS=4", "ARGS=--train_file math.jsonl"))
+    assert "accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line and "recipes/grpo.py" in line
+    assert "accelerate_configs/deepspeed.yaml" in launch_line(make("-n", "grpo-deepspeed"))
+    assert make("-n", "bench-grpo").stdout.splitlines()[-1].rstrip().endswith("benchmarks/grpo_bench.py run")
+    out = make("help").stdout
+    for target in ("grpo-cpu", "grpo-1gpu", "grpo-2node", "grpo-hostfile", "grpo-fsdp", "grpo-deepspeed", "bench-grpo"):
+        assert f"  {target} " in out
+
+
 def test_sharded_targets_pick_their_config_and_gpu_count():
     line = launch_line(make("-n", "text-fsdp", "GPUS=4"))
     assert "--config_file accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line
