@@ -212,6 +212,10 @@ def check_flags(args: GrpoFlags) -> None:
         raise RecipeError(f"--num_generations {args.num_generations}: a group needs 2 or more completions to compare")
     if args.num_iterations < 1 or args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise RecipeError("--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1")
+    every = args.checkpoint_every
+    if every and every % args.num_iterations:  # checkpoints between batches of rollouts, which a resume samples again
+        args.checkpoint_every = -(-every // args.num_iterations) * args.num_iterations
+        print(f"--checkpoint_every {every} rounded up to {args.checkpoint_every}, a multiple of --num_iterations")
 
 
 # ----------------------------------------------------------------------------------------------------------- data

@@ -757,3 +757,61 @@ def sft_full(tiny_chat_model, sft_data, tmp_path_factory):
     return one_process_audited_run(
         tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL
     )
+
+
+# ------------------------------------------------------------------------------------- the shared GRPO runs
+GRPO_SCRIPT = REPO / "recipes" / "grpo.py"
+BREVITY = '''
+def brevity(prompts, completions, **columns):
+    """Shorter completions score higher."""
+    return [-len(completion) / 40 for completion in completions]
+
+
+def broken(prompts, completions, **columns):
+    return [0.0]  # one value for many completions
+'''
+# 48 prompts at a global batch of 8 prompts x 4 completions: 6 steps per epoch; a checkpoint every 2 steps, an
+# evaluation at step 3 (--eval_every) and at the epoch's end. LoRA without dropout (its default here).
+GRPO_RUN = ["--batch_size", "8", "--num_generations", "4", "--max_new_tokens", "8", "--lr", "1e-2", "--epochs", "1"]
+GRPO_RUN += ["--reward_weights", "1,1", "--lora_r", "8", "--tracker", "none"]
+GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
+
+
+@pytest.fixture(scope="session")
+def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
+    """Colour prompts: training rows as `prompt` + `answer`, validation rows as conversations whose final assistant
+    turn is the answer; the user's reward file beside them."""
+    from sft_fixtures import COLOURS
+
+    root = tmp_path_factory.mktemp("grpo-data")
+    rng = random.Random(0)
+    rows = [{"prompt": f"What colour is the {thing}?", "answer": colour} for thing, colour in COLOURS.items()] * 4
+    rng.shuffle(rows)
+    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:48]))
+    validation = [
+        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+        for r in rows[48:]
+    ]
+    (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in validation))
+    (root / "brevity.py").write_text(BREVITY)
+    files = ["--model", tiny_chat_model, "--train_file", root / "train.jsonl"]
+    files += ["--validation_file", root / "validation.jsonl"]
+    return dict(root=root, files=files, reward=f"exact,{root / 'brevity.py'}:brevity")
+
+
+def grpo(data: dict, name: str, *extra, reward=None, launcher=(), ok=True):
+    """grpo.py with the data's files, its rewards (or `reward`) and GRPO_RUN, then `extra`; output in root/name."""
+    out = data["root"] / name
+    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    if launcher:
+        env["ACCELERATE_USE_CPU"] = "true"
+    cmd = [*launcher, GRPO_SCRIPT, *data["files"], "--reward", reward or data["reward"], *GRPO_RUN, *extra]
+    proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=300)
+    return (check(proc) if ok else proc), out
+
+
+@pytest.fixture(scope="session")
+def grpo_one(grpo_data):
+    """The GRPO recipe on 1 process with GRPO_RUN: a LoRA adapter on the tiny chat model, 6 steps."""
+    return grpo(grpo_data, "one")[1]

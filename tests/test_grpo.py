@@ -9,43 +9,28 @@ which a random model learns within a few steps.
 
 import json
 import os
-import random
 import signal
 
 import pytest
 import torch
 from conftest import (
     CONFIGS,
+    GRPO_RUN,
+    GRPO_SCRIPT,
     PYTHON,
-    REPO,
     check,
     fails_with,
     free_port,
+    grpo,
     read_metrics,
     read_results,
     recipe_env,
     run,
 )
 from safetensors.torch import load_file
-from sft_fixtures import COLOURS
 from test_resume import start, wait_for_checkpoint
 
-GRPO_SCRIPT = REPO / "recipes" / "grpo.py"
 ADAPTER = "adapter_model.safetensors"
-BREVITY = '''
-def brevity(prompts, completions, **columns):
-    """Shorter completions score higher."""
-    return [-len(completion) / 40 for completion in completions]
-
-
-def broken(prompts, completions, **columns):
-    return [0.0]  # one value for many completions
-'''
-# 48 prompts at a global batch of 8 prompts x 4 completions: 6 steps per epoch; a checkpoint every 2 steps, an
-# evaluation at step 3 (--eval_every) and at the epoch's end. LoRA without dropout (its default here).
-GRPO_RUN = ["--batch_size", "8", "--num_generations", "4", "--max_new_tokens", "8", "--lr", "1e-2", "--epochs", "1"]
-GRPO_RUN += ["--reward_weights", "1,1", "--lora_r", "8", "--tracker", "none"]
-GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
 # The same rollouts (keyed sampling) and one fp32 reduction order apart: measured max differences 1.5e-8 (loss),
 # 6e-8 (mean reward) and 2.1e-6 (adapter weights, which reach 0.2) between 1 process, 2 processes and accumulation.
 TOLERANCE = 1e-5
@@ -57,48 +42,11 @@ TOLERANCE = 1e-5
 SHARDED_WEIGHTS_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
-    """Colour prompts: training rows as `prompt` + `answer`, validation rows as conversations whose final assistant
-    turn is the answer; the user's reward file beside them."""
-    root = tmp_path_factory.mktemp("grpo-data")
-    rng = random.Random(0)
-    rows = [{"prompt": f"What colour is the {thing}?", "answer": colour} for thing, colour in COLOURS.items()] * 4
-    rng.shuffle(rows)
-    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:48]))
-    validation = [
-        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
-        for r in rows[48:]
-    ]
-    (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in validation))
-    (root / "brevity.py").write_text(BREVITY)
-    files = ["--model", tiny_chat_model, "--train_file", root / "train.jsonl"]
-    files += ["--validation_file", root / "validation.jsonl"]
-    return dict(root=root, files=files, reward=f"exact,{root / 'brevity.py'}:brevity")
-
-
-def grpo(data: dict, name: str, *extra, reward=None, launcher=(), ok=True):
-    """grpo.py with the data's files, its rewards (or `reward`) and GRPO_RUN, then `extra`; output in root/name."""
-    out = data["root"] / name
-    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=os.path.expanduser("~/.cache/torch_extensions"))
-    if launcher:
-        env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [*launcher, GRPO_SCRIPT, *data["files"], "--reward", reward or data["reward"], *GRPO_RUN, *extra]
-    proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=300)
-    return (check(proc) if ok else proc), out
-
-
 def launcher(config: str) -> list:
     """`accelerate launch` with `config` on 2 CPU processes in fp32 (as `make grpo-fsdp` starts it on a CPU box)."""
     cmd = [PYTHON, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", CONFIGS / config]
     cmd += ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--mixed_precision", "no"]
     return [*cmd, "--main_process_port", free_port()]
-
-
-@pytest.fixture(scope="module")
-def grpo_one(grpo_data):
-    return grpo(grpo_data, "one")[1]
 
 
 @pytest.fixture(scope="module")

@@ -36,12 +36,12 @@ def imported_from_copy(folder: Path, modules: set[str]) -> None:
 
 def test_the_guide_names_every_file_a_copy_needs_and_the_readme_every_starter():
     section = GUIDE.split("## Copy a full recipe", 1)[1].split("\n## ", 1)[0]
-    for script in ("cifar.py", "text_classification.py", "sft.py"):
+    for script in ("cifar.py", "text_classification.py", "sft.py", "grpo.py"):
         for name in {script} | local_imports(RECIPES / script):
             assert f"recipes/{name}" in section, name
     assert "recipes/detect/" in section and "cpu.yaml" in section
     starters = sorted(p.name for p in (RECIPES / "starters").glob("*.py"))
-    assert starters == ["cifar.py", "sft.py", "text_classification.py"]
+    assert starters == ["cifar.py", "grpo.py", "sft.py", "text_classification.py"]
     for text in (README.split("## Start your own project", 1)[1].split("\n## ", 1)[0], GUIDE):
         assert all(f"recipes/starters/{name}" in text for name in starters)
 
