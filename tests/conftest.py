@@ -799,14 +799,17 @@ def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
     return dict(root=root, files=files, reward=f"exact,{root / 'brevity.py'}:brevity")
 
 
-def grpo(data: dict, name: str, *extra, reward=None, launcher=(), ok=True):
-    """grpo.py with the data's files, its rewards (or `reward`) and GRPO_RUN, then `extra`; output in root/name."""
+def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok=True):
+    """grpo.py with the data's files and model (or `model`), its rewards (or `reward`) and GRPO_RUN, then `extra`;
+    output in root/name."""
     out = data["root"] / name
+    files = list(data["files"])
+    files[files.index("--model") + 1] = model or files[files.index("--model") + 1]
     # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
     env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
     if launcher:
         env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [*launcher, GRPO_SCRIPT, *data["files"], "--reward", reward or data["reward"], *GRPO_RUN, *extra]
+    cmd = [*launcher, GRPO_SCRIPT, *files, "--reward", reward or data["reward"], *GRPO_RUN, *extra]
     proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=300)
     return (check(proc) if ok else proc), out
 

@@ -187,3 +187,18 @@ def test_a_reward_that_breaks_stops_the_run_with_one_line(grpo_data):
     fails_with(proc, "brevity.py:broken returned 1 value(s) for 32 completions; return one float per completion")
     proc, _ = grpo(grpo_data, "missing", reward="exact,nothing.py:f", ok=False)
     fails_with(proc, "--reward nothing.py:f", "does not exist")
+
+
+def test_grpo_goes_on_training_the_chat_recipes_adapter(sft_one, grpo_data):
+    """--model the chat recipe's LoRA output: GRPO starts from that adapter (at lr 1e-9 it ends where it began, to
+    1e-6), not from a fresh one, and the saved adapter names the same base model."""
+    _, out = grpo(grpo_data, "from-sft", "--max_steps", "2", "--eval_every", "0", "--lr", "1e-9", model=sft_one.out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (
+        config["base_model_name_or_path"]
+        == json.loads((sft_one.out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    )
+    trained, start = load_file(str(out / ADAPTER)), load_file(str(sft_one.out / ADAPTER))
+    assert trained.keys() == start.keys()
+    assert max((trained[k] - start[k]).abs().max().item() for k in start) < 1e-6
+    assert max(start[k].abs().max().item() for k in start if "lora_B" in k) > 1e-3  # a trained adapter, not zeros
