@@ -315,18 +315,17 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, 31)
 
 
-def hashed_uniform(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
-    """Uniform numbers in (0, 1), one per (row, token), from a counter-based hash of (row key, position, token):
-    the same numbers for the same row wherever and in whatever batch it is generated."""
-    row = splitmix64(splitmix64(keys) + position)  # one stream per (row, position)
-    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    bits = _shift_right(splitmix64(row[:, None] + tokens[None] * GOLDEN), 40)  # 24 random bits per token
+def hashed_uniform(keys: torch.Tensor, position: int) -> torch.Tensor:
+    """One uniform number in (0, 1) per row, from a counter-based hash of (row key, position): the same number for
+    the same row wherever and in whatever batch it is generated."""
+    bits = _shift_right(splitmix64(splitmix64(keys) + position), 40)  # 24 random bits
     return (bits.float() + 0.5) / 2**24
 
 
 class KeyedSampling(LogitsProcessor):
-    """Sampling through greedy decoding: the argmax of (logits / temperature + Gumbel noise) is a draw from the
-    softmax (the Gumbel-max trick), and the noise of each row comes from its key, not from the global RNG."""
+    """Sampling through greedy decoding: each row draws its token from the softmax of logits / temperature by the
+    inverse of its cumulative distribution at a uniform number that comes from the row's key and position, not from
+    the global RNG; the returned scores put the drawn token first (0) and every other at -inf."""
 
     def __init__(self, keys: torch.Tensor, temperature: float, top_p: float):
         self.keys, self.temperature, self.top_p = keys, temperature, top_p
@@ -339,8 +338,11 @@ class KeyedSampling(LogitsProcessor):
             above = probabilities.cumsum(dim=-1) - probabilities  # the mass of the likelier tokens
             outside = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, above > self.top_p)
             scores = scores.masked_fill(outside, -math.inf)
-        uniform = hashed_uniform(self.keys, input_ids.shape[1], scores.shape[-1])
-        return scores - torch.log(-torch.log(uniform))
+        cumulative = scores.softmax(dim=-1).cumsum(dim=-1)
+        # scaled by the row's total so that float rounding of the sum never leaves a draw past the last token
+        target = hashed_uniform(self.keys, input_ids.shape[1])[:, None] * cumulative[:, -1:]
+        drawn = torch.searchsorted(cumulative, target).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
 
 
 def sampling_keys(seed: int, epoch: int, prompt_index: torch.Tensor, generations: int) -> torch.Tensor:
@@ -702,7 +704,7 @@ def train(args: GrpoFlags) -> None:
         best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
-    speed = Throughput(accelerator.device)
+    speed = Throughput(accelerator)
 
     def save_checkpoint() -> None:
         """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
@@ -870,12 +872,13 @@ def reward_figures(rollout: dict, spread: dict) -> list[float]:
 
 
 class Throughput:
-    """Tokens per second of generation and of the updates, apart: completion tokens over the time in generate, and
-    prompt + completion tokens over the time from an optimizer step's first forward pass to its end. The end waits
-    for the device once per step, which costs nothing here: the next rollouts' generation waits for it anyway."""
+    """Tokens per second of generation and of the updates, apart, for the whole run (every process's tokens over the
+    main process's time): completion tokens over the time in generate, and prompt + completion tokens over the time
+    from an optimizer step's first forward pass to its end. The end waits for the device once per step, which costs
+    nothing here: the next rollouts' generation waits for it anyway."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, accelerator):
+        self.accelerator, self.device = accelerator, accelerator.device
         self.generated_tokens, self.generation_seconds, self.trained_tokens, self.train_seconds = 0, 0.0, 0, 0.0
         self.update_start: float | None = None
 
@@ -897,9 +900,12 @@ class Throughput:
         self.update_start = None
 
     def rates(self) -> dict:
+        """Collective: the token counts are summed over the processes."""
+        counts = torch.tensor([self.generated_tokens, self.trained_tokens], dtype=torch.float64, device=self.device)
+        generated, trained = self.accelerator.reduce(counts, reduction="sum").tolist()
         return {
-            "generation_tokens_per_second": self.generated_tokens / max(self.generation_seconds, 1e-9),
-            "train_tokens_per_second": self.trained_tokens / max(self.train_seconds, 1e-9),
+            "generation_tokens_per_second": generated / max(self.generation_seconds, 1e-9),
+            "train_tokens_per_second": trained / max(self.train_seconds, 1e-9),
         }
 
 

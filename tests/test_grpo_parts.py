@@ -85,18 +85,25 @@ def test_prompt_formats_and_a_held_out_split(tmp_path):
 def test_keyed_sampling_draws_from_the_softmax_the_same_way_in_any_batch():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     keys = torch.arange(20000, dtype=torch.int64)
-    sampler = KeyedSampling(keys, temperature=1.0, top_p=1.0)
-    drawn = sampler(torch.zeros((len(keys), 5), dtype=torch.long), logits.expand(len(keys), -1)).argmax(dim=-1)
+    ids = torch.zeros((len(keys), 5), dtype=torch.long)
+
+    def draws(sampler, rows=slice(None), position_ids=ids):
+        scores = sampler(position_ids[rows], logits.expand(len(keys), -1)[rows])
+        assert torch.isinf(scores).sum(dim=-1).eq(3).all()  # one token left, every other at -inf
+        return scores.argmax(dim=-1)
+
+    drawn = draws(KeyedSampling(keys, temperature=1.0, top_p=1.0))
     frequencies = torch.bincount(drawn, minlength=4).float() / len(keys)
     # binomial standard error at 20,000 draws is below 0.0035: 0.015 is over 4 of them
     assert torch.allclose(frequencies, logits.softmax(dim=0), atol=0.015), frequencies
+    hot = torch.bincount(draws(KeyedSampling(keys, 2.0, 1.0)), minlength=4).float() / len(keys)
+    assert torch.allclose(hot, (logits / 2).softmax(dim=0), atol=0.015), hot
     # top_p 0.8: only the tokens whose likelier neighbours hold less than 0.8 of the mass (here the first two)
-    nucleus = KeyedSampling(keys, 1.0, 0.8)(torch.zeros((len(keys), 5), dtype=torch.long), logits.expand(len(keys), -1))
-    assert set(nucleus.argmax(dim=-1).tolist()) == {0, 1}
-    # a row's draws depend on its key and position only, not on the rows beside it
-    alone = hashed_uniform(keys[7:8], 5, 4)
-    assert torch.equal(alone, hashed_uniform(keys, 5, 4)[7:8])
-    assert not torch.equal(hashed_uniform(keys[7:8], 6, 4), alone)
+    assert set(draws(KeyedSampling(keys, 1.0, 0.8)).tolist()) == {0, 1}
+    # a row's draw depends on its key and position only, not on the rows beside it
+    assert torch.equal(draws(KeyedSampling(keys[7:8], 1.0, 1.0), slice(7, 8)), drawn[7:8])
+    assert torch.equal(hashed_uniform(keys[7:8], 5), hashed_uniform(keys, 5)[7:8])
+    assert not torch.equal(hashed_uniform(keys, 6), hashed_uniform(keys, 5))
     first, second = sampling_keys(42, 0, torch.tensor([3, 9]), 4), sampling_keys(42, 1, torch.tensor([3, 9]), 4)
     assert len(set(first.tolist()) | set(second.tolist())) == 16  # per epoch, prompt and completion
     assert torch.equal(sampling_keys(42, 0, torch.tensor([9]), 4), first[4:])

@@ -89,18 +89,24 @@ def splitmix64(x):
 
 
 class KeyedSampling(LogitsProcessor):
-    """Sampling through greedy decoding: argmax(logits / temperature + Gumbel noise) is a draw from the softmax, and
-    each row's noise is a hash of (its key, position, token), the same in any batch on any process."""
+    """Sampling through greedy decoding: each row draws its token from the softmax by the inverse of its cumulative
+    distribution at a uniform number hashed from (the row's key, position): the same draw in any batch on any process.
+    The scores returned put the drawn token at 0 and every other at -inf."""
 
     def __init__(self, keys, temperature: float):
         self.keys, self.temperature = keys, temperature
 
     def __call__(self, input_ids, scores):
-        row = splitmix64(splitmix64(self.keys) + input_ids.shape[1])
-        tokens = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
-        bits = shift_right(splitmix64(row[:, None] + tokens[None] * GOLDEN), 40)
-        uniform = (bits.float() + 0.5) / 2**24
-        return scores.float() / self.temperature - torch.log(-torch.log(uniform))
+        cumulative = (scores.float() / self.temperature).softmax(dim=-1).cumsum(dim=-1)
+        uniform = (shift_right(splitmix64(splitmix64(self.keys) + input_ids.shape[1]), 40).float() + 0.5) / 2**24
+        drawn = torch.searchsorted(cumulative, uniform[:, None] * cumulative[:, -1:]).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -math.inf, dtype=torch.float32).scatter_(-1, drawn, 0.0)
+
+
+def sampling_keys(seed: int, epoch: int, indices, generations: int):
+    """One key per completion, (seed, epoch, prompt, completion number), prompt-major as the rows are."""
+    completion = indices.to(torch.int64)[:, None] * 4099 + torch.arange(generations, device=indices.device)
+    return splitmix64(completion.reshape(-1) + splitmix64(torch.tensor([seed * 1_000_003 + epoch])).to(indices.device))
 
 
 @torch.no_grad()
@@ -283,13 +289,7 @@ def main(
             rollouts = []
             for indices in micro_batches:  # the step's rollouts, all before its first forward pass
                 rows = [train_rows[i] for i in indices.tolist() for _ in range(num_generations)]
-                # one key per completion: (seed, epoch, prompt, completion number)
-                completion = indices.to(torch.int64)[:, None] * 4099 + torch.arange(
-                    num_generations, device=indices.device
-                )
-                keys = splitmix64(
-                    completion.reshape(-1) + splitmix64(torch.tensor([seed * 1_000_003 + epoch])).to(indices.device)
-                )
+                keys = sampling_keys(seed, epoch, indices, num_generations)
                 rollout = generate(
                     policy, tokenizer, [r["ids"] for r in rows], max_new_tokens, KeyedSampling(keys, temperature)
                 )
@@ -297,7 +297,8 @@ def main(
                 rollouts.append(rollout)
             micro_batches = []
             # Group-relative advantages: each completion's reward minus its group's mean, over the group's spread.
-            mine = torch.tensor([r for ro in rollouts for r in ro["rewards"]], device=accelerator.device).double()
+            rewards_now = [r for rollout in rollouts for r in rollout["rewards"]]
+            mine = torch.tensor(rewards_now, dtype=torch.float64, device=accelerator.device)
             groups = mine.view(-1, num_generations)
             advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
             # The step's completion tokens, every micro-batch of every process, counted before the forward passes.
