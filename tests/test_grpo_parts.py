@@ -55,6 +55,8 @@ def test_the_users_reward_functions_and_their_failures_are_one_line(tmp_path):
         Rewards(f"{mine}:words").score(["q"], ["a"], {})
     with pytest.raises(RecipeError, match="has no function 'missing'"):
         Rewards(f"{mine}:missing")
+    with pytest.raises(RecipeError, match="nothing.py does not exist"):
+        Rewards(f"exact,{tmp_path / 'nothing.py'}:f")
     with pytest.raises(RecipeError, match="not a built-in reward"):
         Rewards("nonsense")
     with pytest.raises(RecipeError, match="gives 1 weight"):
