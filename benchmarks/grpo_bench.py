@@ -163,9 +163,9 @@ def trl(
     logged = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
     completions = batch_size * num_generations
     generated = sum(entry["completions/mean_length"] for entry in logged) * completions
-    prompt_tokens = sum(
-        len(tokenizer.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True)) for r in dataset
-    ) / len(dataset)
+    rendered = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in dataset]
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
+    prompt_tokens = sum(lengths) / len(lengths)
     trained_tokens = generated + len(logged) * completions * prompt_tokens
     train_seconds = trained["train_runtime"] - timing["generation_seconds"]
     results = {
@@ -175,6 +175,8 @@ def trl(
         "train_reward_last": logged[-1].get("reward") if logged else None,
         "train_runtime": trained["train_runtime"],
         "generation_seconds": timing["generation_seconds"],
+        "generated_tokens": generated,
+        "mean_prompt_tokens": prompt_tokens,
         "generation_tokens_per_second": generated / max(timing["generation_seconds"], 1e-9),
         "train_tokens_per_second": trained_tokens / max(train_seconds, 1e-9),
         "wall_seconds": time.perf_counter() - start,
