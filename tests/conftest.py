@@ -340,6 +340,32 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------------------------- the suite's disk
+# pyproject.toml has pytest remove a test's tmp_path once it passes; a module's shared runs (a CIFAR run with its
+# checkpoints is ~250 MB) go when the module is done. Kept to the session's end, they took ~10 GB at the peak.
+
+
+class ModuleFolders:
+    """tmp_path_factory's mktemp for one test module's shared runs, remembering what it made."""
+
+    def __init__(self, factory):
+        self.factory, self.made = factory, []
+
+    def mktemp(self, name: str) -> Path:
+        self.made.append(self.factory.mktemp(name))
+        return self.made[-1]
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request):
+    """Folders for a module's shared runs, removed when its tests are done; kept for a look once any test failed."""
+    folders = ModuleFolders(tmp_path_factory)
+    yield folders
+    if request.session.testsfailed == 0:
+        for path in folders.made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------------- tiny BERT
 
 

@@ -47,11 +47,11 @@ def json_lines(stdout: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_tmp):
     """A resnet18 trained for 24 steps (3 epochs and a half) on 124 training PNGs of 3 classes (31 in val, so 2
     processes split them unevenly), resized to 16 px: it learns them. After 15 steps the accuracy still depended on
     the CPU's kernels (0.58 with AVX-512, 0.84 with AVX2); after 24 it was 0.97 with both."""
-    tmp = tmp_path_factory.mktemp("cifar_inference")
+    tmp = module_tmp.mktemp("cifar_inference")
     data = write_image_folder(tmp / "imgs", 155, size=24, seed=3)
     out = tmp / "out"
     check(

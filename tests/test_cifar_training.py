@@ -41,10 +41,10 @@ CONTRACT_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def cifar_run(tmp_path_factory):
+def cifar_run(module_tmp):
     """640 training / 130 test images written as CIFAR-10 python batches, 2 epochs, SwanLab offline (no login),
     through torchvision's dataset and a DataLoader with its transforms."""
-    tmp = tmp_path_factory.mktemp("cifar")
+    tmp = module_tmp.mktemp("cifar")
     data = write_cifar10(tmp / "data", num_train=640, num_test=130)
     out = tmp / "out"
     env = recipe_env(tmp)

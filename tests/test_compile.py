@@ -27,8 +27,8 @@ TEST_IMAGES, TEST_SEED = 32, 43  # the test split --dataset synthetic generates:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("compiled")
+def compiled(module_tmp):
+    tmp = module_tmp.mktemp("compiled")
     check(run([PYTHON, CIFAR_SCRIPT, *FLAGS, "--compile", "--output_dir", tmp / "out"], recipe_env(tmp), timeout=1200))
     return tmp / "out"
 

@@ -84,9 +84,9 @@ def small_set(root: Path, split: str, count: int, size=(64, 48)) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory) -> Path:
+def shapes(module_tmp) -> Path:
     return write_synthetic_dataset(
-        tmp_path_factory.mktemp("shapes"), num_train=40, num_val=12, image_size=128, num_classes=4, seed=3
+        module_tmp.mktemp("shapes"), num_train=40, num_val=12, image_size=128, num_classes=4, seed=3
     )
 
 

@@ -78,9 +78,9 @@ def plain_checkout(tmp_path) -> tuple[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> dict:
+def smoke(module_tmp) -> dict:
     """One call of the CPU smoke mode from a plain checkout, with a results folder; its output and report."""
-    tmp = tmp_path_factory.mktemp("smoke")
+    tmp = module_tmp.mktemp("smoke")
     out, results = tmp / "check", tmp / "results"
     stale = out / "fast94" / "checkpoints" / "step_00000099"
     stale.mkdir(parents=True)  # an earlier check's leftovers: the step must start clean
@@ -92,10 +92,10 @@ def smoke(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def budget_cut(tmp_path_factory) -> dict:
+def budget_cut(module_tmp) -> dict:
     """A call whose budget holds preempt (tiny on the CPU) but cuts bench short (its full size takes minutes on a
     CPU); its output and report."""
-    tmp = tmp_path_factory.mktemp("budget")
+    tmp = module_tmp.mktemp("budget")
     out = tmp / "first"
     budget = time_limit(45)
     command = ["--device", "cpu", "--steps", "preempt,bench", "--budget", budget, "--output_dir", out]

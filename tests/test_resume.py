@@ -59,8 +59,8 @@ CIFAR = [
 
 
 @pytest.fixture(scope="module")
-def data(text_data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume-data")
+def data(text_data, module_tmp):
+    root = module_tmp.mktemp("resume-data")
     shapes = write_synthetic_dataset(root / "shapes", num_train=48, num_val=9, image_size=128, seed=3)
     return {"text": text_data, "shapes": shapes}
 
@@ -142,7 +142,7 @@ def processes_with(variable: str, value: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory, request):
+def uninterrupted(data, module_tmp, request):
     """The reference: each recipe run start to finish with the same flags. The text recipe's is the shared text_one
     (the same flags without the checkpoints, which change no number the run computes)."""
     outputs = {}
@@ -151,7 +151,7 @@ def uninterrupted(data, tmp_path_factory, request):
         if name == "text":
             return request.getfixturevalue("text_one").out
         if name not in outputs:
-            tmp = tmp_path_factory.mktemp(f"reference-{name}")
+            tmp = module_tmp.mktemp(f"reference-{name}")
             check(run([PYTHON, *recipe_command(name, data), "--output_dir", tmp / "out"], recipe_env(tmp), timeout=400))
             outputs[name] = tmp / "out"
         return outputs[name]

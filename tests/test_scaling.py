@@ -16,9 +16,9 @@ def measured_step_seconds(run_dir, warmup):
 
 
 @pytest.fixture(scope="module")
-def one_vs_two(tmp_path_factory):
+def one_vs_two(module_tmp):
     """One scaling run on 1 and 2 gloo processes, read by the report test and re-run by the fresh-start test."""
-    tmp = tmp_path_factory.mktemp("scaling")
+    tmp = module_tmp.mktemp("scaling")
     out = tmp / "scaling"
     proc = check(
         run(

@@ -29,8 +29,8 @@ TEMPLATES = ("chatml", "llama3", "qwen3")
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("chat-tokenizers")
+def tokenizers(module_tmp) -> dict:
+    root = module_tmp.mktemp("chat-tokenizers")
     return {template: build_chat_tokenizer(root / template, template) for template in TEMPLATES}
 
 
@@ -209,10 +209,10 @@ def test_examples_cut_before_their_answer_are_dropped_and_counted(tmp_path, toke
 
 # ------------------------------------------------------------------------------------------ batches on a real model
 @pytest.fixture(scope="module")
-def chat_batch(tiny_chat_model, sft_data, tmp_path_factory):
+def chat_batch(tiny_chat_model, sft_data, module_tmp):
     """The tiny Llama's tokenizer (pad token set) and 5 tokenised examples of different lengths."""
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(tiny_chat_model))
-    raw = load(sft_data["train"], sft_data["validation"], tmp_path_factory.mktemp("sft-cache"))
+    raw = load(sft_data["train"], sft_data["validation"], module_tmp.mktemp("sft-cache"))
     tokenized, _ = tokenize_splits(raw, tokenizer, 256)
     features = list(tokenized["train"].select(range(12)))
     by_length = {f["num_tokens"]: f for f in features}  # distinct lengths, so padding and packing both matter

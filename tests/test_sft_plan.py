@@ -145,10 +145,10 @@ def test_plan_only_plans_7b_from_its_config_alone(tmp_path):
 
 # ------------------------------------------------------------------------------------- plan against measured peak
 @pytest.fixture(scope="module")
-def plan_runs(tiny_chat_model, tmp_path_factory):
+def plan_runs(tiny_chat_model, module_tmp):
     """The tiny chat model and a larger one with its tokenizer (hidden 512, 4 blocks: 15M parameters), and
     conversations whose answers run past --max_length 128, so every row is as long as the plan assumes."""
-    root = tmp_path_factory.mktemp("plan")
+    root = module_tmp.mktemp("plan")
     larger = root / "larger"
     shutil.copytree(tiny_chat_model, larger)
     config = AutoConfig.from_pretrained(tiny_chat_model)

@@ -42,8 +42,8 @@ SHARDING = REPO / "benchmarks" / "sharding.py"
 
 
 @pytest.fixture(scope="module")
-def data(tiny_chat_model, sft_data, tmp_path_factory):
-    return dict(files=sft_files(tiny_chat_model, sft_data), root=tmp_path_factory.mktemp("sft-sharded"))
+def data(tiny_chat_model, sft_data, module_tmp):
+    return dict(files=sft_files(tiny_chat_model, sft_data), root=module_tmp.mktemp("sft-sharded"))
 
 
 def launch(data, name, config, *extra, ok=True):

@@ -44,9 +44,9 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def data(text_data, tmp_path_factory):
+def data(text_data, module_tmp):
     """conftest's tiny BERT and reviews (256 training rows, 63 validation rows); the runs write under their own root."""
-    return dict(text_data, root=tmp_path_factory.mktemp("sharded"))
+    return dict(text_data, root=module_tmp.mktemp("sharded"))
 
 
 def launch(data, name, config, *extra, launcher=(), ok=True):

@@ -60,38 +60,38 @@ def launch_two(script, folder: Path, env: dict, *args):
 
 
 @pytest.fixture(scope="module")
-def cifar10_dir(tmp_path_factory) -> Path:
-    return write_cifar10(tmp_path_factory.mktemp("cifar10-tiny"), NUM_TRAIN, NUM_TEST, seed=0)
+def cifar10_dir(module_tmp) -> Path:
+    return write_cifar10(module_tmp.mktemp("cifar10-tiny"), NUM_TRAIN, NUM_TEST, seed=0)
 
 
 @pytest.fixture(scope="module")
-def full_one(cifar10_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full-one")
+def full_one(cifar10_dir, module_tmp):
+    tmp = module_tmp.mktemp("full-one")
     args = [FULL_RECIPE, "--data_dir", cifar10_dir, *SAME, *FULL_ONLY, "--output_dir", tmp / "out"]
     return SimpleNamespace(out=tmp / "out", proc=check(run([PYTHON, *args], recipe_env(tmp), timeout=300)))
 
 
 @pytest.fixture(scope="module")
-def starter_one(cifar10_dir, tmp_path_factory):
+def starter_one(cifar10_dir, module_tmp):
     """The starter with plain python and its default tracker: SwanLab, offline for a user with no login."""
-    tmp = tmp_path_factory.mktemp("starter-one")
+    tmp = module_tmp.mktemp("starter-one")
     args = [STARTER, "--data_dir", cifar10_dir, *SAME, "--output_dir", tmp / "out"]
     return SimpleNamespace(out=tmp / "out", proc=check(run([PYTHON, *args], recipe_env(tmp), cwd=tmp, timeout=300)))
 
 
 @pytest.fixture(scope="module")
-def full_two(cifar10_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("full-two")
+def full_two(cifar10_dir, module_tmp):
+    tmp = module_tmp.mktemp("full-two")
     env = recipe_env(tmp, ACCELERATE_USE_CPU="true")
     args = ["--data_dir", cifar10_dir, *SAME, *FULL_ONLY, *TWO_PROCESSES, "--output_dir", tmp / "out"]
     return SimpleNamespace(out=tmp / "out", proc=launch_two(FULL_RECIPE, REPO, env, *args))
 
 
 @pytest.fixture(scope="module")
-def starter_two(cifar10_dir, tmp_path_factory):
+def starter_two(cifar10_dir, module_tmp):
     """The starter copied alone into an empty folder and launched there on 2 processes; the only folder on PYTHONPATH
     holds modules named like this project's that fail on import."""
-    tmp = tmp_path_factory.mktemp("starter-two")
+    tmp = module_tmp.mktemp("starter-two")
     folder = tmp / "my_project"
     folder.mkdir()
     shutil.copy(STARTER, folder / "cifar.py")

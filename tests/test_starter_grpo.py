@@ -44,10 +44,10 @@ def starter_args() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def starter_runs(grpo_data, tmp_path_factory):
+def starter_runs(grpo_data, module_tmp):
     """The starter with plain python on 1 process, and copied alone into an empty folder and launched there on 2
     gloo processes with a PYTHONPATH whose accelerate_recipes refuses to import."""
-    tmp = tmp_path_factory.mktemp("starter-grpo")
+    tmp = module_tmp.mktemp("starter-grpo")
     args = [*grpo_data["files"], "--reward", grpo_data["reward"], *starter_args()]
     one = check(run([PYTHON, STARTER, *args, "--output_dir", tmp / "one"], recipe_env(tmp)))
     folder = tmp / "my_project"

@@ -59,21 +59,21 @@ def starter_args(*left_out: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def starter_one(tiny_chat_model, sft_data, tmp_path_factory):
+def starter_one(tiny_chat_model, sft_data, module_tmp):
     """The starter with plain python on 1 process, with sft_one's flags."""
-    tmp = tmp_path_factory.mktemp("starter-sft-one")
+    tmp = module_tmp.mktemp("starter-sft-one")
     out = tmp / "out"
     args = [*sft_files(tiny_chat_model, sft_data), *starter_args(), "--output_dir", out]
     return SimpleNamespace(proc=check(run([PYTHON, STARTER, *args], recipe_env(tmp))), out=out)
 
 
 @pytest.fixture(scope="module")
-def starter_two(tiny_chat_model, sft_data, tmp_path_factory):
+def starter_two(tiny_chat_model, sft_data, module_tmp):
     """The starter alone copied into an empty folder and launched there as two nodes would run it: 2node.yaml on
     127.0.0.1, one process per "node", machine ranks 0 and 1, with sft_one's flags but the default tracker (SwanLab,
     offline without a login). PYTHONPATH holds only a folder whose accelerate_recipes refuses to import: the
     repository's library, also installed in this environment, is out of reach."""
-    tmp = tmp_path_factory.mktemp("starter-sft-two")
+    tmp = module_tmp.mktemp("starter-sft-two")
     folder = tmp / "my_project"
     folder.mkdir()
     shutil.copy(STARTER, folder / "sft.py")

@@ -82,19 +82,19 @@ def starter_flags(text_data, *drop: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def starter_one(text_data, tmp_path_factory):
+def starter_one(text_data, module_tmp):
     """The starter on 1 process with text_one's flags, except that it tracks: its default, SwanLab, with no login
     here, so offline."""
-    tmp = tmp_path_factory.mktemp("starter-text-one")
+    tmp = module_tmp.mktemp("starter-text-one")
     cmd = [PYTHON, STARTER, *starter_flags(text_data, "--tracker"), "--output_dir", tmp / "out"]
     proc = check(run(cmd, starter_env(tmp), cwd=tmp))
     return SimpleNamespace(out=tmp / "out", proc=proc, losses=printed_losses(proc.stdout))
 
 
 @pytest.fixture(scope="module")
-def starter_two(text_data, tmp_path_factory):
+def starter_two(text_data, module_tmp):
     """Only the starter copied into an empty folder, launched from there on 2 gloo processes with text_two's flags."""
-    tmp = tmp_path_factory.mktemp("starter-text-two")
+    tmp = module_tmp.mktemp("starter-text-two")
     folder = tmp / "my_project"
     folder.mkdir()
     shutil.copy(STARTER, folder / STARTER.name)
