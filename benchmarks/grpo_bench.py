@@ -4,6 +4,7 @@
     python benchmarks/grpo_bench.py run          # the whole comparison; table in outputs/bench-grpo/report.md
     make bench-grpo                              # the same, installing the offline model and TRL when missing
     python benchmarks/grpo_bench.py write_data   # only the task: data/grpo_arithmetic/{train,validation}.jsonl
+    python benchmarks/grpo_bench.py generation   # generation under FSDP2 / ZeRO-3: gathered once or block by block
 
 Task: generated arithmetic, "What is 13 + 14? Answer with the number only." with small numbers (1-20, + or -),
 checked exactly by the recipe's `number` reward (the completion's last number equals the answer). No validation
@@ -290,6 +291,103 @@ def run(
     report(runs, commands, out, dict(settings, seed=seed))
 
 
+def generation_setups(configs: dict) -> list[str]:
+    return [f"{sharding}-{gather}" for sharding in configs for gather in ("once", "blockwise")]
+
+
+def generation(
+    setups: str = "fsdp-once,fsdp-blockwise,zero3-once,zero3-blockwise",
+    batch_size: int = 4,
+    num_generations: int = 4,
+    max_new_tokens: int = 32,
+    max_steps: int = 2,
+    lora_r: int = 16,
+    model_dir: str = MODEL_DIR,
+    output_dir: str = "outputs/bench-grpo-generation",
+    timeout: int = 3600,
+):
+    """Generation under sharding on 2 processes: the whole model gathered once per generation (the recipe's default)
+    against block by block at every token (--gather_for_generation False); table in OUTPUT_DIR/report.md.
+
+    Args:
+        setups: comma-separated, from fsdp-once, fsdp-blockwise (fsdp.yaml, FSDP2), zero3-once, zero3-blockwise
+            (deepspeed.yaml, ZeRO-3; needs DeepSpeed).
+        batch_size: prompts per optimizer step (global).
+        num_generations: completions sampled per prompt.
+        max_new_tokens: longest completion.
+        max_steps: optimizer steps of each run (each generates once).
+        lora_r: LoRA rank; the frozen base is what FSDP2 and ZeRO-3 shard and gather.
+        model_dir: the converted model's folder (converted from the GGUF file once, reused after).
+        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to OUTPUT_DIR/report.{json,md}.
+        timeout: seconds each run may take before the benchmark stops.
+    """
+    import torch
+
+    from accelerate_recipes.launch import usable_cores
+
+    configs = {"fsdp": "fsdp.yaml", "zero3": "deepspeed.yaml"}
+    names = [name.strip() for name in str(setups).split(",") if name.strip()]
+    for name in names:
+        if name.rpartition("-")[0] not in configs or name.rpartition("-")[2] not in ("once", "blockwise"):
+            sys.exit(f"error: unknown setup {name!r}; choose from {', '.join(generation_setups(configs))}")
+    out = Path(output_dir)
+    folder = write_data(str(out / "data"), train_size=batch_size * max_steps, validation_size=batch_size)
+    weights = str(converted_model(model_dir, timeout).resolve())
+    gpus = torch.cuda.device_count()
+    processes = 2 if gpus in (0, 2) else sys.exit("error: the comparison runs on 2 processes: 2 GPUs, or a CPU")
+    threads = max(1, usable_cores() // processes)
+    runs, commands = {}, {}
+    for name in names:
+        sharding, _, gather = name.rpartition("-")
+        target = out / name
+        shutil.rmtree(target, ignore_errors=True)
+        command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file"]
+        command += [str(REPO / "accelerate_configs" / configs[sharding]), "--num_processes", str(processes)]
+        command += ["--num_cpu_threads_per_process", str(threads)] + (["--mixed_precision", "no"] if not gpus else [])
+        command += [str(RECIPE), "--model", weights, "--output_dir", str(target), "--reward", "number"]
+        command += ["--train_file", str(folder / "train.jsonl"), "--validation_file", str(folder / "validation.jsonl")]
+        command += ["--batch_size", str(batch_size), "--num_generations", str(num_generations), "--lora_r", str(lora_r)]
+        command += ["--max_new_tokens", str(max_new_tokens), "--max_steps", str(max_steps), "--tracker", "none"]
+        command += ["--checkpoint_every", "0", "--gather_for_generation", str(gather == "once")]
+        env = dict(os.environ, **({} if gpus else {"ACCELERATE_USE_CPU": "true"}))
+        seconds = step(command, name, timeout, env)
+        runs[name] = dict(json.loads((target / "results.json").read_text()), bench_wall_seconds=seconds)
+        commands[name] = " ".join(command)
+    header = ["setup", "generation tokens/s", "train tokens/s", "peak memory MB (per process)", "wall s"]
+    rows = [
+        [
+            name,
+            figure(r.get("generation_tokens_per_second"), 1),
+            figure(r.get("train_tokens_per_second"), 1),
+            figure(r.get("peak_memory_mb"), 0),
+            figure(r["bench_wall_seconds"], 0),
+        ]
+        for name, r in runs.items()
+    ]
+    ratios = {
+        f"{sharding} once / blockwise generation tokens/s": runs[f"{sharding}-once"]["generation_tokens_per_second"]
+        / runs[f"{sharding}-blockwise"]["generation_tokens_per_second"]
+        for sharding in configs
+        if f"{sharding}-once" in runs and f"{sharding}-blockwise" in runs
+    }
+    where = machine()
+    title = (
+        f"SmolLM2-135M-Instruct, LoRA r={lora_r}, {processes} processes, {max_steps} steps of {batch_size} prompts x "
+        f"{num_generations} completions of up to {max_new_tokens} tokens; {where}"
+    )
+    md = [f"# GRPO generation under sharding\n\n{title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * 5]
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    md += [""] + [f"- {key}: {value:.2f}" for key, value in ratios.items()]
+    md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), "", "Commands:", ""]
+    md += [f"    # {name}\n    {command}" for name, command in commands.items()]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    summary = dict(benchmark="grpo_generation_sharded", machine=where, versions=versions(), runs=runs, ratios=ratios)
+    (out / "report.json").write_text(json.dumps(dict(summary, commands=commands), indent=2, default=str) + "\n")
+    print("\n".join(md[:-1]))
+    print(f"report in {out / 'report.md'} and {out / 'report.json'}")
+
+
 def figure(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -356,4 +454,4 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire({"write_data": write_data, "run": run, "trl": trl})
+    fire.Fire({"write_data": write_data, "run": run, "trl": trl, "generation": generation})

@@ -146,6 +146,9 @@ class GrpoFlags(TrainingFlags):
         lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the ratio of an on-policy step is 1.
         lora_target_modules: all-linear (every linear layer but the output head) or comma-separated module names.
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
+        gather_for_generation: under FSDP2 or ZeRO-3, gather the whole model once per generation (each GPU then
+            holds the full weights while it generates); false: gather block by block at every generated token, as
+            the training passes do (for a model whose full weights do not fit one GPU; many times slower).
         attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_every: also evaluate every N optimizer steps (0: at each epoch's end only).
@@ -187,6 +190,7 @@ class GrpoFlags(TrainingFlags):
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"
     gradient_checkpointing: bool = False
+    gather_for_generation: bool = True
     attn_implementation: str | None = None
     warmup_ratio: float = 0.0
     eval_every: int = 0
@@ -361,10 +365,11 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 @contextlib.contextmanager
-def whole_weights_for_generation(accelerator, model):
+def whole_weights_for_generation(accelerator, model, gather_once: bool = True):
     """Generation with the weights gathered once, not once per token: under FSDP2 every shard unit is unsharded and
     kept so until generation ends; under DeepSpeed ZeRO-3 the parameters are gathered for its duration. Each process
-    then holds the whole model while it generates (the memory cost of sharded generation)."""
+    then holds the whole model while it generates (the memory cost of sharded generation). gather_once=False leaves
+    the blocks to gather at each forward pass, as in training: only FSDP2's root unit (embeddings, head) stays whole."""
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.fsdp import FSDPModule
@@ -373,6 +378,10 @@ def whole_weights_for_generation(accelerator, model):
         # root (lazily, at its first forward) before any inner unit runs.
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=accelerator.device))
         units = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
+        if not gather_once:
+            # peft's generate calls the model below the root, whose forward hook would have gathered the root's own
+            # weights: those are gathered here; each block gathers its own in its forward pass, as in training.
+            units = [unwrapped] if isinstance(unwrapped, FSDPModule) else []
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
@@ -383,13 +392,27 @@ def whole_weights_for_generation(accelerator, model):
                 unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)
     elif (
-        accelerator.distributed_type == DistributedType.DEEPSPEED
+        gather_once
+        and accelerator.distributed_type == DistributedType.DEEPSPEED
         and getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
     ):
         import deepspeed
 
+        # With the weights gathered, DeepSpeed's per-module hooks would still run their bookkeeping at every layer of
+        # every token (most of generation's time on the CPU): they are taken off for the duration and put back.
+        optimizer = getattr(model, "optimizer", None)
+        offload = getattr(optimizer, "parameter_offload", optimizer)
+        hooks = getattr(offload, "forward_hooks", None)
         with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-            yield unwrapped
+            if hooks is not None:
+                for hook in offload.forward_hooks + offload.backward_hooks:
+                    hook.remove()
+                offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield unwrapped
+            finally:
+                if hooks is not None:
+                    offload._register_deepspeed_module(offload.module)
     else:
         yield unwrapped
 
@@ -408,7 +431,7 @@ def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, k
         max_new_tokens=args.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad, eos_token_id=stop
     )
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    with whole_weights_for_generation(accelerator, model) as policy:
+    with whole_weights_for_generation(accelerator, model, args.gather_for_generation) as policy:
         was_training = policy.training
         policy.eval()
         output = policy.generate(

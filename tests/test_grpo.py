@@ -77,19 +77,26 @@ def grpo_fsdp_two_nodes(grpo_data):
     return out
 
 
+@pytest.fixture(scope="module")
+def grpo_fsdp_blockwise(grpo_data):
+    """FSDP2 on 2 processes generating with --gather_for_generation false: each block gathers at every token."""
+    return grpo(grpo_data, "fsdp-blockwise", "--gather_for_generation", "false", launcher=launcher("fsdp.yaml"))[1]
+
+
 def per_step(out, key: str) -> dict[int, float]:
     return {row["step"]: row[key] for row in read_metrics(out) if key in row}
 
 
 def test_the_same_rollouts_and_updates_on_1_process_2_processes_and_with_accumulation(
-    grpo_one, grpo_accumulated, grpo_ddp, grpo_fsdp_two_nodes, grpo_zero3
+    grpo_one, grpo_accumulated, grpo_ddp, grpo_fsdp_two_nodes, grpo_fsdp_blockwise, grpo_zero3
 ):
     """Keyed sampling gives every run the same completions (the same rewards, step by step), and the loss normalised
     over the global batch gives the same losses and adapter, however the batch is split or sharded."""
     reference_rewards, reference_losses = per_step(grpo_one, "train/reward"), per_step(grpo_one, "train/loss")
     adapter = load_file(str(grpo_one / ADAPTER))
     assert len(reference_losses) == 6
-    for out in (grpo_accumulated, grpo_ddp, grpo_fsdp_two_nodes, grpo_zero3):
+    sharded = (grpo_fsdp_two_nodes, grpo_fsdp_blockwise, grpo_zero3)
+    for out in (grpo_accumulated, grpo_ddp, *sharded):
         results = read_results(out)
         assert results["steps"] == 6 and results["global_batch_size"] == 8, out.name
         rewards, losses = per_step(out, "train/reward"), per_step(out, "train/loss")
@@ -98,11 +105,12 @@ def test_the_same_rollouts_and_updates_on_1_process_2_processes_and_with_accumul
         assert all(abs(losses[k] - reference_losses[k]) <= TOLERANCE for k in losses), (out.name, losses)
         other = load_file(str(out / ADAPTER))
         assert other.keys() == adapter.keys()
-        tolerance = SHARDED_WEIGHTS_TOLERANCE if out in (grpo_fsdp_two_nodes, grpo_zero3) else TOLERANCE
+        tolerance = SHARDED_WEIGHTS_TOLERANCE if out in sharded else TOLERANCE
         assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) <= tolerance, out.name
     assert (read_results(grpo_ddp)["world_size"], read_results(grpo_ddp)["distributed_type"]) == (2, "MULTI_CPU")
     assert read_results(grpo_fsdp_two_nodes)["num_machines"] == 2
     assert read_results(grpo_fsdp_two_nodes)["distributed_type"] == "FSDP"
+    assert read_results(grpo_fsdp_blockwise)["distributed_type"] == "FSDP"
     assert read_results(grpo_zero3)["distributed_type"] == "DEEPSPEED"
 
 

@@ -115,9 +115,12 @@ def test_grpo_targets_launch_the_grpo_recipe_and_grpo_cpu_defaults_to_the_offlin
     assert "accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line and "recipes/grpo.py" in line
     assert "accelerate_configs/deepspeed.yaml" in launch_line(make("-n", "grpo-deepspeed"))
     assert make("-n", "bench-grpo").stdout.splitlines()[-1].rstrip().endswith("benchmarks/grpo_bench.py run")
+    last = make("-n", "bench-grpo-generation").stdout.splitlines()[-1].rstrip()
+    assert last.endswith("benchmarks/grpo_bench.py generation")
     out = make("help").stdout
     for target in ("grpo-cpu", "grpo-1gpu", "grpo-2node", "grpo-hostfile", "grpo-fsdp", "grpo-deepspeed", "bench-grpo"):
         assert f"  {target} " in out
+    assert "  bench-grpo-generation " in out
 
 
 def test_sharded_targets_pick_their_config_and_gpu_count():
