@@ -148,7 +148,8 @@ class GrpoFlags(TrainingFlags):
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
         gather_for_generation: under FSDP2 or ZeRO-3, gather the whole model once per generation (each GPU then
             holds the full weights while it generates); false: gather block by block at every generated token, as
-            the training passes do (for a model whose full weights do not fit one GPU; many times slower).
+            the training passes do (for a model whose full weights do not fit one GPU; slower: 2.9x under FSDP2 in
+            make bench-grpo-generation).
         attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_every: also evaluate every N optimizer steps (0: at each epoch's end only).
