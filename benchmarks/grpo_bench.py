@@ -327,9 +327,10 @@ def generation(
 
     configs = {"fsdp": "fsdp.yaml", "zero3": "deepspeed.yaml"}
     names = [name.strip() for name in str(setups).split(",") if name.strip()]
+    known = generation_setups(configs)
     for name in names:
-        if name.rpartition("-")[0] not in configs or name.rpartition("-")[2] not in ("once", "blockwise"):
-            sys.exit(f"error: unknown setup {name!r}; choose from {', '.join(generation_setups(configs))}")
+        if name not in known:
+            sys.exit(f"error: unknown setup {name!r}; choose from {', '.join(known)}")
     out = Path(output_dir)
     folder = write_data(str(out / "data"), train_size=batch_size * max_steps, validation_size=batch_size)
     weights = str(converted_model(model_dir, timeout).resolve())
@@ -375,21 +376,28 @@ def generation(
         f"SmolLM2-135M-Instruct, LoRA r={lora_r}, {processes} processes, {max_steps} steps of {batch_size} prompts x "
         f"{num_generations} completions of up to {max_new_tokens} tokens; {where}"
     )
-    md = [f"# GRPO generation under sharding\n\n{title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * 5]
-    md += ["| " + " | ".join(row) + " |" for row in rows]
-    md += [""] + [f"- {key}: {value:.2f}" for key, value in ratios.items()]
-    md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), "", "Commands:", ""]
-    md += [f"    # {name}\n    {command}" for name, command in commands.items()]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    bullets = [f"- {key}: {value:.2f}" for key, value in ratios.items()]
     summary = dict(benchmark="grpo_generation_sharded", machine=where, versions=versions(), runs=runs, ratios=ratios)
+    md = markdown_report("GRPO generation under sharding", title, header, rows, bullets, summary["versions"], commands)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(md)
     (out / "report.json").write_text(json.dumps(dict(summary, commands=commands), indent=2, default=str) + "\n")
-    print("\n".join(md[:-1]))
+    print(md.partition("\nVersions: ")[0])
     print(f"report in {out / 'report.md'} and {out / 'report.json'}")
 
 
 def figure(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_report(heading: str, title: str, header: list, rows: list, bullets: list, versions: dict, commands: dict):
+    """report.md: the table, what to read from it, the versions and every step's command."""
+    md = [f"# {heading}\n\n{title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    md += [""] + bullets
+    md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "", "Commands:", ""]
+    md += [f"    # {name}\n    {command}" for name, command in commands.items()]
+    return "\n".join(md) + "\n"
 
 
 def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
@@ -443,13 +451,11 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
         "commands": commands,
     }
     (out / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    md = [f"# GRPO benchmark\n\n{title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    md += ["| " + " | ".join(row) + " |" for row in rows]
-    md += [""] + [f"- {key}: {value:.2f}" for key, value in ratios.items()]
-    md += [f"- 1-minute load average before / after each step: {loads}"]
-    md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), "", "Commands:", ""]
-    md += [f"    # {name}\n    {command}" for name, command in commands.items()]
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    bullets = [f"- {key}: {value:.2f}" for key, value in ratios.items()]
+    bullets += [f"- 1-minute load average before / after each step: {loads}"]
+    (out / "report.md").write_text(
+        markdown_report("GRPO benchmark", title, header, rows, bullets, summary["versions"], commands)
+    )
     print(f"report in {out / 'report.md'} and {out / 'report.json'}")
 
 

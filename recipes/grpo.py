@@ -403,16 +403,16 @@ def whole_weights_for_generation(accelerator, model, gather_once: bool = True):
         # every token (most of generation's time on the CPU): they are taken off for the duration and put back.
         optimizer = getattr(model, "optimizer", None)
         offload = getattr(optimizer, "parameter_offload", optimizer)
-        hooks = getattr(offload, "forward_hooks", None)
+        detach_hooks = hasattr(offload, "forward_hooks")
         with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-            if hooks is not None:
+            if detach_hooks:
                 for hook in offload.forward_hooks + offload.backward_hooks:
                     hook.remove()
                 offload.forward_hooks, offload.backward_hooks = [], []
             try:
                 yield unwrapped
             finally:
-                if hooks is not None:
+                if detach_hooks:
                     offload._register_deepspeed_module(offload.module)
     else:
         yield unwrapped
