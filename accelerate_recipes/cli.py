@@ -331,6 +331,14 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def _print_line(line: str) -> None:
+    """`line` and its newline to stderr in one write. The processes of a run that fail together print at the same
+    moment into one stream; print() writes the newline separately when stderr is unbuffered (PYTHONUNBUFFERED, python
+    -u), and another process's line landing between the two would fuse both lines into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 # A program that runs a recipe in its own process and goes on after it (an audit, a notebook) sets this to False.
 EXIT_WHEN_DONE = True
 
@@ -458,10 +466,10 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
         _close_progress_bars()
         rank = os.environ.get("RANK", "0")
         prefix = "error" if rank == "0" else f"error (rank {rank})"
-        print(f"{prefix}: {err}", file=sys.stderr, flush=True)
+        _print_line(f"{prefix}: {err}")
         sys.exit(2)
     except Preempted as stop:
         _close_progress_bars()
         if os.environ.get("RANK", "0") == "0":
-            print(f"stopped: {stop}", file=sys.stderr, flush=True)
+            _print_line(f"stopped: {stop}")
         sys.exit(PREEMPTED_EXIT_CODE)

@@ -79,8 +79,8 @@ def trl(
     batch_size: int = 8,
     num_generations: int = 4,
     max_new_tokens: int = 32,
-    max_steps: int = 16,
-    lr: float = 5e-5,
+    max_steps: int = 32,
+    lr: float = 1e-4,
     lora_r: int = 16,
     lora_alpha: int = 32,
     temperature: float = 1.0,
@@ -189,41 +189,44 @@ def trl(
 def run(
     train_size: int = 256,
     validation_size: int = 64,
-    batch_size: int = 8,
+    batch_size: int = 4,
     num_generations: int = 4,
     max_new_tokens: int = 32,
-    max_steps: int = 16,
-    lr: float = 5e-5,
+    max_steps: int = 32,
+    lr: float = 1e-4,
     lora_r: int = 16,
     lora_alpha: int = 32,
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
-    seed: int = 42,
-    setups: str = "base,ours-1,ours-2,trl-1",
+    eval_num_samples: int = 4,
+    seeds: str = "1,2",
+    setups: str = "base,ours-1,trl-1",
     data_dir: str = DATA_DIR,
     model_dir: str = MODEL_DIR,
     output_dir: str = "outputs/bench-grpo",
     timeout: int = 3600,
 ):
-    """Run the setups, print the table, and write OUTPUT_DIR/report.json and report.md.
+    """Run the setups once per seed, print the table, and write OUTPUT_DIR/report.json and report.md.
 
     Args:
         train_size: training prompts written (max_steps x batch_size of them are used).
-        validation_size: held-out prompts, all answered greedily before and after.
+        validation_size: held-out prompts, all answered greedily and sampled --eval_num_samples times, before and
+            after.
         batch_size: prompts per optimizer step (global), the same for every setup.
         num_generations: completions sampled per prompt.
         max_new_tokens: longest completion, in training and evaluation.
         max_steps: optimizer steps of every trainer.
-        lr: peak AdamW learning rate (no warm-up, linear decay to zero).
+        lr: peak AdamW learning rate (no warm-up, linear decay to zero); the recipe's LoRA default.
         lora_r: LoRA rank (every linear layer of the blocks).
         lora_alpha: LoRA scale numerator.
-        temperature: sampling temperature of the rollouts.
+        temperature: sampling temperature of the rollouts and of the sampled evaluation.
         max_grad_norm: gradient clipping norm.
-        seed: seed of both trainers.
+        eval_num_samples: completions sampled per held-out prompt at evaluation (sampled reward, pass@1, pass@k).
+        seeds: comma-separated seeds; every trained setup runs once per seed (the spread between seeds is reported).
         setups: comma-separated, from base, ours-1, ours-2 (ours-N) and trl-1.
         data_dir: where the task's JSONL files are written.
         model_dir: the converted model's folder (converted from the GGUF file once, reused after).
-        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to OUTPUT_DIR/report.{json,md}.
+        output_dir: each run goes to OUTPUT_DIR/<setup>-s<seed>; the report to OUTPUT_DIR/report.{json,md}.
         timeout: seconds each step may take before the benchmark stops.
     """
     from accelerate_recipes.launch import usable_cores
@@ -232,6 +235,9 @@ def run(
     for name in names:
         if name not in ("base", "trl-1") and not (name.startswith("ours-") and name[5:].isdigit()):
             sys.exit(f"error: unknown setup {name!r}; choose from base, ours-1, ours-2 (ours-N) and trl-1")
+    seed_list = [int(seed) for seed in str(seeds).replace(" ", "").split(",") if seed]
+    if not seed_list:
+        sys.exit("error: --seeds names no seed; give e.g. --seeds 1,2")
     folder = write_data(data_dir, train_size, validation_size)
     train_file, validation_file = str(folder / "train.jsonl"), str(folder / "validation.jsonl")
     weights = str(converted_model(model_dir, timeout).resolve())
@@ -240,55 +246,65 @@ def run(
     cores = usable_cores()
     data = ["--train_file", train_file, "--validation_file", validation_file, "--reward", "number"]
     shared = ["--batch_size", str(batch_size), "--num_generations", str(num_generations)]
-    shared += ["--max_new_tokens", str(max_new_tokens), "--seed", str(seed), "--mixed_precision", "no"]
+    shared += ["--max_new_tokens", str(max_new_tokens), "--mixed_precision", "no", "--temperature", str(temperature)]
     hyper = ["--lora_r", str(lora_r), "--lora_alpha", str(lora_alpha), "--max_steps", str(max_steps), "--lr", str(lr)]
-    hyper += ["--temperature", str(temperature), "--max_grad_norm", str(max_grad_norm)]
-    recipe_only = ["--tracker", "none", "--log_every", "1", "--checkpoint_every", "0"]
+    hyper += ["--max_grad_norm", str(max_grad_norm)]
+    # The trained models are all scored by evaluate_only below; the recipe's own end-of-run evaluation stays greedy.
+    recipe_only = ["--tracker", "none", "--log_every", "1", "--checkpoint_every", "0", "--eval_num_samples", "0"]
 
     def evaluate_only(name: str, model_path: str) -> tuple[dict, float, str]:
+        """The same evaluator for every model: the recipe's --eval_only, greedy and sampled (keyed by seed 0)."""
         target = out / name
         shutil.rmtree(target, ignore_errors=True)
         command, env = launch(1, cores)
         command += [str(RECIPE), "--eval_only", "--model", model_path, "--output_dir", str(target)]
-        command += data + shared + ["--tracker", "none"]
+        # 16 prompts per generate call whatever the training batch: the answers are the same, the calls fewer
+        scoring = ["--batch_size", "16", "--num_generations", str(num_generations), "--max_new_tokens"]
+        scoring += [str(max_new_tokens), "--mixed_precision", "no", "--temperature", str(temperature), "--seed", "0"]
+        command += data + scoring + ["--eval_num_samples", str(eval_num_samples), "--tracker", "none"]
         seconds = step(command, name, timeout, env)
         return json.loads((target / "results.json").read_text()), seconds, " ".join(command)
 
     runs, commands = {}, {}
-    for name in names:
-        load = os.getloadavg()[0]  # other work slows every setup it overlaps: a note for the report
-        if name == "base":
-            results, seconds, commands[name] = evaluate_only(name, weights)
-        else:
-            target = out / name
-            shutil.rmtree(target, ignore_errors=True)  # the recipe will not start over an earlier run's checkpoints
-            if name.startswith("ours-"):
-                processes = int(name[5:])
-                command, env = launch(processes, max(1, cores // processes))
-                command += [str(RECIPE), "--model", weights, "--output_dir", str(target)]
-                command += data + shared + hyper + recipe_only
-                trained_model = str(target)
+    started = time.perf_counter()
+    for seed in seed_list:
+        for name in names:
+            if name == "base" and "base" in runs:
+                continue  # the untuned model's scores do not depend on the training seed
+            load = os.getloadavg()[0]  # other work slows every setup it overlaps: a note for the report
+            key = "base" if name == "base" else f"{name}-s{seed}"
+            if name == "base":
+                results, seconds, commands[key] = evaluate_only(key, weights)
             else:
-                command, env = launch(1, cores)
-                command += [str(Path(__file__).resolve()), "trl", "--model", weights, "--output_dir", str(target)]
-                command += ["--train_file", train_file, "--batch_size", str(batch_size), "--seed", str(seed)]
-                command += ["--num_generations", str(num_generations), "--max_new_tokens", str(max_new_tokens)]
-                command += hyper
-                trained_model = str(target / "adapter")
-            seconds = step(command, name, timeout, env)
-            commands[name] = " ".join(command)
-            results = json.loads((target / "results.json").read_text())
-            # The same evaluator for every trained model: the recipe's --eval_only, greedy, every validation prompt.
-            scored, _, commands[f"{name}-eval"] = evaluate_only(f"{name}-eval", trained_model)
-            for key in ("eval_reward", "eval_accuracy", "eval_samples"):
-                results[key] = scored.get(key)
-        results["bench_wall_seconds"] = seconds
-        results["load_before"], results["load_after"] = load, os.getloadavg()[0]
-        runs[name] = results
+                target = out / key
+                shutil.rmtree(target, ignore_errors=True)  # the recipe will not start over an earlier run's checkpoints
+                if name.startswith("ours-"):
+                    processes = int(name[5:])
+                    command, env = launch(processes, max(1, cores // processes))
+                    command += [str(RECIPE), "--model", weights, "--output_dir", str(target), "--seed", str(seed)]
+                    command += data + shared + hyper + recipe_only
+                    trained_model = str(target)
+                else:
+                    command, env = launch(1, cores)
+                    command += [str(Path(__file__).resolve()), "trl", "--model", weights, "--output_dir", str(target)]
+                    command += ["--train_file", train_file, "--batch_size", str(batch_size), "--seed", str(seed)]
+                    command += ["--num_generations", str(num_generations), "--max_new_tokens", str(max_new_tokens)]
+                    command += ["--temperature", str(temperature)] + hyper
+                    trained_model = str(target / "adapter")
+                seconds = step(command, key, timeout, env)
+                commands[key] = " ".join(command)
+                results = json.loads((target / "results.json").read_text())
+                scored, _, commands[f"{key}-eval"] = evaluate_only(f"{key}-eval", trained_model)
+                results.update({k: v for k, v in scored.items() if k.startswith("eval_")})
+                results.update(setup=name, seed=seed)
+            results["bench_wall_seconds"] = seconds
+            results["load_before"], results["load_after"] = load, os.getloadavg()[0]
+            runs[key] = results
     settings = dict(train_size=train_size, validation_size=validation_size, batch_size=batch_size)
     settings.update(num_generations=num_generations, max_new_tokens=max_new_tokens, max_steps=max_steps, lr=lr)
     settings.update(lora_r=lora_r, lora_alpha=lora_alpha, temperature=temperature, max_grad_norm=max_grad_norm)
-    report(runs, commands, out, dict(settings, seed=seed))
+    settings.update(eval_num_samples=eval_num_samples, seeds=seed_list)
+    report(runs, commands, out, settings, time.perf_counter() - started)
 
 
 def generation_setups(configs: dict) -> list[str]:
@@ -400,44 +416,71 @@ def markdown_report(heading: str, title: str, header: list, rows: list, bullets:
     return "\n".join(md) + "\n"
 
 
-def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
-    """Print the table and write report.json and report.md."""
+EVAL_FIGURES = (  # (results.json key, column), as --eval_only writes them
+    ("eval_accuracy", "greedy accuracy"),
+    ("eval_sampled_reward", "sampled reward"),
+    ("eval_pass_at_1", "pass@1"),
+    ("eval_pass_at_k", "pass@k"),
+)
+
+
+def spread(values: list[float], digits: int) -> str:
+    """The mean of the seeds' figures, with their range when there are several: 0.52 (0.48-0.56)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = f"{sum(values) / len(values):.{digits}f}"
+    return mean if len(values) == 1 else f"{mean} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float = 0.0) -> None:
+    """Print the table (one row per setup, the seeds' mean and range; one per run below it) and write report.json
+    and report.md."""
     base = runs.get("base", {})
-    header = ["setup", "processes", "accuracy before", "accuracy after", "reward after", "generation tokens/s"]
-    header += ["train tokens/s", "wall s"]
-    rows = []
+    header = ["setup", "seeds", *[column for _, column in EVAL_FIGURES], "accuracy gain"]
+    header += ["generation tokens/s", "train tokens/s", "wall s"]
+    groups: dict[str, list[dict]] = {}
     for name, r in runs.items():
+        groups.setdefault(r.get("setup", name), []).append(r)
+
+    def row(name: str, group: list[dict]) -> list[str]:
         trained = name != "base"
-        rows.append(
-            [
-                name,
-                str(r.get("world_size", 1)),
-                figure(base.get("eval_accuracy"), 3),
-                figure(r.get("eval_accuracy"), 3) if trained else "-",
-                figure(r.get("eval_reward"), 3) if trained else "-",
-                figure(r.get("generation_tokens_per_second"), 1) if trained else "-",
-                figure(r.get("train_tokens_per_second"), 1) if trained else "-",
-                figure(r["bench_wall_seconds"], 0),
-            ]
-        )
+        gains = [r["eval_accuracy"] - base["eval_accuracy"] for r in group if trained and base and "eval_accuracy" in r]
+        return [
+            name,
+            ",".join(str(r["seed"]) for r in group) if trained else "-",
+            *[spread([r.get(key) for r in group], 3) for key, _ in EVAL_FIGURES],
+            spread(gains, 3) if trained else "-",
+            spread([r.get("generation_tokens_per_second") for r in group], 1) if trained else "-",
+            spread([r.get("train_tokens_per_second") for r in group], 1) if trained else "-",
+            spread([r["bench_wall_seconds"] for r in group], 0),
+        ]
+
+    rows = [row(name, group) for name, group in groups.items()]
+    per_run = [row(key, [r]) for key, r in runs.items() if key != "base"]
     ratios = {}
-    if "trl-1" in runs:
-        for name, r in runs.items():
+    if "trl-1" in groups:
+        trl = groups["trl-1"]
+        for name, group in groups.items():
             if name.startswith("ours-"):
                 for key in ("generation_tokens_per_second", "train_tokens_per_second"):
-                    if r.get(key) and runs["trl-1"].get(key):
-                        ratios[f"{name} / trl-1 {key}"] = r[key] / runs["trl-1"][key]
+                    ours = [r[key] for r in group if r.get(key)]
+                    theirs = [r[key] for r in trl if r.get(key)]
+                    if ours and theirs:
+                        ratios[f"{name} / trl-1 {key}"] = (sum(ours) / len(ours)) / (sum(theirs) / len(theirs))
     where = machine()
     title = (
         f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']}, generated arithmetic, "
         f"{settings['max_steps']} steps of {settings['batch_size']} prompts x {settings['num_generations']} "
-        f"completions of up to {settings['max_new_tokens']} tokens, lr {settings['lr']}, fp32, "
-        f"{settings['validation_size']} held-out prompts; {where}"
+        f"completions of up to {settings['max_new_tokens']} tokens, lr {settings['lr']}, temperature "
+        f"{settings['temperature']}, fp32, {settings['validation_size']} held-out prompts (greedy, and "
+        f"{settings['eval_num_samples']} samples each), seeds {settings['seeds']}; {where}"
     )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    widths = [max(len(h), *(len(r[i]) for r in rows + per_run)) for i, h in enumerate(header)]
     print("\n" + title)
-    print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
-    print("\n".join(" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows))
+    for table in (rows, per_run):
+        print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
+        print("\n".join(" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table))
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
     loads = ", ".join(f"{n} {r['load_before']:.1f} / {r['load_after']:.1f}" for n, r in runs.items())
@@ -448,10 +491,15 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
         "settings": settings,
         "runs": runs,
         "ratios": ratios,
+        "bench_seconds": seconds,
         "commands": commands,
     }
     (out / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    bullets = [f"- {key}: {value:.2f}" for key, value in ratios.items()]
+    bullets = ["- mean over the seeds (range); accuracy gain: greedy accuracy after minus the untuned model's", ""]
+    bullets += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    bullets += ["| " + " | ".join(r) + " |" for r in per_run] + [""]
+    bullets += [f"- {key}: {value:.2f}" for key, value in ratios.items()]
+    bullets += [f"- whole benchmark: {seconds / 60:.1f} min"]
     bullets += [f"- 1-minute load average before / after each step: {loads}"]
     (out / "report.md").write_text(
         markdown_report("GRPO benchmark", title, header, rows, bullets, summary["versions"], commands)

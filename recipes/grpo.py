@@ -52,7 +52,7 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
-from grpo_rewards import Rewards, check_columns, load_prompts
+from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_applied, mean_scored
 from sft import (  # the chat recipe's model loading and saving, and its --chat and --merge
     chat,
     is_adapter,
@@ -93,6 +93,10 @@ DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 SAMPLES_KEPT = 4  # completions per log step written to samples.jsonl and the tracker
+# Measured on make bench-grpo (README_grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen steps; 1e-6 is
+# TRL's default for whole models.
+DEFAULT_LORA_LR, DEFAULT_FULL_LR = 1e-4, 1e-6
+EVALUATION_EPOCH = -1  # the sampling keys of evaluations: the same at every evaluation, none of a training epoch
 
 
 @dataclass
@@ -129,8 +133,17 @@ class GrpoFlags(TrainingFlags):
         max_new_tokens: longest completion; also the longest answer of --predict and --chat.
         temperature: sampling temperature of the rollouts (the log-probabilities of the update use it too).
         top_p: nucleus sampling of the rollouts: sample among the most likely tokens whose probabilities sum to it.
-        beta: weight of the KL penalty against the reference policy (the model before this run: under LoRA the base
-            with the adapter switched off, in full fine-tunes a frozen copy); 0 (the default) loads no reference.
+        top_k: sample among the k most likely tokens only; 0: all of them.
+        min_p: sample among the tokens at least min_p times as likely as the likeliest; 0: all of them.
+        repetition_penalty: above 1, tokens the completion has already written are made less likely before the draw
+            (the prompt's tokens are not penalised). top_p, top_k, min_p and repetition_penalty shape the sampling
+            only: the update's log-probabilities are the whole softmax at --temperature, as in TRL, so with any of
+            them set the rollouts come from a policy slightly other than the one the update differentiates; the
+            defaults (all off) keep the two the same. Nothing else changes the rollouts: the model's own
+            generation_config (a repetition penalty, n-gram bans, ...) is not applied, in training nor evaluation.
+        beta: weight of the KL penalty against the reference policy, the policy this run starts from: under a fresh
+            LoRA adapter the base with the adapter switched off, under an adapter given in --model a frozen copy of
+            it, in full fine-tunes a frozen copy of the model; 0 (the default) loads no reference.
         epsilon: the ratio of new to old probability is clipped to [1 - epsilon, 1 + epsilon_high].
         epsilon_high: the upper clip; default --epsilon (DAPO's "clip higher" uses 0.28).
         num_iterations: optimizer steps taken on each batch of rollouts; 1 is on-policy (the ratio is 1).
@@ -153,11 +166,15 @@ class GrpoFlags(TrainingFlags):
         attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_every: also evaluate every N optimizer steps (0: at each epoch's end only).
+        eval_num_samples: at each evaluation, besides the greedy answer, sample this many completions of every
+            validation prompt at --temperature (with the same keys at every evaluation): their mean reward, pass@1
+            (the share of samples that are right) and pass@k (the share of prompts with a right one among them),
+            which move before greedy answers flip; 0: greedy only.
         cache_dir: cache of the `datasets` library.
         model: the policy to train: a Hub name or folder of a chat model, a .gguf file, or the chat recipe's output
             (an adapter or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For --eval_only, --predict, --chat
             and --merge: the trained model (default --output_dir).
-        lr: peak learning rate; default 1e-5 with --lora_r, 1e-6 for a full fine-tune.
+        lr: peak learning rate; default 1e-4 with --lora_r, 1e-6 for a full fine-tune (README_grpo.md: measured).
         seed: seed for LoRA's initial weights, the prompt order and the sampling keys.
         eval_only: evaluate --model greedily on the validation prompts (mean reward, accuracy) and write
             results.json to --output_dir; any number of processes, each prompt counted once.
@@ -179,6 +196,9 @@ class GrpoFlags(TrainingFlags):
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -195,6 +215,7 @@ class GrpoFlags(TrainingFlags):
     attn_implementation: str | None = None
     warmup_ratio: float = 0.0
     eval_every: int = 0
+    eval_num_samples: int = 4
     cache_dir: str | None = None
     chat: bool = False
     merge: str | None = None
@@ -217,6 +238,8 @@ def check_flags(args: GrpoFlags) -> None:
         raise RecipeError(f"--num_generations {args.num_generations}: a group needs 2 or more completions to compare")
     if args.num_iterations < 1 or args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise RecipeError("--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1")
+    if args.top_k < 0 or not 0 <= args.min_p < 1 or args.repetition_penalty <= 0 or args.eval_num_samples < 0:
+        raise RecipeError("--top_k and --eval_num_samples must be >= 0, 0 <= --min_p < 1, --repetition_penalty > 0")
     every = args.checkpoint_every
     if every and every % args.num_iterations:  # checkpoints between batches of rollouts, which a resume samples again
         args.checkpoint_every = -(-every // args.num_iterations) * args.num_iterations
@@ -285,11 +308,23 @@ def build_policy(args: GrpoFlags, model_name: str, mixed_precision: str):
     return model
 
 
-def reference_policy(args: GrpoFlags, accelerator, model):
-    """The policy the KL term holds the model near: None with --beta 0; under LoRA the base itself (the adapter is
-    switched off for it, no second copy); in a full fine-tune a frozen copy of the starting weights."""
-    if not args.beta or args.lora_r:
+REFERENCE_ADAPTER = "reference"  # under an adapter given in --model: its frozen copy, beside the trained one
+BASE = "base"  # under a fresh adapter: the base model itself, the adapter switched off
+
+
+def reference_policy(args: GrpoFlags, accelerator, model, model_name: str):
+    """The policy the KL term holds the model near, the one this run starts from: None with --beta 0; under a fresh
+    LoRA adapter (whose update starts at zero) the base itself, no second copy; under an adapter given in --model a
+    frozen copy of that adapter, loaded beside it in the same peft model (a few MB); in a full fine-tune a frozen
+    copy of the starting weights. Called before prepare, so that sharding treats a second adapter as the first."""
+    if not args.beta:
         return None
+    if args.lora_r:
+        if not is_adapter(model_name):
+            return BASE
+        model.load_adapter(model_name, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        model.set_adapter("default")  # the trained one stays active (and the only one with gradients)
+        return REFERENCE_ADAPTER
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise RecipeError(
             "--beta with a full fine-tune needs a second, frozen copy of the model, which this recipe does not shard; "
@@ -329,23 +364,43 @@ def hashed_uniform(keys: torch.Tensor, position: int) -> torch.Tensor:
 
 class KeyedSampling(LogitsProcessor):
     """Sampling through greedy decoding: each row draws its token from the softmax of logits / temperature by the
-    inverse of its cumulative distribution at a uniform number that comes from the row's key and position, not from
-    the global RNG; the returned scores put the drawn token first (0) and every other at -inf."""
+    inverse of its cumulative distribution at a uniform number that comes from the row's key and the token's position
+    within the completion (never the padded prompt's width, which depends on the other prompts of the batch), not
+    from the global RNG; the returned scores put the drawn token first (0) and every other at -inf.
 
-    def __init__(self, keys: torch.Tensor, temperature: float, top_p: float):
-        self.keys, self.temperature, self.top_p = keys, temperature, top_p
+    Before the draw, optionally: --repetition_penalty on the tokens the completion has already written (not the
+    prompt's), then --top_k, --top_p and --min_p restrict the tokens drawn from."""
+
+    def __init__(self, keys: torch.Tensor, prompt_width: int, args):
+        self.keys, self.prompt_width, self.temperature = keys, prompt_width, args.temperature
+        self.top_p, self.top_k, self.min_p = args.top_p, args.top_k, args.min_p
+        self.repetition_penalty = args.repetition_penalty
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
+        scores = scores.float()
+        written = input_ids[:, self.prompt_width :]
+        if self.repetition_penalty != 1.0 and written.shape[1]:
+            seen = scores.gather(-1, written)  # CTRL's penalty, as transformers applies it, on the completion only
+            penalised = torch.where(seen > 0, seen / self.repetition_penalty, seen * self.repetition_penalty)
+            scores = scores.scatter(-1, written, penalised)
+        scores = scores / self.temperature
+        if self.top_k and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
         if self.top_p < 1.0:
             ordered, order = scores.sort(dim=-1, descending=True)
             probabilities = ordered.softmax(dim=-1)
             above = probabilities.cumsum(dim=-1) - probabilities  # the mass of the likelier tokens
             outside = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, above > self.top_p)
             scores = scores.masked_fill(outside, -math.inf)
+        if self.min_p:
+            probabilities = scores.softmax(dim=-1)
+            floor = self.min_p * probabilities.max(dim=-1, keepdim=True).values
+            scores = scores.masked_fill(probabilities < floor, -math.inf)
         cumulative = scores.softmax(dim=-1).cumsum(dim=-1)
         # scaled by the row's total so that float rounding of the sum never leaves a draw past the last token
-        target = hashed_uniform(self.keys, input_ids.shape[1])[:, None] * cumulative[:, -1:]
+        position = input_ids.shape[1] - self.prompt_width  # 0 for the completion's first token
+        target = hashed_uniform(self.keys, position)[:, None] * cumulative[:, -1:]
         drawn = torch.searchsorted(cumulative, target).clamp(max=scores.shape[-1] - 1)
         return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
 
@@ -418,6 +473,32 @@ def whole_weights_for_generation(accelerator, model, gather_once: bool = True):
         yield unwrapped
 
 
+@contextlib.contextmanager
+def generation_options_of_our_own(policy, max_new_tokens: int, pad: int, stop: list[int]):
+    """Greedy decoding with the KV cache and nothing else, whatever the model's own generation_config holds:
+    transformers fills every option a GenerationConfig leaves unset from the model's (Qwen2.5-Instruct's repetition
+    penalty, n-gram bans, suppressed tokens), and rollouts would then follow a policy other than the one whose
+    log-probabilities the update uses. For the duration, the model's own is replaced by ours, whose unset options
+    fall back to transformers' neutral defaults. Sampling, when asked for, is KeyedSampling's alone."""
+    inner = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        use_cache=True,
+        pad_token_id=pad,
+        eos_token_id=stop,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+    )
+    own = inner.generation_config
+    inner.generation_config = config
+    try:
+        yield config
+    finally:
+        inner.generation_config = own
+
+
 @torch.no_grad()
 def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> dict:
     """Completions of left-padded prompts through `generate` with the KV cache: sampled with keyed noise when `keys`
@@ -428,20 +509,18 @@ def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, k
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
     stop = eos_ids(accelerator.unwrap_model(model), tokenizer)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=pad, eos_token_id=stop
-    )
     sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    with whole_weights_for_generation(accelerator, model, args.gather_for_generation) as policy:
+    with (
+        whole_weights_for_generation(accelerator, model, args.gather_for_generation) as policy,
+        generation_options_of_our_own(policy, args.max_new_tokens, pad, stop) as config,
+    ):
         was_training = policy.training
         policy.eval()
         output = policy.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
-            logits_processor=LogitsProcessorList([KeyedSampling(keys, args.temperature, args.top_p)])
-            if keys is not None
-            else None,
+            logits_processor=LogitsProcessorList([KeyedSampling(keys, width, args)]) if keys is not None else None,
             # sharded: every process keeps stepping until all are done, as their forward passes are collective
             synced_gpus=sharded and accelerator.num_processes > 1,
         )
@@ -472,33 +551,61 @@ def roll_out(accelerator, model, tokenizer, rows: list[dict], indices: torch.Ten
     return rollout
 
 
+def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated: list[bool], ids=None) -> tuple:
+    """(per function: one value or None per completion, the weighted totals) of completions of `rows`' prompts."""
+    columns = dict(reward_columns(rows), truncated=truncated)
+    if ids is not None:
+        columns["completion_ids"] = ids
+    per_function = rewards.score([row["prompt"] for row in rows], texts, columns)
+    return per_function, rewards.total(per_function)
+
+
 def score(rewards: Rewards, rows: list[dict], rollout: dict, generations: int) -> None:
     """The rewards of a micro-batch's completions, per function and weighted, into `rollout` (host lists)."""
     picked = [rows[i] for i in rollout["indices"] for _ in range(generations)]
-    columns = dict(reward_columns(picked), truncated=rollout["truncated"].tolist())
-    per_function = rewards.score([row["prompt"] for row in picked], rollout["texts"], columns)
-    rollout.update(per_function=per_function, rewards=rewards.total(per_function))
+    ids = [row[:n] for row, n in zip(rollout["completion"].tolist(), rollout["mask"].sum(dim=1).tolist())]
+    per_function, totals = score_texts(rewards, picked, rollout["texts"], rollout["truncated"].tolist(), ids)
+    rollout.update(per_function=per_function, rewards=totals)
+
+
+def nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """The sample standard deviation of the values that are not NaN (0 with fewer than two)."""
+    seen = ~values.isnan()
+    count = seen.sum(dim=dim, keepdim=True) if dim is not None else seen.sum()
+    mean = values.nansum(dim=dim, keepdim=True) / count.clamp(min=1) if dim is not None else values.nanmean()
+    squares = torch.where(seen, (values - mean) ** 2, 0.0).sum(dim=dim, keepdim=True if dim is not None else False)
+    std = (squares / (count - 1).clamp(min=1)).sqrt()
+    return std if keepdim or dim is None else std.squeeze(dim)
 
 
 def advantages(accelerator, rollouts: list[dict], generations: int, scale: str) -> dict:
     """Group-relative advantages of a step's rollouts, computed from every process's rewards (gathered: a group is
-    whole on one process, the batch's spread needs them all). Returns the step's figures for the log."""
+    whole on one process, the batch's spread needs them all). A completion no reward applied to (NaN) is left out
+    of its group's mean and spread and gets no advantage, as in TRL. Returns the step's figures for the log."""
     device = accelerator.device
     mine = torch.tensor([r for rollout in rollouts for r in rollout["rewards"]], device=device, dtype=torch.float64)
     everyone = accelerator.gather(mine).view(-1, generations)  # every group of the global batch
-    std = everyone.std(dim=1, keepdim=True)
+    std = nan_std(everyone, dim=1)
+    scored = everyone.nan_to_num(nan=0.0)
+    highest = torch.where(everyone.isnan(), -math.inf, scored).amax(dim=1)
+    lowest = torch.where(everyone.isnan(), math.inf, scored).amin(dim=1)
+    flat = (highest <= lowest).double()  # all equal: no advantage, no gradient
     own = mine.view(-1, generations)
-    centred = own - own.mean(dim=1, keepdim=True)
+    centred = own - own.nanmean(dim=1, keepdim=True)
     if scale == "group":
-        centred = centred / (own.std(dim=1, keepdim=True) + 1e-4)
+        centred = centred / (nan_std(own, dim=1, keepdim=True) + 1e-4)
     elif scale == "batch":
-        centred = centred / (everyone.std() + 1e-4)
+        centred = centred / (nan_std(everyone) + 1e-4)
+    centred = centred.nan_to_num(nan=0.0)
     start = 0
     for rollout in rollouts:
         rows = len(rollout["rewards"])
         rollout["advantages"] = centred.reshape(-1)[start : start + rows].float()
         start += rows
-    return {"reward_std_in_group": std.mean().item(), "zero_signal_groups": (std.squeeze(1) == 0).float().mean().item()}
+    # reward_std as TRL logs it (the whole global batch's spread), beside the spread within groups, which is what
+    # group-scaled advantages see; frac_reward_zero_std: the share of groups that teach nothing this step
+    figures = torch.stack([nan_std(everyone), std.mean(), flat.mean()]).tolist()
+    return dict(zip(("reward_std", "reward_std_in_group", "frac_reward_zero_std"), figures))
 
 
 # ----------------------------------------------------------------------------------------------------------- loss
@@ -526,7 +633,9 @@ def policy_loss(logprobs, rollout: dict, args, reference_logprobs) -> tuple:
     if reference_logprobs is not None:
         delta = reference_logprobs - logprobs
         per_token_kl = torch.exp(delta) - delta - 1  # k3: unbiased, never negative
-        per_token = per_token + args.beta * per_token_kl
+        # x the ratio (1 on-policy, not in gradient): the samples come from the policy itself, and only then is the
+        # gradient that of the KL divergence (as TRL's default use_bias_correction_kl)
+        per_token = per_token + args.beta * ratio * per_token_kl
         kl = (per_token_kl * mask).sum() / mask.sum().clamp(min=1)
     normaliser = rollout["normaliser"]  # the same on every process (loss_normaliser)
     if args.loss_type == "grpo":
@@ -550,12 +659,22 @@ def loss_normaliser(accelerator, rollouts: list[dict], args):
 
 @torch.no_grad()
 def reference_token_logprobs(model, reference, rollout: dict, args, accelerator):
-    """The reference policy's log-probabilities of the completion tokens; None with --beta 0."""
-    if not args.beta:
+    """The reference policy's log-probabilities of the completion tokens (see reference_policy); None with --beta 0.
+    Computed once per batch of rollouts, before its first update."""
+    if reference is None:
         return None
-    if reference is None:  # LoRA: the base model is the adapter switched off
-        with accelerator.unwrap_model(model).disable_adapter():
+    unwrapped = accelerator.unwrap_model(model)
+    if reference == BASE:
+        with unwrapped.disable_adapter():
             return token_logprobs(model, rollout, args.temperature)
+    if reference == REFERENCE_ADAPTER:
+        # peft runs one adapter at a time; setting the trained one back also restores its gradients (and keeps the
+        # reference's off)
+        unwrapped.set_adapter(REFERENCE_ADAPTER)
+        try:
+            return token_logprobs(model, rollout, args.temperature)
+        finally:
+            unwrapped.set_adapter("default")
     with accelerator.autocast():
         return token_logprobs(reference, rollout, args.temperature)
 
@@ -563,30 +682,51 @@ def reference_token_logprobs(model, reference, rollout: dict, args, accelerator)
 # -------------------------------------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, args, batch: int) -> tuple:
-    """Greedy answers to every validation prompt, scored: ({eval_reward, eval_accuracy, eval_*reward*}, samples).
-    Each process answers its share in the same number of batches (a sharded model generates in step)."""
+    """Every validation prompt answered greedily and, with --eval_num_samples k, sampled k times at --temperature
+    (keyed by the seed alone: the same draws at every evaluation, so two evaluations differ by the model only),
+    scored: ({eval_reward, eval_accuracy, eval_*reward*, eval_sampled_reward, eval_pass_at_1, eval_pass_at_k},
+    greedy samples). Each process answers its share in the same number of batches (a sharded model generates in
+    step); the prompts repeated to even the shares out are counted once."""
     indices = list(range(len(rows)))
     share = math.ceil(len(indices) / accelerator.num_processes)
     share = math.ceil(share / batch) * batch
     padded = indices + indices[-1:] * (share * accelerator.num_processes - len(indices))  # equal shares; dropped later
-    answers = []
+    k = args.eval_num_samples
+    per_call = max(1, batch // k) if k else batch  # prompts per sampled batch: k rows each
+    greedy, sampled = [], []
     with accelerator.split_between_processes(padded) as mine:
         for start in range(0, len(mine), batch):
             chunk = mine[start : start + batch]
             rollout = generate(accelerator, model, tokenizer, [rows[i]["prompt_ids"] for i in chunk], args)
-            answers += list(zip(chunk, completion_texts(tokenizer, rollout), rollout["truncated"].tolist()))
-    answers = sorted(dict((i, (text, cut)) for i, text, cut in gather_object(answers)).items())
-    picked = [rows[i] for i, _ in answers]
-    texts = [text for _, (text, _) in answers]
-    columns = dict(reward_columns(picked), truncated=[cut for _, (_, cut) in answers])
-    per_function = rewards.score([row["prompt"] for row in picked], texts, columns)
-    totals = rewards.total(per_function)
+            greedy += list(zip(chunk, completion_texts(tokenizer, rollout), rollout["truncated"].tolist()))
+            for first in range(0, len(chunk) * bool(k), per_call):
+                prompts = chunk[first : first + per_call]
+                keys = sampling_keys(args.seed, EVALUATION_EPOCH, torch.tensor(prompts, device=accelerator.device), k)
+                ids = [rows[i]["prompt_ids"] for i in prompts for _ in range(k)]
+                rollout = generate(accelerator, model, tokenizer, ids, args, keys)
+                rows_of = [(i, j) for i in prompts for j in range(k)]
+                sampled += list(zip(rows_of, completion_texts(tokenizer, rollout), rollout["truncated"].tolist()))
+    greedy = sorted(dict((i, (text, cut)) for i, text, cut in gather_object(greedy)).items())
+    picked = [rows[i] for i, _ in greedy]
+    texts = [text for _, (text, _) in greedy]
+    per_function, totals = score_texts(rewards, picked, texts, [cut for _, (_, cut) in greedy])
     scores = {
-        "eval_reward": sum(totals) / len(totals),
-        "eval_accuracy": sum(v >= 1.0 for v in per_function[0]) / len(totals),
-        **{f"eval_reward_{n}": sum(v) / len(v) for n, v in zip(rewards.names, per_function)},
+        "eval_reward": mean_scored(totals),
+        "eval_accuracy": sum(map(is_correct, per_function[0])) / len(totals),
+        **{f"eval_reward_{n}": mean_applied(v) for n, v in zip(rewards.names, per_function)},
         "eval_samples": len(totals),
     }
+    if k:
+        sampled = sorted(dict((key, (text, cut)) for key, text, cut in gather_object(sampled)).items())
+        sampled_texts, cuts = [text for _, (text, _) in sampled], [cut for _, (_, cut) in sampled]
+        sampled_rows = [rows[i] for (i, _), _ in sampled]
+        sampled_functions, sampled_totals = score_texts(rewards, sampled_rows, sampled_texts, cuts)
+        right = [is_correct(v) for v in sampled_functions[0]]  # prompt-major: k in a row per prompt
+        scores.update(
+            eval_sampled_reward=mean_scored(sampled_totals),
+            eval_pass_at_1=sum(right) / len(right),  # the unbiased estimate of pass@1 from k samples
+            eval_pass_at_k=sum(any(right[i : i + k]) for i in range(0, len(right), k)) / (len(right) // k),
+        )
     samples = [
         {
             "prompt": str(row["messages"][-1]["content"]),
@@ -600,7 +740,9 @@ def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, 
 
 
 # ---------------------------------------------------------------------------------------------------------- train
-def rollout_steps(batches, limit: int, accelerator, model, tokenizer, rows, rewards: Rewards, epoch: int, args, speed):
+def rollout_steps(
+    batches, limit: int, accelerator, model, reference, tokenizer, rows, rewards: Rewards, epoch: int, args, speed
+):
     """The micro-batches of whole optimizer steps, each a rollout ready for the update, --num_iterations times over.
 
     A step's rollouts are all generated, scored and given their advantages before its first forward pass: the
@@ -628,6 +770,8 @@ def rollout_steps(batches, limit: int, accelerator, model, tokenizer, rows, rewa
             if args.num_iterations > 1:  # the policy that sampled, for the ratios of the later updates
                 with torch.no_grad():
                     rollout["old_logprobs"] = token_logprobs(model, rollout, args.temperature)
+            # once per batch of rollouts, whatever --num_iterations and the accumulation
+            rollout["reference_logprobs"] = reference_token_logprobs(model, reference, rollout, args, accelerator)
         speed.generated(sum(int(r["mask"].sum()) for r in rollouts), sum(r["generation_seconds"] for r in rollouts))
         for _ in range(args.num_iterations):
             yield from rollouts
@@ -639,7 +783,7 @@ def train(args: GrpoFlags) -> None:
     started = time.perf_counter()
     check_flags(args)
     output, model_name = Path(args.output_dir), args.model or DEFAULT_MODEL
-    lr = args.lr or (1e-5 if args.lora_r else 1e-6)
+    lr = args.lr or (DEFAULT_LORA_LR if args.lora_r else DEFAULT_FULL_LR)
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
@@ -680,7 +824,7 @@ def train(args: GrpoFlags) -> None:
 
     # ---- model, reference policy and optimizer: AdamW on the trainable weights, weight decay on matrices only
     model = build_policy(args, model_name, accelerator.mixed_precision)
-    reference = reference_policy(args, accelerator, model)
+    reference = reference_policy(args, accelerator, model, model_name)
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay, no_decay = [p for p in trainable if p.ndim > 1], [p for p in trainable if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -760,15 +904,14 @@ def train(args: GrpoFlags) -> None:
         # Skip the prompts the interrupted run had trained on in this epoch (a loader batch per num_iterations).
         done = state.batches_done // args.num_iterations
         batches = accelerator.skip_first_batches(train_loader, done) if done else train_loader
-        limit, models = rollouts_per_epoch * accumulation - done, (accelerator, model, tokenizer)
+        limit, models = rollouts_per_epoch * accumulation - done, (accelerator, model, reference, tokenizer)
         batches = rollout_steps(batches, limit, *models, train_rows, rewards, state.epoch, args, speed)
         for rollout in batches:
             state.batches_done += 1
             speed.update_started()
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
-                reference_logprobs = reference_token_logprobs(model, reference, rollout, args, accelerator)
                 logprobs = token_logprobs(model, rollout, args.temperature)
-                loss, clip_fraction, kl = policy_loss(logprobs, rollout, args, reference_logprobs)
+                loss, clip_fraction, kl = policy_loss(logprobs, rollout, args, rollout["reference_logprobs"])
                 # This micro-batch's share of the global batch's loss; x world x accumulation undoes the means that
                 # DDP and accelerator.backward take, so the gradient is that of the global batch's loss.
                 loss = loss * world * accumulation
@@ -780,8 +923,8 @@ def train(args: GrpoFlags) -> None:
                     if not guard.skip_update(state.step + 1):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            rewarded = rollout["figures"]  # in the order of `figures`: loss, reward figures, clip fraction, kl, ...
-            values = [loss.detach()[None], rewarded[:6], torch.stack([clip_fraction, kl]), rewarded[6:]]
+            rewarded, n = rollout["figures"], len(REWARD_FIGURES)  # in the order of figure_names
+            values = [loss.detach()[None], rewarded[:n], torch.stack([clip_fraction, kl]), rewarded[n:]]
             state.add(torch.cat([v.to(loss.device) for v in values]), samples=len(rollout["indices"]))
             speed.trained(rollout["tokens"])
             if not accelerator.sync_gradients:
@@ -869,28 +1012,34 @@ def settings(args: GrpoFlags, model_name: str, lr: float, model, rewards: Reward
     )
 
 
+# What rollout_steps computes of each micro-batch's rewards, in the order of reward_figures.
+REWARD_FIGURES = ("reward", "reward_std", "reward_std_in_group", "frac_reward_zero_std", "accuracy", "solved")
+REWARD_FIGURES += ("completion_length", "truncated")
+
+
 def figure_names(rewards: Rewards) -> tuple[str, ...]:
     """What each update logs as train/<name>, averaged over micro-batches and processes between log steps."""
-    names = ["loss", "reward", "reward_std", "accuracy", "solved", "completion_length", "truncated"]
-    return (*names, "clip_fraction", "kl", *[f"reward_{name}" for name in rewards.names])
+    return ("loss", *REWARD_FIGURES, "clip_fraction", "kl", *[f"reward_{name}" for name in rewards.names])
 
 
 def reward_figures(rollout: dict, spread: dict) -> list[float]:
-    """A micro-batch's reward, reward_std, accuracy, solved, completion_length, truncated and per-reward means."""
+    """A micro-batch's REWARD_FIGURES, then each reward's mean (over the completions it applies to)."""
     rewards, first = rollout["rewards"], rollout["per_function"][0]
     generations = len(rewards) // len(rollout["indices"])
-    correct = [v >= 1.0 for v in first]
+    correct = [is_correct(v) for v in first]
     solved = [any(correct[i : i + generations]) for i in range(0, len(correct), generations)]
     lengths = rollout["mask"].sum(dim=1).tolist()
     return torch.tensor(
         [
-            sum(rewards) / len(rewards),
+            mean_scored(rewards),
+            spread["reward_std"],
             spread["reward_std_in_group"],
+            spread["frac_reward_zero_std"],
             sum(correct) / len(correct),
             sum(solved) / len(solved),
             sum(lengths) / len(lengths),
             sum(rollout["truncated"].tolist()) / len(lengths),
-            *[sum(v) / len(v) for v in rollout["per_function"]],
+            *[mean_applied(v) for v in rollout["per_function"]],
         ]
     )
 
@@ -950,13 +1099,14 @@ def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: dic
 
 
 def scores_line(evaluation: dict) -> str:
-    keys = ("eval_reward", "eval_accuracy")
+    keys = ("eval_reward", "eval_accuracy", "eval_sampled_reward", "eval_pass_at_1", "eval_pass_at_k")
     return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
 
 
 def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
-    keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "best_metric", "best_step"]
+    keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "eval_sampled_reward"]
+    keys += ["eval_pass_at_1", "eval_pass_at_k", "best_metric", "best_step"]
     keys += ["generation_tokens_per_second", "train_tokens_per_second", "peak_memory_mb", "wall_seconds"]
     print_summary(results, keys, title="GRPO: summary")
     what = "adapter" if results["method"] == "lora" else "model"

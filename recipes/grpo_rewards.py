@@ -3,8 +3,11 @@ prompts they score.
 
 A reward function takes `(prompts, completions, **columns)` and returns one float per completion, as TRL's
 GRPOTrainer calls them: `prompts` as the data gave them (a string, or a list of messages), `completions` the decoded
-answers, and every other column of the data (`answer`, ...) as a list of the same length, plus `truncated` (True
-where the answer hit --max_new_tokens before its end-of-turn token). The recipe names its rewards with
+answers (for a prompt given as messages, a list of one assistant message, `[{"role": "assistant", "content": ...}]`,
+as TRL passes conversational completions), `completion_ids` their token ids, and every other column of the data
+(`answer`, ...) as a list of the same length, plus `truncated` (True where the answer hit --max_new_tokens before its
+end-of-turn token). A value of None means the reward does not apply to that completion: it is left out of the
+weighted sum (TRL counts it as NaN, which its sum skips) and of the reward's mean. The recipe names its rewards with
 `--reward number,format` or `--reward my_rewards.py:brevity` and weighs them with `--reward_weights`.
 """
 
@@ -26,6 +29,13 @@ GSM8K_ANSWER = "####"  # GSM8K's answers end with "#### 42"
 
 
 # ---------------------------------------------------------------------------------------------------- the checks
+def text_of(completion) -> str:
+    """A completion as text: itself, or the content of the last message of a conversational completion."""
+    if isinstance(completion, list):
+        return str(completion[-1].get("content", "")) if completion else ""
+    return str(completion or "")
+
+
 def last_number(text: str) -> float | None:
     """The last number written in `text` (thousands separators allowed: "1,234.5"), or None."""
     found = NUMBER.findall(text or "")
@@ -47,7 +57,7 @@ def number(prompts, completions, answer, **columns) -> list[float]:
     """1.0 when the last number of the completion equals the answer's number (GSM8K's `#### 42` included), else 0."""
     scores = []
     for completion, reference in zip(completions, answer):
-        expected, given = last_number(str(reference)), last_number(completion)
+        expected, given = last_number(str(reference)), last_number(text_of(completion))
         scores.append(float(expected is not None and given is not None and math.isclose(given, expected, abs_tol=1e-6)))
     return scores
 
@@ -57,7 +67,7 @@ def tag(prompts, completions, answer, answer_tag="answer", **columns) -> list[fl
     else as text up to case and surrounding punctuation), else 0."""
     scores = []
     for completion, reference in zip(completions, answer):
-        inside = tagged(completion, answer_tag)
+        inside = tagged(text_of(completion), answer_tag)
         if inside is None:
             scores.append(0.0)
             continue
@@ -71,13 +81,14 @@ def tag(prompts, completions, answer, answer_tag="answer", **columns) -> list[fl
 
 def exact(prompts, completions, answer, **columns) -> list[float]:
     """1.0 when the whole completion equals the short answer up to case, whitespace and surrounding punctuation."""
-    return [float(exact_match(completion, str(reference))) for completion, reference in zip(completions, answer)]
+    return [float(exact_match(text_of(c), str(reference))) for c, reference in zip(completions, answer)]
 
 
 def format(prompts, completions, answer_tag="answer", **columns) -> list[float]:  # noqa: A001 (the reward's name)
-    """1.0 when the completion holds exactly one <answer>...</answer> pair and nothing after it, else 0."""
-    pattern = re.compile(rf"^(?:(?!<{answer_tag}>).)*<{answer_tag}>.+?</{answer_tag}>\s*$", flags=re.DOTALL)
-    return [float(bool(pattern.match(completion or ""))) for completion in completions]
+    """1.0 when the completion holds exactly one <answer>...</answer> pair, not empty, and nothing after it, else 0."""
+    tags = rf"</?{answer_tag}>"  # neither tag may appear anywhere but in the one pair
+    pattern = rf"^(?:(?!{tags}).)*<{answer_tag}>(?:(?!{tags}).)+</{answer_tag}>\s*$"
+    return [float(bool(re.match(pattern, text_of(c), flags=re.DOTALL))) for c in completions]
 
 
 def length(prompts, completions, truncated, **columns) -> list[float]:
@@ -154,7 +165,13 @@ class Rewards:
     def needs_answer(self) -> bool:
         return any(name in NEEDS_ANSWER for name, _ in self.functions)
 
-    def score(self, prompts: list, completions: list[str], columns: dict) -> list[list[float]]:
+    def score(self, prompts: list, completions: list[str], columns: dict) -> list[list[float | None]]:
+        """Each function's values, one per completion: a float, or None where it does not apply. A completion of a
+        prompt given as messages reaches the functions as a list of one assistant message, as in TRL."""
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(prompts, completions)
+        ]
         scores = []
         for name, function in self.functions:
             extra = dict(columns, answer_tag=self.answer_tag) if name in BUILT_IN else columns
@@ -166,21 +183,49 @@ class Rewards:
                     "as f(prompts, completions, **columns))"
                 ) from None
             try:
-                values = [float(v) for v in values]
+                values = [None if v is None else float(v) for v in values]
             except (TypeError, ValueError):
-                raise RecipeError(f"reward {name} returned {short(values)}; return one float per completion") from None
+                raise RecipeError(
+                    f"reward {name} returned {short(values)}; return one float (or None) per completion"
+                ) from None
             if len(values) != len(completions):
                 raise RecipeError(
                     f"reward {name} returned {len(values)} value(s) for {len(completions)} completions; return one "
                     "float per completion"
                 )
-            if not all(math.isfinite(v) for v in values):
-                raise RecipeError(f"reward {name} returned a NaN or infinite value; return finite floats")
+            if not all(v is None or math.isfinite(v) for v in values):
+                raise RecipeError(
+                    f"reward {name} returned a NaN or infinite value; return finite floats, or None where the reward "
+                    "does not apply"
+                )
             scores.append(values)
         return scores
 
-    def total(self, scores: list[list[float]]) -> list[float]:
-        return [sum(w * s for w, s in zip(self.weights, per)) for per in zip(*scores)]
+    def total(self, scores: list[list[float | None]]) -> list[float]:
+        """The weighted sum per completion, over the rewards that apply to it; NaN where none does (unscored)."""
+        return [
+            sum(w * s for w, s in zip(self.weights, per) if s is not None)
+            if any(s is not None for s in per)
+            else math.nan
+            for per in zip(*scores)
+        ]
+
+
+def mean_applied(values: list[float | None]) -> float:
+    """A reward's mean over the completions it applies to (0 where it applies to none)."""
+    applied = [v for v in values if v is not None]
+    return sum(applied) / len(applied) if applied else 0.0
+
+
+def mean_scored(totals: list[float]) -> float:
+    """The mean of the completions' total rewards, unscored ones (NaN) left out (0 where all are)."""
+    scored = [v for v in totals if not math.isnan(v)]
+    return sum(scored) / len(scored) if scored else 0.0
+
+
+def is_correct(value: float | None) -> bool:
+    """The first reward, the correctness check, says right (1 or more)."""
+    return value is not None and value >= 1.0
 
 
 # ------------------------------------------------------------------------------------------------------- prompts

@@ -386,8 +386,14 @@ def save_model(accelerator, model, tokenizer, folder) -> None:
         # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
         state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
     share_tied_weights(state_dict, unwrapped)
+    # the trained adapter only: another one beside it (GRPO's frozen reference) is not part of the result
+    adapters = {"selected_adapters": [unwrapped.active_adapter]} if isinstance(unwrapped, peft.PeftModel) else {}
     unwrapped.save_pretrained(
-        folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+        folder,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=state_dict,
+        **adapters,
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(folder)

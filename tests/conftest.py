@@ -811,7 +811,13 @@ def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("grpo-data")
     rng = random.Random(0)
-    rows = [{"prompt": f"What colour is the {thing}?", "answer": colour} for thing, colour in COLOURS.items()] * 4
+    # Two prompt lengths, a quarter of them longer: a micro-batch of 4 often has none of those while the batch of 8
+    # it comes from has one, and a completion's draws must not depend on the padding its batch gives it.
+    rows = [
+        {"prompt": f"{lead}what colour is the {thing}?".capitalize(), "answer": colour}
+        for lead in ("", "", "", "and ")
+        for thing, colour in COLOURS.items()
+    ]
     rng.shuffle(rows)
     (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:48]))
     validation = [

@@ -119,22 +119,32 @@ def test_what_a_user_watches(grpo_one):
     at --eval_every and at the epoch's end; samples; results.json with tokens/s of generation and training apart."""
     rows = read_metrics(grpo_one)
     step = next(row for row in rows if row.get("step") == 1 and "train/loss" in row)
-    for key in ("reward", "reward_std", "accuracy", "solved", "completion_length", "truncated", "clip_fraction", "kl"):
+    watched = ("reward", "reward_std", "reward_std_in_group", "frac_reward_zero_std", "accuracy", "solved")
+    for key in (*watched, "completion_length", "truncated", "clip_fraction", "kl"):
         assert f"train/{key}" in step, key
+    trained = [row for row in rows if "train/frac_reward_zero_std" in row]
+    assert all(0 <= row["train/frac_reward_zero_std"] <= 1 for row in trained)
+    # rewards with a length term differ within a group: the spread is there, and the batch's is at least the groups'
+    assert all(0 < row["train/reward_std_in_group"] <= row["train/reward_std"] * 1.2 for row in trained)
     assert "train/reward_exact" in step and "train/reward_brevity" in step
     assert step["train/reward"] == pytest.approx(step["train/reward_exact"] + step["train/reward_brevity"], abs=1e-6)
     assert 0 < step["train/completion_length"] <= 8 and step["train/kl"] == 0.0  # --beta 0: no reference policy
     evaluations = [row for row in rows if "eval/reward" in row]
     assert [row["step"] for row in evaluations] == [3, 6]
     assert all(0 <= row["eval/accuracy"] <= 1 and "eval/reward_brevity" in row for row in evaluations)
+    # 4 samples of every validation prompt at the training temperature: pass@1 their share right, pass@4 the
+    # prompts with one right among them
+    assert all(0 <= row["eval/pass_at_1"] <= row["eval/pass_at_k"] <= 1 for row in evaluations)
+    assert all(row["eval/sampled_reward"] != row["eval/reward"] for row in evaluations)
     results = read_results(grpo_one)
     assert results["recipe"] == "grpo" and results["metric_for_best_model"] == "eval_reward"
     assert results["eval_samples"] == 16  # every validation prompt, once
+    assert {"eval_sampled_reward", "eval_pass_at_1", "eval_pass_at_k"} <= results.keys()
     assert results["generation_tokens_per_second"] > 0 and results["train_tokens_per_second"] > 0
     assert results["rewards"] == ["exact", "brevity"] and results["method"] == "lora"
     samples = [json.loads(line) for line in (grpo_one / "samples.jsonl").read_text().splitlines()]
     assert {"prompt", "answer", "reference", "reward"} <= samples[0].keys()
-    assert samples[0]["prompt"].startswith("What colour is the")
+    assert "what colour is the" in samples[0]["prompt"].lower()
     assert (grpo_one / "results.png").is_file() and (grpo_one / "model_best" / ADAPTER).is_file()
 
 
@@ -197,8 +207,12 @@ def test_a_reward_that_breaks_stops_the_run_with_one_line(grpo_data):
 
 def test_grpo_goes_on_training_the_chat_recipes_adapter(sft_one, grpo_data):
     """--model the chat recipe's LoRA output: GRPO starts from that adapter (at lr 1e-9 it ends where it began, to
-    1e-6), not from a fresh one, and the saved adapter names the same base model."""
-    _, out = grpo(grpo_data, "from-sft", "--max_steps", "2", "--eval_every", "0", "--lr", "1e-9", model=sft_one.out)
+    1e-6), not from a fresh one, and the saved adapter names the same base model. With --beta, the KL reference is
+    that starting adapter (a frozen copy beside it), not the base: KL 0 at step 1; only the trained one is saved."""
+    extra = ["--max_steps", "2", "--eval_every", "0", "--lr", "1e-9", "--beta", "0.04"]
+    _, out = grpo(grpo_data, "from-sft", *extra, model=sft_one.out)
+    assert per_step(out, "train/kl")[1] == pytest.approx(0.0, abs=1e-7)
+    assert not (out / "reference").exists() and not (out / "model_best" / "reference").exists()
     config = json.loads((out / "adapter_config.json").read_text())
     assert (
         config["base_model_name_or_path"]

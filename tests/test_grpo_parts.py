@@ -3,28 +3,42 @@ included), keyed sampling (a draw from the softmax, top-p, the same draws in any
 over the global batch (the sum of the micro-batches' shares is the whole batch's loss however it is split)."""
 
 import json
+import math
 import types
 
 import pytest
 import torch
-from grpo import KeyedSampling, hashed_uniform, loss_normaliser, policy_loss, sampling_keys
-from grpo_rewards import Rewards, as_prompt_row, check_columns, gsm8k_answer, last_number, load_prompts
+from accelerate import Accelerator
+from grpo import KeyedSampling, advantages, hashed_uniform, loss_normaliser, policy_loss, sampling_keys
+from grpo_rewards import (
+    Rewards,
+    as_prompt_row,
+    check_columns,
+    gsm8k_answer,
+    is_correct,
+    last_number,
+    load_prompts,
+    mean_applied,
+)
 
 from accelerate_recipes.errors import RecipeError
 
 
 def test_the_built_in_rewards():
     completions = ["So 3 + 5 = 8.", "<answer>8</answer>", "It is 1,234.5 in all", "eight", "<answer>8</answer> ok"]
-    answer = ["8", "8", "1234.5", "8", "8"]
+    completions += ["<answer>1</answer> x <answer>8</answer>"]
+    answer = ["8", "8", "1234.5", "8", "8", "8"]
     rewards = Rewards("number,tag,exact,format,length")
-    scores = rewards.score([""] * 5, completions, {"answer": answer, "truncated": [False, False, False, False, True]})
+    truncated = [False, False, False, False, True, False]
+    scores = rewards.score([""] * 6, completions, {"answer": answer, "truncated": truncated})
     assert scores == [
-        [1.0, 1.0, 1.0, 0.0, 1.0],  # number: the last number written
-        [0.0, 1.0, 0.0, 0.0, 1.0],  # tag: the answer inside <answer>...</answer>
-        [0.0, 0.0, 0.0, 0.0, 0.0],  # exact: the whole completion as written ("<answer>8</answer>" is not "8")
-        [0.0, 1.0, 0.0, 0.0, 0.0],  # format: one tag pair, and nothing after it
-        [1.0, 1.0, 1.0, 1.0, 0.0],  # length: ended before --max_new_tokens
+        [1.0, 1.0, 1.0, 0.0, 1.0, 1.0],  # number: the last number written
+        [0.0, 1.0, 0.0, 0.0, 1.0, 1.0],  # tag: the answer inside the last <answer>...</answer>
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # exact: the whole completion as written ("<answer>8</answer>" is not "8")
+        [0.0, 1.0, 0.0, 0.0, 0.0, 0.0],  # format: exactly one tag pair, and nothing after it
+        [1.0, 1.0, 1.0, 1.0, 0.0, 1.0],  # length: ended before --max_new_tokens
     ]
+    assert Rewards("format").score([""] * 2, ["<answer></answer>", "<answer>a <answer>b</answer>"], {}) == [[0, 0]]
     assert rewards.total(scores)[1] == sum(s[1] for s in scores)
     assert Rewards("exact").score([""], ["Yellow."], {"answer": ["yellow"], "truncated": [False]}) == [[1.0]]
     weighted = Rewards("number,format", "1,0.5")
@@ -51,7 +65,7 @@ def test_the_users_reward_functions_and_their_failures_are_one_line(tmp_path):
         Rewards(f"{mine}:boom").score(["q"], ["a"], {})
     with pytest.raises(RecipeError, match="NaN or infinite"):
         Rewards(f"{mine}:nan").score(["q"], ["a"], {})
-    with pytest.raises(RecipeError, match=r"returned \['many'\]; return one float per completion"):
+    with pytest.raises(RecipeError, match=r"returned \['many'\]; return one float \(or None\) per completion"):
         Rewards(f"{mine}:words").score(["q"], ["a"], {})
     with pytest.raises(RecipeError, match="has no function 'missing'"):
         Rewards(f"{mine}:missing")
@@ -63,6 +77,47 @@ def test_the_users_reward_functions_and_their_failures_are_one_line(tmp_path):
         Rewards("number,format", "1")
     with pytest.raises(RecipeError, match="row 2 has no `answer`"):
         check_columns(Rewards("number"), [{"prompt": "a", "answer": "1"}, {"prompt": "b"}], "training prompts")
+
+
+def test_rewards_written_for_trl_run_unchanged(tmp_path):
+    """A reward in TRL's style: conversational completions as message lists, None where it does not apply (left out
+    of the weighted sum and of its mean). The built-in rewards read both forms."""
+    (tmp_path / "trl_style.py").write_text(
+        "def polite(prompts, completions, completion_ids, answer, **kwargs):\n"
+        "    texts = [completion[0]['content'] for completion in completions]\n"
+        "    assert all(isinstance(ids, list) for ids in completion_ids)\n"
+        "    return [None if a == 'skip' else float('please' in t) for t, a in zip(texts, answer)]\n"
+    )
+    rewards = Rewards(f"{tmp_path / 'trl_style.py'}:polite,number", "2,1")
+    conversation = [{"role": "user", "content": "What is 3 + 5?"}]
+    columns = {"answer": ["8", "skip", "8"], "completion_ids": [[1], [2], [3]], "truncated": [False] * 3}
+    scores = rewards.score([conversation] * 3, ["8, please", "8, please", "9"], columns)
+    assert scores == [[1.0, None, 0.0], [1.0, 0.0, 0.0]]  # number does not apply to "skip": no number in it
+    assert rewards.total(scores) == [3.0, 0.0, 0.0]
+    assert math.isnan(rewards.total([[None], [None]])[0])  # no reward applies: unscored
+    assert [mean_applied(v) for v in scores] == [0.5, pytest.approx(1 / 3)]
+    assert not is_correct(None) and is_correct(1.0)
+    # plain-text prompts keep plain-text completions, as TRL passes them
+    assert Rewards("number").score(["What is 3 + 5?"], ["8"], {"answer": ["8"]}) == [[1.0]]
+
+
+def test_the_spread_of_rewards_a_user_watches():
+    """reward_std as TRL logs it (the batch's), the mean spread within groups, and the groups with nothing to learn."""
+    accelerator = Accelerator(cpu=True)
+    rollouts = [{"rewards": [1.0, 1.0, 1.0, 1.0]}, {"rewards": [0.0, 1.0, 0.0, 1.0]}]
+    figures = advantages(accelerator, rollouts, 4, "group")
+    everything = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1], dtype=torch.float64)
+    assert figures["reward_std"] == pytest.approx(everything.std().item())
+    assert figures["reward_std_in_group"] == pytest.approx(everything[4:].std().item() / 2)
+    assert figures["frac_reward_zero_std"] == 0.5
+    assert rollouts[0]["advantages"].abs().max() == 0 and rollouts[1]["advantages"][1] > 0
+    # a completion no reward applied to (NaN): out of its group's mean and spread, no advantage (as TRL)
+    unscored = [{"rewards": [1.0, math.nan, 0.0, 1.0]}]
+    figures = advantages(accelerator, unscored, 4, "group")
+    scored = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    expected = (scored - scored.mean()) / (scored.std() + 1e-4)
+    assert torch.allclose(unscored[0]["advantages"].double(), torch.tensor([expected[0], 0, expected[1], expected[2]]))
+    assert figures["reward_std"] == pytest.approx(scored.std().item()) and figures["frac_reward_zero_std"] == 0
 
 
 def test_prompt_formats_and_a_held_out_split(tmp_path):
@@ -84,26 +139,41 @@ def test_prompt_formats_and_a_held_out_split(tmp_path):
     assert {r["prompt"] for r in train} | {r["prompt"] for r in validation} == {f"q{i}" for i in range(20)}
 
 
+def sampler(keys, prompt_width=3, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
+    flags = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
+    return KeyedSampling(keys, prompt_width, types.SimpleNamespace(**flags))
+
+
 def test_keyed_sampling_draws_from_the_softmax_the_same_way_in_any_batch():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     keys = torch.arange(20000, dtype=torch.int64)
-    ids = torch.zeros((len(keys), 5), dtype=torch.long)
+    ids = torch.zeros((len(keys), 5), dtype=torch.long)  # 3 prompt tokens, 2 written: the completion's 3rd draw
 
-    def draws(sampler, rows=slice(None), position_ids=ids):
-        scores = sampler(position_ids[rows], logits.expand(len(keys), -1)[rows])
+    def draws(processor, rows=slice(None), input_ids=ids):
+        scores = processor(input_ids[rows], logits.expand(len(keys), -1)[rows])
         assert torch.isinf(scores).sum(dim=-1).eq(3).all()  # one token left, every other at -inf
         return scores.argmax(dim=-1)
 
-    drawn = draws(KeyedSampling(keys, temperature=1.0, top_p=1.0))
+    drawn = draws(sampler(keys))
     frequencies = torch.bincount(drawn, minlength=4).float() / len(keys)
     # binomial standard error at 20,000 draws is below 0.0035: 0.015 is over 4 of them
     assert torch.allclose(frequencies, logits.softmax(dim=0), atol=0.015), frequencies
-    hot = torch.bincount(draws(KeyedSampling(keys, 2.0, 1.0)), minlength=4).float() / len(keys)
+    hot = torch.bincount(draws(sampler(keys, temperature=2.0)), minlength=4).float() / len(keys)
     assert torch.allclose(hot, (logits / 2).softmax(dim=0), atol=0.015), hot
     # top_p 0.8: only the tokens whose likelier neighbours hold less than 0.8 of the mass (here the first two)
-    assert set(draws(KeyedSampling(keys, 1.0, 0.8)).tolist()) == {0, 1}
-    # a row's draw depends on its key and position only, not on the rows beside it
-    assert torch.equal(draws(KeyedSampling(keys[7:8], 1.0, 1.0), slice(7, 8)), drawn[7:8])
+    assert set(draws(sampler(keys, top_p=0.8)).tolist()) == {0, 1}
+    assert set(draws(sampler(keys, top_k=3)).tolist()) == {0, 1, 2}
+    assert set(draws(sampler(keys, min_p=0.3)).tolist()) == {0, 1}  # e^-1 = 0.37 of the likeliest, e^-2 below
+    # a repetition penalty weighs on the tokens the completion wrote (token 0 twice here), not on the prompt's
+    written = torch.tensor([[1, 1, 1, 0, 0]]).expand(len(keys), -1)
+    penalised = torch.bincount(draws(sampler(keys, repetition_penalty=2.0), input_ids=written), minlength=4)
+    assert torch.allclose(penalised.float() / len(keys), torch.tensor([1.0, 1, 0, -1]).softmax(0), atol=0.015)
+    # a row's draw depends on its key and its position in the completion only: not on the rows beside it, nor on
+    # the left padding that a longer prompt in its batch gives it
+    assert torch.equal(draws(sampler(keys[7:8]), slice(7, 8)), drawn[7:8])
+    padded = torch.zeros((len(keys), 9), dtype=torch.long)
+    assert torch.equal(draws(sampler(keys, prompt_width=7), input_ids=padded), drawn)
+    assert not torch.equal(draws(sampler(keys, prompt_width=4)), drawn)
     assert torch.equal(hashed_uniform(keys[7:8], 5), hashed_uniform(keys, 5)[7:8])
     assert not torch.equal(hashed_uniform(keys, 6), hashed_uniform(keys, 5))
     first, second = sampling_keys(42, 0, torch.tensor([3, 9]), 4), sampling_keys(42, 1, torch.tensor([3, 9]), 4)
@@ -139,3 +209,68 @@ def test_the_micro_batches_shares_add_up_to_the_global_batchs_loss(loss_type):
     assert total == pytest.approx(policy_loss(logprobs, whole, args, None)[0].item(), abs=1e-7)
     expected = {"dapo": int(mask.sum()), "grpo": 4, "dr_grpo": 4 * 6}[loss_type]
     assert float(whole["normaliser"]) == expected
+
+
+def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_config_says(tiny_chat_model):
+    """A model whose own generation_config bans repeats, penalises them and suppresses tokens: greedy answers and
+    keyed samples are still those of the plain softmax, the policy whose log-probabilities the update uses."""
+    from grpo import GrpoFlags, generate, sampling_keys, token_logprobs
+    from sft import load_base_model, load_tokenizer
+
+    accelerator = Accelerator(cpu=True)
+    tokenizer, model = load_tokenizer(str(tiny_chat_model)), load_base_model(str(tiny_chat_model)).eval()
+    args = GrpoFlags(max_new_tokens=8, temperature=1.0)
+    chats = [[{"role": "user", "content": f"What colour is the {thing}?"}] for thing in ("sky", "ripe plum")]
+    prompts = [
+        tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True))["input_ids"]
+        for c in chats
+    ]
+    keys = sampling_keys(0, 0, torch.tensor([0, 1]), 2)
+    prompts = [p for p in prompts for _ in range(2)]
+    plain_greedy = generate(accelerator, model, tokenizer, prompts, args)
+    plain_sampled = generate(accelerator, model, tokenizer, prompts, args, keys)
+    first_tokens = plain_greedy["completion"][:, 0].tolist() + plain_sampled["completion"][:, 0].tolist()
+    own = model.generation_config
+    own.update(repetition_penalty=5.0, no_repeat_ngram_size=1, suppress_tokens=first_tokens, min_new_tokens=4)
+    greedy = generate(accelerator, model, tokenizer, prompts, args)
+    sampled = generate(accelerator, model, tokenizer, prompts, args, keys)
+    assert torch.equal(greedy["completion"], plain_greedy["completion"])
+    assert torch.equal(sampled["completion"], plain_sampled["completion"])
+    assert model.generation_config.repetition_penalty == 5.0  # the model's own is put back afterwards
+    # greedy: every token is the argmax of the update's own softmax
+    logits = model(
+        input_ids=torch.cat([greedy["prompt"], greedy["completion"]], 1),
+        attention_mask=torch.cat([greedy["prompt_mask"], greedy["mask"]], 1),
+        position_ids=(torch.cat([greedy["prompt_mask"], greedy["mask"]], 1).cumsum(1) - 1).clamp(min=0),
+    ).logits[:, greedy["prompt"].shape[1] - 1 : -1]
+    chosen = logits.argmax(-1)
+    assert torch.equal(
+        (chosen == greedy["completion"])[greedy["mask"].bool()], greedy["mask"].bool()[greedy["mask"].bool()]
+    )
+    assert token_logprobs(model, sampled, 1.0).isfinite().all()
+
+
+def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_chat_model):
+    """--beta with a fresh LoRA adapter: the reference is the base with the adapter off, the policy at step 1 (KL 0);
+    the frozen-copy case (an adapter given in --model) is run end to end in test_grpo.py."""
+    from grpo import BASE, GrpoFlags, build_policy, generate, reference_policy, reference_token_logprobs, token_logprobs
+    from sft import load_tokenizer
+
+    accelerator = Accelerator(cpu=True)
+    args = GrpoFlags(lora_r=4, beta=0.04, max_new_tokens=4)
+    tokenizer = load_tokenizer(str(tiny_chat_model))
+    model = build_policy(args, str(tiny_chat_model), "no")
+    assert reference_policy(args, accelerator, model, str(tiny_chat_model)) == BASE
+    chat = [{"role": "user", "content": "What colour is the sky?"}]
+    prompt = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))["input_ids"]
+    rollout = generate(accelerator, model, tokenizer, [prompt], args)
+    with torch.no_grad():
+        policy = token_logprobs(model, rollout, args.temperature)
+        reference = reference_token_logprobs(model, BASE, rollout, args, accelerator)
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.add_(0.5)  # a trained adapter: now the reference differs
+        moved = token_logprobs(model, rollout, args.temperature)
+    assert torch.equal(policy, reference)
+    assert not torch.allclose(moved, reference)
+    assert torch.equal(reference_token_logprobs(model, BASE, rollout, args, accelerator), reference)
