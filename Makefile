@@ -257,10 +257,10 @@ bench-sft: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl)
 
 # RL with verifiable rewards (GRPO, LoRA or full). GPU targets need your prompts and reward: ARGS="--train_file
 # math.jsonl --reward number --lora_r 16" (or --dataset openai/gsm8k:main); grpo-cpu, with no ARGS, trains a LoRA
-# adapter on SmolLM2-135M-Instruct for the generated arithmetic of bench-grpo, offline (16 steps).
+# adapter on SmolLM2-135M-Instruct for the generated arithmetic of bench-grpo, offline (32 steps, as bench-grpo).
 GRPO_DATA := data/grpo_arithmetic
 GRPO_CPU_ARGS = --model $(SMOLLM) --train_file $(GRPO_DATA)/train.jsonl --validation_file $(GRPO_DATA)/validation.jsonl \
-	--reward number --lora_r 16 --lr 5e-5 --batch_size 8 --num_generations 4 --max_new_tokens 32 --max_steps 16 \
+	--reward number --lora_r 16 --batch_size 4 --num_generations 4 --max_new_tokens 32 --max_steps 32 \
 	--output_dir outputs/grpo-cpu
 $(eval $(call recipe_targets,grpo,recipes/grpo.py,GRPO_CPU_ARGS,$(call needs,sft)))
 grpo-cpu: grpo-data
