@@ -245,8 +245,8 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     cores = usable_cores()
     data = ["--train_file", train_file, "--validation_file", validation_file, "--reward", "number"]
-    shared = ["--batch_size", str(batch_size), "--num_generations", str(num_generations)]
-    shared += ["--max_new_tokens", str(max_new_tokens), "--mixed_precision", "no", "--temperature", str(temperature)]
+    sampling = ["--num_generations", str(num_generations), "--max_new_tokens", str(max_new_tokens)]
+    sampling += ["--mixed_precision", "no", "--temperature", str(temperature)]
     hyper = ["--lora_r", str(lora_r), "--lora_alpha", str(lora_alpha), "--max_steps", str(max_steps), "--lr", str(lr)]
     hyper += ["--max_grad_norm", str(max_grad_norm)]
     # The trained models are all scored by evaluate_only below; the recipe's own end-of-run evaluation stays greedy.
@@ -259,9 +259,8 @@ def run(
         command, env = launch(1, cores)
         command += [str(RECIPE), "--eval_only", "--model", model_path, "--output_dir", str(target)]
         # 16 prompts per generate call whatever the training batch: the answers are the same, the calls fewer
-        scoring = ["--batch_size", "16", "--num_generations", str(num_generations), "--max_new_tokens"]
-        scoring += [str(max_new_tokens), "--mixed_precision", "no", "--temperature", str(temperature), "--seed", "0"]
-        command += data + scoring + ["--eval_num_samples", str(eval_num_samples), "--tracker", "none"]
+        command += data + ["--batch_size", "16", *sampling, "--seed", "0", "--eval_num_samples", str(eval_num_samples)]
+        command += ["--tracker", "none"]
         seconds = step(command, name, timeout, env)
         return json.loads((target / "results.json").read_text()), seconds, " ".join(command)
 
@@ -282,7 +281,7 @@ def run(
                     processes = int(name[5:])
                     command, env = launch(processes, max(1, cores // processes))
                     command += [str(RECIPE), "--model", weights, "--output_dir", str(target), "--seed", str(seed)]
-                    command += data + shared + hyper + recipe_only
+                    command += data + ["--batch_size", str(batch_size), *sampling] + hyper + recipe_only
                     trained_model = str(target)
                 else:
                     command, env = launch(1, cores)

@@ -52,7 +52,7 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
-from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_applied, mean_scored
+from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
 from sft import (  # the chat recipe's model loading and saving, and its --chat and --merge
     chat,
     is_adapter,
@@ -713,7 +713,7 @@ def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, 
     scores = {
         "eval_reward": mean_scored(totals),
         "eval_accuracy": sum(map(is_correct, per_function[0])) / len(totals),
-        **{f"eval_reward_{n}": mean_applied(v) for n, v in zip(rewards.names, per_function)},
+        **{f"eval_reward_{n}": mean_scored(v) for n, v in zip(rewards.names, per_function)},
         "eval_samples": len(totals),
     }
     if k:
@@ -1039,7 +1039,7 @@ def reward_figures(rollout: dict, spread: dict) -> list[float]:
             sum(solved) / len(solved),
             sum(lengths) / len(lengths),
             sum(rollout["truncated"].tolist()) / len(lengths),
-            *[mean_applied(v) for v in rollout["per_function"]],
+            *[mean_scored(v) for v in rollout["per_function"]],
         ]
     )
 

@@ -211,15 +211,10 @@ class Rewards:
         ]
 
 
-def mean_applied(values: list[float | None]) -> float:
-    """A reward's mean over the completions it applies to (0 where it applies to none)."""
-    applied = [v for v in values if v is not None]
-    return sum(applied) / len(applied) if applied else 0.0
-
-
-def mean_scored(totals: list[float]) -> float:
-    """The mean of the completions' total rewards, unscored ones (NaN) left out (0 where all are)."""
-    scored = [v for v in totals if not math.isnan(v)]
+def mean_scored(values: list[float | None]) -> float:
+    """The mean over the completions that were scored: a reward's values without its Nones (does not apply), or the
+    weighted totals without their NaNs (no reward applies); 0 where none was."""
+    scored = [v for v in values if v is not None and not math.isnan(v)]
     return sum(scored) / len(scored) if scored else 0.0
 
 

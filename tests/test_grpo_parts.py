@@ -18,7 +18,7 @@ from grpo_rewards import (
     is_correct,
     last_number,
     load_prompts,
-    mean_applied,
+    mean_scored,
 )
 
 from accelerate_recipes.errors import RecipeError
@@ -95,7 +95,7 @@ def test_rewards_written_for_trl_run_unchanged(tmp_path):
     assert scores == [[1.0, None, 0.0], [1.0, 0.0, 0.0]]  # number does not apply to "skip": no number in it
     assert rewards.total(scores) == [3.0, 0.0, 0.0]
     assert math.isnan(rewards.total([[None], [None]])[0])  # no reward applies: unscored
-    assert [mean_applied(v) for v in scores] == [0.5, pytest.approx(1 / 3)]
+    assert [mean_scored(v) for v in scores] == [0.5, pytest.approx(1 / 3)]
     assert not is_correct(None) and is_correct(1.0)
     # plain-text prompts keep plain-text completions, as TRL passes them
     assert Rewards("number").score(["What is 3 + 5?"], ["8"], {"answer": ["8"]}) == [[1.0]]
