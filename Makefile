@@ -275,6 +275,27 @@ grpo-deepspeed: $(call needs,sft) deepspeed-extra ## GRPO with DeepSpeed ZeRO-3 
 	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/grpo.py) $(ARGS)
 grpo-data: sft-data ## write the generated arithmetic task to data/grpo_arithmetic (and the model folder grpo-cpu trains)
 	@test -f $(GRPO_DATA)/validation.jsonl || $(PY) benchmarks/grpo_bench.py write_data --output $(GRPO_DATA)
+# Preference tuning (DPO and its variants, LoRA or full). GPU targets need your pairs: ARGS="--train_file
+# pairs.jsonl --lora_r 16" (or --dataset trl-lib/ultrafeedback_binarized); dpo-cpu, with no ARGS, trains a LoRA adapter
+# on SmolLM2-135M-Instruct for the review-verdict pairs of bench-dpo, offline.
+DPO_DATA := data/dpo_rotten_tomatoes
+DPO_STARTER_CPU_ARGS = --model $(SMOLLM) --train_file $(DPO_DATA)/train.jsonl \
+	--validation_file $(DPO_DATA)/validation.jsonl --lora_r 16 --batch_size 16 --max_steps 32 --output_dir outputs/dpo-cpu
+DPO_CPU_ARGS = $(DPO_STARTER_CPU_ARGS) --eval_generate 4 --max_new_tokens 8
+$(eval $(call recipe_targets,dpo,recipes/dpo.py,DPO_CPU_ARGS,$(call needs,sft),DPO_STARTER_CPU_ARGS))
+dpo-cpu: dpo-data
+dpo-cpu: ## DPO: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, review-verdict pairs, offline)
+dpo-1gpu: ## DPO: 1 GPU, ARGS="--train_file pairs.jsonl --lora_r 16" (dpo-2gpu, -4gpu, -8gpu likewise)
+dpo-2node: ## DPO: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
+dpo-hostfile: ## DPO on every node of HOSTFILE, started from here over ssh
+.PHONY: dpo-fsdp dpo-deepspeed dpo-data
+dpo-fsdp: $(call needs,sft) ## DPO with FSDP on GPUS GPUs, ARGS as dpo-1gpu (LoRA, or full with --precompute_ref)
+	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/dpo.py) $(ARGS)
+dpo-deepspeed: $(call needs,sft) deepspeed-extra ## DPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as dpo-fsdp)
+	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/dpo.py) $(ARGS)
+dpo-data: sft-data ## write the review-verdict preference pairs to data/dpo_rotten_tomatoes (and the model folder dpo-cpu trains)
+	@test -f $(DPO_DATA)/validation.jsonl || $(PY) benchmarks/dpo_bench.py write_data --output $(DPO_DATA)
+
 # GRPO benchmark: recipes/grpo.py (1 process, 2 over gloo) against TRL's GRPOTrainer, same model, prompts, reward and
 # settings; accuracy and mean reward before and after, generation and training tokens/s (outputs/bench-grpo/report.md).
 bench-grpo: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl) ## benchmark: GRPO LoRA on SmolLM2-135M, our recipe (1 and 2 processes) vs TRL's GRPOTrainer (outputs/bench-grpo)

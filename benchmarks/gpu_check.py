@@ -26,6 +26,8 @@ Steps, in the order they run:
   sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here: tokens/s,
                peak memory against the recipe's memory plan, MFU; on one GPU also LoRA under fsdp.yaml on one process
                (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter gathered on save); FSDP2 with 2+ GPUs
+  dpo          recipes/dpo.py, LoRA (the base as reference) and full (a frozen copy), on pairs built from the same
+               generated chats and model: tokens/s, peak memory, MFU
   fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time, accuracy
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
@@ -96,6 +98,7 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 # In order of value: what a user most needs proven comes first, so that a short call proves that much at least.
 STEPS = [
     "sft",
+    "dpo",
     "fast94",
     "text-fsdp",
     "detect-640",
@@ -116,6 +119,7 @@ STEPS = [
 # A step starts only when its estimate fits in what is left of --budget (on a GPU).
 ESTIMATED_SECONDS = {
     "sft": 215,  # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2: 207 s
+    "dpo": 150,  # a guess: the 0.5B model built and saved, 20 steps each of LoRA and full with their reference
     "fast94": 65,  # 58 s
     "text-fsdp": 45,  # 42 s
     "detect-640": 100,  # 96 s
@@ -134,6 +138,7 @@ ESTIMATED_SECONDS = {
 # Each step's own time limit: over it the step failed (hung); when --budget ends first, it is incomplete instead.
 TIMEOUTS = {
     "sft": 420,
+    "dpo": 360,
     "fast94": 300,
     "text-fsdp": 300,
     "detect-640": 420,
@@ -647,6 +652,69 @@ class Check:
         ]
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems + notes)
 
+    def dpo(self, run_dir, timeout):
+        """recipes/dpo.py on the sft step's model shape (tiny in --quick and on the CPU) and pairs made from its
+        generated chats (the chat's own last answer chosen, another chat's rejected): a LoRA adapter and a full
+        fine-tune, each with its reference; throughput, peak memory and MFU."""
+        small = self.quick or not self.cuda
+        end = time.monotonic() + self.limit(timeout)[0]
+        assets = write_chat_assets(
+            run_dir / "inputs", TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (640, 64))
+        )
+        pairs = {
+            name: write_preference_pairs(assets[name], run_dir / "inputs" / f"{name}-pairs.jsonl")
+            for name in ("train", "validation")
+        }
+        steps = 3 if small else 20
+        common = [
+            RECIPES / "dpo.py",
+            "--model",
+            assets["model"],
+            "--train_file",
+            pairs["train"],
+            "--validation_file",
+            pairs["validation"],
+            "--max_length",
+            "1024",
+            "--max_steps",
+            str(steps),
+            "--log_every",
+            "1" if small else "10",
+            "--checkpoint_every",
+            "0",
+            "--eval_generate",
+            "0",
+            "--tracker",
+            "none",
+            "--cache_dir",
+            run_dir / "datasets-cache",
+        ]
+        common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
+        peak = peak_tflops(gpu_name()) if self.cuda else None
+        shown, figures, problems = [], {}, []
+        for method in ("lora", "full"):
+            out = run_dir / method
+            processes = max(self.gpus, 1)
+            launch = self.launch("fsdp", self.gpus) if self.gpus >= 2 else self.single()
+            # 8 pairs per GPU: 16 rows of ~450 tokens (prompt and answer) in each forward pass
+            batch = ["--batch_size", str((2 if small else 8) * processes)]
+            method_flags = ["--lora_r", "16"] if method == "lora" else ["--precompute_ref"] if self.gpus >= 2 else []
+            command = [*launch, *common, *batch, *method_flags, "--output_dir", out]
+            shown.append(" ".join(map(str, command)))
+            code, last = self.execute(command, run_dir, end - time.monotonic(), f"{method}.txt")
+            results = read_json(out / "results.json")
+            losses = logged(out, "train/loss")
+            figures[method] = dpo_figures(results, assets, peak, method)
+            if code != 0:
+                problems.append(f"{method}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                if code == 124:
+                    break
+            elif not losses or not all(math.isfinite(x) for x in losses):
+                problems.append(f"{method}: no finite training loss in {out / 'metrics.jsonl'}: {losses}")
+            elif not results.get("peak_memory_mb"):
+                problems.append(f"{method}: no peak_memory_mb in {out / 'results.json'}")
+        return ("fail" if problems else "pass"), shown, figures, "\n".join(problems)
+
     def detect(self, run_dir, timeout):
         sizes = (
             ["--synthetic_size", "32", "--image_size", "128", "--batch_size", "8", "--max_steps", "3"]
@@ -996,6 +1064,52 @@ def sft_figures(results: dict, assets: dict, peak: float | None, method: str) ->
     return figures
 
 
+def write_preference_pairs(chats: Path, path: Path) -> Path:
+    """Preference pairs from generated chats, in TRL's conversational form: the turns before a chat's last answer are
+    the prompt, that answer is chosen and the next chat's last answer rejected."""
+    conversations = [json.loads(line)["messages"] for line in Path(chats).read_text().splitlines()]
+    rows = []
+    for index, messages in enumerate(conversations):
+        other = conversations[(index + 1) % len(conversations)][-1]
+        if other["content"] != messages[-1]["content"]:
+            rows.append({"prompt": messages[:-1], "chosen": messages[-1:], "rejected": [other]})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def dpo_figures(results: dict, assets: dict, peak: float | None, method: str) -> dict:
+    """A dpo run's figures from its results.json: throughput, peak memory and, with PEAK, the model FLOP utilisation:
+    per token the update's FLOPs as in sft_figures (4N LoRA, 6N full) plus 2N for the reference's forward pass (none
+    with --precompute_ref), and attention over each row's length."""
+    figures = key_figures(
+        results,
+        "method",
+        "distributed_type",
+        "world_size",
+        "mixed_precision",
+        "steps",
+        "precompute_ref",
+        "train_tokens_per_second",
+        "median_step_seconds",
+        "peak_memory_mb",
+        "peak_memory_kind",
+    )
+    tokens_per_second, pairs_per_second = (
+        results.get("train_tokens_per_second"),
+        results.get("train_samples_per_second"),
+    )
+    if tokens_per_second and pairs_per_second:
+        row_length = tokens_per_second / pairs_per_second / 2  # a pair is two rows
+        passes = (4 if method == "lora" else 6) + (0 if results.get("precompute_ref") else 2)
+        flops_per_token = passes * assets["matmul_parameters"] + 12 * assets["layers"] * assets["hidden"] * row_length
+        figures["mean_tokens_per_row"] = round(row_length, 1)
+        figures["flops_per_token"] = round(flops_per_token)
+        if peak:
+            world = results.get("world_size", 1)
+            figures["model_flops_utilisation"] = round(flops_per_token * tokens_per_second / (peak * 1e12 * world), 4)
+    return figures
+
+
 def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
     """End a step's command and every process it started, as a user would: SIGTERM to the launcher's process group
     first (torchrun passes it on to its workers, and the recipes save a checkpoint and exit 75), then, after at most
@@ -1062,7 +1176,7 @@ def requirements(
     MISSING_FOR_SFT: the packages of the chat recipe (peft, datasets) that this interpreter lacks."""
     needs = dict.fromkeys(STEPS)
     if missing_for_sft:
-        needs["sft"] = f"{', '.join(missing_for_sft)} not installed"
+        needs["sft"] = needs["dpo"] = f"{', '.join(missing_for_sft)} not installed"
     two = None if gpus >= 2 else "needs 2+ GPUs" if gpus else "needs CUDA"
     needs.update({"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": deepspeed_problem if gpus else "needs CUDA"})
     if gpus:
@@ -1498,7 +1612,7 @@ def main(
         device: auto (all visible NVIDIA GPUs; exit 2 when there are none) or cpu (the same orchestration on gloo CPU
             processes with tiny sizes; steps that need CUDA are reported as not run).
         quick: tiny sizes everywhere (seconds per step), to check the harness rather than the hardware.
-        steps: comma-separated subset of: sft, fast94, text-fsdp, detect-640, preempt, bench, text-deepspeed,
+        steps: comma-separated subset of: sft, dpo, fast94, text-fsdp, detect-640, preempt, bench, text-deepspeed,
             audit-cifar, audit-text, audit-detect, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp (the order they
             run in, most valuable first); default all.
         after: an earlier call's report.json (or its folder), or docs/gpu-proof.json: the steps it proved on GPUs of
@@ -1606,6 +1720,7 @@ def main(
 
     bodies = {
         "sft": check.sft,
+        "dpo": check.dpo,
         "fast94": check.fast94,
         "text-fsdp": check.text_sharded("fsdp"),
         "detect-640": check.detect,

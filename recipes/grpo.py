@@ -20,7 +20,7 @@ or without accumulation, and after a resume.
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
 resume -> loop: roll out, score, update -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
---merge are the chat recipe's own (recipes/sft.py). Rewards and the prompt formats are in grpo_rewards.py.
+--merge come from the chat recipes' shared layer (chat_model.py). Rewards and the prompt formats are in grpo_rewards.py.
 
 Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
@@ -30,17 +30,15 @@ from accelerate_recipes.cli import answer_help_from_source
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
 import contextlib
-import copy
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import datasets
 import peft
-import sft as chat_recipe
 import torch
 import transformers
 from accelerate import Accelerator
@@ -52,17 +50,24 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
-from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
-from sft import (  # the chat recipe's model loading and saving, and its --chat and --merge
+from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the reference, saving, --chat, --merge
+    DEFAULT_MODEL,
+    SAMPLES_KEPT,
+    ChatModelFlags,
+    build_model,
     chat,
-    is_adapter,
-    load_base_model,
-    load_fine_tuned,
+    check_one_mode,
+    load_any,
     load_tokenizer,
     merge,
+    predict,
+    reference_model,
+    reference_policy,
     save_model,
     write_samples,
 )
+from chat_model import token_logprobs as target_logprobs
+from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
 from sft_plan import numel
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, get_scheduler
@@ -73,7 +78,6 @@ from accelerate_recipes import (
     RecipeError,
     RunState,
     StepMeter,
-    TrainingFlags,
     TrainingProgress,
     check_launch,
     explain_startup_failure,
@@ -89,10 +93,8 @@ from accelerate_recipes import (
 )
 from accelerate_recipes.plots import plot_results
 
-DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
-SAMPLES_KEPT = 4  # completions per log step written to samples.jsonl and the tracker
 # Measured on make bench-grpo (README_grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen steps; 1e-6 is
 # TRL's default for whole models.
 DEFAULT_LORA_LR, DEFAULT_FULL_LR = 1e-4, 1e-6
@@ -100,7 +102,7 @@ EVALUATION_EPOCH = -1  # the sampling keys of evaluations: the same at every eva
 
 
 @dataclass
-class GrpoFlags(TrainingFlags):
+class GrpoFlags(ChatModelFlags):
     """Improve a chat model with GRPO on prompts whose answers a program can check (LoRA with --lora_r, else in full).
 
     Each optimizer step samples --num_generations completions for each of --batch_size prompts, scores them with the
@@ -153,24 +155,17 @@ class GrpoFlags(TrainingFlags):
             each completion's token mean over the global batch) or dr_grpo (sum of token losses / (completions x
             --max_new_tokens)).
         mask_truncated: leave completions that hit --max_new_tokens out of the loss.
-        lora_r: rank of a LoRA adapter (peft) trained on every linear layer instead of the whole model; 0: full.
-            With --model an adapter of the chat recipe, that adapter is trained on.
-        lora_alpha: LoRA scale numerator (the update is scaled by alpha / r); default 2 x --lora_r.
         lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the ratio of an on-policy step is 1.
-        lora_target_modules: all-linear (every linear layer but the output head) or comma-separated module names.
-        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
         gather_for_generation: under FSDP2 or ZeRO-3, gather the whole model once per generation (each GPU then
             holds the full weights while it generates); false: gather block by block at every generated token, as
             the training passes do (for a model whose full weights do not fit one GPU; slower: 2.9x under FSDP2 in
             make bench-grpo-generation).
-        attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_every: also evaluate every N optimizer steps (0: at each epoch's end only).
         eval_num_samples: at each evaluation, besides the greedy answer, sample this many completions of every
             validation prompt at --temperature (with the same keys at every evaluation): their mean reward, pass@1
             (the share of samples that are right) and pass@k (the share of prompts with a right one among them),
             which move before greedy answers flip; 0: greedy only.
-        cache_dir: cache of the `datasets` library.
         model: the policy to train: a Hub name or folder of a chat model, a .gguf file, or the chat recipe's output
             (an adapter or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For --eval_only, --predict, --chat
             and --merge: the trained model (default --output_dir).
@@ -180,8 +175,6 @@ class GrpoFlags(TrainingFlags):
             results.json to --output_dir; any number of processes, each prompt counted once.
         predict: answer prompts (text, a .txt file of one per line, or a .json/.jsonl of chats) with --model; one
             JSON line per prompt.
-        chat: talk to --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
-        merge: write --model as one plain transformers folder to this path (an adapter merged into its base).
     """
 
     train_file: str | None = None
@@ -206,19 +199,11 @@ class GrpoFlags(TrainingFlags):
     scale_rewards: str = "group"
     loss_type: str = "dapo"
     mask_truncated: bool = False
-    lora_r: int = 0
-    lora_alpha: int | None = None
     lora_dropout: float = 0.0
-    lora_target_modules: str = "all-linear"
-    gradient_checkpointing: bool = False
     gather_for_generation: bool = True
-    attn_implementation: str | None = None
     warmup_ratio: float = 0.0
     eval_every: int = 0
     eval_num_samples: int = 4
-    cache_dir: str | None = None
-    chat: bool = False
-    merge: str | None = None
     # The shared flags this task defaults otherwise: the global batch counts prompts, not completions.
     batch_size: int = 16
     epochs: int = 1
@@ -275,63 +260,6 @@ def reward_columns(rows: list[dict]) -> dict:
     """The data's columns as lists, for the reward functions' **columns (prompt, messages and ids left out)."""
     names = {k for row in rows for k in row} - {"prompt", "messages", "prompt_ids"}
     return {name: [row.get(name) for row in rows] for name in sorted(names)}
-
-
-# ---------------------------------------------------------------------------------------------------------- model
-def build_policy(args: GrpoFlags, model_name: str, mixed_precision: str):
-    """The policy to train: the whole model, or a LoRA adapter on its frozen base (a chat-recipe adapter in --model
-    is trained on; merged into its base for a full fine-tune)."""
-    dtype = torch.bfloat16 if args.lora_r and mixed_precision == "bf16" else torch.float32
-    if is_adapter(model_name):
-        model, _ = load_fine_tuned(model_name, dtype)
-        if args.lora_r:  # go on training the chat recipe's adapter: its base stays what the adapter names
-            model = peft.PeftModel.from_pretrained(model.get_base_model(), model_name, is_trainable=True)
-        else:
-            model = model.merge_and_unload()
-    else:
-        model = load_base_model(model_name, dtype, args.attn_implementation)
-    model.config.use_cache = False  # the training forward passes need no cache; generation asks for one
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r:
-            model.enable_input_require_grads()
-    if args.lora_r and not isinstance(model, peft.PeftModel):
-        targets = args.lora_target_modules
-        config = peft.LoraConfig(
-            task_type="CAUSAL_LM",
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha or 2 * args.lora_r,
-            lora_dropout=args.lora_dropout,
-            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-        )
-        model = peft.get_peft_model(model, config)
-    return model
-
-
-REFERENCE_ADAPTER = "reference"  # under an adapter given in --model: its frozen copy, beside the trained one
-BASE = "base"  # under a fresh adapter: the base model itself, the adapter switched off
-
-
-def reference_policy(args: GrpoFlags, accelerator, model, model_name: str):
-    """The policy the KL term holds the model near, the one this run starts from: None with --beta 0; under a fresh
-    LoRA adapter (whose update starts at zero) the base itself, no second copy; under an adapter given in --model a
-    frozen copy of that adapter, loaded beside it in the same peft model (a few MB); in a full fine-tune a frozen
-    copy of the starting weights. Called before prepare, so that sharding treats a second adapter as the first."""
-    if not args.beta:
-        return None
-    if args.lora_r:
-        if not is_adapter(model_name):
-            return BASE
-        model.load_adapter(model_name, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
-        model.set_adapter("default")  # the trained one stays active (and the only one with gradients)
-        return REFERENCE_ADAPTER
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise RecipeError(
-            "--beta with a full fine-tune needs a second, frozen copy of the model, which this recipe does not shard; "
-            "use --lora_r (the reference is the base itself) or --beta 0"
-        )
-    reference = copy.deepcopy(model).eval().requires_grad_(False)
-    return reference.to(accelerator.device)
 
 
 # ------------------------------------------------------------------------------------------------------- rollouts
@@ -499,8 +427,43 @@ def generation_options_of_our_own(policy, max_new_tokens: int, pad: int, stop: l
         inner.generation_config = own
 
 
+@dataclass
+class Completions:
+    """Left-padded prompts and their completions, as generate returns them (one row per completion)."""
+
+    prompt: torch.Tensor  # token ids, [rows, prompt width], left-padded
+    prompt_mask: torch.Tensor  # 1 on the prompt's tokens, 0 on its padding
+    completion: torch.Tensor  # token ids, [rows, completion width]
+    mask: torch.Tensor  # 1 up to and with the token that ended the completion
+    truncated: torch.Tensor  # bool per row: no end of turn within --max_new_tokens
+
+    def texts(self, tokenizer) -> list[str]:
+        ids = (self.completion * self.mask).tolist()
+        lengths = self.mask.sum(dim=1).tolist()
+        return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lengths)], skip_special_tokens=True)
+
+
+@dataclass
+class Rollout(Completions):
+    """One micro-batch of rollouts (prompt-major: --num_generations rows per prompt) and all the update needs of it,
+    filled in by roll_out, score and rollout_steps, in that order."""
+
+    indices: list[int] = field(default_factory=list)  # the prompts of the micro-batch (training set indices)
+    texts: list[str] = field(default_factory=list)  # the completions, decoded
+    generation_seconds: float = 0.0
+    per_function: list[list] = field(default_factory=list)  # each reward's value (None: not applicable) per row
+    rewards: list[float] = field(default_factory=list)  # the weighted totals (NaN: no reward applied)
+    loss_mask: torch.Tensor | None = None  # the completion tokens the loss covers
+    advantages: torch.Tensor | None = None  # one per row
+    normaliser: torch.Tensor | float = 1.0  # what the step's summed token losses are divided by (loss_normaliser)
+    figures: dict = field(default_factory=dict)  # REWARD_FIGURES and each reward's mean, for the log
+    tokens: int = 0  # prompt and completion tokens, for the throughput
+    old_logprobs: torch.Tensor | None = None  # the sampling policy's, when --num_iterations > 1
+    reference_logprobs: torch.Tensor | None = None  # the reference's, with --beta
+
+
 @torch.no_grad()
-def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> dict:
+def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> Completions:
     """Completions of left-padded prompts through `generate` with the KV cache: sampled with keyed noise when `keys`
     are given (one per row), else greedy. Returns the rows' prompt and completion ids, masks, and which were cut."""
     width = max(map(len, prompt_ids))
@@ -530,25 +493,22 @@ def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, k
     ended = is_stop.any(dim=1)
     first_stop = torch.where(ended, is_stop.int().argmax(dim=1), completion.shape[1])
     mask = (torch.arange(completion.shape[1], device=device)[None] <= first_stop[:, None]).long()
-    return dict(prompt=input_ids, prompt_mask=attention_mask, completion=completion, mask=mask, truncated=~ended)
+    return Completions(input_ids, attention_mask, completion, mask, truncated=~ended)
 
 
-def completion_texts(tokenizer, rollout: dict) -> list[str]:
-    ids = (rollout["completion"] * rollout["mask"]).tolist()
-    lengths = rollout["mask"].sum(dim=1).tolist()
-    return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lengths)], skip_special_tokens=True)
-
-
-def roll_out(accelerator, model, tokenizer, rows: list[dict], indices: torch.Tensor, epoch: int, args) -> dict:
+def roll_out(accelerator, model, tokenizer, rows: list[dict], indices: torch.Tensor, epoch: int, args) -> Rollout:
     """One micro-batch of rollouts: --num_generations sampled completions of each prompt (rows prompt-major)."""
     started = time.perf_counter()
     generations = args.num_generations
     prompts = [rows[i]["prompt_ids"] for i in indices.tolist() for _ in range(generations)]
     keys = sampling_keys(args.seed, epoch, indices.to(accelerator.device), generations)
-    rollout = generate(accelerator, model, tokenizer, prompts, args, keys)
-    rollout.update(indices=indices.tolist(), texts=completion_texts(tokenizer, rollout))
-    rollout["generation_seconds"] = time.perf_counter() - started  # generate reads EOS flags: already synchronised
-    return rollout
+    completions = generate(accelerator, model, tokenizer, prompts, args, keys)
+    return Rollout(
+        **vars(completions),
+        indices=indices.tolist(),
+        texts=completions.texts(tokenizer),
+        generation_seconds=time.perf_counter() - started,  # generate reads EOS flags: already synchronised
+    )
 
 
 def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated: list[bool], ids=None) -> tuple:
@@ -560,12 +520,12 @@ def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated:
     return per_function, rewards.total(per_function)
 
 
-def score(rewards: Rewards, rows: list[dict], rollout: dict, generations: int) -> None:
+def score(rewards: Rewards, rows: list[dict], rollout: Rollout, generations: int) -> None:
     """The rewards of a micro-batch's completions, per function and weighted, into `rollout` (host lists)."""
-    picked = [rows[i] for i in rollout["indices"] for _ in range(generations)]
-    ids = [row[:n] for row, n in zip(rollout["completion"].tolist(), rollout["mask"].sum(dim=1).tolist())]
-    per_function, totals = score_texts(rewards, picked, rollout["texts"], rollout["truncated"].tolist(), ids)
-    rollout.update(per_function=per_function, rewards=totals)
+    picked = [rows[i] for i in rollout.indices for _ in range(generations)]
+    ids = [row[:n] for row, n in zip(rollout.completion.tolist(), rollout.mask.sum(dim=1).tolist())]
+    texts, cut = rollout.texts, rollout.truncated.tolist()
+    rollout.per_function, rollout.rewards = score_texts(rewards, picked, texts, cut, ids)
 
 
 def nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
@@ -578,12 +538,12 @@ def nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tens
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
-def advantages(accelerator, rollouts: list[dict], generations: int, scale: str) -> dict:
+def advantages(accelerator, rollouts: list[Rollout], generations: int, scale: str) -> dict:
     """Group-relative advantages of a step's rollouts, computed from every process's rewards (gathered: a group is
     whole on one process, the batch's spread needs them all). A completion no reward applied to (NaN) is left out
     of its group's mean and spread and gets no advantage, as in TRL. Returns the step's figures for the log."""
     device = accelerator.device
-    mine = torch.tensor([r for rollout in rollouts for r in rollout["rewards"]], device=device, dtype=torch.float64)
+    mine = torch.tensor([r for rollout in rollouts for r in rollout.rewards], device=device, dtype=torch.float64)
     everyone = accelerator.gather(mine).view(-1, generations)  # every group of the global batch
     std = nan_std(everyone, dim=1)
     scored = everyone.nan_to_num(nan=0.0)
@@ -599,8 +559,8 @@ def advantages(accelerator, rollouts: list[dict], generations: int, scale: str) 
     centred = centred.nan_to_num(nan=0.0)
     start = 0
     for rollout in rollouts:
-        rows = len(rollout["rewards"])
-        rollout["advantages"] = centred.reshape(-1)[start : start + rows].float()
+        rows = len(rollout.rewards)
+        rollout.advantages = centred.reshape(-1)[start : start + rows].float()
         start += rows
     # reward_std as TRL logs it (the whole global batch's spread), beside the spread within groups, which is what
     # group-scaled advantages see; frac_reward_zero_std: the share of groups that teach nothing this step
@@ -609,26 +569,25 @@ def advantages(accelerator, rollouts: list[dict], generations: int, scale: str) 
 
 
 # ----------------------------------------------------------------------------------------------------------- loss
-def token_logprobs(model, rollout: dict, temperature: float) -> torch.Tensor:
-    """Log-probabilities of the completion tokens under `model` (at the sampling temperature)."""
-    input_ids = torch.cat([rollout["prompt"], rollout["completion"]], dim=1)
-    attention_mask = torch.cat([rollout["prompt_mask"], rollout["mask"]], dim=1)
+def token_logprobs(model, rollout: Completions, temperature: float) -> torch.Tensor:
+    """Log-probabilities of the completion tokens under `model` (at the sampling temperature); only the completion's
+    positions get logits."""
+    input_ids = torch.cat([rollout.prompt, rollout.completion], dim=1)
+    attention_mask = torch.cat([rollout.prompt_mask, rollout.mask], dim=1)
     positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate numbered them, left padding skipped
-    width = rollout["prompt"].shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    logits = logits[:, width - 1 : -1].float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, rollout["completion"][..., None]).squeeze(-1)
+    return target_logprobs(model, input_ids, attention_mask, rollout.completion, positions, temperature)
 
 
-def policy_loss(logprobs, rollout: dict, args, reference_logprobs) -> tuple:
+def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
     """The clipped surrogate of a micro-batch, as its share of the global batch's loss: (loss, clip fraction, kl)."""
-    old = rollout.get("old_logprobs", logprobs.detach())  # on-policy (--num_iterations 1): ratio 1, same gradient
+    # on-policy (--num_iterations 1): the ratio is 1 and the gradient the same
+    old = rollout.old_logprobs if rollout.old_logprobs is not None else logprobs.detach()
     ratio = torch.exp(logprobs - old)
-    advantage = rollout["advantages"][:, None]
+    advantage = rollout.advantages[:, None]
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + high)
     per_token = -torch.min(ratio * advantage, clipped * advantage)
-    mask = rollout["loss_mask"].float()
+    mask = rollout.loss_mask.float()
     kl = torch.zeros((), device=logprobs.device)
     if reference_logprobs is not None:
         delta = reference_logprobs - logprobs
@@ -637,7 +596,7 @@ def policy_loss(logprobs, rollout: dict, args, reference_logprobs) -> tuple:
         # gradient that of the KL divergence (as TRL's default use_bias_correction_kl)
         per_token = per_token + args.beta * ratio * per_token_kl
         kl = (per_token_kl * mask).sum() / mask.sum().clamp(min=1)
-    normaliser = rollout["normaliser"]  # the same on every process (loss_normaliser)
+    normaliser = rollout.normaliser  # the same on every process (loss_normaliser)
     if args.loss_type == "grpo":
         loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / normaliser
     else:  # dapo: / completion tokens of the global batch; dr_grpo: / (completions x max_new_tokens)
@@ -647,36 +606,24 @@ def policy_loss(logprobs, rollout: dict, args, reference_logprobs) -> tuple:
     return loss, clip_fraction.detach(), kl.detach()
 
 
-def loss_normaliser(accelerator, rollouts: list[dict], args):
+def loss_normaliser(accelerator, rollouts: list[Rollout], args):
     """What a step's summed losses are divided by, the same on every process: its completion tokens (dapo) or
     completions (grpo, dr_grpo x --max_new_tokens) over the whole global batch, counted before the forward pass."""
     if args.loss_type == "dapo":
-        tokens = sum(r["loss_mask"].sum() for r in rollouts)
+        tokens = sum(r.loss_mask.sum() for r in rollouts)
         return accelerator.reduce(tokens.float(), reduction="sum").clamp(min=1)
     completions = args.batch_size * args.num_generations
     return completions * (args.max_new_tokens if args.loss_type == "dr_grpo" else 1)
 
 
 @torch.no_grad()
-def reference_token_logprobs(model, reference, rollout: dict, args, accelerator):
-    """The reference policy's log-probabilities of the completion tokens (see reference_policy); None with --beta 0.
-    Computed once per batch of rollouts, before its first update."""
+def reference_token_logprobs(model, reference, rollout: Completions, args, accelerator):
+    """The reference policy's log-probabilities of the completion tokens (chat_model.reference_policy); None with
+    --beta 0. Computed once per batch of rollouts, before its first update."""
     if reference is None:
         return None
-    unwrapped = accelerator.unwrap_model(model)
-    if reference == BASE:
-        with unwrapped.disable_adapter():
-            return token_logprobs(model, rollout, args.temperature)
-    if reference == REFERENCE_ADAPTER:
-        # peft runs one adapter at a time; setting the trained one back also restores its gradients (and keeps the
-        # reference's off)
-        unwrapped.set_adapter(REFERENCE_ADAPTER)
-        try:
-            return token_logprobs(model, rollout, args.temperature)
-        finally:
-            unwrapped.set_adapter("default")
-    with accelerator.autocast():
-        return token_logprobs(reference, rollout, args.temperature)
+    with reference_model(accelerator, model, reference) as policy:
+        return token_logprobs(policy, rollout, args.temperature)
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate
@@ -697,15 +644,15 @@ def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, 
     with accelerator.split_between_processes(padded) as mine:
         for start in range(0, len(mine), batch):
             chunk = mine[start : start + batch]
-            rollout = generate(accelerator, model, tokenizer, [rows[i]["prompt_ids"] for i in chunk], args)
-            greedy += list(zip(chunk, completion_texts(tokenizer, rollout), rollout["truncated"].tolist()))
+            answers = generate(accelerator, model, tokenizer, [rows[i]["prompt_ids"] for i in chunk], args)
+            greedy += list(zip(chunk, answers.texts(tokenizer), answers.truncated.tolist()))
             for first in range(0, len(chunk) * bool(k), per_call):
                 prompts = chunk[first : first + per_call]
                 keys = sampling_keys(args.seed, EVALUATION_EPOCH, torch.tensor(prompts, device=accelerator.device), k)
                 ids = [rows[i]["prompt_ids"] for i in prompts for _ in range(k)]
-                rollout = generate(accelerator, model, tokenizer, ids, args, keys)
+                answers = generate(accelerator, model, tokenizer, ids, args, keys)
                 rows_of = [(i, j) for i in prompts for j in range(k)]
-                sampled += list(zip(rows_of, completion_texts(tokenizer, rollout), rollout["truncated"].tolist()))
+                sampled += list(zip(rows_of, answers.texts(tokenizer), answers.truncated.tolist()))
     greedy = sorted(dict((i, (text, cut)) for i, text, cut in gather_object(greedy)).items())
     picked = [rows[i] for i, _ in greedy]
     texts = [text for _, (text, _) in greedy]
@@ -761,18 +708,18 @@ def rollout_steps(
         step = []
         for rollout in rollouts:
             score(rewards, rows, rollout, generations)
-            rollout["loss_mask"] = rollout["mask"] * (~rollout["truncated"][:, None] if args.mask_truncated else 1)
+            rollout.loss_mask = rollout.mask * (~rollout.truncated[:, None] if args.mask_truncated else 1)
         spread = advantages(accelerator, rollouts, generations, args.scale_rewards)
         normaliser = loss_normaliser(accelerator, rollouts, args)
         for rollout in rollouts:
-            tokens = int(rollout["prompt_mask"].sum() + rollout["mask"].sum())
-            rollout.update(normaliser=normaliser, figures=reward_figures(rollout, spread), tokens=tokens)
+            rollout.normaliser, rollout.figures = normaliser, reward_figures(rollout, spread, rewards.names)
+            rollout.tokens = int(rollout.prompt_mask.sum() + rollout.mask.sum())
             if args.num_iterations > 1:  # the policy that sampled, for the ratios of the later updates
                 with torch.no_grad():
-                    rollout["old_logprobs"] = token_logprobs(model, rollout, args.temperature)
+                    rollout.old_logprobs = token_logprobs(model, rollout, args.temperature)
             # once per batch of rollouts, whatever --num_iterations and the accumulation
-            rollout["reference_logprobs"] = reference_token_logprobs(model, reference, rollout, args, accelerator)
-        speed.generated(sum(int(r["mask"].sum()) for r in rollouts), sum(r["generation_seconds"] for r in rollouts))
+            rollout.reference_logprobs = reference_token_logprobs(model, reference, rollout, args, accelerator)
+        speed.generated(sum(int(r.mask.sum()) for r in rollouts), sum(r.generation_seconds for r in rollouts))
         for _ in range(args.num_iterations):
             yield from rollouts
 
@@ -823,8 +770,8 @@ def train(args: GrpoFlags) -> None:
     train_loader = DataLoader(list(range(len(train_rows))), per_process, shuffle=True, drop_last=True, generator=seeded)
 
     # ---- model, reference policy and optimizer: AdamW on the trainable weights, weight decay on matrices only
-    model = build_policy(args, model_name, accelerator.mixed_precision)
-    reference = reference_policy(args, accelerator, model, model_name)
+    model = build_model(args, model_name, accelerator.mixed_precision)  # an adapter of ours in --model: trained on
+    reference = reference_policy(args, accelerator, model, model_name) if args.beta else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay, no_decay = [p for p in trainable if p.ndim > 1], [p for p in trainable if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -911,7 +858,7 @@ def train(args: GrpoFlags) -> None:
             speed.update_started()
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
                 logprobs = token_logprobs(model, rollout, args.temperature)
-                loss, clip_fraction, kl = policy_loss(logprobs, rollout, args, rollout["reference_logprobs"])
+                loss, clip_fraction, kl = policy_loss(logprobs, rollout, args, rollout.reference_logprobs)
                 # This micro-batch's share of the global batch's loss; x world x accumulation undoes the means that
                 # DDP and accelerator.backward take, so the gradient is that of the global batch's loss.
                 loss = loss * world * accumulation
@@ -923,10 +870,9 @@ def train(args: GrpoFlags) -> None:
                     if not guard.skip_update(state.step + 1):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            rewarded, n = rollout["figures"], len(REWARD_FIGURES)  # in the order of figure_names
-            values = [loss.detach()[None], rewarded[:n], torch.stack([clip_fraction, kl]), rewarded[n:]]
-            state.add(torch.cat([v.to(loss.device) for v in values]), samples=len(rollout["indices"]))
-            speed.trained(rollout["tokens"])
+            on_device = dict(loss=loss.detach(), clip_fraction=clip_fraction, kl=kl)
+            state.add(in_order(figures, on_device, rollout.figures), samples=len(rollout.indices))
+            speed.trained(rollout.tokens)
             if not accelerator.sync_gradients:
                 continue
             speed.update_ended()
@@ -1012,7 +958,7 @@ def settings(args: GrpoFlags, model_name: str, lr: float, model, rewards: Reward
     )
 
 
-# What rollout_steps computes of each micro-batch's rewards, in the order of reward_figures.
+# What rollout_steps computes of each micro-batch's rewards (reward_figures), besides each reward's mean.
 REWARD_FIGURES = ("reward", "reward_std", "reward_std_in_group", "frac_reward_zero_std", "accuracy", "solved")
 REWARD_FIGURES += ("completion_length", "truncated")
 
@@ -1022,26 +968,32 @@ def figure_names(rewards: Rewards) -> tuple[str, ...]:
     return ("loss", *REWARD_FIGURES, "clip_fraction", "kl", *[f"reward_{name}" for name in rewards.names])
 
 
-def reward_figures(rollout: dict, spread: dict) -> list[float]:
-    """A micro-batch's REWARD_FIGURES, then each reward's mean (over the completions it applies to)."""
-    rewards, first = rollout["rewards"], rollout["per_function"][0]
-    generations = len(rewards) // len(rollout["indices"])
+def reward_figures(rollout: Rollout, spread: dict, names: tuple[str, ...]) -> dict[str, float]:
+    """A micro-batch's REWARD_FIGURES by name, and each reward's mean (over the completions it applies to) as
+    reward_<name> (`names`: the rewards')."""
+    rewards, first = rollout.rewards, rollout.per_function[0]
+    generations = len(rewards) // len(rollout.indices)
     correct = [is_correct(v) for v in first]
     solved = [any(correct[i : i + generations]) for i in range(0, len(correct), generations)]
-    lengths = rollout["mask"].sum(dim=1).tolist()
-    return torch.tensor(
-        [
-            mean_scored(rewards),
-            spread["reward_std"],
-            spread["reward_std_in_group"],
-            spread["frac_reward_zero_std"],
-            sum(correct) / len(correct),
-            sum(solved) / len(solved),
-            sum(lengths) / len(lengths),
-            sum(rollout["truncated"].tolist()) / len(lengths),
-            *[mean_scored(v) for v in rollout["per_function"]],
-        ]
+    lengths = rollout.mask.sum(dim=1).tolist()
+    figures = dict(
+        reward=mean_scored(rewards),
+        **spread,  # reward_std, reward_std_in_group, frac_reward_zero_std
+        accuracy=sum(correct) / len(correct),
+        solved=sum(solved) / len(solved),
+        completion_length=sum(lengths) / len(lengths),
+        truncated=sum(rollout.truncated.tolist()) / len(lengths),
     )
+    return figures | {f"reward_{name}": mean_scored(v) for name, v in zip(names, rollout.per_function)}
+
+
+def in_order(names: tuple[str, ...], on_device: dict, on_host: dict) -> torch.Tensor:
+    """One micro-batch's figures as RunState adds them, in the order of `names`: the device's tensors stay there
+    (no read), the host's numbers go over in one copy."""
+    device = next(iter(on_device.values())).device
+    host = [0.0 if name in on_device else on_host[name] for name in names]
+    host = torch.tensor(host, dtype=torch.float32).to(device)
+    return torch.stack([on_device[name].float() if name in on_device else host[i] for i, name in enumerate(names)])
 
 
 class Throughput:
@@ -1082,18 +1034,18 @@ class Throughput:
         }
 
 
-def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: dict, tracking) -> None:
+def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: Rollout, tracking) -> None:
     """A few of this step's completions with their rewards, to samples.jsonl and the tracker (main process)."""
-    generations = len(rollout["rewards"]) // len(rollout["indices"])
+    generations = len(rollout.rewards) // len(rollout.indices)
     samples = [
         {
             "step": state.step,
-            "prompt": str(rows[rollout["indices"][i // generations]]["messages"][-1]["content"]),
-            "answer": rollout["texts"][i],
-            "reference": str(rows[rollout["indices"][i // generations]].get("answer", "")),
-            "reward": rollout["rewards"][i],
+            "prompt": str(rows[rollout.indices[i // generations]]["messages"][-1]["content"]),
+            "answer": rollout.texts[i],
+            "reference": str(rows[rollout.indices[i // generations]].get("answer", "")),
+            "reward": rollout.rewards[i],
         }
-        for i in range(min(SAMPLES_KEPT, len(rollout["texts"])))
+        for i in range(min(SAMPLES_KEPT, len(rollout.texts)))
     ]
     write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
 
@@ -1136,10 +1088,7 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
     set_seed(args.seed)
     prepare_output_dir(output)
-    if Path(model_dir).suffix == ".gguf" or is_adapter(model_dir) or (Path(model_dir) / "config.json").is_file():
-        model, tokenizer = load_fine_tuned(model_dir)
-    else:  # a Hub name
-        model, tokenizer = load_base_model(model_dir), load_tokenizer(model_dir)
+    model, tokenizer = load_any(model_dir)  # a trained model, or one before any GRPO
     with accelerator.local_main_process_first():
         train_rows, validation_rows = load_prompts(
             args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
@@ -1173,18 +1122,12 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
         print(f"{write_results(output, results).name} saved in {output}")
 
 
-def predict(args: GrpoFlags) -> None:
-    """--predict: the chat recipe's, with the model in --model (default --output_dir): one JSON line per prompt."""
-    chat_recipe.predict(args)
-
-
 # ----------------------------------------------------------------------------------------------------------- main
 def main(args: GrpoFlags) -> None:
     """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
-    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge))) > 1:
-        raise RecipeError("give one of --predict, --eval_only, --chat and --merge")
+    check_one_mode(args)
     if args.predict is not None:
         return predict(args)
     if args.chat:

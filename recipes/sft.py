@@ -20,11 +20,9 @@ from accelerate_recipes.cli import answer_help_from_source
 
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
-import copy
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,25 +38,27 @@ from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
-    gather_object,
     set_seed,
 )
-from sft_data import (
-    FILE_SUFFIXES,
-    as_conversations,
-    check_chat_template,
-    check_packing,
-    collator,
-    ensure_pad_token,
-    exact_match,
-    generation_prompt,
-    load_conversations,
-    load_file,
-    tokenize_splits,
+from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
+    DEFAULT_MODEL,
+    SAMPLES_KEPT,
+    ChatModelFlags,
+    build_model,
+    chat,
+    check_one_mode,
+    generate_answers,
+    load_fine_tuned,
+    load_tokenizer,
+    merge,
+    predict,
+    save_model,
+    write_samples,
 )
-from sft_plan import meta_model, numel, print_plan
+from sft_data import check_packing, collator, load_conversations, tokenize_splits
+from sft_plan import numel, print_plan
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, get_scheduler
+from transformers import get_scheduler
 
 from accelerate_recipes import (
     BestModel,
@@ -66,14 +66,11 @@ from accelerate_recipes import (
     RecipeError,
     RunState,
     StepMeter,
-    TrainingFlags,
     TrainingProgress,
     always_build_attention_masks,
     check_launch,
     cpu_threads_and_workers,
-    explain_load_failure,
     explain_startup_failure,
-    model_to_save,
     num_machines,
     prepare_output_dir,
     print_summary,
@@ -86,13 +83,9 @@ from accelerate_recipes import (
 )
 from accelerate_recipes.plots import plot_results
 
-DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
-SAMPLES_FILE = "samples.jsonl"  # the first answers of --eval_generate, every epoch
-SAMPLES_KEPT = 5
-
 
 @dataclass
-class SftFlags(TrainingFlags):
+class SftFlags(ChatModelFlags):
     """Fine-tune a chat model on conversations (LoRA with --lora_r, else in full), or use the fine-tuned model.
 
     The loss covers the assistant's turns only (every one of a multi-turn conversation, with the token that ends
@@ -116,21 +109,10 @@ class SftFlags(TrainingFlags):
         packing: put each micro-batch's conversations in one row without padding, attention kept inside each one
             (positions restart per conversation): faster when lengths vary. Needs an attention implementation that
             keeps packed sequences apart (sdpa, eager, flex_attention, flash_attention_2/3).
-        lora_r: rank of a LoRA adapter (peft) trained on every linear layer instead of the whole model; 0: a full
-            fine-tune. 8-64 are usual.
-        lora_alpha: LoRA scale numerator (the update is scaled by alpha / r); default 2 x --lora_r.
-        lora_dropout: dropout on the LoRA branch's input.
-        lora_target_modules: the layers that get adapters: all-linear (default, every linear layer but the output
-            head) or comma-separated module names (q_proj,v_proj).
-        gradient_checkpointing: recompute activations in the backward pass (non-reentrant): much less memory for
-            long conversations, about a third slower.
-        attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
             that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
             the first few go to output_dir/samples.jsonl and the tracker. 0: no generation.
-        max_new_tokens: longest generated answer (--eval_generate, --predict, --chat).
-        cache_dir: cache of the `datasets` library (downloads and tokenised data).
         model: the model to fine-tune: a Hub name or a local folder of any chat model AutoModelForCausalLM loads
             with its tokenizer and chat template (Qwen2.5 / Qwen3, Llama, SmolLM; default
             Qwen/Qwen2.5-0.5B-Instruct), or a .gguf file (dequantised to fp32). For --eval_only, --predict, --chat and
@@ -144,9 +126,6 @@ class SftFlags(TrainingFlags):
         predict: answer prompts instead of training: a prompt, a .txt file (one prompt per line) or a .json/.jsonl
             file of conversations (answered after their last user turn), with the model in --model. Prints one JSON
             line per prompt; give --predict several times for several.
-        chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
-        merge: write the model in --model as one plain transformers folder to this path: a LoRA adapter merged into
-            its base, or a .gguf file converted; `from_pretrained` loads it without peft.
         plan_only: print the memory plan (per-process weights, gradients, AdamW states, activations and whether they
             fit; when not, the change that would) and exit without loading the weights or the data: the model is
             built from its config on the meta device, so planning a 7B run needs no memory.
@@ -162,18 +141,8 @@ class SftFlags(TrainingFlags):
     validation_size: float = 0.1
     max_length: int = 1024
     packing: bool = False
-    lora_r: int = 0
-    lora_alpha: int | None = None
-    lora_dropout: float = 0.05
-    lora_target_modules: str = "all-linear"
-    gradient_checkpointing: bool = False
-    attn_implementation: str | None = None
     warmup_ratio: float = 0.03
     eval_generate: int = 0
-    max_new_tokens: int = 128
-    cache_dir: str | None = None
-    chat: bool = False
-    merge: str | None = None
     plan_only: bool = False
     plan_devices: int = 0
     plan_device_gb: float = 0.0
@@ -262,143 +231,6 @@ def whole_steps(batches, accumulation: int, accelerator, limit: int):
             step = []
 
 
-# ---------------------------------------------------------------------------------------------------------- model
-def load_tokenizer(name: str):
-    """The model's tokenizer, with its chat template and a pad token (a .gguf file carries both)."""
-    path = Path(name).expanduser()
-    with explain_load_failure(name, also=", a .gguf file"):
-        if path.suffix == ".gguf":
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(name)
-    check_chat_template(tokenizer, name)
-    ensure_pad_token(tokenizer)
-    return tokenizer
-
-
-def load_base_model(name: str, dtype=torch.float32, attn_implementation: str | None = None):
-    """A causal LM from a Hub name, a folder, or a .gguf file.
-
-    transformers dequantises a GGUF file to `dtype` but refuses to save or train a model loaded that way; its weights
-    are therefore moved into the same architecture built from its config, which trains and saves as any other.
-    """
-    path = Path(name).expanduser()
-    with explain_load_failure(name, also=", a .gguf file"):
-        if path.suffix != ".gguf":
-            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
-        if not path.is_file():
-            raise RecipeError(f"--model {name}: no such .gguf file")
-        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        config.quantization_config = None
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        model.load_state_dict(loaded.state_dict())
-        model.generation_config = loaded.generation_config
-        model.name_or_path = model.config._name_or_path = str(path)  # an adapter's base: the file, not its folder
-        return model
-
-
-def add_lora(model, args: SftFlags):
-    """Freeze the model and give it a LoRA adapter (peft) on the layers --lora_target_modules names."""
-    targets = args.lora_target_modules
-    config = peft.LoraConfig(
-        task_type="CAUSAL_LM",
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha or 2 * args.lora_r,
-        lora_dropout=args.lora_dropout,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-    )
-    return peft.get_peft_model(model, config)
-
-
-def build_model(args: SftFlags, model_name: str, mixed_precision: str, meta: bool = False):
-    """The model to train: the whole of it, or (--lora_r) frozen with a LoRA adapter; gradient checkpointing and
-    packing set up as the flags ask. `meta`: the architecture alone, on the meta device (--plan_only)."""
-    # A LoRA run keeps the frozen base in bf16 when it trains in bf16 (half the memory); full fine-tunes keep fp32
-    # master weights and let autocast compute in bf16.
-    dtype = torch.bfloat16 if args.lora_r and mixed_precision == "bf16" else torch.float32
-    model = meta_model(model_name, dtype) if meta else load_base_model(model_name, dtype, args.attn_implementation)
-    model.config.use_cache = False  # no cache in training; packed rows also need none to keep examples apart
-    if args.packing:
-        check_packing(model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if args.lora_r:  # the frozen embeddings' output must carry a gradient for the checkpointed blocks to get one
-            model.enable_input_require_grads()
-    if args.lora_r:
-        model = add_lora(model, args)
-    return model
-
-
-def is_adapter(folder) -> bool:
-    return (Path(folder) / "adapter_config.json").is_file()
-
-
-def load_fine_tuned(model_dir: str, dtype=torch.float32):
-    """(model, tokenizer) of a finished run: a LoRA adapter on its base (read from where the adapter says), or a
-    full model; a .gguf file or any chat model works too (--predict on the model before fine-tuning)."""
-    path = Path(model_dir)
-    if path.suffix != ".gguf" and not (path / "config.json").is_file() and not is_adapter(path):
-        raise RecipeError(
-            f"--model {model_dir} is not a fine-tuned model folder (no adapter_config.json or config.json); train "
-            "first or point --model at the output_dir of a finished run"
-        )
-    tokenizer = load_tokenizer(model_dir)
-    if not is_adapter(path):
-        return load_base_model(model_dir, dtype), tokenizer
-    base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base = load_base_model(base_name, dtype)
-    return peft.PeftModel.from_pretrained(base, model_dir), tokenizer
-
-
-def share_tied_weights(state_dict: dict | None, model) -> None:
-    """Point the names of one tied weight (a tied lm_head and input embeddings) at one tensor of `state_dict`.
-
-    save_pretrained writes a tied weight once only when its names share storage; FSDP2's gathered state dict holds a
-    copy per name, which would write the output head again (the size of the embeddings). ZeRO-3 gives None off the
-    main process: nothing to do there."""
-    if not state_dict:
-        return
-    first = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        kept = first.setdefault(id(param), name)
-        if kept != name and name in state_dict and kept in state_dict:
-            state_dict[name] = state_dict[kept]
-
-
-def save_model(accelerator, model, tokenizer, folder) -> None:
-    """The adapter (LoRA) or the whole model, as from_pretrained / peft and --predict read it, with the tokenizer.
-    Collective: every process calls it."""
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if accelerator.distributed_type == DistributedType.FSDP and isinstance(unwrapped, peft.PeftModel):
-        # FSDP2: gather the adapter's shards only (all ranks, in the same order), not the whole frozen base, which
-        # get_state_dict would copy to the main process' RAM to keep a few MB of it.
-        from torch.distributed.tensor import DTensor
-
-        state_dict = {
-            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().cpu()
-            for name, param in unwrapped.named_parameters()
-            if param.requires_grad
-        }
-    else:
-        # gathers the full weights under FSDP / DeepSpeed ZeRO-3; peft keeps the adapter's weights of them
-        state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
-    share_tied_weights(state_dict, unwrapped)
-    # the trained adapter only: another one beside it (GRPO's frozen reference) is not part of the result
-    adapters = {"selected_adapters": [unwrapped.active_adapter]} if isinstance(unwrapped, peft.PeftModel) else {}
-    unwrapped.save_pretrained(
-        folder,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=state_dict,
-        **adapters,
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(folder)
-
-
 # -------------------------------------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate(model, loader, accelerator) -> dict:
@@ -436,132 +268,6 @@ def check_generation(accelerator, eval_generate: int) -> None:
             f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model with --eval_only "
             "--eval_generate N in one process instead"
         )
-
-
-@torch.no_grad()
-def generate_answers(model, tokenizer, conversations, accelerator, max_new_tokens: int, batch_size: int):
-    """Greedy answers to the given validation conversations' last prompts, compared with their references:
-    ({eval_exact_match, eval_generated}, [{prompt, reference, answer}, ...]).
-
-    Each process answers its share (accelerate's split_between_processes); the answers are gathered in order.
-    """
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    pairs = [generation_prompt(messages) for messages in conversations]
-    answers = []
-    with accelerator.split_between_processes(list(range(len(pairs)))) as mine:
-        for start in range(0, len(mine), batch_size):
-            prompts = [pairs[i][0] for i in mine[start : start + batch_size]]
-            answers += list(
-                zip(mine[start : start + batch_size], greedy(unwrapped, tokenizer, prompts, max_new_tokens))
-            )
-    unwrapped.train()
-    answers = sorted(gather_object(answers))  # (index, answer) pairs of every process
-    samples = [
-        {"prompt": pairs[i][0][-1]["content"], "reference": pairs[i][1], "answer": answer} for i, answer in answers
-    ]
-    matches = [exact_match(s["answer"], s["reference"]) for s in samples]
-    return {"eval_exact_match": sum(matches) / max(len(matches), 1), "eval_generated": len(matches)}, samples
-
-
-def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None) -> list[str]:
-    """Greedy answers to conversations that end with a user turn, in one left-padded batch."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    left_padding = copy.copy(tokenizer)  # a decoder continues from the last position of each row
-    left_padding.padding_side = "left"
-    inputs = left_padding(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    output = model.generate(
-        **inputs,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        use_cache=True,
-        pad_token_id=tokenizer.pad_token_id,
-        streamer=streamer,
-    )
-    return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def write_samples(accelerator, output: Path, epoch: int, step: int, samples: list[dict], tracking) -> None:
-    """The first answers of an evaluation, to samples.jsonl and to SwanLab as text (main process)."""
-    if not accelerator.is_main_process or not samples:
-        return
-    with open(output / SAMPLES_FILE, "a") as file:
-        for sample in samples[:SAMPLES_KEPT]:
-            file.write(json.dumps({"epoch": epoch, **sample}, ensure_ascii=False) + "\n")
-    if "swanlab" in tracking.log_with:
-        import swanlab
-
-        texts = [swanlab.Text(f"{s['prompt']} -> {s['answer']} (reference: {s['reference']})") for s in samples]
-        accelerator.get_tracker("swanlab").log({"eval/samples": texts[:SAMPLES_KEPT]}, step=step)
-
-
-# -------------------------------------------------------------------------------------------------------- predict
-def read_prompts(source) -> list[list[dict]]:
-    """Conversations to answer: the prompt itself, a .txt file (one prompt per line) or a .json/.jsonl file of
-    conversations in the training formats (answered after their last user turn)."""
-    prompts = []
-    for item in map(str, source if isinstance(source, (list, tuple)) else [source]):
-        path = Path(item).expanduser()
-        if path.suffix.lower() in FILE_SUFFIXES and path.is_file():
-            rows = as_conversations(load_file(path, "predict", None, flag="--predict"), f"--predict {path}")
-            for messages in rows["messages"]:
-                prompts.append(generation_prompt(messages)[0] if messages[-1]["role"] == "assistant" else messages)
-        elif path.suffix.lower() == ".txt" and path.is_file():
-            prompts += [[{"role": "user", "content": line}] for line in path.read_text().splitlines() if line.strip()]
-        else:
-            prompts.append([{"role": "user", "content": item}])
-    return prompts
-
-
-def inference_model(args: SftFlags):
-    """(model, tokenizer) of --model (default --output_dir) on the GPU when there is one, in bf16 there."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    model, tokenizer = load_fine_tuned(args.model or args.output_dir, dtype)
-    return model.to(device).eval(), tokenizer
-
-
-def predict(args: SftFlags) -> None:
-    """--predict: answer prompts greedily with the model in --model (default --output_dir) in this one process and
-    print one JSON line per prompt: prompt, answer."""
-    model, tokenizer = inference_model(args)
-    prompts = read_prompts(args.predict)
-    with torch.no_grad():
-        for start in range(0, len(prompts), args.batch_size):
-            chunk = prompts[start : start + args.batch_size]
-            for prompt, answer in zip(chunk, greedy(model, tokenizer, chunk, args.max_new_tokens)):
-                print(json.dumps({"prompt": prompt[-1]["content"], "answer": answer}, ensure_ascii=False), flush=True)
-
-
-def chat(args: SftFlags) -> None:
-    """--chat: a conversation in the terminal with the model in --model, each answer streamed as it is generated."""
-    model, tokenizer = inference_model(args)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    messages = []
-    print(f"chatting with {args.model or args.output_dir}; an empty line or Ctrl-D ends", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> " if sys.stdin.isatty() else "")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        print("model> ", end="", flush=True)
-        with torch.no_grad():
-            answer = greedy(model, tokenizer, [messages], args.max_new_tokens, streamer=streamer)[0]
-        messages.append({"role": "assistant", "content": answer})
-
-
-def merge(args: SftFlags) -> None:
-    """--merge DIR: the model in --model as one plain transformers folder: an adapter merged into its base weights,
-    or a .gguf file converted. Loads with from_pretrained alone."""
-    model, tokenizer = load_fine_tuned(args.model or args.output_dir)
-    if isinstance(model, peft.PeftModel):
-        model = model.merge_and_unload()
-    model.save_pretrained(args.merge)
-    tokenizer.save_pretrained(args.merge)
-    print(f"merged model saved in {args.merge}; load it with AutoModelForCausalLM.from_pretrained({args.merge!r})")
 
 
 # ------------------------------------------------------------------------------------------------------ reporting
@@ -660,6 +366,8 @@ def train(args: SftFlags) -> None:
     tokenizer = load_tokenizer(model_name)
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
     model = build_model(args, model_name, accelerator.mixed_precision)
+    if args.packing:
+        check_packing(model)
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
 
@@ -864,8 +572,7 @@ def main(args: SftFlags) -> None:
     """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
-    if sum(map(bool, (args.predict is not None, args.eval_only, args.chat, args.merge, args.plan_only))) > 1:
-        raise RecipeError("give one of --predict, --eval_only, --chat, --merge and --plan_only")
+    check_one_mode(args, "plan_only")
     if args.predict is not None:
         return predict(args)
     if args.chat:

@@ -21,7 +21,7 @@ from accelerate_recipes import PREEMPTED_EXIT_CODE
 CHECK = REPO / "benchmarks" / "gpu_check.py"
 # Steps of the one-GPU plan with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run. preempt runs
 # in the budget test below, ddp and allreduce in test_no_install.py (through make, nothing installed).
-SMOKE = ["sft", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
+SMOKE = ["sft", "dpo", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
@@ -136,7 +136,7 @@ def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke
     assert doctor["nccl"].startswith("NCCL all-reduce not run: CPU run") and doctor["busbw_gbps"] is None
     for name in ("sync-bn", "dp-vs-ddp"):
         assert results[name]["status"] == "not run" and results[name]["detail"] == "needs CUDA"
-    for name in ("sft", "fast94", "text-fsdp", "nccl-doctor"):
+    for name in ("sft", "dpo", "fast94", "text-fsdp", "nccl-doctor"):
         assert results[name]["wall_seconds"] > 0 and results[name]["commands"] and results[name]["finished_at"]
     table = (smoke["out"] / "report.md").read_text()
     assert table.startswith("# GPU check: PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA)")
@@ -171,6 +171,22 @@ def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
         "launch --config_file " + str(gpu_check.CONFIGS / "fsdp.yaml") + " --num_processes 1"
     )
     assert [name for name, _, _ in gpu_check.Check(Path("unused"), 2, False, 0.0).sft_runs()] == ["lora", "full"]
+
+
+def test_dpo_runs_lora_and_full_with_their_reference_and_counts_the_references_flops(smoke):
+    dpo = next(r for r in smoke["report"]["steps"] if r["step"] == "dpo")
+    assert dpo["status"] == "pass" and list(dpo["figures"]) == ["lora", "full"], dpo
+    assert ["--lora_r 16" in c for c in dpo["commands"]] == [True, False]
+    for method, figures in dpo["figures"].items():
+        assert figures["method"] == method and figures["steps"] == 3 and figures["train_tokens_per_second"] > 0
+        assert figures["peak_memory_mb"] > 0 and figures["mean_tokens_per_row"] > 0
+    results = {"train_tokens_per_second": 1000.0, "train_samples_per_second": 5.0}  # rows of 100 tokens
+    assets = {"matmul_parameters": 1_000_000, "layers": 2, "hidden": 64}
+    attention = 12 * 2 * 64 * 100
+    assert gpu_check.dpo_figures(results, assets, 1.0, "lora")["flops_per_token"] == 6_000_000 + attention
+    full = gpu_check.dpo_figures(dict(results, precompute_ref=True), assets, 1.0, "full")
+    assert full["flops_per_token"] == 6_000_000 + attention  # no reference pass
+    assert full["model_flops_utilisation"] == round((6_000_000 + attention) * 1000 / 1e12, 4)
 
 
 def test_results_folder_receives_the_report_and_one_tar_of_logs_without_models(smoke):
@@ -368,14 +384,14 @@ def test_sft_figures_count_model_flops_as_palm_does_and_compare_peak_memory_with
 
 def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_first():
     """The default budget, a cut step's grace and the report within 9 minutes; every step's own limit within the
-    budget; on one H100 the first call holds the chat fine-tune, the CIFAR fast path, text, detector, preemption."""
+    budget; on one H100 the first call holds the chat fine-tune, preference tuning, the CIFAR fast path and text."""
     assert gpu_check.DEFAULT_BUDGET + gpu_check.STOP_GRACE_SECONDS + 10 <= 9 * 60
     assert all(gpu_check.TIMEOUTS[s] <= gpu_check.DEFAULT_BUDGET for s in gpu_check.STEPS)
-    assert gpu_check.STEPS[:6] == ["sft", "fast94", "text-fsdp", "detect-640", "preempt", "bench"]
+    assert gpu_check.STEPS[:7] == ["sft", "dpo", "fast94", "text-fsdp", "detect-640", "preempt", "bench"]
     needs = gpu_check.requirements(1, None)
     first, left = [], gpu_check.DEFAULT_BUDGET
     for name in (s for s in gpu_check.STEPS if not needs[s]):
         if gpu_check.ESTIMATED_SECONDS[name] <= left:
             first.append(name)
             left -= gpu_check.ESTIMATED_SECONDS[name]
-    assert first[:5] == ["sft", "fast94", "text-fsdp", "detect-640", "preempt"], first
+    assert first[:4] == ["sft", "dpo", "fast94", "text-fsdp"], first

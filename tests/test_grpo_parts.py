@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 from accelerate import Accelerator
-from grpo import KeyedSampling, advantages, hashed_uniform, loss_normaliser, policy_loss, sampling_keys
+from grpo import KeyedSampling, Rollout, advantages, hashed_uniform, loss_normaliser, policy_loss, sampling_keys
 from grpo_rewards import (
     Rewards,
     as_prompt_row,
@@ -101,22 +101,32 @@ def test_rewards_written_for_trl_run_unchanged(tmp_path):
     assert Rewards("number").score(["What is 3 + 5?"], ["8"], {"answer": ["8"]}) == [[1.0]]
 
 
+def rollout_of(rows: int, **fields) -> Rollout:
+    """A Rollout of `rows` one-token completions, with the fields a test sets."""
+    blank = torch.zeros((rows, 1), dtype=torch.long)
+    return Rollout(blank, blank, blank, blank, torch.zeros(rows, dtype=torch.bool), **fields)
+
+
+def rewarded(rewards: list[float]) -> Rollout:
+    return rollout_of(len(rewards), rewards=rewards)
+
+
 def test_the_spread_of_rewards_a_user_watches():
     """reward_std as TRL logs it (the batch's), the mean spread within groups, and the groups with nothing to learn."""
     accelerator = Accelerator(cpu=True)
-    rollouts = [{"rewards": [1.0, 1.0, 1.0, 1.0]}, {"rewards": [0.0, 1.0, 0.0, 1.0]}]
+    rollouts = [rewarded([1.0, 1.0, 1.0, 1.0]), rewarded([0.0, 1.0, 0.0, 1.0])]
     figures = advantages(accelerator, rollouts, 4, "group")
     everything = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1], dtype=torch.float64)
     assert figures["reward_std"] == pytest.approx(everything.std().item())
     assert figures["reward_std_in_group"] == pytest.approx(everything[4:].std().item() / 2)
     assert figures["frac_reward_zero_std"] == 0.5
-    assert rollouts[0]["advantages"].abs().max() == 0 and rollouts[1]["advantages"][1] > 0
+    assert rollouts[0].advantages.abs().max() == 0 and rollouts[1].advantages[1] > 0
     # a completion no reward applied to (NaN): out of its group's mean and spread, no advantage (as TRL)
-    unscored = [{"rewards": [1.0, math.nan, 0.0, 1.0]}]
+    unscored = [rewarded([1.0, math.nan, 0.0, 1.0])]
     figures = advantages(accelerator, unscored, 4, "group")
     scored = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     expected = (scored - scored.mean()) / (scored.std() + 1e-4)
-    assert torch.allclose(unscored[0]["advantages"].double(), torch.tensor([expected[0], 0, expected[1], expected[2]]))
+    assert torch.allclose(unscored[0].advantages.double(), torch.tensor([expected[0], 0, expected[1], expected[2]]))
     assert figures["reward_std"] == pytest.approx(scored.std().item()) and figures["frac_reward_zero_std"] == 0
 
 
@@ -195,27 +205,28 @@ def test_the_micro_batches_shares_add_up_to_the_global_batchs_loss(loss_type):
     accelerator = types.SimpleNamespace(reduce=lambda tensor, reduction: tensor)
 
     def share(rows):
-        rollout = {"loss_mask": mask[rows], "advantages": advantage[rows], "old_logprobs": logprobs[rows] + 0.1}
-        return rollout
+        return rollout_of(
+            len(mask[rows]), loss_mask=mask[rows], advantages=advantage[rows], old_logprobs=logprobs[rows] + 0.1
+        )
 
     whole = share(slice(0, 4))
-    whole["normaliser"] = loss_normaliser(accelerator, [whole], args)
+    whole.normaliser = loss_normaliser(accelerator, [whole], args)
     parts = [share(slice(0, 2)), share(slice(2, 4))]
     for part in parts:
-        part["normaliser"] = loss_normaliser(accelerator, parts, args)
+        part.normaliser = loss_normaliser(accelerator, parts, args)
     total = sum(
         policy_loss(logprobs[rows], part, args, None)[0] for rows, part in zip((slice(0, 2), slice(2, 4)), parts)
     )
     assert total == pytest.approx(policy_loss(logprobs, whole, args, None)[0].item(), abs=1e-7)
     expected = {"dapo": int(mask.sum()), "grpo": 4, "dr_grpo": 4 * 6}[loss_type]
-    assert float(whole["normaliser"]) == expected
+    assert float(whole.normaliser) == expected
 
 
 def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_config_says(tiny_chat_model):
     """A model whose own generation_config bans repeats, penalises them and suppresses tokens: greedy answers and
     keyed samples are still those of the plain softmax, the policy whose log-probabilities the update uses."""
+    from chat_model import load_base_model, load_tokenizer
     from grpo import GrpoFlags, generate, sampling_keys, token_logprobs
-    from sft import load_base_model, load_tokenizer
 
     accelerator = Accelerator(cpu=True)
     tokenizer, model = load_tokenizer(str(tiny_chat_model)), load_base_model(str(tiny_chat_model)).eval()
@@ -229,37 +240,35 @@ def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_c
     prompts = [p for p in prompts for _ in range(2)]
     plain_greedy = generate(accelerator, model, tokenizer, prompts, args)
     plain_sampled = generate(accelerator, model, tokenizer, prompts, args, keys)
-    first_tokens = plain_greedy["completion"][:, 0].tolist() + plain_sampled["completion"][:, 0].tolist()
+    first_tokens = plain_greedy.completion[:, 0].tolist() + plain_sampled.completion[:, 0].tolist()
     own = model.generation_config
     own.update(repetition_penalty=5.0, no_repeat_ngram_size=1, suppress_tokens=first_tokens, min_new_tokens=4)
     greedy = generate(accelerator, model, tokenizer, prompts, args)
     sampled = generate(accelerator, model, tokenizer, prompts, args, keys)
-    assert torch.equal(greedy["completion"], plain_greedy["completion"])
-    assert torch.equal(sampled["completion"], plain_sampled["completion"])
+    assert torch.equal(greedy.completion, plain_greedy.completion)
+    assert torch.equal(sampled.completion, plain_sampled.completion)
     assert model.generation_config.repetition_penalty == 5.0  # the model's own is put back afterwards
     # greedy: every token is the argmax of the update's own softmax
     logits = model(
-        input_ids=torch.cat([greedy["prompt"], greedy["completion"]], 1),
-        attention_mask=torch.cat([greedy["prompt_mask"], greedy["mask"]], 1),
-        position_ids=(torch.cat([greedy["prompt_mask"], greedy["mask"]], 1).cumsum(1) - 1).clamp(min=0),
-    ).logits[:, greedy["prompt"].shape[1] - 1 : -1]
+        input_ids=torch.cat([greedy.prompt, greedy.completion], 1),
+        attention_mask=torch.cat([greedy.prompt_mask, greedy.mask], 1),
+        position_ids=(torch.cat([greedy.prompt_mask, greedy.mask], 1).cumsum(1) - 1).clamp(min=0),
+    ).logits[:, greedy.prompt.shape[1] - 1 : -1]
     chosen = logits.argmax(-1)
-    assert torch.equal(
-        (chosen == greedy["completion"])[greedy["mask"].bool()], greedy["mask"].bool()[greedy["mask"].bool()]
-    )
+    assert torch.equal((chosen == greedy.completion)[greedy.mask.bool()], greedy.mask.bool()[greedy.mask.bool()])
     assert token_logprobs(model, sampled, 1.0).isfinite().all()
 
 
 def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_chat_model):
     """--beta with a fresh LoRA adapter: the reference is the base with the adapter off, the policy at step 1 (KL 0);
     the frozen-copy case (an adapter given in --model) is run end to end in test_grpo.py."""
-    from grpo import BASE, GrpoFlags, build_policy, generate, reference_policy, reference_token_logprobs, token_logprobs
-    from sft import load_tokenizer
+    from chat_model import BASE, build_model, load_tokenizer, reference_policy
+    from grpo import GrpoFlags, generate, reference_token_logprobs, token_logprobs
 
     accelerator = Accelerator(cpu=True)
     args = GrpoFlags(lora_r=4, beta=0.04, max_new_tokens=4)
     tokenizer = load_tokenizer(str(tiny_chat_model))
-    model = build_policy(args, str(tiny_chat_model), "no")
+    model = build_model(args, str(tiny_chat_model), "no")
     assert reference_policy(args, accelerator, model, str(tiny_chat_model)) == BASE
     chat = [{"role": "user", "content": "What colour is the sky?"}]
     prompt = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))["input_ids"]

@@ -123,6 +123,29 @@ def test_grpo_targets_launch_the_grpo_recipe_and_grpo_cpu_defaults_to_the_offlin
     assert "  bench-grpo-generation " in out
 
 
+def test_dpo_targets_launch_the_dpo_recipe_and_dpo_cpu_defaults_to_the_offline_pairs():
+    line = launch_line(make("-n", "dpo-4gpu", "ARGS=--train_file pairs.jsonl --lora_r 16"))
+    assert "--config_file accelerate_configs/4gpu.yaml" in line
+    assert line.rstrip().endswith("recipes/dpo.py --train_file pairs.jsonl --lora_r 16")
+    line = launch_line(make("-n", "dpo-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1"))
+    assert "2node.yaml" in line and "--machine_rank 1 --main_process_ip 10.0.0.1" in line and "recipes/dpo.py" in line
+    proc = make("-n", "dpo-cpu")
+    assert "benchmarks/dpo_bench.py write_data --output data/dpo_rotten_tomatoes" in proc.stdout
+    line = launch_line(proc)
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "recipes/dpo.py --model $(" in line
+    assert "--train_file data/dpo_rotten_tomatoes/train.jsonl" in line and "--eval_generate 4" in line
+    line = launch_line(make("-n", "-o", "dpo-data", "dpo-cpu", "STARTER=1"))
+    assert "recipes/starters/dpo.py" in line and "--eval_generate" not in line
+    line = launch_line(make("-n", "dpo-fsdp", "GPUS=2", "ARGS=--train_file pairs.jsonl"))
+    assert "accelerate_configs/fsdp.yaml" in line and "--num_processes 2" in line and "recipes/dpo.py" in line
+    assert "accelerate_configs/deepspeed.yaml" in launch_line(make("-n", "dpo-deepspeed"))
+    assert make("-n", "bench-dpo").stdout.splitlines()[-1].rstrip().endswith("benchmarks/dpo_bench.py run")
+    out = make("help").stdout
+    for target in ("dpo-cpu", "dpo-1gpu", "dpo-2node", "dpo-hostfile", "dpo-fsdp", "dpo-deepspeed", "dpo-data"):
+        assert f"  {target} " in out
+    assert "  bench-dpo " in out
+
+
 def test_sharded_targets_pick_their_config_and_gpu_count():
     line = launch_line(make("-n", "text-fsdp", "GPUS=4"))
     assert "--config_file accelerate_configs/fsdp.yaml" in line and "--num_processes 4" in line

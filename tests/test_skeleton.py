@@ -13,6 +13,7 @@ TrainingFlags without changing a shared flag's type.
 
 import ast
 import dataclasses
+import functools
 import io
 import re
 import tokenize
@@ -29,7 +30,9 @@ RECIPES = {
     "detect": REPO / "recipes" / "detect" / "train.py",
     "sft": REPO / "recipes" / "sft.py",
     "grpo": REPO / "recipes" / "grpo.py",
+    "dpo": REPO / "recipes" / "dpo.py",
 }
+CHAT_RECIPES = ("sft", "grpo", "dpo")  # their flags extend the chat-model layer's, which extend TrainingFlags
 
 SKELETON = '''
 # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
@@ -222,17 +225,20 @@ def test_the_training_function_holds_the_shared_skeleton(recipe):
 def test_one_function_per_mode_behind_the_same_main(recipe):
     actual = normalised(function_source(RECIPES[recipe], "main"))
     assert not missing_in_order(lines_of(MAIN), actual), "\n".join(actual)
-    # A recipe with more modes (the SFT recipe's --chat and --merge) adds only their checks and dispatches.
+    # A recipe with more modes (the chat recipes' --chat and --merge) adds only their checks and dispatches.
     added = [line for line in actual if line not in lines_of(MAIN)]
-    mode_line = re.compile(r"(if .*args\.\w+.*:|return \w+\(args\)|raise RecipeError\(.*\))")
+    mode_line = re.compile(r"(if .*args\.\w+.*:|return \w+\(args\)|raise RecipeError\(.*\)|check_one_mode\(args.*\))")
     assert all(mode_line.fullmatch(line) for line in added), added
     for mode in ("train", "evaluate_saved_model", "predict"):
+        if mode == "predict" and recipe in CHAT_RECIPES:  # the chat recipes share theirs (and --chat, --merge)
+            assert re.search(r"from chat_model import \([^)]*\bpredict,", RECIPES[recipe].read_text())
+            continue
         function_source(RECIPES[recipe], mode)
     assert code_lines(function_source(RECIPES[recipe], "train")) <= 150
 
 
 def flags_class(recipe: str) -> type:
-    namespace: dict = {}
+    namespace: dict = {"ChatModelFlags": chat_model_flags()} if recipe in CHAT_RECIPES else {}
     tree = ast.parse(RECIPES[recipe].read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Flags"))
     module = ast.Module(
@@ -246,6 +252,19 @@ def flags_class(recipe: str) -> type:
     return namespace[node.name]
 
 
+@functools.cache
+def chat_model_flags() -> type:
+    """recipes/chat_model.py's ChatModelFlags, read as flags_class reads a recipe's (without importing torch)."""
+    path = REPO / "recipes" / "chat_model.py"
+    node = next(
+        n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "ChatModelFlags"
+    )
+    namespace: dict = {}
+    header = "from dataclasses import dataclass\nfrom accelerate_recipes.flags import TrainingFlags"
+    exec(compile(ast.Module(body=ast.parse(header).body + [node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["ChatModelFlags"]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_flags_extend_the_shared_ones_without_changing_their_types(recipe):
     cls = flags_class(recipe)
@@ -257,6 +276,9 @@ def test_flags_extend_the_shared_ones_without_changing_their_types(recipe):
     from accelerate_recipes.cli import parse_arg_docs
 
     _, shared_docs = parse_arg_docs(TrainingFlags.__doc__)
+    if recipe in CHAT_RECIPES:  # nor the chat-model layer's
+        assert issubclass(cls, chat_model_flags()), f"{recipe}'s flags do not extend ChatModelFlags"
+        shared_docs.update(parse_arg_docs(chat_model_flags().__doc__)[1])
     _, own_docs = parse_arg_docs(cls.__doc__)
     copied = [name for name in shared_docs if own_docs.get(name) == shared_docs[name]]
     assert not copied, f"{recipe} repeats the shared help of {copied}: delete it there"

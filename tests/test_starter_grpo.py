@@ -72,8 +72,11 @@ def tiny_tokenizer(folder):
     return tokenizer
 
 
-def rows_of(rollout: dict, rows: slice) -> dict:
-    return {key: value[rows] for key, value in rollout.items() if torch.is_tensor(value)}
+def rows_of(completions, rows: slice):
+    """The full recipe's Rollout of some rows of `completions` (its generate's output)."""
+    import grpo as full
+
+    return full.Rollout(**{key: value[rows] for key, value in vars(completions).items()})
 
 
 def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_batch(tiny_chat_model):
@@ -99,43 +102,43 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
     rollout = full.generate(accelerator, model, tokenizer, [p for p in prompts for _ in range(generations)], args, keys)
 
     # Fixed completion ids of different lengths: every third row as sampled, the others end early at a turn's end.
-    width, end_of_turn = rollout["completion"].shape[1], tokenizer.eos_token_id
+    width, end_of_turn = rollout.completion.shape[1], tokenizer.eos_token_id
     for row in range(16):
         if row % 3:
             stop = row % width
-            rollout["completion"][row, stop] = end_of_turn
-            rollout["completion"][row, stop + 1 :] = tokenizer.pad_token_id
-            rollout["mask"][row] = (torch.arange(width) <= stop).long()
-    assert len(set(rollout["mask"].sum(1).tolist())) > 3
-    ends = rollout["mask"].sum(1).tolist()
-    texts = tokenizer.batch_decode([c[:n] for c, n in zip(rollout["completion"], ends)], skip_special_tokens=True)
+            rollout.completion[row, stop] = end_of_turn
+            rollout.completion[row, stop + 1 :] = tokenizer.pad_token_id
+            rollout.mask[row] = (torch.arange(width) <= stop).long()
+    assert len(set(rollout.mask.sum(1).tolist())) > 3
+    ends = rollout.mask.sum(1).tolist()
+    texts = tokenizer.batch_decode([c[:n] for c, n in zip(rollout.completion, ends)], skip_special_tokens=True)
     rewards = [-len(text) / 40 for text in texts]
     rewards[8:12] = [0.5] * 4  # a group without signal: its advantages are 0
 
     halves = [rows_of(rollout, slice(0, 8)), rows_of(rollout, slice(8, 16))]
     for half, rows in zip(halves, (slice(0, 8), slice(8, 16))):
-        half.update(rewards=rewards[rows], loss_mask=half["mask"])
+        half.rewards, half.loss_mask = rewards[rows], half.mask
     full.advantages(accelerator, halves, generations, "group")
     loss_args = SimpleNamespace(
         epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="dapo", batch_size=4, num_generations=4, max_new_tokens=8
     )
     normaliser = full.loss_normaliser(accelerator, halves, loss_args)
     for half in halves:
-        half["normaliser"] = normaliser
+        half.normaliser = normaliser
 
     advantages = starter.group_advantages(torch.tensor(rewards, dtype=torch.float64), generations).float()
-    assert (advantages - torch.cat([h["advantages"] for h in halves])).abs().max() <= 1e-6
+    assert (advantages - torch.cat([h.advantages for h in halves])).abs().max() <= 1e-6
     assert advantages[8:12].abs().max() == 0 and advantages.abs().max() > 0.5
 
     # The starter's count: every completion token of every micro-batch (of every process), before the forward passes.
-    tokens = sum(half["mask"].sum() for half in halves).float()
+    tokens = sum(half.mask.sum() for half in halves).float()
     assert tokens == normaliser
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.train()
     shares, share_gradients = [], []
     for half, ours in zip(halves, advantages.chunk(2)):
         theirs = full.policy_loss(full.token_logprobs(model, half, temperature), half, loss_args, None)[0]
-        loss = starter.policy_loss(starter.token_logprobs(model, half, temperature), ours, half["mask"], tokens)
+        loss = starter.policy_loss(starter.token_logprobs(model, vars(half), temperature), ours, half.mask, tokens)
         expected, gradients = torch.autograd.grad(theirs, trainable), torch.autograd.grad(loss, trainable)
         assert abs(loss.item() - theirs.item()) <= 1e-6, (loss.item(), theirs.item())
         worst = max((g - e).abs().max().item() for g, e in zip(gradients, expected))
@@ -146,7 +149,7 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
         share_gradients.append(gradients)
 
     whole = starter.policy_loss(
-        starter.token_logprobs(model, rollout, temperature), advantages, rollout["mask"], tokens
+        starter.token_logprobs(model, vars(rollout), temperature), advantages, rollout.mask, tokens
     )
     whole_gradients = torch.autograd.grad(whole, trainable)
     assert abs(sum(shares).item() - whole.item()) <= 1e-6 and abs(whole.item()) > 1e-3
