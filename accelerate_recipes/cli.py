@@ -372,11 +372,36 @@ def _help_for(main, prog: str, argv: list[str]) -> str | None:
     return format_help(as_command(main), prog) if wants_help(argv) else None
 
 
-def _commands_in_source(source: str) -> dict | None:
+def _imported_flag_classes(tree: ast.Module, folder: Path | None, wanted: set[str]) -> list[ast.ClassDef]:
+    """The definitions of flag classes a script imports from a module beside it (`from chat_model import
+    ChatModelFlags`), read from that module's source, with the bases they import in turn: base classes first."""
+    found: list[ast.ClassDef] = []
+    if folder is None:
+        return found
+    sources = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        for alias in node.names
+    }
+    for name in sorted(wanted):
+        path = folder / f"{sources.get(name, '')}.py"
+        if name not in sources or not path.is_file():
+            continue
+        module = ast.parse(path.read_text(encoding="utf-8"))
+        node = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+        if node is not None:
+            bases = {b.id for b in node.bases if isinstance(b, ast.Name)} - {"TrainingFlags"}
+            found += _imported_flag_classes(module, folder, bases) + [node]
+    return found
+
+
+def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
     """The function(s) a script's `run(...)` call names, rebuilt from its source without running its imports.
 
     Each is a stand-in with the real signature and docstring and an empty body. None when the call or a signature
-    cannot be rebuilt this way (a default that is a name defined in the script, say).
+    cannot be rebuilt this way (a default that is a name defined in the script, say). A flags class may extend one
+    that a module beside the script (in `folder`) defines.
     """
     tree = ast.parse(source)
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
@@ -410,6 +435,8 @@ def _commands_in_source(source: str) -> dict | None:
         stub.body, stub.decorator_list, stub.returns = body + [ast.Pass()], [], None
         annotations = {arg.annotation.id for arg in node.args.args if isinstance(arg.annotation, ast.Name)}
         flag_classes = [classes[n] for n in annotations if n in classes]
+        bases = {b.id for c in flag_classes for b in c.bases if isinstance(b, ast.Name)} - set(classes)
+        flag_classes = _imported_flag_classes(tree, folder, bases - {"TrainingFlags"}) + flag_classes
         module = ast.fix_missing_locations(ast.Module(body=preamble + flag_classes + [stub], type_ignores=[]))
         namespace: dict = {}
         exec(compile(module, "<signature>", "exec"), namespace)  # names the script defines raise NameError here
@@ -428,7 +455,7 @@ def answer_help_from_source(module_name: str, path: str) -> None:
     if module_name != "__main__" or not wants_help(argv):
         return
     try:
-        main = _commands_in_source(Path(path).read_text(encoding="utf-8"))
+        main = _commands_in_source(Path(path).read_text(encoding="utf-8"), Path(path).resolve().parent)
     except Exception:  # the slow path prints the same help
         return
     if main is None:

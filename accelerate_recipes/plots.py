@@ -83,12 +83,15 @@ def _draw(ax, rows, keys, *, label_prefix: str, markers: bool):
 
 
 @picture
-def plot_results(metrics_jsonl: str | Path, png: str | Path, title: str | None = None) -> Path | None:
+def plot_results(
+    metrics_jsonl: str | Path, png: str | Path, title: str | None = None, eval_keys: tuple[str, ...] | None = None
+) -> Path | None:
     """results.png: train loss (and eval loss), learning rate, eval metrics and throughput against the optimizer step.
 
     Reads the metrics.jsonl that TrainingProgress writes: train/* losses and train/lr and perf/samples_per_second at
     log steps, eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) and counts are left
-    out.
+    out. `eval_keys` (eval/<name>, ...): draw those in the evaluation panel instead of every score, when the scores
+    do not share a scale.
     Returns the path.
     """
     rows = read_metrics(metrics_jsonl)
@@ -102,6 +105,7 @@ def plot_results(metrics_jsonl: str | Path, png: str | Path, title: str | None =
         and k.count("/") == 1
         and k != "eval/loss"
         and any(isinstance(r.get(k), float) for r in rows)
+        and (eval_keys is None or k in eval_keys)
     ]
 
     figure = new_figure(11, 7.5, layout=None)  # drawn every epoch: fixed margins, half the time of a computed layout

@@ -15,6 +15,7 @@ from accelerate_recipes.cli import run as run_cli
 
 SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": DETECT_SCRIPT, "sft": REPO / "recipes" / "sft.py"}
 SCRIPTS["grpo"] = REPO / "recipes" / "grpo.py"
+SCRIPTS["dpo"] = REPO / "recipes" / "dpo.py"
 
 
 @pytest.fixture(scope="module")
