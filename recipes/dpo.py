@@ -93,6 +93,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.checkpoints import read_progress
 from accelerate_recipes.plots import plot_results
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -103,6 +104,7 @@ DEFAULT_LORA_LR, DEFAULT_FULL_LR = 5e-5, 1e-6
 # What each update logs as train/<name> and each evaluation as eval_<name>, per pair, averaged over the global batch.
 FIGURES = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 FIGURES += ("logps_chosen", "logps_rejected", "logp_accuracy", "nll_chosen")
+PLOTTED = ("eval/reward_accuracy", "eval/logp_accuracy", "eval/reward_margin")  # results.png's evaluation panel
 
 
 @dataclass
@@ -137,8 +139,8 @@ class DpoFlags(ChatModelFlags):
             are saved with each checkpoint, so a resumed run uses the same ones.
         reference_model: --eval_only: the reference policy the rewards are measured against; default: the adapter's
             base, the adapter switched off (a full model needs this flag).
-        best_metric: which held-out figure picks model_best and early stopping: loss (lower) or accuracy (the share
-            of pairs whose chosen answer gets the higher reward).
+        best_model_metric: which held-out figure picks model_best and early stopping: loss (lower) or accuracy (the
+            share of pairs whose chosen answer gets the higher reward).
         lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the model and its reference see the
             same function at step 1 (their margin starts at exactly 0).
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
@@ -168,7 +170,7 @@ class DpoFlags(ChatModelFlags):
     sft_weight: float = 0.0
     precompute_ref: bool = False
     reference_model: str | None = None
-    best_metric: str = "loss"
+    best_model_metric: str = "loss"
     lora_dropout: float = 0.0
     warmup_ratio: float = 0.1
     eval_generate: int = 4
@@ -187,8 +189,8 @@ def check_flags(args: DpoFlags) -> None:
         raise RecipeError(f"--loss_type {args.loss_type}: give one of {', '.join(LOSS_TYPES)}")
     if args.too_long not in TOO_LONG:
         raise RecipeError(f"--too_long {args.too_long}: give one of {', '.join(TOO_LONG)}")
-    if args.best_metric not in BEST_METRICS:
-        raise RecipeError(f"--best_metric {args.best_metric}: give one of {', '.join(BEST_METRICS)}")
+    if args.best_model_metric not in BEST_METRICS:
+        raise RecipeError(f"--best_model_metric {args.best_model_metric}: give one of {', '.join(BEST_METRICS)}")
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or args.sft_weight < 0:
         raise RecipeError("--beta must be > 0, 0 <= --label_smoothing < 0.5 and --sft_weight >= 0")
     if args.label_smoothing and args.loss_type != "sigmoid":
@@ -199,9 +201,11 @@ def check_flags(args: DpoFlags) -> None:
 def dataset_name(args: DpoFlags) -> str:
     if args.dataset:
         return args.dataset.split(":")[0].rsplit("/", 1)[-1]
-    if not args.train_file:
-        raise RecipeError("give --train_file (a .json/.jsonl of preference pairs) or --dataset (a Hub dataset)")
-    return f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
+    file = args.train_file or (args.validation_file if args.eval_only else None)  # --eval_only needs no training pairs
+    if not file:
+        also = " (or, with --eval_only, --validation_file)" if args.eval_only else ""
+        raise RecipeError(f"give --train_file (a .json/.jsonl of preference pairs) or --dataset (a Hub dataset){also}")
+    return f"{Path(file).resolve().parent.name}-{Path(file).stem}"
 
 
 def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
@@ -217,6 +221,9 @@ def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
         )
     splits, counts = {}, {}
     for split, pairs in zip(("train", "validation"), raw):
+        if not pairs:  # --eval_only with a validation file alone
+            splits[split], counts[split] = [], {"pairs": 0, "dropped": 0, "truncated": 0}
+            continue
         splits[split], counts[split] = tokenize_pairs(tokenizer, pairs, args.max_length, args.too_long, split)
         count = counts[split]
         if count["dropped"] or count["truncated"]:
@@ -228,22 +235,25 @@ def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
 
 
 def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_process: int) -> tuple:
-    """The training loader (shuffled, whole batches only) and the validation loader, before accelerator.prepare."""
+    """The training loader (shuffled, whole batches only; None without training pairs, as --eval_only may have) and
+    the validation loader, before accelerator.prepare."""
     pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
     collate = PairCollator(tokenizer.pad_token_id, pad_to)
     # The shuffle has a generator of its own: starting an epoch then draws nothing from the global RNG.
     generator = torch.Generator().manual_seed(args.seed)
-    train_loader = DataLoader(
-        splits["train"],
-        per_process,
-        shuffle=True,
-        drop_last=True,
-        generator=generator,
-        collate_fn=collate,
-        **loader_args,
-    )
+    train_loader = None
+    if splits["train"]:
+        train_loader = DataLoader(
+            splits["train"],
+            per_process,
+            shuffle=True,
+            drop_last=True,
+            generator=generator,
+            collate_fn=collate,
+            **loader_args,
+        )
     eval_loader = DataLoader(splits["validation"], per_process, collate_fn=collate, **loader_args)
     return train_loader, eval_loader
 
@@ -354,6 +364,18 @@ class StoredReference:
 
     def load_state_dict(self, state: dict) -> None:
         self.values = dict(state)
+
+
+def check_same_reference(folder, precompute_ref: bool) -> None:
+    """A checkpoint holds the stored reference log-probabilities exactly when its run had --precompute_ref; resumed
+    with the other setting, load_state would miss them or find one object too many."""
+    saved = bool(read_progress(Path(folder)).get("config", {}).get("precompute_ref"))
+    if saved != precompute_ref:
+        given = "with" if saved else "without"
+        raise RecipeError(
+            f"checkpoint {folder} was written by a run {given} --precompute_ref; resume it {given} the flag, or "
+            "start a new run in another --output_dir"
+        )
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate
@@ -470,6 +492,7 @@ def train(args: DpoFlags) -> None:
         accelerator.register_for_checkpointing(stored)  # the reference's log-probabilities travel with checkpoints
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
+        check_same_reference(resume_from, args.precompute_ref)
         accelerator.load_state(resume_from)
     elif stored is not None:
         collate = PairCollator(tokenizer.pad_token_id)
@@ -477,7 +500,7 @@ def train(args: DpoFlags) -> None:
         config.update(precompute_ref_seconds=seconds)
         accelerator.print(f"reference log-probabilities of every pair computed in {seconds:.1f} s")
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
-    metric, higher = BEST_METRICS[args.best_metric]
+    metric, higher = BEST_METRICS[args.best_model_metric]
     best = BestModel(accelerator, state, output, metric, higher_is_better=higher, patience=args.early_stopping_patience)
     progress = TrainingProgress(
         accelerator,
@@ -553,7 +576,8 @@ def train(args: DpoFlags) -> None:
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
         if accelerator.is_main_process:
-            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
+            # the accuracies and the margin: the log-probabilities are on another scale
+            plot_results(progress.metrics.path, output / "results.png", eval_keys=PLOTTED)
         accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         save_checkpoint()

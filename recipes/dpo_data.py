@@ -62,7 +62,7 @@ def as_pair(row: dict, where: str) -> dict:
             raise RecipeError(f"{where}: the {name} answer is empty or not the assistant's; give each pair two answers")
     if chosen == rejected:
         raise RecipeError(f"{where}: the chosen and rejected answers are the same; a pair needs two different answers")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "row": where}
 
 
 def read_pairs(rows, source: str) -> list[dict]:
@@ -71,7 +71,8 @@ def read_pairs(rows, source: str) -> list[dict]:
 
 def load_pairs(train_file, validation_file, dataset, cache_dir, validation_size: float, seed: int):
     """(training pairs, validation pairs): from .json/.jsonl files, or a Hub dataset (`name` or `name:config`: its
-    train split and its test/validation split), else --validation_size of the training pairs held out."""
+    train split and its test/validation split), else --validation_size of the training pairs held out. A validation
+    file alone (--eval_only) gives no training pairs."""
     if dataset:
         name, _, config = dataset.partition(":")
         try:
@@ -88,12 +89,12 @@ def load_pairs(train_file, validation_file, dataset, cache_dir, validation_size:
         train = read_pairs(splits[train_split], f"--dataset {dataset}")
         validation = read_pairs(splits[held], f"--dataset {dataset} {held}") if held else None
     else:
-        if not train_file:
+        if not train_file and not validation_file:
             raise RecipeError("give --train_file (a .json/.jsonl of preference pairs) or --dataset (a Hub dataset)")
         for path, flag in ((train_file, "--train_file"), (validation_file, "--validation_file")):
             if path and Path(path).suffix.lower() not in FILE_SUFFIXES:
                 raise RecipeError(f"{flag} {path}: unknown format; give a .json or .jsonl file of preference pairs")
-        train = read_pairs(load_file(train_file, "train", cache_dir), str(train_file))
+        train = read_pairs(load_file(train_file, "train", cache_dir), str(train_file)) if train_file else []
         validation = None
         if validation_file:
             validation = read_pairs(load_file(validation_file, "validation", cache_dir), str(validation_file))
@@ -125,10 +126,11 @@ def render_answer(tokenizer, prompt: list[dict], prompt_text: str, answer: list[
 def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, too_long: str, split: str) -> tuple[list, dict]:
     """Each pair as token ids: prompt_ids, chosen_ids, rejected_ids, and its index. A pair whose prompt and longer
     answer exceed --max_length is dropped, or with --too_long truncate has its answers cut to fit (a prompt that
-    leaves no room is dropped either way); both counted."""
+    leaves no room, or answers the same once cut, are dropped either way); both counted. Errors name the pair's
+    row in its file."""
     rows, counts = [], {"pairs": len(pairs), "dropped": 0, "truncated": 0}
     for number, pair in enumerate(pairs, 1):
-        where = f"{split} pair {number} ({short(pair['prompt'][-1]['content'], 40)})"
+        where = f"{pair.get('row', f'{split} pair {number}')} ({short(pair['prompt'][-1]['content'], 40)})"
         try:
             prompt_text = tokenizer.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True)
         except Exception as err:
@@ -139,13 +141,15 @@ def tokenize_pairs(tokenizer, pairs: list[dict], max_length: int, too_long: str,
             ids[f"{name}_ids"] = tokenizer(text, add_special_tokens=False)["input_ids"]
         room = max_length - len(ids["prompt_ids"])
         if len(ids["prompt_ids"]) + max(len(ids["chosen_ids"]), len(ids["rejected_ids"])) > max_length:
-            if too_long == "drop" or room < 1:
+            cut = dict(chosen_ids=ids["chosen_ids"][:room], rejected_ids=ids["rejected_ids"][:room])
+            # what is left of two answers that differ only past the cut teaches nothing: dropped as too long
+            if too_long == "drop" or room < 1 or cut["chosen_ids"] == cut["rejected_ids"]:
                 counts["dropped"] += 1
                 continue
             counts["truncated"] += 1
-            ids.update(chosen_ids=ids["chosen_ids"][:room], rejected_ids=ids["rejected_ids"][:room])
+            ids.update(cut)
         if ids["chosen_ids"] == ids["rejected_ids"]:
-            raise RecipeError(f"{where}: chosen and rejected are the same tokens (after truncation); fix or drop it")
+            raise RecipeError(f"{where}: chosen and rejected are the same tokens; give each pair two different answers")
         rows.append(dict(ids, index=len(rows), prompt=pair["prompt"], chosen=pair["chosen"]))
     if not rows:
         raise RecipeError(f"{split}: no pair fits in --max_length {max_length}; raise it or use --too_long truncate")

@@ -850,3 +850,82 @@ def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok
 def grpo_one(grpo_data):
     """The GRPO recipe on 1 process with GRPO_RUN: a LoRA adapter on the tiny chat model, 6 steps."""
     return grpo(grpo_data, "one")[1]
+
+
+# ------------------------------------------------------------------------------------- the shared DPO runs
+DPO_SCRIPT = REPO / "recipes" / "dpo.py"
+WRONG_COLOURS = ("purple", "green", "black", "orange")
+
+
+def colour_pairs(seed: int = 0) -> list[dict]:
+    """Preference pairs of the learnable colour task: 16 objects x 3 ways to ask, 48 in all. The chosen answer is
+    the object's colour, the rejected one a wrong colour fixed per object; a third of the pairs answer in a sentence
+    (both answers alike), so rows differ in length within a batch."""
+    rng = random.Random(seed)
+    from sft_fixtures import COLOURS
+
+    wrong = {}
+    for index, (thing, colour) in enumerate(sorted(COLOURS.items())):
+        wrong[thing] = next(c for c in WRONG_COLOURS[index % 4 :] + WRONG_COLOURS if c != colour)
+    pairs = []
+    for lead in ("", "and ", "so "):
+        for thing, colour in COLOURS.items():
+            sentence = rng.random() < 1 / 3
+            answer = (lambda c: f"The {thing} is {c}.") if sentence else (lambda c: c)
+            question = f"{lead}what colour is the {thing}?".capitalize()
+            pairs.append({"prompt": question, "chosen": answer(colour), "rejected": answer(wrong[thing])})
+    rng.shuffle(pairs)
+    return pairs
+
+
+def as_conversations(pair: dict, system: str | None = None) -> dict:
+    """A text pair in TRL's conversational format with an implicit prompt: two whole conversations."""
+    head = [{"role": "system", "content": system}] if system else []
+    head.append({"role": "user", "content": pair["prompt"]})
+    return {name: head + [{"role": "assistant", "content": pair[name]}] for name in ("chosen", "rejected")}
+
+
+@pytest.fixture(scope="session")
+def dpo_data(tiny_chat_model, tmp_path_factory) -> dict:
+    """The tiny chat model and 48 colour pairs: 32 training pairs in TRL's text format, 16 validation pairs as whole
+    conversations (a quarter of them with a system message); `files` are the data flags."""
+    root = tmp_path_factory.mktemp("dpo-data")
+    pairs = colour_pairs()
+    train, validation = pairs[:32], pairs[32:]
+    (root / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in train))
+    rows = [
+        as_conversations(pair, "You answer in one word." if i % 4 == 0 else None) for i, pair in enumerate(validation)
+    ]
+    (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    files = ["--model", tiny_chat_model, "--train_file", root / "train.jsonl"]
+    files += ["--validation_file", root / "validation.jsonl"]
+    return dict(root=root, files=files, train=train, validation=validation, model=tiny_chat_model)
+
+
+# 32 pairs at a global batch of 8: 4 steps per epoch, 2 epochs, every step logged (the comparisons read each step's
+# loss). A fresh LoRA adapter (no dropout: its masks are drawn per process), whose reference is the base model itself.
+# --max_grad_norm 0.05 clips some steps and not others (gradient norms 0.04-0.09 here): AdamW alone would take the
+# same steps from a gradient twice or half as large, so the runs agree only if each has the global batch's gradient.
+DPO_RUN = ["--batch_size", "8", "--lora_r", "8", "--lr", "1e-2", "--epochs", "2", "--max_length", "64"]
+DPO_RUN += ["--max_grad_norm", "0.05"]
+DPO_RUN += ["--max_new_tokens", "4", "--log_every", "1", "--checkpoint_every", "0", "--tracker", "none"]
+DPO_RUN += ["--num_workers", "0"]
+
+
+def dpo(data: dict, name: str, *extra, launcher=(), ok=True, timeout=300):
+    """dpo.py with the data's files, DPO_RUN and then `extra` (later flags win), on 1 process or under `launcher`;
+    output in root/name. Returns (proc, out)."""
+    out = data["root"] / name
+    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    if launcher:
+        env["ACCELERATE_USE_CPU"] = "true"
+    cmd = [*launcher, DPO_SCRIPT, *data["files"], *DPO_RUN, *extra]
+    proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=timeout)
+    return (check(proc) if ok else proc), out
+
+
+@pytest.fixture(scope="session")
+def dpo_one(dpo_data):
+    """The DPO recipe on 1 process with DPO_RUN: a LoRA adapter on the tiny chat model, 8 steps."""
+    return dpo(dpo_data, "one")[1]

@@ -7,12 +7,16 @@ audit, which test_host_reads.py reads). The repository's recipes/ folder is on n
 module the copy forgot fails the run; the copy's own __pycache__ shows its modules were the ones imported.
 """
 
+import ast
+import os
 import subprocess
 from pathlib import Path
 
 from conftest import LIBRARY, PYTHON, RECIPES, REPO, local_imports, read_metrics, read_results
 
 README = (REPO / "README.md").read_text()
+STARTERS = sorted((RECIPES / "starters").glob("*.py"))
+MAX_STARTER_LINES = 250
 GUIDE = (REPO / "docs" / "template.md").read_text()
 
 
@@ -36,14 +40,92 @@ def imported_from_copy(folder: Path, modules: set[str]) -> None:
 
 def test_the_guide_names_every_file_a_copy_needs_and_the_readme_every_starter():
     section = GUIDE.split("## Copy a full recipe", 1)[1].split("\n## ", 1)[0]
-    for script in ("cifar.py", "text_classification.py", "sft.py", "grpo.py"):
+    for script in ("cifar.py", "text_classification.py", "sft.py", "grpo.py", "dpo.py"):
         for name in {script} | local_imports(RECIPES / script):
             assert f"recipes/{name}" in section, name
     assert "recipes/detect/" in section and "cpu.yaml" in section
     starters = sorted(p.name for p in (RECIPES / "starters").glob("*.py"))
-    assert starters == ["cifar.py", "grpo.py", "sft.py", "text_classification.py"]
+    assert starters == ["cifar.py", "dpo.py", "grpo.py", "sft.py", "text_classification.py"]
     for text in (README.split("## Start your own project", 1)[1].split("\n## ", 1)[0], GUIDE):
         assert all(f"recipes/starters/{name}" in text for name in starters)
+
+
+def function_source(script: Path, name: str) -> str:
+    """The source of the function `name` in `script`, at any depth (save_checkpoint is nested in main)."""
+    text = script.read_text()
+    found = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.FunctionDef) and node.name == name]
+    assert len(found) == 1, (script.name, name, len(found))
+    return ast.get_source_segment(text, found[0])
+
+
+def error_texts(script: Path) -> list[str]:
+    """The literal text of every `raise SystemExit(...)` in `script`, its f-string fields left out."""
+    texts = []
+    for node in ast.walk(ast.parse(script.read_text())):
+        if (
+            isinstance(node, ast.Raise)
+            and isinstance(node.exc, ast.Call)
+            and getattr(node.exc.func, "id", "") == "SystemExit"
+        ):
+            (message,) = node.exc.args
+            parts = message.values if isinstance(message, ast.JoinedStr) else [message]
+            texts.append("".join(p.value for p in parts if isinstance(p, ast.Constant)))
+    return texts
+
+
+def test_every_starter_keeps_the_shared_convention():
+    """docs/template.md's "Starters share one convention", over every file in recipes/starters/: at most 250 lines;
+    a docstring that names no Make target and no file of accelerate_configs/; bad input stops with one
+    `error: <cause>; <fix>` line through SystemExit only; the same tracker and checkpoint functions; the step of a
+    checkpoint read from its folder's name."""
+    assert len(STARTERS) >= 4
+    trackers, checkpoints = set(), set()
+    for script in STARTERS:
+        text = script.read_text()
+        assert len(text.splitlines()) <= MAX_STARTER_LINES, (script.name, len(text.splitlines()))
+        docstring = ast.get_docstring(ast.parse(text))
+        assert "make " not in docstring and "accelerate_configs/" not in docstring, script.name
+        assert "FlagError" not in text and "sys.exit(" not in text, script.name
+        errors = error_texts(script)
+        assert errors and all(e.startswith("error: ") and "; " in e for e in errors), (script.name, errors)
+        trackers.add(function_source(script, "tracker_init_kwargs"))
+        checkpoints.add(function_source(script, "save_checkpoint"))
+        assert 'step = int(Path(resume).name.removeprefix("step_"))' in text, script.name
+    assert len(trackers) == 1, "tracker_init_kwargs differs between starters"
+    assert len(checkpoints) == 1, "save_checkpoint differs between starters"
+    assert 'f"step_{step}"' in checkpoints.pop()
+
+
+def test_the_starters_tracker_function_decides_without_swanlab(tmp_path, monkeypatch):
+    """tracker_init_kwargs, run as the starters hold it: nothing for another tracker; for SwanLab the mode from
+    $SWANLAB_MODE, else online once logged in (SWANLAB_API_KEY, or the .netrc `swanlab login` writes), else offline in
+    output_dir/swanlog. It imports nothing, so swanlab is neither needed nor loaded to decide."""
+    source = function_source(STARTERS[0], "tracker_init_kwargs")
+    tree = ast.parse(source)
+    assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert "swanlab." not in source
+    namespace = {"os": os, "Path": Path}
+    exec(compile(tree, str(STARTERS[0]), "exec"), namespace)
+    tracker_init_kwargs = namespace["tracker_init_kwargs"]
+    for key in ("SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_LOG_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+
+    def mode() -> str:
+        return tracker_init_kwargs("swanlab", str(out), "run")["swanlab"]["mode"]
+
+    assert tracker_init_kwargs("none", str(out), "run") == tracker_init_kwargs("tensorboard", str(out), "run") == {}
+    offline = tracker_init_kwargs("swanlab", str(out), "run")["swanlab"]
+    assert offline == {"mode": "offline", "name": "run", "log_dir": str((out / "swanlog").resolve())}
+    monkeypatch.setenv("SWANLAB_API_KEY", "a-key")
+    assert mode() == "online"
+    monkeypatch.delenv("SWANLAB_API_KEY")
+    (tmp_path / "home" / ".swanlab").mkdir(parents=True)
+    (tmp_path / "home" / ".swanlab" / ".netrc").write_text("machine api.swanlab.cn login user password a-key\n")
+    assert mode() == "online"
+    monkeypatch.setenv("SWANLAB_MODE", "local")
+    assert mode() == "local"
 
 
 def assert_model_best(out: Path, metric: str, *files: str) -> None:

@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """GRPO (RL with verifiable rewards) for a chat model with Hugging Face Accelerate, LoRA or full, in one file to copy.
 
-    accelerate launch --config_file 2gpu.yaml grpo.py --train_file math.jsonl --validation_file test.jsonl --lora_r 16
+    accelerate launch --num_processes 2 grpo.py --train_file math.jsonl --validation_file test.jsonl --lora_r 16
 
-The full recipe, recipes/grpo.py, adds keyed sampling (the same completions on any number of processes), more rewards,
---beta, --num_iterations with a clipped ratio, other losses, FSDP2 / ZeRO-3, --predict, --chat, a NaN guard."""
+The full recipe, recipes/grpo.py, adds keyed sampling, more rewards and losses, --beta, FSDP2, --chat, a NaN guard."""
 
 import json
 import os
@@ -22,16 +21,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 
-# ------------------------------------------------------------------ the parts: rewards, rollouts, advantages, loss
 def number(prompts, completions, answer, **columns):
     """1.0 when the completion's last number equals the answer's."""
     found = [re.findall(r"-?\d+(?:\.\d+)?", str(text).replace(",", "")) for text in (*completions, *answer)]
     last = [float(numbers[-1]) if numbers else None for numbers in found]
     return [float(g is not None and g == e) for g, e in zip(last[: len(completions)], last[len(completions) :])]
-
-
-def reward_function(spec: str):  # number, or path/to/file.py:function(prompts, completions, **columns)
-    return number if spec == "number" else runpy.run_path(spec.rpartition(":")[0])[spec.rpartition(":")[2]]
 
 
 # Every logits processor off, or generate() takes them from the model's generation_config (Qwen2.5's: top-k, a penalty)
@@ -45,18 +39,17 @@ NEUTRAL.update(exponential_decay_length_penalty=None, guidance_scale=None, water
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0) -> dict:
     """Completions of left-padded prompts, sampled at `temperature` (0: greedy); masks up to each one's end of turn."""
     batch = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
-    prompt, prompt_mask = batch["input_ids"], batch["attention_mask"]
     ends = model.generation_config.eos_token_id  # a chat model's end-of-turn token(s), and the tokenizer's eos
     stop = sorted({*(ends if isinstance(ends, list) else [ends]), tokenizer.eos_token_id} - {None})
     options = dict(NEUTRAL, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop)
     options |= dict(SAMPLING, do_sample=True, temperature=temperature) if temperature else dict(do_sample=False)
     model.eval()
-    completion = model.generate(**batch, **options)[:, prompt.shape[1] :]
+    completion = model.generate(**batch, **options)[:, batch.input_ids.shape[1] :]
     model.train()
     is_stop = torch.isin(completion, torch.tensor(stop, device=completion.device)).long()
     mask = (is_stop.cumsum(1) - is_stop == 0).long()  # up to and including the first end-of-turn token
     texts = tokenizer.batch_decode([c[: int(n)] for c, n in zip(completion, mask.sum(1))], skip_special_tokens=True)
-    return dict(prompt=prompt, prompt_mask=prompt_mask, completion=completion, mask=mask, texts=texts)
+    return dict(prompt=batch.input_ids, prompt_mask=batch.attention_mask, completion=completion, mask=mask, texts=texts)
 
 
 def token_logprobs(model, rollout: dict, temperature: float):
@@ -75,9 +68,16 @@ def group_advantages(rewards, generations: int):
 
 
 def policy_loss(logprobs, advantages, mask, tokens):
-    """This micro-batch's share of the loss: -advantage x ratio summed over its tokens / the global batch's tokens.
-    On-policy the ratio exp(logp - logp.detach()) is 1 with the gradient of logp, so PPO's clipping would never act."""
+    """-advantage x ratio per token / the global batch's tokens; on-policy ratio = 1 (logp's gradient): no clipping."""
     return -(torch.exp(logprobs - logprobs.detach()) * advantages[:, None] * mask).sum() / tokens
+
+
+def tracker_init_kwargs(tracker: str, output_dir: str, run_name: str) -> dict:
+    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline (no login)."""
+    logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
+    mode = os.environ.get("SWANLAB_MODE") or ("online" if logged_in else "offline")
+    log_dir = os.environ.get("SWANLAB_LOG_DIR") or str(Path(output_dir, "swanlog").resolve())
+    return {"swanlab": {"mode": mode, "name": run_name, "log_dir": log_dir}} if tracker == "swanlab" else {}
 
 
 def main(
@@ -121,22 +121,22 @@ def main(
         output_dir: where the adapter (or model), its tokenizer, checkpoints and offline tracker logs go.
     """
     if not train_file or not validation_file:
-        raise SystemExit("error: give --train_file and --validation_file, .jsonl files of prompts")
-    logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
-    os.environ.setdefault("SWANLAB_MODE", "online" if logged_in else "offline")  # SwanLab never waits for a login
+        raise SystemExit("error: no data; give --train_file and --validation_file, .jsonl files of prompts")
 
     # ---- accelerator: processes, precision, gradient accumulation, tracking
-    accumulation = gradient_accumulation_steps
+    # Steps counted by micro-batches: a step's rollouts are all generated before its first forward pass.
+    accumulate = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps, sync_with_dataloader=False)
     accelerator = Accelerator(  # precision: the accelerate config's, or accelerate launch --mixed_precision bf16
-        # Steps counted by micro-batches: a step's rollouts are all generated before its first forward pass.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=accumulation, sync_with_dataloader=False),
+        gradient_accumulation_plugin=accumulate,
         log_with=None if tracker == "none" else tracker,
+        project_dir=output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),  # one order, any world
-        step_scheduler_with_optimizer=False,  # else a prepared schedule steps once per process
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
     )
-    world, device = accelerator.num_processes, accelerator.device
-    if batch_size % (world * accumulation):
-        raise SystemExit(f"error: --batch_size {batch_size} does not split into {world} x {accumulation} micro-batches")
+    world, accumulation, device = accelerator.num_processes, gradient_accumulation_steps, accelerator.device
+    if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
+        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation} accumulation step(s)"
+        raise SystemExit(f"error: {cause}; use a multiple of {world * accumulation}")
     per_process = batch_size // (world * accumulation)
     accelerator.print(f"global batch {batch_size} = {world} processes x {accumulation} micro-batches x {per_process}")
     set_seed(seed, device_specific=True)  # each process samples its own completions; DDP copies process 0's LoRA
@@ -157,7 +157,8 @@ def main(
         return rows
 
     train_rows, validation_rows = read(str(train_file)), read(str(validation_file))
-    rewards = [reward_function(spec.strip()) for spec in reward.split(",")]
+    specs = [spec.strip() for spec in reward.split(",")]  # number, or path/to/file.py:function
+    rewards = [number if s == "number" else runpy.run_path(s.rpartition(":")[0])[s.rpartition(":")[2]] for s in specs]
 
     def score(rows: list[dict], texts: list[str]) -> list[float]:  # the reward functions' sum, per completion
         answers = [row.get("answer") for row in rows]
@@ -179,24 +180,24 @@ def main(
     steps_per_epoch, total_steps = len(train_loader), epochs * len(train_loader)
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, 0, total_steps))  # saved with the checkpoints
     step = 0
-    if resume:  # weights, optimizer, schedule and RNG states; the step is in the folder's name
+    if resume:  # weights, optimizer, schedule and RNG states; the step is the folder's name
         accelerator.load_state(resume)
         step = int(Path(resume).name.removeprefix("step_"))
-    swanlab = {"swanlab": {"log_dir": str(Path(output_dir, "swanlog").resolve())}}
-    accelerator.init_trackers("accelerate-recipes", dict(batch_size=batch_size, lr=lr, world=world), swanlab)
+    settings = dict(batch_size=batch_size, lr=lr, lora_r=lora_r, epochs=epochs, total_steps=total_steps, world=world)
+    accelerator.init_trackers("accelerate-recipes", settings, tracker_init_kwargs(tracker, output_dir, "grpo-starter"))
     policy = accelerator.unwrap_model(net)  # generate() runs on the model itself, not on the DDP wrapper
 
     def save_checkpoint():
         folder = Path(output_dir, "checkpoints", f"step_{step}")
         accelerator.save_state(folder)
-        if accelerator.is_main_process:
+        if accelerator.is_main_process:  # keep the newest two
             for old in sorted(folder.parent.glob("step_*"), key=lambda p: int(p.name[5:]))[:-2]:
                 shutil.rmtree(old)
 
     # ---- training loop: roll out, score, update
     for epoch in range(step // steps_per_epoch, epochs):
         train_loader.set_epoch(epoch)  # this epoch's shuffle, the same on every process
-        done = step % steps_per_epoch if epoch == step // steps_per_epoch else 0
+        done = step - epoch * steps_per_epoch  # batches (one per step) a resumed epoch already had
         for step_indices in accelerator.skip_first_batches(train_loader, done) if done else train_loader:
             rollouts = []
             for indices in step_indices.chunk(accumulation):  # the step's rollouts, all before its first forward pass
@@ -205,8 +206,7 @@ def main(
                 rollout["rewards"] = torch.tensor(score(rows, rollout["texts"]), dtype=torch.float64, device=device)
                 rollout["advantages"] = group_advantages(rollout["rewards"], num_generations).float()
                 rollouts.append(rollout)
-            # The step's completion tokens, every micro-batch of every process, counted before the forward passes.
-            tokens = accelerator.reduce(sum(r["mask"].sum() for r in rollouts).float(), "sum").clamp(min=1)
+            tokens = accelerator.reduce(sum(r["mask"].sum() for r in rollouts).float(), "sum").clamp(min=1)  # all ranks
             step_loss = torch.zeros((), device=device)
             for rollout in rollouts:
                 with accelerator.accumulate(net):  # no gradient all-reduce until the step's last micro-batch

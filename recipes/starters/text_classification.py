@@ -1,27 +1,19 @@
 #!/usr/bin/env python
 """Fine-tune a text classifier with Hugging Face Accelerate: one file to copy, the same on 1 GPU, N GPUs and N nodes.
 
-    python text_classification.py --train_file train.csv --validation_file dev.csv      # one process (or GLUE sst2)
-    accelerate launch --config_file accelerate_configs/2gpu.yaml text_classification.py --task mrpc
-    make text-2gpu STARTER=1 ARGS="--task mrpc"                       # the same, from a clone of accelerate-recipes
-    accelerate launch --config_file accelerate_configs/2node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \\
-        text_classification.py --task qnli               # on each node, its own --machine_rank, the same address
-    ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
-        --num_cpu_threads_per_process 1 text_classification.py --train_file train.csv --validation_file dev.csv
+    python text_classification.py --train_file train.csv --validation_file dev.csv   # one process (or GLUE sst2)
+    accelerate launch --num_processes 2 text_classification.py --task mrpc           # 2 GPUs; any setup: --config_file
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 text_classification.py   # no GPU: gloo
 
-It reads top to bottom: config -> data -> model -> prepare -> loop -> eval -> save. `--batch_size` is the GLOBAL batch,
-so the same flags train the same way on any number of processes. Needs torch, accelerate, transformers, datasets, fire
-(and swanlab to track). The full recipe, recipes/text_classification.py, trains exactly like this file (a test holds
-their losses equal) and adds: launch checks such as the CPU `--multi_gpu` trap (docs/troubleshooting.md); a NaN guard,
-a clean stop on SIGTERM, `--resume auto` and model_best/ with early stopping (docs/checkpoints.md); --eval_only,
---predict, F1 / Matthews correlation, FSDP and DeepSpeed (recipes/README_text.md); data checks (docs/data.md);
-results.json, metrics.jsonl and results.png (docs/usage.md).
+It reads top to bottom (config -> data -> model -> prepare -> loop -> eval -> save); `--batch_size` is the GLOBAL
+batch, so the same flags train alike on any number of processes. Needs torch, accelerate, transformers, datasets, fire
+(swanlab to track). The full recipe, recipes/text_classification.py, trains exactly like this file and adds launch
+checks, a NaN and stop guard, `--resume auto`, early stopping, --eval_only, --predict, F1, FSDP, results.json.
 """
 
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import datasets
@@ -30,13 +22,15 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed, tqdm
 from torch.utils.data import DataLoader
-from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    get_scheduler,
-)
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
+
+
+def tracker_init_kwargs(tracker: str, output_dir: str, run_name: str) -> dict:
+    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline (no login)."""
+    logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
+    mode = os.environ.get("SWANLAB_MODE") or ("online" if logged_in else "offline")
+    log_dir = os.environ.get("SWANLAB_LOG_DIR") or str(Path(output_dir, "swanlog").resolve())
+    return {"swanlab": {"mode": mode, "name": run_name, "log_dir": log_dir}} if tracker == "swanlab" else {}
 
 
 def main(
@@ -64,7 +58,6 @@ def main(
     checkpoint_every: int = 500,
     resume: str | None = None,
     tracker: str = "swanlab",
-    swanlab_mode: str | None = None,
     project: str = "accelerate-recipes",
 ):
     """Fine-tune a sequence-classification model on a GLUE task or on your own CSV / JSONL files.
@@ -92,34 +85,26 @@ def main(
         output_dir: where the model, the tokenizer, checkpoints/ and offline SwanLab logs go.
         log_every: print and log the training loss every N optimizer steps (and at the first and last step).
         checkpoint_every: save a checkpoint (accelerator.save_state) every N steps, besides each epoch's end; 0: off.
-        resume: a checkpoint folder (output_dir/checkpoints/step_N) to go on from: weights, optimizer, schedule, RNG.
-        tracker: swanlab, none, or another tracker Accelerate knows (tensorboard, wandb, ...).
-        swanlab_mode: cloud, offline, local or disabled; default $SWANLAB_MODE, else cloud when logged in, else offline.
+        resume: a checkpoint folder (output_dir/checkpoints/step_N) to continue from, at the batch after it.
+        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows (tensorboard, ...).
         project: tracker project name.
     """
-    # ---- config: Accelerator, global -> per-process batch, tracking
-    output = Path(output_dir)
-    tracking = None if str(tracker).lower() == "none" else tracker
+    # ---- config: Accelerator, global -> per-process batch
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with=tracking,
-        project_dir=str(output),
-        # The shuffle then depends on the seed and the epoch only, not on the number of processes.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, on any number of processes
+        log_with=None if tracker == "none" else tracker,
+        project_dir=output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # shuffle: seed+epoch, any world size
+        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
     )
-    shards = accelerator.num_processes * gradient_accumulation_steps
-    if batch_size % shards:
-        sys.exit(
-            f"error: --batch_size {batch_size} (the global batch) does not divide evenly over "
-            f"{accelerator.num_processes} process(es) x {gradient_accumulation_steps} accumulation step(s); "
-            f"use a multiple of {shards}"
-        )
-    per_process = batch_size // shards
+    world, accumulation = accelerator.num_processes, gradient_accumulation_steps
+    if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
+        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation} accumulation step(s)"
+        raise SystemExit(f"error: {cause}; use a multiple of {world * accumulation}")
+    per_process = batch_size // (world * accumulation)
     accelerator.print(
-        f"global batch {batch_size} = {accelerator.num_processes} process(es) x {gradient_accumulation_steps} "
-        f"micro-batch(es) x {per_process} examples"
+        f"global batch {batch_size} = {world} process(es) x {accumulation} micro-batch(es) x {per_process} examples"
     )
     set_seed(seed)  # the same on every process: same classifier head, and dropout drawn alike
 
@@ -145,7 +130,7 @@ def main(
             texts = [text or "" for text in batch[text_column]]
             pairs = [text or "" for text in batch[text_pair_column]] if text_pair_column else None
             encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
-            labels = batch[label_column]
+            labels = batch[label_column]  # ids for GLUE; your files' values mapped to ids
             encoded["labels"] = labels if label_ids is None else [label_ids[value] for value in labels]
             return encoded
 
@@ -154,62 +139,48 @@ def main(
     # ---- model: the label names travel in config.json
     id2label = dict(enumerate(label_names))
     label2id = {name: i for i, name in id2label.items()}
-    config = AutoConfig.from_pretrained(model, num_labels=len(label_names), id2label=id2label, label2id=label2id)
+    options = dict(num_labels=len(label_names), id2label=id2label, label2id=label2id, dtype=torch.float32)
     # A checkpoint fine-tuned on another label set gets a fresh classifier head of the right size.
-    net = AutoModelForSequenceClassification.from_pretrained(
-        model, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
-    )
+    net = AutoModelForSequenceClassification.from_pretrained(model, ignore_mismatched_sizes=True, **options)
 
     # Dynamic padding: each batch to its longest example (a multiple of 8 feeds tensor cores under bf16/fp16).
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=None if accelerator.mixed_precision == "no" else 8)
     workers = num_workers if num_workers is not None else (2 if torch.cuda.is_available() else 0)
     loader_args = dict(collate_fn=collator, num_workers=workers, pin_memory=torch.cuda.is_available())
-    # Its own generator: starting an epoch then draws nothing from the global RNG that dropout uses.
-    train_loader = DataLoader(
-        tokenized["train"],
-        batch_size=per_process,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(seed),
-        **loader_args,
-    )
-    eval_loader = DataLoader(
-        tokenized["validation"], batch_size=per_process * gradient_accumulation_steps, **loader_args
-    )
+    # The shuffle's own generator: an epoch's start then draws nothing from the global RNG (dropout's).
+    shuffle = dict(shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed))
+    train_loader = DataLoader(tokenized["train"], batch_size=per_process, **shuffle, **loader_args)
+    eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * accumulation, **loader_args)
 
     # AdamW with weight decay on weight matrices only (not on biases and LayerNorm weights).
     decay = [p for p in net.parameters() if p.ndim > 1]
     no_decay = [p for p in net.parameters() if p.ndim <= 1]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
-    )
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
 
     # ---- prepare: DDP wrapping, loaders sharded across processes, everything on the device
     net, optimizer, train_loader, eval_loader = accelerator.prepare(net, optimizer, train_loader, eval_loader)
-    steps_per_epoch = math.ceil(len(train_loader) / gradient_accumulation_steps)  # len: this process's batches
+    steps_per_epoch = math.ceil(len(train_loader) / accumulation)  # len: this process's batches
+    if steps_per_epoch == 0:
+        raise SystemExit(f"error: fewer training examples than one --batch_size {batch_size}; lower it")
     total_steps = max_steps or epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     # Linear warm-up, then linear decay to zero, counted in optimizer steps.
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, round(warmup_ratio * total_steps), total_steps))
 
     step = 0
-    if resume:  # weights, optimizer, schedule and RNG states; the step comes from the folder's name
+    if resume:  # weights, optimizer, schedule and RNG states; the step is the folder's name
         accelerator.load_state(resume)
         step = int(Path(resume).name.removeprefix("step_"))
-        accelerator.print(f"resumed from {resume} at step {step}")
+    settings = dict(model=model, task=task, train_file=train_file, batch_size=batch_size, lr=lr, epochs=num_epochs)
+    accelerator.init_trackers(project, settings, tracker_init_kwargs(tracker, output_dir, "text-starter"))
 
     def save_checkpoint():
-        accelerator.save_state(output / "checkpoints" / f"step_{step:07d}")
+        folder = Path(output_dir, "checkpoints", f"step_{step}")
+        accelerator.save_state(folder)
         if accelerator.is_main_process:  # keep the newest two
-            for old in sorted((output / "checkpoints").glob("step_*"))[:-2]:
+            for old in sorted(folder.parent.glob("step_*"), key=lambda p: int(p.name[5:]))[:-2]:
                 shutil.rmtree(old)
-
-    # SwanLab offline without a login (upload later with `swanlab sync`): a run never waits for or fails on the network.
-    logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
-    mode = swanlab_mode or os.environ.get("SWANLAB_MODE") or ("cloud" if logged_in else "offline")
-    swanlab_args = {"swanlab": {"mode": mode, "log_dir": str(output.resolve() / "swanlog")}}  # other trackers: unused
-    settings = dict(model=model, task=task, train_file=train_file, batch_size=batch_size, lr=lr, epochs=num_epochs)
-    accelerator.init_trackers(project, config=settings, init_kwargs=swanlab_args)
 
     # ---- training loop
     progress = tqdm(total=total_steps, initial=step, desc="train")  # shown by the main process only
@@ -217,7 +188,7 @@ def main(
     for epoch in range(step // steps_per_epoch, num_epochs):
         net.train()
         train_loader.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
-        done = (step - epoch * steps_per_epoch) * gradient_accumulation_steps  # batches a resumed epoch already had
+        done = (step - epoch * steps_per_epoch) * accumulation  # batches a resumed epoch already had
         for batch in accelerator.skip_first_batches(train_loader, done) if done else train_loader:
             with accelerator.accumulate(net):  # no gradient all-reduce on the micro-steps between optimizer steps
                 loss = net(**batch).loss
@@ -234,15 +205,14 @@ def main(
             scheduler.step()
             step += 1
             progress.update(1)
-            if step % log_every == 0 or step == 1 or step == total_steps:
-                # The mean over the micro-batches since the last log, then over the processes.
-                mean_loss = accelerator.reduce(running_loss / micro_batches, reduction="mean").item()
+            if step % log_every == 0 or step in (1, total_steps):
+                mean_loss = accelerator.reduce(running_loss / micro_batches, "mean").item()  # since the last log
                 lr_now = scheduler.get_last_lr()[0]
                 accelerator.print(f"step {step}/{total_steps} loss {mean_loss:.7f} lr {lr_now:.4g}")
                 accelerator.log({"train/loss": mean_loss, "train/lr": lr_now}, step=step)
                 running_loss, micro_batches = torch.zeros_like(running_loss), 0
             if checkpoint_every and step % checkpoint_every == 0 and step % steps_per_epoch and step < total_steps:
-                save_checkpoint()
+                save_checkpoint()  # epoch ends: below
             if step >= total_steps:
                 break
 
@@ -264,10 +234,10 @@ def main(
     # ---- save: the model as from_pretrained reads it, with its tokenizer
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(net)  # the model without its DDP wrapper
-    unwrapped.save_pretrained(output, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(output)
-    accelerator.print(f"model and tokenizer saved in {output}")
+        tokenizer.save_pretrained(output_dir)
+    accelerator.print(f"model and tokenizer saved in {output_dir}")
     accelerator.end_training()
 
 
