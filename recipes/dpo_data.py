@@ -12,13 +12,12 @@ Each answer is rendered after the prompt by the model's own chat template, so it
 reads at inference, with the token that ends the turn.
 """
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import torch
-from sft_data import FILE_SUFFIXES, listed_messages, load_file, short
+from sft_data import FILE_SUFFIXES, hold_out, listed_messages, load_file, short
 
 from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
@@ -99,13 +98,7 @@ def load_pairs(train_file, validation_file, dataset, cache_dir, validation_size:
         if validation_file:
             validation = read_pairs(load_file(validation_file, "validation", cache_dir), str(validation_file))
     if validation is None:
-        held_out = max(1, round(validation_size * len(train)))
-        if held_out >= len(train):
-            raise RecipeError(f"{len(train)} pair(s) leave none to train on after holding out --validation_size")
-        order = list(range(len(train)))
-        random.Random(seed).shuffle(order)
-        validation = [train[i] for i in sorted(order[:held_out])]
-        train = [train[i] for i in sorted(order[held_out:])]
+        train, validation = hold_out(train, validation_size, seed, "pair(s)")
     return train, validation
 
 

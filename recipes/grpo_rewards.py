@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import datasets
-from sft_data import FILE_SUFFIXES, exact_match, listed_messages, load_file, short
+from sft_data import FILE_SUFFIXES, exact_match, hold_out, listed_messages, load_file, short
 
 from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
@@ -291,15 +291,7 @@ def load_prompts(train_file, validation_file, dataset, cache_dir, validation_siz
         if validation_file:
             validation = read_prompt_rows(load_file(validation_file, "validation", cache_dir), str(validation_file))
     if validation is None:
-        held_out = max(1, round(validation_size * len(train)))
-        if held_out >= len(train):
-            raise RecipeError(f"{len(train)} prompt(s) leave none to train on after holding out --validation_size")
-        order = list(range(len(train)))
-        import random
-
-        random.Random(seed).shuffle(order)
-        validation = [train[i] for i in sorted(order[:held_out])]
-        train = [train[i] for i in sorted(order[held_out:])]
+        train, validation = hold_out(train, validation_size, seed, "prompt(s)")
     return train, validation
 
 

@@ -9,6 +9,7 @@ earlier ones, so a prefix's rendering is not a prefix of the whole).
 """
 
 import copy
+import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,17 @@ def to_messages(example: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------------ loading
+def hold_out(rows: list, validation_size: float, seed: int, what: str) -> tuple[list, list]:
+    """(training rows, validation rows): --validation_size of `rows` held out at random (by `seed`), both in their
+    file order; `what` names the rows in the error."""
+    held_out = max(1, round(validation_size * len(rows)))
+    if held_out >= len(rows):
+        raise RecipeError(f"{len(rows)} {what} leave none to train on after holding out --validation_size")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    return [rows[i] for i in sorted(order[held_out:])], [rows[i] for i in sorted(order[:held_out])]
+
+
 def load_file(path, split: str, cache_dir: str | None, flag: str | None = None) -> datasets.Dataset:
     """One .json (a list of objects) or .jsonl (one object per line) file through the `datasets` JSON loader; errors
     name `flag` (default --<split>_file)."""
