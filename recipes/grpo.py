@@ -235,9 +235,10 @@ def check_flags(args: GrpoFlags) -> None:
 def dataset_name(args: GrpoFlags) -> str:
     if args.dataset:
         return args.dataset.split(":")[0].rsplit("/", 1)[-1]
-    if not args.train_file:
+    file = args.train_file or (args.validation_file if args.eval_only else None)  # --eval_only needs no training file
+    if not file:
         raise RecipeError("give --train_file (a .json/.jsonl of prompts) or --dataset (a Hub dataset)")
-    return f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
+    return f"{Path(file).resolve().parent.name}-{Path(file).stem}"
 
 
 def tokenize_prompts(accelerator, tokenizer, rows: list[dict], max_prompt_length: int, split: str) -> list[dict]:

@@ -267,7 +267,8 @@ def read_prompt_rows(rows, where: str) -> list[dict]:
 
 def load_prompts(train_file, validation_file, dataset, cache_dir, validation_size: float, seed: int):
     """(training prompts, validation prompts, name): from .json/.jsonl files, or a Hub dataset
-    (`name` or `name:config`, its train split and its test/validation split), else --validation_size held out."""
+    (`name` or `name:config`, its train split and its test/validation split), else --validation_size held out. A
+    validation file alone (--eval_only) gives no training prompts."""
     if dataset:
         name, _, config = dataset.partition(":")
         try:
@@ -281,12 +282,12 @@ def load_prompts(train_file, validation_file, dataset, cache_dir, validation_siz
         train = read_prompt_rows(splits["train"], f"--dataset {dataset}")
         validation = read_prompt_rows(splits[held], f"--dataset {dataset}") if held else None
     else:
-        if not train_file:
+        if not train_file and not validation_file:
             raise RecipeError("give --train_file (a .json/.jsonl of prompts) or --dataset (a Hub dataset)")
         for path, flag in ((train_file, "--train_file"), (validation_file, "--validation_file")):
             if path and Path(path).suffix.lower() not in FILE_SUFFIXES:
                 raise RecipeError(f"{flag} {path}: unknown format; give a .json or .jsonl file of prompts")
-        train = read_prompt_rows(load_file(train_file, "train", cache_dir), str(train_file))
+        train = read_prompt_rows(load_file(train_file, "train", cache_dir), str(train_file)) if train_file else []
         validation = None
         if validation_file:
             validation = read_prompt_rows(load_file(validation_file, "validation", cache_dir), str(validation_file))
