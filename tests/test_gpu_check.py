@@ -217,6 +217,7 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     (machine,) = json.loads(proof.read_text())["machines"]
     assert machine["key"] == smoke["report"]["key"] and list(machine["steps"]) == [
         "sft",
+        "dpo",
         "fast94",
         "text-fsdp",
         "nccl-doctor",
@@ -225,7 +226,7 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     assert machine["steps"]["fast94"]["figures"] == steps["fast94"]["figures"]
     assert machine["steps"]["fast94"]["commands"] == steps["fast94"]["commands"]
     text = proof.with_suffix(".md").read_text()
-    assert "Proven: sft, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
+    assert "Proven: sft, dpo, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
     assert steps["fast94"]["commands"][0] in text and "torch " + smoke["report"]["machine"]["torch"] in text
     # --after a proof file: what it holds for this machine is not run again
     carried, differences = gpu_check.proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
