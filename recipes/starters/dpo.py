@@ -5,10 +5,9 @@
     accelerate launch --num_processes 2 dpo.py ...             # 2 GPUs; any setup: --config_file your_config.yaml
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 dpo.py ...   # no GPU: 2 processes, gloo
 
-Data: .jsonl or .json of {"prompt", "chosen", "rejected"} (text or message lists) or {"chosen", "rejected"} (two whole
-conversations). The sigmoid DPO loss falls as the model prefers the chosen answers more than the reference (the model
-this run starts from) does, averaged over every pair of the global batch: 1 GPU and N GPUs train alike. recipes/dpo.py
-trains exactly like this and adds IPO and hinge losses, a precomputed reference, FSDP / DeepSpeed, --eval_only, --chat.
+Data: .jsonl/.json of {"prompt", "chosen", "rejected"} (text or messages) or two whole conversations. The sigmoid DPO
+loss, averaged over every pair of the global batch (1 GPU and N GPUs train alike), falls as the model prefers the chosen
+answers more than its reference, the model this run starts from. recipes/dpo.py adds IPO, hinge, FSDP, --chat, ...
 """
 
 import copy
@@ -106,6 +105,7 @@ def main(
     epochs: int = 1,
     max_steps: int | None = None,
     lr: float | None = None,
+    max_grad_norm: float = 1.0,
     seed: int = 42,
     log_every: int = 5,
     checkpoint_every: int = 100,
@@ -127,6 +127,7 @@ def main(
         epochs: passes over the training pairs.
         max_steps: stop after this many optimizer steps instead (the last epoch cut short).
         lr: AdamW's peak learning rate (10% warm-up, linear decay to 0); default 5e-5 with LoRA, 1e-6 in full.
+        max_grad_norm: clip the gradients' global norm to this before each update.
         seed: seed for LoRA's initial weights and the data order.
         log_every: print and log the training loss every N optimizer steps (and at the first and last).
         checkpoint_every: save_state every N steps and at epoch ends (0: epoch ends only); the 2 newest are kept.
@@ -207,8 +208,8 @@ def main(
                     losses, _ = dpo_loss(accelerator, net, reference, inputs, answer_mask, beta)
                     loss = losses.sum() / batch_size  # these pairs' share of the mean over the global batch
                     accelerator.backward(loss * world * accumulation)  # undoes the means DDP and backward take
-                    if accelerator.sync_gradients:  # the step's last micro-batch: clip to norm 1, update
-                        accelerator.clip_grad_norm_(net.parameters(), 1.0)
+                    if accelerator.sync_gradients:  # the step's last micro-batch: clip, update
+                        accelerator.clip_grad_norm_(net.parameters(), max_grad_norm)
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 running_loss += loss.detach()
