@@ -14,11 +14,12 @@ class StepMeter:
     Call `restart()` before training and after every pause (evaluation, checkpointing), and `step(n)` after each
     optimizer step with the number of samples all processes consumed in it. On a GPU `step` only records a CUDA event
     (the host does not wait for the GPU); the durations are read when asked for: `interval_seconds()` at log steps,
-    the totals at the end. The first `warmup_steps` steps (allocator growth, cuDNN autotuning, lazy initialisation)
-    are left out of the throughput when there are more.
+    the totals at the end. The first steps (allocator growth, cuDNN autotuning, lazy initialisation; a LoRA run's
+    first three steps took about 3 s each on an H100, its median 0.45 s) are left out of the throughput:
+    `warmup_steps` of them once a run has 4 x as many, fewer in shorter runs, one when there are two or more.
     """
 
-    def __init__(self, device: torch.device, warmup_steps: int = 1):
+    def __init__(self, device: torch.device, warmup_steps: int = 3):
         self.device = torch.device(device)
         self.warmup_steps = warmup_steps
         self.durations: list[float] = []
@@ -70,7 +71,8 @@ class StepMeter:
 
     def _measured(self) -> tuple[list[float], list[int]]:
         self._flush()
-        skip = self.warmup_steps if len(self.durations) > self.warmup_steps else 0
+        steps = len(self.durations)
+        skip = min(self.warmup_steps, max(1, steps // 4)) if steps > 1 else 0
         return self.durations[skip:], self.samples[skip:]
 
     @property
@@ -87,6 +89,23 @@ class StepMeter:
     def median_step_seconds(self) -> float:
         durations, _ = self._measured()
         return statistics.median(durations) if durations else 0.0
+
+
+# Dense bf16 tensor-core peaks from NVIDIA's data sheets: the denominator of model FLOP utilisation (MFU).
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The peak of a device named as torch or nvidia-smi name it ("NVIDIA H100 80GB HBM3"); None when not listed."""
+    return next((value for key, value in PEAK_TFLOPS.items() if key in device_name), None)
+
+
+def flop_utilisation(flops_per_second: float, device: torch.device, processes: int) -> float | None:
+    """Model FLOP utilisation: the model's FLOPs per second (all processes) over the peak of `processes` devices like
+    this one; None off a GPU or on one whose peak is not listed."""
+    device = torch.device(device)
+    peak = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return flops_per_second / (peak * 1e12 * processes) if peak else None
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import fire
 import torch
-from gpu_peaks import peak_tflops  # beside this file
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
 from accelerate_recipes.launch import cpu_precision, usable_cores
+from accelerate_recipes.meter import peak_tflops
 
 REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO / "recipes" / "cifar.py"

@@ -85,7 +85,6 @@ import time
 
 import psutil  # a dependency of accelerate
 from chat_assets import QWEN25_05B, TINY_QWEN2, write_chat_assets  # beside this file
-from gpu_peaks import peak_tflops
 
 from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 
@@ -618,7 +617,6 @@ class Check:
         ]
         # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
-        peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems = [], {}, []
         for name, launch, processes in self.sft_runs():
             method = name.split("-")[0]
@@ -630,7 +628,7 @@ class Check:
             code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
             results = read_json(out / "results.json")
             losses = logged(out, "train/loss")
-            figures[name] = sft_figures(results, assets, peak, method)
+            figures[name] = sft_figures(results)
             if method == "lora":
                 figures[name]["adapter_saved"] = (out / "adapter_model.safetensors").is_file()
             if code != 0:
@@ -690,6 +688,8 @@ class Check:
             run_dir / "datasets-cache",
         ]
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
+        from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
+
         peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems = [], {}, []
         for method in ("lora", "full"):
@@ -1025,15 +1025,9 @@ def gpu_name() -> str:
     return (proc.stdout.strip().splitlines() or [""])[0]
 
 
-def sft_figures(results: dict, assets: dict, peak: float | None, method: str) -> dict:
-    """An sft run's figures from its results.json: throughput, memory against the plan and, with PEAK (dense bf16
-    TFLOPS of one GPU), the model FLOP utilisation.
-
-    Model FLOPs per token as in the PaLM paper (Chowdhery et al., 2022, appendix B): 6N for a full fine-tune (forward
-    2N, backward 4N) and 4N for LoRA (the frozen weights need no weight gradient; the adapter's own FLOPs are
-    negligible), N the parameters of the matrix multiplies (not the embedding lookup; a tied output head once), plus
-    12 x layers x hidden x sequence length for attention, with the mean conversation length: packed conversations
-    attend only within themselves."""
+def sft_figures(results: dict) -> dict:
+    """An sft run's figures from its results.json: throughput, memory against the plan, and the model FLOP
+    utilisation with the FLOPs per token it counted (the recipe's own: recipes/sft.py, model_flops_per_token)."""
     figures = key_figures(
         results,
         "method",
@@ -1047,20 +1041,17 @@ def sft_figures(results: dict, assets: dict, peak: float | None, method: str) ->
         "peak_memory_mb",
         "peak_memory_kind",
         "memory_plan_mb",
+        "flops_per_token",
     )
     planned = (results.get("memory_plan_mb") or {}).get("total")
     # The plan counts device memory; on the CPU the peak is the process's whole resident memory, not comparable.
     if planned and results.get("peak_memory_mb") and results.get("peak_memory_kind") == "cuda_max_allocated":
         figures["peak_over_plan"] = round(results["peak_memory_mb"] / planned, 3)
-    tokens_per_second = results.get("train_tokens_per_second")
-    if tokens_per_second and results.get("train_samples_per_second"):
-        mean_length = tokens_per_second / results["train_samples_per_second"]
-        flops_per_token = (4 if method == "lora" else 6) * assets["matmul_parameters"]
-        flops_per_token += 12 * assets["layers"] * assets["hidden"] * mean_length
+    if results.get("train_tokens_per_second") and results.get("train_samples_per_second"):
+        mean_length = results["train_tokens_per_second"] / results["train_samples_per_second"]
         figures["mean_tokens_per_conversation"] = round(mean_length, 1)
-        if peak:
-            world = results.get("world_size", 1)
-            figures["model_flops_utilisation"] = round(flops_per_token * tokens_per_second / (peak * 1e12 * world), 4)
+    if results.get("model_flops_utilisation") is not None:  # None off a GPU: no peak to divide by
+        figures["model_flops_utilisation"] = round(results["model_flops_utilisation"], 4)
     return figures
 
 

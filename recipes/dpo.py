@@ -53,6 +53,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
+    adamw,
     build_model,
     chat,
     check_one_mode,
@@ -458,11 +459,8 @@ def train(args: DpoFlags) -> None:
     model = build_model(args, model_name, accelerator.mixed_precision)  # an adapter of ours in --model: trained on
     reference = None if args.precompute_ref else reference_policy(args, accelerator, model, model_name)
 
-    # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay, no_decay = [p for p in trainable if p.ndim > 1], [p for p in trainable if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr, fused=accelerator.device.type == "cuda")
+    # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
+    optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
     # ---- the run's length in optimizer steps: whole global batches of pairs only
     steps_per_epoch = len(train_loader) // world // accumulation

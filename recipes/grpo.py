@@ -54,6 +54,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
+    adamw,
     build_model,
     chat,
     check_one_mode,
@@ -770,13 +771,10 @@ def train(args: GrpoFlags) -> None:
     # The loader hands out prompt indices (whole batches only); the shuffle has a generator of its own.
     train_loader = DataLoader(list(range(len(train_rows))), per_process, shuffle=True, drop_last=True, generator=seeded)
 
-    # ---- model, reference policy and optimizer: AdamW on the trainable weights, weight decay on matrices only
+    # ---- model, reference policy and optimizer (AdamW, weight decay on matrices only, fused on a GPU)
     model = build_model(args, model_name, accelerator.mixed_precision)  # an adapter of ours in --model: trained on
     reference = reference_policy(args, accelerator, model, model_name) if args.beta else None
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay, no_decay = [p for p in trainable if p.ndim > 1], [p for p in trainable if p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr)
+    optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
     # ---- the run's length: each batch of rollouts gives --num_iterations optimizer steps
     rollouts_per_epoch = whole_steps_per_epoch(len(train_loader), world, accumulation, len(train_rows), args)

@@ -44,6 +44,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, savin
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
+    adamw,
     build_model,
     chat,
     check_one_mode,
@@ -56,6 +57,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, savin
     write_samples,
 )
 from sft_data import check_packing, collator, load_conversations, tokenize_splits
+from sft_loss import PLAIN_LOGITS, use_answer_loss
 from sft_plan import numel, print_plan
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
@@ -81,6 +83,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.meter import flop_utilisation
 from accelerate_recipes.plots import plot_results
 
 
@@ -238,14 +241,14 @@ def evaluate(model, loader, accelerator) -> dict:
     model.eval()
     loss_sum, token_count, conversations = 0.0, 0, 0
     for batch in loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-        labels = batch["labels"][:, 1:]
-        losses = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
-        )
+        losses = model(**batch).token_losses  # each answer token's, in batch["target_index"] order
+        rows = batch["target_index"] // batch["labels"].shape[1]
+        conversations_in_batch = len(batch["labels"])
+        sums = torch.zeros(conversations_in_batch, device=losses.device).index_add_(0, rows, losses)
+        counts = torch.zeros_like(sums, dtype=torch.long).index_add_(0, rows, torch.ones_like(rows))
         # One (loss sum, answer tokens) pair per conversation; gather_for_metrics drops the conversations the sampler
         # repeated to give every process an equal share.
-        sums, counts = accelerator.gather_for_metrics((losses.sum(dim=1), (labels != -100).sum(dim=1)))
+        sums, counts = accelerator.gather_for_metrics((sums, counts))
         loss_sum += sums.double().sum().item()
         token_count += counts.sum().item()
         conversations += len(counts)
@@ -291,6 +294,28 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
     )
 
 
+def model_flops_per_token(model, train_set) -> float:
+    """Training FLOPs per token of the model's own arithmetic, counted as in the PaLM paper (Chowdhery et al., 2022,
+    appendix B): per weight of a matrix multiply 6 in a full fine-tune (forward 2, backward 4) and 4 under LoRA (the
+    frozen weights need no weight gradient; the adapters' own FLOPs are left out), plus 12 x layers x hidden x the mean
+    conversation length for attention (a conversation attends within itself, packed or padded). The output layer
+    counts for the answer tokens only where the loss makes logits for those alone (sft_loss.py); the embedding lookup
+    and the recomputation of gradient checkpointing do not count."""
+    causal_lm = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    per_weight = 4 if isinstance(model, peft.PeftModel) else 6
+    head = causal_lm.get_output_embeddings()
+    blocks = sum(
+        numel(m.weight)
+        for name, m in causal_lm.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head and "lora_" not in name
+    )
+    tokens, targets = sum(train_set["num_tokens"]) / len(train_set), sum(train_set["num_targets"]) / len(train_set)
+    head_share = targets / tokens if causal_lm.config.model_type in PLAIN_LOGITS else 1.0
+    config = causal_lm.config
+    attention = 12 * config.num_hidden_layers * config.hidden_size * tokens
+    return per_weight * (blocks + numel(head.weight) * head_share) + attention
+
+
 def token_rates(results: dict, train_set) -> dict:
     """Training tokens and answer tokens per second: samples per second x the training set's mean tokens per
     conversation (padding not counted)."""
@@ -332,6 +357,8 @@ def train(args: SftFlags) -> None:
     output = Path(args.output_dir)
     model_name = args.model or DEFAULT_MODEL
     lr = args.lr or (2e-4 if args.lora_r else 2e-5)
+    if args.packing:  # rows of another length every step: segments that grow, not a new block per length
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read when CUDA starts, below
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode)
@@ -368,17 +395,14 @@ def train(args: SftFlags) -> None:
     model = build_model(args, model_name, accelerator.mixed_precision)
     if args.packing:
         check_packing(model)
+    use_answer_loss(model)  # logits for the answer positions only, in chunks (sft_loss.py): the loss stays the same
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
+    flops_per_token = model_flops_per_token(model, tokenized["train"])  # for the model FLOP utilisation (MFU)
 
-    # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only
+    # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
     always_build_attention_masks()  # no host read of the padding in each forward pass
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.ndim > 1]
-    no_decay = [p for p in trainable if p.ndim <= 1]  # biases and norm weights
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
-    )
+    optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
     # ---- the run's length in optimizer steps: whole steps only (whole_steps leaves an epoch's remainder out)
     steps_per_epoch = len(train_loader) // world // args.gradient_accumulation_steps
@@ -493,6 +517,10 @@ def train(args: SftFlags) -> None:
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
+    flops = flops_per_token * results["train_tokens_per_second"]  # all processes together
+    results.update(
+        flops_per_token=flops_per_token, model_flops_utilisation=flop_utilisation(flops, accelerator.device, world)
+    )
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -519,6 +547,7 @@ def evaluate_saved_model(args: SftFlags) -> None:
     prepare_output_dir(output)
 
     model, tokenizer = load_fine_tuned(model_dir)
+    use_answer_loss(model)
     raw, tokenized, _ = load_data(accelerator, args, tokenizer)
     _, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     # evaluation_mode: no DDP wrapper, which refuses a model without trainable weights (a loaded adapter)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import transformers
+from sft_loss import IGNORE_INDEX, target_index
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from accelerate_recipes.errors import RecipeError, first_line
@@ -27,7 +28,6 @@ FORMATS = (
     "'messages' (role/content), 'conversations' (ShareGPT from/value), 'instruction'/'input'/'output' (Alpaca) "
     "or 'prompt'/'completion'"
 )
-IGNORE_INDEX = -100  # the label torch's cross-entropy (and transformers' loss) skips
 # Attention implementations that keep packed examples apart when given restarting position_ids and no attention mask.
 PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 # Characters no chat text holds (Unicode private use): placeholders for contents when rendering the template's skeleton.
@@ -394,12 +394,16 @@ def ensure_pad_token(tokenizer):
 
 @dataclass
 class ChatCollator:
-    """A transformers collator fed only input_ids and labels (the bookkeeping columns stay out of the batch)."""
+    """A transformers collator fed only input_ids and labels (the bookkeeping columns stay out of the batch), plus
+    `target_index`: the flat positions that predict an answer token, which the loss computes logits for
+    (sft_loss.py), found here on the host so that the GPU's forward pass waits for no count."""
 
     library_collator: object
 
     def __call__(self, features: list[dict]) -> dict:
-        return self.library_collator([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
+        batch = self.library_collator([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
+        batch["target_index"] = target_index(batch["labels"])
+        return batch
 
 
 def collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None) -> ChatCollator:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 from accelerate.utils import DistributedType
+from sft_loss import CHUNK_LOGITS, PLAIN_LOGITS
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from accelerate_recipes import RecipeError, first_line
@@ -60,6 +61,7 @@ class ModelSize:
     vocab: int
     block_bytes: int  # one decoder block's weights: what FSDP / ZeRO-3 gather at a time
     lora_per_rank: int  # adapter parameters per unit of rank on every linear layer but the head (0 if LoRA already)
+    chunked_loss: bool  # the loss makes logits for answer positions only, a chunk at a time (sft_loss.PLAIN_LOGITS)
 
     @classmethod
     def of(cls, model) -> "ModelSize":
@@ -89,6 +91,7 @@ class ModelSize:
             block_bytes=max((sum(numel(p) * p.element_size() for p in b.parameters()) for b in blocks), default=0),
             # LoRA adds r x (in + out) parameters to a linear layer (its A and B matrices)
             lora_per_rank=0 if is_lora else sum(m.in_features + m.out_features for m in linears),
+            chunked_loss=config.model_type in PLAIN_LOGITS,
         )
 
     def as_lora(self, rank: int, base_bytes: int) -> "ModelSize":
@@ -154,10 +157,13 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     Recomputation in Large Transformer Models": 34 s b h bytes per GPT block with a 4h MLP in 16-bit), adapted to the
     gated MLP and to sdpa / flash attention, which keep no s x s score matrix. With gradient checkpointing only each
     block's input stays (h per token in the hidden states' dtype), plus one block's activations while it is
-    recomputed. The logits come on top: at the loss they exist at once in the compute dtype, as transformers' fp32
-    copy and as the fp32 log-probabilities the cross-entropy keeps for its backward pass (b s V x (2 + 4 + 4) bytes
-    under bf16, x 8 in fp32 runs, where the copy is the same tensor): the largest single term for small models with
-    vocabularies of 150k tokens.
+    recomputed. The loss comes on top (sft_loss.py): the hidden states of the answer positions picked out and their
+    gradient (at most every token: 2 h e per token), and one chunk of logits at a time (CHUNK_LOGITS values at most,
+    or every token's when fewer), made again in the backward pass: in the compute dtype, their fp32 copy, the fp32
+    log-probabilities the cross-entropy keeps and the fp32 gradient, cast back (2e + 12 bytes per value under
+    bf16, 12 in fp32 runs, where the copy is the same tensor). Models whose logits are more than the output layer's
+    product (sft_loss.PLAIN_LOGITS lists the others) make every position's logits at once: e + 8 bytes per value
+    (the model's own and the fp32 copy and log-probabilities of the loss).
     """
     tokens = launch.micro_batch * launch.max_length
     e = launch.compute_bytes
@@ -166,7 +172,10 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
         blocks = size.layers * tokens * size.hidden * size.residual_bytes + per_block
     else:
         blocks = size.layers * per_block
-    return blocks, tokens * size.vocab * (e + 8 if e < 4 else 8)
+    if not size.chunked_loss:
+        return blocks, tokens * size.vocab * (e + 8 if e < 4 else 8)
+    chunk = min(tokens, max(1, CHUNK_LOGITS // size.vocab))
+    return blocks, 2 * tokens * size.hidden * e + chunk * size.vocab * (2 * e + 12 if e < 4 else 12)
 
 
 # ---------------------------------------------------------------------------------------------------- the launch

@@ -1,7 +1,7 @@
-"""The preference-tuning recipe (recipes/dpo.py) run as users run it: a LoRA adapter on 1 process, with accumulation,
-on 2 gloo processes and, with the reference precomputed, under FSDP2 over two "nodes" on 127.0.0.1; a full fine-tune
-that learns against its precomputed reference, on 1 process and under DeepSpeed ZeRO-3, killed and resumed; the chat
-recipe's adapter trained on with IPO; --eval_only on 2 processes, --predict, and bad pairs.
+"""The preference-tuning recipe (recipes/dpo.py) run as users run it: a LoRA adapter on 1 process, on 2 gloo
+processes with accumulation and, with the reference precomputed, under FSDP2 over two "nodes" on 127.0.0.1; a full
+fine-tune that learns against its precomputed reference, on 1 process and under DeepSpeed ZeRO-3, killed and resumed;
+the chat recipe's adapter trained on with IPO; --eval_only on 2 processes, --predict, and bad pairs.
 
 The policy is the tiny random Llama of the chat tests; the pairs ask for colours ("What colour is the plum?"): the
 chosen answer is the right colour, the rejected one a wrong colour fixed per object (conftest's colour_pairs).
@@ -24,7 +24,6 @@ from conftest import (
     check,
     check_png,
     dpo,
-    fails_with,
     free_port,
     read_metrics,
     read_results,
@@ -71,13 +70,10 @@ def worst_difference(a: dict, b: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def dpo_two(dpo_data):
-    return dpo(dpo_data, "two", launcher=launcher("cpu.yaml"))[1]
-
-
-@pytest.fixture(scope="module")
-def dpo_accumulated(dpo_data):
-    return dpo(dpo_data, "accumulated", "--gradient_accumulation_steps", "2")[1]
+def dpo_two_accumulated(dpo_data):
+    """DPO_RUN on 2 gloo processes with 2 micro-batches each: the global batch of 8 split four ways, so that a loss
+    that left out either the world size or the accumulation factor would show."""
+    return dpo(dpo_data, "two-accumulated", "--gradient_accumulation_steps", "2", launcher=launcher("cpu.yaml"))[1]
 
 
 @pytest.fixture(scope="module")
@@ -161,28 +157,24 @@ def dpo_one_scored(dpo_one, dpo_data):
 
 
 # ---------------------------------------------------------------------------------------------------- the tests
-def test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_is_split(
-    dpo_one, dpo_two, dpo_accumulated
-):
-    """1 process, 2 gloo processes (4 pairs each) and 1 process with 2 micro-batches of 4: the same losses step by
+def test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_is_split(dpo_one, dpo_two_accumulated):
+    """1 process with 1 micro-batch of 8 and 2 gloo processes with 2 micro-batches of 2 each: the same losses step by
     step and the same adapter, since each micro-batch adds its pairs' share of the global batch's mean."""
     reference = per_step(dpo_one, "train/loss")
     assert sorted(reference) == list(range(1, 9))  # 4 steps an epoch, 2 epochs, each logged
-    adapter = load_file(str(dpo_one / ADAPTER))
-    for out in (dpo_two, dpo_accumulated):
-        losses = per_step(out, "train/loss")
-        assert losses.keys() == reference.keys()
-        assert max(abs(losses[s] - reference[s]) for s in reference) <= TOLERANCE, (out.name, losses, reference)
-        margins, expected = per_step(out, "train/reward_margin"), per_step(dpo_one, "train/reward_margin")
-        assert max(abs(margins[s] - expected[s]) for s in expected) <= TOLERANCE
-        assert worst_difference(load_file(str(out / ADAPTER)), adapter) <= TOLERANCE, out.name
-        results = read_results(out)
-        assert results["eval_samples"] == 16 and results["global_batch_size"] == 8
-        assert results["eval_loss"] == pytest.approx(read_results(dpo_one)["eval_loss"], abs=TOLERANCE)
-    two, accumulated = read_results(dpo_two), read_results(dpo_accumulated)
-    assert (two["world_size"], two["distributed_type"], two["per_process_batch_size"]) == (2, "MULTI_CPU", 4)
-    assert (accumulated["world_size"], accumulated["gradient_accumulation_steps"]) == (1, 2)
-    assert two["samples_seen_per_process"] == [32, 32]  # 2 epochs of 16 pairs each
+    out = dpo_two_accumulated
+    losses = per_step(out, "train/loss")
+    assert losses.keys() == reference.keys()
+    assert max(abs(losses[s] - reference[s]) for s in reference) <= TOLERANCE, (losses, reference)
+    margins, expected = per_step(out, "train/reward_margin"), per_step(dpo_one, "train/reward_margin")
+    assert max(abs(margins[s] - expected[s]) for s in expected) <= TOLERANCE
+    assert worst_difference(load_file(str(out / ADAPTER)), load_file(str(dpo_one / ADAPTER))) <= TOLERANCE
+    results = read_results(out)
+    assert results["eval_samples"] == 16 and results["global_batch_size"] == 8
+    assert results["eval_loss"] == pytest.approx(read_results(dpo_one)["eval_loss"], abs=TOLERANCE)
+    assert (results["world_size"], results["distributed_type"]) == (2, "MULTI_CPU")
+    assert (results["per_process_batch_size"], results["gradient_accumulation_steps"]) == (2, 2)
+    assert results["samples_seen_per_process"] == [32, 32]  # 2 epochs of 16 pairs each
     # the adapter moved: the comparison is not one of untouched weights
     assert reference[8] < reference[1] - 5e-3
 
@@ -573,12 +565,3 @@ def test_over_long_pairs_are_dropped_or_cut_and_counted(tiny_chat_model):
     ]
     with pytest.raises(RecipeError, match="no pair fits in --max_length 4; raise it or use --too_long truncate"):
         tokenize_pairs(tokenizer, pairs, 4, "truncate", "train")
-
-
-def test_a_bad_row_stops_the_run_with_one_line(dpo_data, tmp_path):
-    rows = [dict(pair) for pair in dpo_data["train"][:8]]
-    del rows[2]["rejected"]
-    bad = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    args = ["--model", dpo_data["model"], "--train_file", bad, "--tracker", "none", "--output_dir", tmp_path / "out"]
-    proc = run([PYTHON, DPO_SCRIPT, *args], recipe_env(tmp_path))
-    fails_with(proc, f"{bad} row 3: no 'rejected' column", "a preference pair needs 'chosen' and 'rejected'")

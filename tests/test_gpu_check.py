@@ -363,8 +363,7 @@ def test_a_one_gpu_report_is_partial_and_names_what_it_did_not_prove():
     assert verdict.startswith("FAIL: sft; INCOMPLETE: fast94") and gpu_check.exit_status(verdict) == 1
 
 
-def test_sft_figures_count_model_flops_as_palm_does_and_compare_peak_memory_with_the_plan():
-    assets = {"matmul_parameters": 1000, "layers": 2, "hidden": 10}
+def test_sft_figures_take_the_recipes_flops_and_compare_peak_memory_with_the_plan():
     results = {
         "train_tokens_per_second": 1e6,
         "train_samples_per_second": 1e4,  # 100 tokens per conversation
@@ -372,13 +371,13 @@ def test_sft_figures_count_model_flops_as_palm_does_and_compare_peak_memory_with
         "peak_memory_mb": 150.0,
         "peak_memory_kind": "cuda_max_allocated",
         "memory_plan_mb": {"weights": 40.0, "total": 100.0},
+        "flops_per_token": 24_000.0,
+        "model_flops_utilisation": 0.0123456,
     }
-    # per token: 6N (full) or 4N (LoRA) + 12 x layers x hidden x 100 = 24,000; x 1e6 tokens/s over 2 GPUs of 1 TFLOPS
-    full = gpu_check.sft_figures(results, assets, 1.0, "full")
-    lora = gpu_check.sft_figures(results, assets, 1.0, "lora")
-    assert full["model_flops_utilisation"] == 0.015 and lora["model_flops_utilisation"] == 0.014
-    assert full["peak_over_plan"] == 1.5 and full["mean_tokens_per_conversation"] == 100.0
-    cpu = gpu_check.sft_figures(dict(results, peak_memory_kind="host_max_rss"), assets, None, "full")
+    figures = gpu_check.sft_figures(results)
+    assert figures["model_flops_utilisation"] == 0.0123 and figures["flops_per_token"] == 24_000.0
+    assert figures["peak_over_plan"] == 1.5 and figures["mean_tokens_per_conversation"] == 100.0
+    cpu = gpu_check.sft_figures(dict(results, peak_memory_kind="host_max_rss", model_flops_utilisation=None))
     assert "model_flops_utilisation" not in cpu and "peak_over_plan" not in cpu
     assert gpu_check.requirements(1, None, ("peft",))["sft"] == "peft not installed"
 

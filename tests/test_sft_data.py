@@ -232,7 +232,7 @@ def test_packed_examples_attend_only_within_themselves(tiny_chat_model, chat_bat
     check_packing(model)
     assert model.config.use_cache is False
     batch = collator(tokenizer, packing=True)(features)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention mask: the positions tell the examples
+    assert set(batch) == {"input_ids", "labels", "position_ids", "target_index"}  # no mask: positions tell
     lengths = [f["num_tokens"] for f in features]
     assert batch["input_ids"].shape == (1, sum(lengths))
     with torch.no_grad():
@@ -263,7 +263,7 @@ def test_padded_batch_masks_padding_and_matches_examples_one_by_one(tiny_chat_mo
     assert tokenizer.pad_token == tokenizer.eos_token == "<|eot_id|>"  # Llama 3 has no pad token of its own
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation="sdpa").eval()
     batch = collator(tokenizer, packing=False, pad_to_multiple_of=8)(features)
-    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "target_index"}
     width = batch["input_ids"].shape[1]
     assert width % 8 == 0 and width >= max(f["num_tokens"] for f in features)
     for row, feature in enumerate(features):
@@ -275,7 +275,7 @@ def test_padded_batch_masks_padding_and_matches_examples_one_by_one(tiny_chat_mo
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
 
     with torch.no_grad():
-        out = model(**batch)
+        out = model(**{k: v for k, v in batch.items() if k != "target_index"})  # transformers' own loss
         together = summed_loss(out.logits, batch["labels"])
         one_by_one = sum(summed_loss(own_logits(model, f)[None], torch.tensor([f["labels"]])) for f in features)
     torch.testing.assert_close(together, one_by_one, atol=1e-4, rtol=1e-5)
@@ -290,6 +290,69 @@ def test_padded_batch_masks_padding_and_matches_examples_one_by_one(tiny_chat_mo
     finally:
         tokenizer.padding_side = "right"
     assert again["attention_mask"][:, 0].all()
+
+
+def loss_and_gradients(model, batch: dict, targets: int) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    # num_items_in_batch as the recipe passes it: the answer tokens of the whole step (here 3x this micro-batch's)
+    loss = model(**batch, num_items_in_batch=torch.tensor(3 * targets)).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_answer_loss_is_transformers_loss(tiny_chat_model, chat_batch, packing, lora, monkeypatch):
+    """sft_loss's forward pass (the answer positions' logits only, in chunks of 5 here, each made again in the
+    backward pass) gives transformers' loss and gradients within fp32 rounding, for every target the collator
+    found; without labels the model is its own (generation)."""
+    import copy
+
+    import peft
+    import sft_loss
+
+    tokenizer, features = chat_batch
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation="sdpa")
+    if lora:  # random B (not peft's zeros) so that the adapter changes the loss
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    batch = collator(tokenizer, packing=packing)(features)
+    targets = sum(f["num_targets"] for f in features)  # an example's first token is never one (the template's header)
+    assert len(batch["target_index"]) == targets == (batch["labels"][:, 1:] != -100).sum()
+    theirs = {k: v for k, v in batch.items() if k != "target_index"}
+    expected_loss, expected_gradients = loss_and_gradients(model, theirs, targets)
+
+    swapped = copy.deepcopy(model)
+    monkeypatch.setattr(sft_loss, "CHUNK_LOGITS", 5 * swapped.config.vocab_size)  # several chunks, the last short
+    assert sft_loss.use_answer_loss(swapped)
+    loss, gradients = loss_and_gradients(swapped, batch, targets)
+    assert abs(loss - expected_loss) <= 1e-6 * expected_loss, (loss, expected_loss)
+    assert gradients.keys() == expected_gradients.keys() and len(gradients) > 0
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, expected_gradients[name], atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():
+        out = swapped(**batch)
+        assert out.token_losses.shape == (targets,) and out.token_losses.dtype == torch.float32
+        torch.testing.assert_close(out.loss, out.token_losses.mean())  # no num_items_in_batch: their mean
+        torch.testing.assert_close(swapped(**theirs).logits, model(**theirs).logits)  # without target_index: its own
+
+
+def test_logits_a_model_transforms_come_from_its_own_forward_pass(chat_batch):
+    """Gemma 2 soft-caps its logits (tanh), which the output layer's product alone would miss: its loss is taken from
+    its own logits at the answer positions, and still equals transformers'."""
+    from sft_loss import use_answer_loss
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tokenizer, features = chat_batch
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    config.update(dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5))
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    batch = collator(tokenizer, packing=False)(features)
+    with torch.no_grad():
+        expected = model(**{k: v for k, v in batch.items() if k != "target_index"}).loss
+        assert use_answer_loss(model) is False  # not a plain product: its own forward pass
+        torch.testing.assert_close(model(**batch).loss, expected, atol=1e-6, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------- evaluation

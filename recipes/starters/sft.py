@@ -82,7 +82,7 @@ def main(
     max_length: int = 1024,
     lora_r: int = 0,
     lora_alpha: int | None = None,
-    lora_dropout: float = 0.05,
+    lora_dropout: float = 0.0,
     batch_size: int = 16,
     gradient_accumulation_steps: int = 1,
     epochs: int = 3,
