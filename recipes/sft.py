@@ -241,7 +241,8 @@ def evaluate(model, loader, accelerator) -> dict:
     model.eval()
     loss_sum, token_count, conversations = 0.0, 0, 0
     for batch in loader:
-        losses = model(**batch).token_losses  # each answer token's, in batch["target_index"] order
+        # each answer token's, in batch["target_index"] order; fp32 (FSDP2's mixed precision casts outputs to bf16)
+        losses = model(**batch).token_losses.float()
         rows = batch["target_index"] // batch["labels"].shape[1]
         conversations_in_batch = len(batch["labels"])
         sums = torch.zeros(conversations_in_batch, device=losses.device).index_add_(0, rows, losses)
