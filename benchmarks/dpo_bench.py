@@ -40,7 +40,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "recipes")]
 
 from grpo_bench import figure, markdown_report  # noqa: E402
-from sft_bench import MODEL_DIR, balanced, converted_model, launch, machine, read_jsonl, step, versions  # noqa: E402
+from sft_bench import (  # noqa: E402
+    MODEL_DIR,
+    balanced,
+    converted_model,
+    launch,
+    machine,
+    read_jsonl,
+    step,
+    trl_settings,
+    versions,
+)
 
 RECIPE = REPO / "recipes" / "dpo.py"
 DATA_DIR = "data/dpo_rotten_tomatoes"
@@ -126,7 +136,6 @@ def trl(
     cover the steps after the first, as the recipe's own figure does.
     """
     start = time.perf_counter()
-    import dataclasses
 
     import torch
     from datasets import Dataset
@@ -149,38 +158,21 @@ def trl(
         def on_step_end(self, args, state, control, **kwargs):
             step_ends.append(time.perf_counter())
 
-    # transformers 5 renamed gradient_checkpointing (which DPOConfig turns on by default) to activation_checkpointing
-    names = {f.name for f in dataclasses.fields(DPOConfig)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     config = DPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=1,
         max_steps=max_steps,
         learning_rate=lr,
-        lr_scheduler_type="linear",
         warmup_steps=round(warmup_ratio * max_steps),
         weight_decay=weight_decay,
         max_grad_norm=max_grad_norm,
-        optim="adamw_torch",
         beta=beta,
         loss_type=["sigmoid"],
         label_smoothing=0.0,
         max_length=max_length,
         precompute_ref_log_probs=False,
         disable_dropout=True,
-        seed=seed,
-        data_seed=seed,
-        bf16=False,
-        fp16=False,
-        report_to="none",
-        logging_steps=log_every,
-        save_strategy="no",
-        eval_strategy="no",
-        dataloader_num_workers=0,
-        dataloader_drop_last=True,  # whole batches only, as the recipe trains
-        use_cpu=not torch.cuda.is_available(),
-        **{checkpointing: False},
+        **trl_settings(DPOConfig, seed, log_every),
     )
     lora = LoraConfig(
         r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"

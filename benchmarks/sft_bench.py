@@ -208,6 +208,36 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
     return answers
 
 
+def trl_settings(config_class, seed: int, log_every: int) -> dict:
+    """The training arguments every TRL comparison (SFT, DPO) sets alike: one optimizer step per batch, a linear
+    schedule, torch's AdamW, fp32, whole batches read in the process, no reports, saves or Trainer evaluations, the
+    CPU when there is no GPU, and no activation checkpointing, which TRL's configs turn on by default (transformers 5
+    renamed gradient_checkpointing to activation_checkpointing)."""
+    import dataclasses
+
+    import torch
+
+    names = {f.name for f in dataclasses.fields(config_class)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {
+        "gradient_accumulation_steps": 1,
+        "lr_scheduler_type": "linear",
+        "optim": "adamw_torch",
+        "seed": seed,
+        "data_seed": seed,
+        "bf16": False,
+        "fp16": False,
+        "report_to": "none",
+        "logging_steps": log_every,
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "dataloader_num_workers": 0,
+        "dataloader_drop_last": True,  # whole batches only, as the recipes train
+        "use_cpu": not torch.cuda.is_available(),
+        checkpointing: False,
+    }
+
+
 def trl(
     model: str,
     train_file: str,
@@ -237,7 +267,6 @@ def trl(
     round(warmup_ratio x optimizer steps) steps, as in the recipe; fp32, no activation checkpointing.
     """
     start = time.perf_counter()
-    import dataclasses
 
     import torch
     from datasets import Dataset
@@ -257,36 +286,19 @@ def trl(
     if batch_size % world:
         sys.exit(f"error: global batch {batch_size} does not split over {world} processes")
     steps = epochs * (len(train_rows) // batch_size)
-    # transformers 5 renamed gradient_checkpointing (which SFTConfig turns on by default) to activation_checkpointing
-    names = {f.name for f in dataclasses.fields(SFTConfig)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     config = SFTConfig(
         output_dir=output_dir,
         per_device_train_batch_size=batch_size // world,
         per_device_eval_batch_size=batch_size // world,
-        gradient_accumulation_steps=1,
         num_train_epochs=epochs,
         learning_rate=lr,
-        lr_scheduler_type="linear",
         warmup_steps=round(warmup_ratio * steps),
         weight_decay=weight_decay,
         max_grad_norm=max_grad_norm,
-        optim="adamw_torch",
-        seed=seed,
-        data_seed=seed,
-        bf16=False,
-        fp16=False,
         max_length=max_length,
         completion_only_loss=True,
         packing=False,
-        report_to="none",
-        logging_steps=log_every,
-        save_strategy="no",
-        eval_strategy="no",
-        dataloader_num_workers=0,
-        dataloader_drop_last=True,  # whole batches only, as the recipe trains
-        use_cpu=not torch.cuda.is_available(),
-        **{checkpointing: False},
+        **trl_settings(SFTConfig, seed, log_every),
     )
     lora = LoraConfig(
         r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules="all-linear", task_type="CAUSAL_LM"
