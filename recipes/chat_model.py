@@ -10,6 +10,7 @@ import contextlib
 import copy
 import json
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,9 @@ class ChatModelFlags(TrainingFlags):
             head) or comma-separated module names (q_proj,v_proj).
         gradient_checkpointing: recompute activations in the backward pass (non-reentrant): much less memory for
             long sequences, about a third slower.
-        attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention.
+        attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention; sft.py
+            also takes varlen (packed rows through torch's variable-length kernel; its default for --packing on a
+            GPU).
         max_new_tokens: longest generated answer (evaluation samples, --predict, --chat).
         cache_dir: cache of the `datasets` library (downloads and tokenised data).
         chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
@@ -176,7 +179,21 @@ def build_model(args: ChatModelFlags, model_name: str, mixed_precision: str, met
             model.enable_input_require_grads()
     if args.lora_r and not isinstance(model, peft.PeftModel):
         model = add_lora(model, args)
+    if args.lora_r:
+        for layer in model.modules():
+            if isinstance(layer, peft.tuners.lora.LoraLayer):
+                layer._cast_input_dtype = types.MethodType(cast_adapter_input_outside_autocast, layer)
     return model
+
+
+def cast_adapter_input_outside_autocast(layer, x, dtype):
+    """peft casts an adapted layer's input to the adapter's dtype (fp32) before the adapter's matmuls; under bf16
+    autocast those matmuls cast it straight back to bf16: two copies of every adapted activation per pass, for the same
+    numbers (bf16 -> fp32 -> bf16 is exact). Under autocast the input therefore goes in as it is; outside it
+    (generation, a model in one dtype) peft casts as before. Installed on each LoRA layer by build_model."""
+    if x is not None and torch.is_autocast_enabled(x.device.type):
+        return x
+    return type(layer)._cast_input_dtype(layer, x, dtype)
 
 
 def adamw(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:

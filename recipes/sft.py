@@ -38,6 +38,7 @@ from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
+    extract_model_from_parallel,
     set_seed,
 )
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
@@ -56,6 +57,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, savin
     save_model,
     write_samples,
 )
+from packed_attention import choose_attention
 from sft_data import check_packing, collator, load_conversations, tokenize_splits
 from sft_loss import PLAIN_LOGITS, use_answer_loss
 from sft_plan import numel, print_plan
@@ -111,7 +113,9 @@ class SftFlags(ChatModelFlags):
             dropped (both counted and reported).
         packing: put each micro-batch's conversations in one row without padding, attention kept inside each one
             (positions restart per conversation): faster when lengths vary. Needs an attention implementation that
-            keeps packed sequences apart (sdpa, eager, flex_attention, flash_attention_2/3).
+            keeps packed sequences apart: varlen (chosen by default on a GPU of compute capability 8.0 or newer in
+            bf16/fp16: torch's variable-length flash kernel, each conversation attending to itself only), sdpa (a
+            dense mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
             that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
@@ -292,6 +296,7 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
         train_dropped=counts["train"]["without_targets"],
         transformers_version=transformers.__version__,
         peft_version=peft.__version__,
+        attn_implementation=extract_model_from_parallel(model).config._attn_implementation,  # the one used
     )
 
 
@@ -393,6 +398,10 @@ def train(args: SftFlags) -> None:
     # ---- data, tokenizer and model
     tokenizer = load_tokenizer(model_name)
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
+    # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says otherwise
+    args.attn_implementation = choose_attention(
+        args.attn_implementation, args.packing, accelerator.device, accelerator.mixed_precision
+    )
     model = build_model(args, model_name, accelerator.mixed_precision)
     if args.packing:
         check_packing(model)

@@ -29,7 +29,7 @@ FORMATS = (
     "or 'prompt'/'completion'"
 )
 # Attention implementations that keep packed examples apart when given restarting position_ids and no attention mask.
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKING_ATTENTION = ("varlen", "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 # Characters no chat text holds (Unicode private use): placeholders for contents when rendering the template's skeleton.
 PLACEHOLDER = "\ue000{}\ue001"
 
@@ -411,7 +411,12 @@ def collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None) ->
     longest example (labels with -100). Packed: the examples in one row without padding, position_ids restarting at
     0 for each and the first label of each -100 (it would be predicted from the previous example)."""
     if packing:
-        return ChatCollator(DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX))
+        # The cumulative lengths (cu_seq_lens_q/k, max_length_q/k) feed a variable-length kernel (packed_attention.py);
+        # other attention implementations ignore them.
+        flattening = DataCollatorWithFlattening(
+            return_position_ids=True, separator_id=IGNORE_INDEX, return_flash_attn_kwargs=True
+        )
+        return ChatCollator(flattening)
     if tokenizer.pad_token is None:
         raise RecipeError("the tokenizer has no pad token; call ensure_pad_token(tokenizer) before padding batches")
     if tokenizer.padding_side != "right":

@@ -758,14 +758,17 @@ def sft_one(tiny_chat_model, sft_data, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
-    """sft.py copied into an empty project, on 2 processes with the flags of sft_one, packed rows and gradient
-    checkpointing (neither changes a number), under the host-read audit."""
+    """sft.py copied into an empty project, on 2 processes with the flags of sft_one, packed rows through the varlen
+    attention (packed_attention.py; conversation by conversation on the CPU) and gradient checkpointing (none of which
+    changes a number), under the host-read audit."""
     return two_process_template_run(
         tmp_path_factory,
         "sft.py",
         *sft_files(tiny_chat_model, sft_data),
         *SFT_RUN,
         "--packing",
+        "--attn_implementation",
+        "varlen",
         "--gradient_checkpointing",
     )
 

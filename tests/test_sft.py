@@ -62,16 +62,18 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     one, two, accumulated = (read_results(r.out) for r in (sft_one, sft_two, sft_accumulated))
     assert (one["world_size"], two["world_size"], accumulated["gradient_accumulation_steps"]) == (1, 2, 2)
     assert two["packing"] and two["gradient_checkpointing"] and two["samples_seen_per_process"] == [96, 96]
+    assert (one["attn_implementation"], two["attn_implementation"]) == ("sdpa", "varlen")
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     # The loss falls from the first step to the last.
     assert one["train_loss_last"] < one["train_loss_first"] - 0.2
 
 
 def test_sft_copy_runs_on_two_processes(sft_two):
-    """sft.py, chat_model.py, sft_data.py, sft_loss.py and sft_plan.py copied into an empty project ran there on 2
-    processes, and saved model_best together at the evaluation of the lowest loss."""
+    """sft.py and the modules beside it that it imports (chat_model, packed_attention, sft_data, sft_loss, sft_plan)
+    copied into an empty project ran there on 2 processes, and saved model_best together at the evaluation of the
+    lowest loss."""
     assert_copy_ran(sft_two)
-    assert sft_two.modules == {"chat_model.py", "sft_data.py", "sft_loss.py", "sft_plan.py"}
+    assert sft_two.modules == {"chat_model.py", "packed_attention.py", "sft_data.py", "sft_loss.py", "sft_plan.py"}
     results = read_results(sft_two.out)
     losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]
     assert results["best_epoch"] == losses.index(min(losses)) + 1

@@ -232,11 +232,15 @@ def test_packed_examples_attend_only_within_themselves(tiny_chat_model, chat_bat
     check_packing(model)
     assert model.config.use_cache is False
     batch = collator(tokenizer, packing=True)(features)
-    assert set(batch) == {"input_ids", "labels", "position_ids", "target_index"}  # no mask: positions tell
+    # no mask: positions tell; the cumulative lengths are for a variable-length kernel (packed_attention.py)
+    flash_kwargs = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "target_index", *flash_kwargs}
     lengths = [f["num_tokens"] for f in features]
     assert batch["input_ids"].shape == (1, sum(lengths))
+    assert batch["cu_seq_lens_q"].tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert batch["max_length_q"] == max(lengths)
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        packed = model(**{k: v for k, v in batch.items() if k not in ("labels", "target_index")}).logits[0]
         start = 0
         for feature, length in zip(features, lengths):
             assert batch["position_ids"][0, start : start + length].tolist() == list(range(length))
@@ -247,6 +251,168 @@ def test_packed_examples_attend_only_within_themselves(tiny_chat_model, chat_bat
         # without restarting positions the later examples see the earlier ones: the comparison above can fail
         flat = model(input_ids=batch["input_ids"]).logits[0]
     assert (flat[lengths[0] :] - packed[lengths[0] :]).abs().max() > 1e-3
+
+
+def answer_losses_and_gradients(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.token_losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_varlen_attention_gives_the_dense_masks_losses_and_gradients(tiny_chat_model, chat_batch):
+    """Packed rows through `varlen` (on the CPU conversation by conversation, from the collator's cumulative lengths)
+    give every answer token the loss, and every weight the gradient, that sdpa's block-diagonal mask over the whole row
+    gives, within fp32 rounding; padded batches and generation are sdpa's, to the bit."""
+    import packed_attention
+    from sft_loss import use_answer_loss
+
+    tokenizer, features = chat_batch
+    packed_attention.register()
+    dense = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation="sdpa")
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation="varlen")
+    assert varlen.config.num_key_value_heads < varlen.config.num_attention_heads  # grouped-query attention
+    for model in (dense, varlen):
+        check_packing(model)  # also turns the cache off, without which sdpa's packed mask is not built
+        use_answer_loss(model)
+    batch = collator(tokenizer, packing=True)(features)
+    expected_losses, expected_gradients = answer_losses_and_gradients(dense, batch)
+    losses, gradients = answer_losses_and_gradients(varlen, batch)
+    torch.testing.assert_close(losses, expected_losses, atol=1e-6, rtol=1e-5)
+    assert gradients.keys() == expected_gradients.keys() and len(gradients) > 0
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, expected_gradients[name], atol=1e-6, rtol=1e-5, msg=name)
+    # the lengths decide: told the row is one conversation, varlen attends across them and the losses change
+    whole_row = dict(batch, cu_seq_lens_q=torch.tensor([0, batch["input_ids"].shape[1]], dtype=torch.int32))
+    with torch.no_grad():
+        assert (varlen(**whole_row).token_losses - expected_losses).abs().max() > 1e-3
+
+        padded = collator(tokenizer, packing=False)(features)
+        theirs = {k: v for k, v in padded.items() if k != "target_index"}
+        assert torch.equal(varlen(**theirs).logits, dense(**theirs).logits)
+    prompt = tokenizer(["hello there", "a longer prompt than that"], return_tensors="pt", padding=True)
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(varlen.generate(**prompt, **greedy), dense.generate(**prompt, **greedy))
+
+
+def reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale=None, enable_gqa=False):
+    """What torch's variable-length flash kernel computes (its documented contract), in plain sdpa on the CPU: the
+    kernel itself runs on CUDA only. [T, heads, head_dim] in and out."""
+    assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+    assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+    assert enable_gqa or key.shape[1] == query.shape[1], "a kernel without enable_gqa needs one K/V head per Q head"
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    assert max_q == max(lengths)
+    pieces = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa)
+        for q, k, v in zip(*(x.transpose(0, 1).split(lengths, dim=1) for x in (query, key, value)))
+    ]
+    return torch.cat(pieces, dim=1).transpose(0, 1)
+
+
+def kernel_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    return reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal)
+
+
+def kernel_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
+    return reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale)
+
+
+def kernel_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                enable_gqa=False):  # fmt: skip
+    assert window_size in ((-1, -1), (-1, 0))
+    return reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size == (-1, 0), scale,
+                            enable_gqa)  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", [kernel_2_10, kernel_2_11, kernel_2_12], ids=["2.10", "2.11", "2.12"])
+@pytest.mark.parametrize("scaling", [None, 0.1], ids=["default-scale", "own-scale"])
+def test_the_kernel_call_fits_each_torch_signature(kernel, scaling, monkeypatch):
+    """The GPU path's call of torch.nn.attention.varlen.varlen_attn, whose keywords changed between releases (causal
+    as is_causal or as a window, scale and grouped-query support or not), computes what the CPU path computes. A
+    stand-in with each release's documented signature takes the kernel's place: the kernel itself needs CUDA."""
+    import inspect
+
+    import packed_attention
+
+    monkeypatch.setattr(packed_attention, "varlen_attn", kernel)
+    monkeypatch.setattr(packed_attention, "KERNEL_KEYWORDS", set(inspect.signature(kernel).parameters))
+    torch.manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    cu_seq_lens = torch.tensor([0, 5, 6, 15, 18])  # int64, as the collator makes them
+    query = torch.randn(1, 4, sum(lengths), 8)
+    key, value = torch.randn(2, 1, 2, sum(lengths), 8)  # 2 key/value heads for 4 query heads
+    scale = 8**-0.5 if scaling is None else scaling
+    expected = packed_attention.per_conversation(query, key, value, cu_seq_lens, scale, dropout=0.0)
+    got = packed_attention.flash_varlen(query, key, value, cu_seq_lens, max(lengths), scale)
+    assert got.shape == (sum(lengths), 4, 8)
+    torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-5)
+    assert packed_attention.choose_attention(None, True, "cpu", "bf16") is None  # the kernel needs a GPU
+    assert packed_attention.choose_attention("eager", True, "cpu", "bf16") == "eager"
+
+
+class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copies made to fp32 (aten._to_copy to float32) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_fp32 = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.to_fp32 += func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32
+        return func(*args, **kwargs)
+
+
+def test_lora_inputs_stay_in_the_autocast_dtype_with_the_same_numbers(tiny_chat_model, chat_batch):
+    """A LoRA model as the chat recipes build it for bf16 (bf16 base, fp32 adapters): under autocast no adapted
+    layer's input is copied to fp32 and back any more, and the loss and every adapter gradient are the same to the
+    bit; without autocast (generation) the input is cast and the model runs."""
+    from types import SimpleNamespace
+
+    import chat_model
+    import peft
+
+    tokenizer, features = chat_batch
+    args = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all-linear")
+    batch = collator(tokenizer, packing=False)(features[:2])
+    theirs = {k: v for k, v in batch.items() if k != "target_index"}
+
+    def loss_gradients_and_casts(model):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), CastCounter() as counter:
+            loss = model(**theirs).loss
+            loss.backward()
+        gradients = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), gradients, counter.to_fp32
+
+    models = []
+    for installed in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        model = chat_model.add_lora(base, args)
+        if installed:  # what build_model installs on each LoRA layer
+            for layer in model.modules():
+                if isinstance(layer, peft.tuners.lora.LoraLayer):
+                    layer._cast_input_dtype = chat_model.cast_adapter_input_outside_autocast.__get__(layer)
+        for name, p in model.named_parameters():  # random B (not peft's zeros), the same in both models
+            if "lora_B" in name:
+                p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1
+        models.append(model)
+    layers = sum(isinstance(m, peft.tuners.lora.LoraLayer) for m in models[1].modules())
+    assert layers == 14 and next(p for n, p in models[1].named_parameters() if "lora_A" in n).dtype == torch.float32
+    stock_loss, stock_gradients, stock_casts = loss_gradients_and_casts(models[0])
+    loss, gradients, casts = loss_gradients_and_casts(models[1])
+    # gone: the forward copy of each adapted input, and the backward copy of its gradient (but for the first block's
+    # q/k/v projections, whose input, the frozen embeddings' output, needs no gradient)
+    assert stock_casts - casts == layers + (layers - 3)
+    assert torch.equal(loss, stock_loss)
+    assert gradients.keys() == stock_gradients.keys() and len(gradients) == 2 * layers
+    for name, gradient in gradients.items():
+        assert torch.equal(gradient, stock_gradients[name]), name
+    prompt = tokenizer(["hello there"], return_tensors="pt")
+    with torch.no_grad():  # outside autocast the bf16 input meets fp32 adapters: peft's cast is still needed
+        models[1].generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
 
 def test_packing_refuses_attention_that_would_mix_examples(tiny_chat_model):
