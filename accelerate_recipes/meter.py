@@ -76,6 +76,12 @@ class StepMeter:
         return self.durations[skip:], self.samples[skip:]
 
     @property
+    def warmup_seconds(self) -> float:
+        """Wall seconds of the warm-up steps left out of the throughput (a compiled model compiles in them)."""
+        durations, _ = self._measured()
+        return self.train_seconds - sum(durations)
+
+    @property
     def train_seconds(self) -> float:
         self._flush()
         return sum(self.durations)

@@ -107,6 +107,7 @@ def flash_varlen(query, key, value, cu_seq_lens, max_length: int, scale: float) 
     return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
 
 
+@torch.compiler.disable  # a loop over the row's boundaries: compiled, every new set of boundaries would compile again
 def per_conversation(query, key, value, cu_seq_lens, scale: float, dropout: float) -> torch.Tensor:
     """Causal sdpa over each conversation's slice of the row (the CPU's path, and fp32 on a GPU). The boundaries are
     read on the host, which on the CPU waits for nothing."""

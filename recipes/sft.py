@@ -88,6 +88,8 @@ from accelerate_recipes import (
 from accelerate_recipes.meter import flop_utilisation
 from accelerate_recipes.plots import plot_results
 
+COMPILE_ROW_MULTIPLE = 128  # --compile --packing: packed rows filled up to a multiple of this many tokens
+
 
 @dataclass
 class SftFlags(ChatModelFlags):
@@ -116,6 +118,12 @@ class SftFlags(ChatModelFlags):
             keeps packed sequences apart: varlen (chosen by default on a GPU of compute capability 8.0 or newer in
             bf16/fp16: torch's variable-length flash kernel, each conversation attending to itself only), sdpa (a
             dense mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
+        compile: compile each decoder block with torch.compile before training; the first steps take longer while
+            it compiles (results.json: warmup_seconds, the steps left out of the throughput). With --packing the rows
+            are filled up to a multiple of 128 tokens (one more sequence, without loss), so that a run's rows take a
+            few lengths and the blocks compile once or twice, not for every row.
+        compile_backend: torch.compile's backend: inductor (default: generates fused kernels) or aot_eager (traces
+            and runs the graphs without generating code: quick, to find what does not compile).
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
             that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
@@ -148,6 +156,8 @@ class SftFlags(ChatModelFlags):
     validation_size: float = 0.1
     max_length: int = 1024
     packing: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
     warmup_ratio: float = 0.03
     eval_generate: int = 0
     plan_only: bool = False
@@ -195,6 +205,8 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
     """The training loader (shuffled, whole batches only; packed with --packing) and the validation loader (padded,
     so each conversation's loss stays its own), before accelerator.prepare."""
     pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
+    # compiled blocks compile once per row length: packed rows take lengths in steps of COMPILE_ROW_MULTIPLE
+    train_pad_to = COMPILE_ROW_MULTIPLE if args.compile and args.packing else pad_to
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
     # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
@@ -205,7 +217,7 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
         shuffle=True,
         drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),
-        collate_fn=collator(tokenizer, args.packing, pad_to),
+        collate_fn=collator(tokenizer, args.packing, train_pad_to),
         **loader_args,
     )
     eval_loader = DataLoader(
@@ -298,6 +310,18 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
         peft_version=peft.__version__,
         attn_implementation=extract_model_from_parallel(model).config._attn_implementation,  # the one used
     )
+
+
+def compile_blocks(model, backend: str) -> None:
+    """torch.compile each decoder block in place (the pattern torchtitan uses): the blocks are where the time goes,
+    each compiles to the same graph, and FSDP2 still shards them one by one; the loss and the rest stay eager."""
+    causal_lm = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    blocks = getattr(causal_lm.get_decoder(), "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise RecipeError(f"--compile compiles the decoder's blocks, and {type(causal_lm).__name__} keeps none in "
+                          "decoder.layers; drop --compile")  # fmt: skip
+    for block in blocks:
+        block.compile(backend=backend)
 
 
 def model_flops_per_token(model, train_set) -> float:
@@ -406,6 +430,8 @@ def train(args: SftFlags) -> None:
     if args.packing:
         check_packing(model)
     use_answer_loss(model)  # logits for the answer positions only, in chunks (sft_loss.py): the loss stays the same
+    if args.compile:
+        compile_blocks(model, args.compile_backend)
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
     flops_per_token = model_flops_per_token(model, tokenized["train"])  # for the model FLOP utilisation (MFU)
@@ -527,6 +553,7 @@ def train(args: SftFlags) -> None:
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
+    results.update(warmup_seconds=progress.meter.warmup_seconds)  # with --compile: the compilation, apart
     flops = flops_per_token * results["train_tokens_per_second"]  # all processes together
     results.update(
         flops_per_token=flops_per_token, model_flops_utilisation=flop_utilisation(flops, accelerator.device, world)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import torch
 import transformers
 from sft_loss import IGNORE_INDEX, target_index
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
@@ -399,24 +400,52 @@ class ChatCollator:
     (sft_loss.py), found here on the host so that the GPU's forward pass waits for no count."""
 
     library_collator: object
+    row_multiple: int | None = None  # packed rows: filled up to a multiple of this many tokens
+    fill_id: int = 0
 
     def __call__(self, features: list[dict]) -> dict:
         batch = self.library_collator([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
+        if self.row_multiple:
+            fill_packed_row(batch, self.row_multiple, self.fill_id)
         batch["target_index"] = target_index(batch["labels"])
         return batch
 
 
+def fill_packed_row(batch: dict, multiple: int, fill_id: int) -> None:
+    """Lengthen a packed row to a multiple of `multiple` tokens with one more sequence of `fill_id` tokens (its own
+    positions from 0, no labels, its own span in the cumulative lengths): rows then take a few lengths in a run, and
+    a compiled model compiles once per length rather than for every row. The filler attends only to itself, and no
+    conversation's loss or attention changes."""
+    length = batch["input_ids"].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return
+
+    def extend(key, tail):
+        batch[key] = torch.cat([batch[key], tail.to(batch[key].dtype).reshape(1, -1)], dim=1)
+
+    extend("input_ids", torch.full((extra,), fill_id))
+    extend("labels", torch.full((extra,), IGNORE_INDEX))
+    extend("position_ids", torch.arange(extra))
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        batch[key] = torch.cat([batch[key], torch.tensor([length + extra], dtype=batch[key].dtype)])
+    for key in ("max_length_q", "max_length_k"):
+        batch[key] = max(batch[key], extra)
+
+
 def collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None) -> ChatCollator:
     """Batches of tokenised examples. Padded: input_ids, attention_mask and labels padded on the right to the batch's
-    longest example (labels with -100). Packed: the examples in one row without padding, position_ids restarting at
-    0 for each and the first label of each -100 (it would be predicted from the previous example)."""
+    longest example (labels with -100), its length rounded up to `pad_to_multiple_of`. Packed: the examples in one row
+    without padding, position_ids restarting at 0 for each and the first label of each -100 (it would be predicted
+    from the previous example); with `pad_to_multiple_of`, the row filled up to a multiple of it (fill_packed_row)."""
     if packing:
         # The cumulative lengths (cu_seq_lens_q/k, max_length_q/k) feed a variable-length kernel (packed_attention.py);
         # other attention implementations ignore them.
         flattening = DataCollatorWithFlattening(
             return_position_ids=True, separator_id=IGNORE_INDEX, return_flash_attn_kwargs=True
         )
-        return ChatCollator(flattening)
+        fill_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return ChatCollator(flattening, pad_to_multiple_of, fill_id)
     if tokenizer.pad_token is None:
         raise RecipeError("the tokenizer has no pad token; call ensure_pad_token(tokenizer) before padding batches")
     if tokenizer.padding_side != "right":

@@ -49,8 +49,9 @@ def assert_close_weights(a, b, name: str, atol: float) -> None:
 def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch_is_split(
     sft_one, sft_two, sft_accumulated
 ):
-    """1 process with padded batches, 2 gloo processes with packed rows and gradient checkpointing, and 1 process with
-    2 micro-batches per step: conversations of different lengths, the same losses step by step, the same adapter."""
+    """1 process with padded batches, 2 gloo processes with packed rows (varlen) and gradient checkpointing, and 1
+    process with 2 micro-batches per step, packed rows (sdpa) and compiled blocks: conversations of different lengths,
+    the same losses step by step, the same adapter."""
     reference = step_losses(sft_one.out)
     assert sorted(reference) == list(range(1, 25))  # 12 steps per epoch, 2 epochs, each logged
     for run_ in (sft_two, sft_accumulated):
@@ -63,6 +64,8 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert (one["world_size"], two["world_size"], accumulated["gradient_accumulation_steps"]) == (1, 2, 2)
     assert two["packing"] and two["gradient_checkpointing"] and two["samples_seen_per_process"] == [96, 96]
     assert (one["attn_implementation"], two["attn_implementation"]) == ("sdpa", "varlen")
+    assert accumulated["compile"] and accumulated["packing"] and not one["compile"]
+    assert accumulated["warmup_seconds"] > 0 and accumulated["warmup_seconds"] < accumulated["train_seconds"]
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     # The loss falls from the first step to the last.
     assert one["train_loss_last"] < one["train_loss_first"] - 0.2

@@ -295,6 +295,47 @@ def test_varlen_attention_gives_the_dense_masks_losses_and_gradients(tiny_chat_m
     assert torch.equal(varlen.generate(**prompt, **greedy), dense.generate(**prompt, **greedy))
 
 
+def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_per_length(tiny_chat_model, chat_batch):
+    """fill_packed_row lengthens a packed row to a multiple of 128 with one more sequence of its own (positions from
+    0, no labels, its own span in the cumulative lengths): no answer token's loss changes, under sdpa's mask and
+    under varlen. The decoder blocks compiled as --compile does (here with the aot_eager backend: the same capture,
+    no code generation) give the eager losses, and two rows of other lengths in one multiple of 128 compile once."""
+    import sft
+    from sft_loss import use_answer_loss
+
+    tokenizer, features = chat_batch
+    rows = [features[:3], features[1:4]]
+    lengths = [sum(f["num_tokens"] for f in row) for row in rows]
+    assert lengths[0] != lengths[1] and -(-lengths[0] // 128) == -(-lengths[1] // 128)
+    plain, filled = collator(tokenizer, packing=True), collator(tokenizer, packing=True, pad_to_multiple_of=128)
+    batch = filled(rows[0])
+    width = -(-lengths[0] // 128) * 128
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, width)
+    assert batch["cu_seq_lens_q"].tolist() == [*plain(rows[0])["cu_seq_lens_q"].tolist(), width]
+    assert batch["position_ids"][0, lengths[0] :].tolist() == list(range(width - lengths[0]))
+    fill = batch["input_ids"][0, lengths[0] :]
+    assert (batch["labels"][0, lengths[0] :] == -100).all() and (fill == tokenizer.pad_token_id).all()
+    assert torch.equal(batch["target_index"], plain(rows[0])["target_index"])
+
+    import packed_attention
+
+    packed_attention.register()
+    for attention in ("sdpa", "varlen"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation=attention)
+        check_packing(model)
+        use_answer_loss(model)
+        with torch.no_grad():
+            expected = model(**plain(rows[0])).token_losses
+            torch.testing.assert_close(model(**batch).token_losses, expected, atol=1e-6, rtol=1e-5)
+    eager = [model(**filled(row)).loss for row in rows]  # varlen, not compiled
+    sft.compile_blocks(model, "aot_eager")
+    torch._dynamo.reset()
+    torch.testing.assert_close(model(**filled(rows[0])).loss, eager[0], atol=1e-6, rtol=1e-5)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the second row's length compiles nothing new
+        torch.testing.assert_close(model(**filled(rows[1])).loss, eager[1], atol=1e-6, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 def reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale=None, enable_gqa=False):
     """What torch's variable-length flash kernel computes (its documented contract), in plain sdpa on the CPU: the
     kernel itself runs on CUDA only. [T, heads, head_dim] in and out."""
