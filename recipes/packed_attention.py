@@ -13,6 +13,7 @@ sdpa. A forward pass without them (padded evaluation batches, generation) is pla
 loaded with `varlen` evaluates and generates as with sdpa.
 """
 
+import functools
 import inspect
 
 import torch
@@ -32,6 +33,7 @@ except ImportError:  # torch before 2.10
 KERNEL_KEYWORDS = set(inspect.signature(varlen_attn).parameters) if varlen_attn else set()
 
 
+@functools.cache
 def kernel_runs_on(device) -> bool:
     """torch's variable-length flash kernel exists and runs on `device` (CUDA, compute capability 8.0 or newer)."""
     device = torch.device(device)
@@ -73,13 +75,19 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [1, heads, T, head_dim], key and value [1, kv_heads, T, head_dim];
     returns [1, T, heads, head_dim]. With `cu_seq_lens_q` each conversation attends to itself only, causally."""
-    if cu_seq_lens_q is None:  # a padded batch or generation: sdpa with the mask transformers built
+    # A padded batch or generation, or a sliding-window layer (Mistral, Gemma): sdpa with the mask transformers built,
+    # packed rows' boundaries included.
+    if cu_seq_lens_q is None or kwargs.get("sliding_window") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed rows come one per batch; got a batch of {query.shape[0]} rows with cu_seq_lens_q")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if torch.is_autocast_enabled(query.device.type):
+        # as autocast casts sdpa's inputs: in a full fine-tune RoPE leaves q and k in fp32 (fp32 cos/sin), v in bf16
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     fast = query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0 and kernel_runs_on(query.device)
     if fast:
         return flash_varlen(query, key, value, cu_seq_lens_q, max_length_q, scale).unsqueeze(0), None

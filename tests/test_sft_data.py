@@ -389,6 +389,32 @@ def test_the_kernel_call_fits_each_torch_signature(kernel, scaling, monkeypatch)
     assert got.shape == (sum(lengths), 4, 8)
     torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-5)
     assert packed_attention.choose_attention(None, True, "cpu", "bf16") is None  # the kernel needs a GPU
+
+
+def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
+    """In a full fine-tune under bf16 autocast, RoPE leaves queries and keys in fp32 (fp32 master weights, fp32
+    cos/sin) and values in bf16; the kernel, which takes bf16/fp16 only, gets all three in bf16, as sdpa would."""
+    import packed_attention
+
+    seen = []
+
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        seen.append({x.dtype for x in (query, key, value)})
+        return reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, True, scale)
+
+    monkeypatch.setattr(packed_attention, "varlen_attn", kernel)
+    monkeypatch.setattr(packed_attention, "KERNEL_KEYWORDS", {"scale", "window_size"})
+    monkeypatch.setattr(packed_attention, "kernel_runs_on", lambda device: True)  # as on an A100 or H100
+    query, key = torch.randn(2, 1, 2, 10, 8)
+    value = torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
+    cu_seq_lens = torch.tensor([0, 4, 10], dtype=torch.int32)
+    module = torch.nn.Module()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = packed_attention.varlen_attention(module, query, key, value, None, cu_seq_lens_q=cu_seq_lens,
+                                                   max_length_q=6)  # fmt: skip
+    assert seen == [{torch.bfloat16}] and out.shape == (1, 10, 2, 8) and out.dtype == torch.bfloat16
+    expected = packed_attention.per_conversation(query, key, value.float(), cu_seq_lens, 8**-0.5, 0.0)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 inputs: bf16 tolerance
     assert packed_attention.choose_attention("eager", True, "cpu", "bf16") == "eager"
 
 
