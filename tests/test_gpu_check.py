@@ -21,7 +21,7 @@ from accelerate_recipes import PREEMPTED_EXIT_CODE
 CHECK = REPO / "benchmarks" / "gpu_check.py"
 # Steps of the one-GPU plan with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run. preempt runs
 # in the budget test below, ddp and allreduce in test_no_install.py (through make, nothing installed).
-SMOKE = ["sft", "dpo", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
+SMOKE = ["sft", "dpo", "grpo", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
@@ -85,8 +85,10 @@ def smoke(module_tmp) -> dict:
     stale = out / "fast94" / "checkpoints" / "step_00000099"
     stale.mkdir(parents=True)  # an earlier check's leftovers: the step must start clean
     python, env = plain_checkout(tmp)
+    # the GPU default of 510 s is no limit for a CPU that runs every step of the plan at tiny sizes: scaled to this one
+    budget = time_limit(600)
     command = ["--device", "cpu", "--quick", "--steps", ",".join(SMOKE), "--output_dir", out, "--results_dir", results]
-    proc = run([python, CHECK, *command], env, timeout=600, cwd=tmp)
+    proc = run([python, CHECK, *command, "--budget", budget], env, timeout=budget + 120, cwd=tmp)
     report = json.loads((out / "report.json").read_text())
     return {"proc": proc, "out": out, "results": results, "report": report, "stale": stale}
 
@@ -136,7 +138,7 @@ def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke
     assert doctor["nccl"].startswith("NCCL all-reduce not run: CPU run") and doctor["busbw_gbps"] is None
     for name in ("sync-bn", "dp-vs-ddp"):
         assert results[name]["status"] == "not run" and results[name]["detail"] == "needs CUDA"
-    for name in ("sft", "dpo", "fast94", "text-fsdp", "nccl-doctor"):
+    for name in ("sft", "dpo", "grpo", "fast94", "text-fsdp", "nccl-doctor"):
         assert results[name]["wall_seconds"] > 0 and results[name]["commands"] and results[name]["finished_at"]
     table = (smoke["out"] / "report.md").read_text()
     assert table.startswith("# GPU check: PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA)")
@@ -148,15 +150,23 @@ def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke
 
 def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
     sft = next(r for r in smoke["report"]["steps"] if r["step"] == "sft")
-    assert sft["status"] == "pass" and list(sft["figures"]) == ["lora", "full", "lora-fsdp"], sft
-    assert [("--lora_r 16" in c, " -m accelerate.commands.accelerate_cli launch " in c) for c in sft["commands"]] == [
-        (True, False),
-        (False, False),
-        (True, True),
-    ]
-    assert "accelerate_configs/fsdp.yaml --num_processes 2" in sft["commands"][2]
-    for name, figures in sft["figures"].items():
-        method = name.split("-")[0]
+    assert sft["status"] == "pass" and list(sft["figures"]) == [
+        "vs_trl",
+        "lora",
+        "trl-lora",
+        "full",
+        "trl-full",
+        "lora-fsdp",
+    ], sft
+    # TRL right after the recipe's matching run, the sharded run last
+    assert [
+        ("--lora_r 16" in c, " -m accelerate.commands.accelerate_cli launch " in c, "sft_bench.py trl_speed " in c)
+        for c in sft["commands"]
+    ] == [(True, False, False), (True, False, True), (False, False, False), (False, False, True), (True, True, False)]
+    assert "--lora_r 0" in sft["commands"][3] and "--device cpu" in sft["commands"][1]
+    assert "accelerate_configs/fsdp.yaml --num_processes 2" in sft["commands"][4]
+    for name in ("lora", "full", "lora-fsdp"):
+        figures, method = sft["figures"][name], name.split("-")[0]
         assert figures["method"] == method and figures["steps"] == 3 and figures["mixed_precision"] == "no", figures
         assert figures["train_tokens_per_second"] > figures["train_target_tokens_per_second"] > 0
         assert figures["peak_memory_mb"] > 0 and figures["memory_plan_mb"]["total"] > 0
@@ -166,11 +176,73 @@ def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
     # FSDP needs a process group on the CPU: two gloo processes there, one (unsharded) on one GPU
     assert (sft["figures"]["lora-fsdp"]["distributed_type"], sft["figures"]["lora-fsdp"]["world_size"]) == ("FSDP", 2)
     one_gpu = gpu_check.Check(Path("unused"), 1, False, 0.0).sft_runs()
-    assert [(name, processes) for name, _, processes in one_gpu] == [("lora", 1), ("full", 1), ("lora-fsdp", 1)]
-    assert " ".join(one_gpu[2][1]).endswith(
+    assert [(name, processes) for name, _, processes in one_gpu] == [
+        ("lora", 1),
+        ("trl-lora", 1),
+        ("full", 1),
+        ("trl-full", 1),
+        ("lora-fsdp", 1),
+    ]
+    assert " ".join(one_gpu[4][1]).endswith(
         "launch --config_file " + str(gpu_check.CONFIGS / "fsdp.yaml") + " --num_processes 1"
     )
     assert [name for name, _, _ in gpu_check.Check(Path("unused"), 2, False, 0.0).sft_runs()] == ["lora", "full"]
+
+
+def test_sft_compares_the_recipe_with_trl_on_the_same_inputs_and_device(smoke):
+    """TRL's SFTTrainer (padding-free, fp32 on the CPU, no Liger there) trains the same conversations as the recipe,
+    token for token, for as many steps; the comparison holds both runs' figures and their ratio."""
+    sft = next(r for r in smoke["report"]["steps"] if r["step"] == "sft")
+    compared = sft["figures"]["vs_trl"]
+    assert list(compared) == ["lora", "full"], compared
+    for method in ("lora", "full"):
+        ours, trl = sft["figures"][method], sft["figures"][f"trl-{method}"]
+        assert trl["trainer"].startswith("trl.SFTTrainer ") and trl["method"] == method and trl["world_size"] == 1
+        assert (trl["steps"], trl["mixed_precision"], trl["weights_dtype"]) == (3, "no", "float32"), trl
+        assert trl["padding_free"] is True and trl["liger_kernel"] is False and trl["attn_implementation"] == "sdpa"
+        assert trl["train_tokens_per_second"] > 0 and trl["median_step_seconds"] > 0 and trl["peak_memory_mb"] > 0
+        # the same tokens per conversation (the same chat template and tokenizer), and the recipe's FLOPs per token
+        assert abs(trl["mean_tokens_per_conversation"] - ours["mean_tokens_per_conversation"]) < 0.1, (ours, trl)
+        assert trl["flops_per_token"] == ours["flops_per_token"] and "model_flops_utilisation" not in trl
+        results = json.loads((Path(sft["output_dir"]) / f"trl-{method}" / "results.json").read_text())
+        assert results["train_tokens"] == results["trl_num_tokens"] > 0  # our count of the packed rows is TRL's
+        assert len(results["train_losses"]) == 3 and all(0 < loss < 20 for loss in results["train_losses"])
+        row = compared[method]
+        assert row["train_tokens_per_second"] == {
+            "ours": round(ours["train_tokens_per_second"], 1),
+            "trl": round(trl["train_tokens_per_second"], 1),
+        }
+        assert row["ours_over_trl"] == round(ours["train_tokens_per_second"] / trl["train_tokens_per_second"], 3)
+        assert row["ours_over_trl"] > 0 and row["trl_liger_kernel"] is False
+        assert row["attn_implementation"] == {"ours": ours["attn_implementation"], "trl": "sdpa"}
+        assert row["peak_memory_mb"] == {
+            "ours": round(ours["peak_memory_mb"], 1),
+            "trl": round(trl["peak_memory_mb"], 1),
+        }
+        assert "model_flops_utilisation" not in row  # neither run has one on the CPU
+    table = (smoke["out"] / "report.md").read_text()
+    assert f"| sft | pass | {sft['wall_seconds']} | vs_trl: {{lora: {{ours_over_trl: " in table
+
+
+def test_grpo_reports_generation_and_update_speed_apart(smoke):
+    grpo = next(r for r in smoke["report"]["steps"] if r["step"] == "grpo")
+    assert grpo["status"] == "pass" and list(grpo["figures"]) == ["lora"], grpo
+    (command,) = grpo["commands"]
+    assert "recipes/grpo.py" in command and "--lora_r 16" in command and "--reward number" in command
+    figures = grpo["figures"]["lora"]
+    assert (figures["method"], figures["steps"], figures["num_generations"], figures["max_new_tokens"]) == (
+        "lora",
+        2,
+        2,
+        8,
+    )
+    results = json.loads((Path(grpo["output_dir"]) / "lora" / "results.json").read_text())
+    assert figures["generation_tokens_per_second"] == results["generation_tokens_per_second"] > 0
+    assert figures["update_tokens_per_second"] == results["train_tokens_per_second"] > 0
+    assert figures["peak_memory_mb"] > 0
+    prompts = [json.loads(line) for line in (Path(grpo["output_dir"]) / "inputs" / "train-prompts.jsonl").open()]
+    a, sign, b = prompts[0]["prompt"].split("?")[0].split()[-3:]
+    assert prompts[0]["answer"] == str(int(a) + int(b) if sign == "+" else int(a) * int(b))
 
 
 def test_dpo_runs_lora_and_full_with_their_reference_and_counts_the_references_flops(smoke):
@@ -196,14 +268,17 @@ def test_results_folder_receives_the_report_and_one_tar_of_logs_without_models(s
     with tarfile.open(results / "logs.tar.gz") as tar:
         names = tar.getnames()
         sizes = sum(member.size for member in tar.getmembers())
-    for log in ("sft/lora.txt", "sft/full.txt", "sft/lora-fsdp.txt", "fast94/log.txt", "nccl-doctor/rank0.txt"):
+    for log in ("sft/lora.txt", "sft/trl-lora.txt", "sft/full.txt", "sft/lora-fsdp.txt", "grpo/lora.txt"):
         assert log in names, names
+    assert "fast94/log.txt" in names and "nccl-doctor/rank0.txt" in names
     assert "sft/full/results.json" in names and "sft/lora/metrics.jsonl" in names
+    assert "sft/trl-full/results.json" in names and "grpo/lora/results.json" in names
     assert not [
         n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")) or "/checkpoints/" in n
     ]
     assert not [n for n in names if n.split("/")[1] in ("inputs", "text-data")], names
-    model_bytes = sum(p.stat().st_size for p in (smoke["out"] / "sft").rglob("*.safetensors"))
+    assert not [n for n in names if n.split("/")[0] == "chat-data"], names  # the chat steps' shared model and data
+    model_bytes = sum(p.stat().st_size for p in smoke["out"].rglob("*.safetensors"))
     assert model_bytes > 10 * sizes  # the models stayed behind
 
 
@@ -218,6 +293,7 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     assert machine["key"] == smoke["report"]["key"] and list(machine["steps"]) == [
         "sft",
         "dpo",
+        "grpo",
         "fast94",
         "text-fsdp",
         "nccl-doctor",
@@ -226,11 +302,16 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     assert machine["steps"]["fast94"]["figures"] == steps["fast94"]["figures"]
     assert machine["steps"]["fast94"]["commands"] == steps["fast94"]["commands"]
     text = proof.with_suffix(".md").read_text()
-    assert "Proven: sft, dpo, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
+    assert "Proven: sft, dpo, grpo, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
     assert steps["fast94"]["commands"][0] in text and "torch " + smoke["report"]["machine"]["torch"] in text
     # --after a proof file: what it holds for this machine is not run again
     carried, differences = gpu_check.proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
     assert sorted(carried) == sorted(machine["steps"]) and not differences
+    # an sft proof from before the comparison with TRL proves too little: that step runs again
+    older = json.loads(proof.read_text())
+    del older["machines"][0]["steps"]["sft"]["figures"]["vs_trl"]
+    carried, _ = gpu_check.proven_steps(older, smoke["report"]["key"])
+    assert "sft" not in carried and "dpo" in carried
     other = dict(smoke["report"]["key"], torch="0.0.1")
     assert gpu_check.proven_steps(json.loads(proof.read_text()), other) == (
         {},
@@ -382,16 +463,41 @@ def test_sft_figures_take_the_recipes_flops_and_compare_peak_memory_with_the_pla
     assert gpu_check.requirements(1, None, ("peft",))["sft"] == "peft not installed"
 
 
+def test_trl_figures_count_the_recipes_flops_and_an_sft_without_trl_is_not_proved():
+    ours = {"train_tokens_per_second": 3000.0, "flops_per_token": 1e6, "peak_memory_mb": 900.0}
+    trl = gpu_check.trl_figures(
+        {"train_tokens_per_second": 2000.0, "world_size": 1, "peak_memory_mb": 1200.0}, ours, 1.0
+    )
+    assert trl["flops_per_token"] == 1e6 and trl["model_flops_utilisation"] == round(1e6 * 2000 / 1e12, 4)
+    row = gpu_check.trl_comparison({"lora": dict(ours, model_flops_utilisation=0.003), "trl-lora": trl})["lora"]
+    assert row["ours_over_trl"] == 1.5 and row["model_flops_utilisation"] == {"ours": 0.003, "trl": 0.002}
+    assert row["peak_memory_mb"] == {"ours": 900.0, "trl": 1200.0}
+    assert gpu_check.trl_comparison({"lora": ours}) == {}  # no TRL run: nothing to compare
+    record = {"step": "sft", "status": "pass", "commands": [], "wall_seconds": 1.0, "detail": ""}
+    record["figures"] = {"vs_trl": "not run: trl not installed (pip install trl)", "lora": {"world_size": 1}}
+    assert gpu_check.assess([record])["verdict"] == (
+        "PARTIAL: not proved: sft against TRL (trl not installed (pip install trl))"
+    )
+
+
 def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_first():
     """The default budget, a cut step's grace and the report within 9 minutes; every step's own limit within the
-    budget; on one H100 the first call holds the chat fine-tune, preference tuning, the CIFAR fast path and text."""
+    budget; on one H100 the first call holds the chat fine-tune with its comparison with TRL, and preference tuning;
+    calls of that budget add up to the whole one-GPU plan, each step fitting one on its own."""
     assert gpu_check.DEFAULT_BUDGET + gpu_check.STOP_GRACE_SECONDS + 10 <= 9 * 60
     assert all(gpu_check.TIMEOUTS[s] <= gpu_check.DEFAULT_BUDGET for s in gpu_check.STEPS)
-    assert gpu_check.STEPS[:7] == ["sft", "dpo", "fast94", "text-fsdp", "detect-640", "preempt", "bench"]
+    assert gpu_check.STEPS[:8] == ["sft", "dpo", "grpo", "fast94", "text-fsdp", "detect-640", "preempt", "bench"]
     needs = gpu_check.requirements(1, None)
-    first, left = [], gpu_check.DEFAULT_BUDGET
-    for name in (s for s in gpu_check.STEPS if not needs[s]):
-        if gpu_check.ESTIMATED_SECONDS[name] <= left:
-            first.append(name)
-            left -= gpu_check.ESTIMATED_SECONDS[name]
-    assert first[:4] == ["sft", "dpo", "fast94", "text-fsdp"], first
+    todo, calls = [s for s in gpu_check.STEPS if not needs[s]], []
+    while todo:
+        call, left = [], gpu_check.DEFAULT_BUDGET
+        for name in todo:
+            if gpu_check.ESTIMATED_SECONDS[name] <= left:
+                call.append(name)
+                left -= gpu_check.ESTIMATED_SECONDS[name]
+        assert call, f"{todo} do not fit a call of {gpu_check.DEFAULT_BUDGET} s"
+        calls.append(call)
+        todo = [s for s in todo if s not in call]
+    # sft with its TRL runs (330 s) and dpo (150 s) fill the first call; grpo and fast94 open the second
+    assert calls[0] == ["sft", "dpo"] and calls[1][:2] == ["grpo", "fast94"], calls
+    assert len(calls) == 3, calls
