@@ -42,12 +42,13 @@ def kernel_runs_on(device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def choose_attention(requested: str | None, packing: bool, device, mixed_precision: str) -> str | None:
+def choose_attention(requested: str | None, packing: bool, accelerator) -> str | None:
     """The attention implementation to load the model with: `requested` when given; `varlen` for packed rows on a
-    GPU that runs the kernel in bf16/fp16; otherwise None (transformers' default, sdpa). Registers `varlen` when it
-    is the answer."""
+    GPU that runs the kernel in bf16/fp16 (the accelerator's device and mixed precision); otherwise None
+    (transformers' default, sdpa). Registers `varlen` when it is the answer."""
     choice = requested
-    if requested is None and packing and mixed_precision in ("bf16", "fp16") and kernel_runs_on(device):
+    half = accelerator.mixed_precision in ("bf16", "fp16")
+    if requested is None and packing and half and kernel_runs_on(accelerator.device):
         choice = VARLEN
     if choice == VARLEN:
         register()

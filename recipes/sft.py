@@ -423,9 +423,7 @@ def train(args: SftFlags) -> None:
     tokenizer = load_tokenizer(model_name)
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
     # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says otherwise
-    args.attn_implementation = choose_attention(
-        args.attn_implementation, args.packing, accelerator.device, accelerator.mixed_precision
-    )
+    args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
     model = build_model(args, model_name, accelerator.mixed_precision)
     if args.packing:
         check_packing(model)

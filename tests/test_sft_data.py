@@ -2,6 +2,7 @@
 loss mask under three chat templates, truncation, padding and packing."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -336,6 +337,10 @@ def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_pe
     torch._dynamo.reset()
 
 
+# What choose_attention reads of an Accelerator: its device and mixed precision.
+ON_THE_CPU = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16")
+
+
 def reference_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale=None, enable_gqa=False):
     """What torch's variable-length flash kernel computes (its documented contract), in plain sdpa on the CPU: the
     kernel itself runs on CUDA only. [T, heads, head_dim] in and out."""
@@ -388,7 +393,7 @@ def test_the_kernel_call_fits_each_torch_signature(kernel, scaling, monkeypatch)
     got = packed_attention.flash_varlen(query, key, value, cu_seq_lens, max(lengths), scale)
     assert got.shape == (sum(lengths), 4, 8)
     torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-5)
-    assert packed_attention.choose_attention(None, True, "cpu", "bf16") is None  # the kernel needs a GPU
+    assert packed_attention.choose_attention(None, True, ON_THE_CPU) is None  # the kernel needs a GPU
 
 
 def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
@@ -415,7 +420,7 @@ def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
     assert seen == [{torch.bfloat16}] and out.shape == (1, 10, 2, 8) and out.dtype == torch.bfloat16
     expected = packed_attention.per_conversation(query, key, value.float(), cu_seq_lens, 8**-0.5, 0.0)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 inputs: bf16 tolerance
-    assert packed_attention.choose_attention("eager", True, "cpu", "bf16") == "eager"
+    assert packed_attention.choose_attention("eager", True, ON_THE_CPU) == "eager"
 
 
 class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
