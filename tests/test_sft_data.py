@@ -394,6 +394,7 @@ def test_the_kernel_call_fits_each_torch_signature(kernel, scaling, monkeypatch)
     assert got.shape == (sum(lengths), 4, 8)
     torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-5)
     assert packed_attention.choose_attention(None, True, ON_THE_CPU) is None  # the kernel needs a GPU
+    assert packed_attention.choose_attention("eager", True, ON_THE_CPU) == "eager"
 
 
 def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
@@ -420,7 +421,6 @@ def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
     assert seen == [{torch.bfloat16}] and out.shape == (1, 10, 2, 8) and out.dtype == torch.bfloat16
     expected = packed_attention.per_conversation(query, key, value.float(), cu_seq_lens, 8**-0.5, 0.0)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 inputs: bf16 tolerance
-    assert packed_attention.choose_attention("eager", True, ON_THE_CPU) == "eager"
 
 
 class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
