@@ -440,8 +440,6 @@ def test_lora_inputs_stay_in_the_autocast_dtype_with_the_same_numbers(tiny_chat_
     """A LoRA model as the chat recipes build it for bf16 (bf16 base, fp32 adapters): under autocast no adapted
     layer's input is copied to fp32 and back any more, and the loss and every adapter gradient are the same to the
     bit; without autocast (generation) the input is cast and the model runs."""
-    from types import SimpleNamespace
-
     import chat_model
     import peft
 
