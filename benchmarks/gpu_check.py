@@ -1782,6 +1782,19 @@ def markdown_proof(proof: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# A path into the project as the GPU machine wrote it (`./recipes/...`, `/its/checkout/recipes/...`).
+PROJECT_PATH = re.compile(r"(?<!\S)\S*?/(?=(?:recipes|benchmarks|accelerate_configs|tests)/)")
+
+
+def portable_command(command: str, executable: str | None) -> str:
+    """COMMAND as a user types it from the project's root: `accelerate launch` and `python3` instead of the GPU
+    machine's interpreter, and paths into the project relative to its root."""
+    if executable:
+        command = command.replace(f"{executable} -m accelerate.commands.accelerate_cli ", "accelerate ")
+        command = re.sub(rf"(?<!\S){re.escape(executable)}(?!\S)", "python3", command)
+    return PROJECT_PATH.sub("", command)
+
+
 def merge_reports(reports: list[str], proof_path: Path) -> int:
     """Fold the passed steps of REPORTS into PROOF_PATH (JSON) and the markdown beside it; runs no step, needs no
     GPU. A later proof of a step on the same GPUs and software replaces the earlier one."""
@@ -1807,8 +1820,11 @@ def merge_reports(reports: list[str], proof_path: Path) -> int:
         passed = {r["step"]: r for r in report["steps"] if r["status"] == "pass"}
         for name, record in passed.items():
             kept = {k: record.get(k) for k in ("commands", "wall_seconds", "figures", "detail", "finished_at")}
+            kept["commands"] = [portable_command(c, report["machine"].get("executable")) for c in kept["commands"]]
             machine["steps"][name] = {**kept, "host": record.get("host", report["machine"]["host"])}
         machine["steps"] = {s: machine["steps"][s] for s in STEPS if s in machine["steps"]}
+        for record in machine["steps"].values():  # proofs merged before commands were made portable
+            record["commands"] = [portable_command(c, machine["machine"].get("executable")) for c in record["commands"]]
         print(f"gpu-check: {len(passed)} proven step(s) of {path} for {_describe_key(report['key'])}", flush=True)
     proof_path.parent.mkdir(parents=True, exist_ok=True)
     write_text(proof_path, json.dumps(proof, indent=2) + "\n")
