@@ -21,6 +21,7 @@ Only log and checkpoint steps read values back from the device (the loss means, 
 GPU is never made to wait for the host on the steps between them.
 """
 
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -275,7 +276,8 @@ class TrainingProgress:
 
     def epoch_done(self, evaluation: dict, **extra) -> float:
         """At an epoch's end, after its evaluation: log it (eval_* as eval/*) with the epoch's time, throughput and
-        peak memory. Returns the epoch's seconds."""
+        peak memory. Returns the epoch's seconds. A non-finite figure in it stops the run before anything is saved."""
+        self._check_finite(evaluation)
         seconds = time.perf_counter() - self.epoch_started
         memory_mb, _ = peak_memory_mb(self.accelerator.device)
         scalars = {
@@ -294,6 +296,21 @@ class TrainingProgress:
             step=self.state.step,
         )
         return seconds
+
+    def _check_finite(self, evaluation: dict) -> None:
+        """The last line of defence against a model with NaN weights: the guard watches each step's loss and
+        gradients, but a NaN that reaches the weights another way (an fp16 overflow in the optimizer, say) shows up
+        in the evaluation, which then stops the run instead of saving that model and a results.json with NaN."""
+        bad = {k: v for k, v in evaluation.items() if isinstance(v, float) and not math.isfinite(v)}
+        if not bad:
+            return
+        checkpoint = self.guard.last_checkpoint()
+        newest = f"the newest checkpoint is {checkpoint}" if checkpoint else "no checkpoint was saved"
+        raise RecipeError(
+            f"the evaluation at step {self.state.step} gave {', '.join(f'{k} {v}' for k, v in bad.items())}: the "
+            f"model's weights or its evaluation are not finite; neither that model nor results.json was saved "
+            f"({newest}). Use bf16 instead of fp16, lower --lr, or check the validation data"
+        )
 
     def results(self, started: float) -> dict:
         """The results.json entries of the run's course, the same in every recipe (collective: gathers sample

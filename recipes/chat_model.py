@@ -16,7 +16,7 @@ from pathlib import Path
 
 import peft
 import torch
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
 from sft_data import (
     FILE_SUFFIXES,
     as_conversations,
@@ -27,6 +27,7 @@ from sft_data import (
     load_file,
 )
 from sft_plan import meta_model
+from torch.nn.attention import SDPBackend
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from accelerate_recipes import RecipeError, TrainingFlags, explain_load_failure, model_to_save
@@ -155,13 +156,14 @@ def add_lora(model, args: ChatModelFlags):
     return peft.get_peft_model(model, config)
 
 
-def build_model(args: ChatModelFlags, model_name: str, mixed_precision: str, meta: bool = False):
-    """The model to train: the whole of it, or (--lora_r) frozen with a LoRA adapter; an adapter of ours in
-    --model is trained on under --lora_r and merged into its base for a full fine-tune. Gradient checkpointing as
-    the flags ask. `meta`: the architecture alone, on the meta device (a memory plan)."""
+def build_model(args: ChatModelFlags, model_name: str, accelerator, meta: bool = False):
+    """The model to train on the accelerator's device and in its mixed precision: the whole of it, or (--lora_r)
+    frozen with a LoRA adapter; an adapter of ours in --model is trained on under --lora_r and merged into its base
+    for a full fine-tune. Gradient checkpointing as the flags ask; sdpa kept to the kernels use_sdpa_backends allows.
+    `meta`: the architecture alone, on the meta device (a memory plan)."""
     # A LoRA run keeps the frozen base in bf16 when it trains in bf16 (half the memory); full fine-tunes keep fp32
     # master weights and let autocast compute in bf16.
-    dtype = torch.bfloat16 if args.lora_r and mixed_precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if args.lora_r and accelerator.mixed_precision == "bf16" else torch.float32
     if meta:
         model = meta_model(model_name, dtype)
     elif is_adapter(model_name):
@@ -172,6 +174,8 @@ def build_model(args: ChatModelFlags, model_name: str, mixed_precision: str, met
             model = model.merge_and_unload()
     else:
         model = load_base_model(model_name, dtype, args.attn_implementation)
+    if not meta:
+        use_sdpa_backends(accelerator.device)
     model.config.use_cache = False  # no cache in training; packed rows also need none to keep examples apart
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -184,6 +188,42 @@ def build_model(args: ChatModelFlags, model_name: str, mixed_precision: str, met
             if isinstance(layer, peft.tuners.lora.LoraLayer):
                 layer._cast_input_dtype = types.MethodType(cast_adapter_input_outside_autocast, layer)
     return model
+
+
+# cuDNN's sdpa kernel, torch's first choice on Hopper GPUs from torch 2.11, has been reported to return NaN query
+# gradients from its backward pass when an explicit mask leaves whole query rows masked: the left padding of every
+# padded DPO and GRPO batch (their rows are left-padded, and sdpa gets the padding as a boolean mask). The loss stays
+# finite while NaN reaches the weights. The chat recipes therefore never let torch pick it on CUDA: masked calls go to
+# the memory-efficient kernel instead (flash takes no mask), unmasked ones to flash as before.
+SDPA_SWITCHES = {  # torch's process-wide on/off switch of each CUDA sdpa kernel
+    SDPBackend.FLASH_ATTENTION: torch.backends.cuda.enable_flash_sdp,
+    SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.enable_mem_efficient_sdp,
+    SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.enable_cudnn_sdp,
+    SDPBackend.MATH: torch.backends.cuda.enable_math_sdp,
+}
+
+
+def sdpa_backends_off(device) -> list[SDPBackend]:
+    """The sdpa kernels a chat recipe keeps torch from choosing on `device`: cuDNN's on CUDA, none elsewhere (torch
+    has no cuDNN kernel there)."""
+    return [SDPBackend.CUDNN_ATTENTION] if torch.device(device).type == "cuda" else []
+
+
+def use_sdpa_backends(device) -> None:
+    """Turn off, for the rest of the process, the sdpa kernels sdpa_backends_off(device) names; every other kernel
+    stays as it was, and torch still picks among those for each call."""
+    for backend in sdpa_backends_off(device):
+        SDPA_SWITCHES[backend](False)
+
+
+def attention_settings(model) -> dict:
+    """What results.json records of the attention: the implementation the model runs and the sdpa kernels turned off
+    on its device."""
+    unwrapped = extract_model_from_parallel(model)
+    return dict(
+        attn_implementation=unwrapped.config._attn_implementation,
+        sdpa_backends_off=[backend.name for backend in sdpa_backends_off(unwrapped.device)],
+    )
 
 
 def cast_adapter_input_outside_autocast(layer, x, dtype):

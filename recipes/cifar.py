@@ -813,7 +813,7 @@ def train(args: CifarFlags) -> None:
         resumed_from=resume_from,
         best=best,
     )
-    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     def save_checkpoint() -> None:
         """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
@@ -844,9 +844,9 @@ def train(args: CifarFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if args.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    if not guard.skip_update(state.step + 1):
+                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(loss.detach(), samples=labels.shape[0])  # summed on the device, read at log steps only

@@ -54,6 +54,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     SAMPLES_KEPT,
     ChatModelFlags,
     adamw,
+    attention_settings,
     build_model,
     chat,
     check_one_mode,
@@ -456,7 +457,7 @@ def train(args: DpoFlags) -> None:
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, splits, per_process)
 
     # ---- model and reference policy (none with --precompute_ref: the model itself before its first step)
-    model = build_model(args, model_name, accelerator.mixed_precision)  # an adapter of ours in --model: trained on
+    model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     reference = None if args.precompute_ref else reference_policy(args, accelerator, model, model_name)
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
@@ -514,7 +515,7 @@ def train(args: DpoFlags) -> None:
         resumed_from=resume_from,
         best=best,
     )
-    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     def save_checkpoint() -> None:
         """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
@@ -548,9 +549,9 @@ def train(args: DpoFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if args.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    if not guard.skip_update(state.step + 1):
+                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # the micro-batch's means; RunState averages them over micro-batches and processes
@@ -610,6 +611,7 @@ def settings(args: DpoFlags, model_name: str, lr: float, model, counts: dict, pe
         train_truncated=counts["train"]["truncated"],
         transformers_version=transformers.__version__,
         peft_version=peft.__version__,
+        **attention_settings(model),
     )
 
 

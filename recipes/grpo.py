@@ -55,6 +55,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     SAMPLES_KEPT,
     ChatModelFlags,
     adamw,
+    attention_settings,
     build_model,
     chat,
     check_one_mode,
@@ -772,7 +773,7 @@ def train(args: GrpoFlags) -> None:
     train_loader = DataLoader(list(range(len(train_rows))), per_process, shuffle=True, drop_last=True, generator=seeded)
 
     # ---- model, reference policy and optimizer (AdamW, weight decay on matrices only, fused on a GPU)
-    model = build_model(args, model_name, accelerator.mixed_precision)  # an adapter of ours in --model: trained on
+    model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     reference = reference_policy(args, accelerator, model, model_name) if args.beta else None
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
@@ -817,7 +818,7 @@ def train(args: GrpoFlags) -> None:
         resumed_from=resume_from,
         best=best,
     )
-    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
     speed = Throughput(accelerator)
 
     def save_checkpoint() -> None:
@@ -864,9 +865,9 @@ def train(args: GrpoFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if args.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    if not guard.skip_update(state.step + 1):
+                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             on_device = dict(loss=loss.detach(), clip_fraction=clip_fraction, kl=kl)
@@ -954,6 +955,7 @@ def settings(args: GrpoFlags, model_name: str, lr: float, model, rewards: Reward
         parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them
         transformers_version=transformers.__version__,
         peft_version=peft.__version__,
+        **attention_settings(model),
     )
 
 

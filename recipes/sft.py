@@ -38,7 +38,6 @@ from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
-    extract_model_from_parallel,
     set_seed,
 )
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
@@ -46,6 +45,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, savin
     SAMPLES_KEPT,
     ChatModelFlags,
     adamw,
+    attention_settings,
     build_model,
     chat,
     check_one_mode,
@@ -308,7 +308,7 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
         train_dropped=counts["train"]["without_targets"],
         transformers_version=transformers.__version__,
         peft_version=peft.__version__,
-        attn_implementation=extract_model_from_parallel(model).config._attn_implementation,  # the one used
+        **attention_settings(model),  # the attention used
     )
 
 
@@ -424,7 +424,7 @@ def train(args: SftFlags) -> None:
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
     # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says otherwise
     args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
-    model = build_model(args, model_name, accelerator.mixed_precision)
+    model = build_model(args, model_name, accelerator)
     if args.packing:
         check_packing(model)
     use_answer_loss(model)  # logits for the answer positions only, in chunks (sft_loss.py): the loss stays the same
@@ -482,7 +482,7 @@ def train(args: SftFlags) -> None:
         resumed_from=resume_from,
         best=best,
     )
-    guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+    guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     def save_checkpoint() -> None:
         """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
@@ -511,9 +511,9 @@ def train(args: SftFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    if args.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    if not guard.skip_update(state.step + 1):
+                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                    if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(loss.detach(), samples=per_process)  # the mean over a step's micro-batches is the step's loss
@@ -626,7 +626,7 @@ def plan_only(args: SftFlags) -> None:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
-    model = build_model(args, args.model or DEFAULT_MODEL, accelerator.mixed_precision, meta=True)
+    model = build_model(args, args.model or DEFAULT_MODEL, accelerator, meta=True)
     print_plan(accelerator, args, model, per_process)
     accelerator.end_training()
 

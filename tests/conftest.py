@@ -935,3 +935,37 @@ def dpo(data: dict, name: str, *extra, launcher=(), ok=True, timeout=300):
 def dpo_one(dpo_data):
     """The DPO recipe on 1 process with DPO_RUN: a LoRA adapter on the tiny chat model, 8 steps."""
     return dpo(dpo_data, "one")[1]
+
+
+# ------------------------------------------------------------------- NaN gradients with a finite loss (the guard)
+# Launchers that run a recipe as `python recipe.py` would, with NaN gradients at one step (nan_gradient.py) or in
+# every step whose batch has a fully masked attention row (nan_attention.py, --attn_implementation nan_masked_rows).
+NAN_GRADIENT = REPO / "tests" / "nan_gradient.py"
+NAN_ATTENTION = REPO / "tests" / "nan_attention.py"
+NONFINITE = ("stop", "skip")  # what a run does with them: without --skip_nonfinite_steps, and with it
+SKIP_NONFINITE = {"stop": [], "skip": ["--skip_nonfinite_steps"]}
+
+
+def steps_with_masked_rows(steps_file: Path) -> list[int]:
+    """The optimizer steps whose training batch tests/nan_attention.py found a fully masked attention row in."""
+    return sorted(int(step) for step in steps_file.read_text().split()) if steps_file.exists() else []
+
+
+def assert_nonfinite_gradients_handled(behaviour: str, proc, out: Path, bad_steps: list[int]) -> None:
+    """A run given NaN gradients (and a finite loss) at `bad_steps`: "stop" ends at the first of them with one error
+    line naming it, before anything is saved after it; "skip" drops exactly those updates, exits 0 and saves finite
+    weights whose evaluation is finite."""
+    from safetensors.torch import load_file
+
+    if behaviour == "stop":
+        first = bad_steps[0]
+        fails_with(proc, "the gradients are not finite", f"from step {first} on (seen at step {first})")
+        assert not (out / "results.json").exists() and not list(out.glob("*.safetensors"))
+        return
+    check(proc)
+    results = read_results(out)
+    assert results["skipped_nonfinite_steps"] == len(bad_steps), (results["skipped_nonfinite_steps"], bad_steps)
+    weights = [tensor for path in out.glob("*.safetensors") for tensor in load_file(path).values()]
+    assert weights and all(tensor.isfinite().all() for tensor in weights)
+    evaluation = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, float)}
+    assert evaluation and all(np.isfinite(v) for v in evaluation.values()), evaluation

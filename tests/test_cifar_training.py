@@ -7,7 +7,12 @@ import pytest
 import torch
 from conftest import (
     CIFAR_SCRIPT,
+    NAN_GRADIENT,
+    NONFINITE,
     PYTHON,
+    SKIP_NONFINITE,
+    TINY,
+    assert_nonfinite_gradients_handled,
     check,
     check_png,
     fails_with,
@@ -366,3 +371,12 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
             f"{max(accuracy):.4f} at epoch {best_epoch}"
         ) in proc.stdout
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints", "model_best"]  # no leftovers
+
+
+@pytest.mark.parametrize("behaviour", NONFINITE)
+def test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skipped(behaviour, tmp_path):
+    # NaN gradients in step 2 of 3 (tests/nan_gradient.py); the loss stays finite
+    out = tmp_path / "out"
+    args = [CIFAR_SCRIPT, *TINY, "--max_steps", "3", *SKIP_NONFINITE[behaviour], "--output_dir", out]
+    proc = run([PYTHON, NAN_GRADIENT, 2, *args], recipe_env(tmp_path), timeout=300)
+    assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps=[2])

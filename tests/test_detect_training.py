@@ -9,7 +9,11 @@ from conftest import (
     ACCELERATE,
     CONFIGS,
     DETECT_SCRIPT,
+    NAN_GRADIENT,
+    NONFINITE,
     PYTHON,
+    SKIP_NONFINITE,
+    assert_nonfinite_gradients_handled,
     check,
     check_png,
     fails_with,
@@ -211,3 +215,13 @@ def test_a_bad_label_stops_the_recipe_naming_file_and_line_and_overwrites_nothin
     )
     fails_with(proc, str(label), "line 2: class 7 is out of range")
     assert (out / "results.json").read_text() == '{"from": "an earlier run"}'
+
+
+@pytest.mark.parametrize("behaviour", NONFINITE)
+def test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skipped(behaviour, shapes, tmp_path):
+    # NaN gradients in step 2 of 3 (tests/nan_gradient.py); the loss stays finite
+    out = tmp_path / "out"
+    args = [TRAIN, "--data", shapes, "--image_size", "64", "--batch_size", "8", "--max_steps", "3", "--log_every", "1"]
+    args += ["--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0", *SKIP_NONFINITE[behaviour]]
+    proc = run([PYTHON, NAN_GRADIENT, 2, *args, "--output_dir", out], recipe_env(tmp_path), timeout=300)
+    assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps=[2])

@@ -20,7 +20,11 @@ from conftest import (
     CONFIGS,
     DPO_RUN,
     DPO_SCRIPT,
+    NAN_ATTENTION,
+    NONFINITE,
     PYTHON,
+    SKIP_NONFINITE,
+    assert_nonfinite_gradients_handled,
     check,
     check_png,
     dpo,
@@ -29,6 +33,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
+    steps_with_masked_rows,
 )
 from safetensors.torch import load_file
 from test_resume import start, wait_for_checkpoint
@@ -565,3 +570,51 @@ def test_over_long_pairs_are_dropped_or_cut_and_counted(tiny_chat_model):
     ]
     with pytest.raises(RecipeError, match="no pair fits in --max_length 4; raise it or use --too_long truncate"):
         tokenize_pairs(tokenizer, pairs, 4, "truncate", "train")
+
+
+@pytest.mark.parametrize("behaviour", NONFINITE)
+def test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped(
+    behaviour, dpo_data, tmp_path
+):
+    # What cuDNN's sdpa backward has been reported to do on Hopper with an explicit mask (tests/nan_attention.py): NaN
+    # query gradients in the rows the mask leaves empty (a left-padded row's padding), the loss finite. A recipe
+    # never sends such masks to that kernel on CUDA; should another kernel do the same, the run stops at the first
+    # step whose batch had such a row, naming it, or with --skip_nonfinite_steps drops exactly those steps' updates.
+    steps_file = tmp_path / "steps.txt"
+    flags = ["--attn_implementation", "nan_masked_rows", "--max_steps", "3", "--eval_generate", "0"]
+    flags += SKIP_NONFINITE[behaviour]
+    proc, out = dpo(dpo_data, f"nan-rows-{behaviour}", *flags, launcher=[PYTHON, NAN_ATTENTION, steps_file], ok=False)
+    bad_steps = steps_with_masked_rows(steps_file)
+    assert bad_steps, proc.output[-3000:]  # the pairs differ in length, so batches are left-padded
+    assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps)
+    if behaviour == "skip":
+        results = read_results(out)
+        assert (results["attn_implementation"], results["sdpa_backends_off"]) == ("nan_masked_rows", [])  # on a CPU
+
+
+def test_on_cuda_the_chat_recipes_keep_sdpa_off_cudnn_and_leave_the_other_kernels_alone():
+    from chat_model import sdpa_backends_off, use_sdpa_backends
+    from torch.nn.attention import SDPBackend
+
+    assert sdpa_backends_off(torch.device("cuda", 1)) == [SDPBackend.CUDNN_ATTENTION]
+    assert sdpa_backends_off("cpu") == [] and sdpa_backends_off(torch.device("meta")) == []
+    switches = {
+        SDPBackend.FLASH_ATTENTION: (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
+        SDPBackend.EFFICIENT_ATTENTION: (
+            torch.backends.cuda.mem_efficient_sdp_enabled,
+            torch.backends.cuda.enable_mem_efficient_sdp,
+        ),
+        SDPBackend.CUDNN_ATTENTION: (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp),
+        SDPBackend.MATH: (torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.enable_math_sdp),
+    }
+    before = {backend: enabled() for backend, (enabled, _) in switches.items()}
+    try:
+        torch.backends.cuda.enable_math_sdp(False)  # a kernel the user turned off stays off
+        use_sdpa_backends("cpu")
+        assert {b: enabled() for b, (enabled, _) in switches.items()} == before | {SDPBackend.MATH: False}
+        use_sdpa_backends(torch.device("cuda"))  # the switches are torch's, process-wide: set without a GPU too
+        after = {b: enabled() for b, (enabled, _) in switches.items()}
+        assert after == before | {SDPBackend.MATH: False, SDPBackend.CUDNN_ATTENTION: False}
+    finally:
+        for backend, (_, enable) in switches.items():
+            enable(before[backend])

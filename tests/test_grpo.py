@@ -17,7 +17,11 @@ from conftest import (
     CONFIGS,
     GRPO_RUN,
     GRPO_SCRIPT,
+    NAN_ATTENTION,
+    NONFINITE,
     PYTHON,
+    SKIP_NONFINITE,
+    assert_nonfinite_gradients_handled,
     check,
     fails_with,
     free_port,
@@ -26,6 +30,7 @@ from conftest import (
     read_results,
     recipe_env,
     run,
+    steps_with_masked_rows,
 )
 from safetensors.torch import load_file
 from test_resume import start, wait_for_checkpoint
@@ -222,3 +227,18 @@ def test_grpo_goes_on_training_the_chat_recipes_adapter(sft_one, grpo_data):
     assert trained.keys() == start.keys()
     assert max((trained[k] - start[k]).abs().max().item() for k in start) < 1e-6
     assert max(start[k].abs().max().item() for k in start if "lora_B" in k) > 1e-3  # a trained adapter, not zeros
+
+
+@pytest.mark.parametrize("behaviour", NONFINITE)
+def test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped(
+    behaviour, grpo_data, tmp_path
+):
+    # The update scores prompts and completions in one left-padded batch, with the padding as sdpa's mask: exposed as
+    # DPO is (test_dpo.py) to a kernel whose backward gives NaN in fully masked rows (tests/nan_attention.py).
+    steps_file = tmp_path / "steps.txt"
+    flags = ["--attn_implementation", "nan_masked_rows", "--max_steps", "2", "--checkpoint_every", "0"]
+    flags += ["--eval_every", "0", "--max_new_tokens", "4", *SKIP_NONFINITE[behaviour]]
+    proc, out = grpo(grpo_data, f"nan-rows-{behaviour}", *flags, launcher=[PYTHON, NAN_ATTENTION, steps_file], ok=False)
+    bad_steps = steps_with_masked_rows(steps_file)
+    assert bad_steps, proc.output[-3000:]  # prompts of two lengths: left-padded batches
+    assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps)

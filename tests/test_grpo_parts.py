@@ -268,7 +268,7 @@ def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_c
     accelerator = Accelerator(cpu=True)
     args = GrpoFlags(lora_r=4, beta=0.04, max_new_tokens=4)
     tokenizer = load_tokenizer(str(tiny_chat_model))
-    model = build_model(args, str(tiny_chat_model), "no")
+    model = build_model(args, str(tiny_chat_model), accelerator)
     assert reference_policy(args, accelerator, model, str(tiny_chat_model)) == BASE
     chat = [{"role": "user", "content": "What colour is the sky?"}]
     prompt = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))["input_ids"]

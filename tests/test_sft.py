@@ -13,10 +13,15 @@ import signal
 import pytest
 import torch
 from conftest import (
+    NAN_GRADIENT,
+    NONFINITE,
     PYTHON,
+    SFT_COMMON,
     SFT_FULL,
     SFT_RUN,
     SFT_SCRIPT,
+    SKIP_NONFINITE,
+    assert_nonfinite_gradients_handled,
     assert_quiet,
     check,
     fails_with,
@@ -194,3 +199,15 @@ def test_bad_input_is_one_line(tiny_chat_model, sft_data, tmp_path):
     args = [*sft_files(base, sft_data), "--tracker", "none", "--output_dir", tmp_path / "out"]
     fails_with(run([PYTHON, SFT_SCRIPT, *args], env), "chat template")
     fails_with(run([PYTHON, SFT_SCRIPT, "--chat", "--merge", "x"], env), "give one of")
+
+
+@pytest.mark.parametrize("behaviour", NONFINITE)
+def test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skipped(
+    behaviour, tiny_chat_model, sft_data, tmp_path
+):
+    # NaN gradients in step 2 of 3 (tests/nan_gradient.py); the loss stays finite
+    out = tmp_path / "out"
+    args = [SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_COMMON, "--lora_r", "8", "--max_steps", "3"]
+    args += ["--log_every", "1", "--tracker", "none", *SKIP_NONFINITE[behaviour], "--output_dir", out]
+    proc = run([PYTHON, NAN_GRADIENT, 2, *args], recipe_env(tmp_path), timeout=300)
+    assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps=[2])

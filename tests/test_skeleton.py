@@ -80,7 +80,7 @@ skip_nonfinite=args.skip_nonfinite_steps,
 resumed_from=resume_from,
 best=best,
 )
-guard = progress.guard  # stops on a non-finite loss or a stop signal, agreed by every process
+guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 def save_checkpoint() -> None:
 """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
 with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
@@ -96,9 +96,8 @@ with accelerator.accumulate(model):  # skips the gradient all-reduce on accumula
 accelerator.backward(loss)
 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
 if accelerator.sync_gradients:
-if args.max_grad_norm:
-accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-if not guard.skip_update(state.step + 1):
+grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+if not guard.skip_update(state.step + 1, grad_norm):
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
 if not accelerator.sync_gradients:
