@@ -835,6 +835,7 @@ def train(args: GrpoFlags) -> None:
 
     def evaluate_mid_epoch() -> None:
         """--eval_every: an evaluation between epoch ends, logged and judged as those are."""
+        guard.check(state.step)  # nothing non-finite since the last log step: model_best gets no NaN weights
         state.last_eval = evaluate_now()
         scores = {f"eval/{k.removeprefix('eval_')}": v for k, v in state.last_eval.items() if k != "eval_samples"}
         progress.metrics.log(scores, state.step)

@@ -18,9 +18,8 @@ from conftest import (
     GRPO_RUN,
     GRPO_SCRIPT,
     NAN_ATTENTION,
-    NONFINITE,
+    NAN_GRADIENT,
     PYTHON,
-    SKIP_NONFINITE,
     assert_nonfinite_gradients_handled,
     check,
     fails_with,
@@ -229,16 +228,23 @@ def test_grpo_goes_on_training_the_chat_recipes_adapter(sft_one, grpo_data):
     assert max(start[k].abs().max().item() for k in start if "lora_B" in k) > 1e-3  # a trained adapter, not zeros
 
 
-@pytest.mark.parametrize("behaviour", NONFINITE)
-def test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped(
-    behaviour, grpo_data, tmp_path
-):
+def test_nan_gradients_of_fully_masked_attention_rows_are_skipped_with_skip_nonfinite_steps(grpo_data, tmp_path):
     # The update scores prompts and completions in one left-padded batch, with the padding as sdpa's mask: exposed as
     # DPO is (test_dpo.py) to a kernel whose backward gives NaN in fully masked rows (tests/nan_attention.py).
     steps_file = tmp_path / "steps.txt"
     flags = ["--attn_implementation", "nan_masked_rows", "--max_steps", "2", "--checkpoint_every", "0"]
-    flags += ["--eval_every", "0", "--max_new_tokens", "4", *SKIP_NONFINITE[behaviour]]
-    proc, out = grpo(grpo_data, f"nan-rows-{behaviour}", *flags, launcher=[PYTHON, NAN_ATTENTION, steps_file], ok=False)
+    flags += ["--eval_every", "0", "--max_new_tokens", "4", "--skip_nonfinite_steps"]
+    proc, out = grpo(grpo_data, "nan-rows-skip", *flags, launcher=[PYTHON, NAN_ATTENTION, steps_file], ok=False)
     bad_steps = steps_with_masked_rows(steps_file)
     assert bad_steps, proc.output[-3000:]  # prompts of two lengths: left-padded batches
-    assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps)
+    assert_nonfinite_gradients_handled("skip", proc, out, bad_steps)
+
+
+def test_nan_gradients_stop_the_run_at_their_step_before_an_evaluation_between_log_steps(grpo_data):
+    # NaN gradients in step 2 (tests/nan_gradient.py), logs at steps 1 and 3 only, an evaluation after step 2: the
+    # guard's check before that evaluation stops the run, so model_best never holds the NaN weights.
+    flags = ["--max_steps", "3", "--log_every", "100", "--eval_every", "2", "--checkpoint_every", "0"]
+    flags += ["--max_new_tokens", "4"]
+    proc, out = grpo(grpo_data, "nan-gradients-stop", *flags, launcher=[PYTHON, NAN_GRADIENT, 2], ok=False)
+    assert_nonfinite_gradients_handled("stop", proc, out, bad_steps=[2])
+    assert not (out / "model_best").exists()
