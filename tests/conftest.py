@@ -1,6 +1,7 @@
 """Shared helpers: run the recipes as users do (subprocesses), write tiny data in real on-disk formats."""
 
 import getpass
+import importlib.metadata
 import json
 import os
 import pickle
@@ -30,6 +31,10 @@ BIN = Path(sys.executable).parent
 ACCELERATE = str(BIN / "accelerate")
 TORCHRUN = str(BIN / "torchrun")
 PYTHON = sys.executable
+# DeepSpeed compiles its CPU communication kernel on first use: kept in this user's cache (not a test's HOME), one
+# folder per torch release, because the suite also runs under .venv-oldest and a kernel built for another torch fails
+# to load there (each environment would rebuild it over the other's).
+TORCH_EXTENSIONS = Path.home() / ".cache" / "torch_extensions" / f"torch-{importlib.metadata.version('torch')}"
 
 # Small enough for 2 CPU cores, large enough that the network visibly learns.
 TINY = [
@@ -507,8 +512,7 @@ def sharded_launch(root: Path, name: str, config: str, script: Path, *args, laun
     """`script` under `accelerate launch` with `config` (cpu.yaml, fsdp.yaml, deepspeed.yaml) on 2 CPU processes in
     fp32, as `make text-fsdp` / `make sft-fsdp` start it on a CPU box; output in root/name. Returns (proc, out)."""
     out = root / name
-    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(root, ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    env = recipe_env(root, ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     cmd = [ACCELERATE, "launch", "--config_file", CONFIGS / config, "--num_processes", "2", "--mixed_precision", "no"]
     cmd += ["--num_cpu_threads_per_process", "1", "--main_process_port", free_port(), *launcher, script, *args]
     proc = run([*cmd, "--output_dir", out], env, timeout=300)
@@ -843,8 +847,7 @@ def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok
     out = data["root"] / name
     files = list(data["files"])
     files[files.index("--model") + 1] = model or files[files.index("--model") + 1]
-    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     if launcher:
         env["ACCELERATE_USE_CPU"] = "true"
     cmd = [*launcher, GRPO_SCRIPT, *files, "--reward", reward or data["reward"], *GRPO_RUN, *extra]
@@ -922,8 +925,7 @@ def dpo(data: dict, name: str, *extra, launcher=(), ok=True, timeout=300):
     """dpo.py with the data's files, DPO_RUN and then `extra` (later flags win), on 1 process or under `launcher`;
     output in root/name. Returns (proc, out)."""
     out = data["root"] / name
-    # DeepSpeed compiles its CPU communication kernel on first use: keep it in this user's cache, not the test HOME.
-    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     if launcher:
         env["ACCELERATE_USE_CPU"] = "true"
     cmd = [*launcher, DPO_SCRIPT, *data["files"], *DPO_RUN, *extra]
