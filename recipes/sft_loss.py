@@ -6,11 +6,23 @@ that is the largest tensor of a small model's step, and over half of it belongs 
 
 Here the model's forward pass, when it is given labels and the collator's `target_index` (the flat positions whose
 next token is an answer token), runs the decoder, picks the hidden states of those positions only, and computes the
-cross-entropy chunk by chunk: each chunk's logits are made, upcast and reduced, then dropped, and made again in the
-backward pass (activation checkpointing), so at most one chunk of fp32 logits exists at a time. The sum over answer
-tokens divided by `num_items_in_batch` is the loss transformers computes (tested against it within fp32 rounding).
-The swap happens inside the model's own forward, so FSDP2 and DeepSpeed ZeRO-3 gather the output layer as usual.
-Everything else (generation, --predict, a forward pass without labels) goes through the model's own forward.
+cross-entropy chunk by chunk, so at most one chunk of fp32 logits exists at a time. The sum over answer tokens divided
+by `num_items_in_batch` is the loss transformers computes (tested against it within fp32 rounding).
+
+Each chunk's gradients are made in the forward pass too, as Liger Kernel's fused linear cross-entropy makes them (the
+gradient of a summed cross-entropy is the softmax less the one-hot target): with respect to the picked hidden states
+and, when the output layer trains, its weight; the backward pass only scales them by the loss's gradient. The weight
+is read once, inside the model's forward pass, where sharding wrappers hold it gathered (accelerate's FSDP2 puts it in
+one group with the embeddings, gathered until the backward pass), and nothing needs it later. Calling the layer per
+chunk under activation checkpointing instead, as this loss once did, fails under FSDP2 up to torch 2.13: it runs a
+group's forward hooks only when none of the group's modules is pending in the pass, so the second chunk's call
+registered a hook that reshards the group once that chunk's gradient is done, and the first chunk's recompute then met
+a sharded weight. DeepSpeed ZeRO-3 gathers a weight only inside its module's own call: there, and for an output layer
+that is not a plain linear layer (LoRA on it), the layer is still called per chunk, each chunk made again in the
+backward pass.
+
+The chunk size is the module's CHUNK_LOGITS, read at each call (tests set it lower to get several chunks). Everything
+else (generation, --predict, a forward pass without labels) goes through the model's own forward.
 """
 
 from dataclasses import dataclass
@@ -29,7 +41,8 @@ IGNORE_INDEX = -100  # the label torch's cross-entropy (and transformers' loss) 
 @dataclass
 class AnswerLossOutput(ModelOutput):
     """What the forward pass returns with labels: the loss (the answer tokens' summed cross-entropy / their count, or
-    / num_items_in_batch when given) and each answer token's cross-entropy, in `target_index` order."""
+    / num_items_in_batch when given) and each answer token's cross-entropy, in `target_index` order (without a
+    gradient: the loss carries it)."""
 
     loss: torch.Tensor | None = None
     token_losses: torch.Tensor | None = None
@@ -43,17 +56,79 @@ def target_index(labels: torch.Tensor) -> torch.Tensor:
     return predicts.flatten().nonzero().squeeze(1)
 
 
+def _fused_chunks(
+    hidden, weight, bias, targets, dtype, rows: int, hidden_grad=False, weight_grad=False, bias_grad=False
+):
+    """Per-token cross-entropy of `hidden @ weight.T + bias` against `targets`, `rows` positions at a time, with the
+    matmuls in `dtype`, and the gradients of their sum that are asked for: (losses, d hidden, d weight, d bias), None
+    where not asked."""
+    losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if hidden_grad else None
+    # summed in fp32 over the chunks, as autograd sums an fp32 weight's gradients
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
+    grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias_grad else None
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
+        weight_c = weight.to(dtype)
+        bias_c = None if bias is None else bias.to(dtype)
+        for start in range(0, len(targets), rows):  # len(targets): a shape, known on the host
+            chunk = hidden[start : start + rows].to(dtype)
+            target = targets[start : start + rows]
+            logits = F.linear(chunk, weight_c, bias_c).float()
+            log_total = logits.logsumexp(dim=-1)
+            ignored = target == IGNORE_INDEX
+            picked = target.masked_fill(ignored, 0).unsqueeze(1)
+            losses[start : start + rows] = (log_total - logits.gather(1, picked).squeeze(1)).masked_fill(ignored, 0)
+            if not (hidden_grad or weight_grad or bias_grad):
+                continue
+            grad_logits = logits.sub_(log_total.unsqueeze(1)).exp_()  # the softmax, in the fp32 logits' memory
+            grad_logits.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=grad_logits.dtype))
+            grad_logits = grad_logits.masked_fill_(ignored.unsqueeze(1), 0).to(dtype)
+            if hidden_grad:
+                grad_hidden[start : start + rows] = grad_logits @ weight_c
+            if weight_grad:
+                grad_weight += grad_logits.t() @ chunk
+            if bias_grad:
+                grad_bias += grad_logits.sum(dim=0)
+    grad_weight = grad_weight.to(weight.dtype) if weight_grad else None
+    grad_bias = grad_bias.to(bias.dtype) if bias_grad else None
+    return losses, grad_hidden, grad_weight, grad_bias
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """(summed loss, per-token losses) of the output layer's logits; the gradients are made in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype, rows):
+        losses, *grads = _fused_chunks(hidden, weight, bias, targets, dtype, rows, *ctx.needs_input_grad[:3])
+        ctx.has_grad = [g is not None for g in grads]
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.mark_non_differentiable(losses)
+        return losses.sum(), losses
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_token_losses):
+        # In place: a second backward pass through the same graph then fails on the saved tensors' version.
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved).mul_(grad_loss) if has else None for has in ctx.has_grad]
+        return *grads, None, None, None
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the logits: autocast's when it is on (the output layer's call would cast to it), else the
+    weight's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
 def _chunk_losses(output_layer, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output_layer(hidden).float(), targets, reduction="none")
 
 
-def answer_token_losses(output_layer, hidden: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy of every answer token (fp32, in `index` order) from the decoder's last hidden states."""
-    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-    targets = labels.reshape(-1).index_select(0, index + 1)  # the next token, in the same row
-    rows = max(1, CHUNK_LOGITS // output_layer.weight.shape[0])
+def _checkpointed_losses(output_layer, picked: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The output layer called once per chunk, each chunk's logits made again in the backward pass: for a layer whose
+    weight exists only inside its own call (ZeRO-3) or that is more than a plain product (a LoRA-adapted one)."""
     losses = []
-    for start in range(0, len(index), rows):  # len(index): a shape, known on the host
+    for start in range(0, len(targets), rows):
         chunk = (output_layer, picked[start : start + rows], targets[start : start + rows])
         if torch.is_grad_enabled():
             losses.append(checkpoint(_chunk_losses, *chunk, use_reentrant=False))
@@ -61,6 +136,32 @@ def answer_token_losses(output_layer, hidden: torch.Tensor, labels: torch.Tensor
             losses.append(_chunk_losses(*chunk))
     # A micro-batch without answer tokens still gives a loss that depends on the weights (0), as DDP expects.
     return torch.cat(losses) if losses else picked.sum(dim=1).float()
+
+
+def answer_token_losses(
+    output_layer, hidden: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, every answer token's cross-entropy: fp32, in `index` order) from the decoder's last hidden
+    states. The summed loss carries the gradient; the per-token losses carry none."""
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    targets = labels.reshape(-1).index_select(0, index + 1)  # the next token, in the same row
+    weight = output_layer.weight
+    partitioned = hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3: an empty tensor outside the layer's own call
+    vocab = weight.ds_shape[0] if partitioned else weight.shape[0]
+    rows = max(1, CHUNK_LOGITS // vocab)  # read at each call: tests lower it
+    if partitioned or not isinstance(output_layer, torch.nn.Linear):
+        losses = _checkpointed_losses(output_layer, picked, targets, rows)
+        return losses.sum(), losses.detach()
+    # The layer runs once per pass itself, on no rows: module hooks that wait for every module of a group to run
+    # (FSDP2's up to torch 2.13; accelerate groups the output layer with the embeddings) close the pass as usual.
+    output_layer(picked[:0])
+    weight = output_layer.weight  # read after the call: FSDP2 registers the gathered weight while it is gathered
+    inputs = (picked, weight, output_layer.bias, targets, _compute_dtype(picked, weight), rows)
+    if not torch.is_grad_enabled():  # evaluation: the losses alone
+        losses = _fused_chunks(*inputs)[0]
+        return losses.sum(), losses
+    # Without answer tokens the summed loss is still 0 with a gradient (of zeros) for the weights, as DDP expects.
+    return _LinearCrossEntropy.apply(*inputs)
 
 
 # Model types whose causal LM computes its logits as the output layer's plain product of the decoder's last hidden
@@ -85,15 +186,16 @@ def use_answer_loss(model) -> bool:
             kwargs.pop(unused, None)  # peft passes them on; the decoder's defaults are the ones meant
         if plain:
             hidden = decoder(*args, **kwargs).last_hidden_state
-            token_losses = answer_token_losses(output_layer, hidden, labels, target_index)
+            summed, token_losses = answer_token_losses(output_layer, hidden, labels, target_index)
         else:
             logits = own_forward(*args, **kwargs).logits
             picked = logits.reshape(-1, logits.shape[-1]).index_select(0, target_index).float()
             token_losses = F.cross_entropy(
                 picked, labels.reshape(-1).index_select(0, target_index + 1), reduction="none"
             )
+            summed, token_losses = token_losses.sum(), token_losses.detach()
         count = max(len(target_index), 1) if num_items_in_batch is None else num_items_in_batch
-        return AnswerLossOutput(loss=token_losses.sum() / count, token_losses=token_losses)
+        return AnswerLossOutput(loss=summed / count, token_losses=token_losses)
 
     causal_lm.forward = forward
     return plain

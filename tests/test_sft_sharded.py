@@ -1,6 +1,7 @@
 """The chat recipe sharded for real on 2 CPU processes over gloo: FSDP2 (fsdp.yaml) and DeepSpeed ZeRO-3
 (deepspeed.yaml), LoRA and full fine-tunes with gradient checkpointing, against DDP (cpu.yaml) with the same flags.
-The FSDP2 LoRA run spans two "nodes" on 127.0.0.1, as fsdp.yaml is used across machines."""
+The FSDP2 LoRA run spans two "nodes" on 127.0.0.1, as fsdp.yaml is used across machines. The answer-token loss in
+several chunks under FSDP2 is held to the unsharded one on 1 and 2 processes."""
 
 import json
 from pathlib import Path
@@ -39,6 +40,7 @@ LORA = ["--lora_r", "8", "--lora_dropout", "0"]  # dropout masks are drawn per p
 # loss by > 5e-3.
 TOLERANCE = 1e-5
 SHARDING = REPO / "benchmarks" / "sharding.py"
+ANSWER_LOSS = REPO / "tests" / "sharded_answer_loss.py"
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +258,38 @@ def test_fsdp_lora_trains_in_bf16_with_a_bf16_frozen_base_and_an_fp32_adapter(da
     assert sorted(steps) == list(range(1, 9)) and steps[8] < steps[1] - 0.1, steps
     saved = adapter(out)
     assert len(saved) == 28 and {t.dtype for t in saved.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_gradients(data, tiny_chat_model, processes):
+    """tests/sharded_answer_loss.py under fsdp.yaml: LoRA and a full fine-tune of the tiny Llama (output layer tied to
+    the embeddings, gradient checkpointing), 3 or more chunks of logits per micro-batch. A training pass, an evaluation
+    pass and a training pass again give transformers' unsharded loss (within 1e-6 relative), every answer token's
+    loss and every gradient (within 1e-6 + 1e-5 relative, averaged over the processes as FSDP2 averages). FSDP2 up to
+    torch 2.13 runs a group's forward hooks only when none of its modules is pending in the pass: a loss that called
+    the output layer per chunk under activation checkpointing met its weight sharded again in the backward pass there
+    (a DTensor error)."""
+    # sharded_launch starts 2 processes; a later --num_processes wins
+    _, out = sharded_launch(
+        data["root"],
+        f"answer-loss-{processes}",
+        "fsdp.yaml",
+        ANSWER_LOSS,
+        tiny_chat_model,
+        launcher=["--num_processes", str(processes)],
+    )
+    for rank in range(processes):
+        results = torch.load(out / f"rank{rank}.pt", weights_only=False)
+        assert results["world_size"] == processes
+        for method in ("lora", "full"):
+            run = results[method]
+            assert run["tied"] and run["sharded"] == "DTensor" and run["chunks"] >= 3, (method, run["chunks"])
+            torch.testing.assert_close(run["token_losses"], run["expected_token_losses"], atol=1e-6, rtol=1e-5)
+            expected = run["expected_gradients"]
+            assert expected and ("model.embed_tokens.weight" in expected) == (method == "full")
+            for name in ("first", "second"):
+                loss, gradients = run[f"{name}_loss"], run[f"{name}_gradients"]
+                assert abs(loss - run["expected_loss"]) <= 1e-6 * run["expected_loss"], (method, name, loss)
+                assert gradients.keys() == expected.keys(), (method, name)
+                for key, gradient in gradients.items():
+                    torch.testing.assert_close(gradient, expected[key], atol=1e-6, rtol=1e-5, msg=f"{method} {key}")
