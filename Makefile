@@ -6,6 +6,8 @@ SHELL := /bin/bash
 
 PYTHON ?= python3
 VENV ?= .venv
+# The second test environment: the oldest releases pyproject admits (see test-oldest).
+OLDEST_VENV ?= .venv-oldest
 BIN := $(VENV)/bin
 CONFIGS := accelerate_configs
 # Where the targets run. venv (default): in .venv, which the install step each target depends on creates and fills.
@@ -95,8 +97,33 @@ $(VENV)/.installed-%: pyproject.toml
 # pytest workers: one per core this process may use, at most 4 (each worker builds the shared runs its tests read).
 # Most tests wait on one recipe process at a time, which leaves the other cores idle without them.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
-test: install lint ## run the linter, then the test suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes)
+test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes), then the chat tests on the oldest releases
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(OLDEST_PYTEST)
+
+# The second environment: the oldest releases pyproject admits (tests/oldest-versions.txt: the GPU image's torch,
+# transformers, accelerate and peft), built by uv from the package index. FSDP2's hooks, DeepSpeed, attention kernels
+# and peft change between releases, and the GPU runs the older ones, so the chat recipes' version-sensitive paths run
+# there too, each once: the answer loss in chunks against transformers' and under FSDP2 (1 and 2 processes), varlen
+# and sdpa attention, LoRA under autocast, LoRA under FSDP2 over two "nodes" against DDP and under ZeRO-3, DPO on 1
+# and 2 processes with accumulation, GRPO's sampling and KL reference, and the NaN guard's runs of sft, dpo and grpo.
+OLDEST_TESTS ?= tests/test_sft_data.py tests/test_grpo_parts.py \
+	tests/test_sft_sharded.py::test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_gradients \
+	tests/test_sft_sharded.py::test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter \
+	"tests/test_sft_sharded.py::test_deepspeed_zero3_trains_like_ddp[lora]" \
+	tests/test_sft.py::test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skipped \
+	tests/test_dpo.py::test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_is_split \
+	tests/test_dpo.py::test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped \
+	tests/test_grpo.py::test_nan_gradients_stop_the_run_at_their_step_before_an_evaluation_between_log_steps
+$(OLDEST_VENV)/.installed: pyproject.toml tests/oldest-versions.txt | $(VENV)/.installed-dev
+	$(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(OLDEST_VENV)
+	$(BIN)/uv pip install --quiet --python $(OLDEST_VENV)/bin/python --constraints tests/oldest-versions.txt \
+		-e '.[sft,deepspeed,test]'
+	@touch $@
+.PHONY: test-oldest
+OLDEST_PYTEST = $(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(OLDEST_TESTS)
+test-oldest: $(OLDEST_VENV)/.installed ## the chat recipes' tests on the oldest releases pyproject admits (.venv-oldest)
+	$(OLDEST_PYTEST)
 
 # A CPU without AVX-512 and native bf16 (some machines of the same cloud kind): torch's kernels, oneDNN and MKL kept to
 # AVX2, so bf16 is emulated there as it would be and every run must pick fp32 by itself (cpu_precision).

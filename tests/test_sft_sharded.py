@@ -4,7 +4,6 @@ The FSDP2 LoRA run spans two "nodes" on 127.0.0.1, as fsdp.yaml is used across m
 several chunks under FSDP2 is held to the unsharded one on 1 and 2 processes."""
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +13,7 @@ from conftest import (
     PYTHON,
     REPO,
     SFT_SCRIPT,
+    TORCH_EXTENSIONS,
     check,
     free_port,
     losses,
@@ -86,7 +86,7 @@ def lesson(data):
     model, *files = data["files"][1::2]  # --model M --train_file T --validation_file V
     command = [PYTHON, SHARDING, "run", "--model", model, "--train_file", files[0], "--validation_file", files[1]]
     command += [f"--sft_args={' '.join(FLAGS)}", "--output_dir", out]
-    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=Path.home() / ".cache" / "torch_extensions")
+    env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     proc = check(run(command, env, timeout=600))
     return SimpleNamespace(out=out, proc=proc, rows=json.loads((out / "sharding.json").read_text()))
 
