@@ -159,11 +159,14 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     block's input stays (h per token in the hidden states' dtype), plus one block's activations while it is
     recomputed. The loss comes on top (sft_loss.py): the hidden states of the answer positions picked out and their
     gradient (at most every token: 2 h e per token), and one chunk of logits at a time (CHUNK_LOGITS values at most,
-    or every token's when fewer), made again in the backward pass: in the compute dtype, their fp32 copy, the fp32
-    log-probabilities the cross-entropy keeps and the fp32 gradient, cast back (2e + 12 bytes per value under
-    bf16, 12 in fp32 runs, where the copy is the same tensor). Models whose logits are more than the output layer's
-    product (sft_loss.PLAIN_LOGITS lists the others) make every position's logits at once: e + 8 bytes per value
-    (the model's own and the fp32 copy and log-probabilities of the loss).
+    or every token's when fewer) whose gradient is made in the forward pass: in the compute dtype, their fp32 copy
+    (the softmax and its gradient are made in it) and the gradient cast back (2e + 4 bytes per value under bf16, 4 in
+    fp32 runs, where the copy is the same tensor). A trained output layer (a full fine-tune) adds its weight's
+    gradient, summed over the chunks in fp32 and kept from the forward pass to the backward (4 bytes per weight), and
+    under autocast the weight's copy in the compute dtype (e). Under ZeRO-3 each chunk is made again in the backward
+    pass instead: the fp32 log-probabilities and gradient on top (2e + 12 bytes per value, 12 in fp32). Models whose
+    logits are more than the output layer's product (sft_loss.PLAIN_LOGITS lists the others) make every position's
+    logits at once: e + 8 bytes per value (the model's own and the fp32 copy and log-probabilities of the loss).
     """
     tokens = launch.micro_batch * launch.max_length
     e = launch.compute_bytes
@@ -175,7 +178,11 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     if not size.chunked_loss:
         return blocks, tokens * size.vocab * (e + 8 if e < 4 else 8)
     chunk = min(tokens, max(1, CHUNK_LOGITS // size.vocab))
-    return blocks, 2 * tokens * size.hidden * e + chunk * size.vocab * (2 * e + 12 if e < 4 else 12)
+    picked = 2 * tokens * size.hidden * e
+    if launch.strategy == "zero3":
+        return blocks, picked + chunk * size.vocab * (2 * e + 12 if e < 4 else 12)
+    output_layer = size.vocab * size.hidden * (4 + e if e < 4 else 4) if size.trainable == size.parameters else 0
+    return blocks, picked + chunk * size.vocab * (2 * e + 4 if e < 4 else 4) + output_layer
 
 
 # ---------------------------------------------------------------------------------------------------- the launch
