@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from conftest import PYTHON, check, recipe_env, run
 
 from accelerate_recipes.checkpoints import Checkpoints, recover_folder
@@ -27,6 +28,8 @@ class OneProcess:
         self.is_local_main_process = process_index == 0
         self.num_processes = 1
         self.device = torch.device("cpu")
+        # what the guard reads to decide whether it watches the gradients
+        self.distributed_type, self.mixed_precision, self.scaler = DistributedType.NO, "no", None
         self.barriers = 0
         self.printed = []
         self.logged = []
@@ -311,8 +314,12 @@ def test_patience_used_up_at_the_last_evaluation_is_a_normal_end(make_log):
 
 def test_nan_never_improves_and_lower_can_be_better(make_log):
     log = make_log(patience=3)
-    assert [end_epoch(log, a) for a in (math.nan, 0.3, math.nan)] == [False, True, False]
+    nan = {"eval_accuracy": math.nan, "eval_loss": math.nan, "eval_samples": 64}
+    assert [log.best.judge(e) for e in (nan, {**nan, "eval_accuracy": 0.3}, nan)] == [False, True, False]
     assert log.state.best_metric == 0.3 and log.state.evals_without_improvement == 1
+    # A run never gets that far: an epoch whose evaluation is not finite stops it before anything is saved.
+    with pytest.raises(RecipeError, match="the evaluation at step 10 gave eval_accuracy nan, eval_loss nan"):
+        end_epoch(log, math.nan)
 
     by_loss = make_log(metric="eval_loss", higher_is_better=False)
     assert [end_epoch(by_loss, a) for a in (0.5, 0.7, 0.6)] == [True, True, False]  # loss 0.5, 0.3, 0.4
