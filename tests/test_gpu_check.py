@@ -301,14 +301,17 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     steps = {r["step"]: r for r in smoke["report"]["steps"]}
     assert machine["steps"]["fast94"]["figures"] == steps["fast94"]["figures"]
     # the commands as typed from the project's root: no interpreter path, no checkout path of the machine
-    (launch,) = machine["steps"]["fast94"]["commands"]
-    assert steps["fast94"]["commands"][0].startswith(f"{PYTHON} -m accelerate.commands.accelerate_cli launch ")
-    assert launch.startswith("accelerate launch --config_file accelerate_configs/") and " recipes/cifar.py " in launch
-    assert str(REPO) not in launch and PYTHON not in launch
+    executable = smoke["report"]["machine"]["executable"]  # the interpreter gpu-check ran the steps with
+    (fast94,) = machine["steps"]["fast94"]["commands"]
+    assert fast94 == steps["fast94"]["commands"][0].replace(f"{executable} {REPO}/", "python3 ")
+    (launch,) = machine["steps"]["text-fsdp"]["commands"]
+    assert steps["text-fsdp"]["commands"][0].startswith(f"{executable} -m accelerate.commands.accelerate_cli launch ")
+    assert launch.startswith("accelerate launch --config_file accelerate_configs/fsdp.yaml ")
+    assert " recipes/text_classification.py " in launch
     text = proof.with_suffix(".md").read_text()
     assert "Proven: sft, dpo, grpo, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
-    assert launch in text and "torch " + smoke["report"]["machine"]["torch"] in text
-    assert str(REPO) not in text
+    assert fast94 in text and launch in text and "torch " + smoke["report"]["machine"]["torch"] in text
+    assert str(REPO) not in text and executable not in text
     # --after a proof file: what it holds for this machine is not run again
     carried, differences = gpu_check.proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
     assert sorted(carried) == sorted(machine["steps"]) and not differences
