@@ -97,9 +97,17 @@ $(VENV)/.installed-%: pyproject.toml
 # pytest workers: one per core this process may use, at most 4 (each worker builds the shared runs its tests read).
 # Most tests wait on one recipe process at a time, which leaves the other cores idle without them.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
-test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes), then the chat tests on the oldest releases
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
-	$(OLDEST_PYTEST)
+# The chat tests on the oldest releases run beside the suite, in one more process of their own (own ports, own log):
+# the suite's workers leave a core idle a fifth of the time, waiting on single-threaded recipe processes.
+OLDEST_LOG ?= $(OLDEST_VENV)/test.log
+test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes) and, beside it, the chat tests on the oldest releases
+	@echo "the chat tests on the oldest releases run beside the suite in $(OLDEST_VENV); their output follows it"
+	@TEST_PORT_BLOCK=4 $(OLDEST_VENV)/bin/python -m pytest $(OLDEST_TESTS) > $(OLDEST_LOG) 2>&1 & oldest=$$!; \
+	trap 'kill $$oldest 2>/dev/null' INT TERM; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests; suite=$$?; \
+	wait $$oldest; oldest_status=$$?; \
+	echo "---- the chat tests on the oldest releases ($(OLDEST_VENV), tests/oldest-versions.txt):"; cat $(OLDEST_LOG); \
+	exit $$(( suite || oldest_status ))
 
 # The second environment: the oldest releases pyproject admits (tests/oldest-versions.txt: the GPU image's torch,
 # transformers, accelerate and peft), built by uv from the package index. FSDP2's hooks, DeepSpeed, attention kernels

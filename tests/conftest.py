@@ -150,8 +150,10 @@ def free_port() -> int:
     The kernel's own choice (bind to port 0) comes from its ephemeral range, where it also puts the local end of every
     connection and where another pytest worker may be given the same number before a launcher binds it. So each
     worker draws from a block of its own below that range (20000-29999 split between up to 4 workers), never twice.
+    TEST_PORT_BLOCK=4 gives a session that runs beside another (make test's second environment) 30000-32499.
     """
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 4
+    worker = int(os.environ.get("TEST_PORT_BLOCK", worker))
     low = 20000 + 2500 * worker
     for port in random.Random().sample(range(low, low + 2500), 2500):
         if port in _PORTS_GIVEN:
