@@ -199,7 +199,9 @@ def test_the_lesson_reports_what_each_strategy_plans_and_uses_per_process(lesson
         plan = rows[name]["plan_mb"]
         assert plan["optimizer"] == pytest.approx(whole["optimizer"] / 2, rel=1e-6), (name, plan, whole)
         assert plan["gradients"] == pytest.approx(whole["gradients"] / 4, rel=1e-6), (name, plan, whole)
-        assert whole["weights"] / 2 <= plan["weights"] < whole["weights"] and plan["total"] < whole["total"]
+        assert whole["weights"] / 2 <= plan["weights"] < whole["weights"]
+        # what sharding divides; the loss's own term differs by path (ZeRO-3 makes each chunk of logits again)
+        assert plan["total"] - plan["logits"] < whole["total"] - whole["logits"]
         assert plan["activations"] == whole["activations"]
     for row in rows.values():
         assert row["peak_memory_kind"] == "host_max_rss" and 200 < row["peak_memory_mb"] < 8000, row
