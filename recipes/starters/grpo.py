@@ -167,8 +167,6 @@ def main(
     # ---- model: the whole of it, or frozen with a LoRA adapter (set_seed above makes LoRA's init reproducible)
     dtype = torch.bfloat16 if lora_r and accelerator.mixed_precision == "bf16" else torch.float32
     net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-    # Left padding leaves whole query rows masked, where cuDNN's sdpa backward (Hopper, torch 2.11+) can give NaN.
-    torch.backends.cuda.enable_cudnn_sdp(False)
     if lora_r:
         config = peft.LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear")
         net = peft.get_peft_model(net, config)
