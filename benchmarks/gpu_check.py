@@ -35,8 +35,10 @@ Steps, in the order they run:
                gathered on save); with 2+ GPUs LoRA and full under FSDP2 on all of them, without TRL
   dpo          recipes/dpo.py, LoRA (the base as reference) and full (a frozen copy), on pairs built from the same
                generated chats and model: tokens/s, peak memory, MFU
-  grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts: generation tokens/s
-               and update tokens/s apart (speed only: the random weights earn no reward)
+  grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts (on a GPU its
+               compiled decode step, --decode auto), then TRL's GRPOTrainer on the same inputs (benchmarks/grpo_bench.py
+               trl): generation tokens/s of the steady steps, the first step's generation seconds, update tokens/s,
+               median step and peak memory side by side (speed only: the random weights earn no reward)
   fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time, accuracy
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
@@ -101,6 +103,7 @@ CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
 AUDIT = REPO / "benchmarks" / "host_reads.py"
 SFT_BENCH = REPO / "benchmarks" / "sft_bench.py"  # its trl_speed: TRL's SFTTrainer, measured as the recipe
+GRPO_BENCH = REPO / "benchmarks" / "grpo_bench.py"  # its trl: TRL's GRPOTrainer, measured as the recipe
 PACKED_ATTENTION_CHECK = REPO / "benchmarks" / "packed_attention_check.py"
 # varlen against sdpa's dense mask in bf16: the answer tokens' mean loss within 1% (bf16 keeps 8 bits of mantissa;
 # the two kernels sum the attention in other orders)
@@ -137,7 +140,9 @@ ESTIMATED_SECONDS = {
     # and 25 s for the packed-attention check (the model loaded twice, 5 rows forward and backward under each)
     "sft": 345,
     "dpo": 150,  # a guess: the 0.5B model built and saved, 20 steps each of LoRA and full with their reference
-    "grpo": 120,  # a guess: the 0.5B model built and saved, 4 steps of 64 completions of 256 tokens, one evaluation
+    # eager, 149 s measured; now a guess: the 0.5B model built and saved, the decode step compiled, 4 steps of 64
+    # completions of 256 tokens, one evaluation, then TRL's 4 steps (its eager generate: ~13 s a step)
+    "grpo": 300,
     "fast94": 65,  # 58 s
     "text-fsdp": 45,  # 42 s
     "detect-640": 100,  # 96 s
@@ -157,7 +162,7 @@ ESTIMATED_SECONDS = {
 TIMEOUTS = {
     "sft": 500,
     "dpo": 360,
-    "grpo": 300,
+    "grpo": 480,
     "fast94": 300,
     "text-fsdp": 300,
     "detect-640": 420,
@@ -813,10 +818,14 @@ class Check:
 
     def grpo(self, run_dir, timeout):
         """recipes/grpo.py with a LoRA adapter on the sft step's model shape (tiny in --quick and on the CPU), a few
-        steps on generated arithmetic prompts: generation tokens/s and update tokens/s apart, peak memory. The
-        weights are random, so the rewards stay zero: the figures are speed only (every completion runs to
-        --max_new_tokens, and the update still makes its full forward and backward passes)."""
+        steps on generated arithmetic prompts, then TRL's GRPOTrainer on the same model, prompts, completions per
+        prompt, completion length and steps (benchmarks/grpo_bench.py trl: its own generate, no vLLM): generation
+        tokens/s of the steady steps, the first step's generation seconds (the decode step's compilation), update
+        tokens/s, median step and peak memory of each, side by side (figures["vs_trl"]). The weights are random, so
+        the rewards stay zero: the figures are speed only (every completion runs to --max_new_tokens, and the update
+        still makes its full forward and backward passes)."""
         small = self.quick or not self.cuda
+        end = time.monotonic() + timeout
         assets = self.chat()
         (run_dir / "inputs").mkdir()
         prompts = {
@@ -844,21 +853,35 @@ class Check:
             *("--cache_dir", run_dir / "datasets-cache", "--output_dir", run_dir / "lora"),
         ]
         command += [] if self.cuda else ["--mixed_precision", "no"]
-        code, last = self.execute(command, run_dir, timeout, "lora.txt")
+        code, last = self.execute(command, run_dir, end - time.monotonic(), "lora.txt")
         out = run_dir / "lora"
         results = read_json(out / "results.json")
         figures = {"lora": grpo_figures(results)}
         losses = logged(out, "train/loss")
         shown = [" ".join(map(str, command))]
+        problems = []
         if code != 0:
-            problem = f"exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}"
+            problems.append(f"exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
         elif not losses or not all(math.isfinite(x) for x in losses):
-            problem = f"no finite training loss in {out / 'metrics.jsonl'}: {losses}"
+            problems.append(f"no finite training loss in {out / 'metrics.jsonl'}: {losses}")
         elif not (results.get("generation_tokens_per_second") and results.get("train_tokens_per_second")):
-            problem = f"no generation_tokens_per_second or train_tokens_per_second in {out / 'results.json'}"
-        else:
-            return "pass", shown, figures, ""
-        return "fail", shown, figures, problem
+            problems.append(f"no generation_tokens_per_second or train_tokens_per_second in {out / 'results.json'}")
+        if importlib.util.find_spec("trl") is None:
+            figures["vs_trl"] = "not run: trl not installed (pip install trl)"
+        elif code != 124:  # a budget cut leaves no time for the peer
+            trl = [sys.executable, GRPO_BENCH, "trl", "--model", assets["model"], "--train_file", prompts["train"]]
+            trl += ["--batch_size", sizes[0], "--num_generations", sizes[1], "--max_new_tokens", sizes[2]]
+            trl += ["--max_steps", sizes[3], "--lora_r", "16", "--lora_alpha", "32", "--save", "False"]
+            trl += ["--device", "cuda" if self.cuda else "cpu", "--output_dir", run_dir / "trl-lora"]
+            shown.append(" ".join(map(str, trl)))
+            trl_code, trl_last = self.execute(trl, run_dir, end - time.monotonic(), "trl-lora.txt")
+            figures["trl-lora"] = key_figures(read_json(run_dir / "trl-lora" / "results.json"), *GRPO_PEER_FIGURES)
+            if trl_code != 0:
+                problems.append(f"trl-lora: exit {trl_code}; last lines:\n{trl_last}")
+            figures = {"vs_trl": grpo_comparison(figures["lora"], figures["trl-lora"]), **figures}
+        if problems:
+            return "fail", shown, figures, "\n".join(problems)
+        return "pass", shown, figures, ""
 
     def detect(self, run_dir, timeout):
         sizes = (
@@ -1322,10 +1345,50 @@ def write_arithmetic_prompts(path: Path, count: int, seed: int) -> Path:
     return path
 
 
+# What the grpo step keeps of TRL's run (benchmarks/grpo_bench.py trl) and compares with the recipe's.
+GRPO_PEER_FIGURES = (
+    "trainer",
+    "steps",
+    "mixed_precision",
+    "generation_tokens_per_second",
+    "first_step_generation_seconds",
+    "train_tokens_per_second",
+    "median_step_seconds",
+    "peak_memory_mb",
+)
+
+
+def grpo_comparison(ours: dict, trl: dict) -> dict:
+    """The recipe's GRPO run beside TRL's on the same device: generation tokens/s of the steady steps and
+    ours_over_trl_generation (above 1: the recipe generates faster), the median step and trl_over_ours_step (above 1:
+    the recipe's step is shorter), the first step's generation seconds, update tokens/s and peak memory, each as
+    {"ours": ..., "trl": ...}."""
+    row = {}
+    if ours.get("generation_tokens_per_second") and trl.get("generation_tokens_per_second"):
+        row["ours_over_trl_generation"] = round(
+            ours["generation_tokens_per_second"] / trl["generation_tokens_per_second"], 3
+        )
+    if ours.get("median_step_seconds") and trl.get("median_step_seconds"):
+        row["trl_over_ours_step"] = round(trl["median_step_seconds"] / ours["median_step_seconds"], 3)
+    for key in ("generation_tokens_per_second", "first_step_generation_seconds", "median_step_seconds"):
+        row[key] = {"ours": _rounded(ours.get(key)), "trl": _rounded(trl.get(key))}
+    row["update_tokens_per_second"] = {
+        "ours": _rounded(ours.get("update_tokens_per_second")),
+        "trl": _rounded(trl.get("train_tokens_per_second")),
+    }
+    row["peak_memory_mb"] = {"ours": _rounded(ours.get("peak_memory_mb")), "trl": _rounded(trl.get("peak_memory_mb"))}
+    return row
+
+
+def _rounded(value, digits: int = 3):
+    return round(value, digits) if isinstance(value, (int, float)) else value
+
+
 def grpo_figures(results: dict) -> dict:
     """A grpo run's figures from its results.json: generation tokens/s (completion tokens over the time in generate)
     and update tokens/s (prompt and completion tokens over the time of the updates; the recipe's
-    train_tokens_per_second), both over the whole run, and peak memory."""
+    train_tokens_per_second), both of the steps after the first, the first step's generation seconds (compilation
+    included), how it decoded, and peak memory."""
     figures = key_figures(
         results,
         "method",
@@ -1336,7 +1399,9 @@ def grpo_figures(results: dict) -> dict:
         "global_batch_size",
         "num_generations",
         "max_new_tokens",
+        "decode_mode",
         "generation_tokens_per_second",
+        "first_step_generation_seconds",
     )
     if "train_tokens_per_second" in results:
         figures["update_tokens_per_second"] = results["train_tokens_per_second"]

@@ -36,7 +36,7 @@ import fire
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "recipes")]
 
-from sft_bench import MODEL_DIR, converted_model, launch, machine, step, versions  # noqa: E402
+from sft_bench import MODEL_DIR, converted_model, launch, machine, meter_callback, step, versions  # noqa: E402
 
 RECIPE = REPO / "recipes" / "grpo.py"
 DATA_DIR = "data/grpo_arithmetic"
@@ -86,12 +86,22 @@ def trl(
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
     seed: int = 42,
+    device: str = "auto",
+    save: bool = True,
 ):
     """GRPO with TRL's GRPOTrainer in one process; the adapter goes to OUTPUT_DIR/adapter, the figures to
-    OUTPUT_DIR/results.json (the run step calls this; the flags mean what the recipe's do: batch_size counts prompts).
+    OUTPUT_DIR/results.json (the run step calls this, and gpu-check's grpo step beside the recipe; the flags mean
+    what the recipe's do: batch_size counts prompts).
 
     The reward is the recipe's own `number` function (a completion arrives as a list of messages here, as TRL passes
     conversational completions). Generation is timed around GRPOTrainer._generate; the rest of train() is training.
+    TRL's own generation: transformers' generate on the training model (no vLLM). On a GPU bf16 over a LoRA base kept
+    in bf16, as the recipe keeps it; fp32 on the CPU. The steady figures leave the first step (warm-up) out, as the
+    recipe's meter does.
+
+    Args:
+        device: auto (a GPU when there is one), cuda or cpu.
+        save: save the adapter (the quality comparison scores it; a speed measurement needs none).
     """
     start = time.perf_counter()
     import torch
@@ -101,9 +111,17 @@ def trl(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from accelerate_recipes.meter import StepMeter, peak_memory_mb
+
+    if device not in ("auto", "cuda", "cpu"):
+        sys.exit(f"error: unknown --device {device!r}; choose auto, cuda or cpu")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but torch sees no GPU here; use --device cpu")
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    network = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    dtype = torch.bfloat16 if cuda and lora_r else torch.float32
+    network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
     rows = [json.loads(line) for line in Path(train_file).read_text().splitlines() if line.strip()]
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
@@ -113,12 +131,19 @@ def trl(
         return number(prompts, [c[-1]["content"] if isinstance(c, list) else c for c in completions], answer)
 
     timing = {"generation_seconds": 0.0, "generated_tokens": 0}
+    generation_seconds: list[float] = []  # per optimizer step (one generation per step here)
+    meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, *args, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             started = time.perf_counter()
             output = super()._generate(*args, **kwargs)
-            timing["generation_seconds"] += time.perf_counter() - started
+            if cuda:
+                torch.cuda.synchronize()
+            generation_seconds.append(time.perf_counter() - started)
+            timing["generation_seconds"] += generation_seconds[-1]
             return output
 
     config = GRPOConfig(
@@ -140,13 +165,13 @@ def trl(
         scale_rewards="group",
         num_iterations=1,
         seed=seed,
-        bf16=False,
+        bf16=cuda,
         fp16=False,
         gradient_checkpointing=False,
         report_to="none",
         logging_steps=1,
         save_strategy="no",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not cuda,
     )
     lora = LoraConfig(
         r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
@@ -158,12 +183,18 @@ def trl(
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora,
+        callbacks=[meter_callback(meter, lambda state: 1)],
     )
     trained = trainer.train().metrics
-    trainer.save_model(str(Path(output_dir) / "adapter"))
+    peak, kind = peak_memory_mb(meter.device)
+    if save:
+        trainer.save_model(str(Path(output_dir) / "adapter"))
     logged = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
     completions = batch_size * num_generations
-    generated = sum(entry["completions/mean_length"] for entry in logged) * completions
+    per_step = [entry["completions/mean_length"] * completions for entry in logged]
+    generated = sum(per_step)
+    steady = per_step[1:] if len(generation_seconds) > 1 and len(per_step) == len(generation_seconds) else per_step
+    steady_seconds = generation_seconds[1:] if steady is not per_step else generation_seconds
     rendered = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in dataset]
     lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
     prompt_tokens = sum(lengths) / len(lengths)
@@ -178,8 +209,14 @@ def trl(
         "generation_seconds": timing["generation_seconds"],
         "generated_tokens": generated,
         "mean_prompt_tokens": prompt_tokens,
-        "generation_tokens_per_second": generated / max(timing["generation_seconds"], 1e-9),
+        "generation_tokens_per_second": sum(steady) / max(sum(steady_seconds), 1e-9),  # the first step apart
+        "first_step_generation_seconds": generation_seconds[0] if generation_seconds else None,
         "train_tokens_per_second": trained_tokens / max(train_seconds, 1e-9),
+        "median_step_seconds": meter.median_step_seconds,
+        "peak_memory_mb": peak,
+        "peak_memory_kind": kind,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "mixed_precision": "bf16" if cuda else "no",
         "wall_seconds": time.perf_counter() - start,
     }
     Path(output_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -350,6 +350,25 @@ def trl(
     print(json.dumps({k: v for k, v in results.items() if k != "answers"}, indent=2))
 
 
+def meter_callback(meter, samples):
+    """A transformers TrainerCallback that runs the recipes' StepMeter at each optimizer step's end (a CUDA event on a
+    GPU, read once after training), counting samples(state) for the step; the GPU's memory peak is reset at the
+    start."""
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if meter.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            meter.restart()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            meter.step(samples(state))
+
+    return StepTimes()
+
+
 def trl_speed(
     model: str,
     train_file: str,
@@ -404,7 +423,7 @@ def trl_speed(
 
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from accelerate_recipes.meter import StepMeter, peak_memory_mb
@@ -460,24 +479,14 @@ def trl_speed(
     meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
     step_tokens: list[int] = []  # tokens of each batch's packed row, in the order the loader made them
 
-    class StepTimes(TrainerCallback):
-        """The recipe's StepMeter at each optimizer step's end: a CUDA event, read once after training."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            meter.restart()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            meter.step(step_tokens[state.global_step - 1])  # one batch per step: no accumulation
-
     trainer = SFTTrainer(
         model=network,
         args=config,
         train_dataset=prompt_completion_pairs(read_jsonl(train_file)),
         processing_class=tokenizer,
         peft_config=lora,
-        callbacks=[StepTimes()],
+        # one batch per step (no accumulation): the tokens of that batch's packed row
+        callbacks=[meter_callback(meter, lambda state: step_tokens[state.global_step - 1])],
     )
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     if max(lengths) > max_length:

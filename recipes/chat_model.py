@@ -17,6 +17,7 @@ from pathlib import Path
 import peft
 import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
+from chat_generation import compute_dtype, decode_mode, greedy_config, greedy_ids
 from sft_data import (
     FILE_SUFFIXES,
     as_conversations,
@@ -26,6 +27,7 @@ from sft_data import (
     generation_prompt,
     load_file,
 )
+from sft_loss import use_answer_loss
 from sft_plan import meta_model
 from torch.nn.attention import SDPBackend
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
@@ -57,6 +59,10 @@ class ChatModelFlags(TrainingFlags):
             also takes varlen (packed rows through torch's variable-length kernel; its default for --packing on a
             GPU).
         max_new_tokens: longest generated answer (evaluation samples, --predict, --chat).
+        decode: how answers are generated: auto (default: compiled on a GPU for a model that is not sharded, else
+            eager), eager (transformers' generate on the trained model, token by token), static (a copy of the model
+            in the compute dtype, LoRA merged into its weights, with a static KV cache) or compiled (static, its
+            decode step compiled: CUDA graphs on a GPU, the compilation paid once per shape). See chat_generation.py.
         cache_dir: cache of the `datasets` library (downloads and tokenised data).
         chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
         merge: write the model in --model as one plain transformers folder to this path: a LoRA adapter merged into
@@ -70,6 +76,7 @@ class ChatModelFlags(TrainingFlags):
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None
     max_new_tokens: int = 128
+    decode: str = "auto"
     cache_dir: str | None = None
     chat: bool = False
     merge: str | None = None
@@ -176,6 +183,7 @@ def build_model(args: ChatModelFlags, model_name: str, accelerator, meta: bool =
         model = load_base_model(model_name, dtype, args.attn_implementation)
     if not meta:
         use_sdpa_backends(accelerator.device)
+        decode_mode(args.decode, accelerator.device, accelerator.distributed_type)  # a bad --decode stops here
     model.config.use_cache = False  # no cache in training; packed rows also need none to keep examples apart
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -187,6 +195,8 @@ def build_model(args: ChatModelFlags, model_name: str, accelerator, meta: bool =
         for layer in model.modules():
             if isinstance(layer, peft.tuners.lora.LoraLayer):
                 layer._cast_input_dtype = types.MethodType(cast_adapter_input_outside_autocast, layer)
+    if not meta:
+        use_answer_loss(model)  # the answer loss and token log-probabilities in chunks (sft_loss.py), before prepare
     return model
 
 
@@ -304,14 +314,18 @@ def reference_model(accelerator, model, reference):
 
 def token_logprobs(model, input_ids, attention_mask, targets, position_ids=None, temperature: float = 1.0):
     """Log-probabilities of `targets`, the last targets.shape[1] tokens of each row of `input_ids`, under `model` (at
-    `temperature`). Only those positions' logits are computed (logits_to_keep) and upcast to fp32, not the whole
-    sequence's vocabulary."""
-    width = targets.shape[1]
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=width + 1
-    ).logits
-    logits = logits[:, :-1].float() / temperature  # the logits before each target token
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    `temperature`): fp32, [rows, targets]. Only those positions' logits are computed, a chunk of rows at a time
+    (sft_loss.target_logprobs): no tensor of the whole vocabulary's fp32 logits for every target. build_model swaps the
+    forward pass that does it in before prepare (under autocast); a model built elsewhere gets it here."""
+    use_answer_loss(extract_model_from_parallel(model))
+    output = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logprob_targets=targets,
+        temperature=temperature,
+    )
+    return output.logprobs
 
 
 # ---------------------------------------------------------------------------------------------------------- save
@@ -377,22 +391,25 @@ def write_samples(accelerator, output: Path, epoch: int, step: int, samples: lis
 
 # ----------------------------------------------------------------------------------------- predict, chat, merge
 @torch.no_grad()
-def generate_answers(model, tokenizer, conversations, accelerator, max_new_tokens: int, batch_size: int):
+def generate_answers(
+    model, tokenizer, conversations, accelerator, max_new_tokens: int, batch_size: int, decode: str = "auto"
+):
     """Greedy answers to the given validation conversations' last prompts, compared with their references:
-    ({eval_exact_match, eval_generated}, [{prompt, reference, answer}, ...]).
+    ({eval_exact_match, eval_generated}, [{prompt, reference, answer}, ...]), decoded as --decode says.
 
     Each process answers its share (accelerate's split_between_processes); the answers are gathered in order.
     """
     unwrapped = accelerator.unwrap_model(model)
+    mode = decode_mode(decode, accelerator.device, accelerator.distributed_type)
+    dtype = compute_dtype(accelerator, unwrapped)
     unwrapped.eval()
     pairs = [generation_prompt(messages) for messages in conversations]
     answers = []
     with accelerator.split_between_processes(list(range(len(pairs)))) as mine:
         for start in range(0, len(mine), batch_size):
             prompts = [pairs[i][0] for i in mine[start : start + batch_size]]
-            answers += list(
-                zip(mine[start : start + batch_size], greedy(unwrapped, tokenizer, prompts, max_new_tokens))
-            )
+            replies = greedy(unwrapped, tokenizer, prompts, max_new_tokens, mode=mode, dtype=dtype)
+            answers += list(zip(mine[start : start + batch_size], replies))
     unwrapped.train()
     answers = sorted(gather_object(answers))  # (index, answer) pairs of every process
     samples = [
@@ -402,20 +419,17 @@ def generate_answers(model, tokenizer, conversations, accelerator, max_new_token
     return {"eval_exact_match": sum(matches) / max(len(matches), 1), "eval_generated": len(matches)}, samples
 
 
-def greedy(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None) -> list[str]:
-    """Greedy answers to conversations that end with a user turn, in one left-padded batch."""
+def greedy(
+    model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None, mode="eager", dtype=None, own=False
+) -> list[str]:
+    """Greedy answers to conversations that end with a user turn, in one left-padded batch, with the model's own
+    generation options; decoded as `mode` (chat_generation.decode_mode) says."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     left_padding = copy.copy(tokenizer)  # a decoder continues from the last position of each row
     left_padding.padding_side = "left"
     inputs = left_padding(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    output = model.generate(
-        **inputs,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        use_cache=True,
-        pad_token_id=tokenizer.pad_token_id,
-        streamer=streamer,
-    )
+    config = greedy_config(model, max_new_tokens, tokenizer.pad_token_id)
+    output = greedy_ids(model, inputs["input_ids"], inputs["attention_mask"], config, mode, dtype, streamer, own)
     return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
@@ -436,30 +450,38 @@ def read_prompts(source) -> list[list[dict]]:
     return prompts
 
 
-def inference_model(args: ChatModelFlags):
-    """(model, tokenizer) of --model (default --output_dir) on the GPU when there is one, in bf16 there."""
+def inference_model(args: ChatModelFlags, decode: str = "eager"):
+    """(model, tokenizer, decoding mode) of --model (default --output_dir) on the GPU when there is one, in bf16 there;
+    an adapter merged into its base when the mode is not eager (the static and compiled paths decode a plain model)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    mode = decode_mode(decode, device)
     model, tokenizer = load_fine_tuned(args.model or args.output_dir, dtype)
-    return model.to(device).eval(), tokenizer
+    if mode != "eager" and isinstance(model, peft.PeftModel):
+        model = model.merge_and_unload()
+    return model.to(device).eval(), tokenizer, mode
 
 
 def predict(args: ChatModelFlags) -> None:
     """--predict: answer prompts greedily with the model in --model (default --output_dir) in this one process and
     print one JSON line per prompt: prompt, answer."""
-    model, tokenizer = inference_model(args)
+    model, tokenizer, mode = inference_model(args, args.decode)
     prompts = read_prompts(args.predict)
+    dtype = next(model.parameters()).dtype
     with torch.no_grad():
         for start in range(0, len(prompts), args.batch_size):
             chunk = prompts[start : start + args.batch_size]
-            for prompt, answer in zip(chunk, greedy(model, tokenizer, chunk, args.max_new_tokens)):
+            answers = greedy(model, tokenizer, chunk, args.max_new_tokens, mode=mode, dtype=dtype, own=True)
+            for prompt, answer in zip(chunk, answers):
                 print(json.dumps({"prompt": prompt[-1]["content"], "answer": answer}, ensure_ascii=False), flush=True)
 
 
 def chat(args: ChatModelFlags) -> None:
-    """--chat: a conversation in the terminal with the model in --model, each answer streamed as it is generated."""
-    model, tokenizer = inference_model(args)
+    """--chat: a conversation in the terminal with the model in --model, each answer streamed as it is generated
+    (eager unless --decode says otherwise: a compiled decode step would hold the first answer for its compilation)."""
+    model, tokenizer, mode = inference_model(args, "eager" if args.decode == "auto" else args.decode)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    dtype = next(model.parameters()).dtype
     messages = []
     print(f"chatting with {args.model or args.output_dir}; an empty line or Ctrl-D ends", file=sys.stderr)
     while True:
@@ -472,7 +494,7 @@ def chat(args: ChatModelFlags) -> None:
         messages.append({"role": "user", "content": line})
         print("model> ", end="", flush=True)
         with torch.no_grad():
-            answer = greedy(model, tokenizer, [messages], args.max_new_tokens, streamer=streamer)[0]
+            answer = greedy(model, tokenizer, [messages], args.max_new_tokens, streamer, mode, dtype, own=True)[0]
         messages.append({"role": "assistant", "content": answer})
 
 

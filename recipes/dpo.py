@@ -406,7 +406,7 @@ def sample_answers(accelerator, model, tokenizer, pairs: list[dict], args, epoch
     if not args.eval_generate:
         return
     conversations = [pair["prompt"] + pair["chosen"][:1] for pair in pairs[: args.eval_generate]]
-    _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8)
+    _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
     write_samples(accelerator, output, epoch, step, samples, tracking)
 
 
@@ -677,7 +677,7 @@ def evaluate_saved_model(args: DpoFlags) -> None:
     evaluation = evaluate(accelerator, model, reference, eval_loader, args, None)
     if args.eval_generate:
         conversations = [p["prompt"] + p["chosen"][:1] for p in splits["validation"][: args.eval_generate]]
-        _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8)
+        _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
         accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation pairs")
     results = dict(

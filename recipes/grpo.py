@@ -20,7 +20,9 @@ or without accumulation, and after a resume.
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
 resume -> loop: roll out, score, update -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
---merge come from the chat recipes' shared layer (chat_model.py). Rewards and the prompt formats are in grpo_rewards.py.
+--merge come from the chat recipes' shared layer (chat_model.py), generation (eager, or a merged copy with a static
+KV cache and a compiled decode step: --decode) from chat_generation.py. Rewards and the prompt formats are in
+grpo_rewards.py.
 
 Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
@@ -30,6 +32,7 @@ from accelerate_recipes.cli import answer_help_from_source
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import chat_generation
 import datasets
 import peft
 import torch
@@ -50,6 +54,7 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
+from chat_generation import Completions, Sampling, splitmix64
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the reference, saving, --chat, --merge
     DEFAULT_MODEL,
     SAMPLES_KEPT,
@@ -72,7 +77,7 @@ from chat_model import token_logprobs as target_logprobs
 from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
 from sft_plan import numel
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, get_scheduler
+from transformers import get_scheduler
 
 from accelerate_recipes import (
     BestModel,
@@ -157,6 +162,11 @@ class GrpoFlags(ChatModelFlags):
             each completion's token mean over the global batch) or dr_grpo (sum of token losses / (completions x
             --max_new_tokens)).
         mask_truncated: leave completions that hit --max_new_tokens out of the loss.
+        update_rows: completions per forward and backward pass of the update; a process's micro-batch (its prompts x
+            --num_generations) is split into passes of at most this many, their gradients summed before the
+            all-reduce: the same update in a fraction of the activation memory (--gradient_checkpointing cuts it
+            further, recomputing instead). 0 (the default): the whole micro-batch at once. Not under DeepSpeed,
+            whose engine counts every backward pass as a micro-step: use --gradient_accumulation_steps there.
         lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the ratio of an on-policy step is 1.
         gather_for_generation: under FSDP2 or ZeRO-3, gather the whole model once per generation (each GPU then
             holds the full weights while it generates); false: gather block by block at every generated token, as
@@ -201,6 +211,7 @@ class GrpoFlags(ChatModelFlags):
     scale_rewards: str = "group"
     loss_type: str = "dapo"
     mask_truncated: bool = False
+    update_rows: int = 0
     lora_dropout: float = 0.0
     gather_for_generation: bool = True
     warmup_ratio: float = 0.0
@@ -227,6 +238,8 @@ def check_flags(args: GrpoFlags) -> None:
         raise RecipeError("--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1")
     if args.top_k < 0 or not 0 <= args.min_p < 1 or args.repetition_penalty <= 0 or args.eval_num_samples < 0:
         raise RecipeError("--top_k and --eval_num_samples must be >= 0, 0 <= --min_p < 1, --repetition_penalty > 0")
+    if args.update_rows < 0:
+        raise RecipeError(f"--update_rows {args.update_rows}: give the completions per update pass, or 0 for all")
     every = args.checkpoint_every
     if every and every % args.num_iterations:  # checkpoints between batches of rollouts, which a resume samples again
         args.checkpoint_every = -(-every // args.num_iterations) * args.num_iterations
@@ -266,184 +279,11 @@ def reward_columns(rows: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------- rollouts
-def _signed(value: int) -> int:
-    """A 64-bit constant as the int64 that has its bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-GOLDEN, MIX_1, MIX_2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    return (x >> bits) & ((1 << (64 - bits)) - 1)  # logical: torch's >> on int64 copies the sign bit
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser (Steele, Lea and Flood, 2014) on int64 tensors, whose arithmetic wraps."""
-    x = x + GOLDEN
-    x = (x ^ _shift_right(x, 30)) * MIX_1
-    x = (x ^ _shift_right(x, 27)) * MIX_2
-    return x ^ _shift_right(x, 31)
-
-
-def hashed_uniform(keys: torch.Tensor, position: int) -> torch.Tensor:
-    """One uniform number in (0, 1) per row, from a counter-based hash of (row key, position): the same number for
-    the same row wherever and in whatever batch it is generated."""
-    bits = _shift_right(splitmix64(splitmix64(keys) + position), 40)  # 24 random bits
-    return (bits.float() + 0.5) / 2**24
-
-
-class KeyedSampling(LogitsProcessor):
-    """Sampling through greedy decoding: each row draws its token from the softmax of logits / temperature by the
-    inverse of its cumulative distribution at a uniform number that comes from the row's key and the token's position
-    within the completion (never the padded prompt's width, which depends on the other prompts of the batch), not
-    from the global RNG; the returned scores put the drawn token first (0) and every other at -inf.
-
-    Before the draw, optionally: --repetition_penalty on the tokens the completion has already written (not the
-    prompt's), then --top_k, --top_p and --min_p restrict the tokens drawn from."""
-
-    def __init__(self, keys: torch.Tensor, prompt_width: int, args):
-        self.keys, self.prompt_width, self.temperature = keys, prompt_width, args.temperature
-        self.top_p, self.top_k, self.min_p = args.top_p, args.top_k, args.min_p
-        self.repetition_penalty = args.repetition_penalty
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float()
-        written = input_ids[:, self.prompt_width :]
-        if self.repetition_penalty != 1.0 and written.shape[1]:
-            seen = scores.gather(-1, written)  # CTRL's penalty, as transformers applies it, on the completion only
-            penalised = torch.where(seen > 0, seen / self.repetition_penalty, seen * self.repetition_penalty)
-            scores = scores.scatter(-1, written, penalised)
-        scores = scores / self.temperature
-        if self.top_k and self.top_k < scores.shape[-1]:
-            kth = scores.topk(self.top_k, dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if self.top_p < 1.0:
-            ordered, order = scores.sort(dim=-1, descending=True)
-            probabilities = ordered.softmax(dim=-1)
-            above = probabilities.cumsum(dim=-1) - probabilities  # the mass of the likelier tokens
-            outside = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, above > self.top_p)
-            scores = scores.masked_fill(outside, -math.inf)
-        if self.min_p:
-            probabilities = scores.softmax(dim=-1)
-            floor = self.min_p * probabilities.max(dim=-1, keepdim=True).values
-            scores = scores.masked_fill(probabilities < floor, -math.inf)
-        cumulative = scores.softmax(dim=-1).cumsum(dim=-1)
-        # scaled by the row's total so that float rounding of the sum never leaves a draw past the last token
-        position = input_ids.shape[1] - self.prompt_width  # 0 for the completion's first token
-        target = hashed_uniform(self.keys, position)[:, None] * cumulative[:, -1:]
-        drawn = torch.searchsorted(cumulative, target).clamp(max=scores.shape[-1] - 1)
-        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
-
-
 def sampling_keys(seed: int, epoch: int, prompt_index: torch.Tensor, generations: int) -> torch.Tensor:
     """One int64 key per completion: (seed, epoch, prompt, completion number), prompt-major as the rows are."""
     run = splitmix64(torch.tensor([seed * 1_000_003 + epoch], dtype=torch.int64))
     rows = prompt_index.to(torch.int64)[:, None] * 4099 + torch.arange(generations, device=prompt_index.device)
     return splitmix64(rows.reshape(-1) + run.to(prompt_index.device))  # per (seed, epoch, prompt, completion)
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """Every token that ends a turn: the generation config's (Qwen's <|im_end|>, Llama 3's <|eot_id|>) and the
-    tokenizer's eos."""
-    configured = model.generation_config.eos_token_id
-    ids = configured if isinstance(configured, list) else [configured]
-    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
-
-
-@contextlib.contextmanager
-def whole_weights_for_generation(accelerator, model, gather_once: bool = True):
-    """Generation with the weights gathered once, not once per token: under FSDP2 every shard unit is unsharded and
-    kept so until generation ends; under DeepSpeed ZeRO-3 the parameters are gathered for its duration. Each process
-    then holds the whole model while it generates (the memory cost of sharded generation). gather_once=False leaves
-    the blocks to gather at each forward pass, as in training: only FSDP2's root unit (embeddings, head) stays whole."""
-    unwrapped = accelerator.unwrap_model(model)
-    if accelerator.distributed_type == DistributedType.FSDP:
-        from torch.distributed.fsdp import FSDPModule
-
-        # One forward pass through the root first: peft's generate enters below it, and FSDP2 must have set up the
-        # root (lazily, at its first forward) before any inner unit runs.
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=accelerator.device))
-        units = [m for m in unwrapped.modules() if isinstance(m, FSDPModule)]
-        if not gather_once:
-            # peft's generate calls the model below the root, whose forward hook would have gathered the root's own
-            # weights: those are gathered here; each block gathers its own in its forward pass, as in training.
-            units = [unwrapped] if isinstance(unwrapped, FSDPModule) else []
-        for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
-        try:
-            yield unwrapped
-        finally:
-            for unit in units:
-                unit.reshard()
-                unit.set_reshard_after_forward(True, recurse=False)
-    elif (
-        gather_once
-        and accelerator.distributed_type == DistributedType.DEEPSPEED
-        and getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
-    ):
-        import deepspeed
-
-        # With the weights gathered, DeepSpeed's per-module hooks would still run their bookkeeping at every layer of
-        # every token (most of generation's time on the CPU): they are taken off for the duration and put back.
-        optimizer = getattr(model, "optimizer", None)
-        offload = getattr(optimizer, "parameter_offload", optimizer)
-        detach_hooks = hasattr(offload, "forward_hooks")
-        with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-            if detach_hooks:
-                for hook in offload.forward_hooks + offload.backward_hooks:
-                    hook.remove()
-                offload.forward_hooks, offload.backward_hooks = [], []
-            try:
-                yield unwrapped
-            finally:
-                if detach_hooks:
-                    offload._register_deepspeed_module(offload.module)
-    else:
-        yield unwrapped
-
-
-@contextlib.contextmanager
-def generation_options_of_our_own(policy, max_new_tokens: int, pad: int, stop: list[int]):
-    """Greedy decoding with the KV cache and nothing else, whatever the model's own generation_config holds:
-    transformers fills every option a GenerationConfig leaves unset from the model's (Qwen2.5-Instruct's repetition
-    penalty, n-gram bans, suppressed tokens), and rollouts would then follow a policy other than the one whose
-    log-probabilities the update uses. For the duration, the model's own is replaced by ours, whose unset options
-    fall back to transformers' neutral defaults. Sampling, when asked for, is KeyedSampling's alone."""
-    inner = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        num_beams=1,
-        use_cache=True,
-        pad_token_id=pad,
-        eos_token_id=stop,
-        repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-    )
-    own = inner.generation_config
-    inner.generation_config = config
-    try:
-        yield config
-    finally:
-        inner.generation_config = own
-
-
-@dataclass
-class Completions:
-    """Left-padded prompts and their completions, as generate returns them (one row per completion)."""
-
-    prompt: torch.Tensor  # token ids, [rows, prompt width], left-padded
-    prompt_mask: torch.Tensor  # 1 on the prompt's tokens, 0 on its padding
-    completion: torch.Tensor  # token ids, [rows, completion width]
-    mask: torch.Tensor  # 1 up to and with the token that ended the completion
-    truncated: torch.Tensor  # bool per row: no end of turn within --max_new_tokens
-
-    def texts(self, tokenizer) -> list[str]:
-        ids = (self.completion * self.mask).tolist()
-        lengths = self.mask.sum(dim=1).tolist()
-        return tokenizer.batch_decode([row[:n] for row, n in zip(ids, lengths)], skip_special_tokens=True)
 
 
 @dataclass
@@ -464,39 +304,41 @@ class Rollout(Completions):
     old_logprobs: torch.Tensor | None = None  # the sampling policy's, when --num_iterations > 1
     reference_logprobs: torch.Tensor | None = None  # the reference's, with --beta
 
+    def parts(self, rows: int) -> list["Rollout"]:
+        """The micro-batch as passes of at most `rows` rows for the update (--update_rows; 0: one pass): each part
+        keeps its rows' tensors and the micro-batch's normaliser, so the parts' losses add up to the whole's."""
+        total = len(self.completion)
+        if not rows or rows >= total:
+            return [self]
+        per_row = ("prompt", "prompt_mask", "completion", "mask", "truncated", "loss_mask", "advantages")
+        per_row += ("old_logprobs", "reference_logprobs")
+        return [
+            dataclasses.replace(
+                self,
+                **{
+                    name: getattr(self, name)[start : start + rows]
+                    for name in per_row
+                    if getattr(self, name) is not None
+                },
+            )
+            for start in range(0, total, rows)
+        ]
 
-@torch.no_grad()
+
 def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> Completions:
-    """Completions of left-padded prompts through `generate` with the KV cache: sampled with keyed noise when `keys`
-    are given (one per row), else greedy. Returns the rows' prompt and completion ids, masks, and which were cut."""
-    width = max(map(len, prompt_ids))
-    pad = tokenizer.pad_token_id
-    device = accelerator.device
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
-    stop = eos_ids(accelerator.unwrap_model(model), tokenizer)
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    with (
-        whole_weights_for_generation(accelerator, model, args.gather_for_generation) as policy,
-        generation_options_of_our_own(policy, args.max_new_tokens, pad, stop) as config,
-    ):
-        was_training = policy.training
-        policy.eval()
-        output = policy.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            logits_processor=LogitsProcessorList([KeyedSampling(keys, width, args)]) if keys is not None else None,
-            # sharded: every process keeps stepping until all are done, as their forward passes are collective
-            synced_gpus=sharded and accelerator.num_processes > 1,
-        )
-        policy.train(was_training)
-    completion = output[:, width:]
-    is_stop = torch.isin(completion, torch.tensor(stop, device=device))
-    ended = is_stop.any(dim=1)
-    first_stop = torch.where(ended, is_stop.int().argmax(dim=1), completion.shape[1])
-    mask = (torch.arange(completion.shape[1], device=device)[None] <= first_stop[:, None]).long()
-    return Completions(input_ids, attention_mask, completion, mask, truncated=~ended)
+    """Completions of the prompts as --decode says (chat_generation.py): sampled with keyed draws (one key per row) at
+    --temperature and the sampling flags when `keys` are given, else greedy."""
+    return chat_generation.generate(
+        accelerator,
+        model,
+        tokenizer,
+        prompt_ids,
+        args.max_new_tokens,
+        args.decode,
+        keys,
+        Sampling.of(args),
+        args.gather_for_generation,
+    )
 
 
 def roll_out(accelerator, model, tokenizer, rows: list[dict], indices: torch.Tensor, epoch: int, args) -> Rollout:
@@ -760,6 +602,11 @@ def train(args: GrpoFlags) -> None:
     )
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
     rows = per_process * args.num_generations  # a micro-batch's completions; evaluation answers as many at once
+    if 0 < args.update_rows < rows and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise RecipeError(
+            f"--update_rows {args.update_rows} splits each micro-batch's update into several backward passes, which "
+            "DeepSpeed's engine counts as micro-steps; under DeepSpeed raise --gradient_accumulation_steps instead"
+        )
     set_seed(args.seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
@@ -791,6 +638,8 @@ def train(args: GrpoFlags) -> None:
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
     config = run_config("grpo", args, accelerator, **settings(args, model_name, lr, model, rewards, train_rows))
+    decoding = chat_generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type)
+    config.update(decode_mode=decoding)  # what --decode chose on this device
     config.update(validation_size=len(validation_rows), per_process_batch_size=per_process, epochs=num_epochs)
     config.update(warmup_steps=warmup_steps, total_steps=total_steps)
 
@@ -858,12 +707,21 @@ def train(args: GrpoFlags) -> None:
             state.batches_done += 1
             speed.update_started()
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
-                logprobs = token_logprobs(model, rollout, args.temperature)
-                loss, clip_fraction, kl = policy_loss(logprobs, rollout, args, rollout.reference_logprobs)
-                # This micro-batch's share of the global batch's loss; x world x accumulation undoes the means that
-                # DDP and accelerator.backward take, so the gradient is that of the global batch's loss.
-                loss = loss * world * accumulation
-                accelerator.backward(loss)
+                parts = rollout.parts(args.update_rows)  # passes of at most --update_rows rows; one by default
+                loss, clip_fraction, kl = 0.0, 0.0, 0.0
+                for i, part in enumerate(parts):
+                    # the gradients of every pass but the last stay local: one all-reduce per micro-step, as ever
+                    later = i < len(parts) - 1 and accelerator.sync_gradients
+                    with accelerator.no_sync(model) if later else contextlib.nullcontext():
+                        logprobs = token_logprobs(model, part, args.temperature)
+                        part_loss, part_clip, part_kl = policy_loss(logprobs, part, args, part.reference_logprobs)
+                        # This pass's share of the global batch's loss; x world x accumulation undoes the means that
+                        # DDP and accelerator.backward take, so the gradient is that of the global batch's loss.
+                        part_loss = part_loss * world * accumulation
+                        accelerator.backward(part_loss)
+                    share = part.loss_mask.sum() / rollout.loss_mask.sum().clamp(min=1)  # the token means, combined
+                    loss = loss + part_loss.detach()
+                    clip_fraction, kl = clip_fraction + part_clip * share, kl + part_kl * share
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
                     # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
@@ -871,7 +729,7 @@ def train(args: GrpoFlags) -> None:
                     if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            on_device = dict(loss=loss.detach(), clip_fraction=clip_fraction, kl=kl)
+            on_device = dict(loss=loss, clip_fraction=clip_fraction, kl=kl)
             state.add(in_order(figures, on_device, rollout.figures), samples=len(rollout.indices))
             speed.trained(rollout.tokens)
             if not accelerator.sync_gradients:
@@ -999,40 +857,55 @@ def in_order(names: tuple[str, ...], on_device: dict, on_host: dict) -> torch.Te
 
 
 class Throughput:
-    """Tokens per second of generation and of the updates, apart, for the whole run (every process's tokens over the
-    main process's time): completion tokens over the time in generate, and prompt + completion tokens over the time
-    from an optimizer step's first forward pass to its end. The end waits for the device once per step, which costs
-    nothing here: the next rollouts' generation waits for it anyway."""
+    """Tokens per second of generation and of the updates, apart (every process's tokens over the main process's
+    time): completion tokens over the time in generate, and prompt + completion tokens over the time from an optimizer
+    step's first forward pass to its end. The first optimizer step of a run is the warm-up, reported apart in seconds:
+    it compiles the decode step (--decode compiled) and fills the allocator's caches; the rates are those of the steps
+    after it (of the first when there is no other). The end waits for the device once per step, which costs nothing
+    here: the next rollouts' generation waits for it anyway."""
 
     def __init__(self, accelerator):
         self.accelerator, self.device = accelerator, accelerator.device
-        self.generated_tokens, self.generation_seconds, self.trained_tokens, self.train_seconds = 0, 0.0, 0, 0.0
+        self.generation = [0, 0.0, 0, 0.0]  # tokens and seconds of the first step, then of the others
+        self.update = [0, 0.0, 0, 0.0]
         self.update_start: float | None = None
+        self.pending_tokens = 0
+
+    @staticmethod
+    def _add(figures: list, tokens: int, seconds: float) -> None:
+        first = figures[1] == 0.0
+        figures[0 if first else 2] += tokens
+        figures[1 if first else 3] += seconds
 
     def generated(self, tokens: int, seconds: float) -> None:
-        self.generated_tokens += tokens
-        self.generation_seconds += seconds
+        self._add(self.generation, tokens, max(seconds, 1e-9))
 
     def update_started(self) -> None:
         if self.update_start is None:
             self.update_start = time.perf_counter()
 
     def trained(self, tokens: int) -> None:
-        self.trained_tokens += tokens
+        self.pending_tokens += tokens
 
     def update_ended(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.train_seconds += time.perf_counter() - self.update_start
-        self.update_start = None
+        self._add(self.update, self.pending_tokens, max(time.perf_counter() - self.update_start, 1e-9))
+        self.update_start, self.pending_tokens = None, 0
 
     def rates(self) -> dict:
         """Collective: the token counts are summed over the processes."""
-        counts = torch.tensor([self.generated_tokens, self.trained_tokens], dtype=torch.float64, device=self.device)
-        generated, trained = self.accelerator.reduce(counts, reduction="sum").tolist()
+        counts = torch.tensor(self.generation[::2] + self.update[::2], dtype=torch.float64, device=self.device)
+        first_generated, generated, first_trained, trained = self.accelerator.reduce(counts, "sum").tolist()
+
+        def steady(first_tokens, tokens, figures):
+            return tokens / figures[3] if figures[3] else first_tokens / max(figures[1], 1e-9)
+
         return {
-            "generation_tokens_per_second": generated / max(self.generation_seconds, 1e-9),
-            "train_tokens_per_second": trained / max(self.train_seconds, 1e-9),
+            "generation_tokens_per_second": steady(first_generated, generated, self.generation),
+            "train_tokens_per_second": steady(first_trained, trained, self.update),
+            "first_step_generation_seconds": self.generation[1],  # the decode step's compilation included
+            "first_step_update_seconds": self.update[1],
         }
 
 
@@ -1061,7 +934,8 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
     keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "eval_sampled_reward"]
     keys += ["eval_pass_at_1", "eval_pass_at_k", "best_metric", "best_step"]
-    keys += ["generation_tokens_per_second", "train_tokens_per_second", "peak_memory_mb", "wall_seconds"]
+    keys += ["decode_mode", "generation_tokens_per_second", "train_tokens_per_second", "first_step_generation_seconds"]
+    keys += ["peak_memory_mb", "wall_seconds"]
     print_summary(results, keys, title="GRPO: summary")
     what = "adapter" if results["method"] == "lora" else "model"
     print(

@@ -531,7 +531,7 @@ def train(args: SftFlags) -> None:
         if args.eval_generate:
             conversations = raw["validation"]["messages"][: args.eval_generate]
             scores, samples = generate_answers(
-                model, tokenizer, conversations, accelerator, args.max_new_tokens, per_process
+                model, tokenizer, conversations, accelerator, args.max_new_tokens, per_process, args.decode
             )
             state.last_eval.update(scores)
             write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
@@ -590,7 +590,8 @@ def evaluate_saved_model(args: SftFlags) -> None:
     evaluation = evaluate(model, eval_loader, accelerator)
     if args.eval_generate:
         conversations = raw["validation"]["messages"][: args.eval_generate]
-        scores, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8)
+        answering = (model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
+        scores, samples = generate_answers(*answering)
         evaluation.update(scores)
         accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation conversations")

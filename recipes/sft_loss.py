@@ -21,10 +21,18 @@ a sharded weight. DeepSpeed ZeRO-3 gathers a weight only inside its module's own
 that is not a plain linear layer (LoRA on it), the layer is still called per chunk, each chunk made again in the
 backward pass.
 
+The same forward pass, given `logprob_targets` (the last tokens of each row) instead, returns those tokens'
+log-probabilities at a temperature (GRPO's policy and reference, DPO's sequence scores) from the same chunks: no
+[rows, tokens, vocabulary] fp32 tensor there either. Their gradient depends on a loss the forward pass does not know,
+so the backward pass makes each chunk's logits again from the hidden states and the weight it kept (accelerate's
+FSDP2 keeps the unit that holds the output layer, the root or a tail unit of final norm and output layer, gathered
+from the forward pass to the end of the backward pass; the layer itself is not called again, so no hook runs twice).
+
 The chunk size is the module's CHUNK_LOGITS, read at each call (tests set it lower to get several chunks). Everything
-else (generation, --predict, a forward pass without labels) goes through the model's own forward.
+else (generation, --predict, a forward pass without labels or targets) goes through the model's own forward.
 """
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +54,13 @@ class AnswerLossOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     token_losses: torch.Tensor | None = None
+
+
+@dataclass
+class TokenLogprobsOutput(ModelOutput):
+    """What the forward pass returns with `logprob_targets`: each target token's log-probability, [rows, targets]."""
+
+    logprobs: torch.Tensor | None = None
 
 
 def target_index(labels: torch.Tensor) -> torch.Tensor:
@@ -164,6 +179,87 @@ def answer_token_losses(
     return _LinearCrossEntropy.apply(*inputs)
 
 
+def _chunk_logits(chunk, weight, bias, dtype, temperature: float) -> torch.Tensor:
+    return F.linear(chunk.to(dtype), weight, bias).float() / temperature
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """Each target's log-probability under the output layer's logits / temperature, a chunk of rows at a time; the
+    backward pass makes each chunk's logits again (from the kept hidden states and weight) for its gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, dtype, rows, temperature):
+        logprobs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        log_totals = torch.empty_like(logprobs)
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are chosen here
+            weight_c, bias_c = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for start in range(0, len(targets), rows):
+                logits = _chunk_logits(hidden[start : start + rows], weight_c, bias_c, dtype, temperature)
+                log_totals[start : start + rows] = logits.logsumexp(dim=-1)
+                picked = logits.gather(1, targets[start : start + rows, None]).squeeze(1)
+                logprobs[start : start + rows] = picked - log_totals[start : start + rows]
+        ctx.save_for_backward(hidden, weight, bias, targets, log_totals)
+        ctx.dtype, ctx.rows, ctx.temperature = dtype, rows, temperature
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs):
+        hidden, weight, bias, targets, log_totals = ctx.saved_tensors
+        hidden_grad, weight_grad, bias_grad = ctx.needs_input_grad[:3]
+        dtype, rows, temperature = ctx.dtype, ctx.rows, ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if hidden_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias_grad else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight_c, bias_c = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for start in range(0, len(targets), rows):
+                chunk = hidden[start : start + rows]
+                logits = _chunk_logits(chunk, weight_c, bias_c, dtype, temperature)
+                grad = grad_logprobs[start : start + rows, None].float()
+                # d log p(target) / d logits = (one-hot(target) - softmax) / temperature
+                grad_logits = logits.sub_(log_totals[start : start + rows, None]).exp_().mul_(-grad)
+                grad_logits.scatter_add_(1, targets[start : start + rows, None], grad)
+                grad_logits = grad_logits.div_(temperature).to(dtype)
+                if hidden_grad:
+                    grad_hidden[start : start + rows] = grad_logits @ weight_c
+                if weight_grad:
+                    grad_weight += grad_logits.t() @ chunk.to(dtype)
+                if bias_grad:
+                    grad_bias += grad_logits.sum(dim=0)
+        grad_weight = grad_weight.to(weight.dtype) if weight_grad else None
+        grad_bias = grad_bias.to(bias.dtype) if bias_grad else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _chunk_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = output_layer(hidden).float() / temperature
+    return logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+
+
+def target_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The log-probabilities of `targets` [rows, n], the tokens after the last n positions of `hidden` [rows, width,
+    h], under the output layer's logits / temperature: fp32, [rows, n], at most one chunk of fp32 logits at a time."""
+    rows_, width = targets.shape
+    picked = hidden[:, -width - 1 : -1].reshape(-1, hidden.shape[-1])
+    flat = targets.reshape(-1)
+    weight = output_layer.weight
+    partitioned = hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3: an empty tensor outside the layer's own call
+    rows = max(1, CHUNK_LOGITS // (weight.ds_shape[0] if partitioned else weight.shape[0]))
+    if partitioned or not isinstance(output_layer, torch.nn.Linear):
+        chunks = []
+        for start in range(0, len(flat), rows):
+            chunk = (output_layer, picked[start : start + rows], flat[start : start + rows], temperature)
+            if torch.is_grad_enabled():
+                chunks.append(checkpoint(_chunk_logprobs, *chunk, use_reentrant=False))
+            else:
+                chunks.append(_chunk_logprobs(*chunk))
+        return torch.cat(chunks).reshape(rows_, width)
+    output_layer(picked[:0])  # the layer's own call, on no rows: FSDP2's group hooks close the pass (see above)
+    weight = output_layer.weight
+    inputs = (picked, weight, output_layer.bias, flat, _compute_dtype(picked, weight), rows, temperature)
+    return _LinearLogprobs.apply(*inputs).reshape(rows_, width)
+
+
 # Model types whose causal LM computes its logits as the output layer's plain product of the decoder's last hidden
 # states (transformers 5): the loss here then equals theirs. Others (Gemma 2's soft-capping, Cohere's scale, ...)
 # keep their own forward pass, and the loss is taken from their logits at the answer positions.
@@ -172,30 +268,42 @@ PLAIN_LOGITS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma"
 
 def use_answer_loss(model) -> bool:
     """Swap the causal LM's forward pass (under a peft adapter, its base model's) for one that, given labels and
-    `target_index`, returns the answer tokens' losses (AnswerLossOutput); without them it is the model's own. True
-    when the logits are computed for the answer positions only (a model type in PLAIN_LOGITS)."""
+    `target_index`, returns the answer tokens' losses (AnswerLossOutput), or given `logprob_targets` (and a
+    `temperature`) those tokens' log-probabilities (TokenLogprobsOutput); without them it is the model's own. True
+    when the logits are computed for the chosen positions only (a model type in PLAIN_LOGITS). A copy of the model
+    (copy.deepcopy: a reference policy) runs its own weights: the swapped forward is a method of the model."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    plain = causal_lm.config.model_type in PLAIN_LOGITS
-    own_forward = causal_lm.forward
-    decoder, output_layer = causal_lm.get_decoder(), causal_lm.get_output_embeddings()
+    if not hasattr(causal_lm, "own_forward"):
+        causal_lm.own_forward = causal_lm.forward
+        causal_lm.forward = types.MethodType(_chunked_forward, causal_lm)
+    return causal_lm.config.model_type in PLAIN_LOGITS
 
-    def forward(*args, labels=None, target_index=None, num_items_in_batch=None, **kwargs):
-        if labels is None or target_index is None:
-            return own_forward(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
-        for unused in ("output_attentions", "output_hidden_states", "return_dict", "logits_to_keep"):
-            kwargs.pop(unused, None)  # peft passes them on; the decoder's defaults are the ones meant
+
+def _chunked_forward(
+    self, *args, labels=None, target_index=None, num_items_in_batch=None, logprob_targets=None, temperature=1.0, **kw
+):
+    """use_answer_loss's forward pass of a causal LM (`self`)."""
+    if logprob_targets is None and (labels is None or target_index is None):
+        return self.own_forward(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kw)
+    for unused in ("output_attentions", "output_hidden_states", "return_dict", "logits_to_keep"):
+        kw.pop(unused, None)  # peft passes them on; the decoder's defaults are the ones meant
+    plain = self.config.model_type in PLAIN_LOGITS
+    if logprob_targets is not None:
         if plain:
-            hidden = decoder(*args, **kwargs).last_hidden_state
-            summed, token_losses = answer_token_losses(output_layer, hidden, labels, target_index)
+            hidden = self.get_decoder()(*args, **kw).last_hidden_state
+            logprobs = target_logprobs(self.get_output_embeddings(), hidden, logprob_targets, temperature)
         else:
-            logits = own_forward(*args, **kwargs).logits
-            picked = logits.reshape(-1, logits.shape[-1]).index_select(0, target_index).float()
-            token_losses = F.cross_entropy(
-                picked, labels.reshape(-1).index_select(0, target_index + 1), reduction="none"
-            )
-            summed, token_losses = token_losses.sum(), token_losses.detach()
-        count = max(len(target_index), 1) if num_items_in_batch is None else num_items_in_batch
-        return AnswerLossOutput(loss=summed / count, token_losses=token_losses)
-
-    causal_lm.forward = forward
-    return plain
+            logits = self.own_forward(*args, logits_to_keep=logprob_targets.shape[1] + 1, **kw).logits
+            logits = logits[:, :-1].float() / temperature
+            logprobs = logits.log_softmax(dim=-1).gather(-1, logprob_targets[..., None]).squeeze(-1)
+        return TokenLogprobsOutput(logprobs=logprobs)
+    if plain:
+        hidden = self.get_decoder()(*args, **kw).last_hidden_state
+        summed, token_losses = answer_token_losses(self.get_output_embeddings(), hidden, labels, target_index)
+    else:
+        logits = self.own_forward(*args, **kw).logits
+        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, target_index).float()
+        token_losses = F.cross_entropy(picked, labels.reshape(-1).index_select(0, target_index + 1), reduction="none")
+        summed, token_losses = token_losses.sum(), token_losses.detach()
+    count = max(len(target_index), 1) if num_items_in_batch is None else num_items_in_batch
+    return AnswerLossOutput(loss=summed / count, token_losses=token_losses)

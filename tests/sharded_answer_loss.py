@@ -4,9 +4,11 @@ Started by tests/test_sft_sharded.py with fsdp.yaml on 1 or 2 CPU processes (the
 config's settings, as the recipes build it on the CPU), with a model folder of tests/sft_fixtures.py whose output
 layer is tied to the embeddings. For a LoRA adapter and for a full fine-tune, each with gradient checkpointing, each
 process takes a micro-batch of its own, small enough chunks (sft_loss.CHUNK_LOGITS) for several per micro-batch, and
-runs: a training pass, an evaluation pass without gradients, and a training pass again. Beside it, an unsharded copy
-of the model takes transformers' own loss on the same micro-batch; its gradients are averaged over the processes, as
-FSDP2 averages the sharded ones. Each process saves what both gave to OUTPUT_DIR/rank<N>.pt for the test to compare.
+runs: a training pass, an evaluation pass without gradients, and a training pass again; then the token
+log-probabilities of the chat recipes' updates (chat_model.token_logprobs) with their gradients. Beside it, an
+unsharded copy of the model takes transformers' own loss and logits on the same micro-batch; its gradients are
+averaged over the processes, as FSDP2 averages the sharded ones. Each process saves what both gave to
+OUTPUT_DIR/rank<N>.pt for the test to compare.
 """
 
 import argparse
@@ -23,6 +25,7 @@ from accelerate import Accelerator
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO / "benchmarks")]  # the chat recipe's modules; the fixtures' assets
 
+import chat_model  # noqa: E402
 import sft_loss  # noqa: E402
 from sft_data import assistant_turn_end, collator, ensure_pad_token, tokenize_conversation  # noqa: E402
 from sft_fixtures import chat_examples  # noqa: E402
@@ -32,6 +35,7 @@ from accelerate_recipes.sharding import setup_fsdp, shard_on_cpu  # noqa: E402
 
 CONVERSATIONS = 4  # per micro-batch: the ones with the most answer tokens of a generated set
 CHUNK_ROWS = 4  # answer positions per chunk of logits
+LOGPROB_TOKENS, TEMPERATURE = 8, 0.7  # the tokens at the end of each row whose log-probabilities are compared
 
 
 def micro_batch(tokenizer, seed: int) -> dict:
@@ -104,6 +108,22 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
         if run == "first":
             with torch.no_grad():
                 result["token_losses"] = sharded(**batch).token_losses
+
+    # The last LOGPROB_TOKENS tokens' log-probabilities at a temperature (GRPO's and DPO's), and the gradients of a
+    # weighted sum of them: in chunks through the sharded model, from the full logits of the unsharded one.
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    targets = batch["input_ids"][:, -LOGPROB_TOKENS:]
+    weights = torch.linspace(-1, 1, targets.numel()).reshape(targets.shape)
+    reference.zero_grad(set_to_none=True)
+    logits = reference(**inputs).logits[:, -LOGPROB_TOKENS - 1 : -1].float() / TEMPERATURE
+    expected = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    (expected * weights).sum().backward()
+    result["expected_logprobs"] = expected.detach()
+    result["expected_logprob_gradients"] = averaged(gradients(reference), accelerator.num_processes)
+    optimizer.zero_grad(set_to_none=True)
+    logprobs = chat_model.token_logprobs(sharded, **inputs, targets=targets, temperature=TEMPERATURE)
+    accelerator.backward((logprobs * weights).sum())
+    result["logprobs"], result["logprob_gradients"] = logprobs.detach(), gradients(sharded)
     return result
 
 

@@ -224,11 +224,28 @@ def test_sft_compares_the_recipe_with_trl_on_the_same_inputs_and_device(smoke):
     assert f"| sft | pass | {sft['wall_seconds']} | vs_trl: {{lora: {{ours_over_trl: " in table
 
 
-def test_grpo_reports_generation_and_update_speed_apart(smoke):
+def test_grpo_reports_generation_and_update_speed_apart_beside_trls_grpo_trainer(smoke):
+    """The recipe's run, then TRL's GRPOTrainer on the same model, prompts and sizes; their figures side by side."""
     grpo = next(r for r in smoke["report"]["steps"] if r["step"] == "grpo")
-    assert grpo["status"] == "pass" and list(grpo["figures"]) == ["lora"], grpo
-    (command,) = grpo["commands"]
+    assert grpo["status"] == "pass" and list(grpo["figures"]) == ["vs_trl", "lora", "trl-lora"], grpo
+    command, trl_command = grpo["commands"]
     assert "recipes/grpo.py" in command and "--lora_r 16" in command and "--reward number" in command
+    assert "grpo_bench.py trl" in trl_command and "--device cpu" in trl_command
+    for flag in ("--batch_size 2", "--num_generations 2", "--max_new_tokens 8", "--max_steps 2", "--lora_r 16"):
+        assert flag in command and flag in trl_command, flag
+    trl, compared = grpo["figures"]["trl-lora"], grpo["figures"]["vs_trl"]
+    assert trl["trainer"].startswith("trl.GRPOTrainer") and trl["steps"] == 2
+    assert trl["generation_tokens_per_second"] > 0 and trl["median_step_seconds"] > 0 and trl["peak_memory_mb"] > 0
+    ours = grpo["figures"]["lora"]
+    assert compared["ours_over_trl_generation"] == round(
+        ours["generation_tokens_per_second"] / trl["generation_tokens_per_second"], 3
+    )
+    assert compared["trl_over_ours_step"] == round(trl["median_step_seconds"] / ours["median_step_seconds"], 3)
+    assert compared["peak_memory_mb"] == {
+        "ours": round(ours["peak_memory_mb"], 3),
+        "trl": round(trl["peak_memory_mb"], 3),
+    }
+    assert ours["decode_mode"] == "eager" and ours["first_step_generation_seconds"] > 0  # auto, on a CPU
     figures = grpo["figures"]["lora"]
     assert (figures["method"], figures["steps"], figures["num_generations"], figures["max_new_tokens"]) == (
         "lora",

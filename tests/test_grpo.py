@@ -55,12 +55,15 @@ def launcher(config: str) -> list:
 
 @pytest.fixture(scope="module")
 def grpo_accumulated(grpo_data):
-    return grpo(grpo_data, "accumulated", "--gradient_accumulation_steps", "2")[1]
+    """2 accumulation micro-steps of 16 completions, each updated in passes of 6, 6 and 4 (--update_rows)."""
+    return grpo(grpo_data, "accumulated", "--gradient_accumulation_steps", "2", "--update_rows", "6")[1]
 
 
 @pytest.fixture(scope="module")
 def grpo_ddp(grpo_data):
-    return grpo(grpo_data, "ddp", launcher=launcher("cpu.yaml"))[1]
+    """2 processes under DDP, generating with --decode static (a merged copy, a static KV cache) where the others take
+    the CPU's default, eager."""
+    return grpo(grpo_data, "ddp", "--decode", "static", launcher=launcher("cpu.yaml"))[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,8 @@ def grpo_fsdp_two_nodes(grpo_data):
     multinode = [PYTHON, "-m", "recipe_tools.multinode", "--hostfile", hosts, "--config_file", CONFIGS / "fsdp.yaml"]
     multinode += ["--main_process_port", free_port(), "--launch_args"]
     multinode += ["--num_cpu_threads_per_process 1 --mixed_precision no"]
-    proc, out = grpo(grpo_data, "fsdp-two-nodes", launcher=multinode)
+    # each process's 16 completions updated in passes of at most 5: the sharded gradients reduced once, after the last
+    proc, out = grpo(grpo_data, "fsdp-two-nodes", "--update_rows", "5", launcher=multinode)
     assert "all 2 node(s) finished" in proc.stdout
     return out
 
@@ -94,8 +98,9 @@ def per_step(out, key: str) -> dict[int, float]:
 def test_the_same_rollouts_and_updates_on_1_process_2_processes_and_with_accumulation(
     grpo_one, grpo_accumulated, grpo_ddp, grpo_fsdp_two_nodes, grpo_fsdp_blockwise, grpo_zero3
 ):
-    """Keyed sampling gives every run the same completions (the same rewards, step by step), and the loss normalised
-    over the global batch gives the same losses and adapter, however the batch is split or sharded."""
+    """Keyed sampling gives every run the same completions (the same rewards, step by step), however they are decoded
+    (the DDP run's static copy), and the loss normalised over the global batch gives the same losses and adapter,
+    however the batch is split (accumulation, --update_rows) or sharded."""
     reference_rewards, reference_losses = per_step(grpo_one, "train/reward"), per_step(grpo_one, "train/loss")
     adapter = load_file(str(grpo_one / ADAPTER))
     assert len(reference_losses) == 6
@@ -112,6 +117,7 @@ def test_the_same_rollouts_and_updates_on_1_process_2_processes_and_with_accumul
         tolerance = SHARDED_WEIGHTS_TOLERANCE if out in sharded else TOLERANCE
         assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) <= tolerance, out.name
     assert (read_results(grpo_ddp)["world_size"], read_results(grpo_ddp)["distributed_type"]) == (2, "MULTI_CPU")
+    assert read_results(grpo_ddp)["decode_mode"] == "static" and read_results(grpo_one)["decode_mode"] == "eager"
     assert read_results(grpo_fsdp_two_nodes)["num_machines"] == 2
     assert read_results(grpo_fsdp_two_nodes)["distributed_type"] == "FSDP"
     assert read_results(grpo_fsdp_blockwise)["distributed_type"] == "FSDP"

@@ -1,6 +1,8 @@
 """The GRPO recipe's parts, in this process: the built-in rewards and the user's, the prompt formats (GSM8K's
-included), keyed sampling (a draw from the softmax, top-p, the same draws in any batch), and the loss's normalisation
-over the global batch (the sum of the micro-batches' shares is the whole batch's loss however it is split)."""
+included), keyed sampling (a draw from the softmax, top-p, the same draws in any batch), the loss's normalisation
+over the global batch (the sum of the micro-batches' shares is the whole batch's loss however it is split), the ways
+of decoding (chat_generation.py: a static copy gives the eager path's completions) and the token log-probabilities in
+chunks (the full-vocabulary ones, gradients included)."""
 
 import json
 import math
@@ -9,7 +11,8 @@ import types
 import pytest
 import torch
 from accelerate import Accelerator
-from grpo import KeyedSampling, Rollout, advantages, hashed_uniform, loss_normaliser, policy_loss, sampling_keys
+from chat_generation import KeyedSampling, Sampling, hashed_uniform
+from grpo import Rollout, advantages, loss_normaliser, policy_loss, sampling_keys
 from grpo_rewards import (
     Rewards,
     as_prompt_row,
@@ -151,7 +154,7 @@ def test_prompt_formats_and_a_held_out_split(tmp_path):
 
 def sampler(keys, prompt_width=3, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0):
     flags = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty)
-    return KeyedSampling(keys, prompt_width, types.SimpleNamespace(**flags))
+    return KeyedSampling(keys, prompt_width, Sampling(**flags), max_new_tokens=8)
 
 
 def test_keyed_sampling_draws_from_the_softmax_the_same_way_in_any_batch():
@@ -185,6 +188,7 @@ def test_keyed_sampling_draws_from_the_softmax_the_same_way_in_any_batch():
     assert torch.equal(draws(sampler(keys, prompt_width=7), input_ids=padded), drawn)
     assert not torch.equal(draws(sampler(keys, prompt_width=4)), drawn)
     assert torch.equal(hashed_uniform(keys[7:8], 5), hashed_uniform(keys, 5)[7:8])
+    assert torch.equal(sampler(keys).uniforms[:, 5], hashed_uniform(keys, 5))  # drawn up front, the same numbers
     assert not torch.equal(hashed_uniform(keys, 6), hashed_uniform(keys, 5))
     first, second = sampling_keys(42, 0, torch.tensor([3, 9]), 4), sampling_keys(42, 1, torch.tensor([3, 9]), 4)
     assert len(set(first.tolist()) | set(second.tolist())) == 16  # per epoch, prompt and completion
@@ -283,3 +287,136 @@ def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_c
     assert torch.equal(policy, reference)
     assert not torch.allclose(moved, reference)
     assert torch.equal(reference_token_logprobs(model, BASE, rollout, args, accelerator), reference)
+
+
+def chat_prompts(tokenizer, things: list[str]) -> list[list[int]]:
+    chats = [[{"role": "user", "content": f"What colour is the {thing}?"}] for thing in things]
+    return [
+        tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True))["input_ids"]
+        for c in chats
+    ]
+
+
+@pytest.mark.parametrize(("lora_r", "mode"), [(0, "static"), (4, "static"), (4, "compiled")])
+def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_trained_weights(
+    tiny_chat_model, lora_r, mode
+):
+    """--decode static (a copy of the model, LoRA merged into its weights, a static KV cache, rows and cache length
+    rounded up to buckets) and compiled (its decode step through torch.compile, as a GPU runs it but for the CUDA
+    graphs) against eager generate on the trained model itself, in fp32: the same greedy answers and the same keyed
+    samples, for prompts of different widths and a row count off the bucket; after the weights move, the next call
+    decodes the moved model's completions (the copy is refreshed at every call, the compiled step reads it)."""
+    from chat_generation import ROW_BUCKET
+    from chat_model import build_model, load_tokenizer
+    from grpo import GrpoFlags, generate
+
+    accelerator = Accelerator(cpu=True)
+    args = GrpoFlags(lora_r=lora_r, max_new_tokens=10, temperature=0.7, top_p=0.95)
+    tokenizer = load_tokenizer(str(tiny_chat_model))
+    torch.manual_seed(0)
+    model = build_model(args, str(tiny_chat_model), accelerator)
+    moved = [p for name, p in model.named_parameters() if ("lora_B" in name if lora_r else "mlp" in name)]
+    with torch.no_grad():
+        for weight in moved:  # a trained adapter (peft starts B at zero: the merge would add nothing)
+            weight.normal_(0, 0.05)
+    prompts = [p for p in chat_prompts(tokenizer, ["sky", "ripe plum", "grass"]) for _ in range(2)]
+    assert len(prompts) % ROW_BUCKET and len(set(map(len, prompts))) > 1
+    keys = sampling_keys(0, 0, torch.tensor([0, 1, 2]), 2)
+
+    def both(keys=None):
+        args.decode = "eager"
+        eager = generate(accelerator, model, tokenizer, prompts, args, keys)
+        args.decode = mode
+        static = generate(accelerator, model, tokenizer, prompts, args, keys)
+        assert torch.equal(static.mask, eager.mask) and torch.equal(static.truncated, eager.truncated)
+        assert torch.equal(static.completion * static.mask, eager.completion * eager.mask)
+        return eager
+
+    sampled, greedy = both(keys), both()
+    assert not torch.equal(sampled.completion, greedy.completion)
+    with torch.no_grad():
+        for weight in moved:
+            weight.mul_(-2)
+    assert not torch.equal(both(keys).completion, sampled.completion)  # the copy decoded the moved weights
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_token_logprobs_in_chunks_are_the_full_vocabularys_with_their_gradients(tiny_chat_model, lora_r, monkeypatch):
+    """chat_model.token_logprobs (the last tokens' logits a chunk of rows at a time, at a temperature) against the
+    log-softmax of the model's own logits in fp32: values within 1e-6 and the gradients of a weighted sum within 1e-6
+    relative, with many chunks and with one; a deep copy of the model (a full fine-tune's reference) scores with its
+    own weights."""
+    import copy
+
+    import sft_loss
+    from chat_model import build_model, load_tokenizer, token_logprobs
+    from grpo import GrpoFlags, generate
+
+    accelerator = Accelerator(cpu=True)
+    args = GrpoFlags(lora_r=lora_r, max_new_tokens=12, decode="eager")
+    tokenizer = load_tokenizer(str(tiny_chat_model))
+    torch.manual_seed(0)
+    model = build_model(args, str(tiny_chat_model), accelerator)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0, 0.05)
+    prompts = [p for p in chat_prompts(tokenizer, ["sky", "ripe plum"]) for _ in range(3)]
+    rollout = generate(accelerator, model, tokenizer, prompts, args, sampling_keys(0, 0, torch.tensor([0, 1]), 3))
+    input_ids = torch.cat([rollout.prompt, rollout.completion], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.mask], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    targets, temperature = rollout.completion, 0.7
+    weights = torch.linspace(-1, 1, targets.numel()).reshape(targets.shape)
+
+    def with_gradients(logprobs_of) -> tuple:
+        model.zero_grad()
+        logprobs = logprobs_of()
+        (logprobs * weights).sum().backward()
+        return logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def full_vocabulary():  # the model's own forward pass (no logprob_targets) and a log-softmax over every token
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits
+        logits = logits[:, -targets.shape[1] - 1 : -1].float() / temperature
+        return logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+
+    expected, expected_grads = with_gradients(full_vocabulary)
+    vocab = model.config.vocab_size
+    head_rows = []  # positions the output layer itself is given: the chunks' logits are made beside it
+    model.get_output_embeddings().register_forward_hook(lambda m, i, out: head_rows.append(out.shape[:-1].numel()))
+    for rows in (5, targets.numel()):  # 15 chunks of 5 positions, then one chunk
+        monkeypatch.setattr(sft_loss, "CHUNK_LOGITS", rows * vocab)
+        chunked, grads = with_gradients(lambda: token_logprobs(model, input_ids, mask, targets, positions, temperature))
+        assert chunked.dtype == torch.float32 and chunked.shape == targets.shape
+        assert head_rows == [0], head_rows  # never the whole vocabulary's logits of every target at once
+        head_rows.clear()
+        assert torch.allclose(chunked, expected, rtol=0, atol=1e-6), (chunked - expected).abs().max()
+        assert grads.keys() == expected_grads.keys() and len(grads) > 0
+        for name, grad in grads.items():
+            scale = expected_grads[name].abs().max()
+            assert (grad - expected_grads[name]).abs().max() <= 1e-6 * scale + 1e-9, name
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in reference.parameters():
+            weight.add_(0.01)
+        moved = token_logprobs(reference, input_ids, mask, targets, positions, temperature)
+        assert not torch.allclose(moved, expected, atol=1e-3)
+        assert torch.equal(token_logprobs(model, input_ids, mask, targets, positions, temperature), chunked)
+
+
+def test_the_throughput_leaves_the_first_step_out_of_the_rates_and_reports_its_seconds():
+    """The first optimizer step (compilation, warm-up) is reported in seconds; the rates are the later steps'."""
+    from grpo import Throughput
+
+    speed = Throughput(Accelerator(cpu=True))
+    speed.generated(100, 4.0)
+    speed.update_started()
+    speed.trained(500)
+    speed.update_ended()
+    alone = speed.rates()
+    assert alone["generation_tokens_per_second"] == 25.0 and alone["first_step_generation_seconds"] == 4.0
+    speed.generated(300, 1.0)
+    speed.generated(300, 2.0)
+    steady = speed.rates()
+    assert steady["generation_tokens_per_second"] == 200.0 and steady["first_step_generation_seconds"] == 4.0
+    assert steady["train_tokens_per_second"] == alone["train_tokens_per_second"] > 0

@@ -77,11 +77,18 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
 
 
 def test_sft_copy_runs_on_two_processes(sft_two):
-    """sft.py and the modules beside it that it imports (chat_model, packed_attention, sft_data, sft_loss, sft_plan)
-    copied into an empty project ran there on 2 processes, and saved model_best together at the evaluation of the
-    lowest loss."""
+    """sft.py and the modules beside it that it imports (chat_model, chat_generation, packed_attention, sft_data,
+    sft_loss, sft_plan) copied into an empty project ran there on 2 processes, and saved model_best together at the
+    evaluation of the lowest loss."""
     assert_copy_ran(sft_two)
-    assert sft_two.modules == {"chat_model.py", "packed_attention.py", "sft_data.py", "sft_loss.py", "sft_plan.py"}
+    assert sft_two.modules == {
+        "chat_generation.py",
+        "chat_model.py",
+        "packed_attention.py",
+        "sft_data.py",
+        "sft_loss.py",
+        "sft_plan.py",
+    }
     results = read_results(sft_two.out)
     losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]
     assert results["best_epoch"] == losses.index(min(losses)) + 1

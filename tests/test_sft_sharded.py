@@ -267,7 +267,8 @@ def test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_grad
     """tests/sharded_answer_loss.py under fsdp.yaml: LoRA and a full fine-tune of the tiny Llama (output layer tied to
     the embeddings, gradient checkpointing), 3 or more chunks of logits per micro-batch. A training pass, an evaluation
     pass and a training pass again give transformers' unsharded loss (within 1e-6 relative), every answer token's
-    loss and every gradient (within 1e-6 + 1e-5 relative, averaged over the processes as FSDP2 averages). FSDP2 up to
+    loss and every gradient (within 1e-6 + 1e-5 relative, averaged over the processes as FSDP2 averages); so do the
+    token log-probabilities of GRPO's and DPO's updates at a temperature, and their gradients. FSDP2 up to
     torch 2.13 runs a group's forward hooks only when none of its modules is pending in the pass: a loss that called
     the output layer per chunk under activation checkpointing met its weight sharded again in the backward pass there
     (a DTensor error)."""
@@ -295,3 +296,10 @@ def test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_grad
                 assert gradients.keys() == expected.keys(), (method, name)
                 for key, gradient in gradients.items():
                     torch.testing.assert_close(gradient, expected[key], atol=1e-6, rtol=1e-5, msg=f"{method} {key}")
+            # the token log-probabilities of GRPO's and DPO's updates, made in chunks the same way
+            torch.testing.assert_close(run["logprobs"], run["expected_logprobs"], atol=1e-6, rtol=1e-5)
+            expected, gradients = run["expected_logprob_gradients"], run["logprob_gradients"]
+            assert gradients.keys() == expected.keys() and expected, method
+            for key, gradient in gradients.items():
+                message = f"logprobs {method} {key}"
+                torch.testing.assert_close(gradient, expected[key], atol=1e-6, rtol=1e-5, msg=message)
