@@ -1,6 +1,6 @@
 """Generation for the chat recipes: GRPO's rollouts, the generated evaluations of SFT, DPO and GRPO, and --predict.
 
-Two ways to decode, chosen by --decode:
+The ways to decode, chosen by --decode:
 
 - eager: transformers' `generate` on the trained model itself, with a dynamic KV cache, every token's step run op by
   op. Works everywhere, sharded models included (see whole_weights_for_generation), and on a GPU it is bound by the
