@@ -423,6 +423,40 @@ def token_logprobs(model, rollout: Completions, temperature: float) -> torch.Ten
     return target_logprobs(model, input_ids, attention_mask, rollout.completion, positions, temperature)
 
 
+def check_update_rows(accelerator, update_rows: int, rows: int) -> None:
+    """--update_rows below a micro-batch's rows needs several backward passes per micro-step, which DeepSpeed's engine
+    would count as micro-steps of their own."""
+    if 0 < update_rows < rows and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise RecipeError(
+            f"--update_rows {update_rows} splits each micro-batch's update into several backward passes, which "
+            "DeepSpeed's engine counts as micro-steps; under DeepSpeed raise --gradient_accumulation_steps instead"
+        )
+
+
+class UpdatePasses:
+    """A micro-batch's update as passes of at most `rows` completions (--update_rows; 0: one pass). Iterating gives
+    the parts, every one but the last under accelerator.no_sync when the micro-step syncs (its gradients stay local
+    and the last pass's backward all-reduces them all); add() sums each pass's loss and weighs its clip fraction and
+    KL by its share of the loss's tokens, into `figures`."""
+
+    def __init__(self, accelerator, model, rollout: Rollout, rows: int):
+        self.accelerator, self.model, self.rollout = accelerator, model, rollout
+        self.parts = rollout.parts(rows)
+        self.figures = dict(loss=0.0, clip_fraction=0.0, kl=0.0)
+
+    def __iter__(self):
+        for i, part in enumerate(self.parts):
+            later = i < len(self.parts) - 1 and self.accelerator.sync_gradients
+            with self.accelerator.no_sync(self.model) if later else contextlib.nullcontext():
+                yield part
+
+    def add(self, part: Rollout, loss, clip_fraction, kl) -> None:
+        share = part.loss_mask.sum() / self.rollout.loss_mask.sum().clamp(min=1)
+        self.figures["loss"] = self.figures["loss"] + loss
+        self.figures["clip_fraction"] = self.figures["clip_fraction"] + clip_fraction * share
+        self.figures["kl"] = self.figures["kl"] + kl * share
+
+
 def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
     """The clipped surrogate of a micro-batch, as its share of the global batch's loss: (loss, clip fraction, kl)."""
     # on-policy (--num_iterations 1): the ratio is 1 and the gradient the same
@@ -602,11 +636,7 @@ def train(args: GrpoFlags) -> None:
     )
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
     rows = per_process * args.num_generations  # a micro-batch's completions; evaluation answers as many at once
-    if 0 < args.update_rows < rows and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise RecipeError(
-            f"--update_rows {args.update_rows} splits each micro-batch's update into several backward passes, which "
-            "DeepSpeed's engine counts as micro-steps; under DeepSpeed raise --gradient_accumulation_steps instead"
-        )
+    check_update_rows(accelerator, args.update_rows, rows)
     set_seed(args.seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
@@ -637,9 +667,8 @@ def train(args: GrpoFlags) -> None:
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
-    config = run_config("grpo", args, accelerator, **settings(args, model_name, lr, model, rewards, train_rows))
-    decoding = chat_generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type)
-    config.update(decode_mode=decoding)  # what --decode chose on this device
+    derived = settings(args, accelerator, model_name, lr, model, rewards, train_rows)
+    config = run_config("grpo", args, accelerator, **derived)
     config.update(validation_size=len(validation_rows), per_process_batch_size=per_process, epochs=num_epochs)
     config.update(warmup_steps=warmup_steps, total_steps=total_steps)
 
@@ -707,30 +736,23 @@ def train(args: GrpoFlags) -> None:
             state.batches_done += 1
             speed.update_started()
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
-                parts = rollout.parts(args.update_rows)  # passes of at most --update_rows rows; one by default
-                loss, clip_fraction, kl = 0.0, 0.0, 0.0
-                for i, part in enumerate(parts):
-                    # the gradients of every pass but the last stay local: one all-reduce per micro-step, as ever
-                    later = i < len(parts) - 1 and accelerator.sync_gradients
-                    with accelerator.no_sync(model) if later else contextlib.nullcontext():
-                        logprobs = token_logprobs(model, part, args.temperature)
-                        part_loss, part_clip, part_kl = policy_loss(logprobs, part, args, part.reference_logprobs)
-                        # This pass's share of the global batch's loss; x world x accumulation undoes the means that
-                        # DDP and accelerator.backward take, so the gradient is that of the global batch's loss.
-                        part_loss = part_loss * world * accumulation
-                        accelerator.backward(part_loss)
-                    share = part.loss_mask.sum() / rollout.loss_mask.sum().clamp(min=1)  # the token means, combined
-                    loss = loss + part_loss.detach()
-                    clip_fraction, kl = clip_fraction + part_clip * share, kl + part_kl * share
-                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                passes = UpdatePasses(accelerator, model, rollout, args.update_rows)  # one, or of --update_rows rows
+                for part in passes:  # the gradients of all passes but the last stay local: one all-reduce, as ever
+                    logprobs = token_logprobs(model, part, args.temperature)
+                    loss, clip_fraction, kl = policy_loss(logprobs, part, args, part.reference_logprobs)
+                    # This pass's share of the global batch's loss; x world x accumulation undoes the means that DDP
+                    # and accelerator.backward take, so the gradient is that of the global batch's loss.
+                    loss = loss * world * accumulation
+                    accelerator.backward(loss)
+                    guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                    passes.add(part, loss=loss.detach(), clip_fraction=clip_fraction, kl=kl)
                 if accelerator.sync_gradients:
                     # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
                     if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            on_device = dict(loss=loss, clip_fraction=clip_fraction, kl=kl)
-            state.add(in_order(figures, on_device, rollout.figures), samples=len(rollout.indices))
+            state.add(in_order(figures, passes.figures, rollout.figures), samples=len(rollout.indices))
             speed.trained(rollout.tokens)
             if not accelerator.sync_gradients:
                 continue
@@ -800,7 +822,7 @@ def load_prompt_splits(accelerator, args: GrpoFlags, tokenizer, rewards: Rewards
     return train_rows, validation_rows
 
 
-def settings(args: GrpoFlags, model_name: str, lr: float, model, rewards: Rewards, train_rows: list) -> dict:
+def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, rewards, train_rows: list) -> dict:
     """What the run derived from its flags and data, for run_config (the tracker, checkpoints, results.json)."""
     return dict(
         dataset=dataset_name(args),
@@ -815,6 +837,8 @@ def settings(args: GrpoFlags, model_name: str, lr: float, model, rewards: Reward
         transformers_version=transformers.__version__,
         peft_version=peft.__version__,
         **attention_settings(model),
+        # what --decode chose on this device
+        decode_mode=chat_generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
     )
 
 
