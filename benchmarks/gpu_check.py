@@ -1273,10 +1273,7 @@ def trl_comparison(figures: dict) -> dict:
             ("peak_memory_mb", 1),
         ):
             if key in ours or key in trl:
-                row[key] = {
-                    who: None if f.get(key) is None else round(f[key], digits)
-                    for who, f in (("ours", ours), ("trl", trl))
-                }
+                row[key] = side_by_side(ours, trl, key, digits)
         if "attn_implementation" in ours or "attn_implementation" in trl:
             row["attn_implementation"] = {
                 "ours": ours.get("attn_implementation"),
@@ -1371,17 +1368,16 @@ def grpo_comparison(ours: dict, trl: dict) -> dict:
     if ours.get("median_step_seconds") and trl.get("median_step_seconds"):
         row["trl_over_ours_step"] = round(trl["median_step_seconds"] / ours["median_step_seconds"], 3)
     for key in ("generation_tokens_per_second", "first_step_generation_seconds", "median_step_seconds"):
-        row[key] = {"ours": _rounded(ours.get(key)), "trl": _rounded(trl.get(key))}
-    row["update_tokens_per_second"] = {
-        "ours": _rounded(ours.get("update_tokens_per_second")),
-        "trl": _rounded(trl.get("train_tokens_per_second")),
-    }
-    row["peak_memory_mb"] = {"ours": _rounded(ours.get("peak_memory_mb")), "trl": _rounded(trl.get("peak_memory_mb"))}
+        row[key] = side_by_side(ours, trl, key, 3)
+    row["update_tokens_per_second"] = side_by_side(ours, trl, "update_tokens_per_second", 3, "train_tokens_per_second")
+    row["peak_memory_mb"] = side_by_side(ours, trl, "peak_memory_mb", 3)
     return row
 
 
-def _rounded(value, digits: int = 3):
-    return round(value, digits) if isinstance(value, (int, float)) else value
+def side_by_side(ours: dict, trl: dict, key: str, digits: int, trl_key: str | None = None) -> dict:
+    """{"ours": ours[key], "trl": trl[trl_key or key]}, rounded to `digits`; None where a run lacks the figure."""
+    pairs = (("ours", ours, key), ("trl", trl, trl_key or key))
+    return {who: None if f.get(k) is None else round(f[k], digits) for who, f, k in pairs}
 
 
 def grpo_figures(results: dict) -> dict:

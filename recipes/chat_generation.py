@@ -240,7 +240,7 @@ def generation_config(max_new_tokens: int, pad: int, stop: list[int], **options)
 def own_generation_config(policy, config: GenerationConfig):
     """`config` in place of the model's own generation_config for the duration (see generation_config), so that none
     of the model's options is filled in."""
-    inner = policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
+    inner = inner_model(policy)
     own = inner.generation_config
     inner.generation_config = config
     try:

@@ -139,18 +139,28 @@ def _chunk_losses(output_layer, hidden: torch.Tensor, targets: torch.Tensor) -> 
     return F.cross_entropy(output_layer(hidden).float(), targets, reduction="none")
 
 
-def _checkpointed_losses(output_layer, picked: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
-    """The output layer called once per chunk, each chunk's logits made again in the backward pass: for a layer whose
-    weight exists only inside its own call (ZeRO-3) or that is more than a plain product (a LoRA-adapted one)."""
-    losses = []
+def _chunk_plan(output_layer) -> tuple[int, bool]:
+    """(positions per chunk of logits, whether the output layer must be called per chunk): the layer is called per
+    chunk when its weight exists only inside its own call (DeepSpeed ZeRO-3: an empty tensor outside it) or when it
+    is more than a plain product (a LoRA-adapted one). Read at each call: tests lower CHUNK_LOGITS."""
+    weight = output_layer.weight
+    partitioned = hasattr(weight, "ds_id")
+    vocab = weight.ds_shape[0] if partitioned else weight.shape[0]
+    return max(1, CHUNK_LOGITS // vocab), partitioned or not isinstance(output_layer, torch.nn.Linear)
+
+
+def _checkpointed(per_chunk, output_layer, picked: torch.Tensor, targets: torch.Tensor, rows: int, *extra):
+    """per_chunk(output_layer, hidden, targets, *extra) on each chunk of rows, the output layer called once per
+    chunk and each chunk's logits made again in the backward pass (see _chunk_plan for when)."""
+    values = []
     for start in range(0, len(targets), rows):
-        chunk = (output_layer, picked[start : start + rows], targets[start : start + rows])
+        chunk = (output_layer, picked[start : start + rows], targets[start : start + rows], *extra)
         if torch.is_grad_enabled():
-            losses.append(checkpoint(_chunk_losses, *chunk, use_reentrant=False))
+            values.append(checkpoint(per_chunk, *chunk, use_reentrant=False))
         else:
-            losses.append(_chunk_losses(*chunk))
-    # A micro-batch without answer tokens still gives a loss that depends on the weights (0), as DDP expects.
-    return torch.cat(losses) if losses else picked.sum(dim=1).float()
+            values.append(per_chunk(*chunk))
+    # No targets still gives a value that depends on the weights (0), as DDP expects.
+    return torch.cat(values) if values else picked.sum(dim=1).float()
 
 
 def answer_token_losses(
@@ -160,12 +170,9 @@ def answer_token_losses(
     states. The summed loss carries the gradient; the per-token losses carry none."""
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
     targets = labels.reshape(-1).index_select(0, index + 1)  # the next token, in the same row
-    weight = output_layer.weight
-    partitioned = hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3: an empty tensor outside the layer's own call
-    vocab = weight.ds_shape[0] if partitioned else weight.shape[0]
-    rows = max(1, CHUNK_LOGITS // vocab)  # read at each call: tests lower it
-    if partitioned or not isinstance(output_layer, torch.nn.Linear):
-        losses = _checkpointed_losses(output_layer, picked, targets, rows)
+    rows, per_chunk_calls = _chunk_plan(output_layer)
+    if per_chunk_calls:
+        losses = _checkpointed(_chunk_losses, output_layer, picked, targets, rows)
         return losses.sum(), losses.detach()
     # The layer runs once per pass itself, on no rows: module hooks that wait for every module of a group to run
     # (FSDP2's up to torch 2.13; accelerate groups the output layer with the embeddings) close the pass as usual.
@@ -239,25 +246,16 @@ def _chunk_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, t
 def target_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """The log-probabilities of `targets` [rows, n], the tokens after the last n positions of `hidden` [rows, width,
     h], under the output layer's logits / temperature: fp32, [rows, n], at most one chunk of fp32 logits at a time."""
-    rows_, width = targets.shape
+    batch, width = targets.shape
     picked = hidden[:, -width - 1 : -1].reshape(-1, hidden.shape[-1])
     flat = targets.reshape(-1)
-    weight = output_layer.weight
-    partitioned = hasattr(weight, "ds_id")  # DeepSpeed ZeRO-3: an empty tensor outside the layer's own call
-    rows = max(1, CHUNK_LOGITS // (weight.ds_shape[0] if partitioned else weight.shape[0]))
-    if partitioned or not isinstance(output_layer, torch.nn.Linear):
-        chunks = []
-        for start in range(0, len(flat), rows):
-            chunk = (output_layer, picked[start : start + rows], flat[start : start + rows], temperature)
-            if torch.is_grad_enabled():
-                chunks.append(checkpoint(_chunk_logprobs, *chunk, use_reentrant=False))
-            else:
-                chunks.append(_chunk_logprobs(*chunk))
-        return torch.cat(chunks).reshape(rows_, width)
+    rows, per_chunk_calls = _chunk_plan(output_layer)
+    if per_chunk_calls:
+        return _checkpointed(_chunk_logprobs, output_layer, picked, flat, rows, temperature).reshape(batch, width)
     output_layer(picked[:0])  # the layer's own call, on no rows: FSDP2's group hooks close the pass (see above)
     weight = output_layer.weight
     inputs = (picked, weight, output_layer.bias, flat, _compute_dtype(picked, weight), rows, temperature)
-    return _LinearLogprobs.apply(*inputs).reshape(rows_, width)
+    return _LinearLogprobs.apply(*inputs).reshape(batch, width)
 
 
 # Model types whose causal LM computes its logits as the output layer's plain product of the decoder's last hidden
