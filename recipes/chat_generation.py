@@ -355,6 +355,13 @@ class FastDecoder:
 _fast_decoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trained model -> its FastDecoder
 
 
+def without_compiling():
+    """A context in which compiled blocks run the graphs they have and run eagerly where none fits, never compiling
+    again: evaluation and generation come in shapes (no gradients, a new length per token) that training never had,
+    and compiling each would cost more than it saves."""
+    return torch.compiler.set_stance("eager_on_recompile")
+
+
 def inner_model(policy):
     """The causal LM under a peft adapter, or the model itself."""
     return policy.get_base_model() if isinstance(policy, peft.PeftModel) else policy
@@ -425,6 +432,7 @@ def generate(
         with (
             whole_weights_for_generation(accelerator, model, gather_once) as policy,
             own_generation_config(policy, config),
+            without_compiling(),  # blocks compiled for training: a new shape every token
         ):
             was_training = policy.training
             policy.eval()
@@ -468,8 +476,9 @@ def greedy_ids(model, input_ids, attention_mask, config: GenerationConfig, mode:
     """`generate`'s output for left-padded prompts on one process, decoded as `mode` (decode_mode) says: `model`
     itself (eager), or its FastDecoder (a copy in `dtype`, or the model itself when `own`)."""
     if mode == "eager":
-        return model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=streamer
-        )
+        with without_compiling():  # blocks compiled for training: a new shape every token
+            return model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=streamer
+            )
     decoder = fast_decoder(model, dtype, compiled=mode == "compiled", own=own)
     return decoder.generate(input_ids, attention_mask, config, streamer=streamer)

@@ -17,7 +17,7 @@ from pathlib import Path
 import peft
 import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
-from chat_generation import compute_dtype, decode_mode, greedy_config, greedy_ids
+from chat_generation import compute_dtype, decode_mode, greedy_config, greedy_ids, inner_model
 from sft_data import (
     FILE_SUFFIXES,
     as_conversations,
@@ -56,8 +56,8 @@ class ChatModelFlags(TrainingFlags):
         gradient_checkpointing: recompute activations in the backward pass (non-reentrant): much less memory for
             long sequences, about a third slower.
         attn_implementation: sdpa (default), eager, flash_attention_2 (when installed) or flex_attention; sft.py
-            also takes varlen (packed rows through torch's variable-length kernel; its default for --packing on a
-            GPU).
+            and dpo.py also take varlen (packed rows through torch's variable-length kernel; their default for
+            --packing on a GPU).
         max_new_tokens: longest generated answer (evaluation samples, --predict, --chat).
         decode: how answers are generated: auto (default: compiled on a GPU for a model that is not sharded, else
             eager), eager (transformers' generate on the trained model, token by token), static (a copy of the model
@@ -80,6 +80,88 @@ class ChatModelFlags(TrainingFlags):
     cache_dir: str | None = None
     chat: bool = False
     merge: str | None = None
+
+
+@dataclass
+class KernelFlags:
+    """How the decoder's blocks run in the recipes that train on whole sequences (sft.py and dpo.py): compiled, with
+    Liger Kernel's fused kernels.
+
+    Args:
+        compile: compile each decoder block with torch.compile before training; default: on a CUDA GPU (not under
+            DeepSpeed), off elsewhere; --nocompile turns it off. The first steps take longer while it compiles
+            (results.json: warmup_seconds, the steps left out of the throughput; compile_cache_hits: graphs that
+            torch's own cache in /tmp/torchinductor_$USER, or $TORCHINDUCTOR_CACHE_DIR, gave a later run of the same
+            shapes without compiling them). With --packing the rows are filled up to a multiple of 128 tokens (one
+            more sequence, without loss), so that a run's rows take a few lengths and the blocks compile once or
+            twice, not for every row. Evaluation and generation run the compiled graphs where their shapes match and
+            eagerly where they do not, never compiling again.
+        compile_backend: torch.compile's backend: inductor (default: generates fused kernels) or aot_eager (traces
+            and runs the graphs without generating code: quick, to find what does not compile).
+        liger: put Liger Kernel's fused Triton kernels (pip install liger-kernel; a CUDA GPU) in the model's RMSNorm,
+            SwiGLU MLP and rotary embedding, for the model types Liger patches (Llama, Qwen2/3, Mistral, ...); the loss
+            stays this recipe's (the answer positions' logits only, in chunks). Off by default: whether it beats the
+            compiled blocks is measured per GPU and model (benchmarks/gpu_check.py's sft-speed steps).
+    """
+
+    compile: bool | None = None
+    compile_backend: str = "inductor"
+    liger: bool = False
+
+
+def compiles(flag: bool | None, accelerator) -> bool:
+    """--compile as given, else on by default where it pays: on a CUDA GPU, where fewer and fused kernels shorten a
+    step (inductor on an H100: 58,000 tokens/s against 41,000 eager for a 0.5B model in full), and not under
+    DeepSpeed, whose hooks on every weight break the graphs apart."""
+    if flag is not None:
+        return flag
+    return accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
+
+
+def compile_blocks(model, backend: str) -> None:
+    """torch.compile each decoder block in place (the pattern torchtitan uses): the blocks are where the time goes,
+    each compiles to the same graph, and FSDP2 still shards them one by one; the loss and the rest stay eager."""
+    causal_lm = inner_model(model)
+    blocks = getattr(causal_lm.get_decoder(), "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise RecipeError(f"--compile compiles the decoder's blocks, and {type(causal_lm).__name__} keeps none in "
+                          "decoder.layers; drop --compile")  # fmt: skip
+    for block in blocks:
+        block.compile(backend=backend)
+
+
+def use_liger_kernels(model, device) -> None:
+    """--liger: Liger Kernel's RMSNorm, SwiGLU and RoPE in place of the model's own, patched on this model (its
+    modules and its modeling module's rotary function); the output layer and loss are left to sft_loss."""
+    if torch.device(device).type != "cuda":
+        raise RecipeError("--liger runs Liger Kernel's Triton kernels, which need a CUDA GPU; leave --liger out here")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance  # the patcher TRL's trainers call
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        raise RecipeError("--liger needs Liger Kernel: pip install liger-kernel") from None
+    causal_lm = inner_model(model)
+    if causal_lm.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise RecipeError(f"Liger Kernel has no kernels for {causal_lm.config.model_type} models; leave --liger out")
+    kernels = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(causal_lm, **kernels)
+
+
+def use_kernels(model, args: KernelFlags, device) -> None:
+    """The kernels KernelFlags ask for, in place, before prepare: Liger Kernel's (--liger), then the compiled
+    blocks (--compile, settled by compiles), which then compile Liger's kernels in with the rest."""
+    if args.liger:
+        use_liger_kernels(model, device)
+    if args.compile:
+        compile_blocks(model, args.compile_backend)
+
+
+def compile_cache_hits() -> int:
+    """Graphs that torch's compile caches (inductor's FX graph cache, AOTAutograd's) gave this process without
+    compiling them: a second run of the same shapes finds its graphs there."""
+    from torch._dynamo.utils import counters  # torch's own tally; no public getter
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
 
 
 def check_one_mode(args: ChatModelFlags, *others: str) -> None:
@@ -312,11 +394,12 @@ def reference_model(accelerator, model, reference):
             yield reference
 
 
-def token_logprobs(model, input_ids, attention_mask, targets, position_ids=None, temperature: float = 1.0):
+def token_logprobs(model, input_ids, attention_mask, targets, position_ids=None, temperature: float = 1.0, **packed):
     """Log-probabilities of `targets`, the last targets.shape[1] tokens of each row of `input_ids`, under `model` (at
     `temperature`): fp32, [rows, targets]. Only those positions' logits are computed, a chunk of rows at a time
     (sft_loss.target_logprobs): no tensor of the whole vocabulary's fp32 logits for every target. build_model swaps the
-    forward pass that does it in before prepare (under autocast); a model built elsewhere gets it here."""
+    forward pass that does it in before prepare (under autocast); a model built elsewhere gets it here. `packed`: a
+    packed row's cumulative sequence lengths, passed on to the attention (packed_attention.py)."""
     use_answer_loss(extract_model_from_parallel(model))
     output = model(
         input_ids=input_ids,
@@ -324,6 +407,7 @@ def token_logprobs(model, input_ids, attention_mask, targets, position_ids=None,
         position_ids=position_ids,
         logprob_targets=targets,
         temperature=temperature,
+        **packed,
     )
     return output.logprobs
 

@@ -40,25 +40,30 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
     set_seed,
 )
+from chat_generation import without_compiling
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
+    KernelFlags,
     adamw,
     attention_settings,
     build_model,
     chat,
     check_one_mode,
+    compile_cache_hits,
+    compiles,
     generate_answers,
     load_fine_tuned,
     load_tokenizer,
     merge,
     predict,
     save_model,
+    use_kernels,
     write_samples,
 )
 from packed_attention import choose_attention
-from sft_data import check_packing, collator, load_conversations, tokenize_splits
+from sft_data import PackedRows, check_packing, collator, load_conversations, token_budget_rows, tokenize_splits
 from sft_loss import PLAIN_LOGITS, use_answer_loss
 from sft_plan import numel, print_plan
 from torch.utils.data import DataLoader
@@ -92,7 +97,7 @@ COMPILE_ROW_MULTIPLE = 128  # --compile --packing: packed rows filled up to a mu
 
 
 @dataclass
-class SftFlags(ChatModelFlags):
+class SftFlags(ChatModelFlags, KernelFlags):
     """Fine-tune a chat model on conversations (LoRA with --lora_r, else in full), or use the fine-tuned model.
 
     The loss covers the assistant's turns only (every one of a multi-turn conversation, with the token that ends
@@ -118,12 +123,13 @@ class SftFlags(ChatModelFlags):
             keeps packed sequences apart: varlen (chosen by default on a GPU of compute capability 8.0 or newer in
             bf16/fp16: torch's variable-length flash kernel, each conversation attending to itself only), sdpa (a
             dense mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
-        compile: compile each decoder block with torch.compile before training; the first steps take longer while
-            it compiles (results.json: warmup_seconds, the steps left out of the throughput). With --packing the rows
-            are filled up to a multiple of 128 tokens (one more sequence, without loss), so that a run's rows take a
-            few lengths and the blocks compile once or twice, not for every row.
-        compile_backend: torch.compile's backend: inductor (default: generates fused kernels) or aot_eager (traces
-            and runs the graphs without generating code: quick, to find what does not compile).
+        batch_tokens: with --packing, fill each micro-batch by tokens instead of conversations: one row of up to
+            this many tokens per process per micro-step, so a step carries world size x --gradient_accumulation_steps
+            rows whatever the conversations' lengths, and --batch_size is not used. The rows are made once, before
+            training, by best-fit decreasing (the longest conversation first, each into the row it fills most
+            tightly; rows come within a few tokens of full), and drawn in a new order each epoch. The loss stays the
+            mean over the step's answer tokens. --plan_only prints the largest that fits the memory. 0 (default):
+            --batch_size conversations a step. At least --max_length.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
             that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
@@ -156,8 +162,7 @@ class SftFlags(ChatModelFlags):
     validation_size: float = 0.1
     max_length: int = 1024
     packing: bool = False
-    compile: bool = False
-    compile_backend: str = "inductor"
+    batch_tokens: int = 0
     warmup_ratio: float = 0.03
     eval_generate: int = 0
     plan_only: bool = False
@@ -201,18 +206,24 @@ def load_data(accelerator, args: SftFlags, tokenizer) -> tuple[datasets.DatasetD
     return raw, tokenized, counts
 
 
-def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process: int) -> tuple[DataLoader, DataLoader]:
-    """The training loader (shuffled, whole batches only; packed with --packing) and the validation loader (padded,
-    so each conversation's loss stays its own), before accelerator.prepare."""
+def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process: int) -> tuple:
+    """The training loader (shuffled, whole batches only; packed with --packing, in rows of --batch_tokens), the
+    validation loader (padded, so each conversation's loss stays its own), before accelerator.prepare, and the
+    conversations of a training micro-batch (on average over an epoch with --batch_tokens)."""
     pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
     # compiled blocks compile once per row length: packed rows take lengths in steps of COMPILE_ROW_MULTIPLE
     train_pad_to = COMPILE_ROW_MULTIPLE if args.compile and args.packing else pad_to
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
+    train_set = tokenized["train"]
+    conversations = per_process
+    if args.batch_tokens:  # items are rows of conversations, one per micro-batch (per_process is 1)
+        train_set = PackedRows(train_set, token_budget_rows(train_set["num_tokens"], args.batch_tokens))
+        conversations = sum(map(len, train_set.rows)) / len(train_set.rows)
     # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
     # which checkpoints restore.
     train_loader = DataLoader(
-        tokenized["train"],
+        train_set,
         batch_size=per_process,
         shuffle=True,
         drop_last=True,
@@ -222,11 +233,27 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
     )
     eval_loader = DataLoader(
         tokenized["validation"],
-        batch_size=per_process * args.gradient_accumulation_steps,
+        batch_size=round(conversations) * args.gradient_accumulation_steps,
         collate_fn=collator(tokenizer, False, pad_to),
         **loader_args,
     )
-    return train_loader, eval_loader
+    return train_loader, eval_loader, conversations
+
+
+def settle_flags(args: SftFlags, accelerator) -> None:
+    """The flags whose value depends on the launch: --compile by default on a CUDA GPU (compiles), and with
+    --batch_tokens the global batch that check_launch divides: a row per process per micro-step."""
+    args.compile = compiles(args.compile, accelerator)
+    if not args.batch_tokens:
+        return
+    if not args.packing:
+        raise RecipeError("--batch_tokens fills packed rows by tokens; add --packing")
+    if args.batch_tokens < args.max_length:
+        raise RecipeError(
+            f"--batch_tokens {args.batch_tokens} is below --max_length {args.max_length}: a conversation may not fit "
+            "in a row; raise --batch_tokens or lower --max_length"
+        )
+    args.batch_size = accelerator.num_processes * args.gradient_accumulation_steps
 
 
 def whole_steps(batches, accumulation: int, accelerator, limit: int):
@@ -258,7 +285,8 @@ def evaluate(model, loader, accelerator) -> dict:
     loss_sum, token_count, conversations = 0.0, 0, 0
     for batch in loader:
         # each answer token's, in batch["target_index"] order; fp32 (FSDP2's mixed precision casts outputs to bf16)
-        losses = model(**batch).token_losses.float()
+        with without_compiling():  # compiled blocks: the graphs of training where shapes match, else eager
+            losses = model(**batch).token_losses.float()
         rows = batch["target_index"] // batch["labels"].shape[1]
         conversations_in_batch = len(batch["labels"])
         sums = torch.zeros(conversations_in_batch, device=losses.device).index_add_(0, rows, losses)
@@ -310,18 +338,6 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
         peft_version=peft.__version__,
         **attention_settings(model),  # the attention used
     )
-
-
-def compile_blocks(model, backend: str) -> None:
-    """torch.compile each decoder block in place (the pattern torchtitan uses): the blocks are where the time goes,
-    each compiles to the same graph, and FSDP2 still shards them one by one; the loss and the rest stay eager."""
-    causal_lm = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    blocks = getattr(causal_lm.get_decoder(), "layers", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
-        raise RecipeError(f"--compile compiles the decoder's blocks, and {type(causal_lm).__name__} keeps none in "
-                          "decoder.layers; drop --compile")  # fmt: skip
-    for block in blocks:
-        block.compile(backend=backend)
 
 
 def model_flops_per_token(model, train_set) -> float:
@@ -409,6 +425,7 @@ def train(args: SftFlags) -> None:
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
+    settle_flags(args, accelerator)  # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
     per_process = check_launch(
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
@@ -428,9 +445,8 @@ def train(args: SftFlags) -> None:
     if args.packing:
         check_packing(model)
     use_answer_loss(model)  # logits for the answer positions only, in chunks (sft_loss.py): the loss stays the same
-    if args.compile:
-        compile_blocks(model, args.compile_backend)
-    train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
+    use_kernels(model, args, accelerator.device)  # --liger's fused kernels, the blocks compiled (--compile)
+    train_loader, eval_loader, micro_batch_samples = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
     flops_per_token = model_flops_per_token(model, tokenized["train"])  # for the model FLOP utilisation (MFU)
 
@@ -516,7 +532,7 @@ def train(args: SftFlags) -> None:
                     if not guard.skip_update(state.step + 1, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            state.add(loss.detach(), samples=per_process)  # the mean over a step's micro-batches is the step's loss
+            state.add(loss.detach(), samples=micro_batch_samples)  # the step's loss: the mean over its micro-batches
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -551,7 +567,8 @@ def train(args: SftFlags) -> None:
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
-    results.update(warmup_seconds=progress.meter.warmup_seconds)  # with --compile: the compilation, apart
+    # with --compile: the compilation apart, and the graphs an earlier run of these shapes had compiled
+    results.update(warmup_seconds=progress.meter.warmup_seconds, compile_cache_hits=compile_cache_hits())
     flops = flops_per_token * results["train_tokens_per_second"]  # all processes together
     results.update(
         flops_per_token=flops_per_token, model_flops_utilisation=flop_utilisation(flops, accelerator.device, world)
@@ -584,7 +601,7 @@ def evaluate_saved_model(args: SftFlags) -> None:
     model, tokenizer = load_fine_tuned(model_dir)
     use_answer_loss(model)
     raw, tokenized, _ = load_data(accelerator, args, tokenizer)
-    _, eval_loader = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
+    _, eval_loader, _ = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     # evaluation_mode: no DDP wrapper, which refuses a model without trainable weights (a loaded adapter)
     model, eval_loader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(eval_loader)
     evaluation = evaluate(model, eval_loader, accelerator)
@@ -626,6 +643,7 @@ def plan_only(args: SftFlags) -> None:
             mixed_precision=args.mixed_precision,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
+    settle_flags(args, accelerator)
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
     model = build_model(args, args.model or DEFAULT_MODEL, accelerator, meta=True)
     print_plan(accelerator, args, model, per_process)

@@ -8,6 +8,7 @@ templates have them) and no rendering of prefixes (Qwen3's template writes the l
 earlier ones, so a prefix's rendering is not a prefix of the whole).
 """
 
+import bisect
 import copy
 import random
 import string
@@ -403,7 +404,9 @@ class ChatCollator:
     row_multiple: int | None = None  # packed rows: filled up to a multiple of this many tokens
     fill_id: int = 0
 
-    def __call__(self, features: list[dict]) -> dict:
+    def __call__(self, features: list) -> dict:
+        # a row of conversations (token_budget_rows) comes as one feature holding them: they go in one packed row
+        features = [f for feature in features for f in (feature if isinstance(feature, list) else [feature])]
         batch = self.library_collator([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
         if self.row_multiple:
             fill_packed_row(batch, self.row_multiple, self.fill_id)
@@ -457,3 +460,42 @@ def collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None) ->
             tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=pad_to_multiple_of
         )
     )
+
+
+# ------------------------------------------------------------------------------------------ rows of a token budget
+def token_budget_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """The conversations (their indices) grouped into rows of at most `budget` tokens, best-fit decreasing (the
+    packing TRL's SFTTrainer does too): the longest first, each into the row it fills most tightly, a new row when
+    none has room. Rows fill to within a few tokens of the budget when conversations are much shorter than it."""
+    if lengths and max(lengths) > budget:
+        raise RecipeError(
+            f"a conversation of {max(lengths)} tokens does not fit in a row of --batch_tokens {budget}; "
+            "raise --batch_tokens to --max_length or more"
+        )
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens still free, row), sorted
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(free, (lengths[index], -1))  # the row with the least room that still fits it
+        if at == len(free):
+            rows.append([index])
+            bisect.insort(free, (budget - lengths[index], len(rows) - 1))
+        else:
+            room, row = free.pop(at)
+            rows[row].append(index)
+            bisect.insort(free, (room - lengths[index], row))
+    return [sorted(row) for row in rows]
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """A training set seen as rows of conversations (token_budget_rows): item i is the list of row i's examples,
+    which the packing collator puts in one row. The rows are made once; a shuffled loader draws them in a new order
+    each epoch."""
+
+    def __init__(self, examples, rows: list[list[int]]):
+        self.examples, self.rows = examples, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        return [self.examples[i] for i in self.rows[index]]

@@ -220,7 +220,7 @@ def launch_of(accelerator, args, per_process: int) -> Launch:
     if strategy not in SHARDED:
         raise RecipeError(f"--plan_sharding {strategy}: use one of {', '.join(STRATEGIES)}")
     processes = args.plan_devices or accelerator.num_processes
-    if args.plan_devices:
+    if args.plan_devices and not args.batch_tokens:
         per_process = per_process_batch_size(args.batch_size, processes, args.gradient_accumulation_steps)
     if args.plan_device_gb:
         device_mb, note = args.plan_device_gb * 1024, f"assumed: --plan_device_gb {args.plan_device_gb:g}"
@@ -229,9 +229,9 @@ def launch_of(accelerator, args, per_process: int) -> Launch:
     return Launch(
         strategy=strategy,
         processes=processes,
-        micro_batch=per_process,
+        micro_batch=1 if args.batch_tokens else per_process,  # --batch_tokens: one row of that many tokens
         accumulation=args.gradient_accumulation_steps,
-        max_length=args.max_length,
+        max_length=args.batch_tokens or args.max_length,
         checkpointing=args.gradient_checkpointing,
         compute_bytes=2 if accelerator.mixed_precision in ("bf16", "fp16") else 4,
         lora_r=args.lora_r,
@@ -309,6 +309,17 @@ def advice(size: ModelSize, launch: Launch) -> str:
     return "no change tried fits: use devices with more memory or a smaller model"
 
 
+def largest_token_budget(size: ModelSize, launch: Launch, step: int = 256) -> int:
+    """The most tokens one micro-batch of packed rows may hold and still fit (a multiple of `step`; 0: not even
+    that many): what --packing --batch_tokens may ask for on this launch."""
+    low, high = 0, 1 << 24  # every plan is linear in the tokens: the fit ends at one budget
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        changed = Launch(**{**launch.__dict__, "micro_batch": 1, "max_length": middle})
+        low, high = (middle, high) if fits(parts(size, changed)["total"], changed) else (low, middle)
+    return low
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     size: ModelSize
@@ -339,6 +350,9 @@ class MemoryPlan:
         lines.append(f"  available       {launch.device_mb:>11,.0f} MB ({launch.device_note}): {verdict}")
         if not self.fits:
             lines.append(f"  {advice(size, launch)}")
+        budget = largest_token_budget(size, launch)
+        if budget:  # how far the micro-batch could grow: fuller steps keep a GPU busier
+            lines.append(f"  a micro-batch of up to {budget:,} tokens fits: --packing --batch_tokens {budget}")
         return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from conftest import (
     recipe_env,
     run,
     sft_files,
+    sharded_launch,
 )
 from safetensors.torch import load_file
 from test_resume import start, wait_for_checkpoint
@@ -74,6 +75,31 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     # The loss falls from the first step to the last.
     assert one["train_loss_last"] < one["train_loss_first"] - 0.2
+
+
+def test_rows_of_a_token_budget_give_the_same_steps_on_one_process_with_accumulation_and_on_two(
+    tiny_chat_model, sft_data, tmp_path
+):
+    """--packing --batch_tokens 256: micro-batches of one packed row of at most 256 tokens (about 7 conversations
+    here). A step takes a row per process per micro-step, so 1 process accumulating 2 rows and 2 gloo processes with
+    a row each train on the same rows and give the same per-step losses and adapter; the conversations seen are
+    counted, not the rows."""
+    flags = [*sft_files(tiny_chat_model, sft_data), *SFT_COMMON, "--tracker", "none", "--lora_r", "8"]
+    flags += ["--packing", "--batch_tokens", "256", "--max_steps", "4", "--log_every", "1", "--eval_generate", "0"]
+    one = tmp_path / "one"
+    accumulated = [PYTHON, SFT_SCRIPT, *flags, "--gradient_accumulation_steps", "2", "--output_dir", one]
+    check(run(accumulated, recipe_env(tmp_path)))
+    _, two = sharded_launch(tmp_path, "two", "cpu.yaml", SFT_SCRIPT, *flags)
+    reference, losses = step_losses(one), step_losses(two)
+    assert sorted(reference) == [1, 2, 3, 4] and losses.keys() == reference.keys()
+    assert max(abs(losses[step] - reference[step]) for step in reference) <= 1e-5
+    assert_close_weights(one, two, ADAPTER, atol=1e-5)
+    seen = []
+    for results in (read_results(one), read_results(two)):
+        assert (results["batch_tokens"], results["global_batch_size"], results["per_process_batch_size"]) == (256, 2, 1)
+        seen.append(results["samples_seen_per_process"])
+    # 4 steps of 2 rows, more than 2 conversations a row, shared equally by the 2 processes
+    assert sum(seen[0]) > 4 * 2 * 2 and seen[1] == pytest.approx([sum(seen[0]) / 2] * 2)
 
 
 def test_sft_copy_runs_on_two_processes(sft_two):

@@ -4,6 +4,7 @@ loss mask under three chat templates, truncation, padding and packing."""
 import json
 from types import SimpleNamespace
 
+import chat_model
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from sft_data import (
     generation_prompt,
     load_conversations,
     to_messages,
+    token_budget_rows,
     tokenize_conversation,
     tokenize_splits,
 )
@@ -301,7 +303,6 @@ def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_pe
     0, no labels, its own span in the cumulative lengths): no answer token's loss changes, under sdpa's mask and
     under varlen. The decoder blocks compiled as --compile does (here with the aot_eager backend: the same capture,
     no code generation) give the eager losses, and two rows of other lengths in one multiple of 128 compile once."""
-    import sft
     from sft_loss import use_answer_loss
 
     tokenizer, features = chat_batch
@@ -329,7 +330,7 @@ def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_pe
             expected = model(**plain(rows[0])).token_losses
             torch.testing.assert_close(model(**batch).token_losses, expected, atol=1e-6, rtol=1e-5)
     eager = [model(**filled(row)).loss for row in rows]  # varlen, not compiled
-    sft.compile_blocks(model, "aot_eager")
+    chat_model.compile_blocks(model, "aot_eager")
     torch._dynamo.reset()
     torch.testing.assert_close(model(**filled(rows[0])).loss, eager[0], atol=1e-6, rtol=1e-5)
     with torch._dynamo.config.patch(error_on_recompile=True):  # the second row's length compiles nothing new
@@ -633,3 +634,29 @@ def test_bad_inputs_are_one_line_errors_naming_the_fix(tmp_path, tokenizers):
     train = write_chat_file(tmp_path / "train.jsonl", chat_examples(8, seed=0), "messages")
     one_line_error(lambda: load(train, tmp_path=tmp_path, validation_size=1.5), "--validation_size 1.5")
     one_line_error(lambda: load(None, train, tmp_path=tmp_path), "--validation_file needs --train_file")
+
+
+def test_rows_of_a_token_budget_hold_every_conversation_once_and_come_near_full():
+    """Best-fit decreasing over 2,000 lengths of 20-600 tokens into rows of 4,096: each conversation in exactly one
+    row, no row over the budget, and within 2% of the fewest rows the tokens need; a conversation longer than the
+    budget is refused by name."""
+    import random
+
+    draw = random.Random(0)
+    lengths = [draw.randint(20, 600) for _ in range(2000)]
+    rows = token_budget_rows(lengths, 4096)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert max(sum(lengths[i] for i in row) for row in rows) <= 4096
+    fewest = -(-sum(lengths) // 4096)
+    assert len(rows) <= fewest * 1.02 + 1
+    assert token_budget_rows(lengths, 4096) == rows  # the same rows on every process
+    with pytest.raises(RecipeError, match="--batch_tokens 500"):
+        token_budget_rows([100, 600], 500)
+
+
+def test_liger_kernels_are_refused_by_name_off_a_gpu(tiny_chat_model):
+    """--liger patches Triton kernels, which run on CUDA alone: on the CPU the run stops before training, in one
+    line naming the flag."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    with pytest.raises(RecipeError, match="--liger .* need a CUDA GPU"):
+        chat_model.use_liger_kernels(model, "cpu")

@@ -23,7 +23,7 @@ from conftest import (
     run,
 )
 from sft_fixtures import COLOURS, write_chat_file
-from sft_plan import Launch, ModelSize, advice, parts
+from sft_plan import Launch, ModelSize, advice, fits, largest_token_budget, parts
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 MB = 2**20
@@ -143,6 +143,26 @@ def test_a_plan_that_does_not_fit_names_the_first_change_that_fits():
     assert advice(size, launch(device_mb=64)).startswith("no change tried fits")
 
 
+def test_the_largest_token_budget_is_the_last_that_fits():
+    """--plan_only's line for --batch_tokens: a micro-batch of one packed row of that many tokens fits, 256 more do
+    not; gradient checkpointing, which keeps less per token, lets the row grow."""
+    size = ModelSize.of(meta_qwen())
+    budgets = []
+    for checkpointing in (False, True):
+        on_80gb = launch(device_mb=80 * 1024, checkpointing=checkpointing)
+        budget = largest_token_budget(size, on_80gb)
+        assert budget % 256 == 0 and budget > 0
+
+        def row(tokens):
+            changed = launch(device_mb=80 * 1024, checkpointing=checkpointing, micro_batch=1, max_length=tokens)
+            return fits(parts(size, changed)["total"], changed)
+
+        assert row(budget) and not row(budget + 256)
+        budgets.append(budget)
+    assert budgets[1] > 2 * budgets[0]
+    assert largest_token_budget(size, launch(device_mb=1024)) == 0  # the weights alone do not fit
+
+
 def test_plan_only_plans_7b_from_its_config_alone(tmp_path):
     """Only config.json in the model folder: --plan_only builds the model on the meta device, prints the plan and
     the change that fits, exits 0 and writes nothing."""
@@ -161,6 +181,22 @@ def test_plan_only_plans_7b_from_its_config_alone(tmp_path):
     assert "7,615,616,512 (7,615,616,512 trainable)" in proc.stdout  # Qwen2.5-7B's published 7.61B
     assert "does NOT fit" in proc.stdout and "would fit with --gradient_checkpointing:" in proc.stdout
     assert not out.exists()
+    # Rows of a token budget: one row of 8192 tokens per micro-batch, and the largest row that would fit.
+    budget = [
+        "--packing",
+        "--batch_tokens",
+        "8192",
+        "--plan_device_gb",
+        "80",
+        "--plan_devices",
+        "8",
+        "--plan_sharding",
+        "fsdp",
+    ]
+    proc = check(run([PYTHON, SFT_SCRIPT, *flags, *budget], recipe_env(tmp_path)))
+    assert "micro-batch 1 x 8192 tokens" in proc.stdout
+    assert "tokens fits: --packing --batch_tokens" in proc.stdout
+    fails_with(run([PYTHON, SFT_SCRIPT, *flags, "--batch_tokens", "8192"], recipe_env(tmp_path)), "add --packing")
     fails_with(run([PYTHON, SFT_SCRIPT, *flags, "--plan_sharding", "zero4"], recipe_env(tmp_path)), "--plan_sharding")
     fails_with(run([PYTHON, SFT_SCRIPT, *flags, "--chat"], recipe_env(tmp_path)), "--plan_only")
 

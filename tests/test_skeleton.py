@@ -237,7 +237,7 @@ def test_one_function_per_mode_behind_the_same_main(recipe):
 
 
 def flags_class(recipe: str) -> type:
-    namespace: dict = {"ChatModelFlags": chat_model_flags()} if recipe in CHAT_RECIPES else {}
+    namespace: dict = dict(chat_model_flag_classes()) if recipe in CHAT_RECIPES else {}
     tree = ast.parse(RECIPES[recipe].read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Flags"))
     module = ast.Module(
@@ -252,16 +252,23 @@ def flags_class(recipe: str) -> type:
 
 
 @functools.cache
-def chat_model_flags() -> type:
-    """recipes/chat_model.py's ChatModelFlags, read as flags_class reads a recipe's (without importing torch)."""
+def chat_model_flag_classes() -> dict[str, type]:
+    """recipes/chat_model.py's flag classes (ChatModelFlags, and KernelFlags that sft and dpo add), read as
+    flags_class reads a recipe's (without importing torch)."""
     path = REPO / "recipes" / "chat_model.py"
-    node = next(
-        n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "ChatModelFlags"
-    )
+    nodes = [
+        n
+        for n in ast.parse(path.read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name in ("ChatModelFlags", "KernelFlags")
+    ]
     namespace: dict = {}
     header = "from dataclasses import dataclass\nfrom accelerate_recipes.flags import TrainingFlags"
-    exec(compile(ast.Module(body=ast.parse(header).body + [node], type_ignores=[]), str(path), "exec"), namespace)
-    return namespace["ChatModelFlags"]
+    exec(compile(ast.Module(body=ast.parse(header).body + nodes, type_ignores=[]), str(path), "exec"), namespace)
+    return {node.name: namespace[node.name] for node in nodes}
+
+
+def chat_model_flags() -> type:
+    return chat_model_flag_classes()["ChatModelFlags"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -277,7 +284,8 @@ def test_flags_extend_the_shared_ones_without_changing_their_types(recipe):
     _, shared_docs = parse_arg_docs(TrainingFlags.__doc__)
     if recipe in CHAT_RECIPES:  # nor the chat-model layer's
         assert issubclass(cls, chat_model_flags()), f"{recipe}'s flags do not extend ChatModelFlags"
-        shared_docs.update(parse_arg_docs(chat_model_flags().__doc__)[1])
+        for shared_class in chat_model_flag_classes().values():
+            shared_docs.update(parse_arg_docs(shared_class.__doc__)[1])
     _, own_docs = parse_arg_docs(cls.__doc__)
     copied = [name for name in shared_docs if own_docs.get(name) == shared_docs[name]]
     assert not copied, f"{recipe} repeats the shared help of {copied}: delete it there"
