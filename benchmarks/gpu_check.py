@@ -39,6 +39,12 @@ Steps, in the order they run:
                compiled decode step, --decode auto), then TRL's GRPOTrainer on the same inputs (benchmarks/grpo_bench.py
                trl): generation tokens/s of the steady steps, the first step's generation seconds, update tokens/s,
                median step and peak memory side by side (speed only: the random weights earn no reward)
+  sft-speed-full, sft-speed-lora   recipes/sft.py in full and with LoRA r16 on the sft step's model and chats, in the
+               ways it can run on one GPU: eager (--nocompile) and compiled (the default on a GPU) at 16 conversations
+               a step, compiled in rows of 16,384 and 32,768 tokens (--batch_tokens), compiled with Liger Kernel's
+               fused kernels (--liger, when liger-kernel imports), and TRL's SFTTrainer at 16 conversations: tokens/s
+               and MFU side by side, each over eager's, the fastest and the fastest over TRL (figures["speed"]). On
+               the CPU: eager and rows of 2,048 tokens only
   fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time, accuracy
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
@@ -116,6 +122,8 @@ STEPS = [
     "sft",
     "dpo",
     "grpo",
+    "sft-speed-full",
+    "sft-speed-lora",
     "fast94",
     "text-fsdp",
     "detect-640",
@@ -143,6 +151,10 @@ ESTIMATED_SECONDS = {
     # eager, 149 s measured; now a guess: the 0.5B model built and saved, the decode step compiled, 4 steps of 64
     # completions of 256 tokens, one evaluation, then TRL's 4 steps (its eager generate: ~13 s a step)
     "grpo": 300,
+    # guesses: the model built, then 5 runs of 20 steps (about 15 s of start-up, 25 s of compilation where compiled,
+    # 5 s of steps) and TRL's (55 s)
+    "sft-speed-full": 270,
+    "sft-speed-lora": 270,
     "fast94": 65,  # 58 s
     "text-fsdp": 45,  # 42 s
     "detect-640": 100,  # 96 s
@@ -163,6 +175,8 @@ TIMEOUTS = {
     "sft": 500,
     "dpo": 360,
     "grpo": 480,
+    "sft-speed-full": 480,
+    "sft-speed-lora": 480,
     "fast94": 300,
     "text-fsdp": 300,
     "detect-640": 420,
@@ -629,6 +643,77 @@ class Check:
             ("lora-fsdp", self.launch("fsdp", fsdp), fsdp),
         ]
 
+    def sft_flags(self, assets: dict, run_dir: Path) -> tuple[list, list]:
+        """The flags every sft run of gpu-check shares (packed rows of the generated chats, 20 steps, 3 in --quick
+        and on the CPU), and those of TRL's runs beside them: the same model, conversations, steps and device."""
+        small = self.quick or not self.cuda
+        steps = "3" if small else "20"  # 20 x 16 conversations per GPU: half the 640 generated, read once
+        log_every = "1" if small else "10"
+        common = [RECIPES / "sft.py", "--model", assets["model"], "--train_file", assets["train"]]
+        common += ["--validation_file", assets["validation"], "--packing", "--max_length", "1024"]
+        common += ["--max_steps", steps, "--log_every", log_every, "--checkpoint_every", "0", "--eval_generate", "0"]
+        common += ["--tracker", "none", "--cache_dir", run_dir / "datasets-cache"]
+        # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
+        common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
+        # TRL picks bf16 on a GPU and fp32 on the CPU alike.
+        trl_common = ["--model", assets["model"], "--train_file", assets["train"], "--max_steps", steps]
+        trl_common += ["--max_length", "1024", "--log_every", log_every, "--device", "cuda" if self.cuda else "cpu"]
+        return common, trl_common
+
+    def sft_speed(self, method: str):
+        """recipes/sft.py (LoRA r16 or full) on the sft step's model and chats, one GPU, in the ways it can run:
+        eager (--nocompile) and compiled at 16 conversations a step (the sft step's load), compiled in rows of
+        16,384 and 32,768 tokens (--batch_tokens), compiled with Liger Kernel (--liger, when it imports), and TRL's
+        SFTTrainer at 16 conversations; figures["speed"] puts tokens/s and MFU side by side and names the fastest.
+        On the CPU (and in --quick): eager and rows of 2,048 tokens only (compiling takes minutes there)."""
+
+        def body(run_dir, timeout):
+            small = self.quick or not self.cuda
+            end = time.monotonic() + self.limit(timeout)[0]
+            assets = self.chat()
+            common, trl_common = self.sft_flags(assets, run_dir)
+            lora = ["--lora_r", "16"] if method == "lora" else ["--lora_r", "0"]
+            conversations = ["--batch_size", "2" if small else "16"]
+            runs = {"eager": [*conversations, "--nocompile"]}
+            if small:
+                runs["tokens-2k"] = ["--batch_tokens", "2048"]
+            else:
+                runs["compiled"] = conversations
+                runs["tokens-16k"] = ["--batch_tokens", "16384"]
+                runs["tokens-32k"] = ["--batch_tokens", "32768"]
+                if importlib.util.find_spec("liger_kernel") is not None:
+                    runs["liger"] = [*conversations, "--liger"]
+                if importlib.util.find_spec("trl") is not None:
+                    runs["trl"] = conversations
+            from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
+
+            peak = peak_tflops(gpu_name()) if self.cuda else None
+            shown, figures, problems = [], {}, []
+            for name, flags in runs.items():
+                out = run_dir / name
+                if name == "trl":
+                    command = [sys.executable, SFT_BENCH, "trl_speed", *trl_common, *flags, *lora, "--output_dir", out]
+                else:
+                    command = [*self.single(), *common, *flags, *lora, "--output_dir", out]
+                shown.append(" ".join(map(str, command)))
+                code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
+                results = read_json(out / "results.json")
+                if name == "trl":
+                    figures[name] = trl_figures(results, figures.get("compiled", {}), peak)
+                else:
+                    figures[name] = sft_figures(results)
+                    figures[name].update(key_figures(results, "compile", "batch_tokens", "liger"))
+                if code != 0:
+                    problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                    if code == 124:
+                        break
+                elif not figures[name].get("train_tokens_per_second"):
+                    problems.append(f"{name}: no train_tokens_per_second in {out / 'results.json'}")
+            figures = {"speed": speed_comparison(figures), **figures}
+            return ("fail" if problems else "pass"), shown, figures, "\n".join(problems)
+
+        return body
+
     def sft(self, run_dir, timeout):
         """recipes/sft.py on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU): a LoRA adapter
         and a full fine-tune, packed, each followed by TRL's SFTTrainer on the same inputs and device, and on one GPU
@@ -637,37 +722,7 @@ class Check:
         small = self.quick or not self.cuda
         end = time.monotonic() + self.limit(timeout)[0]  # every run and the inputs within the step's time
         assets = self.chat()
-        steps = 3 if small else 20  # 20 x 16 conversations per GPU: half the 640 generated, read once
-        log_every = "1" if small else "10"
-        common = [
-            RECIPES / "sft.py",
-            "--model",
-            assets["model"],
-            "--train_file",
-            assets["train"],
-            "--validation_file",
-            assets["validation"],
-            "--packing",
-            "--max_length",
-            "1024",
-            "--max_steps",
-            str(steps),
-            "--log_every",
-            log_every,
-            "--checkpoint_every",
-            "0",
-            "--eval_generate",
-            "0",
-            "--tracker",
-            "none",
-            "--cache_dir",
-            run_dir / "datasets-cache",
-        ]
-        # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
-        common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
-        # TRL on the same model, conversations, steps and device; it picks bf16 on a GPU and fp32 on the CPU alike.
-        trl_common = ["--model", assets["model"], "--train_file", assets["train"], "--max_steps", str(steps)]
-        trl_common += ["--max_length", "1024", "--log_every", log_every, "--device", "cuda" if self.cuda else "cpu"]
+        common, trl_common = self.sft_flags(assets, run_dir)
         trl_missing = importlib.util.find_spec("trl") is None
         liger_imports = importlib.util.find_spec("liger_kernel") is not None
         from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
@@ -1256,6 +1311,24 @@ def trl_figures(results: dict, ours: dict, peak: float | None) -> dict:
     return figures
 
 
+def speed_comparison(figures: dict) -> dict:
+    """The runs of an sft speed step side by side: each one's tokens/s and MFU, each over the eager run's tokens/s,
+    the fastest of the recipe's runs, and that one over TRL's (above 1: the recipe trains faster)."""
+    rates = {name: f["train_tokens_per_second"] for name, f in figures.items() if f.get("train_tokens_per_second")}
+    kept = ("train_tokens_per_second", "model_flops_utilisation")
+    compared = {name: {k: figures[name][k] for k in kept if k in figures[name]} for name in rates}
+    if "eager" in rates:
+        for name, row in compared.items():
+            row["over_eager"] = round(rates[name] / rates["eager"], 3)
+    ours = {name: rate for name, rate in rates.items() if name != "trl"}
+    if ours:
+        fastest = max(ours, key=ours.get)
+        compared["fastest"] = fastest
+        if "trl" in rates:
+            compared["fastest_over_trl"] = round(ours[fastest] / rates["trl"], 3)
+    return compared
+
+
 def trl_comparison(figures: dict) -> dict:
     """Per method, the recipe's run (FIGURES[method]) beside TRL's (FIGURES["trl-" + method]) on the same device:
     tokens/s and ours_over_trl (above 1: the recipe trains faster), MFU, median step, peak memory and the attention
@@ -1471,7 +1544,8 @@ def requirements(
     MISSING_FOR_SFT: the packages of the chat recipe (peft, datasets) that this interpreter lacks."""
     needs = dict.fromkeys(STEPS)
     if missing_for_sft:
-        needs["sft"] = needs["dpo"] = needs["grpo"] = f"{', '.join(missing_for_sft)} not installed"
+        for step in ("sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"):
+            needs[step] = f"{', '.join(missing_for_sft)} not installed"
     two = None if gpus >= 2 else "needs 2+ GPUs" if gpus else "needs CUDA"
     needs.update({"sync-bn": two, "dp-vs-ddp": two, "text-deepspeed": deepspeed_problem if gpus else "needs CUDA"})
     if gpus:
@@ -2037,6 +2111,8 @@ def main(
 
     bodies = {
         "sft": check.sft,
+        "sft-speed-full": check.sft_speed("full"),
+        "sft-speed-lora": check.sft_speed("lora"),
         "dpo": check.dpo,
         "grpo": check.grpo,
         "fast94": check.fast94,

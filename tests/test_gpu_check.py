@@ -511,7 +511,8 @@ def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_fir
     calls of that budget add up to the whole one-GPU plan, each step fitting one on its own."""
     assert gpu_check.DEFAULT_BUDGET + gpu_check.STOP_GRACE_SECONDS + 10 <= 9 * 60
     assert all(gpu_check.TIMEOUTS[s] <= gpu_check.DEFAULT_BUDGET for s in gpu_check.STEPS)
-    assert gpu_check.STEPS[:8] == ["sft", "dpo", "grpo", "fast94", "text-fsdp", "detect-640", "preempt", "bench"]
+    assert gpu_check.STEPS[:5] == ["sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"]
+    assert gpu_check.STEPS[5:10] == ["fast94", "text-fsdp", "detect-640", "preempt", "bench"]
     needs = gpu_check.requirements(1, None)
     todo, calls = [s for s in gpu_check.STEPS if not needs[s]], []
     while todo:
@@ -523,6 +524,7 @@ def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_fir
         assert call, f"{todo} do not fit a call of {gpu_check.DEFAULT_BUDGET} s"
         calls.append(call)
         todo = [s for s in todo if s not in call]
-    # sft with its TRL runs (330 s) and dpo (150 s) fill the first call; grpo and fast94 open the second
+    # sft with its TRL runs (345 s) and dpo (150 s) fill the first call; grpo and fast94 open the second, the speed
+    # steps of the chat fine-tune (270 s each) the third and fourth, and audit-detect is left to a fifth
     assert calls[0] == ["sft", "dpo"] and calls[1][:2] == ["grpo", "fast94"], calls
-    assert len(calls) == 3, calls
+    assert calls[2][0] == "sft-speed-full" and calls[3][0] == "sft-speed-lora" and len(calls) == 5, calls
