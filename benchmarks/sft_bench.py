@@ -369,6 +369,27 @@ def meter_callback(meter, samples):
     return StepTimes()
 
 
+def trl_speed_device(model: str, device: str, liger: bool | None) -> tuple[bool, bool]:
+    """(on CUDA, with Liger Kernel) for a TRL speed run of one process on one device, whose --device and --liger
+    are checked here: Liger by default on a GPU when liger_kernel imports, never on the CPU."""
+    import torch
+
+    if device not in ("auto", "cuda", "cpu"):
+        sys.exit(f"error: unknown --device {device!r}; choose auto, cuda or cpu")
+    if not (Path(model) / "config.json").is_file():
+        sys.exit(f"error: --model {model} is no model folder (no config.json); give a folder from_pretrained reads")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("error: a TRL speed run measures one process on one device; run it with python, not a launcher")
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but torch sees no GPU here; use --device cpu")
+    if liger is None:
+        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
+    elif liger and not cuda:
+        sys.exit("error: --liger needs a GPU (its kernels are Triton's); leave it out on the CPU")
+    return cuda, liger
+
+
 def trl_speed(
     model: str,
     train_file: str,
@@ -428,21 +449,9 @@ def trl_speed(
 
     from accelerate_recipes.meter import StepMeter, peak_memory_mb
 
-    if device not in ("auto", "cuda", "cpu"):
-        sys.exit(f"error: unknown --device {device!r}; choose auto, cuda or cpu")
-    if not (Path(model) / "config.json").is_file():
-        sys.exit(f"error: --model {model} is no model folder (no config.json); give a folder from_pretrained reads")
     if not Path(train_file).is_file():
         sys.exit(f'error: --train_file {train_file} not found; give a .jsonl of {{"messages": [...]}} conversations')
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sys.exit("error: trl_speed measures one process on one device; run it with python, not a multi-process launch")
-    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but torch sees no GPU here; use --device cpu")
-    if liger is None:
-        liger = cuda and importlib.util.find_spec("liger_kernel") is not None
-    elif liger and not cuda:
-        sys.exit("error: --liger needs a GPU (its kernels are Triton's); leave it out on the CPU")
+    cuda, liger = trl_speed_device(model, device, liger)
     if attn_implementation is None and cuda and importlib.util.find_spec("flash_attn") is not None:
         attn_implementation = "flash_attention_2"  # TRL's advice for padding-free rows
     torch.manual_seed(seed)
