@@ -650,6 +650,15 @@ def assert_quiet(report: dict, proc, steps: int, log_every: int) -> None:
     assert "PASS: 0 read(s)" in proc.stdout
 
 
+def assert_both_ranks_quiet(two, steps: int, log_every: int) -> None:
+    """Each of the 2 gloo processes of a shared 2-process run wrote its own audit, and each holds no read between log
+    steps."""
+    for rank in (0, 1):
+        report = read_audit(two.out, rank)
+        assert report["world_size"] == 2 and report["rank"] == rank
+        assert_quiet(report, two.proc, steps, log_every)
+
+
 # The detector on 1 process: 96 training and 21 validation images of the generated shapes set (21 divides neither by 2
 # processes nor by a batch of 4); 144 steps of batch 8 (12 epochs), evaluated once at the end: the shortest run
 # measured here that finds the shapes at all (36 steps of batch 16 left mAP50 at 0.000). Logs at step 1 and every 12
@@ -973,3 +982,94 @@ def assert_nonfinite_gradients_handled(behaviour: str, proc, out: Path, bad_step
     assert weights and all(tensor.isfinite().all() for tensor in weights)
     evaluation = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, float)}
     assert evaluation and all(np.isfinite(v) for v in evaluation.values()), evaluation
+
+
+# ------------------------------------------------------------------------ killed runs resumed (test_resume.py and
+# the tests beside the shared runs: a SIGKILL test whose reference is a shared session run lives in the file that
+# makes that run anyway, so that no pytest worker makes the run for it alone)
+def start_in_own_session(cmd, env, log: Path) -> subprocess.Popen:
+    """Start `cmd` with its output in `log`, in a session of its own: a kill of the group reaches every process."""
+    return subprocess.Popen(
+        [str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
+    marker = output_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json"
+    deadline = time.monotonic() + time_limit(timeout)
+    while not marker.exists():
+        assert proc.poll() is None, (
+            f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
+        )
+        assert time.monotonic() < deadline, f"no checkpoint at step {step} after {timeout} s"
+        time.sleep(0.02)
+
+
+def processes_with(variable: str, value: str) -> dict[int, dict]:
+    """pid -> environment of the running processes whose environment has variable=value."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            pairs = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        env = dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+        if env.get(variable) == value:
+            found[int(entry.name)] = env
+    return found
+
+
+def saved_weights(output_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(output_dir) / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    import torch
+
+    wa, wb = saved_weights(a), saved_weights(b)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def assert_same_best(a: Path, b: Path) -> None:
+    """The same best evaluation, and the same weights in model_best: the resumed run knew the best found before the
+    interruption (it is part of the checkpoint), so an epoch after it replaced model_best only by doing better."""
+    keys = ("best_metric", "best_epoch", "best_step")
+    assert {k: read_results(a)[k] for k in keys} == {k: read_results(b)[k] for k in keys}
+    assert_same_weights(a / "model_best", b / "model_best")
+
+
+def sigkill_mid_epoch_then_resume(command: list, kill_after: int, reference: Path, tmp_path: Path) -> None:
+    """`python *command` killed with SIGKILL once its checkpoint of step `kill_after` (inside an epoch) is on disk,
+    then continued with --resume auto: it ends with the weights, best model and steps of `reference`, the same
+    command run start to finish, and a metrics file that reads as one run."""
+    import signal
+
+    out, log = tmp_path / "out", tmp_path / "killed.log"
+    env = recipe_env(tmp_path)
+    proc = start_in_own_session([PYTHON, *command, "--output_dir", out], env, log)
+    try:
+        wait_for_checkpoint(proc, out, kill_after, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / "results.json").exists(), "the run finished before it was killed"
+    progress = json.loads((out / "checkpoints" / f"step_{kill_after:08d}" / "checkpoint.json").read_text())
+    assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
+
+    resumed = check(run([PYTHON, *command, "--output_dir", out, "--resume", "auto"], env, timeout=400))
+    assert "resumed from" in resumed.stdout
+    results = read_results(out)
+    assert results["resumed_from"].startswith(str(out / "checkpoints" / "step_"))
+    assert results["steps"] == read_results(reference)["steps"]
+    assert_same_weights(out, reference)
+    assert_same_best(out, reference)
+    # The metrics file reads as one run: every step logged once, in order.
+    steps = [m["step"] for m in read_metrics(out) if "train/loss" in m]
+    assert steps == sorted(set(steps)) and steps[-1] == results["steps"]
+    assert len(list((out / "checkpoints").iterdir())) == 2  # --keep_checkpoints 2

@@ -2,23 +2,37 @@
 
 import glob
 import json
+import os
+import signal
 
 import pytest
 import torch
 from conftest import (
+    ACCELERATE,
+    CIFAR_RUN,
     CIFAR_SCRIPT,
+    CONFIGS,
     NAN_GRADIENT,
     PYTHON,
     TINY,
+    assert_both_ranks_quiet,
     assert_nonfinite_gradients_handled,
+    assert_quiet,
+    assert_same_weights,
     check,
     check_png,
     fails_with,
+    free_port,
     losses,
+    processes_with,
+    read_audit,
     read_metrics,
     read_results,
     recipe_env,
     run,
+    start_in_own_session,
+    time_limit,
+    wait_for_checkpoint,
     write_cifar10,
 )
 from safetensors.torch import load_file
@@ -172,6 +186,61 @@ def test_two_processes_match_one_process(cifar_one, cifar_two):
     assert r2["momentum"] == 0.9 and r2["augment"] is False and r2["lr"] == 0.02
     assert r2["model"] == "resnet18" and r2["epochs"] == 1 and r2["total_steps"] == 8
     assert not {"output_dir", "resume", "tracker", "batch_size", "predict"} & set(r2)
+
+
+def test_cifar_loop_reads_nothing_between_log_steps_on_one_and_two_processes(cifar_one, cifar_two):
+    """The host-read audit (benchmarks/host_reads.py) of the shared runs: steps 3, 5 and 7 read nothing on the host,
+    on 1 process and on each of the 2."""
+    assert_quiet(read_audit(cifar_one.out), cifar_one.proc, steps=8, log_every=2)
+    assert_both_ranks_quiet(cifar_two, steps=8, log_every=2)
+
+
+def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(cifar_two, tmp_path):
+    """Rank 1 of 2 killed with SIGKILL mid-epoch: the launcher stops rank 0; --resume auto on 2 processes ends with the
+    weights of the shared 2-process run cifar_two (CIFAR_RUN, 8 steps inside one epoch), bit for bit. This run has the
+    same flags and a checkpoint every 2 steps, which changes no number it computes. (The other killed runs are
+    test_resume.py's; this one sits beside the run it continues to.)"""
+    launch = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        CONFIGS / "cpu.yaml",
+        "--num_processes",
+        "2",
+        "--num_cpu_threads_per_process",
+        "1",
+    ]
+    cifar = [CIFAR_SCRIPT, *CIFAR_RUN, "--checkpoint_every", "2"]
+    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
+
+    out, log = tmp_path / "out", tmp_path / "killed.log"
+    marked = dict(env, RESUME_TEST_RUN=str(tmp_path))
+    proc = start_in_own_session([*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out], marked, log)
+    try:
+        wait_for_checkpoint(proc, out, 4, log)  # mid-epoch 1
+        rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
+        assert rank1, "rank 1 not found"
+        os.kill(rank1[0], signal.SIGKILL)
+        assert proc.wait(timeout=time_limit(120)) != 0  # the launcher notices and stops rank 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (out / "results.json").exists()
+
+    progress = json.loads((out / "checkpoints" / f"step_{4:08d}" / "checkpoint.json").read_text())
+    assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
+
+    resumed = check(
+        run(
+            [*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out, "--resume", "auto"],
+            env,
+            timeout=400,
+        )
+    )
+    assert "resumed from" in resumed.stdout
+    results = read_results(out)
+    assert results["world_size"] == 2 and results["steps"] == read_results(cifar_two.out)["steps"] == 8
+    assert_same_weights(out, cifar_two.out)
 
 
 def test_imagefolder_with_gradient_accumulation(tmp_path):

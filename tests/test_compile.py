@@ -75,24 +75,26 @@ def test_predict_and_eval_only_load_the_compiled_runs_models(compiled, tmp_path)
     # one evaluation in the run: model_best is the model of that evaluation, as the last one is
     assert trained["best_epoch"] == 1 and trained["best_metric"] == trained["eval_accuracy"]
     env = recipe_env(tmp_path)
-    for model, name in ((compiled, "last"), (compiled / "model_best", "best")):
-        proc = check(run([PYTHON, CIFAR_SCRIPT, "--predict", tmp_path / "test", "--model", model], env, timeout=300))
-        rows = [json.loads(line) for line in proc.stdout.splitlines()]
-        correct = sum(row["label"] == Path(row["image"]).parent.name for row in rows)
-        assert len(rows) == TEST_IMAGES
-        assert correct / TEST_IMAGES == pytest.approx(trained["eval_accuracy"], abs=1.5 / TEST_IMAGES)
-        # the test split evaluated again, without compiling: the loss and accuracy the compiled run recorded
-        check(
-            run(
-                [PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", model, *TINY, "--output_dir", tmp_path / name],
-                env,
-                timeout=300,
-            )
+    # Both modes load a folder through the same load_trained_model, and the run's two model folders hold the same
+    # names (the test above): --predict reads the last model, --eval_only model_best.
+    proc = check(run([PYTHON, CIFAR_SCRIPT, "--predict", tmp_path / "test", "--model", compiled], env, timeout=300))
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    correct = sum(row["label"] == Path(row["image"]).parent.name for row in rows)
+    assert len(rows) == TEST_IMAGES
+    assert correct / TEST_IMAGES == pytest.approx(trained["eval_accuracy"], abs=1.5 / TEST_IMAGES)
+    # the test split evaluated again, without compiling: the loss and accuracy the compiled run recorded
+    best = compiled / "model_best"
+    check(
+        run(
+            [PYTHON, CIFAR_SCRIPT, "--eval_only", "--model", best, *TINY, "--output_dir", tmp_path / "best"],
+            env,
+            timeout=300,
         )
-        evaluation = read_results(tmp_path / name)
-        assert evaluation["eval_samples"] == TEST_IMAGES
-        assert evaluation["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-4)
-        assert evaluation["eval_accuracy"] == trained["eval_accuracy"]
+    )
+    evaluation = read_results(tmp_path / "best")
+    assert evaluation["eval_samples"] == TEST_IMAGES and evaluation["model_dir"] == str(best)
+    assert evaluation["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-4)
+    assert evaluation["eval_accuracy"] == trained["eval_accuracy"]
 
 
 def test_checkpoints_resume_with_and_without_compile(compiled, tmp_path):

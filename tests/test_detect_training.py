@@ -12,11 +12,13 @@ from conftest import (
     NAN_GRADIENT,
     PYTHON,
     assert_nonfinite_gradients_handled,
+    assert_quiet,
     check,
     check_png,
     fails_with,
     free_port,
     losses,
+    read_audit,
     read_results,
     recipe_env,
     run,
@@ -93,6 +95,12 @@ def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(tra
             objects[int(line.split()[0])] += 1
     assert [sum(row) for row in counts[:3]] == objects  # every validation object counted once, found or missed
     assert counts[3][3] == 0  # background against background is not a thing
+
+
+def test_detector_loop_reads_nothing_between_log_steps_on_one_process(detect_one):
+    """The host-read audit (benchmarks/host_reads.py) of the shared run: 12 epochs of 12 steps, logged at the epoch
+    ends; the 2-process run's audit is test_host_reads.py's."""
+    assert_quiet(read_audit(detect_one.out), detect_one.proc, steps=144, log_every=12)
 
 
 def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shapes, tmp_path):

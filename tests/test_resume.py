@@ -1,39 +1,39 @@
 """Checkpoints and resume for every recipe: a run killed anywhere continues to the same weights, bit for bit on CPU.
 
-Each run is a real subprocess, killed for real (SIGKILL, SIGTERM) once a checkpoint has appeared on disk.
+Each run is a real subprocess, killed for real (SIGKILL, SIGTERM) once a checkpoint has appeared on disk. The two
+killed runs whose reference is a shared session run sit in the file that makes that run anyway: the text recipe's
+SIGKILL test in test_text_classification.py (text_one), the 2-process run with a rank killed in
+test_cifar_training.py (cifar_two).
 """
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
     ACCELERATE,
-    CIFAR_RUN,
     CIFAR_SCRIPT,
     CONFIGS,
     PYTHON,
     REPO,
-    TEXT_RUN,
-    TEXT_SCRIPT,
+    assert_same_best,
+    assert_same_weights,
     check,
     fails_with,
     free_port,
-    read_metrics,
     read_results,
     recipe_env,
     run,
-    text_files,
+    saved_weights,
+    sigkill_mid_epoch_then_resume,
     time_limit,
+    wait_for_checkpoint,
 )
-from safetensors.torch import load_file
+from conftest import start_in_own_session as start
 from synthetic_shapes import write_synthetic_dataset
 
 from accelerate_recipes import PREEMPTED_EXIT_CODE
@@ -59,18 +59,15 @@ CIFAR = [
 
 
 @pytest.fixture(scope="module")
-def data(text_data, module_tmp):
+def data(module_tmp):
     root = module_tmp.mktemp("resume-data")
     shapes = write_synthetic_dataset(root / "shapes", num_train=48, num_val=9, image_size=128, seed=3)
-    return {"text": text_data, "shapes": shapes}
+    return {"shapes": shapes}
 
 
 def recipe_command(name: str, data: dict) -> list:
     if name == "cifar":
         return CIFAR
-    if name == "text":  # conftest's text_one with a checkpoint every 3 steps: 2 epochs of 16 steps; dropout draws from
-        # the global RNG that checkpoints restore
-        return [TEXT_SCRIPT, *text_files(data["text"]), *TEXT_RUN, "--checkpoint_every", "3"]
     # detect: 6 steps per epoch, mosaic augmentation, EMA weights
     return [
         DETECT_SCRIPT,
@@ -89,67 +86,16 @@ def recipe_command(name: str, data: dict) -> list:
 
 
 def weights(output_dir: Path) -> dict:
-    return load_file(str(output_dir / "model.safetensors"))
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-
-def assert_same_best(a: Path, b: Path) -> None:
-    """The same best evaluation, and the same weights in model_best: the resumed run knew the best found before the
-    interruption (it is part of the checkpoint), so an epoch after it replaced model_best only by doing better."""
-    keys = ("best_metric", "best_epoch", "best_step")
-    assert {k: read_results(a)[k] for k in keys} == {k: read_results(b)[k] for k in keys}
-    assert_same_weights(a / "model_best", b / "model_best")
-
-
-def start(cmd, env, log: Path) -> subprocess.Popen:
-    # Its own session, so a kill of the group reaches every process it started.
-    return subprocess.Popen(
-        [str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def wait_for_checkpoint(proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
-    marker = output_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json"
-    deadline = time.monotonic() + time_limit(timeout)
-    while not marker.exists():
-        assert proc.poll() is None, (
-            f"the run ended (exit {proc.returncode}) before step {step}:\n{log.read_text()[-3000:]}"
-        )
-        assert time.monotonic() < deadline, f"no checkpoint at step {step} after {timeout} s"
-        time.sleep(0.02)
-
-
-def processes_with(variable: str, value: str) -> dict[int, dict]:
-    """pid -> environment of the running processes whose environment has variable=value."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            pairs = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        env = dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
-        if env.get(variable) == value:
-            found[int(entry.name)] = env
-    return found
+    return saved_weights(output_dir)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, module_tmp, request):
-    """The reference: each recipe run start to finish with the same flags. The text recipe's is the shared text_one
-    (the same flags without the checkpoints, which change no number the run computes)."""
+def uninterrupted(data, module_tmp):
+    """The reference: each recipe run start to finish with the same flags. The text recipe's SIGKILL test, whose
+    reference is the shared text_one run, is test_text_classification.py's (where text_one is made anyway)."""
     outputs = {}
 
     def get(name: str) -> Path:
-        if name == "text":
-            return request.getfixturevalue("text_one").out
         if name not in outputs:
             tmp = module_tmp.mktemp(f"reference-{name}")
             check(run([PYTHON, *recipe_command(name, data), "--output_dir", tmp / "out"], recipe_env(tmp), timeout=400))
@@ -159,79 +105,9 @@ def uninterrupted(data, module_tmp, request):
     return get
 
 
-@pytest.mark.parametrize("name, kill_after", [("cifar", 8), ("text", 18), ("detect", 8)])
+@pytest.mark.parametrize("name, kill_after", [("cifar", 8), ("detect", 8)])
 def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kill_after, data, uninterrupted, tmp_path):
-    out, log = tmp_path / "out", tmp_path / "killed.log"
-    env = recipe_env(tmp_path)
-    proc = start([PYTHON, *recipe_command(name, data), "--output_dir", out], env, log)
-    try:
-        wait_for_checkpoint(proc, out, kill_after, log)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert not (out / "results.json").exists(), "the run finished before it was killed"
-    progress = json.loads((out / "checkpoints" / f"step_{kill_after:08d}" / "checkpoint.json").read_text())
-    assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
-
-    resumed = check(
-        run([PYTHON, *recipe_command(name, data), "--output_dir", out, "--resume", "auto"], env, timeout=400)
-    )
-    assert "resumed from" in resumed.stdout
-    results = read_results(out)
-    assert results["resumed_from"].startswith(str(out / "checkpoints" / "step_"))
-    assert results["steps"] == read_results(uninterrupted(name))["steps"]
-    assert_same_weights(out, uninterrupted(name))
-    assert_same_best(out, uninterrupted(name))
-    # The metrics file reads as one run: every step logged once, in order.
-    steps = [m["step"] for m in read_metrics(out) if "train/loss" in m]
-    assert steps == sorted(set(steps)) and steps[-1] == results["steps"]
-    assert len(list((out / "checkpoints").iterdir())) == 2  # --keep_checkpoints 2
-
-
-def test_two_process_run_with_one_rank_killed_resumes_to_the_same_weights(cifar_two, tmp_path):
-    """The reference is the shared 2-process CIFAR run (conftest's cifar_two: CIFAR_RUN, 8 steps inside one epoch);
-    this run has the same flags and a checkpoint every 2 steps, which changes no number it computes."""
-    launch = [
-        ACCELERATE,
-        "launch",
-        "--config_file",
-        CONFIGS / "cpu.yaml",
-        "--num_processes",
-        "2",
-        "--num_cpu_threads_per_process",
-        "1",
-    ]
-    cifar = [CIFAR_SCRIPT, *CIFAR_RUN, "--checkpoint_every", "2"]
-    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
-
-    out, log = tmp_path / "out", tmp_path / "killed.log"
-    marked = dict(env, RESUME_TEST_RUN=str(tmp_path))
-    proc = start([*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out], marked, log)
-    try:
-        wait_for_checkpoint(proc, out, 4, log)  # mid-epoch 1
-        rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
-        assert rank1, "rank 1 not found"
-        os.kill(rank1[0], signal.SIGKILL)
-        assert proc.wait(timeout=time_limit(120)) != 0  # the launcher notices and stops rank 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert not (out / "results.json").exists()
-
-    progress = json.loads((out / "checkpoints" / f"step_{4:08d}" / "checkpoint.json").read_text())
-    assert progress["batches_done"] > 0, "the checkpoint should sit inside an epoch"
-
-    resumed = check(
-        run(
-            [*launch, "--main_process_port", free_port(), *cifar, "--output_dir", out, "--resume", "auto"],
-            env,
-            timeout=400,
-        )
-    )
-    assert "resumed from" in resumed.stdout
-    results = read_results(out)
-    assert results["world_size"] == 2 and results["steps"] == read_results(cifar_two.out)["steps"] == 8
-    assert_same_weights(out, cifar_two.out)
+    sigkill_mid_epoch_then_resume(recipe_command(name, data), kill_after, uninterrupted(name), tmp_path)
 
 
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted, tmp_path):

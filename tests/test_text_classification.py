@@ -11,17 +11,22 @@ from conftest import (
     NAN_GRADIENT,
     PYTHON,
     TEXT_FAST,
+    TEXT_RUN,
     TEXT_SCRIPT,
+    assert_both_ranks_quiet,
     assert_nonfinite_gradients_handled,
+    assert_quiet,
     check,
     check_png,
     fails_with,
     losses,
+    read_audit,
     read_metrics,
     read_results,
     recipe_env,
     run,
     sentiment_rows,
+    sigkill_mid_epoch_then_resume,
     text_files,
     write_rows,
 )
@@ -189,6 +194,13 @@ def test_two_processes_over_gloo_count_each_validation_example_once(text_two):
     assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 2
 
 
+def test_text_loop_reads_nothing_between_log_steps_on_one_and_two_processes(text_one, text_two):
+    """The host-read audit (benchmarks/host_reads.py) of the shared runs, on 1 process and on each of the 2; two
+    epochs: the epoch end (step 16) is a log step."""
+    assert_quiet(read_audit(text_one.out), text_one.proc, steps=32, log_every=4)
+    assert_both_ranks_quiet(text_two, steps=32, log_every=4)
+
+
 def test_eval_only_on_one_and_two_processes_reproduces_the_runs_evaluation(single_run, text_data, tmp_path):
     out, _ = single_run
     common = [
@@ -277,6 +289,15 @@ def test_eval_only_on_one_and_two_processes_reproduces_the_runs_evaluation(singl
         ),
         "not a fine-tuned model directory",
     )
+
+
+def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(text_one, text_data, tmp_path):
+    """text_one's flags with a checkpoint every 3 steps (2 epochs of 16 steps), killed with SIGKILL once step 18's
+    checkpoint is on disk, then --resume auto: the weights, best model and steps of text_one (the checkpoints change
+    no number the run computes; dropout draws from the global RNG that checkpoints restore). The other recipes' killed
+    runs are test_resume.py's; this one sits beside the run it continues to."""
+    command = [TEXT_SCRIPT, *text_files(text_data), *TEXT_RUN, "--checkpoint_every", "3"]
+    sigkill_mid_epoch_then_resume(command, 18, text_one.out, tmp_path)
 
 
 def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
