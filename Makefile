@@ -115,13 +115,16 @@ test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offl
 # there too, each once: the answer loss in chunks against transformers' and under FSDP2 (1 and 2 processes), varlen
 # and sdpa attention, LoRA under autocast, LoRA under FSDP2 over two "nodes" against DDP (not ZeRO-3: DeepSpeed is
 # the same release in both environments, and its run is the set's longest), DPO on 1 and 2 processes with
-# accumulation, GRPO's sampling, decoding (eager, static, compiled), token log-probabilities in chunks (also under
-# FSDP2) and KL reference, and the NaN guard's runs of sft, dpo and grpo.
+# accumulation (packed and compiled on 2), DPO's packed rows against padded ones in process, GRPO's sampling,
+# decoding (eager, static, compiled), token log-probabilities in chunks (also under FSDP2) and KL reference, and the
+# NaN guard's runs of sft, dpo and grpo.
 OLDEST_TESTS ?= tests/test_sft_data.py tests/test_grpo_parts.py \
 	tests/test_sft_sharded.py::test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_gradients \
 	tests/test_sft_sharded.py::test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter \
 	tests/test_sft.py::test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skipped \
 	tests/test_dpo.py::test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_is_split \
+	tests/test_dpo.py::test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradients \
+	tests/test_dpo.py::test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows \
 	tests/test_dpo.py::test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped \
 	tests/test_grpo.py::test_nan_gradients_stop_the_run_at_their_step_before_an_evaluation_between_log_steps
 $(OLDEST_VENV)/.installed: pyproject.toml tests/oldest-versions.txt | $(VENV)/.installed-dev

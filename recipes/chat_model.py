@@ -82,6 +82,9 @@ class ChatModelFlags(TrainingFlags):
     merge: str | None = None
 
 
+COMPILE_ROW_MULTIPLE = 128  # compiled blocks and packed rows: rows filled up to a multiple of this many tokens
+
+
 @dataclass
 class KernelFlags:
     """How the decoder's blocks run in the recipes that train on whole sequences (sft.py and dpo.py): compiled, with
@@ -394,9 +397,12 @@ def reference_model(accelerator, model, reference):
             yield reference
 
 
-def token_logprobs(model, input_ids, attention_mask, targets, position_ids=None, temperature: float = 1.0, **packed):
+def token_logprobs(
+    model, input_ids, attention_mask, targets, position_ids=None, temperature: float = 1.0, at=None, **packed
+):
     """Log-probabilities of `targets`, the last targets.shape[1] tokens of each row of `input_ids`, under `model` (at
-    `temperature`): fp32, [rows, targets]. Only those positions' logits are computed, a chunk of rows at a time
+    `temperature`): fp32, [rows, targets]; or with `at` (flat positions of input_ids, any shape) the tokens that those
+    positions predict, in at's shape. Only those positions' logits are computed, a chunk of rows at a time
     (sft_loss.target_logprobs): no tensor of the whole vocabulary's fp32 logits for every target. build_model swaps the
     forward pass that does it in before prepare (under autocast); a model built elsewhere gets it here. `packed`: a
     packed row's cumulative sequence lengths, passed on to the attention (packed_attention.py)."""
@@ -406,6 +412,7 @@ def token_logprobs(model, input_ids, attention_mask, targets, position_ids=None,
         attention_mask=attention_mask,
         position_ids=position_ids,
         logprob_targets=targets,
+        logprob_index=at,
         temperature=temperature,
         **packed,
     )

@@ -48,16 +48,21 @@ from accelerate.utils import (
     send_to_device,
     set_seed,
 )
+from chat_generation import without_compiling
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the reference, saving, --chat, --merge
     BASE,
+    COMPILE_ROW_MULTIPLE,
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
+    KernelFlags,
     adamw,
     attention_settings,
     build_model,
     chat,
     check_one_mode,
+    compile_cache_hits,
+    compiles,
     generate_answers,
     is_adapter,
     load_any,
@@ -68,9 +73,12 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     reference_policy,
     save_model,
     token_logprobs,
+    use_kernels,
     write_samples,
 )
-from dpo_data import TOO_LONG, PairCollator, load_pairs, tokenize_pairs
+from dpo_data import TOO_LONG, load_pairs, pair_collator, tokenize_pairs
+from packed_attention import PACKED_KWARGS, choose_attention
+from sft_data import check_packing
 from sft_plan import numel
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
@@ -110,7 +118,7 @@ PLOTTED = ("eval/reward_accuracy", "eval/logp_accuracy", "eval/reward_margin")  
 
 
 @dataclass
-class DpoFlags(ChatModelFlags):
+class DpoFlags(ChatModelFlags, KernelFlags):
     """Tune a chat model on preference pairs with DPO or a variant (LoRA with --lora_r, else in full).
 
     The loss compares how much more likely the model makes the chosen answer than the rejected one with how much
@@ -129,6 +137,12 @@ class DpoFlags(ChatModelFlags):
         max_length: longest prompt plus answer in tokens; longer pairs are dropped, or cut (--too_long), and counted.
         too_long: drop (default) or truncate: what happens to a pair longer than --max_length; truncate cuts both
             answers to fit after the prompt (a prompt that leaves no room is dropped).
+        packing: put each micro-batch's chosen and rejected sequences (each a prompt and one answer) in one row
+            without padding, attention kept inside each one (positions restart per sequence): the same losses and
+            figures as padded batches, no padding computed. Needs an attention implementation that keeps
+            packed sequences apart: varlen (chosen by default on a GPU of compute capability 8.0 or newer in
+            bf16/fp16: torch's variable-length flash kernel, each sequence attending to itself only), sdpa (a dense
+            mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
         loss_type: sigmoid (DPO), ipo (IPO: a squared loss on the margin of the answers' mean token log-probabilities,
             which does not push it without bound) or hinge (SLiC: max(0, 1 - beta x margin)).
         beta: how far the model may move from the reference: the scale of the margin (sigmoid, hinge) or the inverse
@@ -166,6 +180,7 @@ class DpoFlags(ChatModelFlags):
     validation_size: float = 0.1
     max_length: int = 1024
     too_long: str = "drop"
+    packing: bool = False
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -240,9 +255,11 @@ def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_proce
     """The training loader (shuffled, whole batches only; None without training pairs, as --eval_only may have) and
     the validation loader, before accelerator.prepare."""
     pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
+    if args.compile and args.packing:  # compiled blocks compile once per row length: a few lengths, not one a row
+        pad_to = COMPILE_ROW_MULTIPLE
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    collate = PairCollator(tokenizer.pad_token_id, pad_to)
+    collate = pair_collator(tokenizer, args.packing, pad_to)
     # The shuffle has a generator of its own: starting an epoch then draws nothing from the global RNG.
     generator = torch.Generator().manual_seed(args.seed)
     train_loader = None
@@ -270,12 +287,18 @@ def first_batches(batches, limit: int):
 
 # ----------------------------------------------------------------------------------------------------------- loss
 def answer_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each row's answer log-probability, summed over its tokens; its answer tokens): chosen rows first, then the
-    rejected ones. Only the answers' positions get logits."""
+    """(each answer's log-probability, summed over its tokens; its answer tokens): chosen answers first, then the
+    rejected ones. Only the answers' positions get logits: the last columns of a padded batch, or in a packed row
+    (--packing) the positions answer_index names, laid out as a padded batch's."""
     answer_mask = batch["answer_mask"]
-    positions = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)  # left padding skipped
-    targets = batch["input_ids"][:, -answer_mask.shape[1] :]
-    logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], targets, positions)
+    if "position_ids" in batch:  # packed: one row, positions restarting per sequence, no mask
+        packed = {key: batch[key] for key in PACKED_KWARGS}  # where the sequences start, for the attention
+        row, at = batch["input_ids"], batch["answer_index"]  # the positions that predict each answer token
+        logprobs = token_logprobs(model, row, None, row[0, at + 1], batch["position_ids"], at=at, **packed)
+    else:
+        positions = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)  # left padding skipped
+        targets = batch["input_ids"][:, -answer_mask.shape[1] :]
+        logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], targets, positions)
     return (logprobs * answer_mask).sum(dim=1), answer_mask.sum(dim=1)
 
 
@@ -388,8 +411,9 @@ def evaluate(accelerator, model, reference, loader, args, stored: StoredReferenc
     model.eval()
     sums, pairs = torch.zeros(len(FIGURES), dtype=torch.float64), 0
     for batch in loader:
-        policy, tokens = answer_logprobs(model, batch)
-        reference_rows = reference_logprobs(accelerator, model, reference, batch, stored, "validation")
+        with without_compiling():  # compiled blocks: the graphs of training where shapes match, else eager
+            policy, tokens = answer_logprobs(model, batch)
+            reference_rows = reference_logprobs(accelerator, model, reference, batch, stored, "validation")
         figures = pair_figures(policy, reference_rows, tokens, args)
         per_pair = accelerator.gather_for_metrics(torch.stack([figures[name].float() for name in FIGURES], dim=1))
         sums += per_pair.double().sum(dim=0).cpu()
@@ -442,6 +466,7 @@ def train(args: DpoFlags) -> None:
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
+    args.compile = compiles(args.compile, accelerator)  # by default on a CUDA GPU
     generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if args.eval_generate and generation_off:
         accelerator.print("--eval_generate is off: answers need the whole model in each process, which this run shards")
@@ -457,8 +482,13 @@ def train(args: DpoFlags) -> None:
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, splits, per_process)
 
     # ---- model and reference policy (none with --precompute_ref: the model itself before its first step)
+    # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says otherwise
+    args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
     model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
+    if args.packing:
+        check_packing(model)  # attention that keeps each packed sequence to itself (the reference's too)
     reference = None if args.precompute_ref else reference_policy(args, accelerator, model, model_name)
+    use_kernels(model, args, accelerator.device)  # --liger, --compile; after the reference's copy, which stays eager
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
@@ -494,7 +524,7 @@ def train(args: DpoFlags) -> None:
         check_same_reference(resume_from, args.precompute_ref)
         accelerator.load_state(resume_from)
     elif stored is not None:
-        collate = PairCollator(tokenizer.pad_token_id)
+        collate = pair_collator(tokenizer, args.packing)
         seconds = stored.compute(accelerator, model, splits, collate, per_process)
         config.update(precompute_ref_seconds=seconds)
         accelerator.print(f"reference log-probabilities of every pair computed in {seconds:.1f} s")
@@ -586,7 +616,8 @@ def train(args: DpoFlags) -> None:
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
-    results.update(token_rates(results, splits["train"]))
+    results.update(token_rates(results, splits["train"]), warmup_seconds=progress.meter.warmup_seconds)
+    results.update(compile_cache_hits=compile_cache_hits())  # graphs an earlier run of these shapes had compiled
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -672,6 +703,10 @@ def evaluate_saved_model(args: DpoFlags) -> None:
     reference = BASE
     if args.reference_model:
         reference = load_any(args.reference_model)[0].eval().requires_grad_(False).to(accelerator.device)
+    if args.packing:  # the loaded models' attention (sdpa unless saved otherwise) must keep packed sequences apart
+        check_packing(model)
+        if reference is not BASE:
+            check_packing(reference)
     # evaluation_mode: no DDP wrapper, which refuses a model without trainable weights (a loaded adapter)
     model, eval_loader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(eval_loader)
     evaluation = evaluate(accelerator, model, reference, eval_loader, args, None)

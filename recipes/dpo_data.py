@@ -17,7 +17,8 @@ from pathlib import Path
 
 import datasets
 import torch
-from sft_data import FILE_SUFFIXES, hold_out, listed_messages, load_file, short
+from sft_data import FILE_SUFFIXES, ChatCollator, collator, hold_out, listed_messages, load_file, short
+from sft_loss import IGNORE_INDEX
 
 from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
@@ -179,3 +180,40 @@ class PairCollator:
             "answer_mask": answer_mask,
             "index": torch.tensor([e["index"] for e in examples]),
         }
+
+
+@dataclass
+class PackedPairCollator:
+    """--packing: a micro-batch of pairs as one row without padding, made by the chat recipe's packing collator
+    (sft_data.collator): the 2 x pairs sequences, each a prompt and one of its answers, chosen answers first, one after
+    another, position_ids restarting at 0 for each, with the cumulative lengths a variable-length kernel reads, so
+    that each sequence attends to itself only (packed_attention.py). `answer_mask` is PairCollator's, and
+    `answer_index` holds in the same places the position of the row that predicts each answer token: the row's
+    next-token log-probabilities, picked at `answer_index`, are laid out as a padded batch's (dpo.answer_logprobs)."""
+
+    rows: ChatCollator
+
+    def __call__(self, examples: list[dict]) -> dict:
+        prompts = [e["prompt_ids"] for e in examples] * 2
+        answers = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+        sequences = [{"input_ids": p + a, "labels": [IGNORE_INDEX] * len(p) + a} for p, a in zip(prompts, answers)]
+        batch = self.rows(sequences)
+        del batch["labels"], batch["target_index"]  # the answers' places are answer_index
+        answer_width = max(map(len, answers))
+        answer_mask = torch.zeros((len(answers), answer_width), dtype=torch.long)
+        answer_index = torch.zeros((len(answers), answer_width), dtype=torch.long)
+        # each sequence ends with its answer; a filler sequence (fill_packed_row) comes after them all
+        for row, (answer, end) in enumerate(zip(answers, batch["cu_seq_lens_q"][1:].tolist())):
+            answer_mask[row, answer_width - len(answer) :] = 1
+            answer_index[row, answer_width - len(answer) :] = torch.arange(end - len(answer) - 1, end - 1)
+        index = torch.tensor([e["index"] for e in examples])
+        return dict(batch, answer_mask=answer_mask, answer_index=answer_index, index=index)
+
+
+def pair_collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None):
+    """Batches of tokenised pairs: left-padded rows (PairCollator), or with `packing` one packed row
+    (PackedPairCollator); their length rounded up to a multiple of `pad_to_multiple_of` (a packed row by one more
+    sequence: sft_data.fill_packed_row)."""
+    if packing:
+        return PackedPairCollator(collator(tokenizer, True, pad_to_multiple_of))
+    return PairCollator(tokenizer.pad_token_id, pad_to_multiple_of)

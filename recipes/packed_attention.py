@@ -22,6 +22,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 VARLEN = "varlen"
+# What a packed batch hands the attention beside its row (DataCollatorWithFlattening's flash-attention kwargs): the
+# cumulative sequence lengths and the longest sequence, passed on to the model's forward pass.
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 try:
     from torch.nn.attention.varlen import varlen_attn

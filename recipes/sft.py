@@ -42,6 +42,7 @@ from accelerate.utils import (
 )
 from chat_generation import without_compiling
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
+    COMPILE_ROW_MULTIPLE,
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
@@ -93,8 +94,6 @@ from accelerate_recipes import (
 from accelerate_recipes.meter import flop_utilisation
 from accelerate_recipes.plots import plot_results
 
-COMPILE_ROW_MULTIPLE = 128  # --compile --packing: packed rows filled up to a multiple of this many tokens
-
 
 @dataclass
 class SftFlags(ChatModelFlags, KernelFlags):
@@ -125,11 +124,12 @@ class SftFlags(ChatModelFlags, KernelFlags):
             dense mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
         batch_tokens: with --packing, fill each micro-batch by tokens instead of conversations: one row of up to
             this many tokens per process per micro-step, so a step carries world size x --gradient_accumulation_steps
-            rows whatever the conversations' lengths, and --batch_size is not used. The rows are made once, before
-            training, by best-fit decreasing (the longest conversation first, each into the row it fills most
-            tightly; rows come within a few tokens of full), and drawn in a new order each epoch. The loss stays the
-            mean over the step's answer tokens. --plan_only prints the largest that fits the memory. 0 (default):
-            --batch_size conversations a step. At least --max_length.
+            rows whatever the conversations' lengths; --batch_size is not used (results.json: global_batch_size, the
+            conversations of a step on average). The rows are made once, before training, by best-fit decreasing
+            (the longest conversation first, each into the row it fills most tightly; rows come within a few tokens
+            of full), and drawn in a new order each epoch. The loss stays the mean over the step's answer tokens.
+            --plan_only prints the largest that fits the memory. 0 (default): --batch_size conversations a step. At
+            least --max_length.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
             that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
@@ -220,6 +220,8 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
     if args.batch_tokens:  # items are rows of conversations, one per micro-batch (per_process is 1)
         train_set = PackedRows(train_set, token_budget_rows(train_set["num_tokens"], args.batch_tokens))
         conversations = sum(map(len, train_set.rows)) / len(train_set.rows)
+        # from here on the global batch counts conversations, as without --batch_tokens: a step's, on average
+        args.batch_size = conversations * accelerator.num_processes * args.gradient_accumulation_steps
     # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
     # which checkpoints restore.
     train_loader = DataLoader(

@@ -243,19 +243,25 @@ def _chunk_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, t
     return logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
 
 
-def target_logprobs(output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def target_logprobs(
+    output_layer, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, index: torch.Tensor | None = None
+) -> torch.Tensor:
     """The log-probabilities of `targets` [rows, n], the tokens after the last n positions of `hidden` [rows, width,
-    h], under the output layer's logits / temperature: fp32, [rows, n], at most one chunk of fp32 logits at a time."""
-    batch, width = targets.shape
-    picked = hidden[:, -width - 1 : -1].reshape(-1, hidden.shape[-1])
+    h], under the output layer's logits / temperature: fp32, [rows, n], at most one chunk of fp32 logits at a time.
+    With `index` (flat positions into hidden's rows x width, any shape), `targets` of its shape are the tokens those
+    positions predict: a packed row's answers, wherever they sit in it."""
+    if index is None:
+        picked = hidden[:, -targets.shape[1] - 1 : -1].reshape(-1, hidden.shape[-1])
+    else:
+        picked = hidden.reshape(-1, hidden.shape[-1])[index.reshape(-1)]
     flat = targets.reshape(-1)
     rows, per_chunk_calls = _chunk_plan(output_layer)
     if per_chunk_calls:
-        return _checkpointed(_chunk_logprobs, output_layer, picked, flat, rows, temperature).reshape(batch, width)
+        return _checkpointed(_chunk_logprobs, output_layer, picked, flat, rows, temperature).reshape(targets.shape)
     output_layer(picked[:0])  # the layer's own call, on no rows: FSDP2's group hooks close the pass (see above)
     weight = output_layer.weight
     inputs = (picked, weight, output_layer.bias, flat, _compute_dtype(picked, weight), rows, temperature)
-    return _LinearLogprobs.apply(*inputs).reshape(batch, width)
+    return _LinearLogprobs.apply(*inputs).reshape(targets.shape)
 
 
 # Model types whose causal LM computes its logits as the output layer's plain product of the decoder's last hidden
@@ -278,7 +284,15 @@ def use_answer_loss(model) -> bool:
 
 
 def _chunked_forward(
-    self, *args, labels=None, target_index=None, num_items_in_batch=None, logprob_targets=None, temperature=1.0, **kw
+    self,
+    *args,
+    labels=None,
+    target_index=None,
+    num_items_in_batch=None,
+    logprob_targets=None,
+    logprob_index=None,
+    temperature=1.0,
+    **kw,
 ):
     """use_answer_loss's forward pass of a causal LM (`self`)."""
     if logprob_targets is None and (labels is None or target_index is None):
@@ -289,10 +303,16 @@ def _chunked_forward(
     if logprob_targets is not None:
         if plain:
             hidden = self.get_decoder()(*args, **kw).last_hidden_state
-            logprobs = target_logprobs(self.get_output_embeddings(), hidden, logprob_targets, temperature)
+            head = self.get_output_embeddings()
+            logprobs = target_logprobs(head, hidden, logprob_targets, temperature, logprob_index)
         else:
-            logits = self.own_forward(*args, logits_to_keep=logprob_targets.shape[1] + 1, **kw).logits
-            logits = logits[:, :-1].float() / temperature
+            keep = 0 if logprob_index is not None else logprob_targets.shape[1] + 1  # 0: every position's logits
+            logits = self.own_forward(*args, logits_to_keep=keep, **kw).logits
+            if logprob_index is None:
+                logits = logits[:, :-1]
+            else:
+                logits = logits.flatten(0, 1)[logprob_index]
+            logits = logits.float() / temperature
             logprobs = logits.log_softmax(dim=-1).gather(-1, logprob_targets[..., None]).squeeze(-1)
         return TokenLogprobsOutput(logprobs=logprobs)
     if plain:

@@ -1,7 +1,9 @@
 """The preference-tuning recipe (recipes/dpo.py) run as users run it: a LoRA adapter on 1 process, on 2 gloo
-processes with accumulation and, with the reference precomputed, under FSDP2 over two "nodes" on 127.0.0.1; a full
-fine-tune that learns against its precomputed reference, on 1 process and under DeepSpeed ZeRO-3, killed and resumed;
-the chat recipe's adapter trained on with IPO; --eval_only on 2 processes, --predict, and bad pairs.
+processes with accumulation and packed rows and, with the reference precomputed, under FSDP2 over two "nodes" on
+127.0.0.1; a full fine-tune that learns against its precomputed reference, on 1 process and under DeepSpeed ZeRO-3,
+killed and resumed; the chat recipe's adapter trained on with IPO; --eval_only of packed rows on 2 processes,
+--predict, and bad pairs. In process: packed rows against padded ones (log-probabilities, loss, gradients, the stored
+reference, the evaluation).
 
 The policy is the tiny random Llama of the chat tests; the pairs ask for colours ("What colour is the plum?"): the
 chosen answer is the right colour, the rejected one a wrong colour fixed per object (conftest's colour_pairs).
@@ -24,9 +26,11 @@ from conftest import (
     NONFINITE,
     PYTHON,
     SKIP_NONFINITE,
+    as_conversations,
     assert_nonfinite_gradients_handled,
     check,
     check_png,
+    colour_pairs,
     dpo,
     free_port,
     read_metrics,
@@ -76,9 +80,12 @@ def worst_difference(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def dpo_two_accumulated(dpo_data):
-    """DPO_RUN on 2 gloo processes with 2 micro-batches each: the global batch of 8 split four ways, so that a loss
-    that left out either the world size or the accumulation factor would show."""
-    return dpo(dpo_data, "two-accumulated", "--gradient_accumulation_steps", "2", launcher=launcher("cpu.yaml"))[1]
+    """DPO_RUN on 2 gloo processes with 2 micro-batches each, packed (--packing) and compiled (--compile with the
+    aot_eager backend: torch.compile's capture without code generation): the global batch of 8 split four ways, so
+    that a loss that left out either the world size or the accumulation factor would show, each micro-batch's 4
+    sequences in one row without padding (dpo_one's are left-padded and eager)."""
+    extra = ["--gradient_accumulation_steps", "2", "--packing", "--compile", "--compile_backend", "aot_eager"]
+    return dpo(dpo_data, "two-accumulated", *extra, launcher=launcher("cpu.yaml"))[1]
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +171,9 @@ def dpo_one_scored(dpo_one, dpo_data):
 # ---------------------------------------------------------------------------------------------------- the tests
 def test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_is_split(dpo_one, dpo_two_accumulated):
     """1 process with 1 micro-batch of 8 and 2 gloo processes with 2 micro-batches of 2 each: the same losses step by
-    step and the same adapter, since each micro-batch adds its pairs' share of the global batch's mean."""
+    step and the same adapter, since each micro-batch adds its pairs' share of the global batch's mean. The 2-process
+    run packs its micro-batches (--packing) and compiles the decoder blocks, 1 process pads them and runs eagerly:
+    neither changes a loss, figure or weight."""
     reference = per_step(dpo_one, "train/loss")
     assert sorted(reference) == list(range(1, 9))  # 4 steps an epoch, 2 epochs, each logged
     out = dpo_two_accumulated
@@ -179,6 +188,9 @@ def test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_
     assert results["eval_loss"] == pytest.approx(read_results(dpo_one)["eval_loss"], abs=TOLERANCE)
     assert (results["world_size"], results["distributed_type"]) == (2, "MULTI_CPU")
     assert (results["per_process_batch_size"], results["gradient_accumulation_steps"]) == (2, 2)
+    assert results["packing"] and not read_results(dpo_one)["packing"]
+    assert results["compile"] and not read_results(dpo_one)["compile"] and results["warmup_seconds"] > 0
+    assert results["attn_implementation"] == "sdpa"  # on a CPU: its block-diagonal mask from the restarting positions
     assert results["samples_seen_per_process"] == [32, 32]  # 2 epochs of 16 pairs each
     # the adapter moved: the comparison is not one of untouched weights
     assert reference[8] < reference[1] - 5e-3
@@ -372,11 +384,12 @@ def test_dpo_goes_on_training_the_chat_recipes_adapter(sft_one, dpo_data):
 
 
 def test_eval_only_on_two_processes_counts_each_pair_once(dpo_one, dpo_one_scored, dpo_data):
-    """--eval_only of dpo_one's adapter against its base on 2 processes (8 pairs each, in batches of 4), from a
-    validation file alone, with the hinge loss: dpo_one's rewards and accuracies, and the hinge loss of the margins
-    computed here."""
+    """--eval_only of dpo_one's adapter against its base on 2 processes (8 pairs each, in batches of 4, packed), from
+    a validation file alone, with the hinge loss: dpo_one's rewards and accuracies (its evaluation padded), and the
+    hinge loss of the margins computed here."""
     out = dpo_data["root"] / "eval"
     data = ["--validation_file", dpo_data["root"] / "validation.jsonl", "--batch_size", "8", "--loss_type", "hinge"]
+    data += ["--packing"]
     cmd = [*launcher("cpu.yaml"), DPO_SCRIPT, "--eval_only", "--model", dpo_one, *data, "--max_new_tokens", "4"]
     proc = check(run([*cmd, "--output_dir", out], recipe_env(dpo_data["root"], ACCELERATE_USE_CPU="true")))
     assert len([line for line in proc.stdout.splitlines() if line.startswith('{"prompt"')]) == 4  # the samples
@@ -456,6 +469,131 @@ def test_each_loss_type_against_a_hand_computation():
     live = policy.clone().requires_grad_(True)
     pair_figures(live, reference, tokens, flags())["loss"].sum().backward()
     assert live.grad is not None and live.grad[:2].lt(0).all() and live.grad[2:].gt(0).all()
+
+
+# ------------------------------------------------------------------------------------------ packed rows, in here
+# A packed row and the padded batch give the model the same tokens and weights; only the attention's shapes (one row
+# with its sequences' bounds, or left-padded rows under a mask) and so the order of some fp32 sums differ. Measured
+# on the tiny model (torch 2.14 and 2.11; sdpa, varlen, eager): the answers' summed log-probabilities and the loss
+# equal to the bit, the gradients up to 6e-8 apart (the largest 0.34); with a LoRA adapter, the stored reference 9.5e-7
+# apart and the evaluation's figures 2.4e-7. Held to a few ulps of the largest summed log-probability (~40 here: 1 ulp
+# is 3.8e-6), and the gradients as the SFT packing tests hold them (1e-6 + 1e-5 relative); the same row read as one
+# sequence moves the log-probabilities by 0.05.
+LOGPROB_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tokenized_pairs(tiny_chat_model):
+    """The tiny chat model's tokenizer and 8 colour pairs tokenised: text pairs and whole conversations (some with a
+    system message), answers of a word or a sentence, so the rows differ in length."""
+    from chat_model import load_tokenizer
+    from dpo_data import read_pairs, tokenize_pairs
+
+    tokenizer = load_tokenizer(str(tiny_chat_model))
+    rows = [
+        pair if i % 2 else as_conversations(pair, "You answer in one word." if i % 4 == 0 else None)
+        for i, pair in enumerate(colour_pairs()[:8])
+    ]
+    pairs, _ = tokenize_pairs(tokenizer, read_pairs(rows, "pairs.jsonl"), 64, "drop", "train")
+    return tokenizer, pairs
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradients(
+    tiny_chat_model, tokenized_pairs, attention
+):
+    """--packing: a micro-batch's 16 sequences (8 prompts with their chosen, then their rejected answer) in one row
+    without a mask, positions restarting at each, filled up to a multiple of 16 by one more sequence (as under bf16);
+    under sdpa (the CPU's default: a block-diagonal mask built from the positions) and varlen (a GPU's default; on the
+    CPU sdpa sequence by sequence, from the collator's cumulative lengths). Each answer's summed log-probability and
+    token count, each pair's DPO figures (with the SFT term, which divides by the counts), their mean loss and every
+    weight's gradient are the padded batch's."""
+    import packed_attention
+    from dpo import FIGURES, answer_logprobs, pair_figures
+    from dpo_data import pair_collator
+    from sft_data import check_packing
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, pairs = tokenized_pairs
+    packed_attention.register()
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation=attention)
+    check_packing(model)
+    padded, packed = pair_collator(tokenizer, False)(pairs), pair_collator(tokenizer, True, 16)(pairs)
+    lengths = [len(p["prompt_ids"]) + len(p[f"{name}_ids"]) for name in ("chosen", "rejected") for p in pairs]
+    assert "attention_mask" not in packed and packed["input_ids"].shape == (1, -(-sum(lengths) // 16) * 16)
+    bounds = packed["cu_seq_lens_q"].tolist()
+    assert bounds[:-1] == [sum(lengths[:i]) for i in range(len(lengths) + 1)] and bounds[-1] > sum(lengths)  # filler
+    assert torch.equal(packed["answer_mask"], padded["answer_mask"]) and torch.equal(packed["index"], padded["index"])
+    with torch.no_grad():  # a reference policy that likes some answers more than the model does, others less
+        reference = answer_logprobs(model, padded)[0] + torch.linspace(-1, 1, 2 * len(pairs))
+
+    def step(batch):
+        model.zero_grad(set_to_none=True)
+        policy, tokens = answer_logprobs(model, batch)
+        figures = pair_figures(policy, reference, tokens, flags(sft_weight=0.5))
+        figures["loss"].mean().backward()
+        gradients = {name: p.grad for name, p in model.named_parameters()}
+        return policy.detach(), tokens, {k: v.detach() for k, v in figures.items()}, gradients
+
+    policy, tokens, figures, gradients = step(packed)
+    padded_policy, padded_tokens, padded_figures, padded_gradients = step(padded)
+    torch.testing.assert_close(policy, padded_policy, atol=LOGPROB_TOLERANCE, rtol=0)
+    counts = [len(p[f"{name}_ids"]) for name in ("chosen", "rejected") for p in pairs]
+    assert torch.equal(tokens, padded_tokens) and tokens.tolist() == counts
+    for name in FIGURES:
+        torch.testing.assert_close(figures[name], padded_figures[name], atol=LOGPROB_TOLERANCE, rtol=0, msg=name)
+    assert padded_figures["reward_margin"].abs().min() > 1e-3  # the loss is not at a flat point
+    assert gradients.keys() == padded_gradients.keys() and all(g is not None for g in gradients.values())
+    for name, gradient in gradients.items():
+        torch.testing.assert_close(gradient, padded_gradients[name], atol=1e-6, rtol=1e-5, msg=name)
+    # the positions and bounds decide: the same row read as one sequence lets later answers see earlier sequences
+    length = packed["input_ids"].shape[1]
+    bounds = torch.tensor([0, length], dtype=torch.int32)
+    row = dict(packed, position_ids=torch.arange(length)[None], cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
+    row.update(max_length_q=length, max_length_k=length)
+    with torch.no_grad():
+        assert (answer_logprobs(model, row)[0] - padded_policy).abs().max() > 1e-2
+
+
+def test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows(tiny_chat_model, tokenized_pairs):
+    """--precompute_ref's stored log-probabilities of every pair and the evaluation against the live reference (a
+    LoRA adapter's base, the adapter switched off), in batches of 3 pairs (the last of 2), packed and padded: the
+    same within LOGPROB_TOLERANCE."""
+    import peft
+    from accelerate import Accelerator
+    from chat_model import BASE
+    from dpo import StoredReference, evaluate
+    from dpo_data import pair_collator
+    from sft_data import check_packing
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, pairs = tokenized_pairs
+    accelerator = Accelerator(cpu=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
+    check_packing(base)
+    torch.manual_seed(0)  # an adapter that moves the model (init_lora_weights=False: B is not 0), so margins are not 0
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=32, target_modules="all-linear", init_lora_weights=False)
+    )
+    splits = {"train": pairs, "validation": pairs[:5]}
+    stored, evaluation = {}, {}
+    for packing in (False, True):
+        collate = pair_collator(tokenizer, packing)
+        stored[packing] = StoredReference()
+        stored[packing].compute(accelerator, model, splits, collate, 3)
+        evaluation[packing] = evaluate(
+            accelerator, model, BASE, DataLoader(pairs, 3, collate_fn=collate), flags(), None
+        )
+    for split in splits:
+        assert stored[True].values[split].shape == (len(splits[split]), 2)
+        torch.testing.assert_close(
+            stored[True].values[split], stored[False].values[split], atol=LOGPROB_TOLERANCE, rtol=0
+        )
+    assert evaluation[True].keys() == evaluation[False].keys() and evaluation[True]["eval_samples"] == len(pairs)
+    for key, value in evaluation[False].items():
+        assert evaluation[True][key] == pytest.approx(value, abs=LOGPROB_TOLERANCE), key
+    assert abs(evaluation[False]["eval_reward_margin"]) > 5e-3  # the adapter moved the model from its base
 
 
 def test_flags_that_cannot_work_are_one_line():

@@ -94,12 +94,16 @@ def test_rows_of_a_token_budget_give_the_same_steps_on_one_process_with_accumula
     assert sorted(reference) == [1, 2, 3, 4] and losses.keys() == reference.keys()
     assert max(abs(losses[step] - reference[step]) for step in reference) <= 1e-5
     assert_close_weights(one, two, ADAPTER, atol=1e-5)
-    seen = []
-    for results in (read_results(one), read_results(two)):
-        assert (results["batch_tokens"], results["global_batch_size"], results["per_process_batch_size"]) == (256, 2, 1)
-        seen.append(results["samples_seen_per_process"])
+    seen = [read_results(one)["samples_seen_per_process"], read_results(two)["samples_seen_per_process"]]
     # 4 steps of 2 rows, more than 2 conversations a row, shared equally by the 2 processes
     assert sum(seen[0]) > 4 * 2 * 2 and seen[1] == pytest.approx([sum(seen[0]) / 2] * 2)
+    # the global batch and the throughput count conversations, not rows
+    conversations_per_step = sum(seen[0]) / 4
+    for results in (read_results(one), read_results(two)):
+        assert (results["batch_tokens"], results["per_process_batch_size"]) == (256, 1)
+        assert results["global_batch_size"] == pytest.approx(conversations_per_step)
+        step_conversations = results["train_samples_per_second"] * results["median_step_seconds"]
+        assert step_conversations == pytest.approx(conversations_per_step, rel=0.5)
 
 
 def test_sft_copy_runs_on_two_processes(sft_two):
