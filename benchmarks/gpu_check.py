@@ -33,8 +33,10 @@ Steps, in the order they run:
                side: tokens/s and their ratio, MFU from the recipe's FLOPs per token, peak memory. Then, on one GPU,
                LoRA under fsdp.yaml on one process (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter
                gathered on save); with 2+ GPUs LoRA and full under FSDP2 on all of them, without TRL
-  dpo          recipes/dpo.py, LoRA (the base as reference) and full (a frozen copy), on pairs built from the same
-               generated chats and model: tokens/s, peak memory, MFU
+  dpo          recipes/dpo.py, LoRA (the base as reference) and full (a frozen copy), packed (--packing: chosen and
+               rejected rows padding-free), on pairs built from the same generated chats and model: tokens/s, peak
+               memory, MFU; on one device each run is followed by TRL's DPOTrainer on the same model, pairs, batch and
+               steps (trl_speed of benchmarks/dpo_bench.py), side by side as in the sft step (figures["vs_trl"])
   grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts (on a GPU its
                compiled decode step, --decode auto), then TRL's GRPOTrainer on the same inputs (benchmarks/grpo_bench.py
                trl): generation tokens/s of the steady steps, the first step's generation seconds, update tokens/s,
@@ -109,6 +111,7 @@ CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
 AUDIT = REPO / "benchmarks" / "host_reads.py"
 SFT_BENCH = REPO / "benchmarks" / "sft_bench.py"  # its trl_speed: TRL's SFTTrainer, measured as the recipe
+DPO_BENCH = REPO / "benchmarks" / "dpo_bench.py"  # its trl_speed: TRL's DPOTrainer, measured as the recipe
 GRPO_BENCH = REPO / "benchmarks" / "grpo_bench.py"  # its trl: TRL's GRPOTrainer, measured as the recipe
 PACKED_ATTENTION_CHECK = REPO / "benchmarks" / "packed_attention_check.py"
 # varlen against sdpa's dense mask in bf16: the answer tokens' mean loss within 1% (bf16 keeps 8 bits of mantissa;
@@ -145,9 +148,12 @@ STEPS = [
 ESTIMATED_SECONDS = {
     # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2: 207 s measured; plus
     # guesses: 55 s for each TRL run (start-up, TRL's tokenisation, Liger's kernels compiled at first use, 20 steps)
-    # and 25 s for the packed-attention check (the model loaded twice, 5 rows forward and backward under each)
-    "sft": 345,
-    "dpo": 150,  # a guess: the 0.5B model built and saved, 20 steps each of LoRA and full with their reference
+    # and 25 s for the packed-attention check (the model loaded twice, 5 rows forward and backward under each), and
+    # 20 s of compilation in each of the recipe's three runs (compiled blocks, the GPU's default since)
+    "sft": 405,
+    # a guess: the 0.5B model built and saved, 20 steps each of LoRA and full with their reference, and TRL's two
+    # runs (55 s each, as in sft)
+    "dpo": 260,
     # eager, 149 s measured; now a guess: the 0.5B model built and saved, the decode step compiled, 4 steps of 64
     # completions of 256 tokens, one evaluation, then TRL's 4 steps (its eager generate: ~13 s a step)
     "grpo": 300,
@@ -173,7 +179,7 @@ ESTIMATED_SECONDS = {
 # Each step's own time limit: over it the step failed (hung); when --budget ends first, it is incomplete instead.
 TIMEOUTS = {
     "sft": 500,
-    "dpo": 360,
+    "dpo": 480,
     "grpo": 480,
     "sft-speed-full": 480,
     "sft-speed-lora": 480,
@@ -193,7 +199,7 @@ TIMEOUTS = {
     "dp-vs-ddp": 480,
 }
 # The figures a step's proof must hold to be carried by --after: a step whose check grew is run again.
-PROOF_NEEDS = {"sft": ("vs_trl",)}
+PROOF_NEEDS = {"sft": ("vs_trl",), "dpo": ("vs_trl",), "grpo": ("vs_trl",)}
 # One call within 9 minutes: the budget, then at most STOP_GRACE_SECONDS for a cut step to save and exit, and the
 # report and logs written.
 DEFAULT_BUDGET, STOP_GRACE_SECONDS = 510, 20
@@ -702,7 +708,7 @@ class Check:
                     figures[name] = trl_figures(results, figures.get("compiled", {}), peak)
                 else:
                     figures[name] = sft_figures(results)
-                    figures[name].update(key_figures(results, "compile", "batch_tokens", "liger"))
+                    figures[name].update(key_figures(results, "batch_tokens", "liger"))
                 if code != 0:
                     problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
                     if code == 124:
@@ -842,33 +848,52 @@ class Check:
             "none",
             "--cache_dir",
             run_dir / "datasets-cache",
+            "--packing",  # chosen and rejected rows padding-free (varlen on a GPU)
         ]
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
+        # TRL's DPOTrainer on the same model, pairs, batch, steps and device (one device only)
+        trl_common = [sys.executable, DPO_BENCH, "trl_speed", "--model", assets["model"], "--train_file"]
+        trl_common += [pairs["train"], "--max_steps", str(steps), "--max_length", "1024"]
+        trl_common += ["--log_every", "1" if small else "10", "--device", "cuda" if self.cuda else "cpu"]
+        with_trl = self.gpus < 2 and importlib.util.find_spec("trl") is not None
         from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
 
         peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems = [], {}, []
-        for method in ("lora", "full"):
-            out = run_dir / method
+        runs = ["lora", "trl-lora", "full", "trl-full"] if with_trl else ["lora", "full"]
+        if small and with_trl:  # the CPU smoke and --quick: TRL's harness once, beside LoRA
+            runs.remove("trl-full")
+        for name in runs:
+            method, out = name.removeprefix("trl-"), run_dir / name
             processes = max(self.gpus, 1)
             launch = self.launch("fsdp", self.gpus) if self.gpus >= 2 else self.single()
             # 8 pairs per GPU: 16 rows of ~450 tokens (prompt and answer) in each forward pass
             batch = ["--batch_size", str((2 if small else 8) * processes)]
-            method_flags = ["--lora_r", "16"] if method == "lora" else ["--precompute_ref"] if self.gpus >= 2 else []
-            command = [*launch, *common, *batch, *method_flags, "--output_dir", out]
+            if name.startswith("trl-"):
+                command = [*trl_common, *batch, "--lora_r", "16" if method == "lora" else "0", "--output_dir", out]
+            else:
+                lora = ["--lora_r", "16"] if method == "lora" else ["--precompute_ref"] if self.gpus >= 2 else []
+                command = [*launch, *common, *batch, *lora, "--output_dir", out]
             shown.append(" ".join(map(str, command)))
-            code, last = self.execute(command, run_dir, end - time.monotonic(), f"{method}.txt")
+            code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
             results = read_json(out / "results.json")
-            losses = logged(out, "train/loss")
-            figures[method] = dpo_figures(results, assets, peak, method)
+            if name.startswith("trl-"):
+                figures[name] = trl_figures(results, figures.get(method, {}), peak)
+                losses = results.get("train_losses", [])
+            else:
+                figures[name] = dpo_figures(results, assets, peak, method)
+                figures[name].update(key_figures(results, "packing", "attn_implementation", "compile"))
+                losses = logged(out, "train/loss")
             if code != 0:
-                problems.append(f"{method}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
                 if code == 124:
                     break
             elif not losses or not all(math.isfinite(x) for x in losses):
-                problems.append(f"{method}: no finite training loss in {out / 'metrics.jsonl'}: {losses}")
+                problems.append(f"{name}: no finite training loss in {out}: {losses}")
             elif not results.get("peak_memory_mb"):
-                problems.append(f"{method}: no peak_memory_mb in {out / 'results.json'}")
+                problems.append(f"{name}: no peak_memory_mb in {out / 'results.json'}")
+        if with_trl:  # the comparison first, as in the sft step
+            figures = {"vs_trl": trl_comparison(figures), **figures}
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems)
 
     def grpo(self, run_dir, timeout):
@@ -1266,6 +1291,7 @@ def sft_figures(results: dict) -> dict:
         "memory_plan_mb",
         "flops_per_token",
         "attn_implementation",
+        "compile",
         "warmup_seconds",
     )
     planned = (results.get("memory_plan_mb") or {}).get("total")

@@ -21,7 +21,7 @@ from accelerate_recipes import PREEMPTED_EXIT_CODE
 CHECK = REPO / "benchmarks" / "gpu_check.py"
 # Steps of the one-GPU plan with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run. preempt runs
 # in the budget test below, ddp and allreduce in test_no_install.py (through make, nothing installed).
-SMOKE = ["sft", "dpo", "grpo", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
+SMOKE = ["sft", "dpo", "grpo", "sft-speed-lora", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
@@ -262,13 +262,24 @@ def test_grpo_reports_generation_and_update_speed_apart_beside_trls_grpo_trainer
     assert prompts[0]["answer"] == str(int(a) + int(b) if sign == "+" else int(a) * int(b))
 
 
-def test_dpo_runs_lora_and_full_with_their_reference_and_counts_the_references_flops(smoke):
+def test_dpo_runs_lora_and_full_packed_beside_trls_dpo_trainer_and_counts_the_references_flops(smoke):
+    """The recipe packed, LoRA and full, with TRL's DPOTrainer after LoRA (after both on a GPU) on the same model,
+    pairs, batch, steps and device, compared as the sft step compares; the reference's forward pass counted."""
     dpo = next(r for r in smoke["report"]["steps"] if r["step"] == "dpo")
-    assert dpo["status"] == "pass" and list(dpo["figures"]) == ["lora", "full"], dpo
-    assert ["--lora_r 16" in c for c in dpo["commands"]] == [True, False]
-    for method, figures in dpo["figures"].items():
+    assert dpo["status"] == "pass" and list(dpo["figures"]) == ["vs_trl", "lora", "trl-lora", "full"], dpo
+    assert ["--lora_r 16" in c for c in dpo["commands"]] == [True, True, False]
+    assert "dpo_bench.py trl_speed" in dpo["commands"][1] and "--device cpu" in dpo["commands"][1]
+    for method in ("lora", "full"):
+        figures = dpo["figures"][method]
         assert figures["method"] == method and figures["steps"] == 3 and figures["train_tokens_per_second"] > 0
-        assert figures["peak_memory_mb"] > 0 and figures["mean_tokens_per_row"] > 0
+        assert figures["peak_memory_mb"] > 0 and figures["mean_tokens_per_row"] > 0 and figures["packing"]
+    trl, ours = dpo["figures"]["trl-lora"], dpo["figures"]["lora"]
+    assert trl["trainer"].startswith("trl.DPOTrainer") and trl["steps"] == 3 and trl["method"] == "lora"
+    assert trl["flops_per_token"] == ours["flops_per_token"]  # TRL's MFU would count the recipe's FLOPs per token
+    compared = dpo["figures"]["vs_trl"]["lora"]
+    rates = ours["train_tokens_per_second"], trl["train_tokens_per_second"]
+    assert compared["train_tokens_per_second"] == {"ours": round(rates[0], 1), "trl": round(rates[1], 1)}
+    assert compared["ours_over_trl"] == round(rates[0] / rates[1], 3) and "full" not in dpo["figures"]["vs_trl"]
     results = {"train_tokens_per_second": 1000.0, "train_samples_per_second": 5.0}  # rows of 100 tokens
     assets = {"matmul_parameters": 1_000_000, "layers": 2, "hidden": 64}
     attention = 12 * 2 * 64 * 100
@@ -276,6 +287,20 @@ def test_dpo_runs_lora_and_full_with_their_reference_and_counts_the_references_f
     full = gpu_check.dpo_figures(dict(results, precompute_ref=True), assets, 1.0, "full")
     assert full["flops_per_token"] == 6_000_000 + attention  # no reference pass
     assert full["model_flops_utilisation"] == round((6_000_000 + attention) * 1000 / 1e12, 4)
+
+
+def test_sft_speed_runs_eager_and_rows_of_a_token_budget_side_by_side(smoke):
+    """On the CPU the speed step runs the eager recipe at 2 conversations a step and in rows of up to 2,048 tokens
+    (compiled, Liger and TRL runs are the GPU's); figures.speed holds each one's tokens/s over eager's."""
+    step = next(r for r in smoke["report"]["steps"] if r["step"] == "sft-speed-lora")
+    assert step["status"] == "pass" and list(step["figures"]) == ["speed", "eager", "tokens-2k"], step
+    eager, tokens = step["figures"]["eager"], step["figures"]["tokens-2k"]
+    assert "--nocompile" in step["commands"][0] and "--batch_tokens 2048" in step["commands"][1]
+    assert eager["method"] == tokens["method"] == "lora" and not eager["compile"] and tokens["batch_tokens"] == 2048
+    speed = step["figures"]["speed"]
+    ratio = tokens["train_tokens_per_second"] / eager["train_tokens_per_second"]
+    assert speed["eager"]["over_eager"] == 1.0 and speed["tokens-2k"]["over_eager"] == round(ratio, 3)
+    assert speed["fastest"] == ("tokens-2k" if ratio > 1 else "eager") and "fastest_over_trl" not in speed
 
 
 def test_results_folder_receives_the_report_and_one_tar_of_logs_without_models(smoke):
@@ -311,6 +336,7 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
         "sft",
         "dpo",
         "grpo",
+        "sft-speed-lora",
         "fast94",
         "text-fsdp",
         "nccl-doctor",
@@ -326,17 +352,18 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     assert launch.startswith("accelerate launch --config_file accelerate_configs/fsdp.yaml ")
     assert " recipes/text_classification.py " in launch
     text = proof.with_suffix(".md").read_text()
-    assert "Proven: sft, dpo, grpo, fast94, text-fsdp, nccl-doctor. Not yet: detect-640, preempt" in text
+    assert "Proven: sft, dpo, grpo, sft-speed-lora, fast94, text-fsdp, nccl-doctor. Not yet: sft-speed-full" in text
     assert fast94 in text and launch in text and "torch " + smoke["report"]["machine"]["torch"] in text
     assert str(REPO) not in text and executable not in text
     # --after a proof file: what it holds for this machine is not run again
     carried, differences = gpu_check.proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
     assert sorted(carried) == sorted(machine["steps"]) and not differences
-    # an sft proof from before the comparison with TRL proves too little: that step runs again
+    # an sft, dpo or grpo proof from before the comparison with TRL proves too little: that step runs again
     older = json.loads(proof.read_text())
-    del older["machines"][0]["steps"]["sft"]["figures"]["vs_trl"]
+    for step in ("sft", "grpo"):
+        del older["machines"][0]["steps"][step]["figures"]["vs_trl"]
     carried, _ = gpu_check.proven_steps(older, smoke["report"]["key"])
-    assert "sft" not in carried and "dpo" in carried
+    assert "sft" not in carried and "grpo" not in carried and "dpo" in carried
     other = dict(smoke["report"]["key"], torch="0.0.1")
     assert gpu_check.proven_steps(json.loads(proof.read_text()), other) == (
         {},
@@ -507,7 +534,7 @@ def test_trl_figures_count_the_recipes_flops_and_an_sft_without_trl_is_not_prove
 
 def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_first():
     """The default budget, a cut step's grace and the report within 9 minutes; every step's own limit within the
-    budget; on one H100 the first call holds the chat fine-tune with its comparison with TRL, and preference tuning;
+    budget; on one H100 each chat step, with its comparison with TRL, opens a call, the chat fine-tune's first;
     calls of that budget add up to the whole one-GPU plan, each step fitting one on its own."""
     assert gpu_check.DEFAULT_BUDGET + gpu_check.STOP_GRACE_SECONDS + 10 <= 9 * 60
     assert all(gpu_check.TIMEOUTS[s] <= gpu_check.DEFAULT_BUDGET for s in gpu_check.STEPS)
@@ -524,7 +551,7 @@ def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_fir
         assert call, f"{todo} do not fit a call of {gpu_check.DEFAULT_BUDGET} s"
         calls.append(call)
         todo = [s for s in todo if s not in call]
-    # sft with its TRL runs (345 s) and dpo (150 s) fill the first call; grpo and fast94 open the second, the speed
-    # steps of the chat fine-tune (270 s each) the third and fourth, and audit-detect is left to a fifth
-    assert calls[0] == ["sft", "dpo"] and calls[1][:2] == ["grpo", "fast94"], calls
-    assert calls[2][0] == "sft-speed-full" and calls[3][0] == "sft-speed-lora" and len(calls) == 5, calls
+    # The chat steps, each with its TRL runs, open a call each (sft 405 s, dpo 260 s, grpo 300 s, the speed steps of
+    # the chat fine-tune 270 s each) and the short steps fill the rest
+    assert [call[0] for call in calls] == ["sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"], calls
+    assert calls[0][:2] == ["sft", "fast94"], calls
