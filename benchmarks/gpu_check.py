@@ -157,10 +157,10 @@ ESTIMATED_SECONDS = {
     # eager, 149 s measured; now a guess: the 0.5B model built and saved, the decode step compiled, 4 steps of 64
     # completions of 256 tokens, one evaluation, then TRL's 4 steps (its eager generate: ~13 s a step)
     "grpo": 300,
-    # guesses: the model built, then 5 runs of 20 steps (about 15 s of start-up, 25 s of compilation where compiled,
-    # 5 s of steps) and TRL's (55 s)
-    "sft-speed-full": 270,
-    "sft-speed-lora": 270,
+    # guesses: the model built, then 5 runs of 20 steps (about 15 s of start-up, 20 s of compilation where compiled,
+    # 5 s of steps) and TRL's (55 s); the two fit one call together
+    "sft-speed-full": 250,
+    "sft-speed-lora": 250,
     "fast94": 65,  # 58 s
     "text-fsdp": 45,  # 42 s
     "detect-640": 100,  # 96 s
