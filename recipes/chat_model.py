@@ -114,8 +114,8 @@ class KernelFlags:
 
 def compiles(flag: bool | None, accelerator) -> bool:
     """--compile as given, else on by default where it pays: on a CUDA GPU, where fewer and fused kernels shorten a
-    step (inductor on an H100: 58,000 tokens/s against 41,000 eager for a 0.5B model in full), and not under
-    DeepSpeed, whose hooks on every weight break the graphs apart."""
+    step (on one H100 a 0.5B model's full fine-tune ran at 58,000 tokens/s compiled, 41,000 eager in another call),
+    and not under DeepSpeed, whose hooks on every weight break the graphs apart."""
     if flag is not None:
         return flag
     return accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
