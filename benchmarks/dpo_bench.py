@@ -51,8 +51,11 @@ from sft_bench import (  # noqa: E402
     meter_callback,
     read_jsonl,
     step,
+    trl_lora,
     trl_settings,
     trl_speed_device,
+    trl_speed_facts,
+    trl_speed_settings,
     versions,
 )
 
@@ -275,22 +278,18 @@ def trl_speed(
     start = time.perf_counter()
     if not Path(train_file).is_file():
         sys.exit(f"error: --train_file {train_file} not found; give a .jsonl of prompt/chosen/rejected pairs")
-    cuda, liger = trl_speed_device(model, device, liger)
+    cuda, liger, dtype = trl_speed_device(model, device, liger, lora_r)
 
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from accelerate_recipes.meter import StepMeter, peak_memory_mb
+    from accelerate_recipes.meter import StepMeter
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    dtype = torch.bfloat16 if cuda and lora_r else torch.float32
     network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-    settings = trl_settings(DPOConfig, seed, log_every)
-    settings.update(use_cpu=not cuda, bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch")
     config = DPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=batch_size,
@@ -303,25 +302,18 @@ def trl_speed(
         precompute_ref_log_probs=False,
         disable_dropout=True,
         use_liger_kernel=liger,
-        **settings,
+        **trl_speed_settings(DPOConfig, seed, log_every, cuda),
     )
-    lora = None
-    if lora_r:
-        lora = LoraConfig(
-            r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=0.0, target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )  # fmt: skip
     meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
     trainer = DPOTrainer(
         model=network,
         args=config,
         train_dataset=Dataset.from_list(read_jsonl(train_file)),
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=trl_lora(lora_r, lora_alpha),
         callbacks=[meter_callback(meter, lambda state: batch_size)],
     )
     trainer.train()
-    peak, kind = peak_memory_mb(meter.device)
     rows = trainer.train_dataset
     lengths = [
         2 * len(p) + len(c) + len(r) for p, c, r in zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])
@@ -329,26 +321,11 @@ def trl_speed(
     per_pair = sum(lengths) / len(lengths)
     pairs_per_second = meter.samples_per_second
     results = {
-        "trainer": f"trl.DPOTrainer {__import__('trl').__version__}",
-        "method": "lora" if lora_r else "full",
-        "world_size": 1,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "mixed_precision": "bf16" if cuda else "no",
-        "weights_dtype": str(dtype).removeprefix("torch."),
-        "steps": trainer.state.global_step,
-        "global_batch_size": batch_size,
+        **trl_speed_facts(trainer, network, meter, cuda, dtype, lora_r, batch_size, liger),
         "padding_free": False,
-        "liger_kernel": bool(liger),
-        "attn_implementation": network.config._attn_implementation,
-        "optim": getattr(config.optim, "value", config.optim),
         "train_samples_per_second": pairs_per_second,
         "mean_tokens_per_pair": per_pair,
         "train_tokens_per_second": pairs_per_second * per_pair if pairs_per_second else None,
-        "median_step_seconds": meter.median_step_seconds,
-        "train_seconds": meter.train_seconds,
-        "peak_memory_mb": peak,
-        "peak_memory_kind": kind,
-        "train_losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
         "wall_seconds": time.perf_counter() - start,
     }
     Path(output_dir).mkdir(parents=True, exist_ok=True)

@@ -369,9 +369,10 @@ def meter_callback(meter, samples):
     return StepTimes()
 
 
-def trl_speed_device(model: str, device: str, liger: bool | None) -> tuple[bool, bool]:
-    """(on CUDA, with Liger Kernel) for a TRL speed run of one process on one device, whose --device and --liger
-    are checked here: Liger by default on a GPU when liger_kernel imports, never on the CPU."""
+def trl_speed_device(model: str, device: str, liger: bool | None, lora_r: int) -> tuple[bool, bool, object]:
+    """(on CUDA, with Liger Kernel, the weights' dtype) for a TRL speed run of one process on one device, whose
+    --device and --liger are checked here: Liger by default on a GPU when liger_kernel imports, never on the CPU; the
+    weights as the recipes keep them under bf16: a frozen LoRA base in bf16, a full fine-tune's in fp32."""
     import torch
 
     if device not in ("auto", "cuda", "cpu"):
@@ -387,7 +388,54 @@ def trl_speed_device(model: str, device: str, liger: bool | None) -> tuple[bool,
         liger = cuda and importlib.util.find_spec("liger_kernel") is not None
     elif liger and not cuda:
         sys.exit("error: --liger needs a GPU (its kernels are Triton's); leave it out on the CPU")
-    return cuda, liger
+    return cuda, liger, torch.bfloat16 if cuda and lora_r else torch.float32
+
+
+def trl_speed_settings(config_class, seed: int, log_every: int, cuda: bool) -> dict:
+    """trl_settings with a speed run's device: bf16 autocast and fused AdamW on a GPU, fp32 on the CPU."""
+    settings = trl_settings(config_class, seed, log_every)
+    settings.update(use_cpu=not cuda, bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch")
+    return settings
+
+
+def trl_lora(lora_r: int, lora_alpha: int | None):
+    """The recipes' LoRA for TRL's trainers (every linear layer, alpha 2 x r unless given, no dropout); None: full."""
+    from peft import LoraConfig
+
+    if not lora_r:
+        return None
+    return LoraConfig(
+        r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=0.0, target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+
+def trl_speed_facts(trainer, network, meter, cuda: bool, dtype, lora_r: int, batch_size: int, liger: bool) -> dict:
+    """The results.json entries every TRL speed run shares, after trainer.train(): the trainer and how it ran, the
+    meter's step times, the memory peak and the logged losses."""
+    import torch
+
+    from accelerate_recipes.meter import peak_memory_mb
+
+    peak, kind = peak_memory_mb(meter.device)
+    return {
+        "trainer": f"trl.{type(trainer).__name__} {__import__('trl').__version__}",
+        "method": "lora" if lora_r else "full",
+        "world_size": 1,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "mixed_precision": "bf16" if cuda else "no",
+        "weights_dtype": str(dtype).removeprefix("torch."),
+        "steps": trainer.state.global_step,
+        "global_batch_size": batch_size,
+        "liger_kernel": bool(liger),
+        "attn_implementation": network.config._attn_implementation,
+        "optim": getattr(trainer.args.optim, "value", trainer.args.optim),
+        "median_step_seconds": meter.median_step_seconds,
+        "train_seconds": meter.train_seconds,
+        "peak_memory_mb": peak,
+        "peak_memory_kind": kind,
+        "train_losses": [row["loss"] for row in trainer.state.log_history if "loss" in row],
+    }
 
 
 def trl_speed(
@@ -443,24 +491,20 @@ def trl_speed(
     start = time.perf_counter()
 
     import torch
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from accelerate_recipes.meter import StepMeter, peak_memory_mb
+    from accelerate_recipes.meter import StepMeter
 
     if not Path(train_file).is_file():
         sys.exit(f'error: --train_file {train_file} not found; give a .jsonl of {{"messages": [...]}} conversations')
-    cuda, liger = trl_speed_device(model, device, liger)
+    cuda, liger, dtype = trl_speed_device(model, device, liger, lora_r)
     if attn_implementation is None and cuda and importlib.util.find_spec("flash_attn") is not None:
         attn_implementation = "flash_attention_2"  # TRL's advice for padding-free rows
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    # The weights as the recipe keeps them under bf16: a frozen LoRA base in bf16, a full fine-tune's in fp32.
-    dtype = torch.bfloat16 if cuda and lora_r else torch.float32
     network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attn_implementation)
-    settings = trl_settings(SFTConfig, seed, log_every)
-    settings.update(use_cpu=not cuda, bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch")
+    settings = trl_speed_settings(SFTConfig, seed, log_every, cuda)
     config = SFTConfig(
         output_dir=output_dir,
         per_device_train_batch_size=batch_size,
@@ -476,15 +520,6 @@ def trl_speed(
         use_liger_kernel=liger,
         **settings,
     )
-    lora = None
-    if lora_r:
-        lora = LoraConfig(
-            r=lora_r,
-            lora_alpha=lora_alpha or 2 * lora_r,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )
     meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
     step_tokens: list[int] = []  # tokens of each batch's packed row, in the order the loader made them
 
@@ -493,7 +528,7 @@ def trl_speed(
         args=config,
         train_dataset=prompt_completion_pairs(read_jsonl(train_file)),
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=trl_lora(lora_r, lora_alpha),
         # one batch per step (no accumulation): the tokens of that batch's packed row
         callbacks=[meter_callback(meter, lambda state: step_tokens[state.global_step - 1])],
     )
@@ -512,29 +547,12 @@ def trl_speed(
 
     trainer.data_collator = counting
     trainer.train()
-    peak, kind = peak_memory_mb(meter.device)
     logs = trainer.state.log_history
-    losses = [row["loss"] for row in logs if "loss" in row]
     results = {
-        "trainer": f"trl.SFTTrainer {__import__('trl').__version__}",
-        "method": "lora" if lora_r else "full",
-        "world_size": 1,
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "mixed_precision": "bf16" if cuda else "no",
-        "weights_dtype": str(dtype).removeprefix("torch."),
-        "steps": trainer.state.global_step,
-        "global_batch_size": batch_size,
+        **trl_speed_facts(trainer, network, meter, cuda, dtype, lora_r, batch_size, liger),
         "padding_free": True,
-        "liger_kernel": bool(liger),
-        "attn_implementation": network.config._attn_implementation,
-        "optim": getattr(config.optim, "value", config.optim),
         "train_tokens_per_second": meter.samples_per_second,  # the meter counted tokens as its samples
-        "median_step_seconds": meter.median_step_seconds,
-        "train_seconds": meter.train_seconds,
         "mean_tokens_per_conversation": sum(lengths) / len(lengths),
-        "peak_memory_mb": peak,
-        "peak_memory_kind": kind,
-        "train_losses": losses,
         # the tokens the meter counted, and TRL's own count of the tokens it trained on: the same when counted right
         "train_tokens": sum(step_tokens[: trainer.state.global_step]),
         "trl_num_tokens": next((row["num_tokens"] for row in reversed(logs) if "num_tokens" in row), None),

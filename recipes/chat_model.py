@@ -85,6 +85,15 @@ class ChatModelFlags(TrainingFlags):
 COMPILE_ROW_MULTIPLE = 128  # compiled blocks and packed rows: rows filled up to a multiple of this many tokens
 
 
+def row_multiple(accelerator, compiled_packed: bool = False) -> int | None:
+    """The multiple of tokens a batch's rows are padded (a packed row: filled) up to: 8 under bf16/fp16, which tensor
+    cores like; COMPILE_ROW_MULTIPLE for packed rows fed to compiled blocks (`compiled_packed`), which compile once
+    per row length, so that a run's rows take a few lengths, not one each; else none."""
+    if compiled_packed:
+        return COMPILE_ROW_MULTIPLE
+    return 8 if accelerator.mixed_precision != "no" else None
+
+
 @dataclass
 class KernelFlags:
     """How the decoder's blocks run in the recipes that train on whole sequences (sft.py and dpo.py): compiled, with

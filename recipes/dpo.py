@@ -51,7 +51,6 @@ from accelerate.utils import (
 from chat_generation import without_compiling
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the reference, saving, --chat, --merge
     BASE,
-    COMPILE_ROW_MULTIPLE,
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
@@ -71,6 +70,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     predict,
     reference_model,
     reference_policy,
+    row_multiple,
     save_model,
     token_logprobs,
     use_kernels,
@@ -254,9 +254,7 @@ def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
 def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_process: int) -> tuple:
     """The training loader (shuffled, whole batches only; None without training pairs, as --eval_only may have) and
     the validation loader, before accelerator.prepare."""
-    pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
-    if args.compile and args.packing:  # compiled blocks compile once per row length: a few lengths, not one a row
-        pad_to = COMPILE_ROW_MULTIPLE
+    pad_to = row_multiple(accelerator, args.compile and args.packing)
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
     collate = pair_collator(tokenizer, args.packing, pad_to)

@@ -42,7 +42,6 @@ from accelerate.utils import (
 )
 from chat_generation import without_compiling
 from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
-    COMPILE_ROW_MULTIPLE,
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
@@ -59,6 +58,7 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, savin
     load_tokenizer,
     merge,
     predict,
+    row_multiple,
     save_model,
     use_kernels,
     write_samples,
@@ -210,9 +210,7 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
     """The training loader (shuffled, whole batches only; packed with --packing, in rows of --batch_tokens), the
     validation loader (padded, so each conversation's loss stays its own), before accelerator.prepare, and the
     conversations of a training micro-batch (on average over an epoch with --batch_tokens)."""
-    pad_to = 8 if accelerator.mixed_precision != "no" else None  # tensor cores like multiples of 8
-    # compiled blocks compile once per row length: packed rows take lengths in steps of COMPILE_ROW_MULTIPLE
-    train_pad_to = COMPILE_ROW_MULTIPLE if args.compile and args.packing else pad_to
+    pad_to, train_pad_to = row_multiple(accelerator), row_multiple(accelerator, args.compile and args.packing)
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
     train_set = tokenized["train"]
