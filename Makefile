@@ -118,7 +118,7 @@ test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offl
 # accumulation (packed and compiled on 2), DPO's packed rows against padded ones in process, GRPO's sampling,
 # decoding (eager, static, compiled), token log-probabilities in chunks (also under FSDP2) and KL reference, and the
 # NaN guard's runs of sft, dpo and grpo.
-OLDEST_TESTS ?= tests/test_sft_data.py tests/test_grpo_parts.py \
+OLDEST_TESTS ?= tests/test_chat_data.py tests/test_grpo_parts.py \
 	tests/test_sft_sharded.py::test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_gradients \
 	tests/test_sft_sharded.py::test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter \
 	tests/test_sft.py::test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skipped \

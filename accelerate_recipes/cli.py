@@ -372,27 +372,29 @@ def _help_for(main, prog: str, argv: list[str]) -> str | None:
     return format_help(as_command(main), prog) if wants_help(argv) else None
 
 
-def _imported_flag_classes(tree: ast.Module, folder: Path | None, wanted: set[str]) -> list[ast.ClassDef]:
-    """The definitions of flag classes a script imports from a module beside it (`from chat_model import
-    ChatModelFlags`), read from that module's source, with the bases they import in turn: base classes first."""
+def _imported_flag_classes(tree: ast.Module, folder: Path | None, wanted: set[str], here: Path | None = None):
+    """The definitions of flag classes a script imports from a module beside it or from a package there (`from
+    chat.model import ChatModelFlags`), read from that module's source, with the bases they import in turn (also
+    relatively, from the package's own modules): base classes first. `here` is the folder of the module `tree` is."""
     found: list[ast.ClassDef] = []
     if folder is None:
         return found
+    here = here or folder
     sources = {
-        alias.asname or alias.name: node.module
+        alias.asname or alias.name: (here if node.level else folder) / f"{(node.module or '').replace('.', '/')}.py"
         for node in tree.body
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        if isinstance(node, ast.ImportFrom) and node.module and node.level <= 1
         for alias in node.names
     }
     for name in sorted(wanted):
-        path = folder / f"{sources.get(name, '')}.py"
-        if name not in sources or not path.is_file():
+        path = sources.get(name)
+        if path is None or not path.is_file():
             continue
         module = ast.parse(path.read_text(encoding="utf-8"))
         node = next((n for n in module.body if isinstance(n, ast.ClassDef) and n.name == name), None)
         if node is not None:
             bases = {b.id for b in node.bases if isinstance(b, ast.Name)} - {"TrainingFlags"}
-            found += _imported_flag_classes(module, folder, bases) + [node]
+            found += _imported_flag_classes(module, folder, bases, path.parent) + [node]
     return found
 
 

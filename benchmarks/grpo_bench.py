@@ -105,8 +105,8 @@ def trl(
     """
     start = time.perf_counter()
     import torch
+    from chat.rewards import number
     from datasets import Dataset
-    from grpo_rewards import number
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer

@@ -7,7 +7,7 @@
 The conversations of --train_file (the recipe's `messages` JSONL) are tokenised with the chat recipe's answer mask and
 packed --per_row to a row, as `recipes/sft.py --packing` packs a micro-batch. The model in --model (bf16 on a GPU,
 fp32 on the CPU) runs each row forward and backward with the answer-token loss twice: attention `sdpa` (transformers'
-block-diagonal mask over the whole row) and `varlen` (recipes/packed_attention.py: torch's variable-length flash
+block-diagonal mask over the whole row) and `varlen` (recipes/chat/packed_attention.py: torch's variable-length flash
 kernel on a GPU of compute capability 8.0+, conversation by conversation elsewhere). Printed and written to
 OUTPUT_DIR/packed_attention.json: the largest and the mean absolute difference of the answer tokens' losses, the
 relative difference of the rows' mean losses, and the median forward + backward milliseconds of a row under each (one
@@ -26,9 +26,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))  # the chat recipe's modules, as sft.py imports them
 
-import packed_attention  # noqa: E402
-from sft_data import assistant_turn_end, check_packing, collator, ensure_pad_token, tokenize_conversation  # noqa: E402
-from sft_loss import use_answer_loss  # noqa: E402
+from chat import packed_attention  # noqa: E402
+from chat.answer_loss import use_answer_loss  # noqa: E402
+from chat.conversations import assistant_turn_end, ensure_pad_token, tokenize_conversation  # noqa: E402
+from chat.packing import check_packing, collator  # noqa: E402
 
 
 def packed_rows(tokenizer, train_file: str, rows: int, per_row: int, max_length: int) -> list[dict]:

@@ -193,8 +193,8 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
     (case, spaces and punctuation around the answer ignored)."""
     import torch
 
-    sys.path.insert(0, str(REPO / "recipes"))  # sft_data, beside the recipe
-    from sft_data import exact_match
+    sys.path.insert(0, str(REPO / "recipes"))  # the chat layer, beside the recipe
+    from chat.conversations import exact_match
 
     model.eval()
     answers = []

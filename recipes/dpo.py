@@ -16,7 +16,7 @@ on any number of GPUs.
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model and reference ->
 optimizer -> prepare -> resume -> loop -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
---merge come from the chat recipes' shared layer (chat_model.py). The pair formats are in dpo_data.py.
+--merge come from the chat recipes' shared layer (chat/model.py). The pair formats are in chat/preference_pairs.py.
 
 Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
@@ -48,8 +48,9 @@ from accelerate.utils import (
     send_to_device,
     set_seed,
 )
-from chat_generation import without_compiling
-from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the reference, saving, --chat, --merge
+from chat.generation import without_compiling
+from chat.memory_plan import numel
+from chat.model import (
     BASE,
     DEFAULT_MODEL,
     SAMPLES_KEPT,
@@ -76,10 +77,9 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     use_kernels,
     write_samples,
 )
-from dpo_data import TOO_LONG, load_pairs, pair_collator, tokenize_pairs
-from packed_attention import PACKED_KWARGS, choose_attention
-from sft_data import check_packing
-from sft_plan import numel
+from chat.packed_attention import PACKED_KWARGS, choose_attention
+from chat.packing import check_packing
+from chat.preference_pairs import TOO_LONG, load_pairs, pair_collator, tokenize_pairs
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
@@ -302,7 +302,7 @@ def answer_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def reference_logprobs(accelerator, model, reference, batch: dict, stored, split: str = "train") -> torch.Tensor:
-    """The reference policy's answer log-probabilities of a batch's rows: computed now (chat_model.reference_model),
+    """The reference policy's answer log-probabilities of a batch's rows: computed now (chat.model.reference_model),
     or looked up when --precompute_ref stored them (a StoredReference)."""
     if stored is not None:
         return stored.lookup(split, batch["index"]).to(batch["input_ids"].device)

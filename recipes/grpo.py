@@ -20,9 +20,9 @@ or without accumulation, and after a resume.
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
 resume -> loop: roll out, score, update -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
---merge come from the chat recipes' shared layer (chat_model.py), generation (eager, or a merged copy with a static
-KV cache and a compiled decode step: --decode) from chat_generation.py. Rewards and the prompt formats are in
-grpo_rewards.py.
+--merge come from the chat recipes' shared layer (chat/model.py), generation (eager, or a merged copy with a static
+KV cache and a compiled decode step: --decode) from chat/generation.py. Rewards and the prompt formats are in
+chat/rewards.py.
 
 Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import chat_generation
 import datasets
 import peft
 import torch
@@ -54,8 +53,10 @@ from accelerate.utils import (
     gather_object,
     set_seed,
 )
-from chat_generation import Completions, Sampling, splitmix64
-from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the reference, saving, --chat, --merge
+from chat import generation
+from chat.generation import Completions, Sampling, splitmix64
+from chat.memory_plan import numel
+from chat.model import (
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
@@ -73,9 +74,8 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, the r
     save_model,
     write_samples,
 )
-from chat_model import token_logprobs as target_logprobs
-from grpo_rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
-from sft_plan import numel
+from chat.model import token_logprobs as target_logprobs
+from chat.rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
@@ -102,7 +102,7 @@ from accelerate_recipes.plots import plot_results
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
-# Measured on make bench-grpo (README_grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen steps; 1e-6 is
+# Measured on make bench-grpo (docs/grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen steps; 1e-6 is
 # TRL's default for whole models.
 DEFAULT_LORA_LR, DEFAULT_FULL_LR = 1e-4, 1e-6
 EVALUATION_EPOCH = -1  # the sampling keys of evaluations: the same at every evaluation, none of a training epoch
@@ -181,7 +181,7 @@ class GrpoFlags(ChatModelFlags):
         model: the policy to train: a Hub name or folder of a chat model, a .gguf file, or the chat recipe's output
             (an adapter or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For --eval_only, --predict, --chat
             and --merge: the trained model (default --output_dir).
-        lr: peak learning rate; default 1e-4 with --lora_r, 1e-6 for a full fine-tune (README_grpo.md: measured).
+        lr: peak learning rate; default 1e-4 with --lora_r, 1e-6 for a full fine-tune (docs/grpo.md: measured).
         seed: seed for LoRA's initial weights, the prompt order and the sampling keys.
         eval_only: evaluate --model greedily on the validation prompts (mean reward, accuracy) and write
             results.json to --output_dir; any number of processes, each prompt counted once.
@@ -326,9 +326,9 @@ class Rollout(Completions):
 
 
 def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> Completions:
-    """Completions of the prompts as --decode says (chat_generation.py): sampled with keyed draws (one key per row) at
+    """Completions of the prompts as --decode says (generation.py): sampled with keyed draws (one key per row) at
     --temperature and the sampling flags when `keys` are given, else greedy."""
-    return chat_generation.generate(
+    return generation.generate(
         accelerator,
         model,
         tokenizer,
@@ -497,7 +497,7 @@ def loss_normaliser(accelerator, rollouts: list[Rollout], args):
 
 @torch.no_grad()
 def reference_token_logprobs(model, reference, rollout: Completions, args, accelerator):
-    """The reference policy's log-probabilities of the completion tokens (chat_model.reference_policy); None with
+    """The reference policy's log-probabilities of the completion tokens (chat.model.reference_policy); None with
     --beta 0. Computed once per batch of rollouts, before its first update."""
     if reference is None:
         return None
@@ -838,7 +838,7 @@ def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, re
         peft_version=peft.__version__,
         **attention_settings(model),
         # what --decode chose on this device
-        decode_mode=chat_generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
+        decode_mode=generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
     )
 
 

@@ -9,7 +9,7 @@
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
 schedule -> resume -> loop -> eval -> save); evaluate_saved_model() is --eval_only, predict() --predict, chat() --chat
-and merge() --merge; the flags are SftFlags, the data formats and the loss mask are in sft_data.py beside this file.
+and merge() --merge; the flags are SftFlags, the data formats and the loss mask are in chat/conversations.py.
 `--batch_size` is the GLOBAL batch of conversations, and the loss of a step is the mean over every answer token of it
 (all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
 
@@ -40,8 +40,11 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
     set_seed,
 )
-from chat_generation import without_compiling
-from chat_model import (  # the chat recipes' shared layer: loading, LoRA, saving, --predict, --chat, --merge
+from chat.answer_loss import PLAIN_LOGITS, use_answer_loss
+from chat.conversations import load_conversations, tokenize_splits
+from chat.generation import without_compiling
+from chat.memory_plan import numel, print_plan
+from chat.model import (
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
@@ -63,10 +66,8 @@ from chat_model import (  # the chat recipes' shared layer: loading, LoRA, savin
     use_kernels,
     write_samples,
 )
-from packed_attention import choose_attention
-from sft_data import PackedRows, check_packing, collator, load_conversations, token_budget_rows, tokenize_splits
-from sft_loss import PLAIN_LOGITS, use_answer_loss
-from sft_plan import numel, print_plan
+from chat.packed_attention import choose_attention
+from chat.packing import PackedRows, check_packing, collator, token_budget_rows
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
@@ -345,8 +346,8 @@ def model_flops_per_token(model, train_set) -> float:
     appendix B): per weight of a matrix multiply 6 in a full fine-tune (forward 2, backward 4) and 4 under LoRA (the
     frozen weights need no weight gradient; the adapters' own FLOPs are left out), plus 12 x layers x hidden x the mean
     conversation length for attention (a conversation attends within itself, packed or padded). The output layer
-    counts for the answer tokens only where the loss makes logits for those alone (sft_loss.py); the embedding lookup
-    and the recomputation of gradient checkpointing do not count."""
+    counts for the answer tokens only where the loss makes logits for those alone (chat/answer_loss.py); the embedding
+    lookup and the recomputation of gradient checkpointing do not count."""
     causal_lm = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     per_weight = 4 if isinstance(model, peft.PeftModel) else 6
     head = causal_lm.get_output_embeddings()
@@ -444,7 +445,9 @@ def train(args: SftFlags) -> None:
     model = build_model(args, model_name, accelerator)
     if args.packing:
         check_packing(model)
-    use_answer_loss(model)  # logits for the answer positions only, in chunks (sft_loss.py): the loss stays the same
+    use_answer_loss(
+        model
+    )  # logits for the answer positions only, in chunks (chat/answer_loss.py): the loss stays the same
     use_kernels(model, args, accelerator.device)  # --liger's fused kernels, the blocks compiled (--compile)
     train_loader, eval_loader, micro_batch_samples = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device

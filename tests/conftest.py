@@ -401,24 +401,29 @@ RECIPES = REPO / "recipes"
 
 
 def local_imports(script: Path) -> set[str]:
-    """Modules `script` imports from its own folder, and theirs in turn."""
+    """Modules `script` imports from its own folder or a package there (`from chat.model import ...`), and theirs in
+    turn, relative imports inside the package included: their paths relative to the script's folder."""
     import ast
 
+    root = script.parent
     found, todo = set(), [script]
     while todo:
-        tree = ast.parse(todo.pop().read_text())
-        for node in ast.walk(tree):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module and not node.level
-                else []
-            )
-            for name in names:
-                path = script.parent / f"{name.split('.')[0]}.py"
-                if path.is_file() and path.name not in found:
-                    found.add(path.name)
+        module = todo.pop()
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Import):
+                paths = [root / f"{a.name.replace('.', '/')}.py" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = module.parent / (node.module or "").replace(".", "/")
+                paths = [base.with_suffix(".py")] if node.module else [base / f"{a.name}.py" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = root / node.module.replace(".", "/")
+                paths = [base.with_suffix(".py"), *(base / f"{a.name}.py" for a in node.names)]
+            else:
+                continue
+            for path in paths:
+                name = path.relative_to(root).as_posix() if path.is_file() else None
+                if name and name not in found:
+                    found.add(name)
                     todo.append(path)
     return found
 
@@ -449,7 +454,11 @@ def copy_recipe(folder: Path, recipe: str) -> tuple[str, set[str]]:
         return "detect/train.py", local_imports(folder / "detect" / "train.py")
     modules = local_imports(RECIPES / recipe)
     for name in {recipe} | modules:
-        shutil.copy(RECIPES / name, folder / name)
+        package = Path(name).parts[0] if "/" in name else None
+        if package is None:
+            shutil.copy(RECIPES / name, folder / name)
+        elif not (folder / package).exists():  # a package (the chat layer) is copied whole, as the guide says
+            shutil.copytree(RECIPES / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
     return recipe, modules
 
 
@@ -505,7 +514,7 @@ def without_library(tmp: Path) -> Path:
     decoys = tmp / "without-library"
     (decoys / "accelerate_recipes").mkdir(parents=True, exist_ok=True)
     refuse = "raise ImportError('a starter imports public packages only')\n"
-    for module in ("accelerate_recipes/__init__.py", "cifar_data.py", "sft_data.py"):
+    for module in ("accelerate_recipes/__init__.py", "cifar_data.py", "chat/conversations.py"):
         (decoys / module).write_text(refuse)
     return decoys
 
@@ -710,7 +719,7 @@ def detect_one(detect_shapes, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory) -> Path:
     """A tiny random Llama with a Llama-3-like chat template (no pad token), saved as a model folder."""
-    from sft_fixtures import build_tiny_causal_lm
+    from chat_fixtures import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-chat-llama"), "llama")
 
@@ -718,7 +727,7 @@ def tiny_chat_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def sft_data(tmp_path_factory) -> dict:
     """The learnable chat task in the messages JSONL format: 96 training and 32 validation conversations."""
-    from sft_fixtures import chat_examples, write_chat_file
+    from chat_fixtures import chat_examples, write_chat_file
 
     root = tmp_path_factory.mktemp("sft-data")
     return {
@@ -774,8 +783,8 @@ def sft_one(tiny_chat_model, sft_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
     """sft.py copied into an empty project, on 2 processes with the flags of sft_one, packed rows through the varlen
-    attention (packed_attention.py; conversation by conversation on the CPU) and gradient checkpointing (none of which
-    changes a number), under the host-read audit."""
+    attention (chat/packed_attention.py; conversation by conversation on the CPU) and gradient checkpointing (none of
+    which changes a number), under the host-read audit."""
     return two_process_template_run(
         tmp_path_factory,
         "sft.py",
@@ -828,7 +837,7 @@ GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
 def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
     """Colour prompts: training rows as `prompt` + `answer`, validation rows as conversations whose final assistant
     turn is the answer; the user's reward file beside them."""
-    from sft_fixtures import COLOURS
+    from chat_fixtures import COLOURS
 
     root = tmp_path_factory.mktemp("grpo-data")
     rng = random.Random(0)
@@ -882,7 +891,7 @@ def colour_pairs(seed: int = 0) -> list[dict]:
     the object's colour, the rejected one a wrong colour fixed per object; a third of the pairs answer in a sentence
     (both answers alike), so rows differ in length within a batch."""
     rng = random.Random(seed)
-    from sft_fixtures import COLOURS
+    from chat_fixtures import COLOURS
 
     wrong = {}
     for index, (thing, colour) in enumerate(sorted(COLOURS.items())):

@@ -1,11 +1,11 @@
 """The chat recipe's answer-token loss under FSDP2 against the same model unsharded, on the processes of one launch.
 
 Started by tests/test_sft_sharded.py with fsdp.yaml on 1 or 2 CPU processes (the FSDP2 plugin is built from the
-config's settings, as the recipes build it on the CPU), with a model folder of tests/sft_fixtures.py whose output
+config's settings, as the recipes build it on the CPU), with a model folder of tests/chat_fixtures.py whose output
 layer is tied to the embeddings. For a LoRA adapter and for a full fine-tune, each with gradient checkpointing, each
-process takes a micro-batch of its own, small enough chunks (sft_loss.CHUNK_LOGITS) for several per micro-batch, and
+process takes a micro-batch of its own, small enough chunks (answer_loss.CHUNK_LOGITS) for several per micro-batch, and
 runs: a training pass, an evaluation pass without gradients, and a training pass again; then the token
-log-probabilities of the chat recipes' updates (chat_model.token_logprobs) with their gradients. Beside it, an
+log-probabilities of the chat recipes' updates (chat/model.py's token_logprobs) with their gradients. Beside it, an
 unsharded copy of the model takes transformers' own loss and logits on the same micro-batch; its gradients are
 averaged over the processes, as FSDP2 averages the sharded ones. Each process saves what both gave to
 OUTPUT_DIR/rank<N>.pt for the test to compare.
@@ -25,10 +25,11 @@ from accelerate import Accelerator
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO / "benchmarks")]  # the chat recipe's modules; the fixtures' assets
 
-import chat_model  # noqa: E402
-import sft_loss  # noqa: E402
-from sft_data import assistant_turn_end, collator, ensure_pad_token, tokenize_conversation  # noqa: E402
-from sft_fixtures import chat_examples  # noqa: E402
+from chat import answer_loss  # noqa: E402
+from chat import model as chat_model  # noqa: E402
+from chat.conversations import assistant_turn_end, ensure_pad_token, tokenize_conversation  # noqa: E402
+from chat.packing import collator  # noqa: E402
+from chat_fixtures import chat_examples  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from accelerate_recipes.sharding import setup_fsdp, shard_on_cpu  # noqa: E402
@@ -79,7 +80,7 @@ def averaged(grads: dict, world: int) -> dict:
 def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens: torch.Tensor) -> dict:
     reference = build(model_dir, lora)
     sharded = copy.deepcopy(reference)
-    sft_loss.use_answer_loss(sharded)
+    answer_loss.use_answer_loss(sharded)
     setup_fsdp(accelerator, sharded)
     # FSDP2 prepares a model with its optimizer only; this one never steps
     optimizer = torch.optim.SGD([p for p in sharded.parameters() if p.requires_grad], lr=0.0)
@@ -137,7 +138,7 @@ def main():
     if accelerator.distributed_type != "FSDP":
         sys.exit(f"error: launch this with fsdp.yaml and ACCELERATE_USE_CPU=true, not {accelerator.distributed_type}")
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(args.model_dir))
-    sft_loss.CHUNK_LOGITS = CHUNK_ROWS * AutoConfig.from_pretrained(args.model_dir).vocab_size  # read at each call
+    answer_loss.CHUNK_LOGITS = CHUNK_ROWS * AutoConfig.from_pretrained(args.model_dir).vocab_size  # read at each call
     batch = micro_batch(tokenizer, seed=accelerator.process_index)
     answer_tokens = torch.tensor(len(batch["target_index"]))
     dist.all_reduce(answer_tokens)  # num_items_in_batch as the recipe passes it: the answer tokens of all processes

@@ -486,8 +486,8 @@ LOGPROB_TOLERANCE = 1e-5
 def tokenized_pairs(tiny_chat_model):
     """The tiny chat model's tokenizer and 8 colour pairs tokenised: text pairs and whole conversations (some with a
     system message), answers of a word or a sentence, so the rows differ in length."""
-    from chat_model import load_tokenizer
-    from dpo_data import read_pairs, tokenize_pairs
+    from chat.model import load_tokenizer
+    from chat.preference_pairs import read_pairs, tokenize_pairs
 
     tokenizer = load_tokenizer(str(tiny_chat_model))
     rows = [
@@ -508,10 +508,10 @@ def test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradi
     CPU sdpa sequence by sequence, from the collator's cumulative lengths). Each answer's summed log-probability and
     token count, each pair's DPO figures (with the SFT term, which divides by the counts), their mean loss and every
     weight's gradient are the padded batch's."""
-    import packed_attention
+    from chat import packed_attention
+    from chat.packing import check_packing
+    from chat.preference_pairs import pair_collator
     from dpo import FIGURES, answer_logprobs, pair_figures
-    from dpo_data import pair_collator
-    from sft_data import check_packing
     from transformers import AutoModelForCausalLM
 
     tokenizer, pairs = tokenized_pairs
@@ -561,10 +561,10 @@ def test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows
     same within LOGPROB_TOLERANCE."""
     import peft
     from accelerate import Accelerator
-    from chat_model import BASE
+    from chat.model import BASE
+    from chat.packing import check_packing
+    from chat.preference_pairs import pair_collator
     from dpo import StoredReference, evaluate
-    from dpo_data import pair_collator
-    from sft_data import check_packing
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
@@ -616,7 +616,7 @@ def write_jsonl(path, rows):
 
 
 def test_bad_pairs_are_one_line_naming_the_row_and_the_fix(tiny_chat_model, tmp_path):
-    from dpo_data import load_pairs, read_pairs, tokenize_pairs
+    from chat.preference_pairs import load_pairs, read_pairs, tokenize_pairs
     from transformers import AutoTokenizer
 
     good = {"prompt": "What colour is the sky?", "chosen": "blue", "rejected": "green"}
@@ -676,7 +676,7 @@ def test_bad_pairs_are_one_line_naming_the_row_and_the_fix(tiny_chat_model, tmp_
 
 
 def test_over_long_pairs_are_dropped_or_cut_and_counted(tiny_chat_model):
-    from dpo_data import PairCollator, read_pairs, tokenize_pairs
+    from chat.preference_pairs import PairCollator, read_pairs, tokenize_pairs
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
@@ -731,7 +731,7 @@ def test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_
 
 
 def test_on_cuda_the_chat_recipes_keep_sdpa_off_cudnn_and_leave_the_other_kernels_alone():
-    from chat_model import sdpa_backends_off, use_sdpa_backends
+    from chat.model import sdpa_backends_off, use_sdpa_backends
     from torch.nn.attention import SDPBackend
 
     assert sdpa_backends_off(torch.device("cuda", 1)) == [SDPBackend.CUDNN_ATTENTION]

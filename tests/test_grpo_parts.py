@@ -1,7 +1,7 @@
 """The GRPO recipe's parts, in this process: the built-in rewards and the user's, the prompt formats (GSM8K's
 included), keyed sampling (a draw from the softmax, top-p, the same draws in any batch), the loss's normalisation
 over the global batch (the sum of the micro-batches' shares is the whole batch's loss however it is split), the ways
-of decoding (chat_generation.py: a static copy gives the eager path's completions) and the token log-probabilities in
+of decoding (chat/generation.py: a static copy gives the eager path's completions) and the token log-probabilities in
 chunks (the full-vocabulary ones, gradients included)."""
 
 import json
@@ -11,9 +11,8 @@ import types
 import pytest
 import torch
 from accelerate import Accelerator
-from chat_generation import KeyedSampling, Sampling, hashed_uniform
-from grpo import Rollout, advantages, loss_normaliser, policy_loss, sampling_keys
-from grpo_rewards import (
+from chat.generation import KeyedSampling, Sampling, hashed_uniform
+from chat.rewards import (
     Rewards,
     as_prompt_row,
     check_columns,
@@ -23,6 +22,7 @@ from grpo_rewards import (
     load_prompts,
     mean_scored,
 )
+from grpo import Rollout, advantages, loss_normaliser, policy_loss, sampling_keys
 
 from accelerate_recipes.errors import RecipeError
 
@@ -229,7 +229,7 @@ def test_the_micro_batches_shares_add_up_to_the_global_batchs_loss(loss_type):
 def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_config_says(tiny_chat_model):
     """A model whose own generation_config bans repeats, penalises them and suppresses tokens: greedy answers and
     keyed samples are still those of the plain softmax, the policy whose log-probabilities the update uses."""
-    from chat_model import load_base_model, load_tokenizer
+    from chat.model import load_base_model, load_tokenizer
     from grpo import GrpoFlags, generate, sampling_keys, token_logprobs
 
     accelerator = Accelerator(cpu=True)
@@ -266,7 +266,7 @@ def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_c
 def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_chat_model):
     """--beta with a fresh LoRA adapter: the reference is the base with the adapter off, the policy at step 1 (KL 0);
     the frozen-copy case (an adapter given in --model) is run end to end in test_grpo.py."""
-    from chat_model import BASE, build_model, load_tokenizer, reference_policy
+    from chat.model import BASE, build_model, load_tokenizer, reference_policy
     from grpo import GrpoFlags, generate, reference_token_logprobs, token_logprobs
 
     accelerator = Accelerator(cpu=True)
@@ -306,8 +306,8 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
     graphs) against eager generate on the trained model itself, in fp32: the same greedy answers and the same keyed
     samples, for prompts of different widths and a row count off the bucket; after the weights move, the next call
     decodes the moved model's completions (the copy is refreshed at every call, the compiled step reads it)."""
-    from chat_generation import ROW_BUCKET
-    from chat_model import build_model, load_tokenizer
+    from chat.generation import ROW_BUCKET
+    from chat.model import build_model, load_tokenizer
     from grpo import GrpoFlags, generate
 
     accelerator = Accelerator(cpu=True)
@@ -342,14 +342,14 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
 
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_token_logprobs_in_chunks_are_the_full_vocabularys_with_their_gradients(tiny_chat_model, lora_r, monkeypatch):
-    """chat_model.token_logprobs (the last tokens' logits a chunk of rows at a time, at a temperature) against the
+    """model.token_logprobs (the last tokens' logits a chunk of rows at a time, at a temperature) against the
     log-softmax of the model's own logits in fp32: values within 1e-6 and the gradients of a weighted sum within 1e-6
     relative, with many chunks and with one; a deep copy of the model (a full fine-tune's reference) scores with its
     own weights."""
     import copy
 
-    import sft_loss
-    from chat_model import build_model, load_tokenizer, token_logprobs
+    from chat import answer_loss
+    from chat.model import build_model, load_tokenizer, token_logprobs
     from grpo import GrpoFlags, generate
 
     accelerator = Accelerator(cpu=True)
@@ -385,7 +385,7 @@ def test_token_logprobs_in_chunks_are_the_full_vocabularys_with_their_gradients(
     head_rows = []  # positions the output layer itself is given: the chunks' logits are made beside it
     model.get_output_embeddings().register_forward_hook(lambda m, i, out: head_rows.append(out.shape[:-1].numel()))
     for rows in (5, targets.numel()):  # 15 chunks of 5 positions, then one chunk
-        monkeypatch.setattr(sft_loss, "CHUNK_LOGITS", rows * vocab)
+        monkeypatch.setattr(answer_loss, "CHUNK_LOGITS", rows * vocab)
         chunked, grads = with_gradients(lambda: token_logprobs(model, input_ids, mask, targets, positions, temperature))
         assert chunked.dtype == torch.float32 and chunked.shape == targets.shape
         assert head_rows == [0], head_rows  # never the whole vocabulary's logits of every target at once

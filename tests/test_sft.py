@@ -2,7 +2,7 @@
 "nodes" on 127.0.0.1, kill and resume, and the fine-tuned model used through --predict, --chat and --merge.
 
 The shared runs (conftest: sft_one, sft_two, sft_accumulated, sft_full) train a tiny random Llama with a Llama-3-like
-chat template on a learnable chat task; the data side (formats, the answer mask, packing) is tests/test_sft_data.py.
+chat template on a learnable chat task; the data side (formats, the answer mask, packing) is tests/test_chat_data.py.
 """
 
 import json
@@ -107,17 +107,17 @@ def test_rows_of_a_token_budget_give_the_same_steps_on_one_process_with_accumula
 
 
 def test_sft_copy_runs_on_two_processes(sft_two):
-    """sft.py and the modules beside it that it imports (chat_model, chat_generation, packed_attention, sft_data,
-    sft_loss, sft_plan) copied into an empty project ran there on 2 processes, and saved model_best together at the
-    evaluation of the lowest loss."""
+    """sft.py and the chat layer it imports (recipes/chat/) copied into an empty project ran there on 2 processes, and
+    saved model_best together at the evaluation of the lowest loss."""
     assert_copy_ran(sft_two)
     assert sft_two.modules == {
-        "chat_generation.py",
-        "chat_model.py",
-        "packed_attention.py",
-        "sft_data.py",
-        "sft_loss.py",
-        "sft_plan.py",
+        "chat/answer_loss.py",
+        "chat/conversations.py",
+        "chat/generation.py",
+        "chat/memory_plan.py",
+        "chat/model.py",
+        "chat/packed_attention.py",
+        "chat/packing.py",
     }
     results = read_results(sft_two.out)
     losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]

@@ -230,7 +230,7 @@ def test_one_function_per_mode_behind_the_same_main(recipe):
     assert all(mode_line.fullmatch(line) for line in added), added
     for mode in ("train", "evaluate_saved_model", "predict"):
         if mode == "predict" and recipe in CHAT_RECIPES:  # the chat recipes share theirs (and --chat, --merge)
-            assert re.search(r"from chat_model import \([^)]*\bpredict,", RECIPES[recipe].read_text())
+            assert re.search(r"from chat\.model import \([^)]*\bpredict,", RECIPES[recipe].read_text())
             continue
         function_source(RECIPES[recipe], mode)
     assert code_lines(function_source(RECIPES[recipe], "train")) <= 150
@@ -253,9 +253,9 @@ def flags_class(recipe: str) -> type:
 
 @functools.cache
 def chat_model_flag_classes() -> dict[str, type]:
-    """recipes/chat_model.py's flag classes (ChatModelFlags, and KernelFlags that sft and dpo add), read as
+    """recipes/chat/model.py's flag classes (ChatModelFlags, and KernelFlags that sft and dpo add), read as
     flags_class reads a recipe's (without importing torch)."""
-    path = REPO / "recipes" / "chat_model.py"
+    path = REPO / "recipes" / "chat/model.py"
     nodes = [
         n
         for n in ast.parse(path.read_text()).body

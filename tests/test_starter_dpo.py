@@ -160,7 +160,7 @@ def test_pairs_batches_and_a_full_fine_tunes_loss_equal_the_full_recipes(dpo_dat
     first); for a whole model trained against a frozen copy of itself, the same per-pair losses, reward margins and
     gradients."""
     import dpo as full
-    from dpo_data import PairCollator, load_pairs, tokenize_pairs
+    from chat.preference_pairs import PairCollator, load_pairs, tokenize_pairs
 
     starter = load_starter()
     tokenizer = AutoTokenizer.from_pretrained(dpo_data["model"])

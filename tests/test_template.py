@@ -34,15 +34,16 @@ def check_isolated(folder: Path, env: dict) -> None:
 
 
 def imported_from_copy(folder: Path, modules: set[str]) -> None:
-    cached = {p.name.split(".")[0] for p in (folder / "__pycache__").glob("*.pyc")}
-    assert {m.removesuffix(".py") for m in modules} <= cached, (modules, cached)
+    cached = {(p.parent.parent / p.name.split(".")[0]).relative_to(folder) for p in folder.rglob("__pycache__/*.pyc")}
+    assert {Path(m.removesuffix(".py")) for m in modules} <= cached, (modules, cached)
 
 
 def test_the_guide_names_every_file_a_copy_needs_and_the_readme_every_starter():
     section = GUIDE.split("## Copy a full recipe", 1)[1].split("\n## ", 1)[0]
     for script in ("cifar.py", "text_classification.py", "sft.py", "grpo.py", "dpo.py"):
         for name in {script} | local_imports(RECIPES / script):
-            assert f"recipes/{name}" in section, name
+            folder, _, module = name.rpartition("/")  # a package's modules: the guide names its folder
+            assert (f"recipes/{folder}/" if folder else f"recipes/{module}") in section, name
     assert "recipes/detect/" in section and "cpu.yaml" in section
     starters = sorted(p.name for p in (RECIPES / "starters").glob("*.py"))
     assert starters == ["cifar.py", "dpo.py", "grpo.py", "sft.py", "text_classification.py"]

@@ -4,26 +4,24 @@ loss mask under three chat templates, truncation, padding and packing."""
 import json
 from types import SimpleNamespace
 
-import chat_model
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PYTHON, REPO, recipe_env, run
-from sft_data import (
+from chat import model as chat_model
+from chat.conversations import (
     assistant_turn_end,
     check_chat_template,
-    check_packing,
-    collator,
     ensure_pad_token,
     exact_match,
     generation_prompt,
     load_conversations,
     to_messages,
-    token_budget_rows,
     tokenize_conversation,
     tokenize_splits,
 )
-from sft_fixtures import build_chat_tokenizer, chat_examples, single_turn, write_chat_file
+from chat.packing import check_packing, collator, token_budget_rows
+from chat_fixtures import build_chat_tokenizer, chat_examples, single_turn, write_chat_file
+from conftest import PYTHON, REPO, recipe_env, run
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from accelerate_recipes.errors import RecipeError
@@ -119,10 +117,10 @@ def test_a_dataset_folder_uses_its_test_split_for_validation(tmp_path):
 
 def test_an_unreachable_hub_dataset_says_connect_or_give_files(tmp_path):
     code = (
-        "import sft_data\n"
+        "from chat import conversations\n"
         "try:\n"
-        "    sft_data.load_conversations(None, None, 'no-such-user/no-such-chats', None, 0.1, 0)\n"
-        "except sft_data.RecipeError as err:\n"
+        "    conversations.load_conversations(None, None, 'no-such-user/no-such-chats', None, 0.1, 0)\n"
+        "except conversations.RecipeError as err:\n"
         "    print('error:', err)\n"
     )
     proc = run([PYTHON, "-c", code], recipe_env(tmp_path, PYTHONPATH=f"{REPO}:{REPO / 'recipes'}"), timeout=120)
@@ -235,7 +233,7 @@ def test_packed_examples_attend_only_within_themselves(tiny_chat_model, chat_bat
     check_packing(model)
     assert model.config.use_cache is False
     batch = collator(tokenizer, packing=True)(features)
-    # no mask: positions tell; the cumulative lengths are for a variable-length kernel (packed_attention.py)
+    # no mask: positions tell; the cumulative lengths are for a variable-length kernel (chat/packed_attention.py)
     flash_kwargs = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert set(batch) == {"input_ids", "labels", "position_ids", "target_index", *flash_kwargs}
     lengths = [f["num_tokens"] for f in features]
@@ -267,8 +265,8 @@ def test_varlen_attention_gives_the_dense_masks_losses_and_gradients(tiny_chat_m
     """Packed rows through `varlen` (on the CPU conversation by conversation, from the collator's cumulative lengths)
     give every answer token the loss, and every weight the gradient, that sdpa's block-diagonal mask over the whole row
     gives, within fp32 rounding; padded batches and generation are sdpa's, to the bit."""
-    import packed_attention
-    from sft_loss import use_answer_loss
+    from chat import packed_attention
+    from chat.answer_loss import use_answer_loss
 
     tokenizer, features = chat_batch
     packed_attention.register()
@@ -303,7 +301,7 @@ def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_pe
     0, no labels, its own span in the cumulative lengths): no answer token's loss changes, under sdpa's mask and
     under varlen. The decoder blocks compiled as --compile does (here with the aot_eager backend: the same capture,
     no code generation) give the eager losses, and two rows of other lengths in one multiple of 128 compile once."""
-    from sft_loss import use_answer_loss
+    from chat.answer_loss import use_answer_loss
 
     tokenizer, features = chat_batch
     rows = [features[:3], features[1:4]]
@@ -319,7 +317,7 @@ def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_pe
     assert (batch["labels"][0, lengths[0] :] == -100).all() and (fill == tokenizer.pad_token_id).all()
     assert torch.equal(batch["target_index"], plain(rows[0])["target_index"])
 
-    import packed_attention
+    from chat import packed_attention
 
     packed_attention.register()
     for attention in ("sdpa", "varlen"):
@@ -380,7 +378,7 @@ def test_the_kernel_call_fits_each_torch_signature(kernel, scaling, monkeypatch)
     stand-in with each release's documented signature takes the kernel's place: the kernel itself needs CUDA."""
     import inspect
 
-    import packed_attention
+    from chat import packed_attention
 
     monkeypatch.setattr(packed_attention, "varlen_attn", kernel)
     monkeypatch.setattr(packed_attention, "KERNEL_KEYWORDS", set(inspect.signature(kernel).parameters))
@@ -401,7 +399,7 @@ def test_the_kernel_call_fits_each_torch_signature(kernel, scaling, monkeypatch)
 def test_under_autocast_the_kernel_gets_the_autocast_dtype(monkeypatch):
     """In a full fine-tune under bf16 autocast, RoPE leaves queries and keys in fp32 (fp32 master weights, fp32
     cos/sin) and values in bf16; the kernel, which takes bf16/fp16 only, gets all three in bf16, as sdpa would."""
-    import packed_attention
+    from chat import packed_attention
 
     seen = []
 
@@ -441,7 +439,6 @@ def test_lora_inputs_stay_in_the_autocast_dtype_with_the_same_numbers(tiny_chat_
     """A LoRA model as the chat recipes build it for bf16 (bf16 base, fp32 adapters): under autocast no adapted
     layer's input is copied to fp32 and back any more, and the loss and every adapter gradient are the same to the
     bit; without autocast (generation) the input is cast and the model runs."""
-    import chat_model
     import peft
 
     tokenizer, features = chat_batch
@@ -540,13 +537,13 @@ def loss_and_gradients(model, batch: dict, targets: int) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_answer_loss_is_transformers_loss(tiny_chat_model, chat_batch, packing, lora, monkeypatch):
-    """sft_loss's forward pass (the answer positions' logits only, in chunks of 5 here, each made again in the
+    """answer_loss's forward pass (the answer positions' logits only, in chunks of 5 here, each made again in the
     backward pass) gives transformers' loss and gradients within fp32 rounding, for every target the collator
     found; without labels the model is its own (generation)."""
     import copy
 
     import peft
-    import sft_loss
+    from chat import answer_loss
 
     tokenizer, features = chat_batch
     torch.manual_seed(0)
@@ -560,8 +557,8 @@ def test_the_answer_loss_is_transformers_loss(tiny_chat_model, chat_batch, packi
     expected_loss, expected_gradients = loss_and_gradients(model, theirs, targets)
 
     swapped = copy.deepcopy(model)
-    monkeypatch.setattr(sft_loss, "CHUNK_LOGITS", 5 * swapped.config.vocab_size)  # several chunks, the last short
-    assert sft_loss.use_answer_loss(swapped)
+    monkeypatch.setattr(answer_loss, "CHUNK_LOGITS", 5 * swapped.config.vocab_size)  # several chunks, the last short
+    assert answer_loss.use_answer_loss(swapped)
     loss, gradients = loss_and_gradients(swapped, batch, targets)
     assert abs(loss - expected_loss) <= 1e-6 * expected_loss, (loss, expected_loss)
     assert gradients.keys() == expected_gradients.keys() and len(gradients) > 0
@@ -577,7 +574,7 @@ def test_the_answer_loss_is_transformers_loss(tiny_chat_model, chat_batch, packi
 def test_logits_a_model_transforms_come_from_its_own_forward_pass(chat_batch):
     """Gemma 2 soft-caps its logits (tanh), which the output layer's product alone would miss: its loss is taken from
     its own logits at the answer positions, and still equals transformers'."""
-    from sft_loss import use_answer_loss
+    from chat.answer_loss import use_answer_loss
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     tokenizer, features = chat_batch

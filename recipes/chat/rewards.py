@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 import datasets
-from sft_data import FILE_SUFFIXES, exact_match, hold_out, listed_messages, load_file, short
 
 from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
+
+from .conversations import FILE_SUFFIXES, exact_match, hold_out, listed_messages, load_file, short
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 GSM8K_ANSWER = "####"  # GSM8K's answers end with "#### 42"

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 from accelerate.utils import DistributedType
-from sft_loss import CHUNK_LOGITS, PLAIN_LOGITS
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from accelerate_recipes import RecipeError, first_line
 from accelerate_recipes.launch import per_process_batch_size
+
+from .answer_loss import CHUNK_LOGITS, PLAIN_LOGITS
 
 MB = 2**20
 HEADROOM = 0.9  # a plan fits in 90% of the memory: the CUDA context, the allocator's fragmentation, the runtime
@@ -61,7 +62,7 @@ class ModelSize:
     vocab: int
     block_bytes: int  # one decoder block's weights: what FSDP / ZeRO-3 gather at a time
     lora_per_rank: int  # adapter parameters per unit of rank on every linear layer but the head (0 if LoRA already)
-    chunked_loss: bool  # the loss makes logits for answer positions only, a chunk at a time (sft_loss.PLAIN_LOGITS)
+    chunked_loss: bool  # the loss makes logits for answer positions only, a chunk at a time (answer_loss.PLAIN_LOGITS)
 
     @classmethod
     def of(cls, model) -> "ModelSize":
@@ -157,7 +158,7 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     Recomputation in Large Transformer Models": 34 s b h bytes per GPT block with a 4h MLP in 16-bit), adapted to the
     gated MLP and to sdpa / flash attention, which keep no s x s score matrix. With gradient checkpointing only each
     block's input stays (h per token in the hidden states' dtype), plus one block's activations while it is
-    recomputed. The loss comes on top (sft_loss.py): the hidden states of the answer positions picked out and their
+    recomputed. The loss comes on top (answer_loss.py): the hidden states of the answer positions picked out and their
     gradient (at most every token: 2 h e per token), and one chunk of logits at a time (CHUNK_LOGITS values at most,
     or every token's when fewer) whose gradient is made in the forward pass: in the compute dtype, their fp32 copy
     (the softmax and its gradient are made in it) and the gradient cast back (2e + 4 bytes per value under bf16, 4 in
@@ -165,7 +166,7 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     gradient, summed over the chunks in fp32 and kept from the forward pass to the backward (4 bytes per weight), and
     under autocast the weight's copy in the compute dtype (e). Under ZeRO-3 each chunk is made again in the backward
     pass instead: the fp32 log-probabilities and gradient on top (2e + 12 bytes per value, 12 in fp32). Models whose
-    logits are more than the output layer's product (sft_loss.PLAIN_LOGITS lists the others) make every position's
+    logits are more than the output layer's product (answer_loss.PLAIN_LOGITS lists the others) make every position's
     logits at once: e + 8 bytes per value (the model's own and the fp32 copy and log-probabilities of the loss).
     """
     tokens = launch.micro_batch * launch.max_length

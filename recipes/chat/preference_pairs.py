@@ -17,11 +17,13 @@ from pathlib import Path
 
 import datasets
 import torch
-from sft_data import FILE_SUFFIXES, ChatCollator, collator, hold_out, listed_messages, load_file, short
-from sft_loss import IGNORE_INDEX
 
 from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
+
+from .answer_loss import IGNORE_INDEX
+from .conversations import FILE_SUFFIXES, hold_out, listed_messages, load_file, short
+from .packing import ChatCollator, collator
 
 TOO_LONG = ("drop", "truncate")
 
@@ -185,9 +187,9 @@ class PairCollator:
 @dataclass
 class PackedPairCollator:
     """--packing: a micro-batch of pairs as one row without padding, made by the chat recipe's packing collator
-    (sft_data.collator): the 2 x pairs sequences, each a prompt and one of its answers, chosen answers first, one after
+    (packing.collator): the 2 x pairs sequences, each a prompt and one of its answers, chosen answers first, one after
     another, position_ids restarting at 0 for each, with the cumulative lengths a variable-length kernel reads, so
-    that each sequence attends to itself only (packed_attention.py). `answer_mask` is PairCollator's, and
+    that each sequence attends to itself only (chat/packed_attention.py). `answer_mask` is PairCollator's, and
     `answer_index` holds in the same places the position of the row that predicts each answer token: the row's
     next-token log-probabilities, picked at `answer_index`, are laid out as a padded batch's (dpo.answer_logprobs)."""
 
@@ -213,7 +215,7 @@ class PackedPairCollator:
 def pair_collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None):
     """Batches of tokenised pairs: left-padded rows (PairCollator), or with `packing` one packed row
     (PackedPairCollator); their length rounded up to a multiple of `pad_to_multiple_of` (a packed row by one more
-    sequence: sft_data.fill_packed_row)."""
+    sequence: packing.fill_packed_row)."""
     if packing:
         return PackedPairCollator(collator(tokenizer, True, pad_to_multiple_of))
     return PairCollator(tokenizer.pad_token_id, pad_to_multiple_of)

@@ -17,8 +17,13 @@ from pathlib import Path
 import peft
 import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
-from chat_generation import compute_dtype, decode_mode, greedy_config, greedy_ids, inner_model
-from sft_data import (
+from torch.nn.attention import SDPBackend
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+from accelerate_recipes import RecipeError, TrainingFlags, explain_load_failure, model_to_save
+
+from .answer_loss import use_answer_loss
+from .conversations import (
     FILE_SUFFIXES,
     as_conversations,
     check_chat_template,
@@ -27,12 +32,8 @@ from sft_data import (
     generation_prompt,
     load_file,
 )
-from sft_loss import use_answer_loss
-from sft_plan import meta_model
-from torch.nn.attention import SDPBackend
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
-
-from accelerate_recipes import RecipeError, TrainingFlags, explain_load_failure, model_to_save
+from .generation import compute_dtype, decode_mode, greedy_config, greedy_ids, inner_model
+from .memory_plan import meta_model
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 SAMPLES_FILE = "samples.jsonl"  # sample answers of evaluations (and GRPO's rollouts), as text
@@ -62,7 +63,7 @@ class ChatModelFlags(TrainingFlags):
         decode: how answers are generated: auto (default: compiled on a GPU for a model that is not sharded, else
             eager), eager (transformers' generate on the trained model, token by token), static (a copy of the model
             in the compute dtype, LoRA merged into its weights, with a static KV cache) or compiled (static, its
-            decode step compiled: CUDA graphs on a GPU, the compilation paid once per shape). See chat_generation.py.
+            decode step compiled: CUDA graphs on a GPU, the compilation paid once per shape). See chat/generation.py.
         cache_dir: cache of the `datasets` library (downloads and tokenised data).
         chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
         merge: write the model in --model as one plain transformers folder to this path: a LoRA adapter merged into
@@ -144,7 +145,7 @@ def compile_blocks(model, backend: str) -> None:
 
 def use_liger_kernels(model, device) -> None:
     """--liger: Liger Kernel's RMSNorm, SwiGLU and RoPE in place of the model's own, patched on this model (its
-    modules and its modeling module's rotary function); the output layer and loss are left to sft_loss."""
+    modules and its modeling module's rotary function); the output layer and loss are left to answer_loss."""
     if torch.device(device).type != "cuda":
         raise RecipeError("--liger runs Liger Kernel's Triton kernels, which need a CUDA GPU; leave --liger out here")
     try:
@@ -290,7 +291,9 @@ def build_model(args: ChatModelFlags, model_name: str, accelerator, meta: bool =
             if isinstance(layer, peft.tuners.lora.LoraLayer):
                 layer._cast_input_dtype = types.MethodType(cast_adapter_input_outside_autocast, layer)
     if not meta:
-        use_answer_loss(model)  # the answer loss and token log-probabilities in chunks (sft_loss.py), before prepare
+        use_answer_loss(
+            model
+        )  # the answer loss and token log-probabilities in chunks (chat/answer_loss.py), before prepare
     return model
 
 
@@ -412,9 +415,9 @@ def token_logprobs(
     """Log-probabilities of `targets`, the last targets.shape[1] tokens of each row of `input_ids`, under `model` (at
     `temperature`): fp32, [rows, targets]; or with `at` (flat positions of input_ids, any shape) the tokens that those
     positions predict, in at's shape. Only those positions' logits are computed, a chunk of rows at a time
-    (sft_loss.target_logprobs): no tensor of the whole vocabulary's fp32 logits for every target. build_model swaps the
+    (target_logprobs): no tensor of the whole vocabulary's fp32 logits for every target. build_model swaps the
     forward pass that does it in before prepare (under autocast); a model built elsewhere gets it here. `packed`: a
-    packed row's cumulative sequence lengths, passed on to the attention (packed_attention.py)."""
+    packed row's cumulative sequence lengths, passed on to the attention (chat/packed_attention.py)."""
     use_answer_loss(extract_model_from_parallel(model))
     output = model(
         input_ids=input_ids,
@@ -523,7 +526,7 @@ def greedy(
     model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, streamer=None, mode="eager", dtype=None, own=False
 ) -> list[str]:
     """Greedy answers to conversations that end with a user turn, in one left-padded batch, with the model's own
-    generation options; decoded as `mode` (chat_generation.decode_mode) says."""
+    generation options; decoded as `mode` (generation.decode_mode) says."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     left_padding = copy.copy(tokenizer)  # a decoder continues from the last position of each row
     left_padding.padding_side = "left"

@@ -1,4 +1,4 @@
-"""The chat recipe's memory plan (recipes/sft_plan.py): its arithmetic against hand-computed bytes for Qwen2.5-0.5B,
+"""The chat recipes' memory plan (chat/memory_plan.py): its arithmetic against hand-computed bytes for Qwen2.5-0.5B,
 the line naming the change that makes a run fit, --plan_only on a config alone, and the plan against the peak memory
 measured in training runs on 1 and 2 CPU processes.
 """
@@ -9,7 +9,9 @@ import shutil
 import peft
 import pytest
 import torch
+from chat.memory_plan import Launch, ModelSize, advice, fits, largest_token_budget, parts
 from chat_assets import QWEN25_05B
+from chat_fixtures import COLOURS, write_chat_file
 from conftest import (
     ACCELERATE,
     CONFIGS,
@@ -22,8 +24,6 @@ from conftest import (
     recipe_env,
     run,
 )
-from sft_fixtures import COLOURS, write_chat_file
-from sft_plan import Launch, ModelSize, advice, fits, largest_token_budget, parts
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 MB = 2**20
