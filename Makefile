@@ -102,7 +102,10 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaf
 OLDEST_LOG ?= $(OLDEST_VENV)/test.log
 test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offline; multi-process runs over gloo; TEST_WORKERS=0: no worker processes) and, beside it, the chat tests on the oldest releases
 	@echo "the chat tests on the oldest releases run beside the suite in $(OLDEST_VENV); their output follows it"
-	@TEST_PORT_BLOCK=4 $(OLDEST_VENV)/bin/python -m pytest $(OLDEST_TESTS) > $(OLDEST_LOG) 2>&1 & oldest=$$!; \
+	@# the time factor, measured while nothing else runs yet; both environments' limits use it
+	@scale=$$($(PY) tests/time_scale.py) || exit 2; export MEASURED_TEST_TIME_SCALE=$$scale; \
+	echo "time factor x $$scale, measured before the suite started"; \
+	TEST_PORT_BLOCK=4 $(OLDEST_VENV)/bin/python -m pytest $(OLDEST_TESTS) > $(OLDEST_LOG) 2>&1 & oldest=$$!; \
 	trap 'kill $$oldest 2>/dev/null' INT TERM; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests; suite=$$?; \
 	wait $$oldest; oldest_status=$$?; \
@@ -112,12 +115,12 @@ test: install lint $(OLDEST_VENV)/.installed ## the linter, the suite (CPU, offl
 # The second environment: the oldest releases pyproject admits (tests/oldest-versions.txt: the GPU image's torch,
 # transformers, accelerate and peft), built by uv from the package index. FSDP2's hooks, DeepSpeed, attention kernels
 # and peft change between releases, and the GPU runs the older ones, so the chat recipes' version-sensitive paths run
-# there too, each once: the answer loss in chunks against transformers' and under FSDP2 (1 and 2 processes), varlen
-# and sdpa attention, LoRA under autocast, LoRA under FSDP2 over two "nodes" against DDP (not ZeRO-3: DeepSpeed is
-# the same release in both environments, and its run is the set's longest), DPO on 1 and 2 processes with
-# accumulation (packed and compiled on 2), DPO's packed rows against padded ones in process, GRPO's sampling,
-# decoding (eager, static, compiled), token log-probabilities in chunks (also under FSDP2) and KL reference, and the
-# NaN guard's runs of sft, dpo and grpo.
+# there too, each once: the answer loss in chunks against transformers' and under FSDP2 with compiled blocks (1 and 2
+# processes), varlen and sdpa attention (packed rows without a mask), LoRA under autocast, LoRA under FSDP2 over two
+# "nodes" against DDP (not ZeRO-3: DeepSpeed is the same release in both environments, and its run is the set's
+# longest), DPO on 1 and 2 processes with accumulation (packed and compiled on 2), DPO's packed rows against padded
+# ones and its compiled blocks' graphs in process, GRPO's sampling, decoding (eager, static, compiled), token
+# log-probabilities in chunks (also under FSDP2) and KL reference, and the NaN guard's runs of sft, dpo and grpo.
 OLDEST_TESTS ?= tests/test_chat_data.py tests/test_grpo_parts.py \
 	tests/test_sft_sharded.py::test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_gradients \
 	tests/test_sft_sharded.py::test_fsdp_lora_shards_trains_like_ddp_and_saves_the_whole_adapter \
@@ -125,6 +128,7 @@ OLDEST_TESTS ?= tests/test_chat_data.py tests/test_grpo_parts.py \
 	tests/test_dpo.py::test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_is_split \
 	tests/test_dpo.py::test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradients \
 	tests/test_dpo.py::test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows \
+	tests/test_dpo.py::test_compiled_blocks_give_the_eager_policy_and_reference_and_compile_once \
 	tests/test_dpo.py::test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped \
 	tests/test_grpo.py::test_nan_gradients_stop_the_run_at_their_step_before_an_evaluation_between_log_steps
 $(OLDEST_VENV)/.installed: pyproject.toml tests/oldest-versions.txt | $(VENV)/.installed-dev
@@ -218,7 +222,7 @@ detect-1gpu: ## YOLO-style detector: 1 GPU, ARGS="--data path/data.yaml" (detect
 detect-2node: ## YOLO-style detector: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from here over ssh
 .PHONY: bench-detect
-bench-detect: $(call needs,detect) ## benchmark: nano detector on a fixed generated set (mAP50-95, images/s, wall time)
+bench-detect: $(call needs,detect-compare) ## benchmark: our nano detector beside Ultralytics' YOLOv8n, same data and settings
 	$(PY) benchmarks/detect.py $(ARGS)
 
 # Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
@@ -399,9 +403,9 @@ REPORT ?= outputs/gpu-check/report.json
 GPU_CHECK_NEEDS = $(if $(filter system,$(PYTHON_ENV)),system-python-text+detect,$(VENV)/.installed-dev)
 .PHONY: gpu-check gpu-check-merge
 gpu-check: $(GPU_CHECK_NEEDS) ## prove the GPU paths here in one 9-minute call (AFTER=earlier report); report in outputs/gpu-check
-	$(PY) benchmarks/gpu_check.py $(if $(AFTER),--after $(AFTER)) $(ARGS)
+	$(PY) benchmarks/gpu_check $(if $(AFTER),--after $(AFTER)) $(ARGS)
 gpu-check-merge: $(call needs) ## fold a gpu-check report (REPORT=outputs/gpu-check/report.json) into docs/gpu-proof.md
-	$(PY) benchmarks/gpu_check.py --merge $(REPORT) $(ARGS)
+	$(PY) benchmarks/gpu_check --merge $(REPORT) $(ARGS)
 
 # Offline machines: on the target, `python3 -m recipe_tools.wheelhouse describe > target.json`; here (online),
 # the wheels it lacks for the project go to WHEELHOUSE; EXTRAS picks the extras (default text,detect,sft,deepspeed:

@@ -1,14 +1,32 @@
 #!/usr/bin/env python
-"""Detection benchmark: the nano detector trained on a fixed generated set, reporting mAP50-95, images/s and wall time.
+"""Detection benchmark: our nano detector beside Ultralytics' YOLOv8n on the same data and settings, both from scratch.
 
-    make bench-detect                                   # CPU-sized: 256 px, a few minutes on 2 cores
+    make bench-detect                                   # CPU-sized: generated shapes at 256 px, both tools
+    python benchmarks/detect.py --data path/to/data.yaml --image_size 640 --epochs 30 --batch_size 8
+    python benchmarks/detect.py --tools ours            # our detector alone (no Ultralytics needed)
+    python benchmarks/detect.py --tools ours --transfer # and a fine-tune from it to 5 classes, against from scratch
     python benchmarks/detect.py --image_size 640 --train_images 4096 --epochs 30 --batch_size 64   # a GPU
 
-The set (generated shapes, seed 0) is the same on every machine, so the figures compare machines and settings; they
-say nothing about accuracy on real photographs. Writes outputs/bench-detect/bench_detect.json.
+The same YOLO-format data, image size, epochs, global batch and seed go to both; each tool keeps its other defaults
+(ours: AdamW lr 0.002; Ultralytics: optimizer "auto", its nominal batch of 64 by accumulation; both close mosaic for
+the last 10 epochs). Both models are scored by ONE evaluator, the recipe's COCO evaluation (torchmetrics with
+pycocotools, conf 0.001, at most 300 boxes an image, NMS IoU 0.7) of each one's predictions on the same validation
+images, and each tool's own figure stands beside it. Training images/s are the set's images x epochs over the seconds
+spent in training epochs (evaluation left out); wall time is the whole process, start-up and evaluation included;
+peak memory the process's (host max RSS on a CPU, allocated GPU memory for ours on a GPU). Ultralytics runs offline in
+a process of its own (benchmarks/detect_ultralytics.py), from the `detect-compare` extra. Writes
+outputs/bench-detect/results.json and prints a summary table.
+
+--transfer adds what a pretrained start carries: our model of the run above fine-tuned on another generated set with
+another class count (5 shapes, seed 1, half as many images), against the same fine-tune from random weights, at
+equal epochs.
+
+The generated shapes (seed 0) are the same on every machine and easy, so their figures compare tools, machines and
+settings, not detectors on photographs.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,61 +38,28 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "detect" / "train.py"
+ULTRALYTICS = REPO / "benchmarks" / "detect_ultralytics.py"
+sys.path.insert(0, str(REPO / "recipes" / "detect"))
 
 
-def main(
-    train_images: int = 256,
-    image_size: int = 256,
-    epochs: int = 10,
-    batch_size: int = 16,
-    size: str = "n",
-    precision: str | None = None,
-    output_dir: str = "outputs/bench-detect",
-    data_dir: str = "data",
-):
-    """Train the detector on generated shapes for a fixed number of epochs and print its figures.
+def generated_set(data_dir: str, train_images: int, image_size: int) -> Path:
+    """The generated shapes set of the benchmark (seed 0), written once under data_dir."""
+    from synthetic_shapes import write_synthetic_dataset
 
-    Args:
-        train_images: generated training images (validation gets a quarter as many); fixed seed 0.
-        image_size: network input side.
-        epochs: training epochs (the budget: fixed work, so wall time measures the machine).
-        batch_size: global batch.
-        size: model size, n or s.
-        precision: no, bf16 or fp16; default bf16 on a GPU, no on a CPU.
-        output_dir: where the run and bench_detect.json go.
-        data_dir: where the generated set is written (reused when present).
-    """
-    precision = precision or ("bf16" if torch.cuda.is_available() else "no")
-    out = Path(output_dir)
-    shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
-    command = [
-        sys.executable,
-        str(TRAIN),
-        "--data",
-        "synthetic",
-        "--data_dir",
-        data_dir,
-        "--synthetic_size",
-        str(train_images),
-        "--image_size",
-        str(image_size),
-        "--size",
-        size,
-        "--epochs",
-        str(epochs),
-        "--batch_size",
-        str(batch_size),
-        "--mixed_precision",
-        precision,
-        "--eval_every",
-        str(epochs),
-        "--tracker",
-        "none",
-        "--output_dir",
-        str(out),
-        "--seed",
-        "0",
-    ]
+    folder = Path(data_dir) / f"bench-shapes-{train_images}-{image_size}px"
+    if not (folder / "data.yaml").is_file():
+        num_val = max(8, train_images // 4)
+        write_synthetic_dataset(folder, num_train=train_images, num_val=num_val, image_size=image_size)
+    return folder / "data.yaml"
+
+
+def run_ours(
+    data: Path, out: Path, image_size: int, epochs: int, batch_size: int, seed: int, precision: str, *extra: str
+) -> dict:
+    command = [sys.executable, str(TRAIN), "--data", str(data), "--image_size", str(image_size), "--size", "n", *extra]
+    command += ["--epochs", str(epochs), "--batch_size", str(batch_size), "--seed", str(seed)]
+    command += ["--mixed_precision", precision, "--eval_every", str(epochs), "--tracker", "none"]
+    command += ["--checkpoint_every", "0", "--output_dir", str(out)]
     print("$ " + " ".join(command), flush=True)
     start = time.perf_counter()
     proc = subprocess.run(command)
@@ -82,28 +67,149 @@ def main(
     if proc.returncode:
         sys.exit(f"error: the detection recipe failed (exit {proc.returncode}); see its output above")
     results = json.loads((out / "results.json").read_text())
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return dict(
+        tool="accelerate-recipes",
+        model="yolo-n",
+        own_map50=results["eval_map50"],  # the recipe's evaluator is the shared one: its own figure is that one
+        own_map50_95=results["eval_map50_95"],
+        map50=results["eval_map50"],
+        map50_95=results["eval_map50_95"],
+        train_images=results["train_size"],
+        epochs=results["epochs"],
+        train_seconds=results["train_seconds"],
+        train_images_per_second=results["train_size"] * results["epochs"] / results["train_seconds"],
+        wall_seconds=wall,
+        peak_memory_mb=results["peak_memory_mb"],
+        parameters=results["trainable_parameters"],
+        gflops_at_640=results["gflops_at_640"],
+        command=" ".join(command[1:]),
+    )
+
+
+def run_ultralytics(data: Path, out: Path, image_size: int, epochs: int, batch_size: int, seed: int) -> dict:
+    command = [sys.executable, str(ULTRALYTICS), "--data", str(data), "--out", str(out)]
+    command += ["--image_size", str(image_size), "--epochs", str(epochs), "--batch_size", str(batch_size)]
+    command += ["--seed", str(seed)]
+    print("$ " + " ".join(command), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=dict(os.environ, YOLO_OFFLINE="1"))
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        sys.exit(
+            f"error: the Ultralytics run failed (exit {proc.returncode}); see its output above (it needs the "
+            "detect-compare extra: pip install -e '.[detect-compare]')"
+        )
+    report = json.loads((out / "ultralytics.json").read_text())
+    return dict(report, wall_seconds=wall, command=" ".join(command[1:]))
+
+
+def main(
+    data: str | None = None,
+    train_images: int = 256,
+    image_size: int = 256,
+    epochs: int = 10,
+    batch_size: int = 16,
+    seed: int = 0,
+    tools: str = "ours,ultralytics",
+    precision: str | None = None,
+    output_dir: str = "outputs/bench-detect",
+    data_dir: str = "data",
+    transfer: bool = False,
+    threads: int | None = None,
+):
+    """Train our detector and Ultralytics' YOLOv8n on the same data for a fixed number of epochs and compare them.
+
+    Args:
+        data: a data.yaml (YOLO format); default the generated shapes set (seed 0) of train_images images.
+        train_images: generated training images (validation gets a quarter as many); with no --data.
+        image_size: network input side, for both.
+        epochs: training epochs, for both (the budget: fixed work).
+        batch_size: global batch, for both.
+        seed: seed, for both.
+        tools: ours, ultralytics, or both (comma-separated).
+        precision: ours' --mixed_precision: no, bf16 or fp16; default bf16 on a GPU, no on a CPU (Ultralytics runs
+            fp32 on a CPU and its AMP on a GPU).
+        output_dir: where the runs, results.json and the table go.
+        data_dir: where the generated set is written (reused when present).
+        transfer: also fine-tune our trained model on a 5-class generated set, against the same run from scratch.
+        threads: torch threads for both tools (OMP_NUM_THREADS); default each tool's own choice. On a CPU shared
+            with other work, 1 keeps both from stalling on threads that wait for a core.
+    """
+    chosen = [t.strip() for t in (tools.split(",") if isinstance(tools, str) else tools)]
+    unknown = set(chosen) - {"ours", "ultralytics"}
+    if unknown:
+        sys.exit(f"error: unknown --tools {', '.join(sorted(unknown))}; choose ours, ultralytics or both")
+    precision = precision or ("bf16" if torch.cuda.is_available() else "no")
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # both tools' processes start with it
+    out = Path(output_dir)
+    shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
+    out.mkdir(parents=True)
+    data_yaml = Path(data) if data else generated_set(data_dir, train_images, image_size)
+    rows = []
+    if "ours" in chosen:
+        rows.append(run_ours(data_yaml, out / "ours", image_size, epochs, batch_size, seed, precision))
+    if "ultralytics" in chosen:
+        rows.append(run_ultralytics(data_yaml, out / "ultralytics", image_size, epochs, batch_size, seed))
+    transfer_rows = []
+    if transfer and "ours" in chosen:
+        from synthetic_shapes import write_synthetic_dataset
+
+        other = Path(data_dir) / f"bench-shapes5-{train_images // 2}-{image_size}px"
+        if not (other / "data.yaml").is_file():
+            write_synthetic_dataset(
+                other,
+                num_train=train_images // 2,
+                num_val=max(8, train_images // 8),
+                image_size=image_size,
+                num_classes=5,
+                seed=1,
+            )
+        for start, extra in (("from our model", ["--init_weights", str(out / "ours")]), ("from scratch", [])):
+            name = "transfer-pretrained" if extra else "transfer-scratch"
+            row = run_ours(other / "data.yaml", out / name, image_size, epochs, batch_size, seed, precision, *extra)
+            transfer_rows.append(dict(row, start=start))
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     report = dict(
         device=device,
         torch_version=torch.__version__,
-        command=" ".join(command[1:]),
-        map50=results["eval_map50"],
-        map50_95=results["eval_map50_95"],
-        train_images_per_second=results["train_samples_per_second"],
-        wall_seconds=wall,
-        parameters=results["trainable_parameters"],
-        gflops_at_640=results["gflops_at_640"],
+        data=str(data_yaml),
+        image_size=image_size,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        threads=threads,
+        evaluator="accelerate-recipes COCO mAP (torchmetrics + pycocotools), conf 0.001, max 300 boxes, NMS IoU 0.7",
+        runs=rows,
+        transfer=transfer_rows,
     )
-    (out / "bench_detect.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"\ndetection benchmark on {device}: yolo-{size}, {train_images} generated images at {image_size} px, "
-        f"{epochs} epochs, batch {batch_size}, {precision}"
-    )
-    print(
-        f"  mAP50-95 {report['map50_95']:.3f}   mAP50 {report['map50']:.3f}   "
-        f"{report['train_images_per_second']:.1f} train images/s   wall {wall:.0f} s"
-    )
-    print(f"saved {out / 'bench_detect.json'}")
+    if len(rows) == 2:
+        ours, theirs = rows
+        report["ratios"] = dict(
+            map50_95=ours["map50_95"] / theirs["map50_95"] if theirs["map50_95"] else None,
+            train_images_per_second=ours["train_images_per_second"] / theirs["train_images_per_second"],
+            wall_seconds=ours["wall_seconds"] / theirs["wall_seconds"],
+        )
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\ndetection benchmark on {device}: {data_yaml}, {image_size} px, {epochs} epochs, batch {batch_size}")
+    print("| tool | mAP50-95 | mAP50 | its own mAP50-95 / mAP50 | train images/s | wall s | peak MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['tool']} {r['model']} | {r['map50_95']:.3f} | {r['map50']:.3f} | {r['own_map50_95']:.3f} / "
+            f"{r['own_map50']:.3f} | {r['train_images_per_second']:.1f} | {r['wall_seconds']:.0f} | "
+            f"{r['peak_memory_mb']:.0f} |"
+        )
+    if "ratios" in report:
+        ratios = report["ratios"]
+        ratio = f"{ratios['map50_95']:.2f}x" if ratios["map50_95"] is not None else "n/a"
+        print(
+            f"ours / Ultralytics: mAP50-95 {ratio}, training images/s "
+            f"{ratios['train_images_per_second']:.2f}x, wall time {ratios['wall_seconds']:.2f}x"
+        )
+    for r in transfer_rows:
+        print(f"fine-tune to 5 classes, {r['start']}: mAP50-95 {r['map50_95']:.3f}, mAP50 {r['map50']:.3f}")
+    print(f"saved {out / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_check import free_port  # beside this file
+from gpu_check.processes import free_port  # the package beside this file
 
 from accelerate_recipes.cli import RecipeError, run
 

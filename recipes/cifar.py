@@ -149,10 +149,12 @@ class CifarFlags(TrainingFlags):
         augment: random pad-4 crop and horizontal flip on training images.
         cutout: side of a random square erased from each training image (0: off); --loader device only.
         tta_flip: evaluate on each test image and its mirror image, averaging the logits.
-        compile: compile the model with torch.compile (Accelerator(dynamo_backend="inductor"): prepare() wraps it);
-            the first steps and the first evaluation take longer while it compiles. The saved models hold the plain
-            ResNet's weights, which --predict and --eval_only load as any others, and a checkpoint resumes with or
-            without --compile.
+        compile: compile the model with torch.compile (Accelerator(dynamo_backend=--compile_backend): prepare()
+            wraps it); the first steps and the first evaluation take longer while it compiles. The saved models hold
+            the plain ResNet's weights, which --predict and --eval_only load as any others, and a checkpoint resumes
+            with or without --compile.
+        compile_backend: torch.compile's backend under --compile: inductor (default: generates fused kernels) or
+            aot_eager (traces and runs torch's own kernels: no code generation, for checking a compiled run quickly).
         skip_nonfinite_steps: drop the update of a step whose loss is NaN or infinite and go on, instead of stopping
             (the optimizer skips it; BatchNorm statistics of that forward pass are kept).
         run_name: tracker run name; default cifar-<dataset>.
@@ -191,6 +193,7 @@ class CifarFlags(TrainingFlags):
     cutout: int = 0
     tta_flip: bool = False
     compile: bool = False
+    compile_backend: str = "inductor"
     output_dir: str = "outputs/cifar"
     preset: str | None = None
 
@@ -513,7 +516,11 @@ def predict(args: CifarFlags) -> None:
 
 # --------------------------------------------------------------------------------------------- set-up, both modes
 def check_choices(args: CifarFlags) -> None:
-    for flag, choices in (("loader", ("auto", "device", "torch")), ("schedule", ("cosine", "linear"))):
+    for flag, choices in (
+        ("loader", ("auto", "device", "torch")),
+        ("schedule", ("cosine", "linear")),
+        ("compile_backend", ("inductor", "aot_eager")),
+    ):
         if getattr(args, flag) not in choices:
             raise RecipeError(f"unknown --{flag} {getattr(args, flag)!r}; choose one of {', '.join(choices)}")
 
@@ -732,7 +739,7 @@ def train(args: CifarFlags) -> None:
             step_scheduler_with_optimizer=False,
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-            dynamo_backend="inductor" if args.compile else None,  # prepare() then wraps the model in torch.compile
+            dynamo_backend=args.compile_backend if args.compile else None,  # prepare() then wraps it in torch.compile
         )
     per_process = check_launch(
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm

@@ -27,14 +27,12 @@ answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch a
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import datasets
-import peft
 import torch
 import torch.nn.functional as F
 import transformers
@@ -48,8 +46,8 @@ from accelerate.utils import (
     send_to_device,
     set_seed,
 )
+from chat.conversations import dataset_name
 from chat.generation import without_compiling
-from chat.memory_plan import numel
 from chat.model import (
     BASE,
     DEFAULT_MODEL,
@@ -57,7 +55,6 @@ from chat.model import (
     ChatModelFlags,
     KernelFlags,
     adamw,
-    attention_settings,
     build_model,
     chat,
     check_one_mode,
@@ -68,7 +65,9 @@ from chat.model import (
     load_any,
     load_tokenizer,
     merge,
+    model_facts,
     predict,
+    print_saved,
     reference_model,
     reference_policy,
     row_multiple,
@@ -215,16 +214,6 @@ def check_flags(args: DpoFlags) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- data
-def dataset_name(args: DpoFlags) -> str:
-    if args.dataset:
-        return args.dataset.split(":")[0].rsplit("/", 1)[-1]
-    file = args.train_file or (args.validation_file if args.eval_only else None)  # --eval_only needs no training pairs
-    if not file:
-        also = " (or, with --eval_only, --validation_file)" if args.eval_only else ""
-        raise RecipeError(f"give --train_file (a .json/.jsonl of preference pairs) or --dataset (a Hub dataset){also}")
-    return f"{Path(file).resolve().parent.name}-{Path(file).stem}"
-
-
 def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
     """({train, validation}: tokenised pairs, counts per split). The local main process of each node reads first
     (into the datasets cache); the others then read the cached files."""
@@ -257,7 +246,8 @@ def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_proce
     pad_to = row_multiple(accelerator, args.compile and args.packing)
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    collate = pair_collator(tokenizer, args.packing, pad_to)
+    longest = args.max_length if args.compile else None  # compiled: one bound for every packed row (one_bound)
+    collate = pair_collator(tokenizer, args.packing, pad_to, longest)
     # The shuffle has a generator of its own: starting an epoch then draws nothing from the global RNG.
     generator = torch.Generator().manual_seed(args.seed)
     train_loader = None
@@ -464,7 +454,7 @@ def train(args: DpoFlags) -> None:
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
-    args.compile = compiles(args.compile, accelerator)  # by default on a CUDA GPU
+    args.compile = compiles(args.compile, accelerator, args.liger)  # by default on a CUDA GPU, without --liger
     generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if args.eval_generate and generation_off:
         accelerator.print("--eval_generate is off: answers need the whole model in each process, which this run shards")
@@ -629,18 +619,13 @@ def settings(args: DpoFlags, model_name: str, lr: float, model, counts: dict, pe
     return dict(
         dataset=dataset_name(args),
         model=model_name,
-        method="lora" if args.lora_r else "full",
+        **model_facts(args, model),  # lora or full, its parameters, the library versions, the attention
         lr=lr,
         per_process_batch_size=per_process,
-        trainable_parameters=sum(numel(p) for p in model.parameters() if p.requires_grad),
-        parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them
         train_size=counts["train"]["pairs"] - counts["train"]["dropped"],
         validation_size=counts["validation"]["pairs"] - counts["validation"]["dropped"],
         train_dropped=counts["train"]["dropped"],
         train_truncated=counts["train"]["truncated"],
-        transformers_version=transformers.__version__,
-        peft_version=peft.__version__,
-        **attention_settings(model),
     )
 
 
@@ -663,14 +648,7 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys += ["eval_logp_accuracy", "best_metric", "best_epoch", "train_tokens_per_second", "peak_memory_mb"]
     keys += ["wall_seconds"]
     print_summary(results, keys, title="DPO: summary")
-    what = "adapter" if results["method"] == "lora" else "model"
-    print(
-        f"{what}, tokenizer, model_best/ and {path.name} saved in {path.parent}; try it: python "
-        f"{os.path.relpath(__file__)} --chat --model {path.parent}"
-    )
-    where = tracking.where()
-    if where:
-        print(where)
+    print_saved(results, path, tracking, __file__)
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate

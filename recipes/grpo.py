@@ -21,7 +21,8 @@ or without accumulation, and after a resume.
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
 resume -> loop: roll out, score, update -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
 --merge come from the chat recipes' shared layer (chat/model.py), generation (eager, or a merged copy with a static
-KV cache and a compiled decode step: --decode) from chat/generation.py. Rewards and the prompt formats are in
+KV cache and a compiled decode step: --decode) from chat/generation.py. The rollouts (keyed sampling, scoring, the
+figures logged of them, the throughput) are in chat/rollouts.py; the rewards and the prompt formats in
 chat/rewards.py.
 
 Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
@@ -32,16 +33,14 @@ from accelerate_recipes.cli import answer_help_from_source
 answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
 
 import contextlib
-import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import datasets
-import peft
 import torch
 import transformers
 from accelerate import Accelerator
@@ -54,28 +53,40 @@ from accelerate.utils import (
     set_seed,
 )
 from chat import generation
-from chat.generation import Completions, Sampling, splitmix64
-from chat.memory_plan import numel
+from chat.conversations import dataset_name
+from chat.generation import Completions
 from chat.model import (
     DEFAULT_MODEL,
     SAMPLES_KEPT,
     ChatModelFlags,
     adamw,
-    attention_settings,
     build_model,
     chat,
     check_one_mode,
     load_any,
     load_tokenizer,
     merge,
+    model_facts,
     predict,
+    print_saved,
     reference_model,
     reference_policy,
     save_model,
     write_samples,
 )
 from chat.model import token_logprobs as target_logprobs
-from chat.rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored
+from chat.rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored, score_texts
+from chat.rollouts import (
+    Rollout,
+    Throughput,
+    figure_names,
+    generate,
+    in_order,
+    reward_figures,
+    roll_out,
+    sampling_keys,
+    score,
+)
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
@@ -247,15 +258,6 @@ def check_flags(args: GrpoFlags) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- data
-def dataset_name(args: GrpoFlags) -> str:
-    if args.dataset:
-        return args.dataset.split(":")[0].rsplit("/", 1)[-1]
-    file = args.train_file or (args.validation_file if args.eval_only else None)  # --eval_only needs no training file
-    if not file:
-        raise RecipeError("give --train_file (a .json/.jsonl of prompts) or --dataset (a Hub dataset)")
-    return f"{Path(file).resolve().parent.name}-{Path(file).stem}"
-
-
 def tokenize_prompts(accelerator, tokenizer, rows: list[dict], max_prompt_length: int, split: str) -> list[dict]:
     """Each row with `prompt_ids`: its messages rendered with the chat template and the generation prompt. Rows
     longer than --max_prompt_length are left out, and counted."""
@@ -272,107 +274,7 @@ def tokenize_prompts(accelerator, tokenizer, rows: list[dict], max_prompt_length
     return kept
 
 
-def reward_columns(rows: list[dict]) -> dict:
-    """The data's columns as lists, for the reward functions' **columns (prompt, messages and ids left out)."""
-    names = {k for row in rows for k in row} - {"prompt", "messages", "prompt_ids"}
-    return {name: [row.get(name) for row in rows] for name in sorted(names)}
-
-
-# ------------------------------------------------------------------------------------------------------- rollouts
-def sampling_keys(seed: int, epoch: int, prompt_index: torch.Tensor, generations: int) -> torch.Tensor:
-    """One int64 key per completion: (seed, epoch, prompt, completion number), prompt-major as the rows are."""
-    run = splitmix64(torch.tensor([seed * 1_000_003 + epoch], dtype=torch.int64))
-    rows = prompt_index.to(torch.int64)[:, None] * 4099 + torch.arange(generations, device=prompt_index.device)
-    return splitmix64(rows.reshape(-1) + run.to(prompt_index.device))  # per (seed, epoch, prompt, completion)
-
-
-@dataclass
-class Rollout(Completions):
-    """One micro-batch of rollouts (prompt-major: --num_generations rows per prompt) and all the update needs of it,
-    filled in by roll_out, score and rollout_steps, in that order."""
-
-    indices: list[int] = field(default_factory=list)  # the prompts of the micro-batch (training set indices)
-    texts: list[str] = field(default_factory=list)  # the completions, decoded
-    generation_seconds: float = 0.0
-    per_function: list[list] = field(default_factory=list)  # each reward's value (None: not applicable) per row
-    rewards: list[float] = field(default_factory=list)  # the weighted totals (NaN: no reward applied)
-    loss_mask: torch.Tensor | None = None  # the completion tokens the loss covers
-    advantages: torch.Tensor | None = None  # one per row
-    normaliser: torch.Tensor | float = 1.0  # what the step's summed token losses are divided by (loss_normaliser)
-    figures: dict = field(default_factory=dict)  # REWARD_FIGURES and each reward's mean, for the log
-    tokens: int = 0  # prompt and completion tokens, for the throughput
-    old_logprobs: torch.Tensor | None = None  # the sampling policy's, when --num_iterations > 1
-    reference_logprobs: torch.Tensor | None = None  # the reference's, with --beta
-
-    def parts(self, rows: int) -> list["Rollout"]:
-        """The micro-batch as passes of at most `rows` rows for the update (--update_rows; 0: one pass): each part
-        keeps its rows' tensors and the micro-batch's normaliser, so the parts' losses add up to the whole's."""
-        total = len(self.completion)
-        if not rows or rows >= total:
-            return [self]
-        per_row = ("prompt", "prompt_mask", "completion", "mask", "truncated", "loss_mask", "advantages")
-        per_row += ("old_logprobs", "reference_logprobs")
-        return [
-            dataclasses.replace(
-                self,
-                **{
-                    name: getattr(self, name)[start : start + rows]
-                    for name in per_row
-                    if getattr(self, name) is not None
-                },
-            )
-            for start in range(0, total, rows)
-        ]
-
-
-def generate(accelerator, model, tokenizer, prompt_ids: list[list[int]], args, keys=None) -> Completions:
-    """Completions of the prompts as --decode says (generation.py): sampled with keyed draws (one key per row) at
-    --temperature and the sampling flags when `keys` are given, else greedy."""
-    return generation.generate(
-        accelerator,
-        model,
-        tokenizer,
-        prompt_ids,
-        args.max_new_tokens,
-        args.decode,
-        keys,
-        Sampling.of(args),
-        args.gather_for_generation,
-    )
-
-
-def roll_out(accelerator, model, tokenizer, rows: list[dict], indices: torch.Tensor, epoch: int, args) -> Rollout:
-    """One micro-batch of rollouts: --num_generations sampled completions of each prompt (rows prompt-major)."""
-    started = time.perf_counter()
-    generations = args.num_generations
-    prompts = [rows[i]["prompt_ids"] for i in indices.tolist() for _ in range(generations)]
-    keys = sampling_keys(args.seed, epoch, indices.to(accelerator.device), generations)
-    completions = generate(accelerator, model, tokenizer, prompts, args, keys)
-    return Rollout(
-        **vars(completions),
-        indices=indices.tolist(),
-        texts=completions.texts(tokenizer),
-        generation_seconds=time.perf_counter() - started,  # generate reads EOS flags: already synchronised
-    )
-
-
-def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated: list[bool], ids=None) -> tuple:
-    """(per function: one value or None per completion, the weighted totals) of completions of `rows`' prompts."""
-    columns = dict(reward_columns(rows), truncated=truncated)
-    if ids is not None:
-        columns["completion_ids"] = ids
-    per_function = rewards.score([row["prompt"] for row in rows], texts, columns)
-    return per_function, rewards.total(per_function)
-
-
-def score(rewards: Rewards, rows: list[dict], rollout: Rollout, generations: int) -> None:
-    """The rewards of a micro-batch's completions, per function and weighted, into `rollout` (host lists)."""
-    picked = [rows[i] for i in rollout.indices for _ in range(generations)]
-    ids = [row[:n] for row, n in zip(rollout.completion.tolist(), rollout.mask.sum(dim=1).tolist())]
-    texts, cut = rollout.texts, rollout.truncated.tolist()
-    rollout.per_function, rollout.rewards = score_texts(rewards, picked, texts, cut, ids)
-
-
+# ----------------------------------------------------------------------------------------------------- advantages
 def nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """The sample standard deviation of the values that are not NaN (0 with fewer than two)."""
     seen = ~values.isnan()
@@ -827,110 +729,14 @@ def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, re
     return dict(
         dataset=dataset_name(args),
         model=model_name,
-        method="lora" if args.lora_r else "full",
+        **model_facts(args, model),  # lora or full, its parameters, the library versions, the attention
         lr=lr,
         rewards=rewards.names,
         reward_weights=rewards.weights,
         train_size=len(train_rows),
-        trainable_parameters=sum(numel(p) for p in model.parameters() if p.requires_grad),
-        parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them
-        transformers_version=transformers.__version__,
-        peft_version=peft.__version__,
-        **attention_settings(model),
         # what --decode chose on this device
         decode_mode=generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
     )
-
-
-# What rollout_steps computes of each micro-batch's rewards (reward_figures), besides each reward's mean.
-REWARD_FIGURES = ("reward", "reward_std", "reward_std_in_group", "frac_reward_zero_std", "accuracy", "solved")
-REWARD_FIGURES += ("completion_length", "truncated")
-
-
-def figure_names(rewards: Rewards) -> tuple[str, ...]:
-    """What each update logs as train/<name>, averaged over micro-batches and processes between log steps."""
-    return ("loss", *REWARD_FIGURES, "clip_fraction", "kl", *[f"reward_{name}" for name in rewards.names])
-
-
-def reward_figures(rollout: Rollout, spread: dict, names: tuple[str, ...]) -> dict[str, float]:
-    """A micro-batch's REWARD_FIGURES by name, and each reward's mean (over the completions it applies to) as
-    reward_<name> (`names`: the rewards')."""
-    rewards, first = rollout.rewards, rollout.per_function[0]
-    generations = len(rewards) // len(rollout.indices)
-    correct = [is_correct(v) for v in first]
-    solved = [any(correct[i : i + generations]) for i in range(0, len(correct), generations)]
-    lengths = rollout.mask.sum(dim=1).tolist()
-    figures = dict(
-        reward=mean_scored(rewards),
-        **spread,  # reward_std, reward_std_in_group, frac_reward_zero_std
-        accuracy=sum(correct) / len(correct),
-        solved=sum(solved) / len(solved),
-        completion_length=sum(lengths) / len(lengths),
-        truncated=sum(rollout.truncated.tolist()) / len(lengths),
-    )
-    return figures | {f"reward_{name}": mean_scored(v) for name, v in zip(names, rollout.per_function)}
-
-
-def in_order(names: tuple[str, ...], on_device: dict, on_host: dict) -> torch.Tensor:
-    """One micro-batch's figures as RunState adds them, in the order of `names`: the device's tensors stay there
-    (no read), the host's numbers go over in one copy."""
-    device = next(iter(on_device.values())).device
-    host = [0.0 if name in on_device else on_host[name] for name in names]
-    host = torch.tensor(host, dtype=torch.float32).to(device)
-    return torch.stack([on_device[name].float() if name in on_device else host[i] for i, name in enumerate(names)])
-
-
-class Throughput:
-    """Tokens per second of generation and of the updates, apart (every process's tokens over the main process's
-    time): completion tokens over the time in generate, and prompt + completion tokens over the time from an optimizer
-    step's first forward pass to its end. The first optimizer step of a run is the warm-up, reported apart in seconds:
-    it compiles the decode step (--decode compiled) and fills the allocator's caches; the rates are those of the steps
-    after it (of the first when there is no other). The end waits for the device once per step, which costs nothing
-    here: the next rollouts' generation waits for it anyway."""
-
-    def __init__(self, accelerator):
-        self.accelerator, self.device = accelerator, accelerator.device
-        self.generation = [0, 0.0, 0, 0.0]  # tokens and seconds of the first step, then of the others
-        self.update = [0, 0.0, 0, 0.0]
-        self.update_start: float | None = None
-        self.pending_tokens = 0
-
-    @staticmethod
-    def _add(figures: list, tokens: int, seconds: float) -> None:
-        first = figures[1] == 0.0
-        figures[0 if first else 2] += tokens
-        figures[1 if first else 3] += seconds
-
-    def generated(self, tokens: int, seconds: float) -> None:
-        self._add(self.generation, tokens, max(seconds, 1e-9))
-
-    def update_started(self) -> None:
-        if self.update_start is None:
-            self.update_start = time.perf_counter()
-
-    def trained(self, tokens: int) -> None:
-        self.pending_tokens += tokens
-
-    def update_ended(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._add(self.update, self.pending_tokens, max(time.perf_counter() - self.update_start, 1e-9))
-        self.update_start, self.pending_tokens = None, 0
-
-    def rates(self) -> dict:
-        """Collective: the token counts are summed over the processes."""
-        counts = torch.tensor(self.generation[::2] + self.update[::2], dtype=torch.float64, device=self.device)
-        first_generated, generated, first_trained, trained = self.accelerator.reduce(counts, "sum").tolist()
-
-        def steady(first_tokens, tokens, figures):
-            return tokens / figures[3] if figures[3] else first_tokens / max(figures[1], 1e-9)
-
-        return {
-            "generation_tokens_per_second": steady(first_generated, generated, self.generation),
-            "train_tokens_per_second": steady(first_trained, trained, self.update),
-            "first_step_generation_seconds": self.generation[1],  # the decode step's compilation included
-            "first_step_update_seconds": self.update[1],
-        }
 
 
 def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: Rollout, tracking) -> None:
@@ -961,14 +767,7 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys += ["decode_mode", "generation_tokens_per_second", "train_tokens_per_second", "first_step_generation_seconds"]
     keys += ["peak_memory_mb", "wall_seconds"]
     print_summary(results, keys, title="GRPO: summary")
-    what = "adapter" if results["method"] == "lora" else "model"
-    print(
-        f"{what}, tokenizer, model_best/ and {path.name} saved in {path.parent}; try it: python recipes/grpo.py "
-        f"--chat --model {path.parent}"
-    )
-    where = tracking.where()
-    if where:
-        print(where)
+    print_saved(results, path, tracking, __file__)
 
 
 # -------------------------------------------------------------------------------------------------------- evaluate

@@ -50,7 +50,6 @@ from chat.model import (
     ChatModelFlags,
     KernelFlags,
     adamw,
-    attention_settings,
     build_model,
     chat,
     check_one_mode,
@@ -60,7 +59,9 @@ from chat.model import (
     load_fine_tuned,
     load_tokenizer,
     merge,
+    model_facts,
     predict,
+    print_saved,
     row_multiple,
     save_model,
     use_kernels,
@@ -212,6 +213,7 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
     validation loader (padded, so each conversation's loss stays its own), before accelerator.prepare, and the
     conversations of a training micro-batch (on average over an epoch with --batch_tokens)."""
     pad_to, train_pad_to = row_multiple(accelerator), row_multiple(accelerator, args.compile and args.packing)
+    longest = args.max_length if args.compile else None  # compiled: one bound for every packed row (one_bound)
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
     train_set = tokenized["train"]
@@ -229,7 +231,7 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
         shuffle=True,
         drop_last=True,
         generator=torch.Generator().manual_seed(args.seed),
-        collate_fn=collator(tokenizer, args.packing, train_pad_to),
+        collate_fn=collator(tokenizer, args.packing, train_pad_to, longest),
         **loader_args,
     )
     eval_loader = DataLoader(
@@ -242,9 +244,9 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
 
 
 def settle_flags(args: SftFlags, accelerator) -> None:
-    """The flags whose value depends on the launch: --compile by default on a CUDA GPU (compiles), and with
-    --batch_tokens the global batch that check_launch divides: a row per process per micro-step."""
-    args.compile = compiles(args.compile, accelerator)
+    """The flags whose value depends on the launch: --compile by default on a CUDA GPU without --liger (compiles),
+    and with --batch_tokens the global batch that check_launch divides: a row per process per micro-step."""
+    args.compile = compiles(args.compile, accelerator, args.liger)
     if not args.batch_tokens:
         return
     if not args.packing:
@@ -325,19 +327,14 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
     return dict(
         dataset=dataset_name(args),
         model=model_name,
-        method="lora" if args.lora_r else "full",
+        **model_facts(args, model),  # lora or full, its parameters, the library versions, the attention
         lr=lr,
         lora_alpha=args.lora_alpha or 2 * args.lora_r,
         per_process_batch_size=per_process,
-        trainable_parameters=sum(numel(p) for p in model.parameters() if p.requires_grad),
-        parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them at load
         train_size=counts["train"]["examples"] - counts["train"]["without_targets"],
         validation_size=counts["validation"]["examples"] - counts["validation"]["without_targets"],
         train_truncated=counts["train"]["truncated"],
         train_dropped=counts["train"]["without_targets"],
-        transformers_version=transformers.__version__,
-        peft_version=peft.__version__,
-        **attention_settings(model),  # the attention used
     )
 
 
@@ -381,19 +378,11 @@ def scores_line(evaluation: dict) -> str:
 
 def print_run_summary(results: dict, path: Path, tracking) -> None:
     """After training, on the main process: the summary table, what was saved where, and how to use it."""
-    output = path.parent
     keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
     keys += ["steps", "epochs", "eval_loss", "eval_perplexity", "eval_exact_match", "best_metric", "best_epoch"]
     keys += ["train_tokens_per_second", "train_target_tokens_per_second", "peak_memory_mb", "wall_seconds"]
     print_summary(results, keys, title="chat fine-tuning: summary")
-    what = "adapter" if results["method"] == "lora" else "model"
-    print(
-        f"{what}, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
-        f"try it: python {os.path.relpath(__file__)} --chat --model {output}"
-    )
-    where = tracking.where()
-    if where:
-        print(where)
+    print_saved(results, path, tracking, __file__)
 
 
 # ---------------------------------------------------------------------------------------------------------- train

@@ -2,13 +2,14 @@
 
 Started by tests/test_sft_sharded.py with fsdp.yaml on 1 or 2 CPU processes (the FSDP2 plugin is built from the
 config's settings, as the recipes build it on the CPU), with a model folder of tests/chat_fixtures.py whose output
-layer is tied to the embeddings. For a LoRA adapter and for a full fine-tune, each with gradient checkpointing, each
-process takes a micro-batch of its own, small enough chunks (answer_loss.CHUNK_LOGITS) for several per micro-batch, and
-runs: a training pass, an evaluation pass without gradients, and a training pass again; then the token
-log-probabilities of the chat recipes' updates (chat/model.py's token_logprobs) with their gradients. Beside it, an
-unsharded copy of the model takes transformers' own loss and logits on the same micro-batch; its gradients are
-averaged over the processes, as FSDP2 averages the sharded ones. Each process saves what both gave to
-OUTPUT_DIR/rank<N>.pt for the test to compare.
+layer is tied to the embeddings. For a LoRA adapter and for a full fine-tune, each with gradient checkpointing and
+its decoder blocks compiled as --compile compiles them (aot_eager here; the graphs compiled are counted), each
+process takes a micro-batch of its own, small enough chunks (answer_loss.CHUNK_LOGITS) for several per micro-batch,
+and runs: a training pass, an evaluation pass without gradients (as the recipes evaluate: compiling nothing new), and
+a training pass again; then the token log-probabilities of the chat recipes' updates (chat/model.py's
+token_logprobs) with their gradients. Beside it, an unsharded eager copy of the model takes transformers' own loss
+and logits on the same micro-batch; its gradients are averaged over the processes, as FSDP2 averages the sharded
+ones. Each process saves what both gave to OUTPUT_DIR/rank<N>.pt for the test to compare.
 """
 
 import argparse
@@ -28,8 +29,10 @@ sys.path[:0] = [str(REPO / "recipes"), str(REPO / "benchmarks")]  # the chat rec
 from chat import answer_loss  # noqa: E402
 from chat import model as chat_model  # noqa: E402
 from chat.conversations import assistant_turn_end, ensure_pad_token, tokenize_conversation  # noqa: E402
+from chat.generation import without_compiling  # noqa: E402
 from chat.packing import collator  # noqa: E402
 from chat_fixtures import chat_examples  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from accelerate_recipes.sharding import setup_fsdp, shard_on_cpu  # noqa: E402
@@ -81,6 +84,9 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
     reference = build(model_dir, lora)
     sharded = copy.deepcopy(reference)
     answer_loss.use_answer_loss(sharded)
+    torch._dynamo.reset()  # each method's graphs counted on their own
+    counters.clear()
+    chat_model.compile_blocks(sharded, "aot_eager")  # as --compile does, before prepare shards the blocks
     setup_fsdp(accelerator, sharded)
     # FSDP2 prepares a model with its optimizer only; this one never steps
     optimizer = torch.optim.SGD([p for p in sharded.parameters() if p.requires_grad], lr=0.0)
@@ -107,7 +113,7 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
         accelerator.backward(loss)
         result[f"{run}_loss"], result[f"{run}_gradients"] = loss.detach(), gradients(sharded)
         if run == "first":
-            with torch.no_grad():
+            with torch.no_grad(), without_compiling():  # as the recipes evaluate
                 result["token_losses"] = sharded(**batch).token_losses
 
     # The last LOGPROB_TOKENS tokens' log-probabilities at a temperature (GRPO's and DPO's), and the gradients of a
@@ -125,6 +131,9 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
     logprobs = chat_model.token_logprobs(sharded, **inputs, targets=targets, temperature=TEMPERATURE)
     accelerator.backward((logprobs * weights).sum())
     result["logprobs"], result["logprob_gradients"] = logprobs.detach(), gradients(sharded)
+    result["graphs"] = counters["stats"]["unique_graphs"]
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    result["blocks"] = len(sharded.get_decoder().layers)
     return result
 
 

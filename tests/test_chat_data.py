@@ -1,7 +1,9 @@
 """The SFT recipe's data side on real tokenizers and tiny real models: chat files in every format, the assistant-only
 loss mask under three chat templates, truncation, padding and packing."""
 
+import collections
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -294,6 +296,62 @@ def test_varlen_attention_gives_the_dense_masks_losses_and_gradients(tiny_chat_m
     prompt = tokenizer(["hello there", "a longer prompt than that"], return_tensors="pt", padding=True)
     greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert torch.equal(varlen.generate(**prompt, **greedy), dense.generate(**prompt, **greedy))
+
+
+def test_a_packed_row_under_varlen_builds_no_mask_and_reads_nothing_on_the_host(
+    tiny_chat_model, chat_batch, monkeypatch
+):
+    """A packed row's training pass (forward and backward) under `varlen`, on the path a GPU takes (torch's
+    variable-length kernel; a stand-in of the same call here: tests/varlen_stand_in.py): transformers builds no mask
+    and does not look for packed sequences in the positions, and nothing in the pass reads a tensor's value on the
+    host (the host-read audit's counter; on a GPU each read waits for the queue). The same row under sdpa looks for
+    them, reads on the host that it found some, and builds its block-diagonal mask: what the counters see. The answer
+    tokens' losses are sdpa's."""
+    from chat import packed_attention
+    from chat.answer_loss import use_answer_loss
+    from host_reads import Audit
+    from transformers import AttentionMaskInterface, masking_utils
+    from varlen_stand_in import use_stand_in
+
+    tokenizer, features = chat_batch
+    packed_attention.register()
+    batch = collator(tokenizer, packing=True)(features)
+    built = collections.Counter()
+
+    def counted(name, function):
+        def counting(*args, **kwargs):
+            built[name] += 1
+            return function(*args, **kwargs)
+
+        return counting
+
+    # where transformers looks for packed sequences, and the mask builder sdpa's and varlen's masks come from
+    finder = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", counted("packed sequences found", finder))
+    builder = AttentionMaskInterface._global_mapping["sdpa"]
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "sdpa", counted("masks built", builder))
+
+    def training_pass(attention: str) -> tuple[torch.Tensor, dict, int]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, attn_implementation=attention)
+        check_packing(model)
+        use_answer_loss(model)
+        built.clear()
+        audit = Audit(Path(__file__))
+        try:
+            with audit.mode():
+                output = model(**batch)
+                output.loss.backward()
+        finally:
+            audit.hook.remove()
+        reads = sum(sum(per.values()) for (kind, *_), per in audit.sites.items() if kind in ("read", "shape"))
+        return output.token_losses, dict(built), reads
+
+    dense_losses, dense_built, dense_reads = training_pass("sdpa")
+    assert dense_built == {"packed sequences found": 1, "masks built": 1} and dense_reads >= 1
+    with use_stand_in(monkeypatch):
+        losses, varlen_built, varlen_reads = training_pass("varlen")
+    assert (varlen_built, varlen_reads) == ({}, 0)
+    torch.testing.assert_close(losses, dense_losses, atol=1e-6, rtol=1e-5)
 
 
 def test_a_filled_packed_row_changes_no_loss_and_compiled_blocks_compile_once_per_length(tiny_chat_model, chat_batch):
@@ -657,3 +715,23 @@ def test_liger_kernels_are_refused_by_name_off_a_gpu(tiny_chat_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     with pytest.raises(RecipeError, match="--liger .* need a CUDA GPU"):
         chat_model.use_liger_kernels(model, "cpu")
+
+
+def test_liger_kernels_keep_the_decoder_blocks_eager():
+    """--liger and compiled blocks fuse the same layers two ways, and Liger Kernel's are not compiled (0.8.5 marks its
+    rotary embedding torch.compiler.disable: a graph break in every block): on a GPU the blocks compile by default
+    without --liger and not with it, which one line says, and --compile with --liger is refused in one line, as
+    sft.py settles its flags."""
+    import sft
+    from accelerate.utils import DistributedType
+
+    printed = []
+    on_a_gpu = SimpleNamespace(device=torch.device("cuda"), distributed_type=DistributedType.NO, print=printed.append)
+    assert chat_model.compiles(None, on_a_gpu) is True and not printed
+    assert chat_model.compiles(None, on_a_gpu, liger=True) is False
+    assert len(printed) == 1 and "\n" not in printed[0] and "Liger" in printed[0]
+    one_line_error(lambda: chat_model.compiles(True, on_a_gpu, liger=True), "--liger and --compile")
+    one_line_error(lambda: sft.settle_flags(sft.SftFlags(liger=True, compile=True), on_a_gpu), "--liger and --compile")
+    args = sft.SftFlags(liger=True)
+    sft.settle_flags(args, on_a_gpu)
+    assert args.compile is False

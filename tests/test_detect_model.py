@@ -81,12 +81,29 @@ def test_assigner_picks_topk_inside_anchors_by_iou():
     assert (scores[0][:, :2] == 0).all() and (scores[0][~fg[0]] == 0).all()
     assert scores[0, :, 2].max() == pytest.approx(iou[fg[0]].max().item(), rel=1e-5)
     assert (scores[0, fg[0], 2] > 0).all()
-    # a gt with a single anchor centre inside gets that one anchor, even with topk=10 and other anchors nearby
+    # without widening (min_side 0), a gt with a single anchor centre inside gets that one anchor, even with topk=10
+    # and other anchors nearby
     small = torch.tensor([[[1.0, 1.0, 7.0, 7.0]]])
-    _, _, _, fg, _ = TaskAlignedAssigner(3, topk=10)(
+    _, _, _, fg, _ = TaskAlignedAssigner(3, topk=10, min_side=0)(
         pred_scores, pred_boxes, points, torch.tensor([[0]]), small, torch.tensor([[True]])
     )
     assert fg[0].nonzero()[:, 0].tolist() == [anchor_index(4, 4, 8)]
+
+
+def test_assigner_gives_boxes_smaller_than_a_cell_candidates():
+    """A 2-pixel box between anchor centres has no centre inside it: widened to 16 pixels about its centre for the
+    choice of candidates (the default), it gets the anchors around it, and keeps its own box as the target."""
+    points, _ = anchors_for()
+    pred_boxes = default_boxes(points)[None]
+    pred_scores = torch.full((1, points.shape[0], 3), 0.5)
+    tiny = torch.tensor([[[9.0, 9.0, 11.0, 11.0]]])
+    args = (pred_scores, pred_boxes, points, torch.tensor([[1]]), tiny, torch.tensor([[True]]))
+    _, _, _, fg, _ = TaskAlignedAssigner(3, topk=10, min_side=0)(*args)
+    assert fg.sum() == 0  # no anchor centre lies inside it: nothing would learn this object
+    _, boxes, scores, fg, _ = TaskAlignedAssigner(3, topk=10)(*args)
+    near = [anchor_index(x, y, 8) for x in (4, 12) for y in (4, 12)] + [anchor_index(8, 8, 16)]
+    assert set(fg[0].nonzero()[:, 0].tolist()) <= set(near + [anchor_index(16, 16, 32)]) and fg.sum() >= 4
+    assert torch.equal(boxes[0][fg[0]], tiny[0].expand(int(fg.sum()), 4))
 
 
 @pytest.mark.parametrize("topk", [1, 3, 10])

@@ -555,6 +555,81 @@ def test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradi
         assert (answer_logprobs(model, row)[0] - padded_policy).abs().max() > 1e-2
 
 
+def test_compiled_blocks_give_the_eager_policy_and_reference_and_compile_once(
+    tiny_chat_model, tokenized_pairs, tmp_path, monkeypatch
+):
+    """--packing --compile with a LoRA adapter, as dpo.py trains on a GPU: the decoder blocks compiled (aot_eager:
+    torch.compile's capture without code generation), packed rows through `varlen` on the GPU's path (torch's
+    variable-length kernel, a stand-in of the same op boundary here: tests/varlen_stand_in.py), each micro-batch's
+    reference pass (the adapter off, no gradients) beside the policy's. Against the same model eager, four
+    micro-batches give the same reference and policy log-probabilities (LOGPROB_TOLERANCE) and LoRA gradients (1e-6 +
+    1e-5 relative): the same fp32 operations (measured: equal to the bit). On a model of 4 blocks the first
+    micro-batch compiles at most 3 graphs (torch 2.14 and 2.11: the reference pass; the policy's first block, whose
+    input carries no gradient; its other blocks) and the next ones none: a graph per block, or per micro-batch (a new
+    longest sequence in each row, which the kernel takes as an integer: chat/packing.py's one_bound), would fail
+    here, and torch falls back to eager after 8."""
+    from accelerate import Accelerator
+    from chat import packed_attention
+    from chat.model import BASE, COMPILE_ROW_MULTIPLE, build_model, use_kernels
+    from chat.preference_pairs import pair_collator
+    from dpo import DpoFlags, answer_logprobs, pair_figures, reference_logprobs
+    from torch._dynamo.utils import counters
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from varlen_stand_in import use_stand_in
+
+    tokenizer, pairs = tokenized_pairs
+    torch.manual_seed(0)
+    deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_chat_model, num_hidden_layers=4))
+    deeper.save_pretrained(tmp_path / "model")
+    accelerator = Accelerator(cpu=True)
+    packed_attention.register()
+    collate = pair_collator(tokenizer, True, COMPILE_ROW_MULTIPLE, longest=64)  # the pairs' --max_length
+    batches = [collate(pairs[start : start + 2]) for start in range(0, 8, 2)]
+    assert {b["input_ids"].shape[1] for b in batches} == {COMPILE_ROW_MULTIPLE}
+    longest = [max(b["cu_seq_lens_q"].diff()[:-1].tolist()) for b in batches]  # the filler left out
+    assert len(set(longest)) > 1 and {b["max_length_q"] for b in batches} == {COMPILE_ROW_MULTIPLE}
+
+    graphs = []  # compiled: after the first micro-batch, after the last
+
+    def micro_batches(compiled: bool) -> list:
+        args = DpoFlags(lora_r=4, compile=compiled, compile_backend="aot_eager", attn_implementation="varlen")
+        torch.manual_seed(0)  # the same adapter twice
+        model = build_model(args, str(tmp_path / "model"), accelerator)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "lora_B" in name:  # a trained adapter: peft starts B at zero, which leaves A without gradients
+                    weight.normal_(0, 0.05)
+        use_kernels(model, args, accelerator.device)
+        results = []
+        for index, batch in enumerate(batches):
+            reference = reference_logprobs(accelerator, model, BASE, batch, None)
+            model.zero_grad(set_to_none=True)
+            policy, tokens = answer_logprobs(model, batch)
+            pair_figures(policy, reference, tokens, flags(beta=0.5))["loss"].mean().backward()
+            gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+            results.append((reference, policy.detach(), gradients))
+            if compiled and index in (0, len(batches) - 1):
+                graphs.append(counters["stats"]["unique_graphs"])
+        assert len(model.get_decoder().layers) == 4
+        return results
+
+    torch._dynamo.reset()  # the blocks' code is shared with other tests' models: counted from none
+    counters.clear()
+    try:
+        with use_stand_in(monkeypatch):
+            eager, compiled = micro_batches(False), micro_batches(True)
+    finally:
+        torch._dynamo.reset()
+    assert 1 <= graphs[0] <= 3 and graphs[1] == graphs[0], graphs
+    for (reference, policy, gradients), expected in zip(compiled, eager):
+        torch.testing.assert_close(reference, expected[0], atol=LOGPROB_TOLERANCE, rtol=0)
+        torch.testing.assert_close(policy, expected[1], atol=LOGPROB_TOLERANCE, rtol=0)
+        assert (policy - reference).abs().max() > 1e-3  # the adapter moves the policy off its reference
+        assert gradients.keys() == expected[2].keys() and len(gradients) == 4 * 7 * 2  # every LoRA matrix
+        for name, gradient in gradients.items():
+            torch.testing.assert_close(gradient, expected[2][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows(tiny_chat_model, tokenized_pairs):
     """--precompute_ref's stored log-probabilities of every pair and the evaluation against the live reference (a
     LoRA adapter's base, the adapter switched off), in batches of 3 pairs (the last of 2), packed and padded: the

@@ -1,7 +1,8 @@
 """`make gpu-check`'s harness: without a GPU it says so and exits 2; its CPU smoke mode runs the real steps on gloo
 processes from a plain checkout (the package not installed) in one call that keeps only report and logs in its
-results folder; a step stopped by the budget leaves no process and is incomplete, the steps before it on disk; a
-second call after the first runs only what is not proven; reports fold into a proof file."""
+results folder; preempt stops a run with SIGTERM and resumes it; a second call after the first runs only what is not
+proven, and a step its budget stops leaves no process and is incomplete, the steps before it on disk; reports fold
+into a proof file."""
 
 import json
 import os
@@ -11,16 +12,32 @@ import tarfile
 import time
 from pathlib import Path
 
-import gpu_check
 import psutil
 import pytest
 from conftest import PYTHON, REPO, fails_with, recipe_env, run, time_limit
+from gpu_check.paths import CONFIGS
+from gpu_check.plan import (
+    DEFAULT_BUDGET,
+    ESTIMATED_SECONDS,
+    NEXT_CALL,
+    STEPS,
+    STOP_GRACE_SECONDS,
+    TIMEOUTS,
+    not_run,
+    requirements,
+)
+from gpu_check.processes import alive, stop
+from gpu_check.proof import PROOF, describe_key, markdown_proof, proof_key, proven_steps
+from gpu_check.report import UNSHARDED, assess, exit_status
+from gpu_check.runner import StepRunner
+from gpu_check.steps.chat import ChatSteps
+from gpu_check.steps.chat_figures import dpo_figures, sft_figures, trl_comparison, trl_figures
 
 from accelerate_recipes import PREEMPTED_EXIT_CODE
 
-CHECK = REPO / "benchmarks" / "gpu_check.py"
+CHECK = REPO / "benchmarks" / "gpu_check"  # a folder that Python runs: its __main__.py
 # Steps of the one-GPU plan with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run. preempt runs
-# in the budget test below, ddp and allreduce in test_no_install.py (through make, nothing installed).
+# in the budget-cut calls below, ddp and allreduce in test_no_install.py (through make, nothing installed).
 SMOKE = ["sft", "dpo", "grpo", "sft-speed-lora", "fast94", "text-fsdp", "nccl-doctor", "sync-bn", "dp-vs-ddp"]
 
 
@@ -71,7 +88,9 @@ def plain_checkout(tmp_path) -> tuple[str, dict]:
             p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != Path(PYTHON).parent.resolve()
         ),
     )
-    probe = run([python, "-c", "import torch, accelerate, fire; import accelerate_recipes"], env, cwd=tmp_path)
+    # found, not imported: the call that follows imports them (importing torch here would cost a call's start-up)
+    found = "import importlib.util as u; assert all(u.find_spec(m) for m in ('torch', 'accelerate', 'fire'))"
+    probe = run([python, "-c", f"{found}; import accelerate_recipes"], env, cwd=tmp_path)
     assert "No module named 'accelerate_recipes'" in probe.stderr, probe.output[-2000:]
     assert not (Path(python).parent / "accelerate").exists()
     return python, env
@@ -95,17 +114,27 @@ def smoke(module_tmp) -> dict:
 
 @pytest.fixture(scope="module")
 def budget_cut(module_tmp) -> dict:
-    """A call whose budget holds preempt (tiny on the CPU) but cuts bench short (its full size takes minutes on a
-    CPU); its output and report."""
+    """Two calls: the first runs preempt (tiny on the CPU) and nothing else, so it ends when preempt does; the second,
+    after the first's report, names bench alone (its full size takes minutes on a CPU) with a budget that lets bench
+    start and then cuts it short. Each call's output and report."""
     tmp = module_tmp.mktemp("budget")
-    out = tmp / "first"
-    budget = time_limit(45)
-    command = ["--device", "cpu", "--steps", "preempt,bench", "--budget", budget, "--output_dir", out]
+    env, first, second = recipe_env(tmp), tmp / "first", tmp / "second"
+    proc = run([PYTHON, CHECK, "--device", "cpu", "--steps", "preempt", "--output_dir", first], env, timeout=600)
+    report = json.loads((first / "report.json").read_text())
+    # The second call's budget covers its start (the interpreter, torch, the machine's record) before bench: twice the
+    # first call's, measured a moment ago on this machine under the same load, and a margin.
+    start_up = report["wall_seconds"] - sum(r["wall_seconds"] for r in report["steps"])
+    budget = round(2 * start_up + time_limit(5), 1)
+    command = ["--device", "cpu", "--steps", "bench", "--after", first / "report.json", "--budget", budget]
     started = time.monotonic()
-    proc = run([PYTHON, CHECK, *command], recipe_env(tmp), timeout=600)
+    cut = run([PYTHON, CHECK, *command, "--output_dir", second], env, timeout=600)
     seconds = time.monotonic() - started
-    report = json.loads((out / "report.json").read_text())
-    return {"proc": proc, "out": out, "report": report, "budget": budget, "seconds": seconds}
+    return {
+        "first": {"proc": proc, "out": first, "report": report},
+        "second": {"proc": cut, "out": second, "report": json.loads((second / "report.json").read_text())},
+        "budget": budget,
+        "seconds": seconds,
+    }
 
 
 def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke):
@@ -114,7 +143,7 @@ def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke
     failed = {name: r["detail"][-1500:] for name, r in results.items() if r["status"] != "pass"}
     assert proc.returncode == 0 and set(failed) == {"sync-bn", "dp-vs-ddp"}, (failed, proc.output[-3000:])
     assert [r["step"] for r in report["steps"]] == SMOKE  # in order of value, each once
-    left_out = [s for s in gpu_check.STEPS if s not in SMOKE]
+    left_out = [s for s in STEPS if s not in SMOKE]
     assert report["verdict"] == (
         "PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA); " + f"{', '.join(left_out)} (not in --steps)"
     ), report["verdict"]
@@ -124,7 +153,7 @@ def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke
     assert {"peft", "pyarrow", "fsspec", "datasets", "deepspeed"} <= set(machine["packages"])
     assert machine["packages"]["peft"] and machine["dev_shm"].endswith("free") and machine["tools"]["make"]
     assert machine["tools"]["gcc"].startswith("gcc") and "nvidia-smi" in machine["tools"]
-    assert report["key"] == gpu_check.proof_key("cpu smoke", True, machine)
+    assert report["key"] == proof_key("cpu smoke", True, machine)
 
     fast94 = results["fast94"]["figures"]
     recipe = json.loads((Path(results["fast94"]["output_dir"]) / "results.json").read_text())
@@ -175,7 +204,7 @@ def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
     assert (sft["figures"]["lora"]["distributed_type"], sft["figures"]["lora"]["world_size"]) == ("NO", 1)
     # FSDP needs a process group on the CPU: two gloo processes there, one (unsharded) on one GPU
     assert (sft["figures"]["lora-fsdp"]["distributed_type"], sft["figures"]["lora-fsdp"]["world_size"]) == ("FSDP", 2)
-    one_gpu = gpu_check.Check(Path("unused"), 1, False, 0.0).sft_runs()
+    one_gpu = ChatSteps(Path("unused"), 1, False, 0.0).sft_runs()
     assert [(name, processes) for name, _, processes in one_gpu] == [
         ("lora", 1),
         ("trl-lora", 1),
@@ -183,10 +212,8 @@ def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
         ("trl-full", 1),
         ("lora-fsdp", 1),
     ]
-    assert " ".join(one_gpu[4][1]).endswith(
-        "launch --config_file " + str(gpu_check.CONFIGS / "fsdp.yaml") + " --num_processes 1"
-    )
-    assert [name for name, _, _ in gpu_check.Check(Path("unused"), 2, False, 0.0).sft_runs()] == ["lora", "full"]
+    assert " ".join(one_gpu[4][1]).endswith("launch --config_file " + str(CONFIGS / "fsdp.yaml") + " --num_processes 1")
+    assert [name for name, _, _ in ChatSteps(Path("unused"), 2, False, 0.0).sft_runs()] == ["lora", "full"]
 
 
 def test_sft_compares_the_recipe_with_trl_on_the_same_inputs_and_device(smoke):
@@ -283,8 +310,8 @@ def test_dpo_runs_lora_and_full_packed_beside_trls_dpo_trainer_and_counts_the_re
     results = {"train_tokens_per_second": 1000.0, "train_samples_per_second": 5.0}  # rows of 100 tokens
     assets = {"matmul_parameters": 1_000_000, "layers": 2, "hidden": 64}
     attention = 12 * 2 * 64 * 100
-    assert gpu_check.dpo_figures(results, assets, 1.0, "lora")["flops_per_token"] == 6_000_000 + attention
-    full = gpu_check.dpo_figures(dict(results, precompute_ref=True), assets, 1.0, "full")
+    assert dpo_figures(results, assets, 1.0, "lora")["flops_per_token"] == 6_000_000 + attention
+    full = dpo_figures(dict(results, precompute_ref=True), assets, 1.0, "full")
     assert full["flops_per_token"] == 6_000_000 + attention  # no reference pass
     assert full["model_flops_utilisation"] == round((6_000_000 + attention) * 1000 / 1e12, 4)
 
@@ -356,36 +383,36 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     assert fast94 in text and launch in text and "torch " + smoke["report"]["machine"]["torch"] in text
     assert str(REPO) not in text and executable not in text
     # --after a proof file: what it holds for this machine is not run again
-    carried, differences = gpu_check.proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
+    carried, differences = proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
     assert sorted(carried) == sorted(machine["steps"]) and not differences
     # an sft, dpo or grpo proof from before the comparison with TRL proves too little: that step runs again
     older = json.loads(proof.read_text())
     for step in ("sft", "grpo"):
         del older["machines"][0]["steps"][step]["figures"]["vs_trl"]
-    carried, _ = gpu_check.proven_steps(older, smoke["report"]["key"])
+    carried, _ = proven_steps(older, smoke["report"]["key"])
     assert "sft" not in carried and "grpo" not in carried and "dpo" in carried
     other = dict(smoke["report"]["key"], torch="0.0.1")
-    assert gpu_check.proven_steps(json.loads(proof.read_text()), other) == (
+    assert proven_steps(json.loads(proof.read_text()), other) == (
         {},
-        [f"no entry for {gpu_check._describe_key(other)}"],
+        [f"no entry for {describe_key(other)}"],
     )
     torch = smoke["report"]["machine"]["torch"]
-    assert gpu_check.proven_steps(smoke["report"], other)[1] == [f"torch {torch!r} there, '0.0.1' here"]
+    assert proven_steps(smoke["report"], other)[1] == [f"torch {torch!r} there, '0.0.1' here"]
 
 
 def test_the_repository_proof_holds_only_gpu_figures_and_its_markdown_follows_from_it():
-    proof = json.loads(gpu_check.PROOF.read_text())
+    proof = json.loads(PROOF.read_text())
     assert all(machine["key"]["mode"] == "gpu" for machine in proof["machines"])
-    assert gpu_check.PROOF.with_suffix(".md").read_text() == gpu_check.markdown_proof(proof)
+    assert PROOF.with_suffix(".md").read_text() == markdown_proof(proof)
     if not proof["machines"]:
-        assert "**Nothing has been proven on a GPU yet.**" in gpu_check.markdown_proof(proof)
+        assert "**Nothing has been proven on a GPU yet.**" in markdown_proof(proof)
 
 
 def processes_of(folder: Path) -> list:
     """Every process whose command line names FOLDER: what a step working there left running."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
-        if str(folder) in " ".join(process.info["cmdline"] or []) and gpu_check.alive(process):
+        if str(folder) in " ".join(process.info["cmdline"] or []) and alive(process):
             found.append(process)
     return found
 
@@ -393,7 +420,7 @@ def processes_of(folder: Path) -> list:
 def test_a_stopped_step_leaves_no_process_behind(tmp_path):
     """2 gloo processes under torchrun, each in a session of its own: SIGTERM to the launcher lets the recipes save a
     checkpoint and exit 75; nothing of the step is left afterwards."""
-    check = gpu_check.Check(tmp_path, 0, True, time.monotonic() + 600)
+    check = StepRunner(tmp_path, 0, True, time.monotonic() + 600)
     run_dir = check.folder("ddp")
     command = [
         *check.launch("2gpu", 2),
@@ -410,49 +437,48 @@ def test_a_stopped_step_leaves_no_process_behind(tmp_path):
         time.sleep(0.2)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "cifar.py" in " ".join(p.cmdline())]
     assert len(workers) == 2 and all(os.getsid(w.pid) != os.getsid(proc.pid) for w in workers), workers
-    gpu_check.stop(proc)
+    stop(proc)
     assert not processes_of(run_dir)
     log = (run_dir / "log.txt").read_text()
     assert "SIGTERM at step" in log, log[-3000:]
     assert list((run_dir / "checkpoints").glob("step_*")), log[-3000:]  # the recipes saved before they ended
 
 
-def test_a_budget_cut_is_incomplete_keeps_the_steps_before_and_a_later_call_runs_only_the_rest(budget_cut, tmp_path):
-    """The budget cuts bench short: the report on disk holds preempt's figures and bench as incomplete, no process of
-    bench is left, and the call ends within the budget and a stop's grace; a second call after the first skips
-    preempt."""
-    proc, report, first = budget_cut["proc"], budget_cut["report"], budget_cut["out"]
-    preempt, bench = report["steps"]
-    assert proc.returncode == 1 and preempt["status"] == "pass", proc.output[-3000:]
-    assert bench["status"] == "incomplete" and bench["detail"].startswith("cut short when --budget ran out"), bench
-    assert report["verdict"].startswith("INCOMPLETE: bench (cut short by --budget)"), report["verdict"]
-    assert budget_cut["seconds"] < budget_cut["budget"] + gpu_check.STOP_GRACE_SECONDS + time_limit(20)
-    assert not processes_of(first)
-    assert f"--after {first / 'report.json'}" in proc.stdout
+def test_preempt_stops_a_run_with_sigterm_and_resumes_it_to_the_end(budget_cut):
+    """SIGTERM after step 3: exit 75 and a checkpoint; --resume auto then runs to the last step. Nothing is left."""
+    proc, report, first = (budget_cut["first"][k] for k in ("proc", "report", "out"))
+    (preempt,) = report["steps"]
+    assert proc.returncode == 0 and preempt["status"] == "pass", proc.output[-3000:]
+    assert report["verdict"].startswith("PARTIAL: not proved: sft, dpo"), report["verdict"]  # the rest not in --steps
     figures = preempt["figures"]
     assert figures["stop_exit_code"] == PREEMPTED_EXIT_CODE and figures["checkpoints"] and figures["resumed_from"]
     assert figures["steps"] == figures["total_steps"] == 10
     assert "SIGTERM at step" in (Path(preempt["output_dir"]) / "log.txt").read_text()
+    assert not processes_of(first)
 
-    second = tmp_path / "second"
-    # --steps names bench alone: preempt, proven by the first call, is still carried into the report
-    command = [PYTHON, CHECK, "--device", "cpu", "--steps", "bench", "--budget", 2, "--output_dir", second]
-    proc = run([*command, "--after", first / "report.json"], recipe_env(tmp_path), timeout=300)
-    again = json.loads((second / "report.json").read_text())
-    carried, bench = again["steps"]
-    assert carried == {**preempt, "carried": True} and not (second / "preempt").exists(), proc.output[-3000:]
-    # bench is cut short again, or (on a loaded machine) the 2 s were spent before it could start
-    assert bench["status"] in ("incomplete", "not run") and again["verdict"].startswith("INCOMPLETE: bench"), again
-    assert "proven before: preempt" in proc.stdout
-    assert "| preempt | pass (earlier call, " in (second / "report.md").read_text()
+
+def test_a_budget_cut_is_incomplete_keeps_the_steps_before_and_a_later_call_runs_only_the_rest(budget_cut):
+    """A call after the first's report carries preempt (passed there, not run again, although --steps names bench
+    alone) and the budget cuts bench short: the report on disk holds preempt's figures and bench as incomplete, no
+    process of bench is left, and the call ends within the budget and a stop's grace."""
+    proc, report, second = (budget_cut["second"][k] for k in ("proc", "report", "out"))
+    carried, bench = report["steps"]
+    (preempt,) = budget_cut["first"]["report"]["steps"]
+    assert proc.returncode == 1 and carried == {**preempt, "carried": True}, proc.output[-3000:]
+    assert not (second / "preempt").exists() and "proven before: preempt" in proc.stdout
+    assert bench["status"] == "incomplete" and bench["detail"].startswith("cut short when --budget ran out"), bench
+    assert report["verdict"].startswith("INCOMPLETE: bench (cut short by --budget)"), report["verdict"]
+    assert budget_cut["seconds"] < budget_cut["budget"] + STOP_GRACE_SECONDS + time_limit(20)
     assert not processes_of(second)
+    assert f"--after {second / 'report.json'}" in proc.stdout  # how the next call runs only what is left
+    assert "| preempt | pass (earlier call, " in (second / "report.md").read_text()
 
 
 def one_gpu_records() -> list[dict]:
     """What a check on one GPU without deepspeed records: the steps that need 2+ GPUs not run, the others passed."""
-    needs = gpu_check.requirements(1, "deepspeed not installed")
+    needs = requirements(1, "deepspeed not installed")
     records = []
-    for name in gpu_check.STEPS:
+    for name in STEPS:
         figures = {"world_size": 1, "distributed_type": "FSDP"} if name == "text-fsdp" else {"steps": 8}
         if name == "sft":
             figures = {"lora": {"world_size": 1}, "lora-fsdp": {"world_size": 1, "distributed_type": "FSDP"}}
@@ -471,29 +497,26 @@ def one_gpu_records() -> list[dict]:
 
 def test_a_one_gpu_report_is_partial_and_names_what_it_did_not_prove():
     records = one_gpu_records()
-    verdict = gpu_check.assess(records)
+    verdict = assess(records)
     assert verdict["verdict"] == (
         "PARTIAL: not proved: text-deepspeed (deepspeed not installed); nccl-doctor, ddp, sync-bn, allreduce, "
         "dp-vs-ddp (needs 2+ GPUs); sharding in sft, sharding in text-fsdp (one process)"
     ), verdict["verdict"]
-    assert gpu_check.exit_status(verdict["verdict"]) == 0
+    assert exit_status(verdict["verdict"]) == 0
     assert verdict["notes"] == {
-        "sft": f"lora-fsdp ran {gpu_check.UNSHARDED}",
-        "text-fsdp": f"ran {gpu_check.UNSHARDED}",
+        "sft": f"lora-fsdp ran {UNSHARDED}",
+        "text-fsdp": f"ran {UNSHARDED}",
     }
     # deepspeed that imports runs on one GPU too (unsharded); on the CPU its GPU path needs CUDA
-    assert gpu_check.requirements(1, None)["text-deepspeed"] is None
-    assert gpu_check.requirements(0, None)["text-deepspeed"] == "needs CUDA"
+    assert requirements(1, None)["text-deepspeed"] is None
+    assert requirements(0, None)["text-deepspeed"] == "needs CUDA"
     # A step left for the next call makes the check incomplete; a failed step makes it fail; both exit 1.
-    records[1] = gpu_check.not_run("fast94", f"{gpu_check.NEXT_CALL}: estimated 90 s, 40 s of --budget left")
-    verdict = gpu_check.assess(records)["verdict"]
-    assert (
-        verdict.startswith(f"INCOMPLETE: fast94 ({gpu_check.NEXT_CALL}: estimated 90 s")
-        and gpu_check.exit_status(verdict) == 1
-    )
+    records[1] = not_run("fast94", f"{NEXT_CALL}: estimated 90 s, 40 s of --budget left")
+    verdict = assess(records)["verdict"]
+    assert verdict.startswith(f"INCOMPLETE: fast94 ({NEXT_CALL}: estimated 90 s") and exit_status(verdict) == 1
     records[0].update(status="fail", detail="exit 1")
-    verdict = gpu_check.assess(records)["verdict"]
-    assert verdict.startswith("FAIL: sft; INCOMPLETE: fast94") and gpu_check.exit_status(verdict) == 1
+    verdict = assess(records)["verdict"]
+    assert verdict.startswith("FAIL: sft; INCOMPLETE: fast94") and exit_status(verdict) == 1
 
 
 def test_sft_figures_take_the_recipes_flops_and_compare_peak_memory_with_the_plan():
@@ -507,53 +530,49 @@ def test_sft_figures_take_the_recipes_flops_and_compare_peak_memory_with_the_pla
         "flops_per_token": 24_000.0,
         "model_flops_utilisation": 0.0123456,
     }
-    figures = gpu_check.sft_figures(results)
+    figures = sft_figures(results)
     assert figures["model_flops_utilisation"] == 0.0123 and figures["flops_per_token"] == 24_000.0
     assert figures["peak_over_plan"] == 1.5 and figures["mean_tokens_per_conversation"] == 100.0
-    cpu = gpu_check.sft_figures(dict(results, peak_memory_kind="host_max_rss", model_flops_utilisation=None))
+    cpu = sft_figures(dict(results, peak_memory_kind="host_max_rss", model_flops_utilisation=None))
     assert "model_flops_utilisation" not in cpu and "peak_over_plan" not in cpu
-    assert gpu_check.requirements(1, None, ("peft",))["sft"] == "peft not installed"
+    assert requirements(1, None, ("peft",))["sft"] == "peft not installed"
 
 
 def test_trl_figures_count_the_recipes_flops_and_an_sft_without_trl_is_not_proved():
     ours = {"train_tokens_per_second": 3000.0, "flops_per_token": 1e6, "peak_memory_mb": 900.0}
-    trl = gpu_check.trl_figures(
-        {"train_tokens_per_second": 2000.0, "world_size": 1, "peak_memory_mb": 1200.0}, ours, 1.0
-    )
+    trl = trl_figures({"train_tokens_per_second": 2000.0, "world_size": 1, "peak_memory_mb": 1200.0}, ours, 1.0)
     assert trl["flops_per_token"] == 1e6 and trl["model_flops_utilisation"] == round(1e6 * 2000 / 1e12, 4)
-    row = gpu_check.trl_comparison({"lora": dict(ours, model_flops_utilisation=0.003), "trl-lora": trl})["lora"]
+    row = trl_comparison({"lora": dict(ours, model_flops_utilisation=0.003), "trl-lora": trl})["lora"]
     assert row["ours_over_trl"] == 1.5 and row["model_flops_utilisation"] == {"ours": 0.003, "trl": 0.002}
     assert row["peak_memory_mb"] == {"ours": 900.0, "trl": 1200.0}
-    assert gpu_check.trl_comparison({"lora": ours}) == {}  # no TRL run: nothing to compare
+    assert trl_comparison({"lora": ours}) == {}  # no TRL run: nothing to compare
     record = {"step": "sft", "status": "pass", "commands": [], "wall_seconds": 1.0, "detail": ""}
     record["figures"] = {"vs_trl": "not run: trl not installed (pip install trl)", "lora": {"world_size": 1}}
-    assert gpu_check.assess([record])["verdict"] == (
-        "PARTIAL: not proved: sft against TRL (trl not installed (pip install trl))"
-    )
+    assert assess([record])["verdict"] == "PARTIAL: not proved: sft against TRL (trl not installed (pip install trl))"
 
 
 def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_first():
     """The default budget, a cut step's grace and the report within 9 minutes; every step's own limit within the
     budget; on one H100 each chat step, with its comparison with TRL, opens a call, the chat fine-tune's first;
     calls of that budget add up to the whole one-GPU plan, each step fitting one on its own."""
-    assert gpu_check.DEFAULT_BUDGET + gpu_check.STOP_GRACE_SECONDS + 10 <= 9 * 60
-    assert all(gpu_check.TIMEOUTS[s] <= gpu_check.DEFAULT_BUDGET for s in gpu_check.STEPS)
-    assert gpu_check.STEPS[:5] == ["sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"]
-    assert gpu_check.STEPS[5:10] == ["fast94", "text-fsdp", "detect-640", "preempt", "bench"]
-    needs = gpu_check.requirements(1, None)
-    todo, calls = [s for s in gpu_check.STEPS if not needs[s]], []
+    assert DEFAULT_BUDGET + STOP_GRACE_SECONDS + 10 <= 9 * 60
+    assert all(TIMEOUTS[s] <= DEFAULT_BUDGET for s in STEPS)
+    assert STEPS[:5] == ["sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"]
+    assert STEPS[5:10] == ["fast94", "text-fsdp", "detect-640", "preempt", "bench"]
+    needs = requirements(1, None)
+    todo, calls = [s for s in STEPS if not needs[s]], []
     while todo:
-        call, left = [], gpu_check.DEFAULT_BUDGET
+        call, left = [], DEFAULT_BUDGET
         for name in todo:
-            if gpu_check.ESTIMATED_SECONDS[name] <= left:
+            if ESTIMATED_SECONDS[name] <= left:
                 call.append(name)
-                left -= gpu_check.ESTIMATED_SECONDS[name]
-        assert call, f"{todo} do not fit a call of {gpu_check.DEFAULT_BUDGET} s"
+                left -= ESTIMATED_SECONDS[name]
+        assert call, f"{todo} do not fit a call of {DEFAULT_BUDGET} s"
         calls.append(call)
         todo = [s for s in todo if s not in call]
     # The chat steps, each with its TRL runs, open the first calls (sft 405 s, dpo 260 s, grpo 300 s) and the short
     # steps fill the rest; the two speed steps of the chat fine-tune (250 s each) fit one call together when named
     assert [call[0] for call in calls[:3]] == ["sft", "dpo", "grpo"] and calls[0][:2] == ["sft", "fast94"], calls
     speed = ("sft-speed-full", "sft-speed-lora")
-    assert sum(gpu_check.ESTIMATED_SECONDS[s] for s in speed) <= gpu_check.DEFAULT_BUDGET
+    assert sum(ESTIMATED_SECONDS[s] for s in speed) <= DEFAULT_BUDGET
     assert len(calls) == 5 and all(any(s in call for call in calls) for s in speed), calls

@@ -1,8 +1,8 @@
 """The GRPO recipe's parts, in this process: the built-in rewards and the user's, the prompt formats (GSM8K's
-included), keyed sampling (a draw from the softmax, top-p, the same draws in any batch), the loss's normalisation
-over the global batch (the sum of the micro-batches' shares is the whole batch's loss however it is split), the ways
-of decoding (chat/generation.py: a static copy gives the eager path's completions) and the token log-probabilities in
-chunks (the full-vocabulary ones, gradients included)."""
+included), keyed sampling (chat/rollouts.py: a draw from the softmax, top-p, the same draws in any batch), the loss's
+normalisation over the global batch (the sum of the micro-batches' shares is the whole batch's loss however it is
+split), the ways of decoding (chat/generation.py: a static copy gives the eager path's completions) and the token
+log-probabilities in chunks (the full-vocabulary ones, gradients included)."""
 
 import json
 import math
@@ -22,7 +22,8 @@ from chat.rewards import (
     load_prompts,
     mean_scored,
 )
-from grpo import Rollout, advantages, loss_normaliser, policy_loss, sampling_keys
+from chat.rollouts import Rollout, sampling_keys
+from grpo import advantages, loss_normaliser, policy_loss
 
 from accelerate_recipes.errors import RecipeError
 
@@ -230,7 +231,8 @@ def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_c
     """A model whose own generation_config bans repeats, penalises them and suppresses tokens: greedy answers and
     keyed samples are still those of the plain softmax, the policy whose log-probabilities the update uses."""
     from chat.model import load_base_model, load_tokenizer
-    from grpo import GrpoFlags, generate, sampling_keys, token_logprobs
+    from chat.rollouts import generate, sampling_keys
+    from grpo import GrpoFlags, token_logprobs
 
     accelerator = Accelerator(cpu=True)
     tokenizer, model = load_tokenizer(str(tiny_chat_model)), load_base_model(str(tiny_chat_model)).eval()
@@ -267,7 +269,8 @@ def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_c
     """--beta with a fresh LoRA adapter: the reference is the base with the adapter off, the policy at step 1 (KL 0);
     the frozen-copy case (an adapter given in --model) is run end to end in test_grpo.py."""
     from chat.model import BASE, build_model, load_tokenizer, reference_policy
-    from grpo import GrpoFlags, generate, reference_token_logprobs, token_logprobs
+    from chat.rollouts import generate
+    from grpo import GrpoFlags, reference_token_logprobs, token_logprobs
 
     accelerator = Accelerator(cpu=True)
     args = GrpoFlags(lora_r=4, beta=0.04, max_new_tokens=4)
@@ -305,10 +308,13 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
     rounded up to buckets) and compiled (its decode step through torch.compile, as a GPU runs it but for the CUDA
     graphs) against eager generate on the trained model itself, in fp32: the same greedy answers and the same keyed
     samples, for prompts of different widths and a row count off the bucket; after the weights move, the next call
-    decodes the moved model's completions (the copy is refreshed at every call, the compiled step reads it)."""
+    decodes the moved model's completions (the copy is refreshed at every call, the compiled step reads it) and
+    compiles nothing new: a GRPO step's rollouts reuse the graphs of the first."""
     from chat.generation import ROW_BUCKET
     from chat.model import build_model, load_tokenizer
-    from grpo import GrpoFlags, generate
+    from chat.rollouts import generate
+    from grpo import GrpoFlags
+    from torch._dynamo.utils import counters
 
     accelerator = Accelerator(cpu=True)
     args = GrpoFlags(lora_r=lora_r, max_new_tokens=10, temperature=0.7, top_p=0.95)
@@ -332,12 +338,16 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
         assert torch.equal(static.completion * static.mask, eager.completion * eager.mask)
         return eager
 
+    before = counters["stats"]["unique_graphs"]
     sampled, greedy = both(keys), both()
     assert not torch.equal(sampled.completion, greedy.completion)
+    compiled = counters["stats"]["unique_graphs"]
+    assert (compiled > before) == (mode == "compiled")
     with torch.no_grad():
         for weight in moved:
             weight.mul_(-2)
     assert not torch.equal(both(keys).completion, sampled.completion)  # the copy decoded the moved weights
+    assert counters["stats"]["unique_graphs"] == compiled  # the next step's rollouts: no graph compiled again
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
@@ -350,7 +360,8 @@ def test_token_logprobs_in_chunks_are_the_full_vocabularys_with_their_gradients(
 
     from chat import answer_loss
     from chat.model import build_model, load_tokenizer, token_logprobs
-    from grpo import GrpoFlags, generate
+    from chat.rollouts import generate
+    from grpo import GrpoFlags
 
     accelerator = Accelerator(cpu=True)
     args = GrpoFlags(lora_r=lora_r, max_new_tokens=12, decode="eager")
@@ -406,7 +417,7 @@ def test_token_logprobs_in_chunks_are_the_full_vocabularys_with_their_gradients(
 
 def test_the_throughput_leaves_the_first_step_out_of_the_rates_and_reports_its_seconds():
     """The first optimizer step (compilation, warm-up) is reported in seconds; the rates are the later steps'."""
-    from grpo import Throughput
+    from chat.rollouts import Throughput
 
     speed = Throughput(Accelerator(cpu=True))
     speed.generated(100, 4.0)

@@ -284,7 +284,7 @@ def test_system_python_runs_every_target_as_it_is_without_venv_or_install():
         and line.rstrip().endswith("recipes/cifar.py")
         for line in lines
     ), proc.stdout
-    assert "/opt/py/bin/python3 benchmarks/gpu_check.py --after docs/gpu-proof.json" in [line.strip() for line in lines]
+    assert "/opt/py/bin/python3 benchmarks/gpu_check --after docs/gpu-proof.json" in [line.strip() for line in lines]
     # the checkout is on PYTHONPATH for the scripts, ahead of what the user had there
     proc = subprocess.run(
         ["make", "--no-print-directory", "-p", "-n", "help", "PYTHON_ENV=system"],

@@ -265,13 +265,14 @@ def test_fsdp_lora_trains_in_bf16_with_a_bf16_frozen_base_and_an_fp32_adapter(da
 @pytest.mark.parametrize("processes", [1, 2])
 def test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_gradients(data, tiny_chat_model, processes):
     """tests/sharded_answer_loss.py under fsdp.yaml: LoRA and a full fine-tune of the tiny Llama (output layer tied to
-    the embeddings, gradient checkpointing), 3 or more chunks of logits per micro-batch. A training pass, an evaluation
-    pass and a training pass again give transformers' unsharded loss (within 1e-6 relative), every answer token's
-    loss and every gradient (within 1e-6 + 1e-5 relative, averaged over the processes as FSDP2 averages); so do the
-    token log-probabilities of GRPO's and DPO's updates at a temperature, and their gradients. FSDP2 up to
-    torch 2.13 runs a group's forward hooks only when none of its modules is pending in the pass: a loss that called
-    the output layer per chunk under activation checkpointing met its weight sharded again in the backward pass there
-    (a DTensor error)."""
+    the embeddings, gradient checkpointing, decoder blocks compiled as --compile compiles them on a GPU, with the
+    aot_eager backend), 3 or more chunks of logits per micro-batch. A training pass, an evaluation pass and a training
+    pass again give transformers' unsharded eager loss (within 1e-6 relative), every answer token's loss and every
+    gradient (within 1e-6 + 1e-5 relative, averaged over the processes as FSDP2 averages); so do the token
+    log-probabilities of GRPO's and DPO's updates at a temperature, and their gradients. The blocks compile one graph
+    for all of it, without a break: a graph per block or per pass would show. FSDP2 up to torch 2.13 runs a group's
+    forward hooks only when none of its modules is pending in the pass: a loss that called the output layer per chunk
+    under activation checkpointing met its weight sharded again in the backward pass there (a DTensor error)."""
     # sharded_launch starts 2 processes; a later --num_processes wins
     _, out = sharded_launch(
         data["root"],
@@ -287,6 +288,7 @@ def test_the_answer_loss_in_chunks_under_fsdp2_gives_the_unsharded_loss_and_grad
         for method in ("lora", "full"):
             run = results[method]
             assert run["tied"] and run["sharded"] == "DTensor" and run["chunks"] >= 3, (method, run["chunks"])
+            assert (run["graphs"], run["graph_breaks"], run["blocks"]) == (1, 0, 2), method
             torch.testing.assert_close(run["token_losses"], run["expected_token_losses"], atol=1e-6, rtol=1e-5)
             expected = run["expected_gradients"]
             assert expected and ("model.embed_tokens.weight" in expected) == (method == "full")

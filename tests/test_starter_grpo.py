@@ -74,9 +74,9 @@ def tiny_tokenizer(folder):
 
 def rows_of(completions, rows: slice):
     """The full recipe's Rollout of some rows of `completions` (its generate's output)."""
-    import grpo as full
+    from chat.rollouts import Rollout
 
-    return full.Rollout(**{key: value[rows] for key, value in vars(completions).items()})
+    return Rollout(**{key: value[rows] for key, value in vars(completions).items()})
 
 
 def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_batch(tiny_chat_model):
@@ -85,6 +85,7 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
     The global batch split into 2 micro-batches: the starter's advantages, its loss shares (over the completion tokens
     of the whole batch) and their gradients equal the full recipe's within 1e-6, and add up to the whole batch's."""
     import grpo as full
+    from chat.rollouts import generate, sampling_keys
 
     starter = load_starter()
     accelerator = Accelerator(cpu=True)
@@ -98,8 +99,8 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
     generations, temperature = 4, 0.7
     args = full.GrpoFlags(max_new_tokens=8, num_generations=generations, batch_size=4, temperature=temperature)
     prompts = chat_prompts(tokenizer, ["sky", "grass", "ripe plum", "snow"])
-    keys = full.sampling_keys(0, 0, torch.arange(4), generations)
-    rollout = full.generate(accelerator, model, tokenizer, [p for p in prompts for _ in range(generations)], args, keys)
+    keys = sampling_keys(0, 0, torch.arange(4), generations)
+    rollout = generate(accelerator, model, tokenizer, [p for p in prompts for _ in range(generations)], args, keys)
 
     # Fixed completion ids of different lengths: every third row as sampled, the others end early at a turn's end.
     width, end_of_turn = rollout.completion.shape[1], tokenizer.eos_token_id

@@ -11,4 +11,6 @@ packed_attention.py  the `varlen` attention for packed rows
 memory_plan.py       the memory plan printed before training, and the change that makes a run fit
 preference_pairs.py  DPO's preference pairs (dpo.py alone)
 rewards.py           GRPO's prompts and rewards (grpo.py alone)
+rollouts.py          GRPO's rollouts: keyed sampling, scoring, the figures logged of them, and the throughput meter
+                     (grpo.py alone)
 """

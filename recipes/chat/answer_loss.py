@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers.utils import ModelOutput
 
+from .packed_attention import without_mask
+
 # fp32 logits alive at once: 2**26 values (256 MB), 441 positions of a 151,936-token vocabulary (Qwen2.5) or 1,365 of
 # SmolLM2's 49,152 per chunk.
 CHUNK_LOGITS = 2**26
@@ -294,7 +296,9 @@ def _chunked_forward(
     temperature=1.0,
     **kw,
 ):
-    """use_answer_loss's forward pass of a causal LM (`self`)."""
+    """use_answer_loss's forward pass of a causal LM (`self`). A packed row under `varlen` gets no mask built."""
+    if len(args) < 2:  # the mask is a keyword argument
+        kw = without_mask(self.config, kw)
     if logprob_targets is None and (labels is None or target_index is None):
         return self.own_forward(*args, labels=labels, num_items_in_batch=num_items_in_batch, **kw)
     for unused in ("output_attentions", "output_hidden_states", "return_dict", "logits_to_keep"):

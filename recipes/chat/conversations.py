@@ -147,6 +147,19 @@ def first_split(splits, prefixes: tuple[str, ...]) -> str | None:
     return None
 
 
+def dataset_name(args) -> str:
+    """The data of a DPO or GRPO run in a name (for the run's name and results.json): a Hub --dataset's (name or
+    name:config), or <folder>-<name> of --train_file, or under --eval_only, which needs no training data, of
+    --validation_file. Refuses a run without data."""
+    if args.dataset:
+        return args.dataset.split(":")[0].rsplit("/", 1)[-1]
+    file = args.train_file or (args.validation_file if args.eval_only else None)
+    if not file:
+        also = " (or, with --eval_only, --validation_file)" if args.eval_only else ""
+        raise RecipeError(f"give --train_file (a .json or .jsonl file) or --dataset (a Hub dataset){also}")
+    return f"{Path(file).resolve().parent.name}-{Path(file).stem}"
+
+
 def load_hub_dataset(dataset: str, cache_dir: str | None) -> tuple[datasets.Dataset, datasets.Dataset | None, str]:
     try:
         loaded = datasets.load_dataset(dataset, cache_dir=cache_dir)

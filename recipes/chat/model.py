@@ -1,7 +1,8 @@
 """The chat-model layer that the chat recipes share (sft.py, grpo.py and dpo.py import it; none imports another):
 loading a model (a Hub name, a folder, a .gguf file, an adapter of ours, a merged folder) with its tokenizer and chat
 template, LoRA, the reference policy of the preference and RL recipes, saving (an adapter or the whole model, sharded
-or not), and the modes that use a trained model: --predict, --chat and --merge.
+or not), what a run records of its model and says of what it saved, and the modes that use a trained model:
+--predict, --chat and --merge.
 
 The flags these read are ChatModelFlags'; each recipe's flags extend them.
 """
@@ -9,6 +10,7 @@ The flags these read are ChatModelFlags'; each recipe's flags extend them.
 import contextlib
 import copy
 import json
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import peft
 import torch
+import transformers
 from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
 from torch.nn.attention import SDPBackend
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
@@ -33,7 +36,7 @@ from .conversations import (
     load_file,
 )
 from .generation import compute_dtype, decode_mode, greedy_config, greedy_ids, inner_model
-from .memory_plan import meta_model
+from .memory_plan import meta_model, numel
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 SAMPLES_FILE = "samples.jsonl"  # sample answers of evaluations (and GRPO's rollouts), as text
@@ -102,19 +105,21 @@ class KernelFlags:
 
     Args:
         compile: compile each decoder block with torch.compile before training; default: on a CUDA GPU (not under
-            DeepSpeed), off elsewhere; --nocompile turns it off. The first steps take longer while it compiles
-            (results.json: warmup_seconds, the steps left out of the throughput; compile_cache_hits: graphs that
-            torch's own cache in /tmp/torchinductor_$USER, or $TORCHINDUCTOR_CACHE_DIR, gave a later run of the same
-            shapes without compiling them). With --packing the rows are filled up to a multiple of 128 tokens (one
-            more sequence, without loss), so that a run's rows take a few lengths and the blocks compile once or
-            twice, not for every row. Evaluation and generation run the compiled graphs where their shapes match and
-            eagerly where they do not, never compiling again.
+            DeepSpeed, nor with --liger), off elsewhere; --nocompile turns it off. The first steps take longer while
+            it compiles (results.json: warmup_seconds, the steps left out of the throughput; compile_cache_hits:
+            graphs that torch's own cache in /tmp/torchinductor_$USER, or $TORCHINDUCTOR_CACHE_DIR, gave a later run
+            of the same shapes without compiling them). With --packing the rows are filled up to a multiple of 128
+            tokens (one more sequence, without loss), so that a run's rows take a few lengths and the blocks compile
+            once or twice, not for every row. Evaluation and generation run the compiled graphs where their shapes
+            match and eagerly where they do not, never compiling again.
         compile_backend: torch.compile's backend: inductor (default: generates fused kernels) or aot_eager (traces
             and runs the graphs without generating code: quick, to find what does not compile).
         liger: put Liger Kernel's fused Triton kernels (pip install liger-kernel; a CUDA GPU) in the model's RMSNorm,
             SwiGLU MLP and rotary embedding, for the model types Liger patches (Llama, Qwen2/3, Mistral, ...); the loss
-            stays this recipe's (the answer positions' logits only, in chunks). Off by default: whether it beats the
-            compiled blocks is measured per GPU and model (benchmarks/gpu_check.py's sft-speed steps).
+            stays this recipe's (the answer positions' logits only, in chunks). The other way to fuse those layers
+            than compiled blocks: with --liger the blocks run eagerly, and --compile with it is refused. Off by
+            default: whether it beats the compiled blocks is measured per GPU and model (gpu-check's sft-speed
+            steps).
     """
 
     compile: bool | None = None
@@ -122,13 +127,27 @@ class KernelFlags:
     liger: bool = False
 
 
-def compiles(flag: bool | None, accelerator) -> bool:
+# Liger Kernel (0.8.5) and compiled blocks fuse the same layers two ways, and do not mix: its rotary embedding goes
+# through a dispatcher marked torch.compiler.disable (liger_kernel/backends/dispatch.py), a graph break in every
+# block; its RMSNorm and SwiGLU become opaque kernels that inductor fuses nothing into, where inductor fuses those
+# layers itself (linkedin/Liger-Kernel#1330: its SwiGLU compiled ~3x slower than inductor's own); and inductor
+# failures with its kernels patched in, before or after torch.compile, are still open there (#174).
+LIGER_NOT_COMPILED = "--liger and --compile fuse the same layers two ways, and Liger Kernel's are not compiled"
+
+
+def compiles(flag: bool | None, accelerator, liger: bool = False) -> bool:
     """--compile as given, else on by default where it pays: on a CUDA GPU, where fewer and fused kernels shorten a
     step (on one H100 a 0.5B model's full fine-tune ran at 58,000 tokens/s compiled, 41,000 eager in another call),
-    and not under DeepSpeed, whose hooks on every weight break the graphs apart."""
+    not under DeepSpeed, whose hooks on every weight break the graphs apart, and not with --liger (said in one line;
+    --compile with --liger is refused: LIGER_NOT_COMPILED)."""
+    if flag and liger:
+        raise RecipeError(f"{LIGER_NOT_COMPILED} (a graph break in every block); give one of them")
     if flag is not None:
         return flag
-    return accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
+    on = accelerator.device.type == "cuda" and accelerator.distributed_type != DistributedType.DEEPSPEED
+    if on and liger:
+        accelerator.print(f"the decoder blocks run eagerly, with Liger Kernel's kernels: {LIGER_NOT_COMPILED}")
+    return on and not liger
 
 
 def compile_blocks(model, backend: str) -> None:
@@ -161,8 +180,8 @@ def use_liger_kernels(model, device) -> None:
 
 
 def use_kernels(model, args: KernelFlags, device) -> None:
-    """The kernels KernelFlags ask for, in place, before prepare: Liger Kernel's (--liger), then the compiled
-    blocks (--compile, settled by compiles), which then compile Liger's kernels in with the rest."""
+    """The kernels KernelFlags ask for, in place, before prepare: Liger Kernel's (--liger) or the compiled blocks
+    (--compile, settled by compiles, which keeps the two apart)."""
     if args.liger:
         use_liger_kernels(model, device)
     if args.compile:
@@ -333,6 +352,19 @@ def attention_settings(model) -> dict:
     )
 
 
+def model_facts(args: ChatModelFlags, model) -> dict:
+    """What results.json records of the trained model: LoRA or full, its parameters (trainable, and all of them),
+    the library versions and the attention it runs."""
+    return dict(
+        method="lora" if args.lora_r else "full",
+        trainable_parameters=sum(numel(p) for p in model.parameters() if p.requires_grad),
+        parameters=sum(numel(p) for p in model.parameters()),  # whole, also where ZeRO-3 partitioned them at load
+        transformers_version=transformers.__version__,
+        peft_version=peft.__version__,
+        **attention_settings(model),
+    )
+
+
 def cast_adapter_input_outside_autocast(layer, x, dtype):
     """peft casts an adapted layer's input to the adapter's dtype (fp32) before the adapter's matmuls; under bf16
     autocast those matmuls cast it straight back to bf16: two copies of every adapted activation per pass, for the same
@@ -490,6 +522,20 @@ def write_samples(accelerator, output: Path, epoch: int, step: int, samples: lis
 
         texts = [swanlab.Text(f"{s['prompt']} -> {s['answer']} (reference: {s['reference']})") for s in samples]
         accelerator.get_tracker("swanlab").log({"eval/samples": texts[:SAMPLES_KEPT]}, step=step)
+
+
+def print_saved(results: dict, path: Path, tracking, script: str) -> None:
+    """After a run's summary table (main process): what was saved where, how to try it, and where the tracker keeps
+    the run. `path`: the results.json written; `script`: the recipe's __file__."""
+    what = "adapter" if results["method"] == "lora" else "model"
+    best = f" (epoch {results['best_epoch']})" if results.get("best_epoch") is not None else ""
+    print(
+        f"{what}, tokenizer, model_best/{best} and {path.name} saved in {path.parent}; try it: python "
+        f"{os.path.relpath(script)} --chat --model {path.parent}"
+    )
+    where = tracking.where()
+    if where:
+        print(where)
 
 
 # ----------------------------------------------------------------------------------------- predict, chat, merge

@@ -11,6 +11,11 @@ kwargs) attends within each conversation: on a GPU through torch's variable-leng
 (torch.nn.attention.varlen, torch 2.10+, bf16/fp16, Ampere or newer), elsewhere conversation by conversation with
 sdpa. A forward pass without them (padded evaluation batches, generation) is plain sdpa with its mask, so a model
 loaded with `varlen` evaluates and generates as with sdpa.
+
+A packed row's forward pass asks transformers for no mask (without_mask): given position_ids and no mask,
+transformers would otherwise look for packed sequences in the positions, read on the host whether it found any (a
+wait for the GPU in every forward pass), and build a [1, 1, T, T] block-diagonal mask that the kernel never reads
+(1 GiB at 32k tokens).
 """
 
 import functools
@@ -34,6 +39,7 @@ except ImportError:  # torch before 2.10
 # The kernel's keywords changed between torch releases: 2.10 takes is_causal; later ones express causality as a
 # window (-1, 0) and add scale and enable_gqa.
 KERNEL_KEYWORDS = set(inspect.signature(varlen_attn).parameters) if varlen_attn else set()
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the kernel computes in; fp32 goes conversation by conversation
 
 
 @functools.cache
@@ -56,6 +62,26 @@ def choose_attention(requested: str | None, packing: bool, accelerator) -> str |
     if choice == VARLEN:
         register()
     return choice
+
+
+def without_mask(config, kwargs: dict) -> dict:
+    """The keyword arguments of a forward pass through the decoder, given a packed row's cumulative lengths under
+    `varlen`, with an attention mask that asks transformers for none: it takes a 4-D mask as made already and passes
+    it on as it is, and varlen_attention reads the lengths instead. Anything else (padded rows, another attention,
+    a model with sliding-window layers, whose layers take sdpa's mask) as given."""
+    if config._attn_implementation != VARLEN or kwargs.get("cu_seq_lens_q") is None:
+        return kwargs
+    if kwargs.get("attention_mask") is not None or kwargs.get("past_key_values") is not None:
+        return kwargs
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "sliding_window", None) is not None or "sliding_attention" in layer_types:
+        return kwargs
+    return dict(kwargs, attention_mask=kwargs["cu_seq_lens_q"].new_empty((1, 1, 0, 0), dtype=torch.bool))
+
+
+def is_no_mask(attention_mask) -> bool:
+    """Whether `attention_mask` is without_mask's: a 4-D mask without elements."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4 and attention_mask.numel() == 0
 
 
 def register() -> None:
@@ -82,6 +108,8 @@ def varlen_attention(
     # A padded batch or generation, or a sliding-window layer (Mistral, Gemma): sdpa with the mask transformers built,
     # packed rows' boundaries included.
     if cu_seq_lens_q is None or kwargs.get("sliding_window") is not None:
+        if is_no_mask(attention_mask):
+            raise ValueError("a layer that needs a mask (no cu_seq_lens_q, or a sliding window) got without_mask's")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -92,7 +120,7 @@ def varlen_attention(
         # as autocast casts sdpa's inputs: in a full fine-tune RoPE leaves q and k in fp32 (fp32 cos/sin), v in bf16
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (x.to(dtype) for x in (query, key, value))
-    fast = query.dtype in (torch.bfloat16, torch.float16) and dropout == 0.0 and kernel_runs_on(query.device)
+    fast = query.dtype in KERNEL_DTYPES and dropout == 0.0 and kernel_runs_on(query.device)
     if fast:
         return flash_varlen(query, key, value, cu_seq_lens_q, max_length_q, scale).unsqueeze(0), None
     return per_conversation(query, key, value, cu_seq_lens_q, scale, dropout), None

@@ -46,6 +46,7 @@ class ChatCollator:
     library_collator: object
     row_multiple: int | None = None  # packed rows: filled up to a multiple of this many tokens
     fill_id: int = 0
+    longest: int | None = None  # packed rows: the longest sequence the kernel is told of, at least (one_bound)
 
     def __call__(self, features: list) -> dict:
         # a row of conversations (token_budget_rows) comes as one feature holding them: they go in one packed row
@@ -53,8 +54,19 @@ class ChatCollator:
         batch = self.library_collator([{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features])
         if self.row_multiple:
             fill_packed_row(batch, self.row_multiple, self.fill_id)
+        if self.longest and "max_length_q" in batch:
+            one_bound(batch, max(self.longest, self.row_multiple or 0))
         batch["target_index"] = target_index(batch["labels"])
         return batch
+
+
+def one_bound(batch: dict, bound: int) -> None:
+    """Tell the variable-length kernel that a packed row's sequences are at most `bound` tokens long (the run's
+    --max_length, or the filler's multiple if longer: more than any of them), not what its longest one is. The bound
+    only sizes the kernel's grid (blocks past a sequence's end do nothing); compiled blocks take it as a constant,
+    so one value for every row is one graph, where the longest of each row would compile again."""
+    for key in ("max_length_q", "max_length_k"):
+        batch[key] = max(batch[key], bound)
 
 
 def fill_packed_row(batch: dict, multiple: int, fill_id: int) -> None:
@@ -79,11 +91,14 @@ def fill_packed_row(batch: dict, multiple: int, fill_id: int) -> None:
         batch[key] = max(batch[key], extra)
 
 
-def collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None) -> ChatCollator:
+def collator(
+    tokenizer, packing: bool, pad_to_multiple_of: int | None = None, longest: int | None = None
+) -> ChatCollator:
     """Batches of tokenised examples. Padded: input_ids, attention_mask and labels padded on the right to the batch's
     longest example (labels with -100), its length rounded up to `pad_to_multiple_of`. Packed: the examples in one row
     without padding, position_ids restarting at 0 for each and the first label of each -100 (it would be predicted
-    from the previous example); with `pad_to_multiple_of`, the row filled up to a multiple of it (fill_packed_row)."""
+    from the previous example); with `pad_to_multiple_of`, the row filled up to a multiple of it (fill_packed_row);
+    with `longest` (the run's --max_length; for compiled blocks), that bound given for every row (one_bound)."""
     if packing:
         # The cumulative lengths (cu_seq_lens_q/k, max_length_q/k) feed a variable-length kernel (packed_attention.py);
         # other attention implementations ignore them.
@@ -91,7 +106,7 @@ def collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None) ->
             return_position_ids=True, separator_id=IGNORE_INDEX, return_flash_attn_kwargs=True
         )
         fill_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return ChatCollator(flattening, pad_to_multiple_of, fill_id)
+        return ChatCollator(flattening, pad_to_multiple_of, fill_id, longest)
     if tokenizer.pad_token is None:
         raise RecipeError("the tokenizer has no pad token; call ensure_pad_token(tokenizer) before padding batches")
     if tokenizer.padding_side != "right":

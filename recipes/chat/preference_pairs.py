@@ -212,10 +212,10 @@ class PackedPairCollator:
         return dict(batch, answer_mask=answer_mask, answer_index=answer_index, index=index)
 
 
-def pair_collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None):
+def pair_collator(tokenizer, packing: bool, pad_to_multiple_of: int | None = None, longest: int | None = None):
     """Batches of tokenised pairs: left-padded rows (PairCollator), or with `packing` one packed row
     (PackedPairCollator); their length rounded up to a multiple of `pad_to_multiple_of` (a packed row by one more
-    sequence: packing.fill_packed_row)."""
+    sequence: packing.fill_packed_row); a packed row's longest sequence given as `longest` (packing.one_bound)."""
     if packing:
-        return PackedPairCollator(collator(tokenizer, True, pad_to_multiple_of))
+        return PackedPairCollator(collator(tokenizer, True, pad_to_multiple_of, longest))
     return PairCollator(tokenizer.pad_token_id, pad_to_multiple_of)

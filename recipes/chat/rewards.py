@@ -224,6 +224,21 @@ def is_correct(value: float | None) -> bool:
     return value is not None and value >= 1.0
 
 
+def reward_columns(rows: list[dict]) -> dict:
+    """The data's columns as lists, for the reward functions' **columns (prompt, messages and ids left out)."""
+    names = {k for row in rows for k in row} - {"prompt", "messages", "prompt_ids"}
+    return {name: [row.get(name) for row in rows] for name in sorted(names)}
+
+
+def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated: list[bool], ids=None) -> tuple:
+    """(per function: one value or None per completion, the weighted totals) of completions of `rows`' prompts."""
+    columns = dict(reward_columns(rows), truncated=truncated)
+    if ids is not None:
+        columns["completion_ids"] = ids
+    per_function = rewards.score([row["prompt"] for row in rows], texts, columns)
+    return per_function, rewards.total(per_function)
+
+
 # ------------------------------------------------------------------------------------------------------- prompts
 def gsm8k_answer(text) -> str:
     """GSM8K's reference ("... reasoning ... #### 1,234") as its final answer ("1234")."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torchvision.utils import draw_bounding_boxes
 from yolo_model import Detector, model_info
@@ -14,13 +15,15 @@ from yolo_model import Detector, model_info
 from accelerate_recipes import RecipeError
 
 MODEL_CONFIG = "detector.json"  # written by train.py next to model.safetensors: what rebuilds the model
+CLASS_BRANCH_FIRST = "head.cls.0.0.0.weight"  # the classification branch's first conv: its width is the branch's
+MIN_MATCHED = 0.9  # a pretrained start must give at least this share of the model's parameters by name and shape
 # One colour per class (cycling), each dark enough for white captions on it.
 PALETTE = ["#e6194b", "#0b6ee0", "#d35400", "#8e24aa", "#00897b", "#c0a000", "#3f51b5", "#2e7d32", "#ad1457", "#5d4037"]
 
 
 def read_model_config(model_dir: Path) -> dict:
-    """detector.json of the model saved in `model_dir` (size, num_classes, names, image_size, channels_last), once
-    both of its files are there."""
+    """detector.json of the model saved in `model_dir` (size, num_classes, names, image_size, channels_last and,
+    when not YOLOv8's default, cls_width), once both of its files are there."""
     config_file, weights = model_dir / MODEL_CONFIG, model_dir / "model.safetensors"
     for needed in (config_file, weights):
         if not needed.is_file():
@@ -31,12 +34,18 @@ def read_model_config(model_dir: Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
-    """Weights saved by an earlier run (accelerator.save_model writes model.safetensors), from its folder or the file;
-    `flag` names where the path came from in the errors."""
+def weights_file(path: Path, flag: str) -> Path:
+    """model.safetensors in a run's folder (or its model_best/), or the file itself."""
     file = path / "model.safetensors" if path.is_dir() else path
     if not file.is_file():
         raise RecipeError(f"{flag} {path}: no {file.name} there; give the output directory of a finished run")
+    return file
+
+
+def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
+    """Weights saved by an earlier run of this model (accelerator.save_model writes model.safetensors), from its folder
+    or the file, all of them; `flag` names where the path came from in the errors."""
+    file = weights_file(path, flag)
     try:
         model.load_state_dict(load_file(str(file)))
     except RuntimeError as err:
@@ -47,16 +56,88 @@ def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
         ) from None
 
 
+def class_branch_width_of(path: Path) -> int | None:
+    """The hidden width of the classification branch of the detector saved in `path` (its model.safetensors or the
+    file), read from the first layer's shape; None when the file holds no such layer."""
+    file = path / "model.safetensors" if path.is_dir() else path
+    if not file.is_file() or file.suffix != ".safetensors":
+        return None
+    try:
+        with safe_open(str(file), framework="pt") as weights:
+            if CLASS_BRANCH_FIRST not in weights.keys():
+                return None
+            return int(weights.get_slice(CLASS_BRANCH_FIRST).get_shape()[0])
+    except Exception:  # not a safetensors file: load_matching_weights says so
+        return None
+
+
+def load_matching_weights(model: Detector, path: Path, flag: str) -> str:
+    """A pretrained start: every tensor of the file whose name and shape this model has is loaded, the rest of the
+    model keeps its fresh initialisation (after a change of class count, the classification outputs). Refuses a file
+    that provides under MIN_MATCHED of the model's parameters: that is no detector of this size. Returns the line
+    that says what was loaded and what was left."""
+    file = weights_file(path, flag)
+    try:
+        saved = load_file(str(file))
+    except Exception as err:  # not a safetensors file, or a damaged one
+        raise RecipeError(
+            f"{flag} {file} is not a safetensors file ({str(err).splitlines()[0][:120]}); give a model.safetensors "
+            "of this recipe, or convert Ultralytics weights first (python recipes/detect/ultralytics_weights.py)"
+        ) from None
+    own = model.state_dict()
+    fits = {k: v for k, v in saved.items() if k in own and own[k].shape == v.shape}
+    parameters = dict(model.named_parameters())
+    total = sum(p.numel() for p in parameters.values())
+    matched = sum(parameters[k].numel() for k in fits if k in parameters)
+    if matched < MIN_MATCHED * total:
+        hint = ""
+        config = file.parent / MODEL_CONFIG
+        if config.is_file():
+            theirs = json.loads(config.read_text())
+            hint = f" (it is a yolo-{theirs.get('size')} for {theirs.get('num_classes')} classes)"
+        raise RecipeError(
+            f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights by name and shape"
+            f"{hint}; give a model.safetensors of this recipe with the same --size, or convert Ultralytics YOLOv8 "
+            "weights with python recipes/detect/ultralytics_weights.py"
+        )
+    model.load_state_dict(fits, strict=False)
+    left = [k for k in own if k not in fits and not k.endswith("num_batches_tracked")]
+    shapes = [f"{tuple(saved[k].shape)} there, {tuple(own[k].shape)} here" for k in left if k in saved]
+    line = (
+        f"{flag} {file}: loaded {len(fits)} of {len(own)} tensors by name and shape ({matched / 1e6:.2f}M of "
+        f"{total / 1e6:.2f}M parameters)"
+    )
+    if left:
+        named = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        line += f"; left at their initial values: {named}" + (f" ({shapes[0]})" if shapes else "")
+    return line
+
+
 def build_model(
-    size: str, num_classes: int, channels_last: bool, weights: str | Path | None = None, flag: str = "--model"
+    size: str,
+    num_classes: int,
+    channels_last: bool,
+    weights: str | Path | None = None,
+    flag: str = "--model",
+    cls_width: int | None = None,
+    by_shape: bool = False,
 ) -> tuple[Detector, dict]:
     """The detector of this size for this many classes, with the weights of an earlier run when given (`flag` names
     where they came from), in channels-last layout when asked; and its size figures (parameters, GFLOPs at 640, the
-    size YOLO papers and model cards quote)."""
-    model = Detector(num_classes=num_classes, size=size)
-    if weights:
+    size YOLO papers and model cards quote).
+
+    by_shape: a pretrained start (--init_weights) from a model that may detect other classes: the classification
+    branch takes that model's hidden width, and every tensor that fits by name and shape is loaded
+    (load_matching_weights); info["loaded"] says what was. Otherwise all weights must fit (a saved model's --model)."""
+    if weights and by_shape:
+        cls_width = class_branch_width_of(Path(weights)) or cls_width
+    model = Detector(num_classes=num_classes, size=size, cls_width=cls_width)
+    loaded = None
+    if weights and by_shape:
+        loaded = load_matching_weights(model, Path(weights), flag)
+    elif weights:
         load_weights(model, Path(weights), flag)
-    info = model_info(model, image_size=640)
+    info = dict(model_info(model, image_size=640), loaded=loaded)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, info

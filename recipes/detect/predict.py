@@ -3,6 +3,7 @@ pictures with the boxes drawn (PNG) and a JSON of all detections on disk.
 
     python recipes/detect/train.py --predict photo.jpg --model outputs/detect
     python recipes/detect/train.py --predict data/shapes/images/val --model outputs/detect --conf_threshold 0.4
+    python recipes/detect/train.py --predict photo.jpg --model outputs/detect/model.onnx   # onnxruntime
 
 Writes <out>/<image name>.png for each image and <out>/detections.json: one entry per image with its boxes in the
 image's own pixels (x1, y1, x2, y2), score, class id and class name; each entry is also printed as a JSON line.
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from detector_files import build_model, draw_detections, read_model_config, upright_rgb
+from onnx_export import OnnxDetector  # onnxruntime (the export extra) is imported only for an ONNX model
 from tqdm.auto import tqdm
 from yolo_data import IMAGE_SUFFIXES, letterbox, scale_boxes_back
 from yolo_model import Detector, postprocess
@@ -23,9 +25,15 @@ from accelerate_recipes import RecipeError
 
 
 def load_detector(model_dir: Path, device: torch.device) -> tuple[Detector, dict]:
-    """The model saved by train.py (model.safetensors + detector.json), in eval mode on `device`."""
+    """The model saved by train.py (model.safetensors + detector.json), in eval mode on `device`; or a model.onnx
+    written by --export, run by onnxruntime on the CPU."""
+    if model_dir.suffix == ".onnx":
+        detector = OnnxDetector(model_dir)
+        return detector, detector.config
     config = read_model_config(model_dir)
-    model, _ = build_model(config["size"], config["num_classes"], channels_last=False, weights=model_dir)
+    model, _ = build_model(
+        config["size"], config["num_classes"], False, weights=model_dir, cls_width=config.get("cls_width")
+    )
     return model.to(device).eval(), config
 
 
@@ -66,7 +74,7 @@ def detect_images(
     names, size = config["names"], image_size or config["image_size"]
     if size % 32:
         raise RecipeError(f"--image_size {size} must be a multiple of 32")
-    out_dir = Path(out) if out else model_dir / "predictions"
+    out_dir = Path(out) if out else (model_dir.parent if model_dir.suffix == ".onnx" else model_dir) / "predictions"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     report = []

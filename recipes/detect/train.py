@@ -7,6 +7,8 @@
     make detect-1gpu ARGS="--data path/data.yaml"
     python recipes/detect/train.py --eval_only --model outputs/detect --data path/to/data.yaml   # a saved model's mAP
     python recipes/detect/train.py --predict photo.jpg --model outputs/detect      # boxes: one JSON line per image
+    python recipes/detect/train.py --export onnx --model outputs/detect            # model.onnx, for onnxruntime
+    python recipes/detect/train.py --init_weights models/yolov8n --data path/to/data.yaml   # from pretrained weights
 
 Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
 image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
@@ -18,11 +20,13 @@ Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the ru
 and pyyaml).
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
-schedule -> resume -> loop -> eval -> save), evaluate_saved_model() and predict() use a saved model. `--batch_size` is
-the GLOBAL batch (all processes together), so the same flags give the same training on any number of GPUs.
+schedule -> resume -> loop -> eval -> save), evaluate_saved_model(), predict() and export() use a saved model.
+`--batch_size` is the GLOBAL batch (all processes together), so the same flags give the same training on any number
+of GPUs; every training image is in every epoch (the last batch is filled up), and a batch larger than the set is
+lowered to the set.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from accelerate_recipes.cli import answer_help_from_source
 from accelerate_recipes.flags import TrainingFlags
@@ -42,12 +46,21 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, br
 from detector_files import MODEL_CONFIG, build_model, draw_detections, read_model_config
 from ema import ModelEMA
 from eval_pictures import detection_confusion_matrix, save_eval_pictures
+from onnx_export import export_onnx  # imports onnx and onnxruntime (the export extra) only when it runs
 from predict import detect_images
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.detection import MeanAveragePrecision
 from transformers import get_scheduler
-from yolo_data import DataConfig, YoloDataset, collate, download_dataset, load_data_config, scale_boxes_back
+from yolo_data import (
+    DataConfig,
+    FilledEpochSampler,
+    YoloDataset,
+    collate,
+    download_dataset,
+    load_data_config,
+    scale_boxes_back,
+)
 from yolo_loss import DetectionLoss
 from yolo_model import SIZES, postprocess
 
@@ -115,10 +128,12 @@ class DetectFlags(TrainingFlags):
         optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
             Ultralytics' 0.01, which multiplies its loss by the batch size.
         momentum: SGD momentum, or AdamW's beta1.
-        warmup_epochs: linear learning-rate warmup, in epochs (at least 20 steps, at most half the run).
+        warmup_epochs: linear learning-rate warmup, in epochs (at most a tenth of the run).
         final_lr_ratio: the cosine schedule ends at lr x final_lr_ratio.
         ema_decay: decay of the exponential moving average of the weights that is evaluated and saved (0: off).
         mosaic: probability of a 4-image mosaic per training sample.
+        close_mosaic: turn mosaic off for the last N epochs, so that training ends on whole images like the ones it
+            is evaluated on (Ultralytics' close_mosaic, 10 there too); 0: mosaic to the end.
         flip_lr: probability of a horizontal flip.
         flip_ud: probability of a vertical flip.
         hsv: colour jitter gains for hue, saturation and value.
@@ -128,9 +143,12 @@ class DetectFlags(TrainingFlags):
         iou_threshold: IoU above which NMS suppresses a box of the same class.
         eval_every: evaluate every N epochs (and always after the last).
         channels_last: NHWC memory layout, faster for convolutions with tensor cores.
-        init_weights: start training from the model of an earlier run (its output directory, its model_best/, or a
-            model.safetensors file) instead of random weights; the optimizer, schedule and step count start fresh
-            (--resume continues an interrupted run instead).
+        init_weights: start training from pretrained weights instead of random ones: the model of an earlier run
+            (its output directory, its model_best/, or a model.safetensors file), or Ultralytics YOLOv8 weights
+            converted by `ultralytics_weights.py`. Loaded by name and shape, so the start may detect other classes: all
+            but the classification outputs carry over (the run prints what was loaded and what was left), and a
+            file that gives under 90% of the model's weights is refused. The optimizer, schedule and step count
+            start fresh (--resume continues an interrupted run instead).
         predict_dir: where --predict writes a picture of each image with its boxes and detections.json (every
             image's boxes in its own pixels, score, class id and name); default <model>/predictions.
         predict_device: the device --predict runs on (cuda, cpu, ...); default the first GPU when there is one.
@@ -147,7 +165,12 @@ class DetectFlags(TrainingFlags):
             default), the training run's results.json and pictures are replaced.
         predict: detect objects with the model in --model instead of training: an image file or a folder of images;
             give --predict several times for several. Prints one JSON line per image (its boxes, scores and classes)
-            on stdout and writes the pictures and detections.json to --predict_dir; runs in one process.
+            on stdout and writes the pictures and detections.json to --predict_dir; runs in one process. --model may
+            also be a model.onnx that --export wrote (run by onnxruntime).
+        export: onnx: write the model in --model (default --output_dir) as --output_dir/model.onnx (torch's ONNX
+            exporter; batch, height and width dynamic; the class names and image size in its metadata), check it
+            with onnxruntime against PyTorch on one batch, and stop. Needs onnx, onnxscript and onnxruntime
+            (pip install 'accelerate-recipes[export]').
     """
 
     data: str = "coco128"
@@ -161,6 +184,7 @@ class DetectFlags(TrainingFlags):
     final_lr_ratio: float = 0.01
     ema_decay: float = 0.9999
     mosaic: float = 1.0
+    close_mosaic: int = 10
     flip_lr: float = 0.5
     flip_ud: float = 0.0
     hsv: tuple = (0.015, 0.7, 0.4)
@@ -172,6 +196,7 @@ class DetectFlags(TrainingFlags):
     init_weights: str | None = None
     predict_dir: str | None = None
     predict_device: str | None = None
+    export: str | None = None
     # The shared flags this task trains with by default.
     batch_size: int = 64
     epochs: int = 100
@@ -191,6 +216,10 @@ def check_flags(args: DetectFlags) -> None:
             f"--image_size {args.image_size} must be a multiple of 32 and at least 64 (the head's "
             "largest stride is 32); e.g. --image_size 640"
         )
+    if args.close_mosaic < 0:
+        raise RecipeError(f"--close_mosaic {args.close_mosaic} must be >= 0 (epochs at the end without mosaic)")
+    if args.export not in (None, "onnx"):
+        raise RecipeError(f"unknown --export {args.export!r}; the format written is onnx: --export onnx")
     if args.max_grad_norm < 0:
         raise RecipeError(
             f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. --max_grad_norm 10"
@@ -259,18 +288,36 @@ def training_data(args: DetectFlags, image_size: int, accelerator) -> tuple[Path
     return data_yaml, names, train_set, validation_set(dataset, image_size)
 
 
+def fit_batch_to_data(args: DetectFlags, per_process: int, train_size: int, accelerator) -> tuple[DetectFlags, int]:
+    """--batch_size larger than the training set is lowered to the set's size (rounded down to a multiple of the
+    processes x accumulation steps), with a note; the flags with the batch trained on, and its per-process share."""
+    shards = accelerator.num_processes * args.gradient_accumulation_steps
+    if args.batch_size <= train_size:
+        return args, per_process
+    lowered = train_size // shards * shards
+    if lowered == 0:
+        raise RecipeError(
+            f"the training set ({train_size} images) is smaller than {shards} (processes x accumulation steps); "
+            "use more images, fewer processes or fewer --gradient_accumulation_steps"
+        )
+    accelerator.print(
+        f"note: --batch_size {args.batch_size} is larger than the training set ({train_size} images): "
+        f"training with --batch_size {lowered}"
+    )
+    return replace(args, batch_size=lowered), lowered // shards
+
+
 def data_loaders(
     args: DetectFlags, train_set: Dataset, val_set: Dataset, per_process: int, accelerator
 ) -> tuple[DataLoader, DataLoader]:
-    """The training loader (shuffled by a seeded generator, whole batches only) and the validation loader (a whole
-    optimizer step's images per batch)."""
+    """The training loader (every image once an epoch, shuffled by seed and epoch, the last batch filled up:
+    FilledEpochSampler) and the validation loader (a whole optimizer step's images per batch)."""
     loader_args = loader_settings(accelerator, args.num_workers)
     train_loader = DataLoader(
         train_set,
         batch_size=per_process,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
+        sampler=FilledEpochSampler(len(train_set), args.batch_size, args.seed),
+        drop_last=True,  # never drops: the sampler's length is a multiple of the global batch
         **loader_args,
     )
     val_loader = DataLoader(val_set, batch_size=per_process * args.gradient_accumulation_steps, **loader_args)
@@ -318,18 +365,13 @@ def weight_average(accelerator, model: torch.nn.Module, decay: float) -> tuple[t
     return unwrapped, ema
 
 
-def schedule_lengths(args: DetectFlags, batches_per_epoch: int, train_size: int) -> tuple[int, int, int, int]:
+def schedule_lengths(args: DetectFlags, batches_per_epoch: int) -> tuple[int, int, int, int]:
     """Optimizer steps per epoch, steps in all (--max_steps or --epochs), the epochs that makes, and warmup steps
-    (--warmup_epochs, at least 20, at most half the run)."""
+    (--warmup_epochs, at most a tenth of the run)."""
     steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise RecipeError(
-            f"the training set ({train_size} images) is smaller than one global batch "
-            f"({args.batch_size}); lower --batch_size or use more images"
-        )
     total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = min(max(round(args.warmup_epochs * steps_per_epoch), 20), total_steps // 2)
+    warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), total_steps // 10)
     return steps_per_epoch, total_steps, num_epochs, warmup_steps
 
 
@@ -344,10 +386,15 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     )
 
 
-def detector_config(args: DetectFlags, names: list[str], image_size: int) -> dict:
+def detector_config(args: DetectFlags, names: list[str], image_size: int, cls_width: int) -> dict:
     """What --predict, --eval_only and --init_weights rebuild the model from, written beside its weights."""
     return dict(
-        size=args.size, num_classes=len(names), names=names, image_size=image_size, channels_last=args.channels_last
+        size=args.size,
+        num_classes=len(names),
+        names=names,
+        image_size=image_size,
+        channels_last=args.channels_last,
+        cls_width=cls_width,
     )
 
 
@@ -544,10 +591,16 @@ def train(args: DetectFlags) -> None:
 
     # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
     data_yaml, names, train_set, val_set = training_data(args, image_size, accelerator)
+    args, per_process = fit_batch_to_data(args, per_process, len(train_set), accelerator)  # a set under one batch
     train_loader, val_loader = data_loaders(args, train_set, val_set, per_process, accelerator)
 
-    # ---- model (random weights, or --init_weights), optimizer (no weight decay on BatchNorm and biases), loss
-    model, info = build_model(args.size, len(names), args.channels_last, args.init_weights, flag="--init_weights")
+    # ---- model (random weights, or --init_weights by name and shape), optimizer (no weight decay on BatchNorm and
+    # biases), loss
+    model, info = build_model(
+        args.size, len(names), args.channels_last, args.init_weights, flag="--init_weights", by_shape=True
+    )
+    if info["loaded"]:
+        accelerator.print(info["loaded"])  # what the pretrained start gave, and what it left
     optimizer = build_optimizer(model, args.optimizer, lr, args.momentum, args.weight_decay)
     criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
 
@@ -558,7 +611,7 @@ def train(args: DetectFlags) -> None:
     unwrapped, ema = weight_average(accelerator, model, args.ema_decay)  # the EMA that is evaluated and saved
 
     # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
-    steps_per_epoch, total_steps, num_epochs, warmup_steps = schedule_lengths(args, len(train_loader), len(train_set))
+    steps_per_epoch, total_steps, num_epochs, warmup_steps = schedule_lengths(args, len(train_loader))
     scheduler = accelerator.prepare(warmup_cosine(optimizer, warmup_steps, total_steps, args.final_lr_ratio))
 
     # Every training flag and the launch's facts, with what this recipe derived from them.
@@ -579,6 +632,7 @@ def train(args: DetectFlags) -> None:
         epochs=num_epochs,
         train_size=len(train_set),
         val_size=len(val_set),
+        init_weights=args.init_weights,
         synthetic_data=args.data == "synthetic",
     )
 
@@ -612,7 +666,8 @@ def train(args: DetectFlags) -> None:
             accelerator.save_state(path)
         guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
-    model_config = detector_config(args, names, image_size)  # what --predict and --eval_only rebuild the model from
+    # what --predict, --eval_only and --export rebuild the model from
+    model_config = detector_config(args, names, image_size, unwrapped.cls_width)
 
     def save_model(folder: Path) -> None:
         """The (EMA) weights and detector.json. Collective."""
@@ -628,6 +683,7 @@ def train(args: DetectFlags) -> None:
         model.train()
         train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         train_set.set_epoch(state.epoch)  # and so does each image's augmentation
+        train_set.set_mosaic(state.epoch < num_epochs - args.close_mosaic)  # no mosaic in the last --close_mosaic
         # Skip what the interrupted run had trained on in this epoch.
         batches = (
             accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
@@ -728,7 +784,9 @@ def evaluate_saved_model(args: DetectFlags) -> None:
         batch_size=per_process * args.gradient_accumulation_steps,
         **loader_settings(accelerator, args.num_workers),
     )
-    model, info = build_model(saved["size"], len(names), args.channels_last, model_dir, flag="--model")
+    model, info = build_model(
+        saved["size"], len(names), args.channels_last, model_dir, flag="--model", cls_width=saved.get("cls_width")
+    )
     model = accelerator.prepare_model(model, evaluation_mode=True)  # on the device, no DDP wrapper: nothing to sync
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)  # sharded, boxes on the host
 
@@ -799,12 +857,24 @@ def predict(args: DetectFlags) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- main
+def export(args: DetectFlags) -> None:
+    """The model in --model (default --output_dir) as --output_dir/model.onnx, checked by onnxruntime. One process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RecipeError("--export runs in one process: start it with python, not a launcher")
+    check_flags(args)
+    export_onnx(Path(args.model or args.output_dir), Path(args.output_dir) / "model.onnx", image_size=args.image_size)
+
+
 def main(args: DetectFlags) -> None:
     """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
+    if args.export is not None and (args.predict is not None or args.eval_only):
+        raise RecipeError("give --export alone, without --predict or --eval_only")
     if args.predict is not None:
         return predict(args)
+    if args.export is not None:
+        return export(args)
     if args.eval_only:
         return evaluate_saved_model(args)
     return train(args)

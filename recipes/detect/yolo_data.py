@@ -609,7 +609,8 @@ class YoloDataset(torch.utils.data.Dataset):
     torch's random generator (one draw per item), so they repeat under torch.manual_seed and, in DataLoader
     workers, follow the loader's seed.
 
-    Every label file is read and checked here, once: a bad one stops the program now, not mid-epoch.
+    Every label file is read and checked here, once: a bad one stops the program now, not mid-epoch. `set_mosaic`
+    turns mosaic off and on (train.py's --close_mosaic) through shared memory, so persistent loader workers follow.
     """
 
     def __init__(
@@ -636,6 +637,7 @@ class YoloDataset(torch.utils.data.Dataset):
             raise RecipeError(f"hsv must be three gains (hue, saturation, value); got {hsv}")
         if not 0 <= self.scale < 1:
             raise RecipeError(f"scale {scale} must lie in [0, 1): the zoom is drawn from [1 - scale, 1 + scale]")
+        self._mosaic_on = torch.ones((), dtype=torch.bool).share_memory_()
         workers = min(32, usable_cores() + 4)  # file reads wait on storage, so threads overlap them
         with ThreadPoolExecutor(workers) as pool:
             scanned = list(pool.map(lambda p: _scan(p, self.num_classes), self.image_files))
@@ -674,6 +676,10 @@ class YoloDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.image_files)
+
+    def set_mosaic(self, on: bool) -> None:
+        """Mosaic (at probability `mosaic`) on or off from the next item on, in every loader worker too."""
+        self._mosaic_on.fill_(on)
 
     def __getitem__(self, index: int):
         path = self.image_files[index]
@@ -720,7 +726,7 @@ class YoloDataset(torch.utils.data.Dataset):
     def _augmented(self, index: int, image: Image.Image, boxes: np.ndarray, rng: random.Random):
         """`image` resized (longer side S) but not padded, `boxes` in its pixels -> the augmented S x S item."""
         size = self.image_size
-        if rng.random() < self.mosaic:
+        if rng.random() < self.mosaic and bool(self._mosaic_on):  # the draw is made either way: the rest repeats
             canvas, boxes, areas = self._mosaic(index, image, boxes, rng)
         else:
             canvas, pad = _pad_square(image, size)
@@ -776,3 +782,28 @@ def collate(batch):
     pixels padded with class -1 rows (yolo_loss.pad_targets), metas: list of B dicts)."""
     images = torch.stack([item[0] for item in batch])
     return images, pad_targets([item[1].float() for item in batch]), [item[2] for item in batch]
+
+
+class FilledEpochSampler(torch.utils.data.Sampler):
+    """Every image once per epoch, in an order shuffled by (seed, epoch) alone, the last global batch filled up with
+    the first images of that order: no image is left out of an epoch, every batch is whole (the training step keeps
+    one shape), and each optimizer step trains on the same images on any number of processes.
+
+    `multiple` is the global batch (per-process batch x processes x accumulation steps): accelerate hands process i
+    the batches i, i + N, ..., so the images of optimizer step s are the positions [s x multiple, (s + 1) x multiple)
+    of this order whatever N is. Call `set_epoch` before each epoch (accelerate's loader's set_epoch does)."""
+
+    def __init__(self, size: int, multiple: int, seed: int):
+        self.size, self.multiple, self.seed, self.epoch = size, multiple, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return math.ceil(self.size / self.multiple) * self.multiple
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(hash((self.seed, self.epoch)) & (2**63 - 1))
+        order = torch.randperm(self.size, generator=generator).tolist()
+        filled = order * math.ceil(len(self) / self.size)
+        return iter(filled[: len(self)])

@@ -58,15 +58,26 @@ def complete_box_iou_loss(boxes1: torch.Tensor, boxes2: torch.Tensor, eps: float
 class TaskAlignedAssigner:
     """Task-aligned assignment of ground-truth boxes to anchors (no gradients flow through it).
 
-    For each gt box: candidates are the anchors whose centre lies strictly inside it; their alignment metric is
-    t = s^alpha * IoU^beta (s: the predicted probability of the gt's class, IoU: predicted box vs gt box); the topk
+    For each gt box: candidates are the anchors whose centre lies strictly inside it (a box with a side under
+    `min_side` pixels is widened to min_side about its centre for this choice only, so that an object smaller than a
+    grid cell still gets candidates; Ultralytics 8.4 does the same with its middle stride, 16); their alignment metric
+    is t = s^alpha * IoU^beta (s: the predicted probability of the gt's class, IoU: predicted box vs gt box); the topk
     candidates by t become positives. An anchor positive for several gts keeps the one its predicted box overlaps
     most. Target scores are t rescaled per gt so that the gt's best anchor gets that gt's best IoU (soft, quality-aware
     classification targets). IoU here is plain IoU as in TOOD (YOLOv8 uses CIoU clamped at 0 at this step).
     """
 
-    def __init__(self, num_classes: int, topk: int = 10, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9):
+    def __init__(
+        self,
+        num_classes: int,
+        topk: int = 10,
+        alpha: float = 0.5,
+        beta: float = 6.0,
+        eps: float = 1e-9,
+        min_side: float = 16.0,
+    ):
         self.num_classes = num_classes
+        self.min_side = min_side
         self.topk = topk
         self.alpha = alpha
         self.beta = beta
@@ -102,9 +113,11 @@ class TaskAlignedAssigner:
         pred_scores, pred_boxes, gt_boxes = pred_scores.float(), pred_boxes.float(), gt_boxes.float()
         gt_labels = gt_labels.long().clamp(0, num_classes - 1)  # padding rows may hold anything; gt_mask hides them
 
-        # candidates: anchor centre strictly inside a real gt box, [B, M, A]
+        # candidates: anchor centre strictly inside a real gt box (tiny boxes widened to min_side), [B, M, A]
         x, y = anchor_points[:, 0], anchor_points[:, 1]
-        g = gt_boxes[..., None, :]  # [B, M, 1, 4]
+        centre = (gt_boxes[..., :2] + gt_boxes[..., 2:]) / 2
+        half = (gt_boxes[..., 2:] - gt_boxes[..., :2]).clamp(min=self.min_side) / 2
+        g = torch.cat((centre - half, centre + half), dim=-1)[..., None, :]  # [B, M, 1, 4]
         margin = torch.minimum(torch.minimum(x - g[..., 0], y - g[..., 1]), torch.minimum(g[..., 2] - x, g[..., 3] - y))
         inside = margin > self.eps
         candidate = inside & gt_mask[..., None].bool()
@@ -197,7 +210,8 @@ class DetectionLoss:
         self.strides = tuple(strides)
         self.reg_max = reg_max
         self.box_weight, self.cls_weight, self.dfl_weight = box_weight, cls_weight, dfl_weight
-        self.assigner = TaskAlignedAssigner(num_classes, topk=10, alpha=0.5, beta=6.0)
+        # tiny boxes widened to the middle stride when choosing candidates, as Ultralytics 8.4 does
+        self.assigner = TaskAlignedAssigner(num_classes, topk=10, alpha=0.5, beta=6.0, min_side=self.strides[1])
 
     def __call__(self, outputs: list[torch.Tensor], targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         # float32 throughout: the outputs may come from a bf16/fp16 autocast forward

@@ -134,10 +134,12 @@ class Neck(nn.Module):
 class Head(nn.Module):
     """Decoupled anchor-free head: per level, a box branch (4 * reg_max DFL logits) and a class branch (logits)."""
 
-    def __init__(self, channels: list[int], num_classes: int, strides: tuple[int, ...], reg_max: int):
+    def __init__(
+        self, channels: list[int], num_classes: int, strides: tuple[int, ...], reg_max: int, cls_width: int | None
+    ):
         super().__init__()
         box_c = max(16, channels[0] // 4, 4 * reg_max)
-        cls_c = max(channels[0], min(num_classes, 100))
+        cls_c = cls_width or class_branch_width(channels[0], num_classes)
         self.box = nn.ModuleList(
             nn.Sequential(Conv(c, box_c, 3), Conv(box_c, box_c, 3), nn.Conv2d(box_c, 4 * reg_max, 1)) for c in channels
         )
@@ -155,6 +157,12 @@ class Head(nn.Module):
         return [torch.cat((box(x), cls(x)), dim=1) for x, box, cls in zip(features, self.box, self.cls)]
 
 
+def class_branch_width(channels: int, num_classes: int) -> int:
+    """YOLOv8's hidden width of the classification branch: the finest level's channels, or the class count (up to
+    100) when that is larger; 80 for the nano model on COCO's 80 classes, 64 for it on 3 classes."""
+    return max(channels, min(num_classes, 100))
+
+
 def _channels(c: int, width: float, max_channels: int) -> int:
     return int(math.ceil(min(c, max_channels) * width / 8) * 8)  # multiples of 8 suit tensor cores
 
@@ -163,12 +171,15 @@ class Detector(nn.Module):
     """YOLOv8-layout detector. forward(images [B, 3, H, W] float in [0, 1], H and W multiples of 32) returns a list of
     3 raw tensors [B, 4 * reg_max + num_classes, H / s, W / s] for s in strides, in train and eval mode alike:
     channels [0, 4 * reg_max) are the box-side DFL logits (left, top, right, bottom; reg_max bins each), the rest are
-    class logits. Use `decode` or `postprocess` to turn them into boxes."""
+    class logits. Use `decode` or `postprocess` to turn them into boxes.
+
+    cls_width: the hidden width of the classification branch; default YOLOv8's rule (class_branch_width). A model
+    fine-tuned from another keeps that model's width (80 for COCO weights), so all of its branch carries over."""
 
     strides = (8, 16, 32)
     reg_max = 16
 
-    def __init__(self, num_classes: int, size: str = "n"):
+    def __init__(self, num_classes: int, size: str = "n", cls_width: int | None = None):
         super().__init__()
         if size not in SIZES:
             raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
@@ -181,7 +192,8 @@ class Detector(nn.Module):
         n3, n6 = (max(round(n * depth), 1) for n in (3, 6))
         self.backbone = Backbone(ch, n3, n6)
         self.neck = Neck(ch[2], ch[3], ch[4], n3)
-        self.head = Head([ch[2], ch[3], ch[4]], num_classes, self.strides, self.reg_max)
+        self.head = Head([ch[2], ch[3], ch[4]], num_classes, self.strides, self.reg_max, cls_width)
+        self.cls_width = self.head.cls[0][0][0].out_channels
 
     def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
         return self.head(self.neck(*self.backbone(images)))
@@ -258,11 +270,12 @@ def postprocess(
     labels [N] int64), sorted by score, N <= max_detections.
 
     One label per anchor (its best class); anchors scoring <= conf_threshold are dropped, at most max_candidates of
-    the best go into class-aware NMS (class_aware_nms) at iou_threshold."""
+    the best go into class-aware NMS (class_aware_nms) at iou_threshold, on the boxes as decoded; the kept ones are
+    then clipped to the image (the order Ultralytics follows, so that the same raw outputs give the same boxes)."""
     boxes, cls_logits = decode(outputs, strides, reg_max)
     height, width = outputs[0].shape[-2] * strides[0], outputs[0].shape[-1] * strides[0]
-    boxes[..., 0::2] = boxes[..., 0::2].clamp(0, width)
-    boxes[..., 1::2] = boxes[..., 1::2].clamp(0, height)
+    # a decoded side reaches at most (reg_max - 1) strides from its anchor: the span class_aware_nms must clear
+    reach = (reg_max - 1) * max(strides)
     scores, labels = cls_logits.sigmoid().max(dim=-1)
     results = []
     for b in range(boxes.shape[0]):
@@ -271,10 +284,13 @@ def postprocess(
         if img_scores.numel() > max_candidates:  # bounds NMS time when an untrained model fires everywhere
             top = img_scores.topk(max_candidates).indices
             img_boxes, img_scores, img_labels = img_boxes[top], img_scores[top], img_labels[top]
-        kept = class_aware_nms(img_boxes, img_scores, img_labels, iou_threshold, max_coordinate=max(width, height))[
-            :max_detections
-        ]
-        results.append(dict(boxes=img_boxes[kept], scores=img_scores[kept], labels=img_labels[kept].long()))
+        kept = class_aware_nms(
+            img_boxes + reach, img_scores, img_labels, iou_threshold, max_coordinate=max(width, height) + 2 * reach
+        )[:max_detections]
+        kept_boxes = img_boxes[kept]
+        kept_boxes[:, 0::2] = kept_boxes[:, 0::2].clamp(0, width)
+        kept_boxes[:, 1::2] = kept_boxes[:, 1::2].clamp(0, height)
+        results.append(dict(boxes=kept_boxes, scores=img_scores[kept], labels=img_labels[kept].long()))
     return results
 
 
