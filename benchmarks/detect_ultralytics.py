@@ -111,12 +111,12 @@ def main(
 def recipe_evaluation(weights: Path, data: str, image_size: int, device: str) -> dict:
     """Ultralytics' predictions on the validation images (its own letterbox and NMS, conf 0.001, at most 300 boxes,
     IoU 0.7) scored by the recipe's COCO evaluation against the boxes the recipe reads from the same label files."""
-    from train import coco_map, validation_set
+    from coco_map import coco_map
     from ultralytics import YOLO
-    from yolo_data import load_data_config, scale_boxes_back
+    from yolo_data import YoloDataset, load_data_config, scale_boxes_back
 
     dataset = load_data_config(Path(data))
-    val_set = validation_set(dataset, image_size)
+    val_set = YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False)  # as train.py's
     model = YOLO(str(weights))
     records = []
     for index, path in enumerate(val_set.image_files):

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_EXTRAS = "text,detect"  # what `check` asks of an interpreter by default: the CIFAR, text and detect recipes
 # What `download` fetches by default: everything gpu-check runs, the chat recipe (peft, gguf) and DeepSpeed (a
 # py3-none-any wheel, with hjson, which PyTorch images lack) included; add dev for the tests.
-DOWNLOAD_EXTRAS = "text,detect,sft,deepspeed"
+DOWNLOAD_EXTRAS = "text,detect,chat,deepspeed"
 
 
 class WheelhouseError(Exception):

@@ -18,7 +18,7 @@ One function per mode: train() reads top to bottom (config -> accelerator -> dat
 optimizer -> prepare -> resume -> loop -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
 --merge come from the chat recipes' shared layer (chat/model.py). The pair formats are in chat/preference_pairs.py.
 
-Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
 from accelerate_recipes.cli import answer_help_from_source

@@ -25,7 +25,7 @@ KV cache and a compiled decode step: --decode) from chat/generation.py. The roll
 figures logged of them, the throughput) are in chat/rollouts.py; the rewards and the prompt formats in
 chat/rewards.py.
 
-Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
 from accelerate_recipes.cli import answer_help_from_source

@@ -13,7 +13,7 @@ and merge() --merge; the flags are SftFlags, the data formats and the loss mask 
 `--batch_size` is the GLOBAL batch of conversations, and the loss of a step is the mean over every answer token of it
 (all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
 
-Install: `pip install -e '.[sft]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
 from accelerate_recipes.cli import answer_help_from_source

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from coco_map import coco_map
 from ema import ModelEMA
 from torch.optim.swa_utils import AveragedModel
 from torch.overrides import TorchFunctionMode
 from torchmetrics.detection import MeanAveragePrecision
-from train import coco_map
 from yolo_loss import DetectionLoss, complete_box_iou_loss, distribution_focal_loss, pad_targets
 from yolo_model import (
     Detector,

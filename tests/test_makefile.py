@@ -13,7 +13,7 @@ VENV = Path(sys.prefix)  # the environment running the tests; `make -n` only pri
 def make(*args):
     # -o: the install stamps count as up to date, so a target run for real (to see its check fail) never reinstalls
     # the package into the environment running the tests.
-    extras = ("", "-text", "-detect", "-sft", "-deepspeed", "-bench", "-dev")
+    extras = ("", "-text", "-detect", "-chat", "-deepspeed", "-bench", "-dev")
     stamps = [f"-o{VENV}/.installed{extra}" for extra in extras]
     return subprocess.run(
         ["make", "--no-print-directory", f"VENV={VENV}", *stamps, *args],

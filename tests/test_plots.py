@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 import torch
+from coco_map import coco_map
 from conftest import PYTHON, REPO, check_png, time_limit
 from eval_pictures import detection_confusion_matrix, plot_pr_curve
-from train import coco_map
 
 from accelerate_recipes.plots import (
     plot_confusion_matrix,

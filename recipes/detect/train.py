@@ -13,8 +13,9 @@
 Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
 image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
 The detector (yolo_model.py), its assigner and loss (yolo_loss.py), the data pipeline (yolo_data.py), the generated
-shapes set (synthetic_shapes.py), the saved model's files (detector_files.py), what --predict runs (predict.py) and
-the pictures of an evaluation (eval_pictures.py) sit beside this file; copy the folder to start your own project.
+shapes set (synthetic_shapes.py), the saved model's files (detector_files.py), what --predict runs (predict.py), the
+mAP (coco_map.py) and the pictures of an evaluation (eval_pictures.py) sit beside this file; copy the folder to start
+your own project.
 
 Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus torchmetrics, pycocotools
 and pyyaml).
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, set_seed
+from coco_map import coco_map
 from detector_files import MODEL_CONFIG, build_model, draw_detections, read_model_config
 from ema import ModelEMA
 from eval_pictures import detection_confusion_matrix, save_eval_pictures
@@ -50,7 +52,6 @@ from onnx_export import export_onnx  # imports onnx and onnxruntime (the export 
 from predict import detect_images
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader, Dataset
-from torchmetrics.detection import MeanAveragePrecision
 from transformers import get_scheduler
 from yolo_data import (
     DataConfig,
@@ -456,39 +457,6 @@ def evaluate(
         pictures["confusion"] = detection_confusion_matrix(records, len(names))
     results = broadcast_object_list([results])[0]  # and every process gets its figures, to log and save alike
     return results, pictures
-
-
-def coco_map(records: list, names: list[str]) -> tuple[dict, dict | None]:
-    """eval_map50, eval_map50_95 and eval_ap_per_class (AP50-95 by class name) from ONE COCO evaluation, and its
-    precision-recall table at IoU 0.5 (recall points [R], precision [R, classes], class ids; None: nothing evaluated).
-
-    MeanAveragePrecision(class_metrics=True) would run pycocotools' evaluation again once per class. The per-class AP
-    is instead read from the one evaluation's precision table (extended_summary), as COCOeval.summarize averages it
-    for the AP50-95 line: over IoU thresholds and recall points, all areas, the most detections; -1 entries (no
-    ground truth) left out. A class with no ground truth in the set has no AP and is left out.
-    """
-    metric = MeanAveragePrecision(
-        box_format="xyxy", iou_type="bbox", backend="pycocotools", extended_summary=True, sync_on_compute=False
-    )
-    metric.update(
-        [dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
-        [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records],
-    )
-    values = metric.compute()
-    per_class, pr_curve = {}, None
-    if "precision" in values:  # absent when there was nothing to evaluate (no predictions or no images)
-        precision = values["precision"][:, :, :, 0, -1]  # [IoU thresholds, recall points, classes]
-        pr_curve = dict(
-            recall=torch.tensor(metric.rec_thresholds),
-            precision=precision[0],  # IoU thresholds[0]: 0.5
-            classes=values["classes"].reshape(-1).int().tolist(),
-        )
-        for k, c in enumerate(values["classes"].reshape(-1).tolist()):
-            valid = precision[:, :, k][precision[:, :, k] > -1]
-            if valid.numel():
-                per_class[names[int(c)]] = float(valid.mean())
-    scores = dict(eval_map50=float(values["map_50"]), eval_map50_95=float(values["map"]), eval_ap_per_class=per_class)
-    return scores, pr_curve
 
 
 def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
