@@ -2,7 +2,8 @@
 processes from a plain checkout (the package not installed) in one call that keeps only report and logs in its
 results folder; preempt stops a run with SIGTERM and resumes it; a second call after the first runs only what is not
 proven, and a step its budget stops leaves no process and is incomplete, the steps before it on disk; reports fold
-into a proof file."""
+into a proof file. In-process: the calls --plan makes of what is left (estimates built from measured parts), proof
+carried to GPUs like the ones that made it, the disk a step needs, what a measuring run leaves."""
 
 import json
 import os
@@ -15,25 +16,42 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import PYTHON, REPO, fails_with, recipe_env, run, time_limit
+from gpu_check.calls import print_plan, read_machine
 from gpu_check.paths import CONFIGS
 from gpu_check.plan import (
+    CALL_START,
+    CHAT_STEPS,
     DEFAULT_BUDGET,
     ESTIMATED_SECONDS,
     NEXT_CALL,
     STEPS,
     STOP_GRACE_SECONDS,
     TIMEOUTS,
+    disk_refusal,
+    estimate,
     not_run,
+    plan_calls,
     requirements,
 )
 from gpu_check.processes import alive, stop
-from gpu_check.proof import PROOF, describe_key, markdown_proof, proof_key, proven_steps
-from gpu_check.report import UNSHARDED, assess, exit_status
+from gpu_check.proof import (
+    PER_GPU,
+    PROOF,
+    carry_refusal,
+    describe_key,
+    markdown_proof,
+    proof_key,
+    proven_steps,
+    proven_too_little,
+)
+from gpu_check.report import UNSHARDED, assess, exit_status, markdown
+from gpu_check.run_outputs import discard_weights, measured_parts
 from gpu_check.runner import StepRunner
-from gpu_check.steps.chat import ChatSteps
-from gpu_check.steps.chat_figures import dpo_figures, sft_figures, trl_comparison, trl_figures
+from gpu_check.steps.chat import ChatSteps, finite_figures
+from gpu_check.steps.chat_figures import dpo_figures, sft_figures, speed_comparison, trl_comparison, trl_figures
 
 from accelerate_recipes import PREEMPTED_EXIT_CODE
+from accelerate_recipes.cli import RecipeError
 
 CHECK = REPO / "benchmarks" / "gpu_check"  # a folder that Python runs: its __main__.py
 # Steps of the one-GPU plan with tiny sizes; sync-bn and dp-vs-ddp need CUDA and are reported as not run. preempt runs
@@ -58,6 +76,7 @@ def test_bad_input_is_one_line_naming_cause_and_fix(tmp_path):
     fails_with(run([*cpu, "--after", tmp_path / "other.json"], env), "neither a gpu-check report nor a proof file")
     fails_with(run([*cpu, "--merge", tmp_path / "none"], env), "--merge", "not found", "report.json")
     fails_with(run([*cpu, "--results_dir", "x", "--output_dir", "x"], env), "another folder than --output_dir")
+    fails_with(run([*cpu, "--machine", "x"], env), "--machine", "together with --plan")
 
 
 def test_help_explains_the_calls_the_proof_and_the_verdicts(tmp_path):
@@ -71,6 +90,8 @@ def test_help_explains_the_calls_the_proof_and_the_verdicts(tmp_path):
         "PARTIAL",
         "unsharded",
         "--budget",
+        "--plan",
+        "--machine TEXT",
     ):
         assert words in proc.stdout, words
 
@@ -169,6 +190,12 @@ def test_cpu_smoke_runs_the_one_gpu_plan_in_one_call_from_a_plain_checkout(smoke
         assert results[name]["status"] == "not run" and results[name]["detail"] == "needs CUDA"
     for name in ("sft", "dpo", "grpo", "fast94", "text-fsdp", "nccl-doctor"):
         assert results[name]["wall_seconds"] > 0 and results[name]["commands"] and results[name]["finished_at"]
+    # each command's time, with the parts its results.json tells; the estimates are a GPU's, not recorded here
+    timing = results["fast94"]["timing"]["log"]
+    assert timing["seconds"] > timing["launch"] > 0 and "estimate" not in results["fast94"]
+    assert list(results["sft"]["timing"]) == ["lora", "trl-lora", "full", "trl-full", "lora-fsdp"]
+    lora = results["sft"]["timing"]["lora"]
+    assert lora["seconds"] > lora["launch"] > 0 and lora["steps"] > 0 and lora["other"] > 0, lora
     table = (smoke["out"] / "report.md").read_text()
     assert table.startswith("# GPU check: PARTIAL: not proved: sync-bn, dp-vs-ddp (needs CUDA)")
     assert f"| fast94 | pass | {results['fast94']['wall_seconds']} |" in table
@@ -289,17 +316,23 @@ def test_grpo_reports_generation_and_update_speed_apart_beside_trls_grpo_trainer
     assert prompts[0]["answer"] == str(int(a) + int(b) if sign == "+" else int(a) * int(b))
 
 
-def test_dpo_runs_lora_and_full_packed_beside_trls_dpo_trainer_and_counts_the_references_flops(smoke):
-    """The recipe packed, LoRA and full, with TRL's DPOTrainer after LoRA (after both on a GPU) on the same model,
-    pairs, batch, steps and device, compared as the sft step compares; the reference's forward pass counted."""
+def test_dpo_runs_packed_beside_trls_dpo_trainer_and_left_padded_each_finite_and_counts_the_references_flops(smoke):
+    """The recipe packed with LoRA, TRL's DPOTrainer after it (and, on a GPU, the full fine-tune packed) on the same
+    model, pairs, batch, steps and device, compared as the sft step compares; then left-padded rows, eagerly, every
+    step logged: each run's loss finite at every logged step. The reference's forward pass counted in the FLOPs."""
     dpo = next(r for r in smoke["report"]["steps"] if r["step"] == "dpo")
-    assert dpo["status"] == "pass" and list(dpo["figures"]) == ["vs_trl", "lora", "trl-lora", "full"], dpo
-    assert ["--lora_r 16" in c for c in dpo["commands"]] == [True, True, False]
-    assert "dpo_bench.py trl_speed" in dpo["commands"][1] and "--device cpu" in dpo["commands"][1]
-    for method in ("lora", "full"):
-        figures = dpo["figures"][method]
-        assert figures["method"] == method and figures["steps"] == 3 and figures["train_tokens_per_second"] > 0
-        assert figures["peak_memory_mb"] > 0 and figures["mean_tokens_per_row"] > 0 and figures["packing"]
+    assert dpo["status"] == "pass" and list(dpo["figures"]) == ["vs_trl", "lora", "trl-lora", "lora-padded"], dpo
+    packed, trl_command, padded = dpo["commands"]
+    assert all("--lora_r 16" in c for c in dpo["commands"])
+    assert "dpo_bench.py trl_speed" in trl_command and "--device cpu" in trl_command
+    assert "--packing" in packed and "--packing" not in padded and "--nocompile --log_every 1" in padded
+    for name in ("lora", "lora-padded"):
+        figures = dpo["figures"][name]
+        assert figures["method"] == "lora" and figures["steps"] == 3 and figures["train_tokens_per_second"] > 0
+        assert figures["peak_memory_mb"] > 0 and figures["mean_tokens_per_row"] > 0
+        assert figures["packing"] is (name == "lora") and figures["sdpa_backends_off"] == []  # no cuDNN on a CPU
+        assert figures["finite"]["logged_steps"] == 3 and figures["finite"]["loss"] == "finite", figures
+    assert dpo["figures"]["lora-padded"]["compile"] is False
     trl, ours = dpo["figures"]["trl-lora"], dpo["figures"]["lora"]
     assert trl["trainer"].startswith("trl.DPOTrainer") and trl["steps"] == 3 and trl["method"] == "lora"
     assert trl["flops_per_token"] == ours["flops_per_token"]  # TRL's MFU would count the recipe's FLOPs per token
@@ -316,18 +349,42 @@ def test_dpo_runs_lora_and_full_packed_beside_trls_dpo_trainer_and_counts_the_re
     assert full["model_flops_utilisation"] == round((6_000_000 + attention) * 1000 / 1e12, 4)
 
 
-def test_sft_speed_runs_eager_and_rows_of_a_token_budget_side_by_side(smoke):
-    """On the CPU the speed step runs the eager recipe at 2 conversations a step and in rows of up to 2,048 tokens
-    (compiled, Liger and TRL runs are the GPU's); figures.speed holds each one's tokens/s over eager's."""
+def test_a_run_is_finite_when_its_logged_losses_and_gradient_norms_are():
+    assert finite_figures([0.69, 0.68], [1.5, 2.0]) == {"logged_steps": 2, "loss": "finite", "grad_norm": "finite"}
+    nan = float("nan")
+    assert finite_figures([0.69, nan], [1.5, nan]) == {
+        "logged_steps": 2,
+        "loss": "not finite",
+        "grad_norm": "not finite",
+    }
+    assert finite_figures([], [])["loss"] == "not finite"
+    assert finite_figures([0.69], [])["grad_norm"].startswith("not logged; the recipe's guard checks it")
+
+
+def test_sft_speed_takes_the_sft_steps_runs_and_trains_rows_of_a_token_budget_within_one_epoch(smoke):
+    """On the CPU the speed step's default way (eager, 2 conversations a step) and TRL's run are the sft step's own
+    commands, taken from it in the same call, and it runs rows of up to 2,048 tokens itself, within one epoch;
+    figures.speed holds each one's tokens/s over the default's."""
     step = next(r for r in smoke["report"]["steps"] if r["step"] == "sft-speed-lora")
-    assert step["status"] == "pass" and list(step["figures"]) == ["speed", "eager", "tokens-2k"], step
-    eager, tokens = step["figures"]["eager"], step["figures"]["tokens-2k"]
-    assert "--nocompile" in step["commands"][0] and "--batch_tokens 2048" in step["commands"][1]
-    assert eager["method"] == tokens["method"] == "lora" and not eager["compile"] and tokens["batch_tokens"] == 2048
+    sft = next(r for r in smoke["report"]["steps"] if r["step"] == "sft")
+    assert step["status"] == "pass" and list(step["figures"]) == ["speed", "eager", "tokens-2k", "trl"], step
+    eager, tokens, trl = (step["figures"][name] for name in ("eager", "tokens-2k", "trl"))
+    assert step["commands"][0] == sft["commands"][0] and step["commands"][2] == sft["commands"][1]
+    assert eager == {**sft["figures"]["lora"], "from_step": "sft"} and trl["from_step"] == "sft"
+    assert list(step["timing"]) == ["tokens-2k"]  # the one run it made
+    assert "--batch_tokens 2048" in step["commands"][1] and tokens["batch_tokens"] == 2048
+    assert eager["method"] == tokens["method"] == "lora" and not eager["compile"] and 0 < tokens["epochs"] <= 1
     speed = step["figures"]["speed"]
     ratio = tokens["train_tokens_per_second"] / eager["train_tokens_per_second"]
-    assert speed["eager"]["over_eager"] == 1.0 and speed["tokens-2k"]["over_eager"] == round(ratio, 3)
-    assert speed["fastest"] == ("tokens-2k" if ratio > 1 else "eager") and "fastest_over_trl" not in speed
+    assert speed["default"] == "eager" and speed["eager"]["over_default"] == 1.0
+    assert speed["tokens-2k"]["over_default"] == round(ratio, 3)
+    assert speed["fastest"] == ("tokens-2k" if ratio > 1 else "eager")
+    fastest = step["figures"][speed["fastest"]]["train_tokens_per_second"]
+    assert speed["fastest_over_trl"] == round(fastest / trl["train_tokens_per_second"], 3)
+    assert speed_comparison({"compiled": {"train_tokens_per_second": 2.0}}, "eager") == {
+        "compiled": {"train_tokens_per_second": 2.0},
+        "fastest": "compiled",
+    }
 
 
 def test_results_folder_receives_the_report_and_one_tar_of_logs_without_models(smoke):
@@ -347,8 +404,12 @@ def test_results_folder_receives_the_report_and_one_tar_of_logs_without_models(s
     ]
     assert not [n for n in names if n.split("/")[1] in ("inputs", "text-data")], names
     assert not [n for n in names if n.split("/")[0] == "chat-data"], names  # the chat steps' shared model and data
-    model_bytes = sum(p.stat().st_size for p in smoke["out"].rglob("*.safetensors"))
-    assert model_bytes > 10 * sizes  # the models stayed behind
+    assert sizes < 2_000_000
+    # Measuring runs leave no weights: once a run's results.json is read its models and checkpoints go; the inputs
+    # the steps share stay (the chat model, the text model)
+    left = [p.relative_to(smoke["out"]) for p in smoke["out"].rglob("*") if p.suffix in (".safetensors", ".bin")]
+    assert left and all(p.parts[0] in ("chat-data", "text-data") for p in left), left
+    assert not [p for p in smoke["out"].rglob("*") if p.name in ("checkpoints", "model_best")]
 
 
 def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_repository(smoke, tmp_path):
@@ -401,11 +462,18 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
 
 
 def test_the_repository_proof_holds_only_gpu_figures_and_its_markdown_follows_from_it():
+    """... and says which GPUs proved each step and where that proof holds."""
     proof = json.loads(PROOF.read_text())
     assert all(machine["key"]["mode"] == "gpu" for machine in proof["machines"])
-    assert PROOF.with_suffix(".md").read_text() == markdown_proof(proof)
+    text = markdown_proof(proof)
+    assert PROOF.with_suffix(".md").read_text() == text
     if not proof["machines"]:
-        assert "**Nothing has been proven on a GPU yet.**" in markdown_proof(proof)
+        assert "**Nothing has been proven on a GPU yet.**" in text
+        return
+    assert "## Which GPUs proved each step, and where it holds" in text
+    fast94 = "| fast94 | 1 x NVIDIA H100 80GB HBM3 | 2026-11-26 15:07 UTC | 1 GPU of compute capability 9.0 with "
+    assert fast94 + "81559 MiB or more each, with the software of its section below |" in text
+    assert "| sft | 1 x NVIDIA H100 80GB HBM3 | 2026-11-26 15:06 UTC | nowhere now: it has no vs_trl, " in text
 
 
 def processes_of(folder: Path) -> list:
@@ -551,28 +619,146 @@ def test_trl_figures_count_the_recipes_flops_and_an_sft_without_trl_is_not_prove
     assert assess([record])["verdict"] == "PARTIAL: not proved: sft against TRL (trl not installed (pip install trl))"
 
 
-def test_one_call_fits_a_15_minute_gpu_slot_and_the_most_valuable_steps_come_first():
-    """The default budget, a cut step's grace and the report within 9 minutes; every step's own limit within the
-    budget; on one H100 each chat step, with its comparison with TRL, opens a call, the chat fine-tune's first;
-    calls of that budget add up to the whole one-GPU plan, each step fitting one on its own."""
+def h100_machine() -> dict:
+    """The record of the H100 80GB that proved most one-GPU steps (docs/gpu-proof.json): GPUs, driver, versions."""
+    proof = json.loads(PROOF.read_text())
+    return next(m["machine"] for m in proof["machines"] if m["key"]["devices"] == ["NVIDIA H100 80GB HBM3"])
+
+
+def like(machine: dict, name: str, mib: int, capability: str) -> dict:
+    """MACHINE's record with another GPU of MIB MiB and that compute capability, the same software."""
+    return dict(machine, devices=[name], nvidia_smi=[f"{name}, 580.159.04, {mib} MiB, {capability}"])
+
+
+def test_the_plan_proves_the_chat_gpu_paths_in_two_calls_of_9_minutes_on_the_recorded_h100(capsys, tmp_path):
+    """--plan on the H100's record: what docs/gpu-proof.json has not proven there (the chat steps, whose proof of
+    2026-11 predates their comparison with TRL, and bench) in calls of 540 s, the chat fine-tune first with the speed
+    steps taking its runs, then preference tuning and GRPO. Each estimate adds up its runs' measured parts; the
+    default budget, a cut step's grace and the report fit 9 minutes, and every step fits a call on its own."""
     assert DEFAULT_BUDGET + STOP_GRACE_SECONDS + 10 <= 9 * 60
     assert all(TIMEOUTS[s] <= DEFAULT_BUDGET for s in STEPS)
     assert STEPS[:5] == ["sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"]
     assert STEPS[5:10] == ["fast94", "text-fsdp", "detect-640", "preempt", "bench"]
-    needs = requirements(1, None)
-    todo, calls = [s for s in STEPS if not needs[s]], []
-    while todo:
-        call, left = [], DEFAULT_BUDGET
-        for name in todo:
-            if ESTIMATED_SECONDS[name] <= left:
-                call.append(name)
-                left -= ESTIMATED_SECONDS[name]
-        assert call, f"{todo} do not fit a call of {DEFAULT_BUDGET} s"
-        calls.append(call)
-        todo = [s for s in todo if s not in call]
-    # The chat steps, each with its TRL runs, open the first calls (sft 405 s, dpo 260 s, grpo 300 s) and the short
-    # steps fill the rest; the two speed steps of the chat fine-tune (250 s each) fit one call together when named
-    assert [call[0] for call in calls[:3]] == ["sft", "dpo", "grpo"] and calls[0][:2] == ["sft", "fast94"], calls
-    speed = ("sft-speed-full", "sft-speed-lora")
-    assert sum(ESTIMATED_SECONDS[s] for s in speed) <= DEFAULT_BUDGET
-    assert len(calls) == 5 and all(any(s in call for call in calls) for s in speed), calls
+    assert all(ESTIMATED_SECONDS[s] + CALL_START <= DEFAULT_BUDGET for s in STEPS)
+    (tmp_path / "report.json").write_text(json.dumps({"machine": h100_machine()}))
+    machine = read_machine(str(tmp_path))
+    assert print_plan(machine, json.loads(PROOF.read_text()), "docs/gpu-proof.json", STEPS, 540) == 0
+    out = capsys.readouterr().out
+    assert "proven on these GPUs: fast94, text-fsdp, detect-640, preempt, text-deepspeed, audit-cifar" in out, out
+    assert "so run again: sft, grpo" in out
+    assert "\ncall 1: sft, sft-speed-full, sft-speed-lora: estimated " in out
+    assert "\ncall 2: dpo, grpo: estimated " in out and "\ncall 3: bench: estimated " in out and "call 4" not in out
+    assert "  sft-speed-full  69 s: tokens-16k " in out and "compiled and trl: the sft step's runs of this call" in out
+    assert "not on these GPUs: nccl-doctor (needs 2+ GPUs)" in out
+    calls, unfit = plan_calls(list(CHAT_STEPS), 540)
+    assert [list(call["steps"]) for call in calls] == [["sft", "sft-speed-full", "sft-speed-lora"], ["dpo", "grpo"]]
+    assert not unfit and all(call["seconds"] <= 540 for call in calls), calls
+    for name in STEPS:  # an estimate is the sum of its parts, the chat model built once per call
+        guess = estimate(name)
+        total = sum(sum(p.values()) if isinstance(p, dict) else p for p in guess["parts"].values())
+        assert guess["seconds"] == ESTIMATED_SECONDS[name] == round(total, 1)
+        assert ("chat model" in guess["parts"]) is (name in CHAT_STEPS)
+    sft = estimate("sft")["parts"]
+    assert sft["lora"] == {"launch": 24, "compile": 38.0, "steps": 2.6, "evaluation": 4.0, "save": 2.5}
+    alone, after_sft = estimate("sft-speed-full"), estimate("sft-speed-full", True, {"full", "trl-full"})
+    assert list(alone["parts"]) == ["chat model", "compiled", "trl", "tokens-16k"] and list(after_sft["parts"]) == [
+        "tokens-16k"
+    ]
+    # a speed run within one epoch of the 640 chats (290,880 tokens)
+    assert 12 * 16384 < 640 * 454.5 and 20 * 16 <= 640
+    with pytest.raises(RecipeError, match="holds no GPU machine's record"):
+        read_machine(str(PROOF))
+
+
+def test_proof_carries_to_gpus_of_the_same_architecture_with_as_much_memory_but_speed_figures_stay():
+    """An H100's proof holds on an H200 (sm_90, more memory, the same software), but for the speed steps; it does not
+    hold on less memory, another compute capability or other software. A carried record names the GPUs that proved
+    it, and --merge folds only what a report's own GPUs proved."""
+    proof, h100 = json.loads(PROOF.read_text()), h100_machine()
+    entry = next(m for m in proof["machines"] if m["machine"] == h100)
+    entry["steps"]["sft-speed-lora"] = {**entry["steps"]["fast94"], "figures": {"speed": {"fastest": "compiled"}}}
+    h200 = like(h100, "NVIDIA H200", 143771, "9.0")
+    here = proof_key("gpu", False, h200)
+    carried, differences = proven_steps(proof, here, h200)
+    assert not differences and carried["fast94"]["proven_on"] == "1 x NVIDIA H100 80GB HBM3"
+    assert set(carried) == {"fast94", "text-fsdp", "detect-640", "preempt", "text-deepspeed"} | {
+        "audit-cifar",
+        "audit-text",
+        "audit-detect",
+    }
+    assert "sft-speed-lora" in PER_GPU and proven_too_little(proof, here, h200) == ["sft", "grpo"]
+    own, _ = proven_steps(proof, proof_key("gpu", False, h100), h100)  # on the H100 itself its speed figures hold
+    assert "sft-speed-lora" in own and "proven_on" not in own["fast94"]
+    there = entry["key"]
+    h100_40 = like(h100, "NVIDIA H100 PCIe", 40960, "9.0")
+    assert carry_refusal(there, h100, proof_key("gpu", False, h100_40), h100_40) == (
+        "NVIDIA H100 80GB HBM3 (81559 MiB) there, NVIDIA H100 PCIe with less memory (40960 MiB) here"
+    )
+    a100 = like(h100, "NVIDIA A100-SXM4-80GB", 81920, "8.0")
+    assert carry_refusal(there, h100, proof_key("gpu", False, a100), a100) == (
+        "NVIDIA H100 80GB HBM3 (compute capability 9.0) there, NVIDIA A100-SXM4-80GB (8.0) here"
+    )
+    newer = dict(here, torch="2.14.0+cu130")
+    assert carry_refusal(there, h100, newer, h200) == "torch '2.11.0+cu130' there, '2.14.0+cu130' here"
+    assert proven_steps(proof, newer, h200) == ({}, [f"no entry for {describe_key(newer)}"])
+
+
+def test_merge_folds_only_what_a_reports_own_gpus_proved(tmp_path, capsys):
+    from gpu_check.proof import merge_reports
+
+    h200 = like(h100_machine(), "NVIDIA H200", 143771, "9.0")
+    record = {"status": "pass", "commands": [], "wall_seconds": 1.0, "figures": {"steps": 1}, "detail": ""}
+    report = {"key": proof_key("gpu", False, h200), "machine": h200}
+    report["steps"] = [dict(record, step="fast94", carried=True, proven_on="1 x NVIDIA H100 80GB HBM3")]
+    report["steps"].append(dict(record, step="preempt", estimate={"seconds": 50.0, "parts": {}}))
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert merge_reports([str(tmp_path / "report.json")], tmp_path / "proof.json") == 0
+    (machine,) = json.loads((tmp_path / "proof.json").read_text())["machines"]
+    assert list(machine["steps"]) == ["preempt"] and machine["steps"]["preempt"]["estimate"]["seconds"] == 50.0
+    text = (tmp_path / "proof.md").read_text()
+    assert "| preempt | 1 x NVIDIA H200 | ? | 1 GPU of compute capability 9.0 with 143771 MiB or more each" in text
+    assert "gpu-check: 1 proven step(s)" in capsys.readouterr().out
+
+
+def test_a_step_refuses_to_start_without_the_disk_it_writes_in_one_line(tmp_path):
+    assert disk_refusal("sft", False, 13 * 2**30, tmp_path) is None
+    why = disk_refusal("sft", False, 5 * 2**30, tmp_path)
+    assert why == (
+        f"needs 12 GB of free disk in {tmp_path} (what it writes at once), 5.0 GB free: free some, or give "
+        "--output_dir on a larger disk"
+    )
+    assert disk_refusal("sft", True, 2**30, tmp_path) is None  # tiny models on the CPU and in --quick
+    assert disk_refusal("fast94", False, 2**30, tmp_path).startswith("needs 2 GB of free disk")
+    assert assess([not_run("sft", why)])["verdict"] == f"PARTIAL: not proved: sft ({why})"
+
+
+def test_a_measuring_run_leaves_its_logs_and_results_not_its_weights(tmp_path):
+    run = tmp_path / "sft" / "full"
+    for name in ("checkpoints/step_00000020/model.safetensors", "model_best/model.safetensors", "model.safetensors"):
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(b"w" * 10)
+    for name in ("results.json", "metrics.jsonl", "config.json"):
+        (run / name).write_text("{}")
+    (tmp_path / "sft" / "inputs").mkdir()
+    (tmp_path / "sft" / "inputs" / "model.safetensors").write_bytes(b"w")  # what the step's runs read: kept
+    assert discard_weights(tmp_path / "sft") == 30
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl", "results.json"]
+    assert (tmp_path / "sft" / "inputs" / "model.safetensors").is_file()
+    parts = measured_parts(60.04, {"wall_seconds": 40.0, "train_seconds": 30.0, "warmup_seconds": 20.0})
+    assert parts == {"seconds": 60.0, "launch": 20.0, "warmup": 20.0, "steps": 10.0, "other": 10.0}
+    assert measured_parts(5.0, {}) == {"seconds": 5.0}
+
+
+def test_a_gpu_report_shows_each_steps_estimate_beside_its_time_and_where_carried_proof_was_made():
+    h200 = like(h100_machine(), "NVIDIA H200", 143771, "9.0")
+    guess = estimate("sft")
+    sft = {"step": "sft", "status": "fail", "commands": ["x"], "wall_seconds": 264.5, "figures": {}, "detail": "exit 1"}
+    sft.update(estimate=guess, timing={"lora": {"seconds": 80.0, "launch": 25.0}})
+    carried = {**not_run("fast94", ""), "status": "pass", "wall_seconds": 58.3, "carried": True}
+    carried.update(proven_on="1 x NVIDIA H100 80GB HBM3", finished_at="2026-11-26 15:07 UTC")
+    report = {**assess([sft, carried]), "machine": h200, "mode": "gpu", "wall_seconds": 300.0, "budget": 540}
+    text = markdown({**report, "steps": [sft, carried]})
+    assert "| sft | fail | 264.5 (est. 370) |" in text
+    assert "| fast94 | pass (proven on 1 x NVIDIA H100 80GB HBM3, 2026-11-26 15:07 UTC) | 58.3 |" in text
+    assert "Estimated 370 s: chat model 20, packed-attention 20 (check 20), lora 71.1 (launch 24, compile 38, " in text
+    assert "took 264.5 s." in text and "Measured, per command (seconds): lora: {seconds: 80, launch: 25}." in text

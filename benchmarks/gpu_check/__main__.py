@@ -7,6 +7,9 @@
     python benchmarks/gpu_check --merge DIR/report.json      # fold a report into docs/gpu-proof.md and .json
     python benchmarks/gpu_check --steps sft,fast94           # some steps only
     python benchmarks/gpu_check --device cpu --quick         # the harness itself, tiny sizes on gloo CPU processes
+    python benchmarks/gpu_check --plan --machine REPORT --budget 540
+                                                             # the calls that would prove what is left for the GPUs
+                                                             #   REPORT recorded, each step's estimate part by part
 
 It runs from a plain checkout: an interpreter that holds torch, accelerate and transformers is enough (this package
 need not be installed); the checkout's own modules are put first on every step's PYTHONPATH.
@@ -16,10 +19,16 @@ that the call, report included, ends within 9 minutes. It first records the mach
 versions, /dev/shm, make, gcc, nvcc), then runs the steps in order of value, each a subprocess with its own time limit
 and a fresh folder under OUTPUT_DIR/<step>/, and rewrites OUTPUT_DIR/report.md and report.json after every step, so
 that a call killed from outside still leaves every figure it reached. A step whose estimated time no longer fits is
-left for the next call; a running step that the budget cuts short is stopped (SIGTERM to its launcher, so that the
-recipes save a checkpoint, then its whole process tree) and reported as incomplete, with the figures it reached.
---after REPORT skips the steps that REPORT (or docs/gpu-proof.json) already proved on GPUs of the same kind with the
-same software, so that calls add up until every step is proven.
+left for the next call (each estimate adds up its runs' measured parts: launch, compilation, steps, evaluation,
+saving; the report records it beside the measured time, and each command's time with its parts); a step whose disk
+needs exceed the free disk is not run, said in one line; a running step that the budget cuts short is stopped
+(SIGTERM to its launcher, so that the recipes save a checkpoint, then its whole process tree) and reported as
+incomplete, with the figures it reached. The runs measure and keep no weights: once a run's results.json is read its
+checkpoints and models are removed. --after REPORT skips the steps that REPORT (or docs/gpu-proof.json) already
+proved with the same software on the same GPUs, or on as many GPUs of the same compute capability with no more memory
+each (an H100's proof holds on an H200) but for the speed steps, whose figures are each GPU's own; so calls add up
+until every step is proven. --plan --machine REPORT prints those calls for the GPUs REPORT recorded, and runs
+nothing.
 
 Steps, in the order they run:
   sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here: tokens/s,
@@ -32,20 +41,22 @@ Steps, in the order they run:
                side: tokens/s and their ratio, MFU from the recipe's FLOPs per token, peak memory. Then, on one GPU,
                LoRA under fsdp.yaml on one process (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter
                gathered on save); with 2+ GPUs LoRA and full under FSDP2 on all of them, without TRL
-  dpo          recipes/dpo.py, LoRA (the base as reference) and full (a frozen copy), packed (--packing: chosen and
-               rejected rows padding-free), on pairs built from the same generated chats and model: tokens/s, peak
-               memory, MFU; on one device each run is followed by TRL's DPOTrainer on the same model, pairs, batch and
-               steps (trl_speed of benchmarks/dpo_bench.py), side by side as in the sft step (figures["vs_trl"])
+  dpo          recipes/dpo.py on pairs built from the same generated chats and model, both ways its rows go: packed
+               (--packing: chosen and rejected rows padding-free), LoRA (the base as reference) followed by TRL's
+               DPOTrainer on the same model, pairs, batch and steps (trl_speed of benchmarks/dpo_bench.py; side by
+               side as in the sft step, figures["vs_trl"]) and full (a frozen copy; on a GPU only); and left-padded
+               (sdpa with a mask, eager: the path that went NaN on an H100 under cuDNN's kernel, kept off since),
+               LoRA, every step logged: tokens/s, peak memory, MFU, and each run's loss and gradient norm finite
   grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts (on a GPU its
                compiled decode step, --decode auto), then TRL's GRPOTrainer on the same inputs (benchmarks/grpo_bench.py
                trl): generation tokens/s of the steady steps, the first step's generation seconds, update tokens/s,
                median step and peak memory side by side (speed only: the random weights earn no reward)
-  sft-speed-full, sft-speed-lora   recipes/sft.py in full and with LoRA r16 on the sft step's model and chats, in the
-               ways it can run on one GPU: eager (--nocompile) and compiled (the default on a GPU) at 16 conversations
-               a step, compiled in rows of 16,384 and 32,768 tokens (--batch_tokens), compiled with Liger Kernel's
-               fused kernels (--liger, when liger-kernel imports), and TRL's SFTTrainer at 16 conversations: tokens/s
-               and MFU side by side, each over eager's, the fastest and the fastest over TRL (figures["speed"]). On
-               the CPU: eager and rows of 2,048 tokens only
+  sft-speed-full, sft-speed-lora   recipes/sft.py in full and with LoRA r16 on the sft step's model and chats, on
+               one GPU: compiled at 16 conversations a step, compiled in rows of 16,384 tokens (--batch_tokens, within
+               one epoch) and TRL's SFTTrainer at 16 conversations: tokens/s and MFU side by side, each over the
+               default's, the fastest and the fastest over TRL (figures["speed"]). The compiled and TRL runs are the
+               sft step's own: after it in the same call they are taken from it, not run again. On the CPU: eager and
+               rows of 2,048 tokens
   fast94       recipes/cifar.py --preset fast94 on 50,000 generated CIFAR-sized images: epoch time, accuracy
   text-fsdp    recipes/text_classification.py with accelerate_configs/fsdp.yaml on all GPUs (a small BERT built here);
                on one GPU it runs unsharded (world size 1, no NCCL traffic): the FSDP code path, not sharding
@@ -92,7 +103,8 @@ answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch i
 import time
 
 from accelerate_recipes.cli import RecipeError, run
-from gpu_check.calls import run_call
+from gpu_check.calls import print_plan, read_machine, run_call
+from gpu_check.paths import REPO
 from gpu_check.plan import DEFAULT_BUDGET, STEPS
 from gpu_check.proof import PROOF, merge_reports, read_earlier
 
@@ -107,6 +119,8 @@ def main(
     output_dir: str = "outputs/gpu-check",
     results_dir: str | None = None,
     budget: float = DEFAULT_BUDGET,
+    plan: bool = False,
+    machine: str | None = None,
 ):
     """Run the GPU paths of the project on this machine's GPUs, in order of value, and write OUTPUT_DIR/report.md
     and report.json after every step.
@@ -137,6 +151,14 @@ def main(
         budget: seconds for the steps of this call (default 510: with the stop of a cut step and the report, the call
             ends within 9 minutes). On a GPU a step starts only if its estimated time fits in what is left (else it
             is left for the next call); a running step is stopped when the budget ends and reported as incomplete.
+            A step also starts only with the free disk it writes at once (the models it writes are removed once
+            read); else it is not run, said in one line.
+        plan: print the calls of --budget seconds that would prove what --after (default docs/gpu-proof.json) has
+            not proven yet for the GPUs and software of --machine, each step's estimate part by part (launch,
+            compilation, steps, evaluation, saving), and run nothing. Proof made on other GPUs of the same compute
+            capability, with as much memory and the same software, counts, but for the speed steps.
+        machine: with --plan, the report.json (or its folder) of a call on the GPUs to plan for; default this
+            machine's own GPUs.
     """
     started = time.monotonic()
     out = Path(output_dir)
@@ -157,6 +179,25 @@ def main(
     budget = float(budget)
     if budget <= 0:
         raise RecipeError(f"--budget {budget:g} must be a positive number of seconds")
+    if machine is not None and not plan:
+        raise RecipeError("--machine names the GPUs --plan plans for; give it together with --plan")
+    if plan:
+        source = after or str(PROOF.relative_to(REPO))
+        earlier = read_earlier(after or str(PROOF))
+        if machine is None:
+            import torch
+
+            from gpu_check.machine import machine_facts
+
+            if not torch.cuda.device_count():
+                raise RecipeError(
+                    "--plan plans for this machine's GPUs without --machine, and torch sees none here; give "
+                    "--machine REPORT, the report.json of a call on the GPUs to plan for"
+                )
+            facts = machine_facts(torch.cuda.device_count())
+        else:
+            facts = read_machine(str(machine))
+        sys.exit(print_plan(facts, earlier, source, chosen, budget))
     results = Path(results_dir) if results_dir else None
     if results and results.resolve() == out.resolve():
         raise RecipeError(

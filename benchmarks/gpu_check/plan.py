@@ -23,25 +23,49 @@ STEPS = [
     "allreduce",
     "dp-vs-ddp",
 ]
-# Estimated seconds of each step on one H100 (two for the 2+ GPU steps), start-up and data generation included: the
-# measured time on one H100 80GB (docs/gpu-proof.md), rounded up, where it ran; a guess for bench and the 2+ GPU steps.
-# Estimates, not limits: a step starts only when its estimate fits in what is left of --budget (on a GPU).
-ESTIMATED_SECONDS = {
-    # the 0.5B model built and saved, 20 steps each of LoRA, full and (one GPU) LoRA under FSDP2: 207 s measured; plus
-    # guesses: 55 s for each TRL run (start-up, TRL's tokenisation, Liger's kernels compiled at first use, 20 steps)
-    # and 25 s for the packed-attention check (the model loaded twice, 5 rows forward and backward under each), and
-    # 20 s of compilation in each of the recipe's three runs (compiled blocks, the GPU's default since)
-    "sft": 405,
-    # a guess: the 0.5B model built and saved, 20 steps each of LoRA and full with their reference, and TRL's two
-    # runs (55 s each, as in sft)
-    "dpo": 260,
-    # eager, 149 s measured; now a guess: the 0.5B model built and saved, the decode step compiled, 4 steps of 64
-    # completions of 256 tokens, one evaluation, then TRL's 4 steps (its eager generate: ~13 s a step)
-    "grpo": 300,
-    # guesses: the model built, then 5 runs of 20 steps (about 15 s of start-up, 20 s of compilation where compiled,
-    # 5 s of steps) and TRL's (55 s); the two fit one call together
-    "sft-speed-full": 250,
-    "sft-speed-lora": 250,
+# What a step's estimate is made of, measured on one H100 80GB on 2026-11-27 (../shared/gpu-runs/2026-11-27-h100 and
+# docs/gpu-proof.json; the recorded reports hold each run's results.json), in seconds. A step's estimate adds up its
+# runs, each from the parts below; a report records the estimate beside the measured time of every step and the
+# measured parts of every run (its "timing"), which are what these constants are to be corrected from.
+CALL_START = 10  # the interpreter, torch and the machine's record, before the first step: a call of one 149.2 s step
+# took 157.8 s
+CHAT_ASSETS = 20  # the 0.5B chat model built and saved with its chats, once per call: the grpo step's 149.2 s less its
+# run's own 104.4 s and a launch
+# A process started until the run's own clock starts, and its exit: the launcher, the imports, the data read and the
+# model loaded. sft: the sft step's 264.5 s less its runs' own times, the chat model and the packed-attention check,
+# over its five processes; dpo: its two runs' 82.7 s less the ten steps each ran before it stopped (the reference
+# model loaded too); TRL's harness and grpo as sft
+LAUNCH = {"sft": 24, "dpo": 32, "grpo": 24, "trl": 24}
+PACKED_ATTENTION_CHECK_SECONDS = 20  # the model loaded twice, 4 packed rows forward and backward under each kernel
+# Inductor's compilation of one graph of the decoder blocks (a run compiles two: its first row length, then one
+# dynamic in the length): full 22.5 s of warm-up for two, LoRA two steps of 19 s each (sft --compile, 2026-11-27)
+COMPILE_GRAPH = {"full": 11.0, "lora": 19.0}
+REFERENCE_GRAPH_SHARE = 0.5  # a forward-only graph (DPO's reference) against one with its backward pass: a guess
+# One optimizer step of 16 conversations (~7,300 tokens), compiled: full 0.118 s (58,200 tokens/s), LoRA about 0.13 s
+# (its progress bar); eager: full 0.173 s, LoRA 0.275 s (the sft step, 2026-11-27)
+STEP_SECONDS = {("full", True): 0.118, ("lora", True): 0.13, ("full", False): 0.173, ("lora", False): 0.275}
+TOKENS_PER_CONVERSATION = 454.5  # the generated chats' mean, measured (mean_tokens_per_conversation)
+TRAIN_CONVERSATIONS = 640  # the chats the chat steps train on: 290,880 tokens, one epoch
+EVALUATION_SECONDS = 4.0  # the 64 validation chats, evaluated once: the eager LoRA run's 6.5 s after training less
+# its saves (compiled blocks evaluate eagerly where a shape is new, so the same)
+# Saving after training: full, the epoch's checkpoint (fp32 weights and AdamW's two states, ~6 GB), model_best and the
+# model (~2 GB each): 9 s eager and 22 s compiled after the epoch (2026-11-27), their mean; LoRA the adapter, ~2.5 s
+SAVE_SECONDS = {"full": 16.0, "lora": 2.5}
+# TRL's harnesses (benchmarks/*_bench.py), their own wall_seconds: SFTTrainer LoRA 42.4 s and full 29.2 s (20 steps,
+# 2026-11-27); DPOTrainer, not measured: its set-up as SFTTrainer's (~25 s) and 20 steps of padded rows with the
+# reference's forward pass at a guessed 0.6 s; GRPOTrainer: its set-up (a guess, 20 s) and 4 steps of eager generate
+# at the 13.85 s a step the recipe's eager decoding took
+TRL_SECONDS = {"sft-lora": 42.4, "sft-full": 29.2, "dpo": 25 + 20 * 0.6, "grpo": 20 + 4 * 13.85}
+# DPO: 8 pairs a step (16 rows of ~450 tokens) and the reference's forward pass; padded and eager, 0.45 s a step
+# (the LoRA run of 2026-11-27, steps 2 to 10, before its NaN); packed and compiled, a guess from the sft steps
+DPO_STEP_SECONDS = {("lora", True): 0.17, ("full", True): 0.15, ("lora", False): 0.45, ("full", False): 0.35}
+# GRPO: its compiled decode step (CUDA graphs: one shape serves the rollouts and the evaluation) compiles once, a
+# guess; a step generates 64 completions of 256 tokens (compiled: a guess of 2 s) and updates on them (0.75 s:
+# 32,600 tokens/s measured)
+GRPO_DECODE_COMPILE, GRPO_STEP_SECONDS = 45.0, 2.75
+# The measured time of the other steps on one H100 (docs/gpu-proof.md), rounded up; a guess for bench and the 2+ GPU
+# steps.
+MEASURED_SECONDS = {
     "fast94": 65,  # 58 s
     "text-fsdp": 45,  # 42 s
     "detect-640": 100,  # 96 s
@@ -57,6 +81,165 @@ ESTIMATED_SECONDS = {
     "allreduce": 45,
     "dp-vs-ddp": 120,
 }
+GUESSED = ("bench", "nccl-doctor", "ddp", "sync-bn", "allreduce", "dp-vs-ddp")  # never run on one H100 yet
+CHAT_STEPS = ("sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora")
+SPEED_STEPS = {"sft-speed-full": "full", "sft-speed-lora": "lora"}
+# The speed steps' rows of a token budget: as many steps as fit in one epoch of the 640 chats (290,880 tokens: 17
+# full rows of 16,384 tokens), so that no epoch's end evaluates and saves in the middle of the measurement
+SPEED_BATCH_TOKENS, SPEED_TOKEN_STEPS = 16384, 12
+SFT_STEPS, DPO_STEPS, GRPO_STEPS = 20, 20, 4
+
+
+def recipe_run(
+    method: str, launch: float, graphs: float, steps: int, step_seconds: float, save: bool = True
+) -> dict[str, float]:
+    """One run of a chat recipe, part by part: launch, compilation (GRAPHS graphs of METHOD's blocks), its steps,
+    one evaluation and the saves after it."""
+    return {
+        "launch": launch,
+        "compile": round(graphs * COMPILE_GRAPH[method], 1),
+        "steps": round(steps * step_seconds, 1),
+        "evaluation": EVALUATION_SECONDS,
+        "save": SAVE_SECONDS[method] if save else 0.0,
+    }
+
+
+def sft_run(method: str, compiled: bool = True) -> dict[str, float]:
+    """An sft run of 20 steps of 16 conversations (the sft step's, and the speed steps' default)."""
+    return recipe_run(method, LAUNCH["sft"], 2 if compiled else 0, SFT_STEPS, STEP_SECONDS[method, compiled])
+
+
+def token_rows_run(method: str) -> dict[str, float]:
+    """An sft run in rows of SPEED_BATCH_TOKENS tokens, compiled, within one epoch."""
+    seconds = STEP_SECONDS[method, True] * SPEED_BATCH_TOKENS / (16 * TOKENS_PER_CONVERSATION)
+    return recipe_run(method, LAUNCH["sft"], 2, SPEED_TOKEN_STEPS, seconds)
+
+
+def chat_runs(name: str, shared: frozenset[str] | set[str] = frozenset()) -> dict[str, dict[str, float]]:
+    """The runs of a chat step on one GPU, each part by part. SHARED: the sft step's runs that this call has made
+    already (lora, full, trl-lora, trl-full), which a speed step takes instead of running them again."""
+    trl = LAUNCH["trl"]
+    if name == "sft":
+        return {
+            "packed-attention": {"check": PACKED_ATTENTION_CHECK_SECONDS},
+            "lora": sft_run("lora"),
+            "trl-lora": {"launch": trl, "run": TRL_SECONDS["sft-lora"]},
+            "full": sft_run("full"),
+            "trl-full": {"launch": trl, "run": TRL_SECONDS["sft-full"]},
+            # FSDP2's step: as the plain one (one process, unsharded), compiled blocks too
+            "lora-fsdp": sft_run("lora"),
+        }
+    if name == "dpo":
+
+        def dpo_run(method: str, compiled: bool) -> dict[str, float]:
+            graphs = 2 * (1 + REFERENCE_GRAPH_SHARE) if compiled else 0  # the policy's two and the reference's
+            return recipe_run(method, LAUNCH["dpo"], graphs, DPO_STEPS, DPO_STEP_SECONDS[method, compiled])
+
+        return {
+            "lora": dpo_run("lora", True),
+            "trl-lora": {"launch": trl, "run": TRL_SECONDS["dpo"]},
+            "full": dpo_run("full", True),
+            "lora-padded": dpo_run("lora", False),
+        }
+    if name == "grpo":
+        return {
+            "lora": {
+                "launch": LAUNCH["grpo"],
+                "compile": GRPO_DECODE_COMPILE,
+                "steps": round(GRPO_STEPS * GRPO_STEP_SECONDS, 1),
+                "evaluation": EVALUATION_SECONDS,
+                "save": SAVE_SECONDS["lora"],
+            },
+            "trl-lora": {"launch": trl, "run": TRL_SECONDS["grpo"]},
+        }
+    method = SPEED_STEPS[name]
+    runs = {}
+    if method not in shared:
+        runs["compiled"] = sft_run(method)
+    if f"trl-{method}" not in shared:
+        runs["trl"] = {"launch": trl, "run": TRL_SECONDS[f"sft-{method}"]}
+    runs[f"tokens-{SPEED_BATCH_TOKENS // 1024}k"] = token_rows_run(method)
+    return runs
+
+
+def estimate(name: str, assets_ready: bool = False, shared: frozenset[str] | set[str] = frozenset()) -> dict:
+    """A step's estimated seconds on one GPU and what they are made of: {"seconds": total, "parts": {part: seconds}},
+    a chat step's parts being its runs (each {part: seconds}) and, when ASSETS_READY is false, the chat model built.
+    SHARED: the sft step's runs this call has made (chat_runs)."""
+    if name not in CHAT_STEPS:
+        seconds = float(MEASURED_SECONDS[name])
+        return {"seconds": seconds, "parts": {"a guess" if name in GUESSED else "measured, rounded up": seconds}}
+    parts: dict = {} if assets_ready else {"chat model": float(CHAT_ASSETS)}
+    parts.update(chat_runs(name, shared))
+    seconds = sum(sum(p.values()) if isinstance(p, dict) else p for p in parts.values())
+    return {"seconds": round(seconds, 1), "parts": parts}
+
+
+def describe_estimate(guess: dict) -> str:
+    """An estimate() in one line: "412 s: chat model 20, lora 71 (launch 24, compile 38, ...), ..."."""
+
+    def number(x: float) -> str:
+        return f"{x:.1f}".removesuffix(".0")
+
+    parts = []
+    for name, part in guess["parts"].items():
+        if isinstance(part, dict):
+            inner = ", ".join(f"{k} {number(v)}" for k, v in part.items() if v)
+            parts.append(f"{name} {number(sum(part.values()))} ({inner})")
+        else:
+            parts.append(f"{name} {number(part)}")
+    return f"{guess['seconds']:.0f} s: {', '.join(parts)}"
+
+
+def plan_calls(todo: list[str], budget: float, gpus: int = 1) -> tuple[list[dict], list[str]]:
+    """The calls of BUDGET seconds that run the steps TODO (in order of value) on GPUS GPUs, as a call runs them:
+    each takes, in order, every step whose estimate fits in what is left of its budget, the chat model built once per
+    call and, on one GPU, the sft step's runs taken by the speed steps of the same call. Returns the calls, each
+    {"steps": {name: estimate()}, "seconds": its estimated length, the start included}, and the steps that fit in no
+    call of BUDGET seconds."""
+    calls, todo = [], list(todo)
+    while todo:
+        left, steps, shared = budget - CALL_START, {}, set()
+        for name in todo:
+            guess = estimate(name, any(s in CHAT_STEPS for s in steps), shared)
+            if guess["seconds"] <= left:
+                steps[name], left = guess, left - guess["seconds"]
+                shared |= set(SHARED_RUNS) if name == "sft" and gpus == 1 else set()
+        if not steps:
+            break
+        calls.append({"steps": steps, "seconds": round(budget - left, 1)})
+        todo = [name for name in todo if name not in steps]
+    return calls, todo
+
+
+# Each step on its own in a call (the chat model built by it, no run of another step to take): what decides whether
+# it fits in what is left of --budget (on a GPU) is estimate() with what the call has made so far.
+ESTIMATED_SECONDS = {name: estimate(name)["seconds"] for name in STEPS}
+# The sft runs a speed step takes from the sft step of the same call: the same command, so the same measurement.
+SHARED_RUNS = ("lora", "full", "trl-lora", "trl-full")
+# Free disk a step needs (GB) when it starts on a GPU: the most it holds at once, its runs' weights removed after each
+# (a full fine-tune of the 0.5B model writes a checkpoint of ~6 GB and two models of ~2 GB), the chat model (1 GB)
+# and torch's compile cache included; on the CPU and in --quick, tiny models.
+DISK_GB = {"sft": 12, "dpo": 12, "grpo": 4, "sft-speed-full": 12, "sft-speed-lora": 4, "bench": 4}
+DISK_GB_OTHER, DISK_GB_SMALL = 2, 0.5
+
+
+def disk_needed(name: str, small: bool) -> float:
+    """GB of free disk a step needs to start."""
+    return DISK_GB_SMALL if small else float(DISK_GB.get(name, DISK_GB_OTHER))
+
+
+def disk_refusal(name: str, small: bool, free_bytes: int, where) -> str | None:
+    """Why a step does not start for want of disk (one line), or None when FREE_BYTES in WHERE are enough."""
+    needed, free = disk_needed(name, small), free_bytes / 2**30
+    if free >= needed:
+        return None
+    return (
+        f"needs {needed:g} GB of free disk in {where} (what it writes at once), {free:.1f} GB free: free some, "
+        "or give --output_dir on a larger disk"
+    )
+
+
 # Each step's own time limit: over it the step failed (hung); when --budget ends first, it is incomplete instead.
 TIMEOUTS = {
     "sft": 500,

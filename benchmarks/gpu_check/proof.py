@@ -14,7 +14,10 @@ from .run_outputs import read_json
 
 PROOF = REPO / "docs" / "gpu-proof.json"  # what has been proven on GPUs so far; docs/gpu-proof.md beside it
 # The figures a step's proof must hold to be carried by --after: a step whose check grew is run again.
-PROOF_NEEDS = {"sft": ("vs_trl",), "dpo": ("vs_trl",), "grpo": ("vs_trl",)}
+PROOF_NEEDS = {"sft": ("vs_trl",), "dpo": ("vs_trl", "lora-padded"), "grpo": ("vs_trl",)}
+# The steps whose figures are the GPU's own (speed): re-measured on every kind of GPU, never carried to another.
+PER_GPU = ("sft-speed-full", "sft-speed-lora", "bench")
+SOFTWARE = ("torch", "cuda", "accelerate", "transformers", "peft")  # what a proof's key holds besides the GPUs
 
 
 def proof_key(mode: str, quick: bool, machine: dict) -> dict:
@@ -29,27 +32,101 @@ def proof_key(mode: str, quick: bool, machine: dict) -> dict:
     }
 
 
-def proven_steps(earlier: dict, key: dict) -> tuple[dict[str, dict], list[str]]:
-    """The passed step records of EARLIER (a report, or a proof file such as docs/gpu-proof.json) that hold for KEY,
-    and, when none can, how EARLIER's GPUs or software differ from these. A record without the figures its step
-    records now (PROOF_NEEDS: an sft proof from before the comparison with TRL) proves too little and is left out."""
+def gpus_of(machine: dict) -> list[tuple[str, float, str]]:
+    """Each GPU's (name, memory in MiB, compute capability) from the rows nvidia-smi gave the machine's record
+    ("NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 9.0"); none where a row does not read so."""
+    gpus = []
+    for row in machine.get("nvidia_smi") or []:
+        fields = [f.strip() for f in row.split(",")]
+        try:
+            gpus.append((fields[0], float(fields[2].split()[0]), fields[3]))
+        except (IndexError, ValueError):
+            return []
+    return gpus
+
+
+def carry_refusal(theirs: dict, machine_there: dict, key: dict, machine: dict | None) -> str | None:
+    """Why a proof made under the key THEIRS on the machine MACHINE_THERE does not hold under KEY on MACHINE (one
+    line), or None when it does. It holds on the same GPUs and software, and, for the steps whose figures are not the
+    GPU's own, on as many GPUs of the same compute capability with at least as much memory each and the same
+    software (an H100 80GB's proof holds on an H200: both Hopper, sm_90)."""
+    if theirs == key:
+        return None
+    fields = ("mode", "quick", *SOFTWARE)
+    differ = [f"{k} {theirs.get(k)!r} there, {key.get(k)!r} here" for k in fields if theirs.get(k) != key.get(k)]
+    if differ:
+        return "; ".join(differ)
+    there, here = gpus_of(machine_there), gpus_of(machine or {})
+    if key.get("mode") != "gpu" or not there or not here:
+        return f"{describe_devices(theirs)} there, {describe_devices(key)} here"
+    if len(there) != len(here):
+        return f"{len(there)} GPU(s) there, {len(here)} here"
+    for (name, memory, capability), (name_here, memory_here, capability_here) in zip(there, here):
+        if capability != capability_here:
+            return f"{name} (compute capability {capability}) there, {name_here} ({capability_here}) here"
+        if memory_here < memory:
+            return f"{name} ({memory:.0f} MiB) there, {name_here} with less memory ({memory_here:.0f} MiB) here"
+    return None
+
+
+def holding(earlier: dict, key: dict, machine: dict | None = None) -> tuple[list[tuple[dict, bool]], list[str]]:
+    """The entries of EARLIER (a proof file's machines, or a report as one) whose proof holds for KEY on MACHINE,
+    each with whether its GPUs are these (else only the steps whose figures are not per GPU hold), the same GPUs
+    first; and why each other entry does not hold."""
     if "machines" in earlier:
-        machine = next((m for m in earlier["machines"] if m["key"] == key), None)
-        if machine is None:
-            return {}, [f"no entry for {describe_key(key)}"]
-        records = dict(machine["steps"])
-    elif earlier.get("key") != key:
-        theirs = earlier.get("key", {})
-        return {}, [f"{k} {theirs.get(k)!r} there, {v!r} here" for k, v in key.items() if theirs.get(k) != v]
+        entries = earlier["machines"]
     else:
         records = {r["step"]: r for r in earlier.get("steps", []) if r["status"] == "pass"}
-    return {name: r for name, r in records.items() if set(PROOF_NEEDS.get(name, ())) <= set(r["figures"])}, []
+        entries = [{"key": earlier.get("key", {}), "machine": earlier.get("machine", {}), "steps": records}]
+    held, refusals = [], []
+    for entry in sorted(entries, key=lambda e: e["key"] != key):
+        why = carry_refusal(entry["key"], entry.get("machine", {}), key, machine)
+        if why:
+            refusals.append(why)
+        else:
+            held.append((entry, entry["key"] == key))
+    return held, refusals
+
+
+def proven_steps(earlier: dict, key: dict, machine: dict | None = None) -> tuple[dict[str, dict], list[str]]:
+    """The passed step records of EARLIER (a report, or a proof file such as docs/gpu-proof.json) that hold for KEY on
+    MACHINE (its record, with nvidia-smi's rows), and, when none can, why EARLIER's GPUs or software do not hold here.
+    A proof made on other GPUs of the same compute capability, with as much memory and the same software, holds too,
+    but for the steps whose figures are per GPU (PER_GPU); such a record names the GPUs it was proven on
+    ("proven_on"). A record without the figures its step records now (PROOF_NEEDS: an sft proof from before the
+    comparison with TRL) proves too little and is left out."""
+    held, refusals = holding(earlier, key, machine)
+    proven: dict[str, dict] = {}
+    for entry, same in held:
+        for name, record in entry["steps"].items():
+            if name in proven or (not same and name in PER_GPU):
+                continue
+            if set(PROOF_NEEDS.get(name, ())) <= set(record["figures"]):
+                proven[name] = record if same else {"proven_on": describe_devices(entry["key"]), **record}
+    if proven or not refusals:
+        return proven, []
+    return {}, [f"no entry for {describe_key(key)}"] if "machines" in earlier else refusals
+
+
+def proven_too_little(earlier: dict, key: dict, machine: dict | None = None) -> list[str]:
+    """The steps EARLIER proved for KEY on MACHINE before they recorded what they record now (PROOF_NEEDS): they run
+    again."""
+    held, _ = holding(earlier, key, machine)
+    proven = proven_steps(earlier, key, machine)[0]
+    stale = {
+        name for entry, same in held for name in entry["steps"] if name not in proven and (same or name not in PER_GPU)
+    }
+    return [name for name in STEPS if name in stale]
+
+
+def describe_devices(key: dict) -> str:
+    devices = key.get("devices") or []
+    return f"{len(devices)} x {devices[0] if devices else '?'}"
 
 
 def describe_key(key: dict) -> str:
-    devices = key["devices"]
     return (
-        f"{len(devices)} x {devices[0] if devices else '?'}, torch {key['torch']}, CUDA {key['cuda']}, "
+        f"{describe_devices(key)}, torch {key['torch']}, CUDA {key['cuda']}, "
         f"accelerate {key['accelerate']}, transformers {key['transformers']}, peft {key['peft']}"
         + (" (--quick)" if key.get("quick") else "")
         + (f" ({key['mode']})" if key.get("mode") != "gpu" else "")
@@ -88,7 +165,10 @@ def markdown_proof(proof: dict) -> str:
         "# GPU proof",
         "",
         PROOF_ABOUT + " The command for a 15-minute GPU allocation, and how calls add up: "
-        "[benchmarks.md](benchmarks.md#proving-the-gpu-paths-make-gpu-check). The same in JSON: "
+        "[benchmarks.md](benchmarks.md#proving-the-gpu-paths-make-gpu-check). What is left to prove on some GPUs, "
+        "in calls of a budget, each step's estimate part by part: `python3 benchmarks/gpu_check --plan --machine "
+        "REPORT --budget 540` for the GPUs and software REPORT (a call's report.json) recorded "
+        "([the call plan](benchmarks.md#calls-estimates-and-what-carries)). The same in JSON: "
         "[gpu-proof.json](gpu-proof.json).",
         "",
     ]
@@ -98,6 +178,28 @@ def markdown_proof(proof: dict) -> str:
             '([benchmarks.md](benchmarks.md#measured-figures)); each row of the README that says "not measured yet" '
             "waits for an entry here.",
         ]
+    if proof["machines"]:
+        lines += [
+            "## Which GPUs proved each step, and where it holds",
+            "",
+            "A step proven on some GPUs holds on as many GPUs of the same compute capability with at least as much "
+            "memory each and the same torch, CUDA, accelerate, transformers and peft (an H100 80GB's proof holds on "
+            "an H200: both Hopper, sm_90), and `--after` carries it there; its figures stay those of the GPUs that "
+            f"made them. The speed steps ({', '.join(PER_GPU)}) hold on the GPUs that measured them only: their "
+            "figures are those GPUs' own, so every kind of GPU measures them again.",
+            "",
+            "| step | proven on | when | holds on |",
+            "|---|---|---|---|",
+        ]
+        for name in STEPS:
+            for machine in proof["machines"]:
+                if name in machine["steps"]:
+                    record = machine["steps"][name]
+                    lines.append(
+                        f"| {name} | {describe_devices(machine['key'])} | {record.get('finished_at') or '?'} | "
+                        f"{holds_on(name, machine, record)} |"
+                    )
+        lines.append("")
     for machine in proof["machines"]:
         key, m = machine["key"], machine["machine"]
         proven = [s for s in STEPS if s in machine["steps"]]
@@ -116,11 +218,30 @@ def markdown_proof(proof: dict) -> str:
         for name in proven:
             r = machine["steps"][name]
             figures = "; ".join(f"{k}: {compact(v)}" for k, v in r["figures"].items() if k not in ("quiet_sites",))
-            lines.append(f"| {name} | {r['wall_seconds']} | {figures or '-'} | {r.get('finished_at', '?')} |")
+            lines.append(f"| {name} | {r['wall_seconds']} | {figures or '-'} | {r.get('finished_at') or '?'} |")
         lines += ["", "Commands:", ""]
         for name in proven:
             lines += [f"- {name}:", ""] + [f"      {c}" for c in machine["steps"][name]["commands"]] + [""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def holds_on(name: str, machine: dict, record: dict) -> str:
+    """Where the proof of step NAME in a proof file's MACHINE entry holds (proven_steps' rule), in words."""
+    missing = [need for need in PROOF_NEEDS.get(name, ()) if need not in record["figures"]]
+    if missing:
+        return f"nowhere now: it has no {', '.join(missing)}, which the step records since; it runs again"
+    if name in PER_GPU:
+        return f"{describe_devices(machine['key'])} only (its figures are per GPU)"
+    gpus = gpus_of(machine["machine"])
+    if not gpus:
+        return f"{describe_devices(machine['key'])}, with this software"
+    memory = min(memory for _, memory, _ in gpus)
+    capabilities = sorted({capability for _, _, capability in gpus})
+    count = f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
+    return (
+        f"{count} of compute capability {', '.join(capabilities)} with {memory:.0f} MiB or more each, with the "
+        "software of its section below"
+    )
 
 
 # A path into the project as the GPU machine wrote it (`./recipes/...`, `/its/checkout/recipes/...`).
@@ -158,9 +279,11 @@ def merge_reports(reports: list[str], proof_path: Path) -> int:
         if machine is None:
             machine = {"key": report["key"], "machine": report["machine"], "steps": {}}
             proof["machines"].append(machine)
-        passed = {r["step"]: r for r in report["steps"] if r["status"] == "pass"}
+        # only what this report's own GPUs proved: the records it carried are folded in where they were proven
+        passed = {r["step"]: r for r in report["steps"] if r["status"] == "pass" and not r.get("carried")}
         for name, record in passed.items():
             kept = {k: record.get(k) for k in ("commands", "wall_seconds", "figures", "detail", "finished_at")}
+            kept.update({k: record[k] for k in ("estimate", "timing") if record.get(k)})
             kept["commands"] = [portable_command(c, report["machine"].get("executable")) for c in kept["commands"]]
             machine["steps"][name] = {**kept, "host": record.get("host", report["machine"]["host"])}
         machine["steps"] = {s: machine["steps"][s] for s in STEPS if s in machine["steps"]}

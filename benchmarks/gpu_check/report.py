@@ -5,7 +5,7 @@ import re
 import tarfile
 from pathlib import Path
 
-from .plan import NEXT_CALL, STEPS
+from .plan import NEXT_CALL, STEPS, describe_estimate
 
 UNSHARDED = "unsharded: world size 1, no NCCL traffic; proves the sharded code path, not sharding"
 RESULT_FILES = ("report.md", "report.json", "logs.tar.gz")  # all that --results_dir receives
@@ -108,9 +108,13 @@ def markdown(report: dict) -> str:
     for r in report["steps"]:
         figures = "; ".join(f"{k}: {compact(v)}" for k, v in r["figures"].items() if k not in ("quiet_sites",))
         status = r["status"] + (f" ({r['detail'].splitlines()[0]})" if r["status"] == "not run" and r["detail"] else "")
-        status += f" (earlier call, {r.get('finished_at', '?')})" if r.get("carried") else ""
+        if r.get("carried"):
+            where = f"proven on {r['proven_on']}" if r.get("proven_on") else "earlier call"
+            status += f" ({where}, {r.get('finished_at', '?')})"
         status += f" ({notes[r['step']].split(';')[0]})" if r["step"] in notes else ""
-        lines.append(f"| {r['step']} | {status} | {r['wall_seconds']} | {figures or '-'} |")
+        estimated = r.get("estimate") and not r.get("carried")
+        seconds = f"{r['wall_seconds']}" + (f" (est. {r['estimate']['seconds']:.0f})" if estimated else "")
+        lines.append(f"| {r['step']} | {status} | {seconds} | {figures or '-'} |")
     if report.get("not_proved"):
         lines += ["", "## Not proved by this report", ""] + [f"- {line}" for line in report["not_proved"]]
     for r in report["steps"]:
@@ -120,6 +124,11 @@ def markdown(report: dict) -> str:
         if r["step"] in notes:
             lines += [notes[r["step"]], ""]
         lines += [f"    {c}" for c in r["commands"]]
+        if r.get("estimate") and not r.get("carried"):
+            lines += ["", f"Estimated {describe_estimate(r['estimate'])}; took {r['wall_seconds']} s."]
+        if r.get("timing") and not r.get("carried"):
+            timing = "; ".join(f"{name}: {compact(parts)}" for name, parts in r["timing"].items())
+            lines += ["", f"Measured, per command (seconds): {timing}."]
         if r["figures"]:
             lines += ["", "```json", json.dumps(r["figures"], indent=2), "```"]
         if r["detail"]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from .machine import now
 from .paths import CONFIGS, REPO
 from .processes import Interrupted, stop
-from .run_outputs import tail
+from .run_outputs import discard_weights, measured_parts, read_json, tail
 
 # `accelerate launch` through this interpreter: its console script need not sit beside it (or exist at all).
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
@@ -35,6 +35,7 @@ class StepRunner:
         self.results: list[dict] = []
         self.cut = False  # set when the budget stopped a command of the running step
         self.running: set[subprocess.Popen] = set()  # the commands started and not yet ended
+        self.seconds: dict[str, float] = {}  # the running step's commands, by log name: seconds each took
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", SWANLAB_MODE="disabled")
         # Every step's processes import this checkout's packages, installed or not; a PYTHONPATH already set (wheels
         # unpacked with pip --target) stays behind it.
@@ -104,7 +105,9 @@ class StepRunner:
         """Run one command with its output in RUN_DIR/log.txt; (exit status, last lines). 124: over its time."""
         timeout, which = self.limit(timeout)
         log = run_dir / log_name
+        started = time.monotonic()
         code = self.wait(self.start(command, log), timeout, which)
+        self.seconds[Path(log_name).stem] = time.monotonic() - started
         last = tail(log)
         if code == 124:
             last = f"stopped after {timeout:.0f} s, {which}\n{last}"
@@ -117,6 +120,7 @@ class StepRunner:
         run_dir = self.folder(name)
         started = time.perf_counter()
         self.cut = interrupted = False
+        self.seconds = {}
         try:
             status, commands, figures, detail = body(run_dir, timeout)
         except Interrupted:
@@ -127,6 +131,7 @@ class StepRunner:
         for proc in list(self.running):  # whatever the body left running (an exception, a signal) ends with it
             stop(proc)
         self.running.clear()
+        discard_weights(run_dir)  # a measurement keeps its figures and logs, not the models and checkpoints
         if status == "fail" and self.cut:
             status, detail = "incomplete", f"cut short when --budget ran out; {detail}"
         record = {
@@ -136,6 +141,7 @@ class StepRunner:
             "wall_seconds": round(time.perf_counter() - started, 1),
             "figures": figures,
             "detail": detail,
+            "timing": self.timing(run_dir),
             "output_dir": str(run_dir),
             "finished_at": now(),
             "host": platform.node(),
@@ -145,6 +151,18 @@ class StepRunner:
         if interrupted:
             raise Interrupted
         return record
+
+    def timing(self, run_dir: Path) -> dict[str, dict]:
+        """What each command of the step took, by its log's name, with the parts its run's results.json tells
+        (measured_parts): a run of a chat step writes RUN_DIR/<name>/results.json, a step of one command
+        RUN_DIR/results.json."""
+        timing = {}
+        for name, seconds in self.seconds.items():
+            results = read_json(run_dir / name / "results.json") or (
+                read_json(run_dir / "results.json") if name == "log" else {}
+            )
+            timing[name] = measured_parts(seconds, results)
+        return timing
 
     def simple(self, command, run_dir, timeout, figures, expect: int = 0):
         """One command; pass when it exits EXPECT and figures(run_dir) works."""

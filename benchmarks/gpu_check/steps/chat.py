@@ -14,7 +14,8 @@ from chat_assets import QWEN25_05B, TINY_QWEN2, write_chat_assets  # benchmarks/
 
 from ..machine import gpu_name
 from ..paths import BENCHMARKS, RECIPES
-from ..run_outputs import key_figures, logged, read_json, tail
+from ..plan import DPO_STEPS, SFT_STEPS, SHARED_RUNS, SPEED_BATCH_TOKENS, SPEED_TOKEN_STEPS
+from ..run_outputs import discard_weights, key_figures, logged, read_json, tail
 from ..runner import StepRunner
 from .chat_figures import (
     GRPO_PEER_FIGURES,
@@ -40,6 +41,12 @@ class ChatSteps(StepRunner):
     """sft, dpo, grpo and the sft speed steps, on one chat model and its conversations built once per call."""
 
     _chat: dict | None = None  # the chat model, tokenizer and conversations, made at first use
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The sft step's runs on one device that a speed step of the same call takes instead of running them again
+        # (the same command: lora, full, trl-lora, trl-full), each {"command", "figures"}; only those that passed.
+        self.shared: dict[str, dict] = {}
 
     def chat(self) -> dict:
         """The chat model (Qwen2.5-0.5B's shape; tiny in --quick and on the CPU), its tokenizer and generated
@@ -72,11 +79,14 @@ class ChatSteps(StepRunner):
             ("lora-fsdp", self.launch("fsdp", fsdp), fsdp),
         ]
 
-    def sft_flags(self, assets: dict, run_dir: Path) -> tuple[list, list]:
+    def sft_flags(self, assets: dict, run_dir: Path, steps: int | None = None) -> tuple[list, list]:
         """The flags every sft run of gpu-check shares (packed rows of the generated chats, 20 steps, 3 in --quick
-        and on the CPU), and those of TRL's runs beside them: the same model, conversations, steps and device."""
+        and on the CPU, or STEPS), and those of TRL's runs beside them: the same model, conversations, steps and
+        device."""
         small = self.quick or not self.cuda
-        steps = "3" if small else "20"  # 20 x 16 conversations per GPU: half the 640 generated, read once
+        # 20 x 16 conversations per GPU: half the 640 generated, read once (a run within one epoch, whose end
+        # evaluates and saves)
+        steps = str(steps or (3 if small else SFT_STEPS))
         log_every = "1" if small else "10"
         common = [RECIPES / "sft.py", "--model", assets["model"], "--train_file", assets["train"]]
         common += ["--validation_file", assets["validation"], "--packing", "--max_length", "1024"]
@@ -90,55 +100,66 @@ class ChatSteps(StepRunner):
         return common, trl_common
 
     def sft_speed(self, method: str):
-        """recipes/sft.py (LoRA r16 or full) on the sft step's model and chats, one GPU, in the ways it can run:
-        eager (--nocompile) and compiled at 16 conversations a step (the sft step's load), compiled in rows of
-        16,384 and 32,768 tokens (--batch_tokens), compiled with Liger Kernel (--liger, when it imports), and TRL's
-        SFTTrainer at 16 conversations; figures["speed"] puts tokens/s and MFU side by side and names the fastest.
-        On the CPU (and in --quick): eager and rows of 2,048 tokens only (compiling takes minutes there)."""
+        """recipes/sft.py (LoRA r16 or full) on the sft step's model and chats, one device, in the ways it can run:
+        the device's default at 16 conversations a step (compiled blocks on a GPU, eager on the CPU: 2 conversations
+        there and in --quick), in rows of 16,384 tokens (--batch_tokens, compiled; 2,048 on the CPU and in --quick),
+        and TRL's SFTTrainer at 16 conversations; figures["speed"] puts tokens/s and MFU side by side, each over the
+        default's, and names the fastest. Every run trains within one epoch (its end would evaluate and save in the
+        middle of the measurement). The default's run and TRL's are the sft step's own commands: when that step made
+        them in this call they are taken from it (figures[...]["from_step"]), not run again; TRL runs on the CPU
+        only so."""
 
         def body(run_dir, timeout):
             small = self.quick or not self.cuda
             end = time.monotonic() + self.limit(timeout)[0]
             assets = self.chat()
             common, trl_common = self.sft_flags(assets, run_dir)
+            rows_common, _ = self.sft_flags(assets, run_dir, None if small else SPEED_TOKEN_STEPS)
             lora = ["--lora_r", "16"] if method == "lora" else ["--lora_r", "0"]
             conversations = ["--batch_size", "2" if small else "16"]
-            runs = {"eager": [*conversations, "--nocompile"]}
-            if small:
-                runs["tokens-2k"] = ["--batch_tokens", "2048"]
-            else:
-                runs["compiled"] = conversations
-                runs["tokens-16k"] = ["--batch_tokens", "16384"]
-                runs["tokens-32k"] = ["--batch_tokens", "32768"]
-                if importlib.util.find_spec("liger_kernel") is not None:
-                    runs["liger"] = [*conversations, "--liger"]
-                if importlib.util.find_spec("trl") is not None:
-                    runs["trl"] = conversations
+            default = "compiled" if self.cuda else "eager"  # the recipe's own choice on this device
+            rows = 2048 if small else SPEED_BATCH_TOKENS
+            runs = [  # (name, flags, the sft step's run it repeats)
+                (default, [*common, *conversations], method),
+                (f"tokens-{rows // 1024}k", [*rows_common, "--batch_tokens", str(rows)], None),
+            ]
+            trl_run = f"trl-{method}"
+            if importlib.util.find_spec("trl") is not None and (not small or trl_run in self.shared):
+                runs.append(("trl", conversations, trl_run))
             from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
 
             peak = peak_tflops(gpu_name()) if self.cuda else None
             shown, figures, problems = [], {}, []
-            for name, flags in runs.items():
+            for name, flags, repeats in runs:
+                if repeats in self.shared:
+                    shown.append(self.shared[repeats]["command"])
+                    figures[name] = {**self.shared[repeats]["figures"], "from_step": "sft"}
+                    continue
                 out = run_dir / name
                 if name == "trl":
                     command = [sys.executable, SFT_BENCH, "trl_speed", *trl_common, *flags, *lora, "--output_dir", out]
                 else:
-                    command = [*self.single(), *common, *flags, *lora, "--output_dir", out]
+                    command = [*self.single(), *flags, *lora, "--output_dir", out]
                 shown.append(" ".join(map(str, command)))
                 code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
                 results = read_json(out / "results.json")
                 if name == "trl":
-                    figures[name] = trl_figures(results, figures.get("compiled", {}), peak)
+                    figures[name] = trl_figures(results, figures.get(default, {}), peak)
                 else:
                     figures[name] = sft_figures(results)
                     figures[name].update(key_figures(results, "batch_tokens", "liger"))
+                    epochs = logged(out, "train/epoch")
+                    figures[name]["epochs"] = round(max(epochs), 3) if epochs else None
+                discard_weights(out)  # results.json read: the run's model and checkpoint are not needed
                 if code != 0:
                     problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
                     if code == 124:
                         break
                 elif not figures[name].get("train_tokens_per_second"):
                     problems.append(f"{name}: no train_tokens_per_second in {out / 'results.json'}")
-            figures = {"speed": speed_comparison(figures), **figures}
+                elif (figures[name].get("epochs") or 0) > 1:
+                    problems.append(f"{name}: trained {figures[name]['epochs']} epochs; a speed run stays within one")
+            figures = {"speed": speed_comparison(figures, default), **figures}
             return ("fail" if problems else "pass"), shown, figures, "\n".join(problems)
 
         return body
@@ -205,22 +226,28 @@ class ChatSteps(StepRunner):
                 losses = logged(out, "train/loss")
             if method == "lora" and not name.startswith("trl-"):
                 figures[name]["adapter_saved"] = (out / "adapter_model.safetensors").is_file()
+            discard_weights(out)  # results.json read: the run's model and checkpoint are not needed
+            problem = None
             if code != 0:
-                problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                problem = f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}"
+            elif not losses:
+                problem = f"{name}: no training loss in {out}"
+            elif not all(math.isfinite(x) for x in losses):
+                problem = f"{name}: a non-finite training loss among {losses}"
+            elif not results.get("peak_memory_mb"):
+                problem = f"{name}: no peak_memory_mb in {out / 'results.json'}"
+            elif name == "lora" and not figures[name]["adapter_saved"]:
+                problem = f"{name}: no adapter_model.safetensors in {out}"
+            elif name.startswith("trl-") and results.get("train_tokens") != results.get("trl_num_tokens"):
+                counted = (results.get(k) for k in ("train_tokens", "trl_num_tokens"))
+                problem = "{}: {} tokens counted, TRL counted {}".format(name, *counted)
+            elif name in SHARED_RUNS and processes == 1 and self.gpus < 2:
+                # the speed steps' own command at 16 conversations (2 on the CPU): taken from here in this call
+                self.shared[name] = {"command": shown[-1], "figures": figures[name]}
+            if problem:
+                problems.append(problem)
                 if code == 124:
                     break  # out of time: the runs after it would not fit either
-            elif not losses:
-                problems.append(f"{name}: no training loss in {out}")
-            elif not all(math.isfinite(x) for x in losses):
-                problems.append(f"{name}: a non-finite training loss among {losses}")
-            elif not results.get("peak_memory_mb"):
-                problems.append(f"{name}: no peak_memory_mb in {out / 'results.json'}")
-            elif name == "lora" and not figures[name]["adapter_saved"]:
-                problems.append(f"{name}: no adapter_model.safetensors in {out}")
-            elif name.startswith("trl-") and results.get("train_tokens") != results.get("trl_num_tokens"):
-                problems.append(
-                    f"{name}: {results.get('train_tokens')} tokens counted, TRL counted {results.get('trl_num_tokens')}"
-                )
         notes += [
             f"{name}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's total"
             for name, f in figures.items()
@@ -238,8 +265,13 @@ class ChatSteps(StepRunner):
 
     def dpo(self, run_dir, timeout):
         """recipes/dpo.py on the sft step's model shape (tiny in --quick and on the CPU) and pairs made from its
-        generated chats (the chat's own last answer chosen, another chat's rejected): a LoRA adapter and a full
-        fine-tune, each with its reference; throughput, peak memory and MFU."""
+        generated chats (the chat's own last answer chosen, another chat's rejected), both ways its rows go: packed
+        (--packing, padding-free: varlen on a GPU), a LoRA adapter (the base as reference) followed by TRL's
+        DPOTrainer on the same inputs and device, and a full fine-tune (a frozen copy as reference; on a GPU only),
+        and left-padded (sdpa with a mask, the path whose gradients went NaN under cuDNN's kernel on an H100; cuDNN
+        is kept off since), LoRA, eager, every step logged. Throughput, peak memory and MFU; each run's loss finite at
+        every logged step and its gradient norm at every step (the recipe's guard stops a run at a non-finite one;
+        read from metrics.jsonl too when the recipe logs it)."""
         small = self.quick or not self.cuda
         end = time.monotonic() + self.limit(timeout)[0]
         assets = self.chat()
@@ -248,46 +280,33 @@ class ChatSteps(StepRunner):
             name: write_preference_pairs(assets[name], run_dir / "inputs" / f"{name}-pairs.jsonl")
             for name in ("train", "validation")
         }
-        steps = 3 if small else 20
-        common = [
-            RECIPES / "dpo.py",
-            "--model",
-            assets["model"],
-            "--train_file",
-            pairs["train"],
-            "--validation_file",
-            pairs["validation"],
-            "--max_length",
-            "1024",
-            "--max_steps",
-            str(steps),
-            "--log_every",
-            "1" if small else "10",
-            "--checkpoint_every",
-            "0",
-            "--eval_generate",
-            "0",
-            "--tracker",
-            "none",
-            "--cache_dir",
-            run_dir / "datasets-cache",
-            "--packing",  # chosen and rejected rows padding-free (varlen on a GPU)
-        ]
+        steps = 3 if small else DPO_STEPS
+        log_every = "1" if small else "10"
+        common = [RECIPES / "dpo.py", "--model", assets["model"], "--train_file", pairs["train"]]
+        common += ["--validation_file", pairs["validation"], "--max_length", "1024", "--max_steps", str(steps)]
+        common += ["--checkpoint_every", "0", "--eval_generate", "0", "--tracker", "none"]
+        common += ["--cache_dir", run_dir / "datasets-cache"]
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
+        ways = {
+            # chosen and rejected rows padding-free (varlen on a GPU), compiled blocks on a GPU
+            "packed": ["--packing", "--log_every", log_every],
+            # left-padded rows through sdpa with a mask, eagerly, as on the H100 where they went NaN
+            "padded": ["--nocompile", "--log_every", "1"],
+        }
         # TRL's DPOTrainer on the same model, pairs, batch, steps and device (one device only)
         trl_common = [sys.executable, DPO_BENCH, "trl_speed", "--model", assets["model"], "--train_file"]
         trl_common += [pairs["train"], "--max_steps", str(steps), "--max_length", "1024"]
-        trl_common += ["--log_every", "1" if small else "10", "--device", "cuda" if self.cuda else "cpu"]
+        trl_common += ["--log_every", log_every, "--device", "cuda" if self.cuda else "cpu"]
         with_trl = self.gpus < 2 and importlib.util.find_spec("trl") is not None
         from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
 
         peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems = [], {}, []
-        runs = ["lora", "trl-lora", "full", "trl-full"] if with_trl else ["lora", "full"]
-        if small and with_trl:  # the CPU smoke and --quick: TRL's harness once, beside LoRA
-            runs.remove("trl-full")
+        # the full fine-tune packed on a GPU; the CPU smoke and --quick keep to LoRA (the harness's paths)
+        runs = ["lora", "trl-lora"] if with_trl else ["lora"]
+        runs += ([] if small else ["full"]) + ["lora-padded"]
         for name in runs:
-            method, out = name.removeprefix("trl-"), run_dir / name
+            method, out = name.removeprefix("trl-").removesuffix("-padded"), run_dir / name
             processes = max(self.gpus, 1)
             launch = self.launch("fsdp", self.gpus) if self.gpus >= 2 else self.single()
             # 8 pairs per GPU: 16 rows of ~450 tokens (prompt and answer) in each forward pass
@@ -296,23 +315,31 @@ class ChatSteps(StepRunner):
                 command = [*trl_common, *batch, "--lora_r", "16" if method == "lora" else "0", "--output_dir", out]
             else:
                 lora = ["--lora_r", "16"] if method == "lora" else ["--precompute_ref"] if self.gpus >= 2 else []
-                command = [*launch, *common, *batch, *lora, "--output_dir", out]
+                way = ways["padded" if name.endswith("-padded") else "packed"]
+                command = [*launch, *common, *way, *batch, *lora, "--output_dir", out]
             shown.append(" ".join(map(str, command)))
             code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
             results = read_json(out / "results.json")
+            norms = []
             if name.startswith("trl-"):
                 figures[name] = trl_figures(results, figures.get(method, {}), peak)
                 losses = results.get("train_losses", [])
             else:
                 figures[name] = dpo_figures(results, assets, peak, method)
-                figures[name].update(key_figures(results, "packing", "attn_implementation", "compile"))
-                losses = logged(out, "train/loss")
+                figures[name].update(
+                    key_figures(results, "packing", "attn_implementation", "compile", "sdpa_backends_off")
+                )
+                losses, norms = logged(out, "train/loss"), logged(out, "train/grad_norm")
+                figures[name]["finite"] = finite_figures(losses, norms)
+            discard_weights(out)  # results.json read: the run's model and checkpoint are not needed
             if code != 0:
                 problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
                 if code == 124:
                     break
             elif not losses or not all(math.isfinite(x) for x in losses):
                 problems.append(f"{name}: no finite training loss in {out}: {losses}")
+            elif not all(math.isfinite(x) for x in norms):
+                problems.append(f"{name}: a non-finite gradient norm among {norms}")
             elif not results.get("peak_memory_mb"):
                 problems.append(f"{name}: no peak_memory_mb in {out / 'results.json'}")
         if with_trl:  # the comparison first, as in the sft step
@@ -385,6 +412,20 @@ class ChatSteps(StepRunner):
         if problems:
             return "fail", shown, figures, "\n".join(problems)
         return "pass", shown, figures, ""
+
+
+def finite_figures(losses: list[float], norms: list[float]) -> dict:
+    """What a run's metrics.jsonl says of its losses and gradient norms: how many steps logged a loss, and whether
+    those and the logged gradient norms were finite. A run that logs no gradient norm had its norm checked at every
+    step by the recipe's guard (accelerate_recipes/guard.py), which stops a run at the first non-finite one: a run
+    that ended had none."""
+    finite = bool(losses) and all(math.isfinite(x) for x in losses)
+    grad_norm = (
+        ("finite" if all(math.isfinite(x) for x in norms) else "not finite")
+        if norms
+        else "not logged; the recipe's guard checks it at every step"
+    )
+    return {"logged_steps": len(losses), "loss": "finite" if finite else "not finite", "grad_norm": grad_norm}
 
 
 def write_preference_pairs(chats: Path, path: Path) -> Path:

@@ -67,15 +67,17 @@ def trl_figures(results: dict, ours: dict, peak: float | None) -> dict:
     return figures
 
 
-def speed_comparison(figures: dict) -> dict:
-    """The runs of an sft speed step side by side: each one's tokens/s and MFU, each over the eager run's tokens/s,
-    the fastest of the recipe's runs, and that one over TRL's (above 1: the recipe trains faster)."""
+def speed_comparison(figures: dict, default: str) -> dict:
+    """The runs of an sft speed step side by side: each one's tokens/s and MFU, each over the tokens/s of the run
+    named DEFAULT (the recipe's own way on the device: compiled on a GPU, eager on the CPU), the fastest of the
+    recipe's runs, and that one over TRL's (above 1: the recipe trains faster)."""
     rates = {name: f["train_tokens_per_second"] for name, f in figures.items() if f.get("train_tokens_per_second")}
     kept = ("train_tokens_per_second", "model_flops_utilisation")
     compared = {name: {k: figures[name][k] for k in kept if k in figures[name]} for name in rates}
-    if "eager" in rates:
-        for name, row in compared.items():
-            row["over_eager"] = round(rates[name] / rates["eager"], 3)
+    if default in rates:
+        compared["default"] = default
+        for name in rates:
+            compared[name]["over_default"] = round(rates[name] / rates[default], 3)
     ours = {name: rate for name, rate in rates.items() if name != "trl"}
     if ours:
         fastest = max(ours, key=ours.get)
