@@ -118,8 +118,7 @@ class KernelFlags:
             SwiGLU MLP and rotary embedding, for the model types Liger patches (Llama, Qwen2/3, Mistral, ...); the loss
             stays this recipe's (the answer positions' logits only, in chunks). The other way to fuse those layers
             than compiled blocks: with --liger the blocks run eagerly, and --compile with it is refused. Off by
-            default: whether it beats the compiled blocks is measured per GPU and model (gpu-check's sft-speed
-            steps).
+            default: it has not been measured against the compiled blocks on a GPU.
     """
 
     compile: bool | None = None
