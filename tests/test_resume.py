@@ -68,7 +68,8 @@ def data(module_tmp):
 def recipe_command(name: str, data: dict) -> list:
     if name == "cifar":
         return CIFAR
-    # detect: 6 steps per epoch, mosaic augmentation, EMA weights
+    # detect: 6 steps per epoch, EMA weights, mosaic augmentation in epochs 1 and 2 and off in epoch 3 (--close_mosaic
+    # 1): a run killed in epoch 2 resumes with mosaic and turns it off where the uninterrupted run did
     return [
         DETECT_SCRIPT,
         "--data",
@@ -79,6 +80,8 @@ def recipe_command(name: str, data: dict) -> list:
         "8",
         "--epochs",
         "3",
+        "--close_mosaic",
+        "1",
         "--checkpoint_every",
         "2",
         *COMMON,
