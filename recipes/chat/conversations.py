@@ -127,6 +127,21 @@ def load_file(path, split: str, cache_dir: str | None, flag: str | None = None) 
     return rows
 
 
+def read_split_files(train_file, validation_file, cache_dir, read, what: str) -> tuple[list, list | None]:
+    """--train_file and --validation_file (.json or .jsonl), each read into rows by `read(rows, where)`; the errors
+    name `what` the files hold ("preference pairs", "prompts"). The validation rows are None without a file."""
+    if not train_file and not validation_file:
+        raise RecipeError(f"give --train_file (a .json/.jsonl of {what}) or --dataset (a Hub dataset)")
+    for path, flag in ((train_file, "--train_file"), (validation_file, "--validation_file")):
+        if path and Path(path).suffix.lower() not in FILE_SUFFIXES:
+            raise RecipeError(f"{flag} {path}: unknown format; give a .json or .jsonl file of {what}")
+    train = read(load_file(train_file, "train", cache_dir), str(train_file)) if train_file else []
+    validation = None
+    if validation_file:
+        validation = read(load_file(validation_file, "validation", cache_dir), str(validation_file))
+    return train, validation
+
+
 def as_conversations(rows: datasets.Dataset, source: str) -> datasets.Dataset:
     """The rows with one column, "messages"; a bad row's error says which source and row it is."""
 

@@ -13,7 +13,6 @@ reads at inference, with the token that ends the turn.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import datasets
 import torch
@@ -22,7 +21,7 @@ from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
 
 from .answer_loss import IGNORE_INDEX
-from .conversations import FILE_SUFFIXES, hold_out, listed_messages, load_file, short
+from .conversations import hold_out, listed_messages, read_split_files, short
 from .packing import ChatCollator, collator
 
 TOO_LONG = ("drop", "truncate")
@@ -91,15 +90,7 @@ def load_pairs(train_file, validation_file, dataset, cache_dir, validation_size:
         train = read_pairs(splits[train_split], f"--dataset {dataset}")
         validation = read_pairs(splits[held], f"--dataset {dataset} {held}") if held else None
     else:
-        if not train_file and not validation_file:
-            raise RecipeError("give --train_file (a .json/.jsonl of preference pairs) or --dataset (a Hub dataset)")
-        for path, flag in ((train_file, "--train_file"), (validation_file, "--validation_file")):
-            if path and Path(path).suffix.lower() not in FILE_SUFFIXES:
-                raise RecipeError(f"{flag} {path}: unknown format; give a .json or .jsonl file of preference pairs")
-        train = read_pairs(load_file(train_file, "train", cache_dir), str(train_file)) if train_file else []
-        validation = None
-        if validation_file:
-            validation = read_pairs(load_file(validation_file, "validation", cache_dir), str(validation_file))
+        train, validation = read_split_files(train_file, validation_file, cache_dir, read_pairs, "preference pairs")
     if validation is None:
         train, validation = hold_out(train, validation_size, seed, "pair(s)")
     return train, validation

@@ -23,7 +23,7 @@ import datasets
 from accelerate_recipes import RecipeError
 from accelerate_recipes.errors import first_line
 
-from .conversations import FILE_SUFFIXES, exact_match, hold_out, listed_messages, load_file, short
+from .conversations import exact_match, hold_out, listed_messages, read_split_files, short
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 GSM8K_ANSWER = "####"  # GSM8K's answers end with "#### 42"
@@ -298,15 +298,7 @@ def load_prompts(train_file, validation_file, dataset, cache_dir, validation_siz
         train = read_prompt_rows(splits["train"], f"--dataset {dataset}")
         validation = read_prompt_rows(splits[held], f"--dataset {dataset}") if held else None
     else:
-        if not train_file and not validation_file:
-            raise RecipeError("give --train_file (a .json/.jsonl of prompts) or --dataset (a Hub dataset)")
-        for path, flag in ((train_file, "--train_file"), (validation_file, "--validation_file")):
-            if path and Path(path).suffix.lower() not in FILE_SUFFIXES:
-                raise RecipeError(f"{flag} {path}: unknown format; give a .json or .jsonl file of prompts")
-        train = read_prompt_rows(load_file(train_file, "train", cache_dir), str(train_file)) if train_file else []
-        validation = None
-        if validation_file:
-            validation = read_prompt_rows(load_file(validation_file, "validation", cache_dir), str(validation_file))
+        train, validation = read_split_files(train_file, validation_file, cache_dir, read_prompt_rows, "prompts")
     if validation is None:
         train, validation = hold_out(train, validation_size, seed, "prompt(s)")
     return train, validation
