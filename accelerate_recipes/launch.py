@@ -189,6 +189,18 @@ def cpu_precision() -> str:
     return "bf16" if cpu_has_bf16() else "no"
 
 
+def quiet_other_local_processes(accelerator) -> None:
+    """One copy of transformers' and datasets' logs and progress bars per node, the local main process's: the others
+    read what it wrote to the cache and would only repeat its lines."""
+    if accelerator.is_local_main_process:
+        return
+    import datasets  # here, not at the top: a recipe without text data never imports them
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+
+
 def describe_launch(
     accelerator, machines: int, global_batch_size: int, per_process: int, accumulation_steps: int
 ) -> str:

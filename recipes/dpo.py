@@ -32,10 +32,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import datasets
 import torch
 import torch.nn.functional as F
-import transformers
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -95,6 +93,7 @@ from accelerate_recipes import (
     num_machines,
     prepare_output_dir,
     print_summary,
+    quiet_other_local_processes,
     run,
     run_config,
     run_facts,
@@ -217,9 +216,7 @@ def check_flags(args: DpoFlags) -> None:
 def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
     """({train, validation}: tokenised pairs, counts per split). The local main process of each node reads first
     (into the datasets cache); the others then read the cached files."""
-    if not accelerator.is_local_main_process:
-        datasets.disable_progress_bars()
-        transformers.logging.set_verbosity_error()
+    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     dataset_name(args)  # refuses a run without data before anything loads
     with accelerator.local_main_process_first():
         raw = load_pairs(

@@ -40,9 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import datasets
 import torch
-import transformers
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -102,6 +100,7 @@ from accelerate_recipes import (
     num_machines,
     prepare_output_dir,
     print_summary,
+    quiet_other_local_processes,
     run,
     run_config,
     run_facts,
@@ -709,9 +708,7 @@ def whole_steps_per_epoch(loader_batches: int, world: int, accumulation: int, pr
 def load_prompt_splits(accelerator, args: GrpoFlags, tokenizer, rewards: Rewards) -> tuple[list, list]:
     """(training prompts, validation prompts), tokenised, with the columns the rewards need checked. The local main
     process of each node reads first (into the datasets cache); the others then read the cached files."""
-    if not accelerator.is_local_main_process:
-        datasets.disable_progress_bars()
-        transformers.logging.set_verbosity_error()
+    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     dataset_name(args)  # refuses a run without data before anything loads
     with accelerator.local_main_process_first():
         train_rows, validation_rows = load_prompts(

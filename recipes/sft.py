@@ -31,7 +31,6 @@ from pathlib import Path
 import datasets
 import peft
 import torch
-import transformers
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -86,6 +85,7 @@ from accelerate_recipes import (
     num_machines,
     prepare_output_dir,
     print_summary,
+    quiet_other_local_processes,
     run,
     run_config,
     run_facts,
@@ -190,9 +190,7 @@ def dataset_name(args: SftFlags) -> str:
 def load_data(accelerator, args: SftFlags, tokenizer) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
     """(raw conversations, tokenised with the loss mask, counts per split). The local main process of each node
     reads and tokenises first (into the datasets cache); the others then read the cached result."""
-    if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
-        datasets.disable_progress_bars()
-        transformers.logging.set_verbosity_error()
+    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     dataset_name(args)  # refuses a run without data before anything loads
     with accelerator.local_main_process_first():
         raw = load_conversations(

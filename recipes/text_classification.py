@@ -59,6 +59,7 @@ from accelerate_recipes import (
     num_machines,
     prepare_output_dir,
     print_summary,
+    quiet_other_local_processes,
     run,
     run_config,
     run_facts,
@@ -270,9 +271,7 @@ def load_data(accelerator, args: TextFlags, task: str | None, model_name: str) -
     The local main process of each node downloads and tokenises first (into the cache); the others then read the
     cached result.
     """
-    if not accelerator.is_local_main_process:  # one copy of the library logs and progress bars per node
-        datasets.disable_progress_bars()
-        transformers.logging.set_verbosity_error()
+    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     with accelerator.local_main_process_first():
         raw, text_column, text_pair_column, label_column, label_values, extra_metric = load_text_data(
             task,

@@ -19,7 +19,9 @@ from conftest import time_limit
 from PIL import Image, ImageDraw
 from synthetic_shapes import main, write_synthetic_dataset
 from yolo_data import (
+    CACHE_AUTO_BYTES,
     YoloDataset,
+    cache_in_memory,
     collate,
     download_dataset,
     label_path,
@@ -428,6 +430,33 @@ def test_colour_jitter_and_collate(shapes):
     assert empty[0].shape == (2, 3, 8, 8) and empty[1].shape == (2, 0, 5)
 
 
+@pytest.mark.parametrize("augment", [True, False])
+def test_cached_images_give_the_same_items(shapes, augment):
+    config = load_data_config(shapes)
+    read, cached = (
+        YoloDataset(config.train, len(config.names), image_size=96, augment=augment, verbose=False, cache=cache)
+        for cache in (False, True)
+    )
+    # twice over: mosaic draws three more images an item, so a cached picture changed in place would show
+    for index in list(range(12)) * 2:
+        items = []
+        for dataset in (read, cached):
+            torch.manual_seed(index)
+            items.append(dataset[index])
+        assert torch.equal(items[0][0], items[1][0]) and torch.equal(items[0][1], items[1][1])
+        assert items[0][2] == items[1][2]
+
+
+def test_cache_choice():
+    assert cache_in_memory("auto", 100, 640) and not cache_in_memory("off", 100, 640)
+    assert not cache_in_memory("auto", CACHE_AUTO_BYTES // (640 * 640 * 3) + 1, 640)  # past 1 GiB: read from disk
+    assert cache_in_memory("ram", CACHE_AUTO_BYTES // (640 * 640 * 3) + 1, 640)
+    with pytest.raises(RecipeError, match="--cache ram needs .* GiB .* use --cache off"):
+        cache_in_memory("ram", 10**7, 640)  # 12 TB
+    with pytest.raises(RecipeError, match="unknown --cache 'disk'; choose auto, ram or off"):
+        cache_in_memory("disk", 10, 640)
+
+
 def test_download_dataset_offline_paths(tmp_path):
     with pytest.raises(RecipeError, match="'imagenet' is not a data.yaml"):
         download_dataset("imagenet", tmp_path)
@@ -608,3 +637,37 @@ def test_converted_labels_sit_beside_symlinked_images(tmp_path):
     assert config.train == [tmp_path / "y" / "images" / "train" / "a.jpg"]
     assert os.path.realpath(config.train[0]) == str((tmp_path / "coco" / "pictures" / "a.jpg").resolve())
     assert label_path(config.train[0]) == tmp_path / "y" / "labels" / "train" / "a.txt"
+
+
+def test_tree_crown_tiles_cover_each_picture_once_and_keep_each_crown_once(tmp_path):
+    import tree_crowns
+
+    # DeepForest's layout: VOC files beside their pictures; the validation picture by its name
+    source = tmp_path / "deepforest-data"
+    crowns = {
+        "plot": [("Alive", 11, 11, 40, 40, 0), ("Dead", 190, 30, 230, 70, 0)],  # the second one straddles x = 200
+        tree_crowns.VALIDATION: [("Tree", 101, 101, 130, 140, 0)],
+    }
+    for stem, objects in crowns.items():
+        voc_xml(source, stem, 400, 260, objects)
+        (source / "Annotations" / f"{stem}.xml").rename(source / f"{stem}.xml")
+        (source / "JPEGImages" / f"{stem}.jpg").rename(source / f"{stem}.jpg")
+    tree_crowns.main(out=str(tmp_path / "trees"), tile=200, source=str(source))
+
+    config = load_data_config(tmp_path / "trees" / "data.yaml")
+    assert config.names == ["tree"]
+    for split, picture, count in (("train", "plot", 2), ("val", tree_crowns.VALIDATION, 1)):
+        files = sorted(config.train if split == "train" else config.val)
+        assert len(files) == 2  # 400 x 260 at about 200 px: two tiles of 200 x 260, side by side
+        whole = np.asarray(Image.open(source / f"{picture}.jpg").convert("RGB"))
+        assert np.array_equal(np.concatenate([np.asarray(Image.open(f)) for f in files], axis=1), whole)
+        dataset = YoloDataset(files, 1, image_size=320, verbose=False)  # the recipe's loader reads every tile
+        assert dataset.counts["boxes"] == count
+    left = label_rows(label_path(sorted(config.train)[0]))
+    right = label_rows(label_path(sorted(config.train)[1]))
+    # VOC's 1-based inclusive edges: (11, 11, 40, 40) is (10, 10, 40, 40) in a 200 x 260 tile
+    assert left == [pytest.approx([0, 25 / 200, 25 / 260, 30 / 200, 30 / 260], abs=1e-6)]
+    # 189..230 straddles the cut at 200: 30 of its 41 pixels lie right of it, so the right tile keeps it, clipped
+    assert right == [pytest.approx([0, 15 / 200, 49.5 / 260, 30 / 200, 41 / 260], abs=1e-6)]
+    with pytest.raises(RecipeError, match="no VOC .xml annotations in .*deepforest==2.1.0"):
+        tree_crowns.main(out=str(tmp_path / "none"), source=str(tmp_path))

@@ -60,7 +60,8 @@ def _place_image(source: Path, target: Path, link: bool) -> None:
     shutil.copy2(source, target)
 
 
-def _yolo_line(cls: int, box, width: float, height: float) -> str:
+def yolo_line(cls: int, box, width: float, height: float) -> str:
+    """A label file's line for the pixel box (x1, y1, x2, y2) of class `cls` in a width x height image."""
     x1, y1, x2, y2 = box
     return (
         f"{cls} {(x1 + x2) / 2 / width:.6f} {(y1 + y2) / 2 / height:.6f} {(x2 - x1) / width:.6f} "
@@ -98,7 +99,8 @@ def _merged_names(out: Path, new_names: list[str]) -> list[str]:
     return names + [n for n in new_names if n not in names]
 
 
-def _write_data_yaml(out: Path, split: str, names: list[str]) -> Path:
+def write_data_yaml(out: Path, split: str, names: list[str]) -> Path:
+    """out/data.yaml with `split` at images/<split> added to what is there, and `names`."""
     data_yaml = out / "data.yaml"
     config, _ = _existing_names(data_yaml)
     config["path"] = os.path.abspath(out)  # absolute: Ultralytics reads a relative path against its datasets dir
@@ -215,7 +217,7 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
         if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
             zero += 1
             continue
-        entry["lines"].append(_yolo_line(class_of[ann["category_id"]], box, entry["width"], entry["height"]))
+        entry["lines"].append(yolo_line(class_of[ann["category_id"]], box, entry["width"], entry["height"]))
 
     image_out, label_out = out_dir / "images" / split, out_dir / "labels" / split
     for entry in entries.values():
@@ -223,7 +225,7 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
         label = (label_out / entry["file"]).with_suffix(".txt")
         label.parent.mkdir(parents=True, exist_ok=True)
         label.write_text("".join(entry["lines"]))
-    data_yaml = _write_data_yaml(out_dir, split, names)
+    data_yaml = write_data_yaml(out_dir, split, names)
     skipped = "".join(
         f", {n} {what} skipped" for n, what in ((crowd, "crowd annotations"), (zero, "zero-size boxes")) if n
     )
@@ -255,7 +257,9 @@ def _number(node, tag: str, where: str) -> float:
         raise RecipeError(f"{where}: <{tag}> {value!r} is not a number; fix the annotation") from None
 
 
-def _parse_voc(xml_file: Path, image_dir: Path) -> dict:
+def parse_voc(xml_file: Path, image_dir: Path) -> dict:
+    """One VOC annotation file: dict(image (its path), width, height, objects [(name, (x1, y1, x2, y2)), ...]) with
+    boxes in 0-based pixel edges, clipped to the image."""
     try:
         tree = ElementTree.parse(xml_file)
     except ElementTree.ParseError as err:
@@ -336,7 +340,7 @@ def voc_to_yolo(root: str, out: str, split: str = "train", image_set: str | None
     if not xml_files:
         raise RecipeError(f"no annotations (*.xml) in {annotation_dir}; point --root at a Pascal VOC folder")
 
-    parsed = [_parse_voc(xml_file, image_dir) for xml_file in xml_files]
+    parsed = [parse_voc(xml_file, image_dir) for xml_file in xml_files]
     names = _merged_names(out_dir, sorted({label for p in parsed for label, _ in p["objects"]}))
     image_out, label_out = out_dir / "images" / split, out_dir / "labels" / split
     label_out.mkdir(parents=True, exist_ok=True)
@@ -347,11 +351,11 @@ def voc_to_yolo(root: str, out: str, split: str = "train", image_set: str | None
             if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
                 zero += 1
                 continue
-            lines.append(_yolo_line(names.index(label), box, p["width"], p["height"]))
+            lines.append(yolo_line(names.index(label), box, p["width"], p["height"]))
         _place_image(p["image"], image_out / p["image"].name, link)
         (label_out / p["image"].name).with_suffix(".txt").write_text("".join(lines))
         boxes, empty = boxes + len(lines), empty + (not lines)
-    data_yaml = _write_data_yaml(out_dir, split, names)
+    data_yaml = write_data_yaml(out_dir, split, names)
     _report(out_dir, split, len(parsed), boxes, empty, f", {zero} zero-size boxes skipped" if zero else "", data_yaml)
     return data_yaml
 

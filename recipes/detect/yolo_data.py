@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import yaml
 from PIL import Image
+from tqdm.auto import tqdm
 from yolo_loss import pad_targets
 
 from accelerate_recipes import RecipeError
@@ -587,6 +589,28 @@ def _to_pixels(labels: np.ndarray, original_shape, ratio: float, pad) -> np.ndar
 
 
 # -------------------------------------------------------------------------------------------------------- dataset
+CACHE_MODES = ("auto", "ram", "off")
+CACHE_AUTO_BYTES = 2**30  # --cache auto keeps the images in memory when they take at most this much per process
+
+
+def cache_in_memory(mode: str, num_images: int, image_size: int) -> bool:
+    """--cache's answer for `num_images` images at `image_size` (each at most image_size^2 x 3 bytes once resized):
+    ram always (refused when this machine's available memory, shared by the processes on it, cannot hold them), off
+    never, auto when they fit CACHE_AUTO_BYTES and a quarter of this process's share of the available memory."""
+    if mode not in CACHE_MODES:
+        raise RecipeError(f"unknown --cache {mode!r}; choose auto, ram or off")
+    if mode == "off":
+        return False
+    needed = num_images * image_size * image_size * 3
+    share = psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if mode == "ram" and needed > share:
+        raise RecipeError(
+            f"--cache ram needs up to {needed / 2**30:.1f} GiB for {num_images} images at {image_size} px, and this "
+            f"process's share of the available memory is {share / 2**30:.1f} GiB; use --cache off"
+        )
+    return mode == "ram" or needed <= min(CACHE_AUTO_BYTES, share // 4)
+
+
 def _on_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -611,6 +635,10 @@ class YoloDataset(torch.utils.data.Dataset):
 
     Every label file is read and checked here, once: a bad one stops the program now, not mid-epoch. `set_mosaic`
     turns mosaic off and on (train.py's --close_mosaic) through shared memory, so persistent loader workers follow.
+
+    cache: decode and resize every image once, here, and keep it in memory (train.py's --cache). Items are the same
+    with and without it; mosaic reads four images per item, so decoding is most of a small model's data time on a
+    CPU. Loader workers started later share the cached pictures with this process (fork copies pages only on write).
     """
 
     def __init__(
@@ -625,6 +653,7 @@ class YoloDataset(torch.utils.data.Dataset):
         hsv=(0.015, 0.7, 0.4),
         scale: float = 0.5,
         verbose: bool = True,
+        cache: bool = False,
     ):
         self.image_files = [Path(p) for p in image_files]
         if not self.image_files:
@@ -666,6 +695,7 @@ class YoloDataset(torch.utils.data.Dataset):
                     "is treated as background",
                     flush=True,
                 )
+        self._cached = self._decode_all(verbose and _on_rank_zero()) if cache else None
 
     def summary(self) -> str:
         c = self.counts
@@ -681,9 +711,21 @@ class YoloDataset(torch.utils.data.Dataset):
         """Mosaic (at probability `mosaic`) on or off from the next item on, in every loader worker too."""
         self._mosaic_on.fill_(on)
 
+    def _decode_all(self, progress: bool) -> list:
+        with ThreadPoolExecutor(usable_cores()) as pool:  # PIL decodes and resizes outside the GIL
+            loaded = pool.map(lambda p: _load_image(p, self.image_size), self.image_files)
+            bar = tqdm(loaded, total=len(self), desc="caching images", unit="image", disable=not progress, delay=1)
+            return list(bar)
+
+    def _image(self, index: int) -> tuple[Image.Image, tuple[int, int], float]:
+        """Image `index` upright, its longer side image_size; its original (h, w) and the scale (_load_image)."""
+        if self._cached is not None:
+            return self._cached[index]  # never changed in place: every step after this makes a new picture
+        return _load_image(self.image_files[index], self.image_size)
+
     def __getitem__(self, index: int):
         path = self.image_files[index]
-        image, orig_shape, ratio = _load_image(path, self.image_size)
+        image, orig_shape, ratio = self._image(index)
         pad = ((self.image_size - image.width) // 2, (self.image_size - image.height) // 2)
         meta = dict(path=str(path), orig_shape=orig_shape, ratio=ratio, pad=pad)
         if self.augment:
@@ -708,7 +750,7 @@ class YoloDataset(torch.utils.data.Dataset):
             if quadrant == 0:
                 image, boxes = first, first_boxes
             else:
-                image, orig_shape, ratio = _load_image(self.image_files[i], self.image_size)
+                image, orig_shape, ratio = self._image(i)
                 boxes = _to_pixels(self.labels[i], orig_shape, ratio, (0, 0))
             w, h = image.size
             x = cx - w if quadrant in (0, 2) else cx  # top-left, top-right, bottom-left, bottom-right
