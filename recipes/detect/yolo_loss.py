@@ -134,13 +134,14 @@ class TaskAlignedAssigner:
         positive = torch.zeros_like(candidate).scatter_(-1, top, True) & candidate
 
         # an anchor positive for several gts keeps the one with the highest IoU among them
+        # (max(dim).indices is argmax, first index on ties included, without argmax's slow strided path on a CPU)
         multiple = positive.sum(1, keepdim=True) > 1  # [B, 1, A]
-        best = (iou * positive).argmax(1, keepdim=True)  # [B, 1, A]
+        best = (iou * positive).max(1, keepdim=True).indices  # [B, 1, A]
         only_best = torch.zeros_like(positive).scatter_(1, best, True)
         positive = torch.where(multiple, only_best & positive, positive)
 
         foreground = positive.any(1)  # [B, A]
-        target_gt_index = positive.float().argmax(1) * foreground  # [B, A]; 0 for background
+        target_gt_index = positive.max(1).indices * foreground  # [B, A]; 0 for background
         target_labels = gt_labels.gather(1, target_gt_index) * foreground
         target_boxes = gt_boxes.gather(1, target_gt_index[..., None].expand(batch, num_anchors, 4))
         target_boxes = target_boxes * foreground[..., None]
