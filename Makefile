@@ -213,11 +213,13 @@ cifar-2node: ## ResNet18 CIFAR: 2 nodes x 8 GPUs; on every node, with NODE_RANK 
 cifar-hostfile: ## ResNet18 CIFAR on every node of HOSTFILE ('host slots=N' lines), started from here over ssh
 
 # Object detection (YOLO-style, recipes/detect/). GPU targets train on coco128 (downloaded once) unless ARGS has
-# --data path/data.yaml; detect-cpu, with no ARGS, trains the nano model on generated shapes, offline.
-DETECT_CPU_ARGS = --data synthetic --synthetic_size 256 --image_size 256 --batch_size 16 --epochs 10 \
+# --data path/data.yaml; detect-cpu, with no ARGS, trains the nano model on the real tree-crown tiles (detect-data,
+# below), offline.
+DETECT_CPU_ARGS = --data $(DETECT_DATA)/data.yaml --image_size 416 --batch_size 8 --epochs 30 \
 	--output_dir outputs/detect-cpu
 $(eval $(call recipe_targets,detect,recipes/detect/train.py,DETECT_CPU_ARGS,$(call needs,detect)))
-detect-cpu: ## YOLO-style detector: NPROC CPU processes over gloo (no ARGS: generated shapes, offline)
+detect-cpu: $(if $(ARGS),,detect-data)
+detect-cpu: ## YOLO-style detector: NPROC CPU processes over gloo (no ARGS: tree crowns on aerial photographs, offline)
 detect-1gpu: ## YOLO-style detector: 1 GPU, ARGS="--data path/data.yaml" (detect-2gpu, -4gpu, -8gpu likewise)
 detect-2node: ## YOLO-style detector: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from here over ssh

@@ -220,8 +220,13 @@ def test_detect_targets_cover_every_setup_with_the_shared_variables():
         assert line.rstrip().endswith("recipes/detect/train.py --data d/data.yaml")
     line = launch_line(make("-n", "detect-2node", "NODE_RANK=1", "MASTER_ADDR=10.0.0.2"))
     assert "--machine_rank 1 --main_process_ip 10.0.0.2" in line and "recipes/detect/train.py" in line
-    line = launch_line(make("-n", "detect-cpu"))  # no ARGS: generated shapes, offline
-    assert line.startswith("ACCELERATE_USE_CPU=true") and "recipes/detect/train.py --data synthetic" in line
+    proc = make("-n", "detect-cpu")  # no ARGS: the real tree-crown tiles, written first, offline
+    assert "benchmarks/tree_crowns.py --out data/tree-crowns" in proc.stdout
+    line = launch_line(proc)
+    assert line.startswith("ACCELERATE_USE_CPU=true") and "train.py --data data/tree-crowns/data.yaml" in line
+    proc = make("-n", "detect-cpu", "ARGS=--data mine/data.yaml")  # your data: the tree crowns are not needed
+    assert "tree_crowns.py" not in proc.stdout and "deepforest" not in proc.stdout
+    assert launch_line(proc).rstrip().endswith("recipes/detect/train.py --data mine/data.yaml")
     out = make("help").stdout
     for target in ("detect-cpu", "detect-1gpu", "detect-2node", "bench-detect"):
         assert f"  {target} " in out
