@@ -9,7 +9,7 @@ The DeepForest package (Weinstein et al., MIT licence; github.com/weecology/Deep
 few RGB orthophotos of NEON's airborne observation platform (US National Ecological Observatory Network) with every
 tree crown boxed by hand, as Pascal VOC files: two crops of Yellowstone (2299 x 2472 and 1249 x 1035 pixels, 574
 and 279 crowns) and two 400 x 400 plots (Florida and California, 61 and 37 crowns). One class, `tree` (the
-California plot's `Alive` and `Dead` are trees too). Crowns are small, 9 to 108 pixels across: the kind of set a
+California plot's `Alive` and `Dead` are trees too). Crowns are small, 10 to 106 pixels across: the kind of set a
 user brings from a drone or a satellite, where Ultralytics' COCO-trained start helps least.
 
 Large photographs are cut into a grid of equal tiles as close to --tile pixels a side as whole tiles allow
