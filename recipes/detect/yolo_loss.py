@@ -141,7 +141,7 @@ class TaskAlignedAssigner:
         positive = torch.where(multiple, only_best & positive, positive)
 
         foreground = positive.any(1)  # [B, A]
-        target_gt_index = positive.max(1).indices * foreground  # [B, A]; 0 for background
+        target_gt_index = positive.to(torch.uint8).max(1).indices * foreground  # [B, A]; 0 for background
         target_labels = gt_labels.gather(1, target_gt_index) * foreground
         target_boxes = gt_boxes.gather(1, target_gt_index[..., None].expand(batch, num_anchors, 4))
         target_boxes = target_boxes * foreground[..., None]
