@@ -502,3 +502,17 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             _print_line(f"stopped: {stop}")
         sys.exit(PREEMPTED_EXIT_CODE)
+    except Exception as err:
+        if "torch" not in sys.modules:
+            raise
+        from accelerate_recipes.compiling import TROUBLESHOOTING, compile_failure, failure_cause
+
+        if not compile_failure(err):
+            raise
+        # a compilation asked for (--compile, a launcher's --dynamo_backend) that failed: one line, no traceback
+        _close_progress_bars()
+        rank = os.environ.get("RANK", "0")
+        prefix = "error" if rank == "0" else f"error (rank {rank})"
+        cause = failure_cause(err)
+        _print_line(f"{prefix}: torch.compile failed ({cause}); see {TROUBLESHOOTING}, or run without --compile")
+        sys.exit(2)

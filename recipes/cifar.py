@@ -64,6 +64,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.compiling import compile_results, compile_summary_keys, process_compile_counts
 from accelerate_recipes.plots import plot_results, save_confusion_matrix
 from accelerate_recipes.seeding import SeededAugmentation
 
@@ -705,6 +706,7 @@ def print_run_summary(results: dict, output: Path, path: Path, tracking) -> None
         "median_step_seconds",
         "peak_memory_mb",
         "wall_seconds",
+        *compile_summary_keys(results),
     ]
     print_summary(results, keys, title="cifar: summary")
     print(
@@ -764,6 +766,7 @@ def train(args: CifarFlags) -> None:
 
     # ---- prepare: wrap for DDP, shard the loaders across processes (the device loader shards itself and passes
     # through), move to the device, add autocast; then the schedule on the prepared optimizer
+    compiled_before = process_compile_counts()  # --compile: results.json counts what the run compiles
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)  # per process, after sharding
     if steps_per_epoch == 0:
@@ -883,7 +886,7 @@ def train(args: CifarFlags) -> None:
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     save_trained_model(accelerator, model, output, model_config)
-    results = dict(config, **progress.results(started))
+    results = dict(config, **progress.results(started), **compile_results(compiled_before))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

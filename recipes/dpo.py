@@ -45,7 +45,7 @@ from accelerate.utils import (
     set_seed,
 )
 from chat.conversations import dataset_name
-from chat.generation import without_compiling
+from chat.generation import use_decode_backend, without_compiling
 from chat.model import (
     BASE,
     DEFAULT_MODEL,
@@ -57,7 +57,8 @@ from chat.model import (
     chat,
     check_one_mode,
     compile_cache_hits,
-    compiles,
+    compile_figures,
+    compiled_blocks,
     generate_answers,
     is_adapter,
     load_any,
@@ -102,6 +103,7 @@ from accelerate_recipes import (
     write_results,
 )
 from accelerate_recipes.checkpoints import read_progress
+from accelerate_recipes.compiling import compile_summary_keys
 from accelerate_recipes.plots import plot_results
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -451,7 +453,9 @@ def train(args: DpoFlags) -> None:
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
-    args.compile = compiles(args.compile, accelerator, args.liger)  # by default on a CUDA GPU, without --liger
+    # by default on a CUDA GPU, without --liger, where inductor can work; a compile failure goes on eagerly
+    blocks = compiled_blocks(args.compile, accelerator, args.liger, args.compile_backend)
+    args.compile = not blocks.eager
     generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if args.eval_generate and generation_off:
         accelerator.print("--eval_generate is off: answers need the whole model in each process, which this run shards")
@@ -473,7 +477,8 @@ def train(args: DpoFlags) -> None:
     if args.packing:
         check_packing(model)  # attention that keeps each packed sequence to itself (the reference's too)
     reference = None if args.precompute_ref else reference_policy(args, accelerator, model, model_name)
-    use_kernels(model, args, accelerator.device)  # --liger, --compile; after the reference's copy, which stays eager
+    use_kernels(model, args, accelerator.device, blocks)  # --liger, --compile; after the reference's copy
+    use_decode_backend(model, args.compile_backend)  # the compiled decode's backend, as the blocks'
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
@@ -603,6 +608,7 @@ def train(args: DpoFlags) -> None:
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, splits["train"]), warmup_seconds=progress.meter.warmup_seconds)
     results.update(compile_cache_hits=compile_cache_hits())  # graphs an earlier run of these shapes had compiled
+    results.update(compile_figures(blocks, model, accelerator))  # graphs, recompiles, seconds, fallbacks
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -643,7 +649,7 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys = ["dataset", "model", "method", "loss_type", "beta", "world_size", "num_machines", "mixed_precision"]
     keys += ["global_batch_size", "steps", "epochs", "eval_loss", "eval_reward_margin", "eval_reward_accuracy"]
     keys += ["eval_logp_accuracy", "best_metric", "best_epoch", "train_tokens_per_second", "peak_memory_mb"]
-    keys += ["wall_seconds"]
+    keys += ["wall_seconds", *compile_summary_keys(results)]
     print_summary(results, keys, title="DPO: summary")
     print_saved(results, path, tracking, __file__)
 

@@ -53,6 +53,7 @@ from accelerate.utils import (
 from chat import generation
 from chat.conversations import dataset_name
 from chat.generation import Completions
+from chat.memory_plan import print_rollout_plan
 from chat.model import (
     DEFAULT_MODEL,
     SAMPLES_KEPT,
@@ -61,6 +62,7 @@ from chat.model import (
     build_model,
     chat,
     check_one_mode,
+    compile_figures,
     load_any,
     load_tokenizer,
     merge,
@@ -108,6 +110,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.compiling import compile_summary_keys
 from accelerate_recipes.plots import plot_results
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
@@ -553,6 +556,9 @@ def train(args: GrpoFlags) -> None:
     # ---- model, reference policy and optimizer (AdamW, weight decay on matrices only, fused on a GPU)
     model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     reference = reference_policy(args, accelerator, model, model_name) if args.beta else None
+    # bytes per process, the decode copy and its one static KV cache (the data's longest prompt) included
+    longest_prompt = max(len(row["prompt_ids"]) for row in train_rows + validation_rows)
+    plan = print_rollout_plan(accelerator, args, model, reference, rows, longest_prompt)
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
     # ---- the run's length: each batch of rollouts gives --num_iterations optimizer steps
@@ -567,6 +573,8 @@ def train(args: GrpoFlags) -> None:
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the prompt loader across processes, move to the device.
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+    # every generation of the run (rollouts and evaluations) decodes in this one cache: one shape to compile
+    generation.reserve_cache(accelerator, model, *plan.cache, args.decode)
 
     derived = settings(args, accelerator, model_name, lr, model, rewards, train_rows)
     config = run_config("grpo", args, accelerator, **derived)
@@ -686,7 +694,9 @@ def train(args: GrpoFlags) -> None:
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
+    results.update(memory_plan_mb=plan.mb)  # beside peak_memory_mb
     results.update(speed.rates())  # tokens/s of generation and of the updates, apart
+    results.update(compile_figures(None, model, accelerator))  # the decode step's graphs, recompiles, fallback
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -762,7 +772,7 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "eval_sampled_reward"]
     keys += ["eval_pass_at_1", "eval_pass_at_k", "best_metric", "best_step"]
     keys += ["decode_mode", "generation_tokens_per_second", "train_tokens_per_second", "first_step_generation_seconds"]
-    keys += ["peak_memory_mb", "wall_seconds"]
+    keys += ["peak_memory_mb", "wall_seconds", *compile_summary_keys(results)]
     print_summary(results, keys, title="GRPO: summary")
     print_saved(results, path, tracking, __file__)
 
@@ -792,6 +802,9 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
     validation_rows = tokenize_prompts(accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation")
     check_columns(rewards, validation_rows, "validation prompts")
     model = accelerator.prepare_model(model, evaluation_mode=True)
+    longest_prompt = max(len(row["prompt_ids"]) for row in validation_rows)
+    shape = generation.cache_shape(per_process * args.num_generations, longest_prompt, args.max_new_tokens)
+    generation.reserve_cache(accelerator, model, *shape, args.decode)  # one cache, one compilation, for them all
     evaluation, samples = evaluate(
         accelerator, model, tokenizer, validation_rows, rewards, args, per_process * args.num_generations
     )

@@ -41,7 +41,7 @@ from accelerate.utils import (
 )
 from chat.answer_loss import PLAIN_LOGITS, use_answer_loss
 from chat.conversations import load_conversations, tokenize_splits
-from chat.generation import without_compiling
+from chat.generation import use_decode_backend, without_compiling
 from chat.memory_plan import numel, print_plan
 from chat.model import (
     DEFAULT_MODEL,
@@ -53,7 +53,8 @@ from chat.model import (
     chat,
     check_one_mode,
     compile_cache_hits,
-    compiles,
+    compile_figures,
+    compiled_blocks,
     generate_answers,
     load_fine_tuned,
     load_tokenizer,
@@ -93,6 +94,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.compiling import CompiledPath, compile_summary_keys
 from accelerate_recipes.meter import flop_utilisation
 from accelerate_recipes.plots import plot_results
 
@@ -241,12 +243,14 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
     return train_loader, eval_loader, conversations
 
 
-def settle_flags(args: SftFlags, accelerator) -> None:
-    """The flags whose value depends on the launch: --compile by default on a CUDA GPU without --liger (compiles),
-    and with --batch_tokens the global batch that check_launch divides: a row per process per micro-step."""
-    args.compile = compiles(args.compile, accelerator, args.liger)
+def settle_flags(args: SftFlags, accelerator) -> CompiledPath:
+    """The flags whose value depends on the launch: --compile by default on a CUDA GPU without --liger where inductor
+    can work (compiled_blocks, whose path it returns), and with --batch_tokens the global batch that check_launch
+    divides: a row per process per micro-step."""
+    blocks = compiled_blocks(args.compile, accelerator, args.liger, args.compile_backend)
+    args.compile = not blocks.eager
     if not args.batch_tokens:
-        return
+        return blocks
     if not args.packing:
         raise RecipeError("--batch_tokens fills packed rows by tokens; add --packing")
     if args.batch_tokens < args.max_length:
@@ -255,6 +259,7 @@ def settle_flags(args: SftFlags, accelerator) -> None:
             "in a row; raise --batch_tokens or lower --max_length"
         )
     args.batch_size = accelerator.num_processes * args.gradient_accumulation_steps
+    return blocks
 
 
 def whole_steps(batches, accumulation: int, accelerator, limit: int):
@@ -379,6 +384,7 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
     keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
     keys += ["steps", "epochs", "eval_loss", "eval_perplexity", "eval_exact_match", "best_metric", "best_epoch"]
     keys += ["train_tokens_per_second", "train_target_tokens_per_second", "peak_memory_mb", "wall_seconds"]
+    keys += compile_summary_keys(results)
     print_summary(results, keys, title="chat fine-tuning: summary")
     print_saved(results, path, tracking, __file__)
 
@@ -413,7 +419,7 @@ def train(args: SftFlags) -> None:
             # How long a process waits for the others, at start-up and in every collective, before it stops.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
         )
-    settle_flags(args, accelerator)  # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
+    blocks = settle_flags(args, accelerator)  # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
     per_process = check_launch(
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
@@ -435,7 +441,8 @@ def train(args: SftFlags) -> None:
     use_answer_loss(
         model
     )  # logits for the answer positions only, in chunks (chat/answer_loss.py): the loss stays the same
-    use_kernels(model, args, accelerator.device)  # --liger's fused kernels, the blocks compiled (--compile)
+    use_kernels(model, args, accelerator.device, blocks)  # --liger's fused kernels, the blocks compiled (--compile)
+    use_decode_backend(model, args.compile_backend)  # the compiled decode's backend, as the blocks'
     train_loader, eval_loader, micro_batch_samples = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
     flops_per_token = model_flops_per_token(model, tokenized["train"])  # for the model FLOP utilisation (MFU)
@@ -559,6 +566,7 @@ def train(args: SftFlags) -> None:
     results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
     # with --compile: the compilation apart, and the graphs an earlier run of these shapes had compiled
     results.update(warmup_seconds=progress.meter.warmup_seconds, compile_cache_hits=compile_cache_hits())
+    results.update(compile_figures(blocks, model, accelerator))  # graphs, recompiles, seconds, fallbacks
     flops = flops_per_token * results["train_tokens_per_second"]  # all processes together
     results.update(
         flops_per_token=flops_per_token, model_flops_utilisation=flop_utilisation(flops, accelerator.device, world)

@@ -801,11 +801,12 @@ def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
-    """sft_one's flags on 1 process with 2 micro-batches per step, packed rows (sdpa's mask, the CPU's default) and
-    the decoder blocks compiled (--compile with the aot_eager backend: torch.compile's capture without code
+    """sft_one's flags on 1 process with 2 micro-batches per step in the shape `make sft-1gpu` trains on a GPU:
+    padded rows of varying widths through compiled decoder blocks, and the evaluation's answers through the compiled
+    decode step (--compile --decode compiled with the aot_eager backend: torch.compile's capture without code
     generation, which would take minutes here); none of which changes a number."""
     args = [*sft_files(tiny_chat_model, sft_data), *SFT_RUN, "--gradient_accumulation_steps", "2"]
-    args += ["--packing", "--compile", "--compile_backend", "aot_eager"]
+    args += ["--compile", "--compile_backend", "aot_eager", "--decode", "compiled"]
     return plain_run(tmp_path_factory, "sft-accumulated", SFT_SCRIPT, *args)
 
 

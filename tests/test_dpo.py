@@ -89,6 +89,16 @@ def dpo_two_accumulated(dpo_data):
 
 
 @pytest.fixture(scope="module")
+def dpo_compiled_defaults(dpo_data):
+    """DPO_RUN on 1 process in the shape `make dpo-1gpu` trains on a GPU: left-padded rows through compiled decoder
+    blocks for the policy and for the reference pass (the base under the adapter), and the --eval_generate answers
+    through the compiled decode step, before training and after each epoch (--compile --decode compiled with the
+    aot_eager backend)."""
+    extra = ["--compile", "--compile_backend", "aot_eager", "--decode", "compiled"]
+    return dpo(dpo_data, "compiled-defaults", *extra)[1]
+
+
+@pytest.fixture(scope="module")
 def dpo_fsdp_two_nodes(dpo_data):
     """DPO_RUN with --precompute_ref under FSDP2 over two "nodes" of one process each on 127.0.0.1, started by the
     hostfile launcher as on two servers: the reference log-probabilities computed by the sharded model, once."""
@@ -194,6 +204,30 @@ def test_the_loss_of_a_step_is_the_mean_over_the_global_batchs_pairs_however_it_
     assert results["samples_seen_per_process"] == [32, 32]  # 2 epochs of 16 pairs each
     # the adapter moved: the comparison is not one of untouched weights
     assert reference[8] < reference[1] - 5e-3
+
+
+def test_the_gpu_defaults_compiled_train_and_answer_as_eager_and_compile_once_per_kind(dpo_one, dpo_compiled_defaults):
+    """Padded rows of eight widths through the compiled blocks: the same losses, margins and adapter as dpo_one's
+    eager run, the same greedy answers from the compiled decode. The blocks compile each kind of call (the reference
+    without gradients, the policy's first block, its later blocks, whose input carries a gradient) once static and
+    once dynamic in the width, never once per width; the decode step once for its one cache shape."""
+    out = dpo_compiled_defaults
+    for key in ("train/loss", "train/reward_margin"):
+        losses, reference = per_step(out, key), per_step(dpo_one, key)
+        assert losses.keys() == reference.keys()
+        assert max(abs(losses[s] - reference[s]) for s in reference) <= TOLERANCE, (key, losses, reference)
+    assert worst_difference(load_file(str(out / ADAPTER)), load_file(str(dpo_one / ADAPTER))) <= TOLERANCE
+
+    def answers(run_out):
+        return [(s["epoch"], s["prompt"], s["answer"]) for s in map(json.loads, open(run_out / "samples.jsonl"))]
+
+    assert answers(out) == answers(dpo_one) and len(answers(out)) == 12
+    results = read_results(out)
+    assert results["compile"] and not results["packing"] and results["decode"] == "compiled"
+    assert results["compile_graphs"] <= 6 and results["compile_recompiles"] <= 5, results
+    assert results["decode_graphs"] == 1 and results["decode_recompiles"] == 0 and results["decode_compile_seconds"] > 0
+    assert results["compile_fallback"] is None and results["decode_fallback"] is None
+    assert read_results(dpo_one)["compile_graphs"] == read_results(dpo_one)["decode_graphs"] == 0
 
 
 def test_the_evaluation_is_the_mean_over_the_pairs_of_each_pairs_figures(dpo_one, dpo_one_scored):

@@ -45,6 +45,12 @@ def step_losses(out) -> dict[int, float]:
     return {row["step"]: row["train/loss"] for row in read_metrics(out) if "train/loss" in row}
 
 
+def samples(out) -> list[tuple]:
+    """The generated answers of a run's evaluations, in order: (epoch, prompt, answer)."""
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    return [(row["epoch"], row["prompt"], row["answer"]) for row in rows]
+
+
 def assert_close_weights(a, b, name: str, atol: float) -> None:
     wa, wb = load_file(str(a / name)), load_file(str(b / name))
     assert wa.keys() == wb.keys()
@@ -56,8 +62,10 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     sft_one, sft_two, sft_accumulated
 ):
     """1 process with padded batches, 2 gloo processes with packed rows (varlen) and gradient checkpointing, and 1
-    process with 2 micro-batches per step, packed rows (sdpa) and compiled blocks: conversations of different lengths,
-    the same losses step by step, the same adapter."""
+    process with 2 micro-batches per step, padded rows of varying widths through compiled blocks and the answers
+    through the compiled decode (a GPU's defaults): conversations of different lengths, the same losses step by step,
+    the same adapter, the same answers; the blocks compile once per kind of call and once more dynamic in the width
+    (not once per width), the decode once per cache shape."""
     reference = step_losses(sft_one.out)
     assert sorted(reference) == list(range(1, 25))  # 12 steps per epoch, 2 epochs, each logged
     for run_ in (sft_two, sft_accumulated):
@@ -70,7 +78,14 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert (one["world_size"], two["world_size"], accumulated["gradient_accumulation_steps"]) == (1, 2, 2)
     assert two["packing"] and two["gradient_checkpointing"] and two["samples_seen_per_process"] == [96, 96]
     assert (one["attn_implementation"], two["attn_implementation"]) == ("sdpa", "varlen")
-    assert accumulated["compile"] and accumulated["packing"] and not one["compile"]
+    assert accumulated["compile"] and not accumulated["packing"] and not one["compile"]
+    # 24 steps of 48 micro-batches of many widths: the policy's first block and the others (whose input carries a
+    # gradient), each static then dynamic in the width; the decode step one graph; nothing fell back
+    assert accumulated["compile_graphs"] <= 4 and accumulated["compile_recompiles"] <= 3, accumulated
+    assert accumulated["decode_graphs"] == 1 and accumulated["decode_recompiles"] == 0
+    assert accumulated["compile_fallback"] is None and accumulated["decode_fallback"] is None
+    assert accumulated["compile_seconds"] > 0 and one["compile_graphs"] == one["decode_graphs"] == 0
+    assert samples(sft_one.out) == samples(sft_accumulated.out)  # greedy answers, eager and compiled
     assert accumulated["warmup_seconds"] > 0 and accumulated["warmup_seconds"] < accumulated["train_seconds"]
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     # The loss falls from the first step to the last.

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from transformers.generation import CompileConfig
 
 from accelerate_recipes import RecipeError
+from accelerate_recipes.compiling import CompiledPath, fail_loudly_in_forward
 
 DECODE_MODES = ("auto", "eager", "static", "compiled")
 PROMPT_BUCKET = 64  # static cache lengths: prompt widths rounded up to a multiple of this, plus --max_new_tokens
@@ -250,12 +251,33 @@ def own_generation_config(policy, config: GenerationConfig):
 
 
 # ------------------------------------------------------------------------------------------------- the fast path
+def bucketed_rows(rows: int) -> int:
+    """The rows a call of `rows` rows decodes in when no cache made before holds it: a multiple of ROW_BUCKET."""
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
+
+
+def cache_shape(rows: int, prompt_width: int, max_new_tokens: int) -> tuple[int, int]:
+    """The static cache shape of a call of `rows` prompts at most `prompt_width` tokens wide, as FastDecoder.generate
+    buckets it: rows rounded up to ROW_BUCKET, the width up to PROMPT_BUCKET, plus `max_new_tokens`."""
+    return bucketed_rows(rows), -(-prompt_width // PROMPT_BUCKET) * PROMPT_BUCKET + max_new_tokens
+
+
+def kv_layout(config) -> tuple[int, int]:
+    """(key-value heads, head size) of a model's attention layers: what one position of its KV cache holds per layer,
+    twice (keys and values)."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads
+
+
 class FastDecoder:
     """The static and compiled paths for one trained model: a plain copy of its architecture in `dtype` on its device,
     refreshed from it before every generation (merge_weights_from), and a static KV cache per shape."""
 
     def __init__(self, policy, dtype: torch.dtype, compiled: bool, own: bool = False):
         self.dtype, self.compiled, self.caches, self.own = dtype, compiled, {}, own
+        self.backend = "inductor"  # the compiled step's: its decode_path's (use_decode_backend)
         if own:  # a model only used for generation (--predict): decoded itself, no copy
             self.model = policy
             return
@@ -302,19 +324,34 @@ class FastDecoder:
 
     def shape(self, rows: int, length: int) -> tuple[int, int]:
         """The cache shape (rows, length) a call of `rows` rows and `length` positions decodes in: the smallest one made
-        before that holds it (decoding a few rows costs a GPU about as much as decoding many, and a new shape costs a
-        compilation), else rows rounded up to ROW_BUCKET."""
+        (or reserved) before that holds it (decoding a few rows costs a GPU about as much as decoding many, and a new
+        shape costs a compilation), else rows rounded up to ROW_BUCKET."""
         fitting = [shape for shape in self.caches if shape[0] >= rows and shape[1] >= length]
-        return min(fitting) if fitting else (-(-rows // ROW_BUCKET) * ROW_BUCKET, length)
+        return min(fitting) if fitting else (bucketed_rows(rows), length)
 
     def cache(self, rows: int, length: int) -> StaticCache:
-        """The static KV cache of this shape, emptied (made at its first use; the same tensors for a compiled step
-        that was captured with them)."""
+        """The static KV cache of this shape, emptied (made at its first use or reserved; the same tensors for a
+        compiled step that was captured with them)."""
         if (rows, length) not in self.caches:
             self.caches[rows, length] = StaticCache(config=self.model.config, max_cache_len=length)
         cache = self.caches[rows, length]
         cache.reset()
         return cache
+
+    def reserve(self, rows: int, length: int) -> tuple[int, int]:
+        """The cache every later call of up to `rows` rows and `length` positions decodes in (shape takes it), made
+        now with its tensors: a run that reserves its largest call's shape first compiles its decode step for that
+        one shape, and its memory is taken before training's. Returns the shape (rows rounded up to ROW_BUCKET)."""
+        rows, length = self.shape(rows, length)
+        kv_heads, head_dim = kv_layout(self.model.config)
+        self.cache(rows, length).early_initialization(rows, kv_heads, head_dim, self.dtype, self.model.device)
+        return rows, length
+
+    def cache_bytes(self) -> int:
+        """Bytes of the static caches' key and value tensors made so far."""
+        layers = [layer for cache in self.caches.values() for layer in cache.layers]
+        tensors = [getattr(layer, name, None) for layer in layers for name in ("keys", "values")]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def generate(
         self, input_ids, attention_mask, config: GenerationConfig, logits_processor=None, streamer=None
@@ -326,13 +363,14 @@ class FastDecoder:
         if padded_rows > rows:  # the last row repeated; its copies are dropped below
             input_ids = torch.cat([input_ids, input_ids[-1:].expand(padded_rows - rows, -1)])
             attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(padded_rows - rows, -1)])
-            for processor in logits_processor or []:
-                if isinstance(processor, KeyedSampling):
-                    uniforms = processor.uniforms
-                    processor.uniforms = torch.cat([uniforms, uniforms[-1:].expand(padded_rows - rows, -1)])
+            # copies of the caller's processors: an eager retry after a failed compile gets them unpadded
+            logits_processor = [padded_rows_of(processor, padded_rows) for processor in logits_processor or []]
         options = dict(cache_implementation=None)
         if self.compiled:
-            compile_config = CompileConfig(fullgraph=False, dynamic=False)
+            fail_loudly_in_forward()  # the recompile limit an error the decode's net catches, not a silent slow run
+            # inductor's mode: CUDA graphs on a GPU; another backend (aot_eager, to check the path quickly) has none
+            mode = "reduce-overhead" if self.backend == "inductor" else None
+            compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=self.backend, mode=mode)
             compile_config._compile_all_devices = True  # the CPU too (for tests; a GPU gets CUDA graphs)
             options["compile_config"] = compile_config
         else:
@@ -352,7 +390,48 @@ class FastDecoder:
         return output[:rows]
 
 
+def padded_rows_of(processor, rows: int):
+    """`processor` for a batch filled up to `rows` rows by repeating its last: a KeyedSampling's copy with the last
+    row's draws repeated as well; any other processor as it is."""
+    if not isinstance(processor, KeyedSampling):
+        return processor
+    padded = copy.copy(processor)
+    uniforms = processor.uniforms
+    padded.uniforms = torch.cat([uniforms, uniforms[-1:].expand(rows - len(uniforms), -1)])
+    return padded
+
+
 _fast_decoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trained model -> its FastDecoder
+_decode_paths: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # trained model -> its compiled decode
+
+
+def decode_path(policy) -> CompiledPath:
+    """The compiled decode of `policy` (the trained model, or the model --predict decodes): whether it was asked for,
+    whether it went eager for the rest of the run and why, and what it compiled."""
+    policy = getattr(policy, "_orig_mod", policy)
+    path = _decode_paths.get(policy)
+    if path is None:
+        path = CompiledPath("the decode step", skip="--decode eager", insist="--decode compiled", attempted=False)
+        path.when_eager.append(lambda: _fast_decoders.pop(policy, None))  # its copy and caches freed
+        _decode_paths[policy] = path
+    return path
+
+
+def decodes_compiled(policy, flag: str, device) -> bool:
+    """Whether `policy` decodes through the compiled step, which decode_mode chose from `flag`: not once its path went
+    eager; at the first call, only when inductor has what it needs on `device` (else eager from the start, said in
+    one line, or an error for an explicit --decode compiled)."""
+    path = decode_path(policy)
+    if not path.attempted:
+        path.attempted, path.explicit = True, flag == "compiled"
+        path.check_toolchain(device, path.backend)
+    return not path.eager
+
+
+def use_decode_backend(policy, backend: str) -> None:
+    """The backend `policy`'s compiled decode compiles with (the recipe's --compile_backend): inductor by default,
+    aot_eager to run the compiled path quickly on a CPU."""
+    decode_path(policy).backend = backend
 
 
 def without_compiling():
@@ -374,7 +453,23 @@ def fast_decoder(policy, dtype: torch.dtype, compiled: bool, own: bool = False) 
     decoder = _fast_decoders.get(policy)
     if decoder is None or (decoder.dtype, decoder.compiled, decoder.own) != (dtype, compiled, own):
         decoder = _fast_decoders[policy] = FastDecoder(policy, dtype, compiled, own)
+    decoder.backend = decode_path(policy).backend
     decoder.merge_weights_from(policy)
+    return decoder
+
+
+def reserve_cache(accelerator, model, rows: int, length: int, decode: str = "auto") -> FastDecoder | None:
+    """The FastDecoder `generate` will use for `model` under --decode `decode`, made now with its static cache of
+    `rows` x `length` reserved (FastDecoder.reserve), so that every later call that fits decodes in that one shape;
+    None when the mode is eager, whose dynamic cache lives only as long as each call."""
+    mode = decode_mode(decode, accelerator.device, accelerator.distributed_type)
+    policy = accelerator.unwrap_model(model)
+    if mode == "compiled" and not decodes_compiled(policy, decode, accelerator.device):
+        mode = "eager"  # no toolchain for the compiled step: generate decodes eagerly too
+    if mode == "eager":
+        return None
+    decoder = fast_decoder(policy, compute_dtype(accelerator, policy), compiled=mode == "compiled")
+    decoder.reserve(rows, length)
     return decoder
 
 
@@ -427,7 +522,11 @@ def generate(
     if keys is not None:
         processors = LogitsProcessorList([KeyedSampling(keys, width, sampling or Sampling(), max_new_tokens)])
     mode = decode_mode(decode, device, accelerator.distributed_type)
-    if mode == "eager":
+    unwrapped = accelerator.unwrap_model(model)
+    if mode == "compiled" and not decodes_compiled(unwrapped, decode, device):
+        mode = "eager"
+
+    def eager() -> torch.Tensor:
         sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         with (
             whole_weights_for_generation(accelerator, model, gather_once) as policy,
@@ -445,10 +544,18 @@ def generate(
                 synced_gpus=sharded and accelerator.num_processes > 1,
             )
             policy.train(was_training)
+        return output
+
+    def fast() -> torch.Tensor:
+        decoder = fast_decoder(unwrapped, compute_dtype(accelerator, unwrapped), compiled=mode == "compiled")
+        return decoder.generate(input_ids, attention_mask, config, processors)
+
+    if mode == "eager":
+        output = eager()
+    elif mode == "compiled":  # a compile failure: this call and the run's later ones decode eagerly
+        output = decode_path(unwrapped).call(fast, eager)
     else:
-        policy = accelerator.unwrap_model(model)
-        decoder = fast_decoder(policy, compute_dtype(accelerator, policy), compiled=mode == "compiled")
-        output = decoder.generate(input_ids, attention_mask, config, processors)
+        output = fast()
     return completions_of(input_ids, attention_mask, output, stop)
 
 
@@ -474,11 +581,21 @@ def greedy_config(model, max_new_tokens: int, pad: int) -> GenerationConfig:
 @torch.no_grad()
 def greedy_ids(model, input_ids, attention_mask, config: GenerationConfig, mode: str, dtype, streamer=None, own=False):
     """`generate`'s output for left-padded prompts on one process, decoded as `mode` (decode_mode) says: `model`
-    itself (eager), or its FastDecoder (a copy in `dtype`, or the model itself when `own`)."""
-    if mode == "eager":
+    itself (eager), or its FastDecoder (a copy in `dtype`, or the model itself when `own`); a compiled decode that
+    fails to compile goes on eagerly (decode_path)."""
+
+    def eager() -> torch.Tensor:
         with without_compiling():  # blocks compiled for training: a new shape every token
             return model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, generation_config=config, streamer=streamer
             )
-    decoder = fast_decoder(model, dtype, compiled=mode == "compiled", own=own)
-    return decoder.generate(input_ids, attention_mask, config, streamer=streamer)
+
+    def fast(compiled: bool = False) -> torch.Tensor:
+        decoder = fast_decoder(model, dtype, compiled=compiled, own=own)
+        return decoder.generate(input_ids, attention_mask, config, streamer=streamer)
+
+    if mode == "eager" or (mode == "compiled" and not decodes_compiled(model, mode, model.device)):
+        return eager()
+    if mode == "compiled":  # a compile failure: this call and the run's later ones decode eagerly
+        return decode_path(model).call(lambda: fast(compiled=True), eager)
+    return fast()

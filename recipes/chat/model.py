@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from accelerate_recipes import RecipeError, TrainingFlags, explain_load_failure, model_to_save
+from accelerate_recipes.compiling import CompiledPath, compile_modules
 
 from .answer_loss import use_answer_loss
 from .conversations import (
@@ -35,7 +36,15 @@ from .conversations import (
     generation_prompt,
     load_file,
 )
-from .generation import compute_dtype, decode_mode, greedy_config, greedy_ids, inner_model
+from .generation import (
+    compute_dtype,
+    decode_mode,
+    decode_path,
+    decodes_compiled,
+    greedy_config,
+    greedy_ids,
+    inner_model,
+)
 from .memory_plan import meta_model, numel
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -64,9 +73,11 @@ class ChatModelFlags(TrainingFlags):
             --packing on a GPU).
         max_new_tokens: longest generated answer (evaluation samples, --predict, --chat).
         decode: how answers are generated: auto (default: compiled on a GPU for a model that is not sharded, else
-            eager), eager (transformers' generate on the trained model, token by token), static (a copy of the model
-            in the compute dtype, LoRA merged into its weights, with a static KV cache) or compiled (static, its
-            decode step compiled: CUDA graphs on a GPU, the compilation paid once per shape). See chat/generation.py.
+            eager; a compiled decode that cannot compile goes on eagerly, said in one line), eager (transformers'
+            generate on the trained model, token by token), static (a copy of the model in the compute dtype, LoRA
+            merged into its weights, with a static KV cache) or compiled (static, its decode step compiled: CUDA
+            graphs on a GPU, the compilation paid once per shape; a failure to compile is an error). results.json:
+            decode_graphs, decode_recompiles, decode_compile_seconds, decode_fallback. See chat/generation.py.
         cache_dir: cache of the `datasets` library (downloads and tokenised data).
         chat: talk to the model in --model in the terminal, answers streamed; an empty line or Ctrl-D ends.
         merge: write the model in --model as one plain transformers folder to this path: a LoRA adapter merged into
@@ -105,15 +116,19 @@ class KernelFlags:
 
     Args:
         compile: compile each decoder block with torch.compile before training; default: on a CUDA GPU (not under
-            DeepSpeed, nor with --liger), off elsewhere; --nocompile turns it off. The first steps take longer while
+            DeepSpeed, nor with --liger), off elsewhere; --nocompile turns it off. By default a failure to compile
+            (no C compiler or Python headers, a backend error, the recompile limit) lets the run go on eagerly with
+            one line that says why; given --compile, it is an error. results.json: compile_graphs,
+            compile_recompiles, compile_seconds, compile_fallback. The first steps take longer while
             it compiles (results.json: warmup_seconds, the steps left out of the throughput; compile_cache_hits:
             graphs that torch's own cache in /tmp/torchinductor_$USER, or $TORCHINDUCTOR_CACHE_DIR, gave a later run
             of the same shapes without compiling them). With --packing the rows are filled up to a multiple of 128
             tokens (one more sequence, without loss), so that a run's rows take a few lengths and the blocks compile
             once or twice, not for every row. Evaluation and generation run the compiled graphs where their shapes
             match and eagerly where they do not, never compiling again.
-        compile_backend: torch.compile's backend: inductor (default: generates fused kernels) or aot_eager (traces
-            and runs the graphs without generating code: quick, to find what does not compile).
+        compile_backend: torch.compile's backend, for the blocks and the compiled decode: inductor (default:
+            generates fused kernels) or aot_eager (traces and runs the graphs without generating code: quick, to
+            find what does not compile).
         liger: put Liger Kernel's fused Triton kernels (pip install liger-kernel; a CUDA GPU) in the model's RMSNorm,
             SwiGLU MLP and rotary embedding, for the model types Liger patches (Llama, Qwen2/3, Mistral, ...); the loss
             stays this recipe's (the answer positions' logits only, in chunks). The other way to fuse those layers
@@ -149,16 +164,28 @@ def compiles(flag: bool | None, accelerator, liger: bool = False) -> bool:
     return on and not liger
 
 
-def compile_blocks(model, backend: str) -> None:
+def compiled_blocks(flag: bool | None, accelerator, liger: bool = False, backend: str = "inductor") -> CompiledPath:
+    """The decoder blocks' compiled path in this run: tried when compiles() says so and inductor has what it needs
+    here (checked now, before the first step: else they run eagerly, said in one line; with --compile, an error)."""
+    attempted = compiles(flag, accelerator, liger)
+    path = CompiledPath("the decoder blocks", "--nocompile", "--compile", explicit=bool(flag), attempted=attempted)
+    if attempted:
+        path.check_toolchain(accelerator.device, backend)
+    return path
+
+
+def compile_blocks(model, backend, path: CompiledPath | None = None) -> None:
     """torch.compile each decoder block in place (the pattern torchtitan uses): the blocks are where the time goes,
-    each compiles to the same graph, and FSDP2 still shards them one by one; the loss and the rest stay eager."""
+    each compiles to the same graph, and FSDP2 still shards them one by one; the loss and the rest stay eager. Each
+    block's call goes through `path` (compile_modules): a compile failure puts every block back to eager."""
     causal_lm = inner_model(model)
     blocks = getattr(causal_lm.get_decoder(), "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
         raise RecipeError(f"--compile compiles the decoder's blocks, and {type(causal_lm).__name__} keeps none in "
                           "decoder.layers; drop --compile")  # fmt: skip
-    for block in blocks:
-        block.compile(backend=backend)
+    if path is None:  # compiled on purpose: a failure is an error
+        path = CompiledPath("the decoder blocks", "--nocompile", "--compile", explicit=True)
+    compile_modules(blocks, backend, path)
 
 
 def use_liger_kernels(model, device) -> None:
@@ -178,13 +205,21 @@ def use_liger_kernels(model, device) -> None:
     _apply_liger_kernel_to_instance(causal_lm, **kernels)
 
 
-def use_kernels(model, args: KernelFlags, device) -> None:
+def use_kernels(model, args: KernelFlags, device, blocks: CompiledPath | None = None) -> None:
     """The kernels KernelFlags ask for, in place, before prepare: Liger Kernel's (--liger) or the compiled blocks
-    (--compile, settled by compiles, which keeps the two apart)."""
+    (--compile, settled by compiled_blocks, which keeps the two apart; `blocks`: their path)."""
     if args.liger:
         use_liger_kernels(model, device)
     if args.compile:
-        compile_blocks(model, args.compile_backend)
+        compile_blocks(model, args.compile_backend, blocks)
+
+
+def compile_figures(blocks: CompiledPath | None, model, accelerator) -> dict:
+    """What results.json records of the run's compilations in this process: the blocks' (compile_graphs,
+    compile_recompiles, compile_seconds, compile_fallback) and the decode step's (decode_graphs, ...)."""
+    blocks = blocks or CompiledPath("the decoder blocks", "--nocompile", "--compile", attempted=False)
+    decode = decode_path(accelerator.unwrap_model(model))
+    return {**blocks.figures("compile", "compile_seconds"), **decode.figures("decode", "decode_compile_seconds")}
 
 
 def compile_cache_hits() -> int:
@@ -549,6 +584,8 @@ def generate_answers(
     """
     unwrapped = accelerator.unwrap_model(model)
     mode = decode_mode(decode, accelerator.device, accelerator.distributed_type)
+    if mode == "compiled" and not decodes_compiled(unwrapped, decode, accelerator.device):
+        mode = "eager"
     dtype = compute_dtype(accelerator, unwrapped)
     unwrapped.eval()
     pairs = [generation_prompt(messages) for messages in conversations]
@@ -607,7 +644,10 @@ def inference_model(args: ChatModelFlags, decode: str = "eager"):
     model, tokenizer = load_fine_tuned(args.model or args.output_dir, dtype)
     if mode != "eager" and isinstance(model, peft.PeftModel):
         model = model.merge_and_unload()
-    return model.to(device).eval(), tokenizer, mode
+    model = model.to(device).eval()
+    if mode == "compiled" and not decodes_compiled(model, decode, device):
+        mode = "eager"
+    return model, tokenizer, mode
 
 
 def predict(args: ChatModelFlags) -> None:

@@ -87,6 +87,7 @@ from accelerate_recipes import (
     setup_tracker,
     write_results,
 )
+from accelerate_recipes.compiling import compile_results, process_compile_counts
 from accelerate_recipes.plots import plot_results
 from accelerate_recipes.seeding import SeededAugmentation
 
@@ -587,6 +588,7 @@ def train(args: DetectFlags) -> None:
     criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
 
     # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
+    compiled_before = process_compile_counts()  # a launcher's --dynamo_backend: results.json counts what it compiles
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate() moves only the images.
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
@@ -719,7 +721,7 @@ def train(args: DetectFlags) -> None:
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     save_model(output)  # the (EMA) model and detector.json, what --predict and --eval_only rebuild it from
-    results = dict(config, **progress.results(started))
+    results = dict(config, **progress.results(started), **compile_results(compiled_before))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -148,6 +148,10 @@ def main(
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # shuffle: seed+epoch, any world size
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
     )
+    # cuDNN's sdpa, Hopper's default from torch 2.11, is reported to give NaN gradients where a mask leaves
+    # whole query rows masked, as left padding does: off on CUDA for the process, as in recipes/dpo.py.
+    if accelerator.device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     world, accumulation = accelerator.num_processes, gradient_accumulation_steps
     if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
         cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation} accumulation step(s)"
