@@ -129,6 +129,8 @@ OLDEST_TESTS ?= tests/test_chat_data.py tests/test_grpo_parts.py \
 	tests/test_dpo.py::test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradients \
 	tests/test_dpo.py::test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows \
 	tests/test_dpo.py::test_compiled_blocks_give_the_eager_policy_and_reference_and_compile_once \
+	tests/test_dpo.py::test_the_gpu_defaults_compiled_train_and_answer_as_eager_and_compile_once_per_kind \
+	tests/test_compile_fallback.py \
 	tests/test_dpo.py::test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped \
 	tests/test_grpo.py::test_nan_gradients_stop_the_run_at_their_step_before_an_evaluation_between_log_steps
 $(OLDEST_VENV)/.installed: pyproject.toml tests/oldest-versions.txt | $(VENV)/.installed-dev

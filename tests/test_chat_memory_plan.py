@@ -214,6 +214,115 @@ def test_plan_only_plans_7b_from_its_config_alone(tmp_path):
         launch_of(accelerator, sft.SftFlags(plan_sharding="zero4"), per_process=2)
 
 
+# ------------------------------------------------------------------------------------------- GRPO's plan
+PLAN_PARTS = ["weights", "gradients", "optimizer", "reference", "decode_copy", "kv_cache"]
+PLAN_PARTS += ["activations", "logits"]
+
+
+def test_grpos_plan_of_qwen25_05b_adds_the_decode_copy_and_its_static_kv_cache(monkeypatch):
+    """GRPO's plan (rollout_plan) on the meta device, a full fine-tune in fp32 decoding with --decode static:
+    8 prompts x 8 completions per process, prompts up to 500 tokens, 256 new. Training's parts for 64
+    completions of 756 tokens, the decode copy (every weight again in the compute dtype) and one static KV
+    cache of 64 rows x (512 + 256) positions, counted by hand. Where the cache alone makes the plan too big,
+    one line says so."""
+    from accelerate import Accelerator
+    from chat import memory_plan
+    from chat.memory_plan import HEADROOM, rollout_plan
+    from grpo import GrpoFlags
+
+    accelerator = Accelerator(cpu=True)
+    args = GrpoFlags(decode="static", num_generations=8, max_new_tokens=256)
+    plan = rollout_plan(accelerator, args, meta_qwen(), None, rows=64, longest_prompt=500)
+    assert plan.cache == (64, 512 + 256) and list(plan.mb) == [*PLAN_PARTS, "total"]
+    # keys and values x layers x KV heads x head size x rows x positions x fp32
+    kv = 2 * 24 * 2 * 64 * 64 * 768 * 4
+    training = parts(ModelSize.of(meta_qwen()), launch(micro_batch=64, max_length=756, compute_bytes=4))
+    expected = {name: training[name] for name in ("weights", "gradients", "optimizer")}
+    expected.update(reference=0.0, decode_copy=4 * PARAMS_05B / MB, kv_cache=kv / MB)
+    expected.update(activations=training["activations"], logits=training["logits"])
+    assert {k: v for k, v in plan.mb.items() if k != "total"} == pytest.approx(expected)
+    assert plan.mb["total"] == pytest.approx(sum(expected.values()))
+    # --update_rows: the update's passes hold fewer completions; the cache still holds a call's every row
+    passes = GrpoFlags(decode="static", update_rows=16)
+    smaller = rollout_plan(accelerator, passes, meta_qwen(), None, rows=64, longest_prompt=500)
+    assert smaller.launch.micro_batch == 16 and smaller.cache == plan.cache
+    assert smaller.mb["activations"] == pytest.approx(training["activations"] / 4)
+    eager = rollout_plan(accelerator, GrpoFlags(decode="eager"), meta_qwen(), None, 64, longest_prompt=500)
+    assert eager.mb["kv_cache"] == eager.mb["decode_copy"] == 0
+
+    total = plan.mb["total"]
+    monkeypatch.setattr(memory_plan, "device_memory", lambda _: ((total - kv / MB / 2) / HEADROOM, "assumed"))
+    table = rollout_plan(accelerator, args, meta_qwen(), None, rows=64, longest_prompt=500).table()
+    assert "does NOT fit" in table and "it would fit without the static KV cache (" in table
+    assert len([line for line in table.splitlines() if "KV cache (" in line]) == 1
+
+
+def test_grpos_plan_counts_the_cache_and_the_copy_the_run_reserves(tiny_chat_model, tmp_path, capsys):
+    """On the tiny chat model with --decode static, as grpo.py runs it: the plan is printed before training,
+    and the bytes of its decode copy and KV cache are those of the FastDecoder's weights and of the
+    StaticCache's tensors that generation.reserve_cache then makes; prompts of two length buckets decode in
+    that cache, and no other is made. The reference's bytes: a full fine-tune's frozen copy, and the frozen
+    copy of an adapter given in --model (kept apart from the weights)."""
+    from accelerate import Accelerator
+    from chat import generation
+    from chat.memory_plan import print_rollout_plan, rollout_plan
+    from chat.model import build_model, load_tokenizer, reference_policy
+    from chat.rollouts import generate
+    from grpo import GrpoFlags
+    from test_grpo_parts import chat_prompts
+
+    accelerator = Accelerator(cpu=True)
+    args = GrpoFlags(lora_r=4, decode="static", num_generations=2, max_new_tokens=6)
+    tokenizer = load_tokenizer(str(tiny_chat_model))
+    prompts = [p for p in chat_prompts(tokenizer, ["sky", "sky " * 30, "ripe plum " * 20]) for _ in range(2)]
+    longest = max(map(len, prompts))
+    assert 64 < longest <= 128 and min(map(len, prompts)) <= 64
+    model = build_model(args, str(tiny_chat_model), accelerator)
+    plan = print_rollout_plan(accelerator, args, model, None, len(prompts), longest)
+    printed = capsys.readouterr().out
+    assert f"update passes of 6 completions x {longest + 6} tokens" in printed
+    assert "decode static: one static KV cache of 8 rows x 134 positions for every generation" in printed
+    assert "  kv_cache " in printed and "  decode_copy " in printed and ": fits" in printed
+    decoder = generation.reserve_cache(accelerator, model, *plan.cache, args.decode)
+    assert decoder.cache_bytes() == plan.mb["kv_cache"] * MB == 2 * 2 * 2 * 8 * 8 * 134 * 4
+    copy_bytes = sum(p.numel() * p.element_size() for p in decoder.model.parameters())
+    assert copy_bytes == plan.mb["decode_copy"] * MB
+    generate(accelerator, model, tokenizer, prompts[:2], args)  # width bucket 64
+    generate(accelerator, model, tokenizer, prompts, args)  # width bucket 128
+    assert list(decoder.caches) == [plan.cache] and decoder.cache_bytes() == plan.mb["kv_cache"] * MB
+    args.decode = "eager"
+    eager = rollout_plan(accelerator, args, model, None, len(prompts), longest)
+    assert eager.mb["kv_cache"] == eager.mb["decode_copy"] == 0
+    assert generation.reserve_cache(accelerator, model, *eager.cache, args.decode) is None
+
+    # references: a full fine-tune's frozen copy; an adapter given in --model gets a frozen copy of itself
+    full = GrpoFlags(beta=0.1, decode="eager")
+    model = build_model(full, str(tiny_chat_model), accelerator)
+    frozen_copy = reference_policy(full, accelerator, model, str(tiny_chat_model))
+    weights = 4 * sum(p.numel() for p in model.parameters())
+    assert rollout_plan(accelerator, full, model, frozen_copy, 6, longest).mb["reference"] * MB == weights
+    adapter = tmp_path / "adapter"
+    build_model(args, str(tiny_chat_model), accelerator).save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    args.beta = 0.1
+    model = build_model(args, str(adapter), accelerator)
+    alone = rollout_plan(accelerator, args, model, None, 6, longest)
+    frozen_adapter = reference_policy(args, accelerator, model, str(adapter))
+    beside = rollout_plan(accelerator, args, model, frozen_adapter, 6, longest)
+    assert beside.mb["reference"] * MB == 4 * alone.size.trainable > 0
+    assert beside.mb["weights"] == alone.mb["weights"] and beside.size.parameters == alone.size.parameters
+
+
+def test_the_grpo_run_records_its_plan(grpo_one):
+    """grpo.py's plan in results.json (the shared 1-process run, which decodes eagerly on the CPU): every
+    part and their total; no decode copy nor static cache, no reference (--beta 0)."""
+    results = read_results(grpo_one)
+    plan = results["memory_plan_mb"]
+    assert list(plan) == [*PLAN_PARTS, "total"] and results["decode_mode"] == "eager"
+    assert plan["total"] == pytest.approx(sum(v for k, v in plan.items() if k != "total"))
+    assert plan["decode_copy"] == plan["kv_cache"] == plan["reference"] == 0 and plan["weights"] > 0
+
+
 # ------------------------------------------------------------------------------------- plan against measured peak
 @pytest.fixture(scope="module")
 def plan_runs(tiny_chat_model, module_tmp):

@@ -61,7 +61,10 @@ def assert_close_weights(a: Path, b: Path) -> None:
 
 
 def test_a_compiled_run_saves_weights_under_the_models_own_names(compiled):
-    assert read_results(compiled)["compile"] is True and read_results(compiled)["steps"] == 4
+    results = read_results(compiled)
+    assert results["compile"] is True and results["steps"] == 4
+    # what it compiled: the training graph and the evaluation's, each counted with its seconds; no fallback
+    assert results["compile_graphs"] >= 2 and results["compile_seconds"] > 0 and results["compile_fallback"] is None
     # what load_trained_model rebuilds: torchvision's resnet18 (the CIFAR stem keeps its names), no `_orig_mod.`
     names = set(torchvision.models.resnet18(num_classes=10).state_dict())
     for folder in (compiled, compiled / "model_best", compiled / "checkpoints" / "step_00000002"):
@@ -106,6 +109,7 @@ def test_checkpoints_resume_with_and_without_compile(compiled, tmp_path):
     output = resume(compiled, 2, plain, "--checkpoint_every", "1")
     assert f"resumed from {plain / 'checkpoints' / 'step_00000002'}" in output
     assert read_results(plain)["compile"] is False and read_results(plain)["steps"] == 4
+    assert read_results(plain)["compile_graphs"] == 0  # nothing compiled
     assert list(losses(plain)) == [1, 2, 3, 4]
     assert list(losses(plain).values()) == pytest.approx(list(losses(compiled).values()), rel=1e-3)
     assert_close_weights(plain, compiled)

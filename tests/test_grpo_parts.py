@@ -309,7 +309,12 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
     graphs) against eager generate on the trained model itself, in fp32: the same greedy answers and the same keyed
     samples, for prompts of different widths and a row count off the bucket; after the weights move, the next call
     decodes the moved model's completions (the copy is refreshed at every call, the compiled step reads it) and
-    compiles nothing new: a GRPO step's rollouts reuse the graphs of the first."""
+    compiles nothing new: a GRPO step's rollouts reuse the graphs of the first.
+
+    compiled reserves one cache for the longest prompts first, as grpo.py does (generation.reserve_cache):
+    prompts of a second length bucket (over 64 tokens) then decode in it, the same completions again, and
+    compile nothing (a recompile would be an error); static, reserving nothing, makes a cache per bucket."""
+    from chat import generation
     from chat.generation import ROW_BUCKET
     from chat.model import build_model, load_tokenizer
     from chat.rollouts import generate
@@ -327,9 +332,12 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
             weight.normal_(0, 0.05)
     prompts = [p for p in chat_prompts(tokenizer, ["sky", "ripe plum", "grass"]) for _ in range(2)]
     assert len(prompts) % ROW_BUCKET and len(set(map(len, prompts))) > 1
+    long = [p for p in chat_prompts(tokenizer, ["sky " * 30, "ripe plum " * 20, "grass"]) for _ in range(2)]
+    shape = generation.cache_shape(len(prompts), max(map(len, long)), args.max_new_tokens)
+    assert max(map(len, prompts)) <= 64 < max(map(len, long)) and shape == (ROW_BUCKET, 128 + 10)
     keys = sampling_keys(0, 0, torch.tensor([0, 1, 2]), 2)
 
-    def both(keys=None):
+    def both(keys=None, prompts=prompts):
         args.decode = "eager"
         eager = generate(accelerator, model, tokenizer, prompts, args, keys)
         args.decode = mode
@@ -339,10 +347,16 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
         return eager
 
     before = counters["stats"]["unique_graphs"]
+    if mode == "compiled":
+        decoder = generation.reserve_cache(accelerator, model, *shape, mode)
     sampled, greedy = both(keys), both()
     assert not torch.equal(sampled.completion, greedy.completion)
     compiled = counters["stats"]["unique_graphs"]
     assert (compiled > before) == (mode == "compiled")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        both(keys, long)
+    if mode == "compiled":  # the decode's net would have caught a recompile and gone eager: it did not
+        assert list(decoder.caches) == [shape] and generation.decode_path(model).fallback is None
     with torch.no_grad():
         for weight in moved:
             weight.mul_(-2)

@@ -14,18 +14,20 @@ weight (2 B in bf16 runs, 4 B in fp32 runs). The counts and dtypes are read from
 hold for any architecture; the activation estimate assumes a Llama-like decoder block (see activations()).
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 from accelerate.utils import DistributedType
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 from accelerate_recipes import RecipeError, first_line
 from accelerate_recipes.launch import per_process_batch_size
 
 from .answer_loss import CHUNK_LOGITS, PLAIN_LOGITS
+from .generation import cache_shape, compute_dtype, decode_mode, kv_layout
 
 MB = 2**20
 HEADROOM = 0.9  # a plan fits in 90% of the memory: the CUDA context, the allocator's fragmentation, the runtime
@@ -260,10 +262,11 @@ def fits(total_mb: float, launch: Launch) -> bool:
     return total_mb <= HEADROOM * launch.device_mb
 
 
-def advice(size: ModelSize, launch: Launch) -> str:
+def advice(size: ModelSize, launch: Launch, fixed_mb: float = 0.0) -> str:
     """One line naming the change that makes the run fit: the first candidate whose plan fits, in this order: what
     keeps the method and the devices (checkpointing, smaller micro-batches, FSDP over the processes there are), LoRA,
-    these together, then FSDP over more devices of the same memory."""
+    these together, then FSDP over more devices of the same memory. `fixed_mb`: what the run keeps besides
+    training's parts, whatever the change (GRPO's reference, decode copy and KV cache)."""
     base_bytes = 2 if launch.compute_bytes == 2 else 4
     lora = size.as_lora(16, base_bytes) if not launch.lora_r and size.lora_per_rank else None
     candidates = []
@@ -304,7 +307,7 @@ def advice(size: ModelSize, launch: Launch) -> str:
             candidates += sharded(n)
     for what, candidate_size, changes in candidates:
         changed = Launch(**{**launch.__dict__, **changes})
-        total = parts(candidate_size, changed)["total"]
+        total = parts(candidate_size, changed)["total"] + fixed_mb
         if fits(total, changed):
             return f"would fit with {what}: {total:,.0f} MB per process"
     return "no change tried fits: use devices with more memory or a smaller model"
@@ -360,5 +363,115 @@ class MemoryPlan:
 def print_plan(accelerator, args, model, per_process: int) -> MemoryPlan:
     """The plan of this run (or of the launch --plan_* assume), printed by the main process."""
     plan = MemoryPlan.of(model, launch_of(accelerator, args, per_process))
+    accelerator.print(plan.table())
+    return plan
+
+
+# ---------------------------------------------------------------------------------------- GRPO's rollouts
+def kv_cache_bytes(config, rows: int, length: int, element_bytes: int) -> int:
+    """Bytes of a static KV cache of `rows` rows x `length` positions as transformers' StaticCache
+    allocates it: the keys and values of every layer, 2 x layers x kv_heads x head_dim x rows x length x
+    bytes (a sliding-window layer holds its window at most)."""
+    kv_heads, head_dim = kv_layout(config)
+    layers = StaticCache(config=config, max_cache_len=length).layers  # their lengths only: no allocation
+    positions = sum(getattr(layer, "max_cache_len", 0) for layer in layers)
+    return 2 * kv_heads * head_dim * rows * positions * element_bytes
+
+
+def reference_parameters(model, reference) -> list:
+    """The weights the reference policy adds (chat.model.reference_policy): a frozen copy's, a frozen
+    adapter's inside `model` (named `reference`), or none (the base with the adapter off; no reference)."""
+    if isinstance(reference, torch.nn.Module):
+        return list(reference.parameters())
+    if isinstance(reference, str):
+        return [p for name, p in model.named_parameters() if "lora_" in name and reference in name.split(".")]
+    return []
+
+
+@dataclass(frozen=True)
+class RolloutPlan(MemoryPlan):
+    """GRPO's plan: training's parts for an update pass of `launch.micro_batch` completions, and what the
+    rollouts keep for the whole run besides: the reference policy (--beta), and under --decode static or
+    compiled the decode copy (the model in the compute dtype, LoRA merged) and its one static KV cache of
+    `cache` (rows, positions)."""
+
+    decode: str = "eager"
+    cache: tuple[int, int] = (0, 0)
+
+    def table(self) -> str:
+        launch, size, mb = self.launch, self.size, self.mb
+        method = f"LoRA r{launch.lora_r}" if launch.lora_r else "full fine-tune"
+        precision = "bf16/fp16 compute" if launch.compute_bytes == 2 else "fp32"
+        rows, length = self.cache
+        if self.decode == "eager":
+            decode = "a dynamic KV cache per generation, freed before the update"
+        else:
+            decode = f"one static KV cache of {rows} rows x {length} positions for every generation"
+        lines = [
+            f"memory plan per process: {method}, {launch.strategy} on {launch.processes} process(es), "
+            f"update passes of {launch.micro_batch} completions x {launch.max_length} tokens, {precision}"
+            f"{', gradient checkpointing' if launch.checkpointing else ''}",
+            f"  decode {self.decode}: {decode}",
+            f"  parameters      {size.parameters:>14,} ({size.trainable:,} trainable)",
+        ]
+        lines += [f"  {name:<15} {mb[name]:>11,.0f} MB" for name in mb]
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"  available       {launch.device_mb:>11,.0f} MB ({launch.device_note}): {verdict}")
+        if not self.fits and fits(mb["total"] - mb["kv_cache"], launch):
+            # More, shorter caches never need less: the longest prompts' calls need this one besides them.
+            lines.append(
+                f"  it would fit without the static KV cache ({mb['kv_cache']:,.0f} MB), and no split into "
+                "more cache lengths needs less: lower --num_generations or --max_new_tokens, or use "
+                "--decode eager"
+            )
+        elif not self.fits:
+            kept = mb["reference"] + mb["decode_copy"] + mb["kv_cache"]
+            lines.append(f"  {advice(size, launch, kept)}")
+        return "\n".join(lines)
+
+
+def rollout_plan(accelerator, args, model, reference, rows: int, longest_prompt: int) -> RolloutPlan:
+    """GRPO's plan for `rows` completions per process per micro-batch (an update pass takes --update_rows of
+    them when fewer) of prompts up to `longest_prompt` tokens: every generation decodes in the cache of
+    `rows` such prompts (generation.cache_shape), an evaluation's batches being no larger."""
+    mode = decode_mode(args.decode, accelerator.device, accelerator.distributed_type)
+    shape = cache_shape(rows, longest_prompt, args.max_new_tokens)
+    element_bytes = compute_dtype(accelerator, model).itemsize
+    own = reference_parameters(model, reference)
+    reference_bytes = sum(numel(p) * p.element_size() for p in own)
+    size = ModelSize.of(model)
+    if isinstance(reference, str) and own:  # the frozen adapter sits in the model: the reference's part
+        parameters, frozen = size.parameters - sum(map(numel, own)), size.frozen_bytes - reference_bytes
+        size = dataclasses.replace(size, parameters=parameters, frozen_bytes=frozen)
+    device_mb, note = device_memory(accelerator)
+    if own and own[0].device.type == "cuda":  # a frozen copy already on the GPU: planned, not free
+        device_mb += reference_bytes / MB
+    launch = Launch(
+        strategy=launched_strategy(accelerator),
+        processes=accelerator.num_processes,
+        micro_batch=args.update_rows if 0 < args.update_rows < rows else rows,
+        accumulation=args.gradient_accumulation_steps,
+        max_length=longest_prompt + args.max_new_tokens,  # prompts padded to a batch's widest, then answers
+        checkpointing=args.gradient_checkpointing,
+        compute_bytes=2 if accelerator.mixed_precision in ("bf16", "fp16") else 4,
+        lora_r=args.lora_r,
+        device_mb=device_mb,
+        device_note=note,
+    )
+    training = parts(size, launch)
+    static = mode != "eager"
+    base = sum(numel(p) for name, p in model.named_parameters() if "lora_" not in name)  # the copy's
+    mb = {name: training[name] for name in ("weights", "gradients", "optimizer")}
+    mb["reference"] = reference_bytes / MB
+    mb["decode_copy"] = base * element_bytes / MB if static else 0.0
+    mb["kv_cache"] = kv_cache_bytes(model.config, *shape, element_bytes) / MB if static else 0.0
+    mb.update(activations=training["activations"], logits=training["logits"])
+    mb["total"] = sum(mb.values())
+    return RolloutPlan(size, launch, mb, decode=mode, cache=shape)
+
+
+def print_rollout_plan(accelerator, args, model, reference, rows: int, longest_prompt: int) -> RolloutPlan:
+    """GRPO's plan (rollout_plan), printed by the main process."""
+    plan = rollout_plan(accelerator, args, model, reference, rows, longest_prompt)
     accelerator.print(plan.table())
     return plan
