@@ -5,8 +5,11 @@ directory and can be uploaded later with `swanlab sync`. Only the main process l
 """
 
 import importlib.util
+import json
 import os
+import secrets
 import socket
+import string
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +21,8 @@ from accelerate.utils import LoggerType
 from accelerate_recipes.errors import RecipeError
 
 SWANLAB_MODES = ("online", "cloud", "offline", "local", "disabled")
+TRACKER_RUN_FILE = "tracker_run.json"  # in the output directory: the tracker's id of the training it holds
+RESUMABLE = {"swanlab", "wandb"}  # the trackers whose init takes an id and resume="allow"
 SWANLAB_API_HOST = "https://api.swanlab.cn"  # SwanLab's default; SWANLAB_API_HOST points it at a private server
 REACH_SECONDS = 3.0  # compute nodes without internet: give up on the cloud this fast instead of holding rank 0
 
@@ -54,6 +59,14 @@ class TrackerSetup:
         if self.swanlab_mode in ("offline", "local"):
             runs = sorted(self.swanlab_dir.glob("run-*"), key=os.path.getmtime) if self.swanlab_dir else []
             run_dir = runs[-1] if runs else self.swanlab_dir
+            run_id = self.init_kwargs.get("swanlab", {}).get("id")
+            parts = [run for run in runs if run_id and run.name.endswith(f"-{run_id}")]
+            if self.swanlab_mode == "offline" and len(parts) > 1:  # a resumed training: one folder per start
+                return (
+                    f"SwanLab (offline, {self.offline_because}): run {run_id} saved in {len(parts)} parts, one per "
+                    f"start, in {self.swanlab_dir}; upload them as one experiment with "
+                    f"`swanlab sync {self.swanlab_dir}/run-*-{run_id}` after `swanlab login`"
+                )
             if self.swanlab_mode == "offline":
                 return (
                     f"SwanLab (offline, {self.offline_because}): run saved in {run_dir}; upload it with "
@@ -103,10 +116,56 @@ def resolve_swanlab_mode(requested: str | None) -> str:
     return mode
 
 
-def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, swanlab_mode: str | None = None):
+def new_run_id() -> str:
+    """A tracker run id as SwanLab's own look: 21 lowercase letters and digits."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(21))
+
+
+def continued_run_id(output_dir: Path, resume: str | None, tracker: str) -> str | None:
+    """The id of the training a resumed run continues: kept in TRACKER_RUN_FILE in its output directory (that of
+    the checkpoint --resume names, else --output_dir), for the same tracker; None for a fresh start."""
+    if resume is None:
+        return None
+    folders = [output_dir]
+    if resume != "auto":  # a checkpoint path: <run's output_dir>/checkpoints/step_N
+        folders.insert(0, Path(resume).expanduser().resolve().parent.parent)
+    for folder in folders:
+        try:
+            saved = json.loads((folder / TRACKER_RUN_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if saved.get("tracker") == tracker and saved.get("id"):
+            return str(saved["id"])
+    return None
+
+
+def keep_run_id(output_dir: str | Path, resume: str | None, tracker: str) -> str:
+    """This training's tracker id: the one a resumed run continues (continued_run_id), else a new one, written to
+    TRACKER_RUN_FILE by the main process so that every later resume logs into the same experiment."""
+    output = Path(output_dir)
+    run_id = continued_run_id(output, resume, tracker) or new_run_id()
+    if is_main_process():
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+            (output / TRACKER_RUN_FILE).write_text(json.dumps({"tracker": tracker, "id": run_id}) + "\n")
+        except OSError:
+            pass  # prepare_output_dir names the cause of an output directory that cannot be written
+    return run_id
+
+
+def setup_tracker(
+    tracker: str | None,
+    output_dir: str | Path,
+    run_name: str,
+    swanlab_mode: str | None = None,
+    resume: str | None = None,
+):
     """Validate `--tracker` and build the arguments Accelerate needs for it.
 
     tracker: "swanlab" (default), "none", or any tracker Accelerate knows by name (tensorboard, wandb, mlflow, ...).
+    resume: --resume; a resumed run logs into the experiment of the training it continues (SwanLab and wandb take
+    its id with resume="allow"; the others start a new run, said in one line).
     """
     name = str(tracker or "none").strip().lower()
     if name in ("none", "", "false", "off"):
@@ -118,7 +177,12 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
         package = {"comet_ml": "comet-ml"}.get(name, name)
         raise RecipeError(f"tracker {name!r} is not installed: pip install {package}, or pass --tracker none")
     if name != "swanlab":
-        return TrackerSetup(log_with=[name])
+        init_kwargs = {}
+        if name in RESUMABLE:
+            init_kwargs[name] = {"id": keep_run_id(output_dir, resume, name), "resume": "allow"}
+        elif resume is not None and is_main_process():
+            print(f"{name}: a resumed run is logged as a new run ({name} takes no run id to continue)", flush=True)
+        return TrackerSetup(log_with=[name], init_kwargs=init_kwargs)
 
     mode = resolve_swanlab_mode(swanlab_mode)
     offline_because = "as asked" if swanlab_mode or os.environ.get("SWANLAB_MODE") else "not logged in"
@@ -135,7 +199,8 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
             mode, offline_because = "offline", "SwanLab cloud not reachable"
     log_dir = Path(os.environ.get("SWANLAB_LOG_DIR") or Path(output_dir) / "swanlog").resolve()
     # Keyword arguments passed through to swanlab.init on the main process.
-    kwargs = {"mode": mode, "name": run_name}
+    # One experiment per training: every resume continues the curves of the same id (offline runs sync into it)
+    kwargs = {"mode": mode, "name": run_name, "id": keep_run_id(output_dir, resume, name), "resume": "allow"}
     if mode in ("offline", "local"):
         kwargs["log_dir"] = str(log_dir)
     return TrackerSetup(

@@ -727,7 +727,9 @@ def train(args: CifarFlags) -> None:
     model_name, stem, image_size, mean, std = input_settings(args)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"cifar-{args.dataset}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"cifar-{args.dataset}", args.swanlab_mode, args.resume
+    )
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,

@@ -431,7 +431,9 @@ def train(args: DpoFlags) -> None:
     lr = args.lr or (DEFAULT_LORA_LR if args.lora_r else DEFAULT_FULL_LR)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode, args.resume
+    )
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,

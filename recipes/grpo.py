@@ -517,7 +517,9 @@ def train(args: GrpoFlags) -> None:
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode, args.resume
+    )
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,

@@ -510,7 +510,9 @@ def train(args: TextFlags) -> None:
     task = glue_task(args)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or default_run_name(args), args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or default_run_name(args), args.swanlab_mode, args.resume
+    )
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,

@@ -25,6 +25,7 @@ from conftest import (
     check,
     fails_with,
     free_port,
+    read_metrics,
     read_results,
     recipe_env,
     run,
@@ -113,10 +114,29 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kil
     sigkill_mid_epoch_then_resume(recipe_command(name, data), kill_after, uninterrupted(name), tmp_path)
 
 
+def swanlab_scalars(run_file: Path) -> dict[tuple[str, int], float]:
+    """(key, step) -> value of every scalar an offline SwanLab run file holds."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    reader, logged = DataStoreReader(), {}
+    reader.open(str(run_file))
+    for raw in reader:
+        record = Record()
+        record.ParseFromString(raw)
+        if record.HasField("scalar"):
+            logged[(record.scalar.key, record.scalar.step)] = record.scalar.value.number
+    return logged
+
+
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted, tmp_path):
+    """Preempted (SIGTERM) and resumed with --resume auto: the weights of the uninterrupted run, and one SwanLab
+    experiment (offline here: one folder per start, both of the same run id, which `swanlab sync` uploads as one)
+    holding the curve before the stop and after the resume, each step once."""
     out, log = tmp_path / "out", tmp_path / "stopped.log"
     env = recipe_env(tmp_path)
     stopping = [PYTHON, *CIFAR, "--checkpoint_every", "0"]  # epoch ends only: the SIGTERM save is the one mid-epoch
+    stopping += ["--tracker", "swanlab", "--swanlab_mode", "offline"]
     proc = start([*stopping, "--output_dir", out], env, log)
     wait_for_checkpoint(proc, out, 6, log)  # the end of epoch 1
     proc.send_signal(signal.SIGTERM)
@@ -126,10 +146,24 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted,
     stop_line = [line for line in log.read_text().splitlines() if line.startswith("stopped:")]
     assert stop_line and "SIGTERM at step" in stop_line[0] and "--resume auto" in stop_line[0]
 
-    check(run([*stopping, "--output_dir", out, "--resume", "auto"], env, timeout=400))
+    resumed = check(run([*stopping, "--output_dir", out, "--resume", "auto"], env, timeout=400))
     assert read_results(out)["resumed_from"].endswith(saved[-1])
     assert_same_weights(out, uninterrupted("cifar"))
     assert_same_best(out, uninterrupted("cifar"))
+
+    run_id = json.loads((out / "tracker_run.json").read_text())["id"]
+    parts = sorted((out / "swanlog").glob("run-*/run-*.swanlab"))
+    assert len(parts) == 2 and all(part.name == f"run-{run_id}.swanlab" for part in parts), parts
+    assert f"run {run_id} saved in 2 parts" in resumed.stdout and f"run-*-{run_id}" in resumed.stdout
+    halves = [swanlab_scalars(part) for part in parts]
+    steps = [sorted(step for key, step in half if key == "train/loss") for half in halves]
+    stopped_at = int(saved[-1].removeprefix("step_"))
+    assert steps[0][-1] >= stopped_at and steps[1][0] == stopped_at + 1 and steps[1][-1] == 12, steps
+    logged = {**halves[0], **halves[1]}  # the resumed half rewrites nothing the first half logged
+    expected = {(k, m["step"]): m[k] for m in read_metrics(out) for k in ("train/loss",) if k in m}
+    assert sorted(expected) == sorted(k for k in logged if k[0] == "train/loss")
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value, rel=1e-6), key
 
 
 def test_half_written_checkpoints_are_skipped_and_cleared(uninterrupted, tmp_path):

@@ -8,11 +8,14 @@ The ways to decode, chosen by --decode:
 - static, compiled: a copy of the model for generation in the run's compute dtype, LoRA adapters merged into its
   weights (one matmul per layer instead of five extra kernels, and no fp32 adapter outside autocast), refreshed from
   the trained weights at every call; a static KV cache whose length is the prompt width rounded up to PROMPT_BUCKET
-  plus --max_new_tokens, and rows rounded up to ROW_BUCKET, or a larger cache made before (an evaluation's batch
-  decodes in the rollouts' cache), so one or two shapes serve a whole run. `compiled` also
+  plus --max_new_tokens, and rows rounded up to ROW_BUCKET, or a larger cache made before (reserve_cache: GRPO
+  reserves its longest call's shape before the first rollout), so one shape serves a whole run. `compiled` also
   compiles the decode step (transformers' compiled `generate` path: torch.compile, CUDA graphs on a GPU); the first
   call of each shape pays the compilation, which the GRPO meter reports apart from the steady throughput.
-- auto (default): compiled on a GPU for an unsharded model, eager otherwise (the CPU, FSDP2, ZeRO-3, --chat).
+- auto (default): compiled on a GPU for an unsharded model, eager otherwise (the CPU, FSDP2, ZeRO-3, --chat). A
+  compiled decode that auto chose and that cannot compile (no toolchain for inductor, a backend error, a CUDA graph
+  that cannot be captured, the recompile limit) decodes eagerly from that call on, said in one line (decode_path);
+  --decode compiled makes the same an error.
 
 Sampling is keyed (KeyedSampling): each row's draw at each position comes from a hash of (row key, position), so the
 same keys give the same completions whatever the batch, the process count or the way of decoding.
