@@ -47,7 +47,14 @@ THREADS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/
 	t=$$(( n / $(NPROC) )); echo $$(( t > 0 ? t : 1 )))
 NGPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 
+# RESTARTS=N: the launcher's elastic agent restarts every worker of the run, up to N times, when one dies (a crash,
+# an OOM kill, a node that reboots within the rendezvous timeout); --resume auto is added, so each restart continues
+# from the run's last checkpoint without a person. Several nodes then meet through c10d rendezvous, which re-forms
+# the group after a restart (static rendezvous would not).
+RESTARTS ?=
 LAUNCH_OPTS = $(if $(GPU_IDS),--gpu_ids $(GPU_IDS)) $(if $(PRECISION),--mixed_precision $(PRECISION))
+restart_opts = $(if $(RESTARTS),--max_restarts $(RESTARTS))
+resume_opts = $(if $(RESTARTS),$(if $(findstring --resume,$(ARGS)),,--resume auto))
 # GPU_IDS sets the process count too: a config's num_processes above the ids given would start ranks on GPUs that
 # are not there ("invalid device ordinal"). 2node: the same ids on each of its 2 nodes.
 comma := ,
@@ -57,11 +64,11 @@ NODE_GPU_COUNT_OPTS = $(if $(GPU_IDS),--num_processes $(words $(GPU_LIST) $(GPU_
 one_gpu_ids = $(if $(and $(filter 1gpu,$(1)),$(word 2,$(GPU_LIST))),@echo "error: GPU_IDS=$(GPU_IDS) names \
 	$(words $(GPU_LIST)) GPUs but $@ runs one process: use one id or make $(@:-1gpu=-$(words $(GPU_LIST))gpu) \
 	GPU_IDS=$(GPU_IDS)" >&2; exit 2)
-launch = $(ACCELERATE) launch --config_file $(CONFIGS)/$(1).yaml $(LAUNCH_OPTS)
+launch = $(ACCELERATE) launch --config_file $(CONFIGS)/$(1).yaml $(LAUNCH_OPTS) $(restart_opts)
 cpu_launch = ACCELERATE_USE_CPU=true $(call launch,cpu) --num_processes $(NPROC) --num_cpu_threads_per_process $(THREADS)
 # A node that waits longer than STARTUP_TIMEOUT seconds for the others stops ("1/2 clients joined") instead of hanging.
 node_opts = --machine_rank $(NODE_RANK) --main_process_ip $(MASTER_ADDR) --main_process_port $(MASTER_PORT) \
-	--rdzv_conf timeout=$(STARTUP_TIMEOUT)
+	--rdzv_conf timeout=$(STARTUP_TIMEOUT) $(if $(RESTARTS),--rdzv_backend c10d)
 need_hostfile = @if [ -z "$(HOSTFILE)" ]; then \
 	echo "error: set HOSTFILE to a file with one 'hostname slots=N' line per node, e.g. make $@ HOSTFILE=hosts.txt" >&2; \
 	exit 2; fi
@@ -194,18 +201,20 @@ script = $(if $(STARTER),$(call starter_of,$(1)),$(1))
 define recipe_targets
 .PHONY: $(1)-cpu $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu $(1)-2node $(1)-hostfile
 $(1)-cpu: $(4)
-	$$(cpu_launch) $$(call script,$(2)) $$(or $$(ARGS),$$(if $$(STARTER),$$($(5)),$$($(3))))
+	$$(cpu_launch) $$(call script,$(2)) $$(or $$(ARGS),$$(if $$(STARTER),$$($(5)),$$($(3)))) $$(resume_opts)
 $(1)-1gpu $(1)-2gpu $(1)-4gpu $(1)-8gpu: $(1)-%: $(4)
 	$$(call one_gpu_ids,$$*)
-	$$(call launch,$$*) $$(GPU_COUNT_OPTS) $$(call script,$(2)) $$(ARGS)
+	$$(call launch,$$*) $$(GPU_COUNT_OPTS) $$(call script,$(2)) $$(ARGS) $$(resume_opts)
 $(1)-2node: $(4)
 	$$(need_master)
-	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $$(call script,$(2)) $$(ARGS)
+	$$(call launch,2node) $$(NODE_GPU_COUNT_OPTS) $$(node_opts) $$(call script,$(2)) $$(ARGS) $$(resume_opts)
 $(1)-hostfile: $(4)
 	$$(need_hostfile)
 	$$(PY) -m recipe_tools.multinode --hostfile $$(HOSTFILE) --config_file $$(CONFIGS)/$$(CONFIG).yaml \
 		--main_process_port $$(MASTER_PORT) $$(if $$(MASTER_ADDR),--main_process_ip $$(MASTER_ADDR)) \
-		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $$(call script,$(2)) $$(ARGS)
+		$$(if $$(RESTARTS),--restarts $$(RESTARTS)) \
+		$$(if $$(strip $$(LAUNCH_OPTS)),--launch_args "$$(strip $$(LAUNCH_OPTS))") $$(call script,$(2)) $$(ARGS) \
+		$$(resume_opts)
 endef
 
 $(eval $(call recipe_targets,cifar,recipes/cifar.py,,$(call needs)))

@@ -3,6 +3,7 @@
 import os
 import re
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -257,6 +258,27 @@ def check_visible_gpus() -> None:
         )
 
 
+def join_restarted_group(timeout_seconds: float) -> None:
+    """Workers the elastic agent restarted (`--max_restarts`, make RESTARTS=N) join their process group under a key
+    prefix of their own attempt. The agent keeps one store for the whole run, and each attempt's workers publish their
+    addresses in it under the same keys: a restarted gloo worker would read an address of the attempt that died and
+    fail to connect ("Connection refused"). The Accelerator then finds the group formed and uses it."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_seconds)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    backend = "nccl" if torch.cuda.is_available() and not use_cpu else "gloo"
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
 @contextmanager
 def explain_startup_failure(timeout_seconds: float):
     """Around `Accelerator(...)`: first check the GPUs the launcher was given exist; then a process group that does
@@ -264,6 +286,7 @@ def explain_startup_failure(timeout_seconds: float):
     joined, instead of a traceback from torch's store."""
     check_visible_gpus()
     try:
+        join_restarted_group(timeout_seconds)
         yield
     except (dist.DistStoreError, dist.DistNetworkError) as err:
         address, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")

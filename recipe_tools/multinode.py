@@ -91,9 +91,12 @@ def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
         str(args.main_process_port),
         "--rdzv_conf",
         f"timeout={args.startup_timeout}",  # a node left alone stops instead of waiting
+        # --restarts: every node's elastic agent restarts its workers when one dies; c10d re-forms the group
+        *(["--max_restarts", str(args.restarts), "--rdzv_backend", "c10d"] if args.restarts else []),
         *shlex.split(args.launch_args),
         args.script,
         *args.script_args,
+        *(["--resume", "auto"] if args.restarts and "--resume" not in args.script_args else []),
     ]
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(forward.items()))
     return "\n".join(
@@ -295,6 +298,13 @@ def parse_args(argv=None):
         default=int(os.environ.get("STARTUP_TIMEOUT", 300)),
         help="seconds each node waits for the others to join before it stops with an error "
         "(default: $STARTUP_TIMEOUT or 300)",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="restart every worker of the run up to N times when one dies (a crash, an OOM kill, a rebooted node), "
+        "each restart continuing from the last checkpoint (--resume auto is added)",
     )
     parser.add_argument("script", help="the training script, e.g. recipes/cifar.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="flags for the script")

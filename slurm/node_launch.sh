@@ -6,7 +6,8 @@
 # Settings (environment): CONFIG (accelerate config, default accelerate_configs/2node.yaml), GPUS_PER_NODE (default:
 # the GPUs this node sees), MASTER_ADDR (default: first node of the job), MASTER_PORT (default 29500),
 # LAUNCH_ARGS (extra accelerate launch flags), ACCELERATE (the accelerate executable), STARTUP_TIMEOUT (seconds a node
-# waits for the others to join, default 300).
+# waits for the others to join, default 300), RESTARTS (restart every worker up to N times when one dies, each time
+# from the last checkpoint: multi_node.sbatch adds --resume auto).
 set -euo pipefail
 
 : "${SLURM_NNODES:?run this through srun inside an sbatch or salloc allocation (SLURM_NNODES is not set)}"
@@ -35,4 +36,5 @@ echo "node $SLURM_NODEID of $SLURM_NNODES ($(hostname)): $GPUS_PER_NODE process(
 exec "$ACCELERATE" launch --config_file "$CONFIG" \
     --num_machines "$SLURM_NNODES" --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
     --machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-    --rdzv_backend c10d --rdzv_conf "join_timeout=${STARTUP_TIMEOUT:-300}" ${LAUNCH_ARGS:-} "$@"
+    --rdzv_backend c10d --rdzv_conf "join_timeout=${STARTUP_TIMEOUT:-300}" \
+    ${RESTARTS:+--max_restarts "$RESTARTS"} ${LAUNCH_ARGS:-} "$@"

@@ -318,3 +318,19 @@ def test_starter_runs_the_recipes_starter_with_the_same_launch_and_a_recipe_with
     proc = make("-n", "detect-2gpu", "STARTER=1")
     assert proc.returncode != 0 and "recipes/detect/train.py has no starter" in proc.stderr, proc.stderr
     assert "recipes/starters/cifar.py" in proc.stderr
+
+
+def test_restarts_launch_through_the_elastic_agent_and_continue_from_the_last_checkpoint():
+    """RESTARTS=N on every <recipe>-<setup> target: the launcher restarts the workers up to N times, each start with
+    --resume auto (unless ARGS names a --resume of its own); several nodes meet through c10d rendezvous. The launch
+    itself is run with a killed worker in test_cifar_training.py."""
+    for target in ("cifar-cpu", "cifar-1gpu", "sft-2gpu", "detect-8gpu"):
+        line = launch_line(make("-n", target, "RESTARTS=2", "ARGS=--epochs 1"))
+        assert "--max_restarts 2" in line and line.rstrip().endswith("--epochs 1 --resume auto"), line
+    line = launch_line(make("-n", "cifar-2gpu", "RESTARTS=1", "ARGS=--resume outputs/x/checkpoints/step_00000008"))
+    assert "--max_restarts 1" in line and line.count("--resume") == 1
+    line = launch_line(make("-n", "cifar-2node", "RESTARTS=1", "MASTER_ADDR=10.0.0.1"))
+    assert "--max_restarts 1" in line and "--rdzv_backend c10d" in line and line.rstrip().endswith("--resume auto")
+    assert "--max_restarts" not in launch_line(make("-n", "cifar-2gpu"))  # without RESTARTS, as before
+    hostfile = make("-n", "cifar-hostfile", "HOSTFILE=hosts.txt", "RESTARTS=3").stdout
+    assert "recipe_tools.multinode" in hostfile and "--restarts 3" in hostfile and "--resume auto" in hostfile

@@ -142,6 +142,14 @@ def test_remote_nodes_get_ssh_with_rank_address_and_forwarded_network_settings(m
     ) in launch
     assert launch.rstrip(" &").endswith("recipes/cifar.py --epochs 5")
 
+    # --restarts 2 (make <recipe>-hostfile RESTARTS=2): each node's elastic agent restarts its workers, the group
+    # re-formed through c10d, every start continuing from the last checkpoint
+    args = multinode.parse_args(["--hostfile", str(hostfile), "--restarts", "2", "recipes/cifar.py", "--epochs", "5"])
+    script = shlex.split(multinode.node_command(1, hosts, args)[6])[2]
+    launch = next(line for line in script.splitlines() if " launch " in line)
+    assert "--max_restarts 2 --rdzv_backend c10d" in launch
+    assert launch.rstrip(" &").endswith("recipes/cifar.py --epochs 5 --resume auto")
+
 
 def wait_for_listener(port: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + time_limit(timeout)
