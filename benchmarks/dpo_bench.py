@@ -250,13 +250,17 @@ def trl_speed(
     OUTPUT_DIR/results.json (gpu-check's dpo step runs this after each run of the recipe, on the same model folder,
     pairs, batch and steps).
 
-    The recipe's defaults where both have them: the sigmoid loss at beta 0.1, LoRA on every linear layer (alpha 2 x r,
-    no dropout) with the base as reference, or a full fine-tune with a frozen copy as reference; lr 5e-5 with LoRA
-    and 1e-6 in full, no warm-up, gradients clipped to norm 1.0, fused AdamW on a GPU. TRL pads each batch's rows (its
-    padding_free is switched off in this release); Liger Kernel's layers on a GPU when liger_kernel imports. On a GPU
-    bf16 autocast over the weights the recipe keeps (a LoRA run's frozen base in bf16, a full run's weights in fp32);
-    fp32 on the CPU. Tokens/s: pairs per second x the mean tokens of a pair's rows (the prompt twice and both
-    answers, padding not counted), over the steps after the first.
+    The recipe's defaults where both have them: the sigmoid loss at beta 0.1, LoRA on every linear layer
+    (alpha 2 x r, no dropout) with the base as reference, or a full fine-tune with a frozen copy as reference;
+    lr 5e-5 with LoRA and 1e-6 in full, no warm-up, gradients clipped to norm 1.0, fused AdamW on a GPU. TRL
+    pads each batch's rows (its padding_free is switched off in this release); Liger Kernel's layers on a GPU
+    when liger_kernel imports. On a GPU bf16 autocast over the weights the recipe keeps (a LoRA run's frozen
+    base in bf16, a full run's weights in fp32), and the recipes' sdpa kernels: cuDNN's off
+    (recipes/chat/model.py use_sdpa_backends), whose backward has given NaN gradients under padded rows'
+    masks, so that a non-finite loss here is TRL's own and not the kernel's; results.json names the kernels
+    kept off (sdpa_backends_off) and every logged loss (train_losses). fp32 on the CPU. Tokens/s: pairs per
+    second x the mean tokens of a pair's rows (the prompt twice and both answers, padding not counted), over
+    the steps after the first.
 
     Args:
         model: the model folder (a causal LM with its tokenizer and chat template).
@@ -281,12 +285,15 @@ def trl_speed(
     cuda, liger, dtype = trl_speed_device(model, device, liger, lora_r)
 
     import torch
+    from chat.model import sdpa_backends_off, use_sdpa_backends
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     from accelerate_recipes.meter import StepMeter
 
+    torch_device = torch.device("cuda" if cuda else "cpu")
+    use_sdpa_backends(torch_device)  # as the recipes: cuDNN's sdpa kernel off on CUDA, for this process
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
     network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
@@ -304,7 +311,7 @@ def trl_speed(
         use_liger_kernel=liger,
         **trl_speed_settings(DPOConfig, seed, log_every, cuda),
     )
-    meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
+    meter = StepMeter(torch_device)
     trainer = DPOTrainer(
         model=network,
         args=config,
@@ -323,6 +330,7 @@ def trl_speed(
     results = {
         **trl_speed_facts(trainer, network, meter, cuda, dtype, lora_r, batch_size, liger),
         "padding_free": False,
+        "sdpa_backends_off": [backend.name for backend in sdpa_backends_off(torch_device)],
         "train_samples_per_second": pairs_per_second,
         "mean_tokens_per_pair": per_pair,
         "train_tokens_per_second": pairs_per_second * per_pair if pairs_per_second else None,

@@ -1,10 +1,14 @@
-"""`make gpu-check`'s harness: without a GPU it says so and exits 2; its CPU smoke mode runs the real steps on gloo
-processes from a plain checkout (the package not installed) in one call that keeps only report and logs in its
-results folder; preempt stops a run with SIGTERM and resumes it; a second call after the first runs only what is not
-proven, and a step its budget stops leaves no process and is incomplete, the steps before it on disk; reports fold
-into a proof file. In-process: the calls --plan makes of what is left (estimates built from measured parts), proof
-carried to GPUs like the ones that made it, the disk a step needs, what a measuring run leaves."""
+"""`make gpu-check`'s harness: without a GPU it says so and exits 2; its CPU smoke mode runs the real steps on
+gloo processes from a plain checkout (the package not installed) in one call that keeps only report and logs
+in its results folder; preempt stops a run with SIGTERM and resumes it; a second call after the first runs
+only what is not proven, and a step its budget stops leaves no process and is incomplete, the steps before it
+on disk; reports fold into a proof file; a proof whose step's files changed since is stale, and a call after
+it runs that step again. In-process: the calls --plan makes of what is left (estimates built from measured
+parts), what no GPU has run first, proof carried to GPUs like the ones that made it, the chat steps' commands
+carrying the recipes' defaults, a compiled path that fell back failing its step, the disk a step needs, what a
+measuring run leaves."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -37,18 +41,33 @@ from gpu_check.processes import alive, stop
 from gpu_check.proof import (
     PER_GPU,
     PROOF,
+    STEP_FILES,
     carry_refusal,
+    code_digest,
+    code_digests,
     describe_key,
+    first_order,
     markdown_proof,
+    new_to_gpus,
     proof_key,
     proven_steps,
-    proven_too_little,
+    stale_proofs,
+    step_files,
 )
 from gpu_check.report import UNSHARDED, assess, exit_status, markdown
 from gpu_check.run_outputs import discard_weights, measured_parts
 from gpu_check.runner import StepRunner
-from gpu_check.steps.chat import ChatSteps, finite_figures
-from gpu_check.steps.chat_figures import dpo_figures, sft_figures, speed_comparison, trl_comparison, trl_figures
+from gpu_check.steps.chat import PROMPT_BUCKET, ChatSteps, finite_figures
+from gpu_check.steps.chat_figures import (
+    COMPILE_FIGURES,
+    dpo_figures,
+    fell_back,
+    grpo_figures,
+    sft_figures,
+    speed_comparison,
+    trl_comparison,
+    trl_figures,
+)
 
 from accelerate_recipes import PREEMPTED_EXIT_CODE
 from accelerate_recipes.cli import RecipeError
@@ -237,9 +256,11 @@ def test_sft_runs_lora_full_and_lora_under_fsdp2_as_on_one_gpu(smoke):
         ("trl-lora", 1),
         ("full", 1),
         ("trl-full", 1),
+        ("lora-padded", 1),  # on a GPU only: the recipe's default rows
         ("lora-fsdp", 1),
     ]
-    assert " ".join(one_gpu[4][1]).endswith("launch --config_file " + str(CONFIGS / "fsdp.yaml") + " --num_processes 1")
+    fsdp = "launch --config_file " + str(CONFIGS / "fsdp.yaml") + " --num_processes 1"
+    assert " ".join(one_gpu[5][1]).endswith(fsdp)
     assert [name for name, _, _ in ChatSteps(Path("unused"), 2, False, 0.0).sft_runs()] == ["lora", "full"]
 
 
@@ -281,9 +302,11 @@ def test_sft_compares_the_recipe_with_trl_on_the_same_inputs_and_device(smoke):
 def test_grpo_reports_generation_and_update_speed_apart_beside_trls_grpo_trainer(smoke):
     """The recipe's run, then TRL's GRPOTrainer on the same model, prompts and sizes; their figures side by side."""
     grpo = next(r for r in smoke["report"]["steps"] if r["step"] == "grpo")
-    assert grpo["status"] == "pass" and list(grpo["figures"]) == ["vs_trl", "lora", "trl-lora"], grpo
+    assert grpo["status"] == "pass", grpo
+    assert list(grpo["figures"]) == ["vs_trl", "lora", "trl-lora", "prompts_per_bucket"], grpo
     command, trl_command = grpo["commands"]
     assert "recipes/grpo.py" in command and "--lora_r 16" in command and "--reward number" in command
+    assert "--max_prompt_length" not in command and "--eval_num_samples" not in command  # the defaults
     assert "grpo_bench.py trl" in trl_command and "--device cpu" in trl_command
     for flag in ("--batch_size 2", "--num_generations 2", "--max_new_tokens 8", "--max_steps 2", "--lora_r 16"):
         assert flag in command and flag in trl_command, flag
@@ -314,32 +337,70 @@ def test_grpo_reports_generation_and_update_speed_apart_beside_trls_grpo_trainer
     prompts = [json.loads(line) for line in (Path(grpo["output_dir"]) / "inputs" / "train-prompts.jsonl").open()]
     a, sign, b = prompts[0]["prompt"].split("?")[0].split()[-3:]
     assert prompts[0]["answer"] == str(int(a) + int(b) if sign == "+" else int(a) * int(b))
+    assert "eval_pass_at_1" in results  # the evaluation sampled answers, as by default
 
 
-def test_dpo_runs_packed_beside_trls_dpo_trainer_and_left_padded_each_finite_and_counts_the_references_flops(smoke):
-    """The recipe packed with LoRA, TRL's DPOTrainer after it (and, on a GPU, the full fine-tune packed) on the same
-    model, pairs, batch, steps and device, compared as the sft step compares; then left-padded rows, eagerly, every
-    step logged: each run's loss finite at every logged step. The reference's forward pass counted in the FLOPs."""
+def test_grpo_prompts_span_several_buckets_of_the_static_cache(smoke):
+    """The prompts' lengths as the recipe tokenizes them (the chat template and its generation prompt): the
+    training prompts fall in three buckets of PROMPT_BUCKET tokens, most in the first, and the held-out ones
+    in all three."""
+    from transformers import AutoTokenizer
+
+    grpo = next(r for r in smoke["report"]["steps"] if r["step"] == "grpo")
+    tokenizer = AutoTokenizer.from_pretrained(smoke["out"] / "chat-data" / "model")
+    counted = {}
+    for name in ("train", "validation"):
+        written = Path(grpo["output_dir"]) / "inputs" / f"{name}-prompts.jsonl"
+        rows = [json.loads(line) for line in written.open()]
+        buckets = []
+        for row in rows:
+            messages = [{"role": "user", "content": row["prompt"]}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            buckets.append(-(-len(tokenizer(text, add_special_tokens=False)["input_ids"]) // PROMPT_BUCKET))
+        counted[name] = {f"up to {b * PROMPT_BUCKET}": buckets.count(b) for b in sorted(set(buckets))}
+    assert counted == grpo["figures"]["prompts_per_bucket"], counted
+    assert f"PROMPT_BUCKET = {PROMPT_BUCKET} " in (REPO / "recipes" / "chat" / "generation.py").read_text()
+    train, held_out = counted["train"].values(), counted["validation"].values()
+    assert len(train) == 3 and sum(train) == 64 and max(train) == list(train)[0], counted
+    assert len(held_out) == 3, counted
+
+
+def test_dpo_runs_padded_as_users_do_beside_trls_dpo_trainer_then_packed_each_finite(smoke):
+    """The recipe in left-padded rows with its defaults (its --eval_generate answers included), TRL's
+    DPOTrainer after it on the same model, pairs, batch, steps and device (both pad: they compare like with
+    like), then packed rows (LoRA on the CPU; in full on a GPU); each run's loss finite at every logged step.
+    The reference's forward pass is counted in the FLOPs."""
     dpo = next(r for r in smoke["report"]["steps"] if r["step"] == "dpo")
-    assert dpo["status"] == "pass" and list(dpo["figures"]) == ["vs_trl", "lora", "trl-lora", "lora-padded"], dpo
-    packed, trl_command, padded = dpo["commands"]
+    assert dpo["status"] == "pass", dpo
+    assert list(dpo["figures"]) == ["vs_trl", "lora-padded", "trl-lora", "lora"], dpo
+    padded, trl_command, packed = dpo["commands"]
     assert all("--lora_r 16" in c for c in dpo["commands"])
     assert "dpo_bench.py trl_speed" in trl_command and "--device cpu" in trl_command
-    assert "--packing" in packed and "--packing" not in padded and "--nocompile --log_every 1" in padded
+    assert "--packing" in packed and "--eval_generate 0" in packed
+    assert "--packing" not in padded and "--nocompile" not in padded and "--eval_generate" not in padded
+    answers = Path(dpo["output_dir"]) / "lora-padded" / "samples.jsonl"
+    assert answers.is_file() and answers.read_text().strip()  # --eval_generate's default answers, written
     for name in ("lora", "lora-padded"):
         figures = dpo["figures"][name]
         assert figures["method"] == "lora" and figures["steps"] == 3 and figures["train_tokens_per_second"] > 0
         assert figures["peak_memory_mb"] > 0 and figures["mean_tokens_per_row"] > 0
         assert figures["packing"] is (name == "lora") and figures["sdpa_backends_off"] == []  # no cuDNN on a CPU
         assert figures["finite"]["logged_steps"] == 3 and figures["finite"]["loss"] == "finite", figures
-    assert dpo["figures"]["lora-padded"]["compile"] is False
-    trl, ours = dpo["figures"]["trl-lora"], dpo["figures"]["lora"]
+        results = json.loads((Path(dpo["output_dir"]) / name / "results.json").read_text())
+        assert {k: figures[k] for k in COMPILE_FIGURES if k in figures} == {
+            k: results[k] for k in COMPILE_FIGURES if k in results
+        }  # the compile counts as the run wrote them
+        assert not fell_back(results)
+    assert dpo["figures"]["lora-padded"]["compile"] is False  # the CPU's default; a GPU's compiles
+    trl, ours = dpo["figures"]["trl-lora"], dpo["figures"]["lora-padded"]
     assert trl["trainer"].startswith("trl.DPOTrainer") and trl["steps"] == 3 and trl["method"] == "lora"
+    assert trl["loss"] == "finite" and trl["sdpa_backends_off"] == []  # the recipes' switch: CUDA only
     assert trl["flops_per_token"] == ours["flops_per_token"]  # TRL's MFU would count the recipe's FLOPs per token
     compared = dpo["figures"]["vs_trl"]["lora"]
     rates = ours["train_tokens_per_second"], trl["train_tokens_per_second"]
     assert compared["train_tokens_per_second"] == {"ours": round(rates[0], 1), "trl": round(rates[1], 1)}
-    assert compared["ours_over_trl"] == round(rates[0] / rates[1], 3) and "full" not in dpo["figures"]["vs_trl"]
+    assert compared["ours_over_trl"] == round(rates[0] / rates[1], 3) and compared["ours"] == "lora-padded"
+    assert "full" not in dpo["figures"]["vs_trl"]
     results = {"train_tokens_per_second": 1000.0, "train_samples_per_second": 5.0}  # rows of 100 tokens
     assets = {"matmul_parameters": 1_000_000, "layers": 2, "hidden": 64}
     attention = 12 * 2 * 64 * 100
@@ -443,14 +504,15 @@ def test_merge_folds_reports_into_a_proof_and_refuses_cpu_reports_for_the_reposi
     assert "Proven: sft, dpo, grpo, sft-speed-lora, fast94, text-fsdp, nccl-doctor. Not yet: sft-speed-full" in text
     assert fast94 in text and launch in text and "torch " + smoke["report"]["machine"]["torch"] in text
     assert str(REPO) not in text and executable not in text
-    # --after a proof file: what it holds for this machine is not run again
-    carried, differences = proven_steps(json.loads(proof.read_text()), smoke["report"]["key"])
+    # --after a proof file: what it holds for this machine, on the code the smoke call ran, is not run again
+    ran = smoke["report"]["code"]
+    carried, differences = proven_steps(json.loads(proof.read_text()), smoke["report"]["key"], None, ran)
     assert sorted(carried) == sorted(machine["steps"]) and not differences
     # an sft, dpo or grpo proof from before the comparison with TRL proves too little: that step runs again
     older = json.loads(proof.read_text())
     for step in ("sft", "grpo"):
         del older["machines"][0]["steps"][step]["figures"]["vs_trl"]
-    carried, _ = proven_steps(older, smoke["report"]["key"])
+    carried, _ = proven_steps(older, smoke["report"]["key"], None, ran)
     assert "sft" not in carried and "grpo" not in carried and "dpo" in carried
     other = dict(smoke["report"]["key"], torch="0.0.1")
     assert proven_steps(json.loads(proof.read_text()), other) == (
@@ -471,9 +533,15 @@ def test_the_repository_proof_holds_only_gpu_figures_and_its_markdown_follows_fr
         assert "**Nothing has been proven on a GPU yet.**" in text
         return
     assert "## Which GPUs proved each step, and where it holds" in text
-    fast94 = "| fast94 | 1 x NVIDIA H100 80GB HBM3 | 2026-11-26 15:07 UTC | 1 GPU of compute capability 9.0 with "
-    assert fast94 + "81559 MiB or more each, with the software of its section below |" in text
-    assert "| sft | 1 x NVIDIA H100 80GB HBM3 | 2026-11-26 15:06 UTC | nowhere now: it has no vs_trl, " in text
+    # its proofs predate the code digests: each is stale, and says so
+    records = [(name, m) for m in proof["machines"] for name, r in m["steps"].items() if "code" not in r]
+    assert records and "tree_code" not in proof
+    older = "nowhere now, stale: it predates the code digests proofs record, so it ran older code"
+    older += "; it runs again"
+    fast94 = "| fast94 | 1 x NVIDIA H100 80GB HBM3 | 2026-11-26 15:07 UTC | "
+    assert fast94 + older + " |" in text
+    sft = "| sft | 1 x NVIDIA H100 80GB HBM3 | 2026-11-26 15:06 UTC | nowhere now, stale: it has no vs_trl, "
+    assert sft in text and "Stale, so run again: sft, grpo, fast94, text-fsdp," in text
 
 
 def processes_of(folder: Path) -> list:
@@ -630,29 +698,48 @@ def like(machine: dict, name: str, mib: int, capability: str) -> dict:
     return dict(machine, devices=[name], nvidia_smi=[f"{name}, 580.159.04, {mib} MiB, {capability}"])
 
 
-def test_the_plan_proves_the_chat_gpu_paths_in_two_calls_of_9_minutes_on_the_recorded_h100(capsys, tmp_path):
-    """--plan on the H100's record: what docs/gpu-proof.json has not proven there (the chat steps, whose proof of
-    2026-11 predates their comparison with TRL, and bench) in calls of 540 s, the chat fine-tune first with the speed
-    steps taking its runs, then preference tuning and GRPO. Each estimate adds up its runs' measured parts; the
-    default budget, a cut step's grace and the report fit 9 minutes, and every step fits a call on its own."""
+def test_the_plan_gives_the_first_call_to_what_no_gpu_has_run_dpo_and_grpo(capsys, tmp_path):
+    """--plan on the H100's record: docs/gpu-proof.json's proofs predate the code digests, so every step runs
+    again, and the first call goes to what no GPU has run with its defaults: dpo (never passed on one) and
+    grpo (passed only with eager decoding, before --decode auto compiled it). That call fits a 15-minute lease
+    with a machine start; the sft step and its speed steps come next. Each estimate adds up its runs' measured
+    parts; the default budget, a cut step's grace and the report fit 9 minutes, and every step fits a call on
+    its own."""
     assert DEFAULT_BUDGET + STOP_GRACE_SECONDS + 10 <= 9 * 60
     assert all(TIMEOUTS[s] <= DEFAULT_BUDGET for s in STEPS)
     assert STEPS[:5] == ["sft", "dpo", "grpo", "sft-speed-full", "sft-speed-lora"]
     assert STEPS[5:10] == ["fast94", "text-fsdp", "detect-640", "preempt", "bench"]
     assert all(ESTIMATED_SECONDS[s] + CALL_START <= DEFAULT_BUDGET for s in STEPS)
+    proof = json.loads(PROOF.read_text())
+    assert new_to_gpus(proof) == ["dpo", "grpo", "nccl-doctor", "ddp", "sync-bn", "allreduce", "dp-vs-ddp"]
     (tmp_path / "report.json").write_text(json.dumps({"machine": h100_machine()}))
     machine = read_machine(str(tmp_path))
-    assert print_plan(machine, json.loads(PROOF.read_text()), "docs/gpu-proof.json", STEPS, 540) == 0
+    assert print_plan(machine, proof, "docs/gpu-proof.json", STEPS, 540) == 0
     out = capsys.readouterr().out
-    assert "proven on these GPUs: fast94, text-fsdp, detect-640, preempt, text-deepspeed, audit-cifar" in out, out
-    assert "so run again: sft, grpo" in out
-    assert "\ncall 1: sft, sft-speed-full, sft-speed-lora: estimated " in out
-    assert "\ncall 2: dpo, grpo: estimated " in out and "\ncall 3: bench: estimated " in out and "call 4" not in out
-    assert "  sft-speed-full  69 s: tokens-16k " in out and "compiled and trl: the sft step's runs of this call" in out
+    assert "proven on these GPUs" not in out, out
+    assert "stale, so run again: sft, grpo (it has no vs_trl, " in out
+    others = "fast94, text-fsdp, detect-640, preempt, text-deepspeed, audit-cifar, audit-text, audit-detect"
+    assert others + " (it predates the code digests" in out
+    assert "never run on a GPU with their defaults, so first: dpo, grpo\n" in out
+    assert "\ncall 1: dpo, grpo, text-fsdp: estimated " in out
+    assert "\ncall 2: sft, sft-speed-full: estimated " in out
+    assert "compiled and trl: the sft step's runs of this call" in out
     assert "not on these GPUs: nccl-doctor (needs 2+ GPUs)" in out
-    calls, unfit = plan_calls(list(CHAT_STEPS), 540)
-    assert [list(call["steps"]) for call in calls] == [["sft", "sft-speed-full", "sft-speed-lora"], ["dpo", "grpo"]]
-    assert not unfit and all(call["seconds"] <= 540 for call in calls), calls
+    todo = [name for name in STEPS if not requirements(1, None)[name]]
+    calls, unfit = plan_calls(first_order(todo, proof), DEFAULT_BUDGET)
+    assert list(calls[0]["steps"]) == ["dpo", "grpo"] and not unfit, calls[0]
+    # a lease of 15 minutes: a machine start (1-2 minutes), the call with a cut step's grace and the report,
+    # within 13
+    machine_start, report = 120, 10
+    first = plan_calls(first_order(todo, proof), 540)[0][0]
+    assert list(first["steps"])[:2] == ["dpo", "grpo"]
+    assert machine_start + first["seconds"] + STOP_GRACE_SECONDS + report <= 13 * 60, first["seconds"]
+    # the estimates are those of the compiled defaults: dpo's padded run compiles its blocks and its answers'
+    # decode
+    padded = estimate("dpo")["parts"]["lora-padded"]
+    assert padded["compile"] == 57.0 and padded["decode compile"] == 30.0 and padded["answers"] > 0, padded
+    assert estimate("grpo")["parts"]["lora"]["decode compile"] == 30.0  # one cache shape for every bucket
+    assert estimate("sft")["parts"]["lora-padded"]["compile"] == 38.0
     for name in STEPS:  # an estimate is the sum of its parts, the chat model built once per call
         guess = estimate(name)
         total = sum(sum(p.values()) if isinstance(p, dict) else p for p in guess["parts"].values())
@@ -660,6 +747,12 @@ def test_the_plan_proves_the_chat_gpu_paths_in_two_calls_of_9_minutes_on_the_rec
         assert ("chat model" in guess["parts"]) is (name in CHAT_STEPS)
     sft = estimate("sft")["parts"]
     assert sft["lora"] == {"launch": 24, "compile": 38.0, "steps": 2.6, "evaluation": 4.0, "save": 2.5}
+    one_gpu = ChatSteps(Path("unused"), 1, False, 0.0)  # the runs the estimates count are those a GPU makes
+    assert list(sft) == ["chat model", "packed-attention", *[name for name, _, _ in one_gpu.sft_runs()]]
+    dpo_runs = [name for name in estimate("dpo")["parts"] if name != "chat model"]
+    assert dpo_runs == ["lora-padded", "trl-lora", "full"]
+    with_trl = importlib.util.find_spec("trl") is not None
+    assert one_gpu.dpo_runs() == [name for name in dpo_runs if name != "trl-lora" or with_trl]
     alone, after_sft = estimate("sft-speed-full"), estimate("sft-speed-full", True, {"full", "trl-full"})
     assert list(alone["parts"]) == ["chat model", "compiled", "trl", "tokens-16k"] and list(after_sft["parts"]) == [
         "tokens-16k"
@@ -671,12 +764,16 @@ def test_the_plan_proves_the_chat_gpu_paths_in_two_calls_of_9_minutes_on_the_rec
 
 
 def test_proof_carries_to_gpus_of_the_same_architecture_with_as_much_memory_but_speed_figures_stay():
-    """An H100's proof holds on an H200 (sm_90, more memory, the same software), but for the speed steps; it does not
-    hold on less memory, another compute capability or other software. A carried record names the GPUs that proved
-    it, and --merge folds only what a report's own GPUs proved."""
+    """An H100's proof holds on an H200 (sm_90, more memory, the same software), but for the speed steps; it
+    does not hold on less memory, another compute capability or other software. A carried record names the
+    GPUs that proved it, and --merge folds only what a report's own GPUs proved. (Its records are given this
+    tree's code digests: as made on this code, they hold by the GPUs' rule alone.)"""
     proof, h100 = json.loads(PROOF.read_text()), h100_machine()
     entry = next(m for m in proof["machines"] if m["machine"] == h100)
     entry["steps"]["sft-speed-lora"] = {**entry["steps"]["fast94"], "figures": {"speed": {"fastest": "compiled"}}}
+    digests = code_digests()
+    for name, record in entry["steps"].items():
+        record["code"] = digests[name]
     h200 = like(h100, "NVIDIA H200", 143771, "9.0")
     here = proof_key("gpu", False, h200)
     carried, differences = proven_steps(proof, here, h200)
@@ -686,7 +783,7 @@ def test_proof_carries_to_gpus_of_the_same_architecture_with_as_much_memory_but_
         "audit-text",
         "audit-detect",
     }
-    assert "sft-speed-lora" in PER_GPU and proven_too_little(proof, here, h200) == ["sft", "grpo"]
+    assert "sft-speed-lora" in PER_GPU and list(stale_proofs(proof, here, h200)) == ["sft", "grpo"]
     own, _ = proven_steps(proof, proof_key("gpu", False, h100), h100)  # on the H100 itself its speed figures hold
     assert "sft-speed-lora" in own and "proven_on" not in own["fast94"]
     there = entry["key"]
@@ -710,14 +807,163 @@ def test_merge_folds_only_what_a_reports_own_gpus_proved(tmp_path, capsys):
     record = {"status": "pass", "commands": [], "wall_seconds": 1.0, "figures": {"steps": 1}, "detail": ""}
     report = {"key": proof_key("gpu", False, h200), "machine": h200}
     report["steps"] = [dict(record, step="fast94", carried=True, proven_on="1 x NVIDIA H100 80GB HBM3")]
-    report["steps"].append(dict(record, step="preempt", estimate={"seconds": 50.0, "parts": {}}))
+    estimated = {"seconds": 50.0, "parts": {}}
+    report["steps"].append(dict(record, step="preempt", estimate=estimated, code=code_digest("preempt")))
     (tmp_path / "report.json").write_text(json.dumps(report))
     assert merge_reports([str(tmp_path / "report.json")], tmp_path / "proof.json") == 0
-    (machine,) = json.loads((tmp_path / "proof.json").read_text())["machines"]
+    proof = json.loads((tmp_path / "proof.json").read_text())
+    (machine,) = proof["machines"]
     assert list(machine["steps"]) == ["preempt"] and machine["steps"]["preempt"]["estimate"]["seconds"] == 50.0
+    assert machine["steps"]["preempt"]["code"] == proof["tree_code"]["preempt"]  # what the markdown judges by
     text = (tmp_path / "proof.md").read_text()
     assert "| preempt | 1 x NVIDIA H200 | ? | 1 GPU of compute capability 9.0 with 143771 MiB or more each" in text
+    assert "Stale, so run again: none." in text
     assert "gpu-check: 1 proven step(s)" in capsys.readouterr().out
+    # the same proof judged against a tree whose cifar recipe changed since: stale, and the markdown says so
+    proof["tree_code"]["preempt"] = "0" * 16
+    changed = markdown_proof(proof)
+    assert "| preempt | 1 x NVIDIA H200 | ? | nowhere now, stale: its code changed since (digest " in changed
+    assert "Stale, so run again: preempt." in changed
+
+
+def test_a_step_whose_files_changed_since_its_proof_is_stale_and_runs_again(budget_cut, tmp_path):
+    """A proof holds for the code it ran: the digest of the files a step runs is the same for a copy of the
+    tree and another once one of them changes, for the steps that run that file only. The first call's preempt
+    proof holds for this tree, not for one whose cifar recipe changed, and a call --after a report whose
+    preempt ran other code carries nothing: it runs preempt again (here with no budget left, so preempt is
+    left for the next call) and says why."""
+    root = tmp_path / "tree"
+    for name in ("preempt", "text-fsdp"):
+        for path in step_files(name):
+            (root / path.relative_to(REPO)).parent.mkdir(parents=True, exist_ok=True)
+            (root / path.relative_to(REPO)).write_bytes(path.read_bytes())
+    assert {"recipes/cifar.py", "accelerate_recipes/cli.py"} <= {
+        path.relative_to(REPO).as_posix() for path in step_files("preempt")
+    }
+    before = {name: code_digest(name, root) for name in ("preempt", "text-fsdp")}
+    assert before == {name: code_digest(name) for name in before}  # a copy: this checkout's digests
+    recipe = root / "recipes" / "cifar.py"
+    recipe.write_text(recipe.read_text() + "\n# one more line\n")
+    after = {name: code_digest(name, root) for name in before}
+    assert after["preempt"] != before["preempt"] and after["text-fsdp"] == before["text-fsdp"]
+    assert "recipes/cifar.py" in STEP_FILES["preempt"] and "recipes/cifar.py" not in STEP_FILES["text-fsdp"]
+
+    first = budget_cut["first"]["report"]
+    key, machine, digests = first["key"], first["machine"], first["code"]  # the tree the first call ran
+    assert first["steps"][0]["code"] == digests["preempt"] == code_digest("preempt")
+    assert "preempt" in proven_steps(first, key, machine, digests)[0]
+    changed = dict(digests, preempt=after["preempt"])
+    assert proven_steps(first, key, machine, changed)[0] == {}
+    why = f"its code changed since (digest {digests['preempt']} there, {after['preempt']} in this tree)"
+    assert stale_proofs(first, key, machine, changed) == {"preempt": why}
+
+    stale = json.loads(json.dumps(first))
+    stale["steps"][0]["code"] = "0" * 16  # as if made on other code
+    (tmp_path / "stale.json").write_text(json.dumps(stale))
+    out = tmp_path / "out"
+    command = ["--device", "cpu", "--steps", "preempt", "--after", tmp_path / "stale.json"]
+    command += ["--budget", "0.01"]
+    proc = run([PYTHON, CHECK, *command, "--output_dir", out], recipe_env(tmp_path), timeout=300)
+    (record,) = json.loads((out / "report.json").read_text())["steps"]
+    assert proc.returncode == 1 and not record.get("carried"), proc.output[-3000:]
+    assert record["status"] == "not run" and record["detail"].startswith(NEXT_CALL), record
+    assert "run again: preempt (its code changed since (digest 0000000000000000 there, " in proc.stdout
+
+
+def test_the_chat_steps_give_the_recipes_their_defaults_as_make_runs_them_on_one_gpu(tmp_path):
+    """The commands of the dpo, sft and grpo steps on one GPU (built, not run): the runs made the way `make
+    dpo-1gpu`, `sft-1gpu` and `grpo-1gpu ARGS="--train_file ... --lora_r 16"` make them, through 1gpu.yaml,
+    give the recipe no flag that changes a default path: no --nocompile (compiled blocks), no --packing
+    (padded rows), no --eval_generate or --max_new_tokens (dpo's 4 answers of up to 128 tokens, in a compiled
+    decode), no --decode, --max_prompt_length or --eval_num_samples (grpo's); the other runs differ from them
+    by those named alone."""
+    check = ChatSteps(tmp_path, 1, False, 0.0)
+    assets = {"model": "MODEL", "train": "TRAIN", "validation": "VALIDATION"}
+    default_paths = {"--nocompile", "--compile", "--packing", "--decode", "--attn_implementation", "--liger"}
+    default_paths |= {"--max_prompt_length", "--eval_num_samples", "--mixed_precision"}
+    default_paths |= {"--gradient_checkpointing"}
+    one_gpu = f"launch --config_file {CONFIGS / '1gpu.yaml'} "
+
+    def flags(command) -> set[str]:
+        return {str(part) for part in command if str(part).startswith("--")}
+
+    pairs = {"train": "PAIRS", "validation": "HELD_OUT_PAIRS"}
+    dpo = {name: command for name, _, command in check.dpo_commands(assets, pairs, tmp_path)}
+    assert list(dpo) == ["lora-padded", *(["trl-lora"] if importlib.util.find_spec("trl") else []), "full"]
+    padded = " ".join(map(str, dpo["lora-padded"]))
+    assert one_gpu + str(REPO / "recipes" / "dpo.py") in padded and "--lora_r 16" in padded
+    assert not flags(dpo["lora-padded"]) & (default_paths | {"--eval_generate", "--max_new_tokens"}), padded
+    assert flags(dpo["full"]) - flags(dpo["lora-padded"]) == {"--packing", "--eval_generate"}
+    assert "--lora_r" not in flags(dpo["full"])  # a full fine-tune: the recipe's default method
+
+    sft = {name: command for name, _, command in check.sft_commands(assets, tmp_path)}
+    padded = " ".join(map(str, sft["lora-padded"]))
+    assert one_gpu + str(REPO / "recipes" / "sft.py") in padded and "--lora_r 16" in padded
+    assert not flags(sft["lora-padded"]) & default_paths, padded
+    assert flags(sft["lora"]) - flags(sft["lora-padded"]) == {"--packing"}
+    assert [name for name in sft if name.endswith("-padded")] == ["lora-padded"]
+
+    grpo, trl = check.grpo_commands(assets, pairs, tmp_path)
+    shown = " ".join(map(str, grpo))
+    assert one_gpu + str(REPO / "recipes" / "grpo.py") in shown and "--reward number --lora_r 16" in shown
+    assert not flags(grpo) & default_paths, shown
+    assert "--max_new_tokens 256" in shown  # the recipe's default
+    peer = " ".join(map(str, trl))
+    assert "grpo_bench.py trl" in peer and "--device cuda" in peer and "--max_new_tokens 256" in peer
+    # on the CPU and in --quick the same ways, tiny: the padded dpo run's answers shorter, nothing compiled
+    # there
+    cpu_check = ChatSteps(tmp_path, 0, True, 0.0)
+    cpu = {name: command for name, _, command in cpu_check.dpo_commands(assets, pairs, tmp_path)}
+    assert list(cpu)[-1] == "lora" and "--max_new_tokens" in flags(cpu["lora-padded"])
+    assert "lora-padded" not in [name for name, _, _ in cpu_check.sft_runs()]
+
+
+def test_a_run_whose_compiled_path_fell_back_fails_its_step_and_each_run_counts_its_compilations():
+    """The compile counts of results.json (the blocks' and the decode's graphs, recompiles, seconds, and the
+    cause of a fall-back to eager) are carried into every chat run's figures, read where present (older runs
+    have none); a run that fell back proved the eager path, not the compiled default, which its step fails on,
+    naming why."""
+    results = {
+        "compile_graphs": 0,
+        "compile_recompiles": 0,
+        "compile_seconds": 0.41,
+        "compile_fallback": "inductor needs a C compiler (no cc on PATH); --nocompile runs eagerly",
+        "decode_graphs": 1,
+        "decode_recompiles": 0,
+        "decode_compile_seconds": 31.5,
+        "decode_fallback": None,
+    }
+    assert fell_back(results) == [
+        "its compiled blocks fell back to eager (inductor needs a C compiler (no cc on PATH); --nocompile "
+        "runs eagerly): it proved the eager path, not the compiled default"
+    ]
+    decode = fell_back(dict(results, compile_fallback=None, decode_fallback="CUDA graph capture failed"))
+    because = "its compiled decode fell back to eager (CUDA graph capture failed)"
+    assert decode == [because + ": it proved the eager path, not the compiled default"]
+    assert fell_back(dict(results, compile_fallback=None)) == [] and fell_back({}) == []
+    assets = {"matmul_parameters": 1_000_000, "layers": 2, "hidden": 64}
+    for figures in (sft_figures(results), dpo_figures(results, assets, None, "lora"), grpo_figures(results)):
+        assert {k: figures[k] for k in COMPILE_FIGURES} == results
+    for figures in (sft_figures({}), dpo_figures({}, assets, None, "lora"), grpo_figures({})):
+        assert not set(COMPILE_FIGURES) & set(figures)  # a run from before the counts
+
+
+def test_a_step_is_new_to_gpus_until_a_gpu_passed_it_running_its_defaults():
+    """dpo has never passed on a GPU, and grpo passed only decoding eagerly: both new, and first in a call on
+    GPUs. A GPU's pass with the defaults shown (dpo's padded run compiled, grpo's decode compiled) ends that,
+    whatever its software or code; a CPU smoke report's pass never does."""
+    proof = json.loads(PROOF.read_text())
+    assert new_to_gpus(proof)[:2] == ["dpo", "grpo"] and new_to_gpus(None) == []
+    assert first_order(["sft", "dpo", "grpo", "fast94"], proof) == ["dpo", "grpo", "sft", "fast94"]
+    machine = proof["machines"][0]
+    grpo = machine["steps"]["grpo"]
+    machine["steps"]["grpo"] = {**grpo, "figures": {**grpo["figures"], "lora": {"decode_mode": "compiled"}}}
+    machine["steps"]["dpo"] = {**grpo, "figures": {"lora-padded": {"compile": False}}}
+    assert new_to_gpus(proof)[:1] == ["dpo"]  # an eager padded run does not show dpo's GPU default
+    machine["steps"]["dpo"]["figures"]["lora-padded"]["compile"] = True
+    assert "dpo" not in new_to_gpus(proof) and "grpo" not in new_to_gpus(proof)
+    cpu = {"key": {"mode": "cpu smoke"}, "steps": [{"step": "dpo", "status": "pass", "figures": {}}]}
+    assert "dpo" in new_to_gpus(cpu)
 
 
 def test_a_step_refuses_to_start_without_the_disk_it_writes_in_one_line(tmp_path):
@@ -758,7 +1004,8 @@ def test_a_gpu_report_shows_each_steps_estimate_beside_its_time_and_where_carrie
     carried.update(proven_on="1 x NVIDIA H100 80GB HBM3", finished_at="2026-11-26 15:07 UTC")
     report = {**assess([sft, carried]), "machine": h200, "mode": "gpu", "wall_seconds": 300.0, "budget": 540}
     text = markdown({**report, "steps": [sft, carried]})
-    assert "| sft | fail | 264.5 (est. 370) |" in text
+    assert f"| sft | fail | 264.5 (est. {guess['seconds']:.0f}) |" in text
     assert "| fast94 | pass (proven on 1 x NVIDIA H100 80GB HBM3, 2026-11-26 15:07 UTC) | 58.3 |" in text
-    assert "Estimated 370 s: chat model 20, packed-attention 20 (check 20), lora 71.1 (launch 24, compile 38, " in text
+    shown = f"Estimated {guess['seconds']:.0f} s: chat model 20, packed-attention 20 (check 20), "
+    assert shown + "lora 71.1 (launch 24, compile 38, " in text
     assert "took 264.5 s." in text and "Measured, per command (seconds): lora: {seconds: 80, launch: 25}." in text

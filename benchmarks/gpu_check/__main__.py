@@ -14,21 +14,24 @@
 It runs from a plain checkout: an interpreter that holds torch, accelerate and transformers is enough (this package
 need not be installed); the checkout's own modules are put first on every step's PYTHONPATH.
 
-One call is made to fit a short GPU allocation (15 minutes, a command limited to 10): --budget defaults to 510 s, so
-that the call, report included, ends within 9 minutes. It first records the machine (GPUs, driver, Python and package
-versions, /dev/shm, make, gcc, nvcc), then runs the steps in order of value, each a subprocess with its own time limit
-and a fresh folder under OUTPUT_DIR/<step>/, and rewrites OUTPUT_DIR/report.md and report.json after every step, so
-that a call killed from outside still leaves every figure it reached. A step whose estimated time no longer fits is
-left for the next call (each estimate adds up its runs' measured parts: launch, compilation, steps, evaluation,
-saving; the report records it beside the measured time, and each command's time with its parts); a step whose disk
-needs exceed the free disk is not run, said in one line; a running step that the budget cuts short is stopped
-(SIGTERM to its launcher, so that the recipes save a checkpoint, then its whole process tree) and reported as
-incomplete, with the figures it reached. The runs measure and keep no weights: once a run's results.json is read its
-checkpoints and models are removed. --after REPORT skips the steps that REPORT (or docs/gpu-proof.json) already
-proved with the same software on the same GPUs, or on as many GPUs of the same compute capability with no more memory
-each (an H100's proof holds on an H200) but for the speed steps, whose figures are each GPU's own; so calls add up
-until every step is proven. --plan --machine REPORT prints those calls for the GPUs REPORT recorded, and runs
-nothing.
+One call is made to fit a short GPU allocation (15 minutes, a command limited to 10): --budget defaults to
+510 s, so that the call, report included, ends within 9 minutes. It first records the machine (GPUs, driver,
+Python and package versions, /dev/shm, make, gcc, nvcc), then runs the steps in order of value, each a
+subprocess with its own time limit and a fresh folder under OUTPUT_DIR/<step>/, and rewrites
+OUTPUT_DIR/report.md and report.json after every step, so that a call killed from outside still leaves every
+figure it reached; with --after, the steps no GPU has run with their defaults yet come first (dpo and grpo,
+until a GPU proves them). A step whose estimated time no longer fits is left for the next call (each estimate
+adds up its runs' measured parts: launch, compilation, steps, evaluation, saving; the report records it beside
+the measured time, and each command's time with its parts); a step whose disk needs exceed the free disk is
+not run, said in one line; a running step that the budget cuts short is stopped (SIGTERM to its launcher, so
+that the recipes save a checkpoint, then its whole process tree) and reported as incomplete, with the figures
+it reached. The runs measure and keep no weights: once a run's results.json is read its checkpoints and models
+are removed. --after REPORT skips the steps that REPORT (or docs/gpu-proof.json) already proved with the same
+software on the same GPUs, or on as many GPUs of the same compute capability with no more memory each (an
+H100's proof holds on an H200) but for the speed steps, whose figures are each GPU's own; so calls add up
+until every step is proven. A proof holds for the code it ran: each step's record keeps a digest of the files
+the step runs (proof.py STEP_FILES), and a step whose files changed since, or whose proof has no digest, runs
+again. --plan --machine REPORT prints those calls for the GPUs REPORT recorded, and runs nothing.
 
 Steps, in the order they run:
   sft          recipes/sft.py, LoRA and full, packed, on a chat model of Qwen2.5-0.5B's shape built here: tokens/s,
@@ -40,17 +43,26 @@ Steps, in the order they run:
                padding-free rows, fused AdamW, Liger Kernel when it imports), and the figures put the two side by
                side: tokens/s and their ratio, MFU from the recipe's FLOPs per token, peak memory. Then, on one GPU,
                LoRA under fsdp.yaml on one process (FSDP2 unsharded: bf16 frozen base, fp32 adapter, the adapter
-               gathered on save); with 2+ GPUs LoRA and full under FSDP2 on all of them, without TRL
-  dpo          recipes/dpo.py on pairs built from the same generated chats and model, both ways its rows go: packed
-               (--packing: chosen and rejected rows padding-free), LoRA (the base as reference) followed by TRL's
-               DPOTrainer on the same model, pairs, batch and steps (trl_speed of benchmarks/dpo_bench.py; side by
-               side as in the sft step, figures["vs_trl"]) and full (a frozen copy; on a GPU only); and left-padded
-               (sdpa with a mask, eager: the path that went NaN on an H100 under cuDNN's kernel, kept off since),
-               LoRA, every step logged: tokens/s, peak memory, MFU, and each run's loss and gradient norm finite
-  grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts (on a GPU its
-               compiled decode step, --decode auto), then TRL's GRPOTrainer on the same inputs (benchmarks/grpo_bench.py
-               trl): generation tokens/s of the steady steps, the first step's generation seconds, update tokens/s,
-               median step and peak memory side by side (speed only: the random weights earn no reward)
+               gathered on save); on one GPU also LoRA in padded rows, as `make sft-1gpu` trains (compiled
+               blocks); with 2+ GPUs LoRA and full under FSDP2 on all of them, without TRL
+  dpo          recipes/dpo.py on pairs built from the same generated chats and model, both ways its rows go:
+               left-padded with the recipe's defaults, as `make dpo-1gpu` trains (sdpa with a mask: the path
+               that went NaN on an H100 under cuDNN's kernel, kept off since; on a GPU compiled blocks and the
+               --eval_generate answers through the compiled decode), LoRA, every step logged, followed by
+               TRL's DPOTrainer on the same model, pairs, batch and steps (trl_speed of
+               benchmarks/dpo_bench.py, under the same sdpa kernels; side by side as in the sft step,
+               figures["vs_trl"]); then packed (--packing: chosen and rejected rows padding-free), in full on
+               a GPU (a frozen copy as reference), LoRA on the CPU: tokens/s, peak memory, MFU, and each run's
+               loss and gradient norm finite
+  grpo         recipes/grpo.py, LoRA, a few steps on the same model shape with arithmetic prompts whose
+               lengths span three buckets of the static cache, its defaults but for the sizes (on a GPU its
+               compiled decode step, --decode auto), then TRL's GRPOTrainer on the same inputs
+               (benchmarks/grpo_bench.py trl): generation tokens/s of the steady steps, the first step's
+               generation seconds, update tokens/s, median step and peak memory side by side (speed only: the
+               random weights earn no reward)
+  The chat runs' figures carry how often their compiled paths compiled (compile_graphs, decode_graphs, ... of
+  results.json); a run whose compiled blocks or decode fell back to eager fails its step: it proved the eager
+  path
   sft-speed-full, sft-speed-lora   recipes/sft.py in full and with LoRA r16 on the sft step's model and chats, on
                one GPU: compiled at 16 conversations a step, compiled in rows of 16,384 tokens (--batch_tokens, within
                one epoch) and TRL's SFTTrainer at 16 conversations: tokens/s and MFU side by side, each over the
@@ -138,9 +150,10 @@ def main(
             text-deepspeed, audit-cifar, audit-text, audit-detect, nccl-doctor, ddp, sync-bn, allreduce, dp-vs-ddp
             (the order they run in, most valuable first); default all. sft includes the comparison with TRL's
             SFTTrainer on the same GPU (needs trl; Liger Kernel is used when it imports).
-        after: an earlier call's report.json (or its folder), or docs/gpu-proof.json: the steps it proved on GPUs of
-            the same kind and count with the same torch, CUDA, accelerate, transformers and peft are not run again
-            but carried into this report, so that calls of a few minutes each add up to the whole check.
+        after: an earlier call's report.json (or its folder), or docs/gpu-proof.json: the steps it proved on
+            GPUs of the same kind and count with the same torch, CUDA, accelerate, transformers and peft, on
+            the code this checkout has, are not run again but carried into this report, so that calls of a few
+            minutes each add up to the whole check; the steps no GPU has run with their defaults run first.
         merge: report.json files (comma-separated, or their folders) to fold into --proof: the steps they proved, per
             GPU kind and software, with driver, versions and commands; runs no step and needs no GPU.
         proof: the proof file --merge writes, with its markdown beside it (default docs/gpu-proof.json; it takes

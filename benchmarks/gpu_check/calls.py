@@ -28,7 +28,16 @@ from .plan import (
     requirements,
 )
 from .processes import Interrupted, interrupt
-from .proof import describe_key, proof_key, proven_steps, proven_too_little
+from .proof import (
+    code_digests,
+    describe_key,
+    describe_stale,
+    first_order,
+    new_to_gpus,
+    proof_key,
+    proven_steps,
+    stale_proofs,
+)
 from .report import RESULT_FILES, assess, print_summary, write_report
 from .steps.chat import ChatSteps
 from .steps.measurements import MeasurementSteps
@@ -98,9 +107,13 @@ def run_call(
         None if deepspeed and deepspeed.startswith("ok") else deepspeed,
         tuple(p for p in ("peft", "datasets") if importlib.util.find_spec(p) is None),
     )
-    proven, differences = proven_steps(earlier, key, machine) if earlier else ({}, [])
+    digests = code_digests()  # the code this call's steps run: each record keeps its own
+    proven, differences = proven_steps(earlier, key, machine, digests) if earlier else ({}, [])
     if differences:
         print(f"note: --after {after} holds no proof for these GPUs and software ({'; '.join(differences)})")
+    stale = stale_proofs(earlier, key, machine, digests) if earlier else {}
+    if stale:
+        print(f"note: stale proofs in --after {after}, run again: {describe_stale(stale)}")
     # steps proven before are carried into this report even when --steps names others, so the report says all it knows
     chosen = sorted(dict.fromkeys([*chosen, *proven]), key=STEPS.index)
     records: dict[str, dict | None] = {}
@@ -123,6 +136,7 @@ def run_call(
             "quick": quick,
             "key": key,
             "machine": machine,
+            "code": digests,
             "command": command,
             "after": after,
             "started_at": machine["recorded_at"],
@@ -135,6 +149,8 @@ def run_call(
 
     bodies = check.bodies()
     todo = [name for name in chosen if records[name] is None]
+    # on GPUs, what no GPU has run yet comes first: a short call is worth most there
+    todo = first_order(todo, earlier) if gpus else todo
     fits = plan_calls(todo, budget, gpus)[0][:1] if gpus else []
     print(
         f"gpu-check: steps {', '.join(todo) or 'none'}"
@@ -162,6 +178,7 @@ def run_call(
                 records[name] = not_run(name, short_of_disk)
             else:
                 records[name] = check.step(name, bodies[name], TIMEOUTS[name])
+                records[name]["code"] = digests[name]
                 if gpus:  # beside the measured time: what the next estimate is corrected from
                     records[name]["estimate"] = guess
                 report()
@@ -206,7 +223,7 @@ def print_plan(machine: dict, earlier: dict, source: str, chosen: list[str], bud
         None if deepspeed and deepspeed.startswith("ok") else deepspeed or "deepspeed not installed",
         tuple(p for p in ("peft", "datasets") if not packages.get(p)),
     )
-    todo = [name for name in chosen if name not in proven and not needs[name]]
+    todo = first_order([name for name in chosen if name not in proven and not needs[name]], earlier)
     calls, unfit = plan_calls(todo, budget, gpus)
     print(f"gpu-check plan for {describe_key(key)}; {'; '.join(machine.get('nvidia_smi', []))}")
     print(f"calls of --budget {budget:.0f} s, after {source}")
@@ -219,9 +236,12 @@ def print_plan(machine: dict, earlier: dict, source: str, chosen: list[str], bud
     for where, names in by_gpus.items():
         alike = " (the same compute capability and software, no more memory than these)"
         print(f"proven on {where or 'these GPUs'}{alike if where else ''}: {', '.join(names)}")
-    again = [name for name in proven_too_little(earlier, key, machine) if name in todo]
+    again = {name: why for name, why in stale_proofs(earlier, key, machine).items() if name in todo}
     if again:
-        print(f"proven before what they record now, so run again: {', '.join(again)}")
+        print(f"stale, so run again: {describe_stale(again)}")
+    new = [name for name in new_to_gpus(earlier) if name in todo]
+    if new:
+        print(f"never run on a GPU with their defaults, so first: {', '.join(new)}")
     if not todo:
         print("nothing left to prove that these GPUs can run")
     for number, call in enumerate(calls, 1):

@@ -37,13 +37,21 @@ CHAT_ASSETS = 20  # the 0.5B chat model built and saved with its chats, once per
 # model loaded too); TRL's harness and grpo as sft
 LAUNCH = {"sft": 24, "dpo": 32, "grpo": 24, "trl": 24}
 PACKED_ATTENTION_CHECK_SECONDS = 20  # the model loaded twice, 4 packed rows forward and backward under each kernel
-# Inductor's compilation of one graph of the decoder blocks (a run compiles two: its first row length, then one
-# dynamic in the length): full 22.5 s of warm-up for two, LoRA two steps of 19 s each (sft --compile, 2026-11-27)
+# Inductor's compilation of one graph of the decoder blocks (a run compiles two: its first row length, then
+# one dynamic in the length): full 22.5 s of warm-up for two, LoRA two steps of 19 s each (sft --compile,
+# 2026-11-27); padded rows, whose width changes every step, compile as packed ones do
 COMPILE_GRAPH = {"full": 11.0, "lora": 19.0}
 REFERENCE_GRAPH_SHARE = 0.5  # a forward-only graph (DPO's reference) against one with its backward pass: a guess
+# The compiled decode (--decode auto on a GPU: transformers' compiled step, CUDA graphs), not yet run on a
+# GPU: each cache shape it meets compiles once, a forward of the whole model whose 24 blocks share their
+# kernels (a guess from a block's 19 s with its backward pass); then a token of a batch in about 8 ms (a
+# guess: 2 s for 256 tokens)
+DECODE_COMPILE, DECODE_TOKEN_SECONDS = 30.0, 0.008
 # One optimizer step of 16 conversations (~7,300 tokens), compiled: full 0.118 s (58,200 tokens/s), LoRA about 0.13 s
 # (its progress bar); eager: full 0.173 s, LoRA 0.275 s (the sft step, 2026-11-27)
 STEP_SECONDS = {("full", True): 0.118, ("lora", True): 0.13, ("full", False): 0.173, ("lora", False): 0.275}
+# padded rows' step against packed ones': each conversation padded to the batch's longest, a guess
+PADDED_SHARE = 1.3
 TOKENS_PER_CONVERSATION = 454.5  # the generated chats' mean, measured (mean_tokens_per_conversation)
 TRAIN_CONVERSATIONS = 640  # the chats the chat steps train on: 290,880 tokens, one epoch
 EVALUATION_SECONDS = 4.0  # the 64 validation chats, evaluated once: the eager LoRA run's 6.5 s after training less
@@ -56,13 +64,19 @@ SAVE_SECONDS = {"full": 16.0, "lora": 2.5}
 # reference's forward pass at a guessed 0.6 s; GRPOTrainer: its set-up (a guess, 20 s) and 4 steps of eager generate
 # at the 13.85 s a step the recipe's eager decoding took
 TRL_SECONDS = {"sft-lora": 42.4, "sft-full": 29.2, "dpo": 25 + 20 * 0.6, "grpo": 20 + 4 * 13.85}
-# DPO: 8 pairs a step (16 rows of ~450 tokens) and the reference's forward pass; padded and eager, 0.45 s a step
-# (the LoRA run of 2026-11-27, steps 2 to 10, before its NaN); packed and compiled, a guess from the sft steps
-DPO_STEP_SECONDS = {("lora", True): 0.17, ("full", True): 0.15, ("lora", False): 0.45, ("full", False): 0.35}
-# GRPO: its compiled decode step (CUDA graphs: one shape serves the rollouts and the evaluation) compiles once, a
-# guess; a step generates 64 completions of 256 tokens (compiled: a guess of 2 s) and updates on them (0.75 s:
-# 32,600 tokens/s measured)
-GRPO_DECODE_COMPILE, GRPO_STEP_SECONDS = 45.0, 2.75
+# DPO: 8 pairs a step (16 rows of ~450 tokens) and the reference's forward pass, compiled blocks; packed, a
+# guess from the sft steps; padded, the eager 0.45 s a step of 2026-11-27 (the LoRA run, steps 2 to 10, before
+# its NaN) less what compiling saved the sft steps (a guess)
+DPO_STEP_SECONDS = {("lora", "packed"): 0.17, ("full", "packed"): 0.15, ("lora", "padded"): 0.25}
+# --eval_generate's default: 4 greedy answers of up to 128 tokens (--max_new_tokens), before training and
+# after the evaluation, in one cache shape (compiled once)
+DPO_ANSWER_CALLS, DPO_ANSWER_TOKENS = 2, 128
+# GRPO: the cache shapes its compiled decode compiles for: one, although its prompts span three buckets of 64
+# tokens, since the recipe reserves the cache of the data's longest prompt before training (chat/generation.py
+# reserve_cache); a step generates 64 completions of 256 tokens (compiled: 2 s) and updates on them (0.75 s:
+# 32,600 tokens/s measured); the evaluation answers the 8 held-out prompts greedily and samples 4 completions
+# of each (--eval_num_samples): two calls of 64 rows
+GRPO_DECODE_SHAPES, GRPO_STEP_SECONDS, GRPO_EVALUATION_CALLS = 1, 2.75, 2
 # The measured time of the other steps on one H100 (docs/gpu-proof.md), rounded up; a guess for bench and the 2+ GPU
 # steps.
 MEASURED_SECONDS = {
@@ -87,7 +101,7 @@ SPEED_STEPS = {"sft-speed-full": "full", "sft-speed-lora": "lora"}
 # The speed steps' rows of a token budget: as many steps as fit in one epoch of the 640 chats (290,880 tokens: 17
 # full rows of 16,384 tokens), so that no epoch's end evaluates and saves in the middle of the measurement
 SPEED_BATCH_TOKENS, SPEED_TOKEN_STEPS = 16384, 12
-SFT_STEPS, DPO_STEPS, GRPO_STEPS = 20, 20, 4
+SFT_STEPS, DPO_STEPS, GRPO_STEPS, GRPO_MAX_NEW_TOKENS = 20, 20, 4, 256
 
 
 def recipe_run(
@@ -104,9 +118,10 @@ def recipe_run(
     }
 
 
-def sft_run(method: str, compiled: bool = True) -> dict[str, float]:
-    """An sft run of 20 steps of 16 conversations (the sft step's, and the speed steps' default)."""
-    return recipe_run(method, LAUNCH["sft"], 2 if compiled else 0, SFT_STEPS, STEP_SECONDS[method, compiled])
+def sft_run(method: str, compiled: bool = True, padded: bool = False) -> dict[str, float]:
+    """An sft run of 20 steps of 16 conversations (the sft step's, the speed steps' default), packed or PADDED."""
+    step = STEP_SECONDS[method, compiled] * (PADDED_SHARE if padded else 1.0)
+    return recipe_run(method, LAUNCH["sft"], 2 if compiled else 0, SFT_STEPS, step)
 
 
 def token_rows_run(method: str) -> dict[str, float]:
@@ -126,28 +141,34 @@ def chat_runs(name: str, shared: frozenset[str] | set[str] = frozenset()) -> dic
             "trl-lora": {"launch": trl, "run": TRL_SECONDS["sft-lora"]},
             "full": sft_run("full"),
             "trl-full": {"launch": trl, "run": TRL_SECONDS["sft-full"]},
+            "lora-padded": sft_run("lora", padded=True),
             # FSDP2's step: as the plain one (one process, unsharded), compiled blocks too
             "lora-fsdp": sft_run("lora"),
         }
     if name == "dpo":
 
-        def dpo_run(method: str, compiled: bool) -> dict[str, float]:
-            graphs = 2 * (1 + REFERENCE_GRAPH_SHARE) if compiled else 0  # the policy's two and the reference's
-            return recipe_run(method, LAUNCH["dpo"], graphs, DPO_STEPS, DPO_STEP_SECONDS[method, compiled])
+        def dpo_run(method: str, way: str) -> dict[str, float]:
+            graphs = 2 * (1 + REFERENCE_GRAPH_SHARE)  # the policy's two and the reference's
+            run = recipe_run(method, LAUNCH["dpo"], graphs, DPO_STEPS, DPO_STEP_SECONDS[method, way])
+            if way == "padded":  # --eval_generate's answers, in a compiled decode
+                run["decode compile"] = DECODE_COMPILE
+                run["answers"] = round(DPO_ANSWER_CALLS * DPO_ANSWER_TOKENS * DECODE_TOKEN_SECONDS, 1)
+            return run
 
+        # the runs of ChatSteps.dpo_runs on one GPU
         return {
-            "lora": dpo_run("lora", True),
+            "lora-padded": dpo_run("lora", "padded"),
             "trl-lora": {"launch": trl, "run": TRL_SECONDS["dpo"]},
-            "full": dpo_run("full", True),
-            "lora-padded": dpo_run("lora", False),
+            "full": dpo_run("full", "packed"),
         }
     if name == "grpo":
+        decode = GRPO_MAX_NEW_TOKENS * DECODE_TOKEN_SECONDS
         return {
             "lora": {
                 "launch": LAUNCH["grpo"],
-                "compile": GRPO_DECODE_COMPILE,
+                "decode compile": round(GRPO_DECODE_SHAPES * DECODE_COMPILE, 1),
                 "steps": round(GRPO_STEPS * GRPO_STEP_SECONDS, 1),
-                "evaluation": EVALUATION_SECONDS,
+                "evaluation": round(GRPO_EVALUATION_CALLS * decode, 1),
                 "save": SAVE_SECONDS["lora"],
             },
             "trl-lora": {"launch": trl, "run": TRL_SECONDS["grpo"]},
@@ -242,7 +263,7 @@ def disk_refusal(name: str, small: bool, free_bytes: int, where) -> str | None:
 
 # Each step's own time limit: over it the step failed (hung); when --budget ends first, it is incomplete instead.
 TIMEOUTS = {
-    "sft": 500,
+    "sft": 510,
     "dpo": 480,
     "grpo": 480,
     "sft-speed-full": 480,

@@ -1,6 +1,8 @@
-"""What a report proves: the GPUs and software its steps hold for (its key), which earlier proofs --after carries
-into a call, and --merge, which folds reports into docs/gpu-proof.json and .md."""
+"""What a report proves: the GPUs and software its steps hold for (its key) and the code each step ran (its
+digest), which earlier proofs --after carries into a call, which steps no GPU has run yet (a call runs them
+first), and --merge, which folds reports into docs/gpu-proof.json and .md."""
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -18,10 +20,72 @@ PROOF_NEEDS = {"sft": ("vs_trl",), "dpo": ("vs_trl", "lora-padded"), "grpo": ("v
 # The steps whose figures are the GPU's own (speed): re-measured on every kind of GPU, never carried to another.
 PER_GPU = ("sft-speed-full", "sft-speed-lora", "bench")
 SOFTWARE = ("torch", "cuda", "accelerate", "transformers", "peft")  # what a proof's key holds besides the GPUs
+# The GPU defaults a step runs that an older proof of it may not show, as (run, figure, value) among its
+# figures: a step that no GPU has passed showing them (nor at all) is new to GPUs, and a call on GPUs runs it
+# first. sft has none: its compiled blocks ran on an H100 on 2026-11-27 (docs/sft.md), only outside gpu-check.
+GPU_DEFAULTS = {"dpo": (("lora-padded", "compile", True),), "grpo": (("lora", "decode_mode", "compiled"),)}
+
+# The files each step runs, as globs from the project's root: its recipe and what that imports of the project,
+# the runtime and the configs it is launched with, the harness beside it, and the module of steps/ that builds
+# its commands and judges them. A proof holds for the code it ran: once one of these files changes, the step
+# runs again.
+RUNTIME = ("accelerate_recipes/*.py", "accelerate_configs/*.yaml")
+CHAT = ("recipes/chat/*.py", "benchmarks/chat_assets.py", "benchmarks/gpu_check/steps/chat.py")
+SFT = (*CHAT, "recipes/sft.py", "benchmarks/sft_bench.py")
+CIFAR = ("recipes/cifar.py", "recipes/cifar_data.py")
+TEXT = ("recipes/text_classification.py", "benchmarks/gpu_check/steps/text.py")
+DETECT = ("recipes/detect/*.py", "benchmarks/gpu_check/steps/vision.py")
+AUDIT = ("benchmarks/host_reads.py", "benchmarks/gpu_check/steps/measurements.py")
+MULTI_GPU = "benchmarks/gpu_check/steps/multi_gpu.py"
+GRPO_BENCH = ("benchmarks/grpo_bench.py",)
+STEP_FILES = {
+    "sft": (*SFT, "benchmarks/packed_attention_check.py"),
+    # dpo_bench.py and grpo_bench.py import functions of sft_bench.py, dpo_bench.py grpo_bench.py's report too
+    "dpo": (*CHAT, "recipes/dpo.py", "benchmarks/dpo_bench.py", "benchmarks/sft_bench.py", *GRPO_BENCH),
+    "grpo": (*CHAT, "recipes/grpo.py", "benchmarks/sft_bench.py", *GRPO_BENCH),
+    "sft-speed-full": SFT,
+    "sft-speed-lora": SFT,
+    "fast94": (*CIFAR, "benchmarks/gpu_check/steps/vision.py"),
+    "text-fsdp": TEXT,
+    "detect-640": DETECT,
+    "preempt": (*CIFAR, "benchmarks/gpu_check/steps/preemption.py"),
+    "bench": (*CIFAR, *TEXT, "benchmarks/bench.py", "benchmarks/gpu_check/steps/measurements.py"),
+    "text-deepspeed": TEXT,
+    "audit-cifar": (*CIFAR, *AUDIT),
+    "audit-text": (*TEXT, *AUDIT),
+    "audit-detect": (*DETECT, *AUDIT),
+    "nccl-doctor": ("recipe_tools/*.py", MULTI_GPU),
+    "ddp": (*CIFAR, MULTI_GPU),
+    "sync-bn": (*CIFAR, MULTI_GPU),
+    "allreduce": ("benchmarks/allreduce.py", "Makefile", MULTI_GPU),
+    "dp-vs-ddp": (*CIFAR, "benchmarks/scaling.py", "benchmarks/dataparallel.py", MULTI_GPU),
+}
+
+
+def step_files(name: str, root: Path = REPO) -> list[Path]:
+    """The files step NAME runs (STEP_FILES and the runtime) under ROOT, each once, in a fixed order."""
+    patterns = (*RUNTIME, *STEP_FILES[name])
+    found = {path for pattern in patterns for path in root.glob(pattern) if path.is_file()}
+    return sorted(found, key=lambda path: path.relative_to(root).as_posix())
+
+
+def code_digest(name: str, root: Path = REPO) -> str:
+    """What step NAME runs, in 16 hex digits: a hash of its files' paths and contents under ROOT (a checkout,
+    git or not), so that the same tree gives the same digest on any machine."""
+    digest = hashlib.sha256()
+    for path in step_files(name, root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def code_digests(root: Path = REPO) -> dict[str, str]:
+    """Every step's code_digest for the tree at ROOT."""
+    return {name: code_digest(name, root) for name in STEPS}
 
 
 def proof_key(mode: str, quick: bool, machine: dict) -> dict:
-    """What a proof holds for: the GPUs (kind and count) and the software the steps ran with."""
+    """What a proof holds for: the GPUs (kind and count) and the software the steps ran with. Each step's
+    record adds the code it ran ("code": code_digest), which must be the tree's for its proof to hold."""
     packages = machine.get("packages", {})
     return {
         "mode": mode,
@@ -88,35 +152,102 @@ def holding(earlier: dict, key: dict, machine: dict | None = None) -> tuple[list
     return held, refusals
 
 
-def proven_steps(earlier: dict, key: dict, machine: dict | None = None) -> tuple[dict[str, dict], list[str]]:
-    """The passed step records of EARLIER (a report, or a proof file such as docs/gpu-proof.json) that hold for KEY on
-    MACHINE (its record, with nvidia-smi's rows), and, when none can, why EARLIER's GPUs or software do not hold here.
-    A proof made on other GPUs of the same compute capability, with as much memory and the same software, holds too,
-    but for the steps whose figures are per GPU (PER_GPU); such a record names the GPUs it was proven on
-    ("proven_on"). A record without the figures its step records now (PROOF_NEEDS: an sft proof from before the
-    comparison with TRL) proves too little and is left out."""
+def why_stale(name: str, record: dict, digests: dict[str, str]) -> str | None:
+    """Why the passed record of step NAME proves too little for the tree whose code DIGESTS are given (one
+    line), or None when it holds: it lacks a figure the step records now (PROOF_NEEDS), or it ran other code
+    than the tree's (a record made before proofs recorded their code counts as other code)."""
+    missing = [need for need in PROOF_NEEDS.get(name, ()) if need not in record["figures"]]
+    reasons = [f"it has no {', '.join(missing)}, which the step records since"] if missing else []
+    if "code" not in record:
+        reasons.append("it predates the code digests proofs record, so it ran older code")
+    elif record["code"] != digests.get(name):
+        there, here = record["code"], digests.get(name)
+        reasons.append(f"its code changed since (digest {there} there, {here} in this tree)")
+    return "; ".join(reasons) or None
+
+
+def proven_steps(
+    earlier: dict, key: dict, machine: dict | None = None, digests: dict[str, str] | None = None
+) -> tuple[dict[str, dict], list[str]]:
+    """The passed step records of EARLIER (a report, or a proof file such as docs/gpu-proof.json) that hold
+    for KEY on MACHINE (its record, with nvidia-smi's rows) and the code DIGESTS (default: this checkout's),
+    and, when none can, why EARLIER's GPUs or software do not hold here. A proof made on other GPUs of the
+    same compute capability, with as much memory and the same software, holds too, but for the steps whose
+    figures are per GPU (PER_GPU); such a record names the GPUs it was proven on ("proven_on"). A record that
+    is stale (why_stale: made on other code, or without a figure its step records now) proves too little and
+    is left out."""
+    digests = code_digests() if digests is None else digests
     held, refusals = holding(earlier, key, machine)
     proven: dict[str, dict] = {}
     for entry, same in held:
         for name, record in entry["steps"].items():
             if name in proven or (not same and name in PER_GPU):
                 continue
-            if set(PROOF_NEEDS.get(name, ())) <= set(record["figures"]):
+            if why_stale(name, record, digests) is None:
                 proven[name] = record if same else {"proven_on": describe_devices(entry["key"]), **record}
     if proven or not refusals:
         return proven, []
     return {}, [f"no entry for {describe_key(key)}"] if "machines" in earlier else refusals
 
 
-def proven_too_little(earlier: dict, key: dict, machine: dict | None = None) -> list[str]:
-    """The steps EARLIER proved for KEY on MACHINE before they recorded what they record now (PROOF_NEEDS): they run
-    again."""
+def stale_proofs(
+    earlier: dict, key: dict, machine: dict | None = None, digests: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The steps EARLIER proved for KEY on MACHINE whose proof is stale for the code DIGESTS (default: this
+    checkout's), in order of value, each with why (why_stale): they run again."""
+    digests = code_digests() if digests is None else digests
     held, _ = holding(earlier, key, machine)
-    proven = proven_steps(earlier, key, machine)[0]
-    stale = {
-        name for entry, same in held for name in entry["steps"] if name not in proven and (same or name not in PER_GPU)
+    proven = proven_steps(earlier, key, machine, digests)[0]
+    stale = {}
+    for entry, same in held:
+        for name, record in entry["steps"].items():
+            if name not in proven and name not in stale and (same or name not in PER_GPU):
+                stale[name] = why_stale(name, record, digests)
+    return {name: stale[name] for name in STEPS if name in stale}
+
+
+def describe_stale(stale: dict[str, str]) -> str:
+    """stale_proofs' answer in one line, the steps grouped by why: "sft, grpo (why); dpo (other why)"."""
+    grouped: dict[str, list[str]] = {}
+    for name, why in stale.items():
+        grouped.setdefault(why, []).append(name)
+    return "; ".join(f"{', '.join(names)} ({why})" for why, names in grouped.items())
+
+
+def shows_gpu_defaults(name: str, record: dict) -> bool:
+    """Whether a passed record of step NAME shows the GPU defaults the step runs now (GPU_DEFAULTS)."""
+    figures = record.get("figures", {})
+    shown = GPU_DEFAULTS.get(name, ())
+    return all((figures.get(run) or {}).get(figure) == value for run, figure, value in shown)
+
+
+def new_to_gpus(earlier: dict | None) -> list[str]:
+    """The steps that no GPU has passed running their GPU defaults, by EARLIER (a proof file or a report of
+    GPUs), whatever its GPUs, software and code: what a call on GPUs runs first. The speed steps (PER_GPU) are
+    not among them: they measure paths the other steps prove, and a GPU of their own kind measures them once
+    those hold."""
+    if earlier is None:
+        return []
+    if "machines" in earlier:
+        records = [(m["key"], m["steps"]) for m in earlier["machines"]]
+    else:
+        passed = {r["step"]: r for r in earlier.get("steps", []) if r["status"] == "pass"}
+        records = [(earlier.get("key", {}), passed)]
+    ran = {
+        name
+        for key, steps in records
+        if key.get("mode") == "gpu"
+        for name, record in steps.items()
+        if shows_gpu_defaults(name, record)
     }
-    return [name for name in STEPS if name in stale]
+    return [name for name in STEPS if name not in ran and name not in PER_GPU]
+
+
+def first_order(todo: list[str], earlier: dict | None) -> list[str]:
+    """TODO (in order of value) with the steps new to GPUs (new_to_gpus of EARLIER) first, each part in order
+    of value: the order a call on GPUs runs them in, and --plan fills its calls in."""
+    new = set(new_to_gpus(earlier))
+    return [name for name in todo if name in new] + [name for name in todo if name not in new]
 
 
 def describe_devices(key: dict) -> str:
@@ -161,6 +292,9 @@ PROOF_ABOUT = (
 
 
 def markdown_proof(proof: dict) -> str:
+    """PROOF (docs/gpu-proof.json) as docs/gpu-proof.md: which GPUs proved each step, where that holds, and
+    which proofs are stale against the tree --merge last wrote it from (its "tree_code", the steps' code
+    digests then)."""
     lines = [
         "# GPU proof",
         "",
@@ -172,6 +306,8 @@ def markdown_proof(proof: dict) -> str:
         "[gpu-proof.json](gpu-proof.json).",
         "",
     ]
+    # the code digests --merge judged by; none in a file from before them, where every proof counts as stale
+    tree_code = proof.get("tree_code", {})
     if not proof["machines"]:
         lines += [
             "**Nothing has been proven on a GPU yet.** Every figure of this project so far comes from CPUs "
@@ -186,7 +322,12 @@ def markdown_proof(proof: dict) -> str:
             "memory each and the same torch, CUDA, accelerate, transformers and peft (an H100 80GB's proof holds on "
             "an H200: both Hopper, sm_90), and `--after` carries it there; its figures stay those of the GPUs that "
             f"made them. The speed steps ({', '.join(PER_GPU)}) hold on the GPUs that measured them only: their "
-            "figures are those GPUs' own, so every kind of GPU measures them again.",
+            "figures are those GPUs' own, so every kind of GPU measures them again. A proof holds for the "
+            "code it ran, too: each record keeps a digest of the files its step runs (the recipe, the chat "
+            "layer, accelerate_recipes, the configs, the step's harness: `STEP_FILES` in "
+            "benchmarks/gpu_check/proof.py), and a step whose files changed since, or whose proof predates "
+            "those digests, is stale: `--after` runs it again. Stale here means against the tree this file "
+            "was last written from; `--plan` says it for the tree at hand.",
             "",
             "| step | proven on | when | holds on |",
             "|---|---|---|---|",
@@ -197,7 +338,7 @@ def markdown_proof(proof: dict) -> str:
                     record = machine["steps"][name]
                     lines.append(
                         f"| {name} | {describe_devices(machine['key'])} | {record.get('finished_at') or '?'} | "
-                        f"{holds_on(name, machine, record)} |"
+                        f"{holds_on(name, machine, record, tree_code)} |"
                     )
         lines.append("")
     for machine in proof["machines"]:
@@ -210,7 +351,8 @@ def markdown_proof(proof: dict) -> str:
             f"deepspeed {m.get('deepspeed_import') or 'not installed'}; host {m.get('host')}.",
             "",
             f"Proven: {', '.join(proven) or 'nothing'}. Not yet: "
-            f"{', '.join(s for s in STEPS if s not in proven) or 'nothing'}.",
+            f"{', '.join(s for s in STEPS if s not in proven) or 'nothing'}. Stale, so run again: "
+            f"{', '.join(s for s in proven if why_stale(s, machine['steps'][s], tree_code)) or 'none'}.",
             "",
             "| step | seconds | key figures | proven |",
             "|---|---:|---|---|",
@@ -225,11 +367,12 @@ def markdown_proof(proof: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def holds_on(name: str, machine: dict, record: dict) -> str:
-    """Where the proof of step NAME in a proof file's MACHINE entry holds (proven_steps' rule), in words."""
-    missing = [need for need in PROOF_NEEDS.get(name, ()) if need not in record["figures"]]
-    if missing:
-        return f"nowhere now: it has no {', '.join(missing)}, which the step records since; it runs again"
+def holds_on(name: str, machine: dict, record: dict, digests: dict[str, str]) -> str:
+    """Where the proof of step NAME in a proof file's MACHINE entry holds (proven_steps' rule) for the tree
+    whose code DIGESTS are given, in words."""
+    stale = why_stale(name, record, digests)
+    if stale:
+        return f"nowhere now, stale: {stale}; it runs again"
     if name in PER_GPU:
         return f"{describe_devices(machine['key'])} only (its figures are per GPU)"
     gpus = gpus_of(machine["machine"])
@@ -283,13 +426,14 @@ def merge_reports(reports: list[str], proof_path: Path) -> int:
         passed = {r["step"]: r for r in report["steps"] if r["status"] == "pass" and not r.get("carried")}
         for name, record in passed.items():
             kept = {k: record.get(k) for k in ("commands", "wall_seconds", "figures", "detail", "finished_at")}
-            kept.update({k: record[k] for k in ("estimate", "timing") if record.get(k)})
+            kept.update({k: record[k] for k in ("code", "estimate", "timing") if record.get(k)})
             kept["commands"] = [portable_command(c, report["machine"].get("executable")) for c in kept["commands"]]
             machine["steps"][name] = {**kept, "host": record.get("host", report["machine"]["host"])}
         machine["steps"] = {s: machine["steps"][s] for s in STEPS if s in machine["steps"]}
         for record in machine["steps"].values():  # proofs merged before commands were made portable
             record["commands"] = [portable_command(c, machine["machine"].get("executable")) for c in record["commands"]]
         print(f"gpu-check: {len(passed)} proven step(s) of {path} for {describe_key(report['key'])}", flush=True)
+    proof["tree_code"] = code_digests()  # what the markdown's stale proofs are judged against
     proof_path.parent.mkdir(parents=True, exist_ok=True)
     write_text(proof_path, json.dumps(proof, indent=2) + "\n")
     write_text(proof_path.with_suffix(".md"), markdown_proof(proof))

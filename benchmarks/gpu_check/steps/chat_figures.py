@@ -2,6 +2,31 @@
 
 from ..run_outputs import key_figures
 
+# What a run's results.json counts of its compiled paths (absent from runs made before the counts): the
+# compiled blocks of training (graphs, recompiles, seconds, and the one-line cause when they fell back to
+# eager), and the compiled decode's, so that a call says how often each path compiled.
+COMPILE_FIGURES = (
+    "compile_graphs",
+    "compile_recompiles",
+    "compile_seconds",
+    "compile_fallback",
+    "decode_graphs",
+    "decode_recompiles",
+    "decode_compile_seconds",
+    "decode_fallback",
+)
+FALLBACKS = {"compile_fallback": "its compiled blocks", "decode_fallback": "its compiled decode"}
+
+
+def fell_back(results: dict) -> list[str]:
+    """Each compiled path of a run that fell back to eager, with the cause the run gave: such a run proves the
+    eager path, not the compiled default it was to prove, so its step fails."""
+    return [
+        f"{what} fell back to eager ({results[key]}): it proved the eager path, not the compiled default"
+        for key, what in FALLBACKS.items()
+        if results.get(key)
+    ]
+
 
 def sft_figures(results: dict) -> dict:
     """An sft run's figures from its results.json: throughput, memory against the plan, and the model FLOP
@@ -23,6 +48,7 @@ def sft_figures(results: dict) -> dict:
         "attn_implementation",
         "compile",
         "warmup_seconds",
+        *COMPILE_FIGURES,
     )
     planned = (results.get("memory_plan_mb") or {}).get("total")
     # The plan counts device memory; on the CPU the peak is the process's whole resident memory, not comparable.
@@ -87,13 +113,15 @@ def speed_comparison(figures: dict, default: str) -> dict:
     return compared
 
 
-def trl_comparison(figures: dict) -> dict:
-    """Per method, the recipe's run (FIGURES[method]) beside TRL's (FIGURES["trl-" + method]) on the same device:
-    tokens/s and ours_over_trl (above 1: the recipe trains faster), MFU, median step, peak memory and the attention
-    each used, as {"ours": ..., "trl": ...}; a method missing either run's tokens/s is left out."""
+def trl_comparison(figures: dict, ours_runs: dict[str, str] | None = None) -> dict:
+    """Per method, the recipe's run (FIGURES[method], or the run OURS_RUNS names for it) beside TRL's
+    (FIGURES["trl-" + method]) on the same device: tokens/s and ours_over_trl (above 1: the recipe trains
+    faster), MFU, median step, peak memory and the attention each used, as {"ours": ..., "trl": ...}, and
+    which run of ours it was; a method missing either run's tokens/s is left out."""
+    ours_runs = {"lora": "lora", "full": "full", **(ours_runs or {})}
     compared = {}
     for method in ("lora", "full"):
-        ours, trl = figures.get(method, {}), figures.get(f"trl-{method}", {})
+        ours, trl = figures.get(ours_runs[method], {}), figures.get(f"trl-{method}", {})
         if not ours.get("train_tokens_per_second") or not trl.get("train_tokens_per_second"):
             continue
         row = {"ours_over_trl": round(ours["train_tokens_per_second"] / trl["train_tokens_per_second"], 3)}
@@ -111,6 +139,8 @@ def trl_comparison(figures: dict) -> dict:
                 "trl": trl.get("attn_implementation"),
             }
         row["trl_liger_kernel"] = trl.get("liger_kernel")
+        if ours_runs[method] != method:
+            row["ours"] = ours_runs[method]
         compared[method] = row
     return compared
 
@@ -131,6 +161,7 @@ def dpo_figures(results: dict, assets: dict, peak: float | None, method: str) ->
         "median_step_seconds",
         "peak_memory_mb",
         "peak_memory_kind",
+        *COMPILE_FIGURES,
     )
     tokens_per_second, pairs_per_second = (
         results.get("train_tokens_per_second"),
@@ -208,4 +239,5 @@ def grpo_figures(results: dict) -> dict:
     if "train_tokens_per_second" in results:
         figures["update_tokens_per_second"] = results["train_tokens_per_second"]
     figures.update(key_figures(results, "median_step_seconds", "peak_memory_mb", "peak_memory_kind", "wall_seconds"))
+    figures.update(key_figures(results, *COMPILE_FIGURES))
     return figures
