@@ -138,6 +138,7 @@ OLDEST_TESTS ?= tests/test_chat_data.py tests/test_grpo_parts.py \
 	tests/test_dpo.py::test_compiled_blocks_give_the_eager_policy_and_reference_and_compile_once \
 	tests/test_dpo.py::test_the_gpu_defaults_compiled_train_and_answer_as_eager_and_compile_once_per_kind \
 	tests/test_compile_fallback.py \
+	tests/test_hsdp.py \
 	tests/test_dpo.py::test_nan_gradients_of_fully_masked_attention_rows_stop_the_run_at_the_first_such_step_or_are_skipped \
 	tests/test_grpo.py::test_nan_gradients_stop_the_run_at_their_step_before_an_evaluation_between_log_steps
 $(OLDEST_VENV)/.installed: pyproject.toml tests/oldest-versions.txt | $(VENV)/.installed-dev
@@ -235,7 +236,8 @@ detect-1gpu: ## YOLO-style detector: 1 GPU, ARGS="--data path/data.yaml" (detect
 detect-2node: ## YOLO-style detector: 2 nodes x 8 GPUs; on every node, with NODE_RANK and MASTER_ADDR
 detect-hostfile: ## YOLO-style detector on every node of HOSTFILE, started from here over ssh
 .PHONY: bench-detect
-bench-detect: $(call needs,detect-compare) ## benchmark: our nano detector beside Ultralytics' YOLOv8n, same data and settings
+bench-detect: $(call needs,detect-compare) ## benchmark: our nano detector beside Ultralytics' YOLOv8n, same data and settings (ARGS="--transfer": both fine-tuned from one best.pt)
+bench-detect: $(if $(findstring --transfer,$(ARGS)),detect-data)
 	$(PY) benchmarks/detect.py $(ARGS)
 # A real detection set that installs offline: tree crowns boxed on NEON aerial photographs, which the deepforest
 # package ships (installed without its dependencies), cut into tiles (benchmarks/tree_crowns.py).
@@ -364,6 +366,25 @@ dpo-deepspeed: $(call needs,chat) deepspeed-extra ## DPO with DeepSpeed ZeRO-3 o
 	$(call launch,deepspeed) $(SHARDED_OPTS) $(call script,recipes/dpo.py) $(ARGS)
 dpo-data: sft-data ## write the review-verdict preference pairs to data/dpo_rotten_tomatoes (and the model folder dpo-cpu trains)
 	@test -f $(DPO_DATA)/validation.jsonl || $(PY) benchmarks/dpo_bench.py write_data --output $(DPO_DATA)
+
+# Hybrid sharding on 2 nodes (2node-hsdp.yaml): FSDP2 within each node, the model replicated across the
+# nodes, so the network carries one gradient all-reduce per step (docs/multinode.md). On every node, with
+# NODE_RANK and MASTER_ADDR; GPU_IDS=0,1,2,3 trains on those GPUs of each node, one shard group per node.
+HSDP_OPTS = $(if $(GPU_IDS),$(NODE_GPU_COUNT_OPTS) --parallelism_config_dp_shard_size $(words $(GPU_LIST)))
+hsdp_launch = $(call launch,2node-hsdp) $(HSDP_OPTS) $(node_opts) $(call script,$(1)) $(ARGS) $(resume_opts)
+.PHONY: sft-2node-hsdp dpo-2node-hsdp grpo-2node-hsdp text-2node-hsdp
+sft-2node-hsdp: $(call needs,chat) ## chat fine-tuning: 2 nodes x 8 GPUs, sharded within each (HSDP)
+	$(need_master)
+	$(call hsdp_launch,recipes/sft.py)
+dpo-2node-hsdp: $(call needs,chat) ## DPO: 2 nodes x 8 GPUs, sharded within each (HSDP)
+	$(need_master)
+	$(call hsdp_launch,recipes/dpo.py)
+grpo-2node-hsdp: $(call needs,chat) ## GRPO: 2 nodes x 8 GPUs, sharded within each (HSDP)
+	$(need_master)
+	$(call hsdp_launch,recipes/grpo.py)
+text-2node-hsdp: $(call needs,text) ## text classification: 2 nodes x 8 GPUs, sharded within each (HSDP)
+	$(need_master)
+	$(call hsdp_launch,recipes/text_classification.py)
 
 # GRPO benchmark: recipes/grpo.py (1 process, 2 over gloo) against TRL's GRPOTrainer, same model, prompts, reward and
 # settings; accuracy and mean reward before and after, generation and training tokens/s (outputs/bench-grpo/report.md).

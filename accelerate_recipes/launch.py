@@ -11,7 +11,13 @@ import torch.distributed as dist
 
 from accelerate_recipes.cli import address_in_use, port_in_use
 from accelerate_recipes.errors import RecipeError
-from accelerate_recipes.sharding import check_accumulation, check_skip_nonfinite, set_gradient_clipping, shard_on_cpu
+from accelerate_recipes.sharding import (
+    check_accumulation,
+    check_skip_nonfinite,
+    hybrid_sharding_startup,
+    set_gradient_clipping,
+    shard_on_cpu,
+)
 
 
 def check_process_group(accelerator) -> None:
@@ -287,7 +293,8 @@ def explain_startup_failure(timeout_seconds: float):
     check_visible_gpus()
     try:
         join_restarted_group(timeout_seconds)
-        yield
+        with hybrid_sharding_startup():  # an HSDP config's mesh: checked here, built later on CPUs
+            yield
     except (dist.DistStoreError, dist.DistNetworkError) as err:
         address, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
         where = f"{address}:{port}"

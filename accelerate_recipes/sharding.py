@@ -1,16 +1,96 @@
-"""FSDP and DeepSpeed set-up the recipes share: FSDP2 on CPU processes, the block class FSDP shards by, and the
-flags (accumulation, clipping, the NaN guard) that must mean the same under DDP, FSDP and DeepSpeed."""
+"""FSDP and DeepSpeed set-up the recipes share: FSDP2 on CPU processes, hybrid sharding (HSDP) on a 2-D
+device mesh, the block class FSDP shards by, and the flags (accumulation, clipping, the NaN guard) that must
+mean the same under DDP, FSDP and DeepSpeed."""
 
 import os
+from contextlib import contextmanager
 
-from accelerate import PartialState
+import torch
+from accelerate import ParallelismConfig, PartialState
 from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
 
 from accelerate_recipes.errors import RecipeError
 
+# What `accelerate launch` exports for a config's parallelism_config (accelerate 1.15); ParallelismConfig()
+# reads the sizes from PARALLELISM_CONFIG_<NAME>_SIZE.
+PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
+MESH_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
 
 def _asked_for(variable: str) -> bool:
     return os.environ.get(variable, "false").lower() in ("1", "true")
+
+
+def parallelism_sizes() -> dict[str, int] | None:
+    """The mesh sizes of the config's parallelism_config, as the launcher exported them; None without one."""
+    if not _asked_for(PARALLELISM):
+        return None
+    return {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in MESH_SIZES}
+
+
+def check_hybrid_sharding() -> None:
+    """Before `Accelerator(...)`: stop when the config's mesh does not fit the launch, naming sizes that do.
+
+    Every process stays a data-parallel rank (--batch_size splits over all of them), so only dp_replicate and
+    dp_shard may be set, and their product must count the processes launched. With replicas, a shard group
+    must lie within one node: torchrun numbers the ranks node by node and the mesh puts neighbouring ranks in
+    one shard group, and a group across nodes would all-gather every layer over the network.
+    """
+    sizes = parallelism_sizes()
+    if sizes is None:
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // local)
+    fix = (
+        f"for {nodes} node(s) x {local} process(es) launch with "
+        f"--parallelism_config_dp_replicate_size {nodes} --parallelism_config_dp_shard_size {local}"
+    )
+    if local == 1:  # nothing to shard within a node
+        fix = "with one process per node launch with 2node.yaml (DDP) instead"
+    others = [f"{name}_size {sizes[name]}" for name in MESH_SIZES[2:] if sizes[name] > 1]
+    if others:
+        raise RecipeError(
+            f"the accelerate config's parallelism_config sets {', '.join(others)}, but the recipes train "
+            f"data parallel only (--batch_size splits over every process); set those sizes to 1 and {fix}"
+        )
+    replicate, shard = sizes["dp_replicate"], sizes["dp_shard"]
+    if replicate * shard != world:
+        raise RecipeError(
+            f"the accelerate config's parallelism_config has dp_replicate_size {replicate} x dp_shard_size "
+            f"{shard} = {replicate * shard} processes, but {world} were launched; {fix}"
+        )
+    if shard == 1:
+        raise RecipeError(
+            "dp_shard_size 1 in the accelerate config's parallelism_config shards nothing: every process "
+            f"would hold the whole model, as 2node.yaml's DDP does with less traffic; {fix}"
+        )
+    if replicate > 1 and local % shard:
+        raise RecipeError(
+            f"dp_shard_size {shard} does not divide the {local} process(es) of a node, so a shard group "
+            f"would span nodes and all-gather every layer over the network; {fix}"
+        )
+
+
+@contextmanager
+def hybrid_sharding_startup():
+    """Around `Accelerator(...)`: check the config's mesh; on the CPU have shard_on_cpu build it instead.
+
+    accelerate 1.15 builds a parallelism_config's mesh in Accelerator() and refuses it there unless the run is
+    FSDP2 or multi-GPU; on the CPU the run is MULTI_CPU until shard_on_cpu switches it to FSDP2. So the
+    launcher's variable is hidden from the constructor alone, and restored after it.
+    """
+    check_hybrid_sharding()
+    deferred = _asked_for(PARALLELISM)
+    if deferred:  # on the CPU only; asked only then, as most runs have no mesh
+        deferred = _asked_for("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+    if deferred:
+        os.environ[PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        if deferred:
+            os.environ[PARALLELISM] = "true"
 
 
 def shard_on_cpu(accelerator) -> None:
@@ -33,6 +113,13 @@ def shard_on_cpu(accelerator) -> None:
             plugin.set_mixed_precision(precision)
         accelerator.state.fsdp_plugin = plugin
         kind = DistributedType.FSDP
+        if _asked_for(PARALLELISM) and accelerator.parallelism_config is None:
+            # HSDP: the mesh Accelerator() builds from the config on GPUs (hybrid_sharding_startup held it
+            # back); accelerate's FSDP2 prepare shards over its dp_shard dimension and replicates over
+            # dp_replicate.
+            config = ParallelismConfig()  # reads the PARALLELISM_CONFIG_* variables
+            accelerator.state.parallelism_config = config
+            accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
     else:
         plugin = DeepSpeedPlugin()  # reads the ACCELERATE_DEEPSPEED_* variables
         plugin.set_mixed_precision(precision)  # DeepSpeed casts itself: no autocast around the model

@@ -53,13 +53,29 @@ class TrackerSetup:
     swanlab_mode: str | None = None
     swanlab_dir: Path | None = None
     offline_because: str = "not logged in"
+    output_dir: Path | None = None
+    run_id: str | None = None  # the training's id in its tracker (init_kwargs_for)
+
+    def init_kwargs_for(self, resume_from: Path | None) -> dict:
+        """`init_trackers`' init_kwargs for a run that resumes from `resume_from` (None: a fresh start): one
+        experiment per training, as SwanLab and wandb continue the id of the training it continues with
+        resume="allow" (the curves go on at the resumed step; offline parts sync into one); the other trackers
+        start a new run, said in one line."""
+        kwargs = {name: dict(self.init_kwargs.get(name, {})) for name in self.log_with}
+        for name in self.log_with:
+            if name in RESUMABLE:
+                self.run_id = keep_run_id(self.output_dir, resume_from, name)
+                kwargs[name].update(id=self.run_id, resume="allow")
+            elif resume_from is not None and is_main_process():
+                print(f"{name}: a resumed run is logged as a new run ({name} takes no run id to continue)", flush=True)
+        return kwargs
 
     def where(self) -> str | None:
         """One line saying where the run's tracking data is and how to look at it, or None when nothing is tracked."""
         if self.swanlab_mode in ("offline", "local"):
             runs = sorted(self.swanlab_dir.glob("run-*"), key=os.path.getmtime) if self.swanlab_dir else []
             run_dir = runs[-1] if runs else self.swanlab_dir
-            run_id = self.init_kwargs.get("swanlab", {}).get("id")
+            run_id = self.run_id
             parts = [run for run in runs if run_id and run.name.endswith(f"-{run_id}")]
             if self.swanlab_mode == "offline" and len(parts) > 1:  # a resumed training: one folder per start
                 return (
@@ -122,15 +138,13 @@ def new_run_id() -> str:
     return "".join(secrets.choice(alphabet) for _ in range(21))
 
 
-def continued_run_id(output_dir: Path, resume: str | None, tracker: str) -> str | None:
-    """The id of the training a resumed run continues: kept in TRACKER_RUN_FILE in its output directory (that of
-    the checkpoint --resume names, else --output_dir), for the same tracker; None for a fresh start."""
-    if resume is None:
+def continued_run_id(output_dir: Path, resume_from: Path | None, tracker: str) -> str | None:
+    """The id of the training a resumed run continues: kept in TRACKER_RUN_FILE in the output directory of the
+    checkpoint it resumes from (<output_dir>/checkpoints/step_N), else in --output_dir, for the same tracker; None
+    for a fresh start."""
+    if resume_from is None:
         return None
-    folders = [output_dir]
-    if resume != "auto":  # a checkpoint path: <run's output_dir>/checkpoints/step_N
-        folders.insert(0, Path(resume).expanduser().resolve().parent.parent)
-    for folder in folders:
+    for folder in (Path(resume_from).resolve().parent.parent, output_dir):
         try:
             saved = json.loads((folder / TRACKER_RUN_FILE).read_text())
         except (OSError, ValueError):
@@ -140,32 +154,24 @@ def continued_run_id(output_dir: Path, resume: str | None, tracker: str) -> str 
     return None
 
 
-def keep_run_id(output_dir: str | Path, resume: str | None, tracker: str) -> str:
+def keep_run_id(output_dir: str | Path, resume_from: Path | None, tracker: str) -> str:
     """This training's tracker id: the one a resumed run continues (continued_run_id), else a new one, written to
     TRACKER_RUN_FILE by the main process so that every later resume logs into the same experiment."""
     output = Path(output_dir)
-    run_id = continued_run_id(output, resume, tracker) or new_run_id()
+    run_id = continued_run_id(output, resume_from, tracker) or new_run_id()
     if is_main_process():
         try:
-            output.mkdir(parents=True, exist_ok=True)
             (output / TRACKER_RUN_FILE).write_text(json.dumps({"tracker": tracker, "id": run_id}) + "\n")
         except OSError:
-            pass  # prepare_output_dir names the cause of an output directory that cannot be written
+            pass  # prepare_output_dir has named the cause of an output directory that cannot be written
     return run_id
 
 
-def setup_tracker(
-    tracker: str | None,
-    output_dir: str | Path,
-    run_name: str,
-    swanlab_mode: str | None = None,
-    resume: str | None = None,
-):
-    """Validate `--tracker` and build the arguments Accelerate needs for it.
+def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, swanlab_mode: str | None = None):
+    """Validate `--tracker` and build the arguments Accelerate needs for it (init_kwargs_for gives them once the
+    checkpoint a run resumes from is known).
 
     tracker: "swanlab" (default), "none", or any tracker Accelerate knows by name (tensorboard, wandb, mlflow, ...).
-    resume: --resume; a resumed run logs into the experiment of the training it continues (SwanLab and wandb take
-    its id with resume="allow"; the others start a new run, said in one line).
     """
     name = str(tracker or "none").strip().lower()
     if name in ("none", "", "false", "off"):
@@ -177,12 +183,7 @@ def setup_tracker(
         package = {"comet_ml": "comet-ml"}.get(name, name)
         raise RecipeError(f"tracker {name!r} is not installed: pip install {package}, or pass --tracker none")
     if name != "swanlab":
-        init_kwargs = {}
-        if name in RESUMABLE:
-            init_kwargs[name] = {"id": keep_run_id(output_dir, resume, name), "resume": "allow"}
-        elif resume is not None and is_main_process():
-            print(f"{name}: a resumed run is logged as a new run ({name} takes no run id to continue)", flush=True)
-        return TrackerSetup(log_with=[name], init_kwargs=init_kwargs)
+        return TrackerSetup(log_with=[name], output_dir=Path(output_dir))
 
     mode = resolve_swanlab_mode(swanlab_mode)
     offline_because = "as asked" if swanlab_mode or os.environ.get("SWANLAB_MODE") else "not logged in"
@@ -199,8 +200,7 @@ def setup_tracker(
             mode, offline_because = "offline", "SwanLab cloud not reachable"
     log_dir = Path(os.environ.get("SWANLAB_LOG_DIR") or Path(output_dir) / "swanlog").resolve()
     # Keyword arguments passed through to swanlab.init on the main process.
-    # One experiment per training: every resume continues the curves of the same id (offline runs sync into it)
-    kwargs = {"mode": mode, "name": run_name, "id": keep_run_id(output_dir, resume, name), "resume": "allow"}
+    kwargs = {"mode": mode, "name": run_name}
     if mode in ("offline", "local"):
         kwargs["log_dir"] = str(log_dir)
     return TrackerSetup(
@@ -209,4 +209,5 @@ def setup_tracker(
         swanlab_mode=mode,
         swanlab_dir=log_dir,
         offline_because=offline_because,
+        output_dir=Path(output_dir),
     )

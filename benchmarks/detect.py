@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Detection benchmark: our nano detector beside Ultralytics' YOLOv8n on the same data and settings, both from scratch.
+"""Detection benchmark: our nano detector beside Ultralytics' YOLOv8n on the same data and settings, from scratch, or
+both fine-tuned from the same Ultralytics best.pt (--transfer).
 
     make bench-detect                                   # CPU-sized: generated shapes at 256 px, both tools
     python benchmarks/detect.py --data path/to/data.yaml --image_size 640 --epochs 30 --batch_size 8
     python benchmarks/detect.py --tools ours            # our detector alone (no Ultralytics needed)
-    python benchmarks/detect.py --tools ours --transfer # and a fine-tune from it to 5 classes, against from scratch
+    make detect-data bench-detect ARGS="--transfer"     # both tools fine-tuned from one best.pt, on the tree crowns
     python benchmarks/detect.py --image_size 640 --train_images 4096 --epochs 30 --batch_size 64   # a GPU
 
 The same YOLO-format data, image size, epochs, global batch and seed go to both; each tool keeps its other defaults
@@ -17,9 +18,12 @@ peak memory the process's (host max RSS on a CPU, allocated GPU memory for ours 
 a process of its own (benchmarks/detect_ultralytics.py), from the `detect-compare` extra. Writes
 outputs/bench-detect/results.json and prints a summary table.
 
---transfer adds what a pretrained start carries: our model of the run above fine-tuned on another generated set with
-another class count (5 shapes, seed 1, half as many images), against the same fine-tune from random weights, at
-equal epochs.
+--transfer is the fine-tune an Ultralytics user makes, from the same start for both tools: Ultralytics trains a YOLOv8n
+(yolov8n.yaml) on --pretrain_data (default the generated shapes of --train_images images) for --pretrain_epochs and
+saves its best.pt; then both tools fine-tune from that one file on --data (default the real tree crowns of
+`make detect-data`, another set with another class count) at equal epochs, image size, batch and seed: ours with
+`--init_weights best.pt` (converted in memory), Ultralytics with `model=best.pt`. Both are scored by the one
+evaluator, with training images/s beside each.
 
 The generated shapes (seed 0) are the same on every machine and easy, so their figures compare tools, machines and
 settings, not detectors on photographs.
@@ -39,6 +43,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "recipes" / "detect" / "train.py"
 ULTRALYTICS = REPO / "benchmarks" / "detect_ultralytics.py"
+TREE_CROWNS = Path("data/tree-crowns/data.yaml")  # make detect-data: --transfer's default target
 sys.path.insert(0, str(REPO / "recipes" / "detect"))
 
 
@@ -62,7 +67,8 @@ def run_ours(
     command += ["--checkpoint_every", "0", "--output_dir", str(out)]
     print("$ " + " ".join(command), flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(command)
+    # an Ultralytics .pt as --init_weights imports ultralytics: offline, its settings beside the run
+    proc = subprocess.run(command, env=dict(os.environ, YOLO_OFFLINE="1", YOLO_CONFIG_DIR=str(out / "settings")))
     wall = time.perf_counter() - start
     if proc.returncode:
         sys.exit(f"error: the detection recipe failed (exit {proc.returncode}); see its output above")
@@ -86,8 +92,10 @@ def run_ours(
     )
 
 
-def run_ultralytics(data: Path, out: Path, image_size: int, epochs: int, batch_size: int, seed: int) -> dict:
-    command = [sys.executable, str(ULTRALYTICS), "--data", str(data), "--out", str(out)]
+def run_ultralytics(
+    data: Path, out: Path, image_size: int, epochs: int, batch_size: int, seed: int, model: str = "yolov8n.yaml"
+) -> dict:
+    command = [sys.executable, str(ULTRALYTICS), "--data", str(data), "--out", str(out), "--model", model]
     command += ["--image_size", str(image_size), "--epochs", str(epochs), "--batch_size", str(batch_size)]
     command += ["--seed", str(seed)]
     print("$ " + " ".join(command), flush=True)
@@ -115,6 +123,8 @@ def main(
     output_dir: str = "outputs/bench-detect",
     data_dir: str = "data",
     transfer: bool = False,
+    pretrain_data: str | None = None,
+    pretrain_epochs: int | None = None,
     threads: int | None = None,
 ):
     """Train our detector and Ultralytics' YOLOv8n on the same data for a fixed number of epochs and compare them.
@@ -131,7 +141,11 @@ def main(
             fp32 on a CPU and its AMP on a GPU).
         output_dir: where the runs, results.json and the table go.
         data_dir: where the generated set is written (reused when present).
-        transfer: also fine-tune our trained model on a 5-class generated set, against the same run from scratch.
+        transfer: the fine-tune benchmark instead: Ultralytics trains YOLOv8n on --pretrain_data and saves best.pt,
+            then both tools fine-tune from that file on --data (default data/tree-crowns/data.yaml).
+        pretrain_data: with --transfer, the data.yaml Ultralytics' start is trained on; default the generated
+            shapes of train_images images.
+        pretrain_epochs: with --transfer, the epochs of that start; default --epochs.
         threads: torch threads for both tools (OMP_NUM_THREADS); default each tool's own choice. On a CPU shared
             with other work, 1 keeps both from stalling on threads that wait for a core.
     """
@@ -145,30 +159,28 @@ def main(
     out = Path(output_dir)
     shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
     out.mkdir(parents=True)
-    data_yaml = Path(data) if data else generated_set(data_dir, train_images, image_size)
-    rows = []
-    if "ours" in chosen:
-        rows.append(run_ours(data_yaml, out / "ours", image_size, epochs, batch_size, seed, precision))
-    if "ultralytics" in chosen:
-        rows.append(run_ultralytics(data_yaml, out / "ultralytics", image_size, epochs, batch_size, seed))
-    transfer_rows = []
-    if transfer and "ours" in chosen:
-        from synthetic_shapes import write_synthetic_dataset
-
-        other = Path(data_dir) / f"bench-shapes5-{train_images // 2}-{image_size}px"
-        if not (other / "data.yaml").is_file():
-            write_synthetic_dataset(
-                other,
-                num_train=train_images // 2,
-                num_val=max(8, train_images // 8),
-                image_size=image_size,
-                num_classes=5,
-                seed=1,
-            )
-        for start, extra in (("from our model", ["--init_weights", str(out / "ours")]), ("from scratch", [])):
-            name = "transfer-pretrained" if extra else "transfer-scratch"
-            row = run_ours(other / "data.yaml", out / name, image_size, epochs, batch_size, seed, precision, *extra)
-            transfer_rows.append(dict(row, start=start))
+    rows, start = [], None
+    if transfer:
+        if set(chosen) != {"ours", "ultralytics"}:
+            sys.exit("error: --transfer compares both tools from one start; leave --tools out")
+        data_yaml = Path(data) if data else TREE_CROWNS
+        if not data_yaml.is_file():
+            sys.exit(f"error: {data_yaml} not found; write the tree crowns with make detect-data, or give --data")
+        pretrain_yaml = Path(pretrain_data) if pretrain_data else generated_set(data_dir, train_images, image_size)
+        pretrained = run_ultralytics(
+            pretrain_yaml, out / "start", image_size, pretrain_epochs or epochs, batch_size, seed
+        )
+        start = dict(pretrained, data=str(pretrain_yaml))
+        best = start["best_pt"]
+        from_best = ("--init_weights", best)
+        rows.append(run_ours(data_yaml, out / "ours", image_size, epochs, batch_size, seed, precision, *from_best))
+        rows.append(run_ultralytics(data_yaml, out / "ultralytics", image_size, epochs, batch_size, seed, best))
+    else:
+        data_yaml = Path(data) if data else generated_set(data_dir, train_images, image_size)
+        if "ours" in chosen:
+            rows.append(run_ours(data_yaml, out / "ours", image_size, epochs, batch_size, seed, precision))
+        if "ultralytics" in chosen:
+            rows.append(run_ultralytics(data_yaml, out / "ultralytics", image_size, epochs, batch_size, seed))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     report = dict(
         device=device,
@@ -179,9 +191,10 @@ def main(
         batch_size=batch_size,
         seed=seed,
         threads=threads,
-        evaluator="accelerate-recipes COCO mAP (torchmetrics + pycocotools), conf 0.001, max 300 boxes, NMS IoU 0.7",
+        evaluator="accelerate-recipes coco_map (pycocotools), conf 0.001, every class above it, NMS IoU 0.7, "
+        "300 boxes an image",
         runs=rows,
-        transfer=transfer_rows,
+        start=start,  # with --transfer: Ultralytics' run that wrote the best.pt both fine-tuned from
     )
     if len(rows) == 2:
         ours, theirs = rows
@@ -208,8 +221,11 @@ def main(
             f"ours / Ultralytics: mAP50-95 {ratio}, training images/s "
             f"{ratios['train_images_per_second']:.2f}x, wall time {ratios['wall_seconds']:.2f}x"
         )
-    for r in transfer_rows:
-        print(f"fine-tune to 5 classes, {r['start']}: mAP50-95 {r['map50_95']:.3f}, mAP50 {r['map50']:.3f}")
+    if start is not None:
+        print(
+            f"both fine-tuned from {start['best_pt']} (Ultralytics' YOLOv8n, {start['epochs']} epochs on "
+            f"{start['data']}: mAP50-95 {start['map50_95']:.3f} there by the same evaluator)"
+        )
     print(f"saved {out / 'results.json'}")
 
 

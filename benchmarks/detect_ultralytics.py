@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Ultralytics' side of `make bench-detect`: YOLOv8n from its model YAML (random weights) trained on a YOLO-format
-set, then its predictions on the validation images scored by the recipe's own COCO evaluation. Run by
-benchmarks/detect.py in a process of its own, so that its peak memory is its own.
+"""Ultralytics' side of `make bench-detect`: YOLOv8n from its model YAML (random weights), or fine-tuned from a .pt,
+trained on a YOLO-format set, then its predictions on the validation images scored by the recipe's own COCO
+evaluation. Run by benchmarks/detect.py in a process of its own, so that its peak memory is its own.
 
     python benchmarks/detect_ultralytics.py --data data.yaml --image_size 256 --epochs 10 --batch_size 16 --out DIR
 
 Offline: YOLO_OFFLINE=1, plots=False (no font download), amp=False on a CPU (Ultralytics' AMP check downloads a
 model); its settings folder is kept inside DIR. Everything else is Ultralytics' default (optimizer "auto", its
 nominal batch of 64 by accumulation, close_mosaic 10, ...). Writes DIR/ultralytics.json: Ultralytics' own mAP of the
-last epoch, the same model's mAP by the recipe's evaluator (conf 0.001, at most 300 boxes, the recipe's NMS IoU 0.7),
-training seconds and images/s, wall time and peak memory (host max RSS, as the recipe's results.json reports it
-on a CPU).
+last epoch, the same model's mAP by the recipe's evaluator, training seconds and images/s, wall time, peak memory
+(host max RSS, as the recipe's results.json reports it on a CPU) and the path of its best.pt. The recipe's evaluator
+sees what it sees of its own model: the validation images letterboxed by the recipe's loader, the model's decoded
+outputs through Ultralytics' NMS as its val runs it (every class above conf 0.001, IoU 0.7, at most 300 boxes), the
+boxes scaled back and scored by coco_map.
 """
 
 import json
@@ -86,6 +88,7 @@ def main(
     train_seconds = sum(epoch_seconds)
     last = trainer.last  # the last epoch's model (EMA weights), as the recipe saves its last (EMA) model
     scores = recipe_evaluation(last, data, image_size, device)
+    best = Path(trainer.best) if Path(trainer.best).is_file() else Path(last)  # best.pt: what a fine-tune starts from
     report = dict(
         tool="ultralytics",
         model=model,
@@ -103,37 +106,45 @@ def main(
         device=device,
         torch_threads=torch.get_num_threads(),
         dataloader_workers=trainer.args.workers,
+        best_pt=str(best),
     )
     (folder / "ultralytics.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
 
 
 def recipe_evaluation(weights: Path, data: str, image_size: int, device: str) -> dict:
-    """Ultralytics' predictions on the validation images (its own letterbox and NMS, conf 0.001, at most 300 boxes,
-    IoU 0.7) scored by the recipe's COCO evaluation against the boxes the recipe reads from the same label files."""
+    """The model's predictions on the validation images scored by the recipe's COCO evaluation: the images and boxes
+    as the recipe's loader reads them, the model's decoded outputs through Ultralytics' NMS as its val runs it (every
+    class above conf 0.001, IoU 0.7, at most 300 boxes), the boxes scaled back to the images' pixels."""
+    import torch
     from coco_map import coco_map
+    from torch.utils.data import DataLoader
     from ultralytics import YOLO
-    from yolo_data import YoloDataset, load_data_config, scale_boxes_back
+    from ultralytics.utils.nms import non_max_suppression
+    from yolo_data import YoloDataset, collate, load_data_config, scale_boxes_back
 
     dataset = load_data_config(Path(data))
     val_set = YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False)  # as train.py's
-    model = YOLO(str(weights))
+    target = torch.device("cuda:0" if device != "cpu" else "cpu")
+    model = YOLO(str(weights)).model.float().eval().to(target)
     records = []
-    for index, path in enumerate(val_set.image_files):
-        _, truth, meta = val_set[index]
-        (result,) = model.predict(
-            str(path), imgsz=image_size, conf=0.001, iou=0.7, max_det=300, device=device, verbose=False
-        )
-        records.append(
-            dict(
-                path=str(path),
-                boxes=result.boxes.xyxy.float().cpu(),
-                scores=result.boxes.conf.float().cpu(),
-                labels=result.boxes.cls.long().cpu(),
-                true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
-                true_labels=truth[:, 0].long(),
-            )
-        )
+    with torch.no_grad():
+        for images, targets, metas in DataLoader(val_set, batch_size=8, collate_fn=collate):
+            decoded = model(images.to(target).float() / 255)
+            decoded = decoded[0] if isinstance(decoded, (list, tuple)) else decoded
+            found = non_max_suppression(decoded, conf_thres=0.001, iou_thres=0.7, multi_label=True, max_det=300)
+            for rows, meta, truth in zip(found, metas, targets):
+                rows, truth = rows.float().cpu(), truth[truth[:, 0] >= 0]
+                records.append(
+                    dict(
+                        path=meta["path"],
+                        boxes=scale_boxes_back(rows[:, :4], meta["ratio"], meta["pad"], meta["orig_shape"]),
+                        scores=rows[:, 4],
+                        labels=rows[:, 5].long(),
+                        true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
+                        true_labels=truth[:, 0].long(),
+                    )
+                )
     scores, _ = coco_map(records, dataset.names)
     return scores
 

@@ -6,6 +6,8 @@
     python benchmarks/scaling.py run --setups gpu:1,gpu:2,dp:2        # DDP against torch's DataParallel, 2 GPUs
     python benchmarks/scaling.py report outputs/scaling/gpu-1 outputs/my-2node-run    # table from finished runs
     make scaling                                                      # the CPU list here, the GPU list on a GPU box
+    python benchmarks/scaling.py run --layouts ddp,fsdp,hsdp --machine_rank R --main_process_ip IP \
+        --recipe sft --recipe_args "--model M --train_file chats.jsonl"   # on every node: DDP, FSDP, HSDP
 
 Each setup trains recipes/cifar.py in throughput mode: generated CIFAR-shaped data, the SAME batch per process in
 every setup (so N processes do N times the work per step), a few steps, warm-up steps left out. Setups with more than
@@ -20,6 +22,16 @@ scaling efficiency (speed-up / processes), and the efficiency the ring all-reduc
 The model assumes no overlap of gradient exchange with the backward pass; DDP overlaps part of it, so a measured
 efficiency above the prediction is normal. Well below it means something else is shared: CPU cores, memory
 bandwidth, PCIe lanes, or the data loader.
+
+--layouts compares how a model is spread over several nodes instead: the same recipe, flags and global batch
+on all processes of all nodes under 2node.yaml (ddp), fsdp.yaml across the nodes (fsdp) and 2node-hsdp.yaml
+(hsdp: sharded within each node, replicated across). Every node runs the same command with its own
+--machine_rank; node 0 writes the report, with each layout's bytes per optimizer step derived from the ring
+arithmetic (docs/multinode.md, "Sharding across nodes: HSDP") beside the measured throughput:
+    ddp   over the network, per node: 2(N-1)/N x G              G = gradient bytes, N = all processes
+    fsdp  over the network, per node: (N-1)/N x (2A x P + G)    P = parameter bytes, A = micro-batches a step
+    hsdp  over the network, per node: 2(M-1)/M x G              M nodes of n processes; within each node
+          (n-1)/n x (2A x P + G)
 """
 
 import json
@@ -159,8 +171,13 @@ def throughput(run_dir: Path, warmup: int) -> dict:
     if allreduce_file.is_file():
         sizes = json.loads(allreduce_file.read_text())["sizes"]
         busbw = min(sizes, key=lambda row: abs(row["bytes"] - DDP_BUCKET_BYTES))["busbw_gbps"]
+    layout_file = run_dir / "layout.json"  # written by run --layouts beside each layout's run
+    layout = json.loads(layout_file.read_text()) if layout_file.is_file() else None
     return {
         "setup": run_dir.name,
+        "layout": layout,
+        "parameters": results.get("parameters"),
+        "gradient_accumulation_steps": results.get("gradient_accumulation_steps", 1),
         "world_size": results["world_size"],
         "devices": results.get("devices", results["world_size"]),  # DataParallel: 1 process, N GPUs
         "parallelism": results.get("parallelism", "DDP"),
@@ -314,6 +331,140 @@ def chart(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
+# ---------------------------------------------------------------------------------------------- layouts
+LAYOUTS = {"ddp": "2node", "fsdp": "fsdp", "hsdp": "2node-hsdp"}  # layout -> the accelerate config it runs
+RECIPES = {"text": "text_classification.py", "sft": "sft.py", "dpo": "dpo.py", "grpo": "grpo.py"}
+
+
+def layout_traffic(row: dict) -> dict:
+    """Bytes one optimizer step moves under the row's layout: derived from the ring arithmetic, not measured.
+
+    A ring all-reduce of K bytes over n processes sends 2(n-1)/n x K from every process; an all-gather or a
+    reduce-scatter sends half that, (n-1)/n x K. A ring over several nodes crosses from one node to the next
+    once, so what a process sends is also what its node sends over the network. DDP all-reduces the fp32
+    gradients; FSDP2 all-gathers the weights in the forward and again in the backward pass of every
+    micro-batch and reduce-scatters the gradients (both in the precision's dtype); HSDP does that within a
+    node and all-reduces each process's 1/n of the gradients with its counterparts on the other nodes.
+    """
+    layout, nodes = row["layout"], row["num_machines"]
+    total = row["world_size"]
+    width = 2 if row["mixed_precision"] in ("bf16", "fp16") else 4  # FSDP2's param_dtype and reduce_dtype
+    gathers = 2 * row["gradient_accumulation_steps"] * width * (row["parameters"] or 0)
+    if layout["name"] == "ddp":  # one ring over every process: each of its links carries the same
+        ring = 2 * (total - 1) / total * 4 * row["trainable_parameters"]
+        return {"network": ring, "within_node": ring}
+    gradients = width * row["trainable_parameters"]
+    if layout["name"] == "fsdp":
+        ring = (total - 1) / total * (gathers + gradients)
+        return {"network": ring, "within_node": ring}
+    shard = layout["shard"]
+    across = 2 * (nodes - 1) / nodes * gradients
+    return {"network": across, "within_node": (shard - 1) / shard * (gathers + gradients)}
+
+
+def size(count: float) -> str:
+    """Bytes in the unit that reads best: 49.2 kB, 15.2 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.0f} B"
+
+
+def layouts_markdown(rows: list[dict]) -> str:
+    """The layouts' table: measured throughput, and against DDP's, beside each layout's derived traffic."""
+    ddp = next((r for r in rows if r["layout"]["name"] == "ddp"), None)
+    lines = [
+        "| layout | processes | nodes | shard group | samples/s | vs DDP "
+        "| network bytes/step per node (derived) | within a node bytes/step per process (derived) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        traffic = layout_traffic(r)
+        versus = r["samples_per_second"] / ddp["samples_per_second"] if ddp else None
+        lines.append(
+            f"| {r['layout']['name']} | {r['world_size']} | {r['num_machines']} | {r['layout']['shard']} | "
+            f"{r['samples_per_second']:.1f} | {_f(versus, '.2f')} | {size(traffic['network'])} | "
+            f"{size(traffic['within_node'])} |"
+        )
+    first = rows[0]
+    lines += [
+        "",
+        f"{first['parameters'] or '?'} parameters, {first['trainable_parameters'] or '?'} trainable, mixed "
+        f"precision {first['mixed_precision']}, global batch {first['global_batch_size']}. Traffic from the "
+        "ring arithmetic (docs/multinode.md): DDP 2(N-1)/N x the fp32 gradients; FSDP (N-1)/N x (2 "
+        "all-gathers of the weights per micro-batch + a reduce-scatter of the gradients), all of it across "
+        "the nodes; HSDP the same within a node and 2(M-1)/M x the gradients across. Shard group: the "
+        "processes that hold one copy of the model between them.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def layout_command(layout: str, nodes: int, per_node: int, node: dict, settings: dict):
+    """`accelerate launch` argv and environment of one layout on this node (every node runs the same one)."""
+    env = dict(os.environ)
+    if settings["on_cpu"]:
+        env["ACCELERATE_USE_CPU"] = "true"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+    command += ["--config_file", str(CONFIGS / f"{LAYOUTS[layout]}.yaml")]
+    command += ["--num_machines", str(nodes), "--num_processes", str(nodes * per_node)]
+    command += ["--machine_rank", str(node["rank"]), "--main_process_ip", node["address"]]
+    command += ["--main_process_port", str(node["port"]), "--rdzv_conf", f"timeout={node['timeout']}"]
+    command += ["--num_cpu_threads_per_process", str(settings["threads"])]
+    if layout == "hsdp":  # the config's mesh, sized to these nodes: one shard group per node
+        command += ["--parallelism_config_dp_replicate_size", str(nodes)]
+        command += ["--parallelism_config_dp_shard_size", str(per_node)]
+    command += ["--mixed_precision", settings["precision"]]
+    return command, env
+
+
+def run_layouts(names, recipe: str, nodes: int, per_node: int, node: dict, settings: dict) -> None:
+    """Each layout in turn on every node (the same command there), then node 0's report."""
+    listed = names if isinstance(names, (list, tuple)) else str(names).split(",")
+    chosen = [str(name).strip() for name in listed if str(name).strip()]
+    unknown = [name for name in chosen if name not in LAYOUTS]
+    if unknown or not chosen:
+        fail(f"--layouts {','.join(chosen)}: use some of {','.join(LAYOUTS)}, e.g. --layouts ddp,fsdp,hsdp")
+    if recipe not in RECIPES:
+        fail(f"--recipe {recipe}: use one of {', '.join(RECIPES)}")
+    if nodes < 2 or per_node < 2:
+        fail(f"--layouts needs 2+ nodes of 2+ processes (got --num_machines {nodes}, --per_node {per_node})")
+    if not node["address"]:
+        fail("--layouts runs on every node: pass node 0's --main_process_ip and each node's --machine_rank")
+    if not isinstance(settings["recipe_args"], str):  # fire read `--recipe_args --model M` as a switch
+        fail("write the recipe's flags after an = sign: --recipe_args='--model M --train_file chats.jsonl'")
+    out = Path(settings["output_dir"])
+    run_dirs = []
+    for index, layout in enumerate(chosen):
+        run_dir = out / layout
+        # Node 0 owns the run's folder (on a shared file system the nodes see one): it starts it fresh, as a
+        # recipe does not start over an earlier run; the other nodes log beside it.
+        log = run_dir / "train.log" if not node["rank"] else out / f"{layout}-node{node['rank']}.log"
+        if not node["rank"]:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        this = dict(node, port=node["port"] + index)  # a port per layout: the last one's may still be closing
+        command, env = layout_command(layout, nodes, per_node, this, settings)
+        print(f"\n== {layout}: {nodes} node(s) x {per_node} process(es), {LAYOUTS[layout]}.yaml", flush=True)
+        flags = [str(REPO / "recipes" / RECIPES[recipe]), *settings["recipe_args"].split()]
+        flags += ["--batch_size", str(settings["per_device_batch"] * nodes * per_node)]
+        flags += ["--max_steps", str(settings["steps"]), "--log_every", "1", "--checkpoint_every", "0"]
+        flags += ["--tracker", "none", "--output_dir", str(run_dir)]
+        run_logged(command + flags, env, log)
+        if not node["rank"]:
+            shard = {"ddp": 1, "fsdp": nodes * per_node, "hsdp": per_node}[layout]
+            (run_dir / "layout.json").write_text(json.dumps({"name": layout, "shard": shard}) + "\n")
+        run_dirs.append(str(run_dir))
+    if node["rank"]:
+        print(f"\nnode {node['rank']} done: node 0 writes the report ({out / 'layouts.md'} there)")
+        return
+    rows = [throughput(Path(d), settings["warmup"]) for d in run_dirs]
+    table = layouts_markdown(rows)
+    (out / "layouts.md").write_text("# Layouts over several nodes\n\n" + table)
+    (out / "layouts.json").write_text(json.dumps({"benchmark": "layouts", "rows": rows}, indent=2) + "\n")
+    print("\n" + table)
+    print(f"saved {out / 'layouts.md'}, {out / 'layouts.json'}")
+
+
 def report(*run_dirs: str, output_dir: str = "outputs/scaling", warmup: int = 3) -> None:
     """Build the table, chart and JSON from finished runs (each a recipe output_dir with results.json).
 
@@ -345,6 +496,14 @@ def run(  # noqa: PLR0913
     precision: str | None = None,
     output_dir: str = "outputs/scaling",
     recipe_args: str = "",
+    layouts: str | None = None,
+    recipe: str = "sft",
+    num_machines: int = 2,
+    per_node: int | None = None,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int = 29500,
+    startup_timeout: int = 300,
 ):
     """Train recipes/cifar.py in throughput mode on each setup, then write the scaling report.
 
@@ -358,8 +517,40 @@ def run(  # noqa: PLR0913
         model: resnet18, resnet34 or resnet50 (the gradient size the all-reduce moves grows with it).
         precision: no, bf16 or fp16; default bf16 on GPUs, no on the CPU.
         output_dir: each setup writes OUTPUT_DIR/<setup>/; the report goes to OUTPUT_DIR.
-        recipe_args: extra flags for recipes/cifar.py, e.g. "--channels_last False".
+        recipe_args: extra flags for recipes/cifar.py, e.g. "--channels_last False"; with --layouts, the
+            flags of --recipe (model and data: "--model M --train_file chats.jsonl --lora_r 16").
+        layouts: instead of the setups, compare these layouts over several nodes: some of ddp, fsdp, hsdp (the
+            same command on every node, each with its --machine_rank); the report is OUTPUT_DIR/layouts.md.
+        recipe: with --layouts, the recipe to train: text, sft, dpo or grpo.
+        num_machines: with --layouts, the number of nodes.
+        per_node: with --layouts, processes per node; default the GPUs here (2 CPU processes without GPUs).
+        machine_rank: with --layouts, this node's rank (0 on the main node).
+        main_process_ip: with --layouts, node 0's address, the same on every node.
+        main_process_port: with --layouts, the first layout's port (the next layouts take the next ports).
+        startup_timeout: with --layouts, seconds a node waits for the others at each start.
     """
+    if layouts:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        per_node = per_node or gpus or 2
+        on_cpu = not gpus
+        settings = {
+            "on_cpu": on_cpu,
+            "output_dir": output_dir,
+            "threads": max(1, usable_cores() // per_node),
+            "precision": precision or ("no" if on_cpu else "bf16"),
+            "per_device_batch": per_device_batch or (2 if on_cpu else 8),
+            "steps": steps,
+            "warmup": warmup,
+            "recipe_args": recipe_args,
+        }
+        if steps <= warmup + 1:
+            fail(f"--steps {steps} leaves fewer than 2 measured steps after --warmup {warmup}")
+        node = {"rank": machine_rank, "address": main_process_ip, "port": main_process_port}
+        node["timeout"] = startup_timeout
+        run_layouts(layouts, recipe, num_machines, per_node, node, settings)
+        return
     chosen = split_setups(setups or default_setups())
     on_cpu = all(s["kind"] == "cpu" for s in chosen)
     if any(s["kind"] == "cpu" for s in chosen) and not on_cpu:

@@ -727,9 +727,7 @@ def train(args: CifarFlags) -> None:
     model_name, stem, image_size, mean, std = input_settings(args)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(
-        args.tracker, output, args.run_name or f"cifar-{args.dataset}", args.swanlab_mode, args.resume
-    )
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"cifar-{args.dataset}", args.swanlab_mode)
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
@@ -809,7 +807,7 @@ def train(args: CifarFlags) -> None:
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
     progress = TrainingProgress(
         accelerator,
@@ -888,7 +886,8 @@ def train(args: CifarFlags) -> None:
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     save_trained_model(accelerator, model, output, model_config)
-    results = dict(config, **progress.results(started), **compile_results(compiled_before))
+    results = dict(config, **progress.results(started))
+    results.update(compile_results(compiled_before))  # what --compile (or --dynamo_backend) compiled
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

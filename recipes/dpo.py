@@ -45,7 +45,7 @@ from accelerate.utils import (
     set_seed,
 )
 from chat.conversations import dataset_name
-from chat.generation import use_decode_backend, without_compiling
+from chat.generation import without_compiling
 from chat.model import (
     BASE,
     DEFAULT_MODEL,
@@ -56,9 +56,7 @@ from chat.model import (
     build_model,
     chat,
     check_one_mode,
-    compile_cache_hits,
     compile_figures,
-    compiled_blocks,
     generate_answers,
     is_adapter,
     load_any,
@@ -71,6 +69,7 @@ from chat.model import (
     reference_policy,
     row_multiple,
     save_model,
+    settle_compile,
     token_logprobs,
     use_kernels,
     write_samples,
@@ -431,9 +430,7 @@ def train(args: DpoFlags) -> None:
     lr = args.lr or (DEFAULT_LORA_LR if args.lora_r else DEFAULT_FULL_LR)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(
-        args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode, args.resume
-    )
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode)
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
@@ -455,9 +452,7 @@ def train(args: DpoFlags) -> None:
         accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
     )
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
-    # by default on a CUDA GPU, without --liger, where inductor can work; a compile failure goes on eagerly
-    blocks = compiled_blocks(args.compile, accelerator, args.liger, args.compile_backend)
-    args.compile = not blocks.eager
+    blocks = settle_compile(args, accelerator)  # by default on a CUDA GPU; a compile failure goes on eagerly
     generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if args.eval_generate and generation_off:
         accelerator.print("--eval_generate is off: answers need the whole model in each process, which this run shards")
@@ -480,7 +475,6 @@ def train(args: DpoFlags) -> None:
         check_packing(model)  # attention that keeps each packed sequence to itself (the reference's too)
     reference = None if args.precompute_ref else reference_policy(args, accelerator, model, model_name)
     use_kernels(model, args, accelerator.device, blocks)  # --liger, --compile; after the reference's copy
-    use_decode_backend(model, args.compile_backend)  # the compiled decode's backend, as the blocks'
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
@@ -520,7 +514,7 @@ def train(args: DpoFlags) -> None:
         seconds = stored.compute(accelerator, model, splits, collate, per_process)
         config.update(precompute_ref_seconds=seconds)
         accelerator.print(f"reference log-probabilities of every pair computed in {seconds:.1f} s")
-    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     metric, higher = BEST_METRICS[args.best_model_metric]
     best = BestModel(accelerator, state, output, metric, higher_is_better=higher, patience=args.early_stopping_patience)
     progress = TrainingProgress(
@@ -609,8 +603,7 @@ def train(args: DpoFlags) -> None:
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, splits["train"]), warmup_seconds=progress.meter.warmup_seconds)
-    results.update(compile_cache_hits=compile_cache_hits())  # graphs an earlier run of these shapes had compiled
-    results.update(compile_figures(blocks, model, accelerator))  # graphs, recompiles, seconds, fallbacks
+    results.update(compile_figures(blocks, model, accelerator))  # graphs, recompiles, seconds, fallbacks, cache hits
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:

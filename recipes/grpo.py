@@ -517,9 +517,7 @@ def train(args: GrpoFlags) -> None:
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(
-        args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode, args.resume
-    )
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode)
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
@@ -559,8 +557,7 @@ def train(args: GrpoFlags) -> None:
     model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     reference = reference_policy(args, accelerator, model, model_name) if args.beta else None
     # bytes per process, the decode copy and its one static KV cache (the data's longest prompt) included
-    longest_prompt = max(len(row["prompt_ids"]) for row in train_rows + validation_rows)
-    plan = print_rollout_plan(accelerator, args, model, reference, rows, longest_prompt)
+    plan = print_rollout_plan(accelerator, args, model, reference, rows, longest_prompt(train_rows + validation_rows))
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
     # ---- the run's length: each batch of rollouts gives --num_iterations optimizer steps
@@ -578,10 +575,9 @@ def train(args: GrpoFlags) -> None:
     # every generation of the run (rollouts and evaluations) decodes in this one cache: one shape to compile
     generation.reserve_cache(accelerator, model, *plan.cache, args.decode)
 
-    derived = settings(args, accelerator, model_name, lr, model, rewards, train_rows)
+    derived = settings(args, accelerator, model_name, lr, model, rewards, (train_rows, validation_rows))
     config = run_config("grpo", args, accelerator, **derived)
-    config.update(validation_size=len(validation_rows), per_process_batch_size=per_process, epochs=num_epochs)
-    config.update(warmup_steps=warmup_steps, total_steps=total_steps)
+    config.update(epochs=num_epochs, warmup_steps=warmup_steps, total_steps=total_steps)
 
     # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
     # Sampling is keyed (KeyedSampling): a resumed run samples the same completions without any RNG state.
@@ -591,7 +587,7 @@ def train(args: GrpoFlags) -> None:
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_reward", patience=args.early_stopping_patience)
     progress = TrainingProgress(
         accelerator,
@@ -696,14 +692,18 @@ def train(args: GrpoFlags) -> None:
     accelerator.wait_for_everyone()
     save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
     results = dict(config, **progress.results(started))
-    results.update(memory_plan_mb=plan.mb)  # beside peak_memory_mb
-    results.update(speed.rates())  # tokens/s of generation and of the updates, apart
-    results.update(compile_figures(None, model, accelerator))  # the decode step's graphs, recompiles, fallback
+    # tokens/s of generation and of the updates, apart; the plan beside peak_memory_mb; what the decode compiled
+    results.update(speed.rates(), memory_plan_mb=plan.mb, **compile_figures(None, model, accelerator))
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_run_summary(results, path, tracking)
+
+
+def longest_prompt(rows: list[dict]) -> int:
+    """Tokens of the longest prompt among `rows`: the static KV cache every generation of the run decodes in."""
+    return max(len(row["prompt_ids"]) for row in rows)
 
 
 def whole_steps_per_epoch(loader_batches: int, world: int, accumulation: int, prompts: int, args: GrpoFlags) -> int:
@@ -733,8 +733,9 @@ def load_prompt_splits(accelerator, args: GrpoFlags, tokenizer, rewards: Rewards
     return train_rows, validation_rows
 
 
-def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, rewards, train_rows: list) -> dict:
-    """What the run derived from its flags and data, for run_config (the tracker, checkpoints, results.json)."""
+def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, rewards, splits: tuple) -> dict:
+    """What the run derived from its flags and data (`splits`: the training and validation prompts), for run_config
+    (the tracker, checkpoints, results.json)."""
     return dict(
         dataset=dataset_name(args),
         model=model_name,
@@ -742,7 +743,9 @@ def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, re
         lr=lr,
         rewards=rewards.names,
         reward_weights=rewards.weights,
-        train_size=len(train_rows),
+        train_size=len(splits[0]),
+        validation_size=len(splits[1]),
+        per_process_batch_size=args.batch_size // accelerator.num_processes // args.gradient_accumulation_steps,
         # what --decode chose on this device
         decode_mode=generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
     )

@@ -41,7 +41,7 @@ from accelerate.utils import (
 )
 from chat.answer_loss import PLAIN_LOGITS, use_answer_loss
 from chat.conversations import load_conversations, tokenize_splits
-from chat.generation import use_decode_backend, without_compiling
+from chat.generation import without_compiling
 from chat.memory_plan import numel, print_plan
 from chat.model import (
     DEFAULT_MODEL,
@@ -52,9 +52,7 @@ from chat.model import (
     build_model,
     chat,
     check_one_mode,
-    compile_cache_hits,
     compile_figures,
-    compiled_blocks,
     generate_answers,
     load_fine_tuned,
     load_tokenizer,
@@ -64,6 +62,7 @@ from chat.model import (
     print_saved,
     row_multiple,
     save_model,
+    settle_compile,
     use_kernels,
     write_samples,
 )
@@ -247,8 +246,7 @@ def settle_flags(args: SftFlags, accelerator) -> CompiledPath:
     """The flags whose value depends on the launch: --compile by default on a CUDA GPU without --liger where inductor
     can work (compiled_blocks, whose path it returns), and with --batch_tokens the global batch that check_launch
     divides: a row per process per micro-step."""
-    blocks = compiled_blocks(args.compile, accelerator, args.liger, args.compile_backend)
-    args.compile = not blocks.eager
+    blocks = settle_compile(args, accelerator)
     if not args.batch_tokens:
         return blocks
     if not args.packing:
@@ -401,9 +399,7 @@ def train(args: SftFlags) -> None:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read when CUDA starts, below
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(
-        args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode, args.resume
-    )
+    tracking = setup_tracker(args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode)
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
@@ -444,7 +440,6 @@ def train(args: SftFlags) -> None:
         model
     )  # logits for the answer positions only, in chunks (chat/answer_loss.py): the loss stays the same
     use_kernels(model, args, accelerator.device, blocks)  # --liger's fused kernels, the blocks compiled (--compile)
-    use_decode_backend(model, args.compile_backend)  # the compiled decode's backend, as the blocks'
     train_loader, eval_loader, micro_batch_samples = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
     plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
     flops_per_token = model_flops_per_token(model, tokenized["train"])  # for the model FLOP utilisation (MFU)
@@ -479,7 +474,7 @@ def train(args: SftFlags) -> None:
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(
         accelerator, state, output, "eval_loss", higher_is_better=False, patience=args.early_stopping_patience
     )
@@ -567,8 +562,8 @@ def train(args: SftFlags) -> None:
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
     # with --compile: the compilation apart, and the graphs an earlier run of these shapes had compiled
-    results.update(warmup_seconds=progress.meter.warmup_seconds, compile_cache_hits=compile_cache_hits())
-    results.update(compile_figures(blocks, model, accelerator))  # graphs, recompiles, seconds, fallbacks
+    # the compilation apart; graphs, recompiles, seconds and fallbacks, and what torch's cache gave
+    results.update(warmup_seconds=progress.meter.warmup_seconds, **compile_figures(blocks, model, accelerator))
     flops = flops_per_token * results["train_tokens_per_second"]  # all processes together
     results.update(
         flops_per_token=flops_per_token, model_flops_utilisation=flop_utilisation(flops, accelerator.device, world)

@@ -510,9 +510,7 @@ def train(args: TextFlags) -> None:
     task = glue_task(args)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(
-        args.tracker, output, args.run_name or default_run_name(args), args.swanlab_mode, args.resume
-    )
+    tracking = setup_tracker(args.tracker, output, args.run_name or default_run_name(args), args.swanlab_mode)
     with explain_startup_failure(args.dist_timeout):
         accelerator = Accelerator(
             mixed_precision=args.mixed_precision,
@@ -598,7 +596,7 @@ def train(args: TextFlags) -> None:
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
     progress = TrainingProgress(
         accelerator,

@@ -3,15 +3,17 @@ weights converted and giving Ultralytics' outputs, every image in every epoch on
 closed for the last epochs."""
 
 import re
+from pathlib import PosixPath
 
 import pytest
 import torch
 from accelerate.data_loader import prepare_data_loader
 from conftest import DETECT_SCRIPT, PYTHON, REPO, check, fails_with, read_results, recipe_env, run
-from detector_files import build_model, read_model_config
+from detector_files import build_model, model_size, read_model_config, read_start
 from safetensors.torch import save_file
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader, Dataset
+from ultralytics_weights import mapped_state
 from yolo_data import FilledEpochSampler, YoloDataset, collate
 from yolo_model import Detector, postprocess
 
@@ -129,7 +131,7 @@ def test_init_weights_takes_the_class_branch_width_of_the_source(tmp_path):
 def test_init_weights_refuses_a_file_that_is_not_this_detector(tmp_path):
     saved_detector(tmp_path / "small", num_classes=3, size="s")
     (tmp_path / "small" / "detector.json").write_text('{"size": "s", "num_classes": 3}')
-    refused = r"gives only \d+% of this yolo-n's weights.*\(it is a yolo-s for 3 classes\)"
+    refused = r"gives only \d+% of this yolo-n's weights.*\(it is a yolo-s\)"
     with pytest.raises(RecipeError, match=refused):
         build_model("n", 3, False, tmp_path / "small", flag="--init_weights", by_shape=True)
     save_file({"fc.weight": torch.zeros(3, 3)}, str(tmp_path / "other.safetensors"))
@@ -141,6 +143,21 @@ def test_init_weights_refuses_a_file_that_is_not_this_detector(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- Ultralytics' YOLOv8n
+def offline_ultralytics(settings):
+    """Ultralytics' package imported offline with its settings in `settings`, and PIL's Image.open given back: the
+    import replaces it with one that installs a package when a file is not an image, which other tests of the same
+    process would meet."""
+    with pytest.MonkeyPatch.context() as patch:  # Ultralytics reads its settings folder when imported
+        patch.setenv("YOLO_OFFLINE", "1")
+        patch.setenv("YOLO_CONFIG_DIR", str(settings))
+        import ultralytics
+        from PIL import Image
+        from ultralytics.utils import patches
+
+    Image.open = patches._image_open
+    return ultralytics
+
+
 @pytest.fixture(scope="module")
 def yolov8n(tmp_path_factory):
     """A YOLOv8n that Ultralytics builds from its YAML (offline, random weights, BatchNorm statistics made random
@@ -148,10 +165,7 @@ def yolov8n(tmp_path_factory):
     ultralytics_weights.py made of it."""
     folder = tmp_path_factory.mktemp("yolov8n")
     env = recipe_env(folder, YOLO_OFFLINE="1", YOLO_CONFIG_DIR=str(folder / "settings"))
-    with pytest.MonkeyPatch.context() as patch:  # Ultralytics reads its settings folder when imported
-        patch.setenv("YOLO_OFFLINE", "1")
-        patch.setenv("YOLO_CONFIG_DIR", str(folder / "settings"))
-        from ultralytics import YOLO
+    YOLO = offline_ultralytics(folder / "settings").YOLO
 
     yolo = YOLO("yolov8n.yaml")
     generator = torch.Generator().manual_seed(0)
@@ -188,38 +202,122 @@ def test_converted_yolov8n_gives_ultralytics_outputs_and_boxes(yolov8n):
     # the same layers on the same weights in the same order: equal up to float32 rounding of the convolutions
     torch.testing.assert_close(flat[:, :64], raw["boxes"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flat[:, 64:], raw["scores"], rtol=1e-5, atol=1e-5)
-    found = postprocess(outputs, ours.strides, ours.reg_max, conf_threshold=0.25, iou_threshold=0.7)
-    expected = non_max_suppression(decoded, conf_thres=0.25, iou_thres=0.7, max_det=300)
-    for mine, their in zip(found, expected):
-        assert len(mine["boxes"]) == len(their) > 0
-        their[:, [0, 2]] = their[:, [0, 2]].clamp(0, 160)  # Ultralytics clips when it scales the boxes back
-        their[:, [1, 3]] = their[:, [1, 3]].clamp(0, 128)
-        # the same detections, one to one: equal scores (random weights give ties) may come in either order
-        rows = torch.cat((mine["boxes"], mine["scores"][:, None] * 1000, mine["labels"][:, None] * 1000.0), dim=1)
-        their_rows = torch.cat((their[:, :4], their[:, 4:5] * 1000, their[:, 5:6] * 1000), dim=1)
-        distance = torch.cdist(rows[None], their_rows[None], p=float("inf"))[0]
-        nearest = distance.min(dim=1)
-        assert nearest.values.max() < 1e-2 and len(set(nearest.indices.tolist())) == len(rows)
+    # prediction (one class a box) and evaluation (every class above the threshold, as Ultralytics' val runs it)
+    for multi_label in (False, True):
+        found = postprocess(
+            outputs, ours.strides, ours.reg_max, conf_threshold=0.25, iou_threshold=0.7, multi_label=multi_label
+        )
+        expected = non_max_suppression(decoded, conf_thres=0.25, iou_thres=0.7, max_det=300, multi_label=multi_label)
+        for mine, their in zip(found, expected):
+            assert len(mine["boxes"]) == len(their) > 0
+            their[:, [0, 2]] = their[:, [0, 2]].clamp(0, 160)  # Ultralytics clips when it scales the boxes back
+            their[:, [1, 3]] = their[:, [1, 3]].clamp(0, 128)
+            # the same detections, one to one: equal scores (random weights give ties) may come in either order
+            rows = torch.cat((mine["boxes"], mine["scores"][:, None] * 1000, mine["labels"][:, None] * 1000.0), 1)
+            their_rows = torch.cat((their[:, :4], their[:, 4:5] * 1000, their[:, 5:6] * 1000), dim=1)
+            distance = torch.cdist(rows[None], their_rows[None], p=float("inf"))[0]
+            nearest = distance.min(dim=1)
+            assert nearest.values.max() < 1e-2 and len(set(nearest.indices.tolist())) == len(rows)
+        if multi_label:  # some boxes count for two classes there
+            assert sum(len(f["boxes"]) for f in found) > sum(len(f) for f in non_max_suppression(decoded, 0.25, 0.7))
 
 
-def test_a_converted_yolov8n_fine_tunes_on_a_one_class_set(yolov8n, tmp_path):
-    """The converted file as --init_weights for a 1-class set of 6 images: all but the class outputs load, the default
-    --batch_size 64 is lowered to the set, and the run trains and evaluates."""
+def test_a_yolov8n_pt_fine_tunes_as_it_is_on_a_one_class_set(yolov8n, tmp_path):
+    """Ultralytics' .pt itself as --init_weights (converted on the fly) for a 1-class set of 6 images, no --size: the
+    size comes from the file, all but the class outputs load, the default --batch_size 64 is lowered to the set, and
+    the run trains and evaluates."""
     folder, _, env = yolov8n
     data = write_synthetic_dataset(tmp_path / "one", num_train=6, num_val=3, image_size=64, num_classes=1, seed=2)
     out = tmp_path / "out"
-    args = ["--data", data, "--init_weights", folder / "ours", "--image_size", 64, "--epochs", 2]
+    args = ["--data", data, "--init_weights", folder / "yolov8n.pt", "--image_size", 64, "--epochs", 2]
     args += ["--tracker", "none", "--num_workers", 0, "--checkpoint_every", 0, "--output_dir", out]
     proc = check(run([PYTHON, DETECT_SCRIPT, *args], env, timeout=400))
     lowered = "note: --batch_size 64 is larger than the training set (6 images): training with --batch_size 6"
     assert lowered in proc.output
-    assert re.search(r"--init_weights \S+model\.safetensors: loaded 348 of 354 tensors by name and shape", proc.output)
+    assert re.search(r"--init_weights \S+yolov8n\.pt: loaded 348 of 354 tensors by name and shape", proc.output)
     assert "left at their initial values: head.cls.0.2.weight" in proc.output
+    # a model built from Ultralytics' YAML names its classes by number
+    start_line = "the start: Ultralytics' YOLOv8n, converted, 80 classes (0, 1, 2, 3, 4 and 75 more); --data has 1"
+    assert start_line in proc.output
     results = read_results(out)
     assert (results["global_batch_size"], results["steps"], results["num_classes"]) == (6, 2, 1)
     saved = read_model_config(out)
     assert saved["cls_width"] == 80 and saved["num_classes"] == 1  # COCO's branch width carried over
     check(run([PYTHON, DETECT_SCRIPT, "--predict", data.parent / "images" / "val", "--model", out], env))
+
+
+@pytest.fixture(scope="module")
+def yolo_class(tmp_path_factory):
+    """Ultralytics' YOLO, imported offline with its settings in a folder of the test's."""
+    return offline_ultralytics(tmp_path_factory.mktemp("settings")).YOLO
+
+
+@pytest.mark.parametrize("size", ["l", "x"])
+def test_yolov8_l_and_x_convert_and_give_ultralytics_outputs(yolo_class, size):
+    """YOLOv8l and x, built by Ultralytics from its YAML: the same layout as n/s/m with other multipliers."""
+    theirs = yolo_class(f"yolov8{size}.yaml").model.float().eval()
+    generator = torch.Generator().manual_seed(0)
+    for module in theirs.modules():  # BatchNorm statistics other than the defaults, so that they must carry over
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean = torch.randn(module.running_mean.shape, generator=generator) * 0.1
+            module.running_var = torch.rand(module.running_var.shape, generator=generator) + 0.5
+    found_size, state = mapped_state({k: v.float() for k, v in theirs.state_dict().items()})
+    assert found_size == size
+    ours = Detector(80, size, cls_width=state["head.cls.0.0.0.weight"].shape[0])
+    ours.load_state_dict(state)
+    assert sum(p.numel() for p in ours.parameters()) + 16 == sum(p.numel() for p in theirs.parameters())
+    images = torch.rand(1, 3, 64, 96, generator=generator)
+    with torch.no_grad():
+        _, raw = theirs(images)
+        flat = torch.cat([o.flatten(2) for o in ours.eval()(images)], dim=2)
+    torch.testing.assert_close(flat[:, :64], raw["boxes"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(flat[:, 64:], raw["scores"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "yaml, what",
+    [
+        ("yolov8n-seg.yaml", "a YOLOv8 segmentation model (yolov8n-seg.yaml)"),
+        ("yolov8n-pose.yaml", "a YOLOv8 pose model"),
+        ("yolov8n-obb.yaml", "a YOLOv8 oriented-box (OBB) model"),
+        ("yolov8n-cls.yaml", "a YOLOv8 classification model"),
+        ("yolo11n.yaml", "a YOLO11 detection model (yolo11n.yaml)"),
+        ("yolov5nu.yaml", "a YOLOv5u detection model"),
+        ("yolov10n.yaml", "a YOLOv10 detection model"),
+        ("yolo26n.yaml", "a YOLO26 detection model"),
+    ],
+)
+def test_pt_files_of_other_tasks_and_families_are_refused_naming_what_they_are(yolo_class, yaml, what, tmp_path):
+    yolo_class(yaml).save(tmp_path / "model.pt")
+    with pytest.raises(RecipeError, match=re.escape(f"model.pt is {what}") + ".*not YOLOv8 detection") as refused:
+        read_start(tmp_path / "model.pt")
+    assert "\n" not in str(refused.value)
+
+
+def test_an_older_releases_pt_with_windows_paths_reads_as_ultralytics_reads_it(yolov8n, tmp_path):
+    """A best.pt as older releases and Windows machines pickled it: a class under `ultralytics.yolo.utils` (the
+    module path before 8.1) and a WindowsPath. A plain torch.load fails on both; the start reads it."""
+    from ultralytics.utils import IterableSimpleNamespace
+
+    folder, _, _ = yolov8n
+    checkpoint = torch.load(folder / "yolov8n.pt", weights_only=False)
+    checkpoint["train_args"] = IterableSimpleNamespace(imgsz=96, save_dir=PosixPath("C:/runs/detect/train"))
+    plain = tmp_path / "plain.pt"
+    torch.save(checkpoint, plain, _use_new_zipfile_serialization=False)  # protocol 2: classes named as text
+    old = plain.read_bytes()
+    old = old.replace(
+        b"cultralytics.utils\nIterableSimpleNamespace\n", b"cultralytics.yolo.utils\nIterableSimpleNamespace\n"
+    )
+    old = old.replace(b"cpathlib\nPosixPath\n", b"cpathlib\nWindowsPath\n")
+    assert b"ultralytics.yolo.utils" in old and b"WindowsPath" in old
+    (tmp_path / "best.pt").write_bytes(old)
+    with pytest.raises(Exception):
+        torch.load(tmp_path / "best.pt", weights_only=False)
+    start = read_start(tmp_path / "best.pt")
+    assert (start["size"], start["num_classes"], start["image_size"], start["cls_width"]) == ("n", 80, 96, 80)
+    assert model_size(None, start) == "n"
+    with pytest.raises(RecipeError, match="--size s, but --init_weights .*best.pt is a yolo-n; leave --size out"):
+        model_size("s", start)
 
 
 def test_conversion_refuses_what_is_not_yolov8_detection_weights(tmp_path):

@@ -72,7 +72,14 @@ def test_training_lowers_the_loss_and_reports_coco_map(trained):
     assert results["eval_map50"] > 0.01, results["eval_map50"]
     assert set(results["eval_ap_per_class"]) <= {"circle", "square", "triangle"}
     assert 2.5e6 < results["trainable_parameters"] < 3.5e6  # the nano size, near YOLOv8n's 3.2M
-    assert "AP50-95 per class" in proc.output
+    # the figures Ultralytics' val prints, by class: P, R (and F1) at the best mean F1's confidence, mAP50, mAP50-95
+    assert "   P      R     F1  mAP50 mAP50-95" in proc.output and "(the best mean F1)" in proc.output
+    per_class = results["eval_per_class"]
+    assert set(per_class) == set(results["eval_ap_per_class"])
+    assert all(per_class[c]["ap50_95"] == results["eval_ap_per_class"][c] for c in per_class)
+    assert 0 <= results["eval_precision"] <= 1 and 0 <= results["eval_recall"] <= 1 and 0 < results["eval_f1"] <= 1
+    assert results["eval_max_detections"] == 300 and results["eval_map50_95_at_100"] <= results["eval_map50_95"]
+    assert results["eval_fitness"] == pytest.approx(0.1 * results["eval_map50"] + 0.9 * results["eval_map50_95"])
     assert (out / "model.safetensors").is_file() and json.loads((out / "detector.json").read_text())["num_classes"] == 3
     # One evaluation, at the end: it is the best, and model_best holds the same (EMA) weights and detector.json.
     assert (results["metric_for_best_model"], results["best_epoch"], results["best_step"]) == ("eval_map50_95", 12, 144)
@@ -85,7 +92,8 @@ def test_training_lowers_the_loss_and_reports_coco_map(trained):
 def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(trained, shapes):
     out, _ = trained
     check_png(out / "results.png", 800, 600)
-    check_png(out / "PR_curve.png")
+    for name in ("PR_curve.png", "P_curve.png", "R_curve.png", "F1_curve.png"):
+        check_png(out / name)
     check_png(out / "confusion_matrix.png")
     check_png(out / "val_predictions.png", 4 * 320, 4 * 320)  # the first 16 of the 21 validation images, 4 to a row
     names, counts = read_confusion_matrix_csv(out / "confusion_matrix.csv")
@@ -95,6 +103,8 @@ def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(tra
         for line in label_file.read_text().splitlines():
             objects[int(line.split()[0])] += 1
     assert [sum(row) for row in counts[:3]] == objects  # every validation object counted once, found or missed
+    per_class = read_results(out)["eval_per_class"]
+    assert [per_class[n]["instances"] if n in per_class else 0 for n in names[:3]] == objects
     assert counts[3][3] == 0  # background against background is not a thing
 
 
@@ -146,6 +156,25 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     )
     for name in ("PR_curve.png", "confusion_matrix.png", "val_predictions.png"):
         check_png(tmp_path / "two" / name)
+
+
+def test_eval_only_evaluates_the_test_split_of_data_yaml(trained, shapes, tmp_path):
+    model, _ = trained
+    env = recipe_env(tmp_path)
+    root = shapes.parent
+    test_images = sorted((root / "images" / "train").glob("*.jpg"))[:5]
+    (tmp_path / "test.txt").write_text("".join(f"{p}\n" for p in test_images))
+    names = "names: [circle, square, triangle]\n"
+    with_test = tmp_path / "with_test.yaml"
+    with_test.write_text(f"path: {root}\ntrain: images/train\nval: images/val\ntest: {tmp_path / 'test.txt'}\n{names}")
+    command = [PYTHON, TRAIN, "--eval_only", "True", "--model", model, *SMALL]
+    check(run([*command, "--data", with_test, "--split", "test", "--output_dir", tmp_path / "test"], env))
+    results = read_results(tmp_path / "test")
+    assert (results["split"], results["eval_images"], results["val_size"]) == ("test", 5, 5)
+    without = tmp_path / "without_test.yaml"
+    without.write_text(f"path: {root}\ntrain: images/train\nval: images/val\n{names}")
+    refused = run([*command, "--data", without, "--split", "test", "--output_dir", tmp_path / "none"], env)
+    fails_with(refused, "--split test", "has no test split")
 
 
 def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):

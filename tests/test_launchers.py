@@ -29,11 +29,13 @@ PROMISES = {
     "4gpu": (4, 1),
     "8gpu": (8, 1),
     "2node": (16, 2),
+    "2node-hsdp": (16, 2),
     "cpu": (2, 1),
     "fsdp": (8, 1),
     "deepspeed": (8, 1),
 }
-DISTRIBUTED_TYPE = {"1gpu": "NO", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}  # the others: MULTI_GPU
+# the others: MULTI_GPU
+DISTRIBUTED_TYPE = {"1gpu": "NO", "fsdp": "FSDP", "2node-hsdp": "FSDP", "deepspeed": "DEEPSPEED"}
 
 
 def test_configs_are_the_ones_we_test():

@@ -64,7 +64,7 @@ accelerator.register_for_checkpointing(state)  # save_state / load_state carry t
 if resume_from is not None:
 checkpoints.check_compatible(resume_from, config)
 accelerator.load_state(resume_from)
-accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
+accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
 best = BestModel(accelerator, state, output, METRIC, patience=args.early_stopping_patience)
 progress = TrainingProgress(
 accelerator,

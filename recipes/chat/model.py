@@ -44,6 +44,7 @@ from .generation import (
     greedy_config,
     greedy_ids,
     inner_model,
+    use_decode_backend,
 )
 from .memory_plan import meta_model, numel
 
@@ -205,21 +206,33 @@ def use_liger_kernels(model, device) -> None:
     _apply_liger_kernel_to_instance(causal_lm, **kernels)
 
 
+def settle_compile(args: KernelFlags, accelerator) -> CompiledPath:
+    """--compile as this run takes it (compiled_blocks: by default on a CUDA GPU where inductor can work), set in
+    the flags; the blocks' path, for use_kernels and results.json."""
+    blocks = compiled_blocks(args.compile, accelerator, args.liger, args.compile_backend)
+    args.compile = not blocks.eager
+    return blocks
+
+
 def use_kernels(model, args: KernelFlags, device, blocks: CompiledPath | None = None) -> None:
     """The kernels KernelFlags ask for, in place, before prepare: Liger Kernel's (--liger) or the compiled blocks
-    (--compile, settled by compiled_blocks, which keeps the two apart; `blocks`: their path)."""
+    (--compile, settled by settle_compile, which keeps the two apart; `blocks`: their path); and the backend the
+    compiled decode compiles with, the blocks' (--compile_backend)."""
     if args.liger:
         use_liger_kernels(model, device)
     if args.compile:
         compile_blocks(model, args.compile_backend, blocks)
+    use_decode_backend(model, args.compile_backend)
 
 
 def compile_figures(blocks: CompiledPath | None, model, accelerator) -> dict:
     """What results.json records of the run's compilations in this process: the blocks' (compile_graphs,
-    compile_recompiles, compile_seconds, compile_fallback) and the decode step's (decode_graphs, ...)."""
+    compile_recompiles, compile_seconds, compile_fallback), the decode step's (decode_graphs, ...), and the graphs
+    torch's compile caches gave (compile_cache_hits)."""
     blocks = blocks or CompiledPath("the decoder blocks", "--nocompile", "--compile", attempted=False)
     decode = decode_path(accelerator.unwrap_model(model))
-    return {**blocks.figures("compile", "compile_seconds"), **decode.figures("decode", "decode_compile_seconds")}
+    figures = {**blocks.figures("compile", "compile_seconds"), **decode.figures("decode", "decode_compile_seconds")}
+    return dict(figures, compile_cache_hits=compile_cache_hits())
 
 
 def compile_cache_hits() -> int:

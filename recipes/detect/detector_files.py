@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageOps
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torchvision.utils import draw_bounding_boxes
-from yolo_model import Detector, model_info
+from ultralytics_weights import converted_start
+from yolo_model import Detector, model_info, size_of_weights
 
 from accelerate_recipes import RecipeError
 
@@ -56,49 +56,61 @@ def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
         ) from None
 
 
-def class_branch_width_of(path: Path) -> int | None:
-    """The hidden width of the classification branch of the detector saved in `path` (its model.safetensors or the
-    file), read from the first layer's shape; None when the file holds no such layer."""
-    file = path / "model.safetensors" if path.is_dir() else path
-    if not file.is_file() or file.suffix != ".safetensors":
-        return None
-    try:
-        with safe_open(str(file), framework="pt") as weights:
-            if CLASS_BRANCH_FIRST not in weights.keys():
-                return None
-            return int(weights.get_slice(CLASS_BRANCH_FIRST).get_shape()[0])
-    except Exception:  # not a safetensors file: load_matching_weights says so
-        return None
+ULTRALYTICS_SUFFIXES = (".pt", ".pth")  # --init_weights files converted from Ultralytics' layout on the fly
 
 
-def load_matching_weights(model: Detector, path: Path, flag: str) -> str:
-    """A pretrained start: every tensor of the file whose name and shape this model has is loaded, the rest of the
-    model keeps its fresh initialisation (after a change of class count, the classification outputs). Refuses a file
-    that provides under MIN_MATCHED of the model's parameters: that is no detector of this size. Returns the line
-    that says what was loaded and what was left."""
+def read_start(path: Path, flag: str = "--init_weights") -> dict:
+    """A pretrained start as this recipe's tensors: dict(state, size, cls_width, names: the classes it was trained
+    on or None, source: the file read). A model of this recipe (a run's folder, its model_best/, or a
+    model.safetensors), or Ultralytics YOLOv8 detection weights (a .pt: converted in memory, which needs the
+    ultralytics package). The size and the classification branch's width are read from the tensors."""
+    path = Path(path)
+    if path.suffix in ULTRALYTICS_SUFFIXES:
+        if not path.is_file():
+            raise RecipeError(
+                f"{flag} {path} not found; give the .pt file Ultralytics wrote or you downloaded",
+            )
+        start = converted_start(path)
+        return dict(start, source=str(path), kind=f"Ultralytics' YOLOv8{start['size']}, converted")
     file = weights_file(path, flag)
     try:
-        saved = load_file(str(file))
+        state = load_file(str(file))
     except Exception as err:  # not a safetensors file, or a damaged one
         raise RecipeError(
             f"{flag} {file} is not a safetensors file ({str(err).splitlines()[0][:120]}); give a model.safetensors "
-            "of this recipe, or convert Ultralytics weights first (python recipes/detect/ultralytics_weights.py)"
+            "of this recipe, or Ultralytics' YOLOv8 .pt"
         ) from None
+    config_file = file.parent / MODEL_CONFIG
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    width = state.get(CLASS_BRANCH_FIRST)
+    return dict(
+        state=state,
+        size=size_of_weights(state),
+        cls_width=int(width.shape[0]) if width is not None else None,
+        names=config.get("names"),
+        num_classes=config.get("num_classes"),
+        source=str(file),
+        kind=f"a yolo-{size_of_weights(state)} of this recipe",
+    )
+
+
+def load_matching_weights(model: Detector, start: dict, flag: str) -> str:
+    """A pretrained start (read_start): every tensor whose name and shape this model has is loaded, the rest of the
+    model keeps its fresh initialisation (after a change of class count, the classification outputs). Refuses a
+    start that provides under MIN_MATCHED of the model's parameters: that is no detector of this size. Returns the
+    line that says what was loaded and what was left."""
+    saved, file = start["state"], start["source"]
     own = model.state_dict()
     fits = {k: v for k, v in saved.items() if k in own and own[k].shape == v.shape}
     parameters = dict(model.named_parameters())
     total = sum(p.numel() for p in parameters.values())
     matched = sum(parameters[k].numel() for k in fits if k in parameters)
     if matched < MIN_MATCHED * total:
-        hint = ""
-        config = file.parent / MODEL_CONFIG
-        if config.is_file():
-            theirs = json.loads(config.read_text())
-            hint = f" (it is a yolo-{theirs.get('size')} for {theirs.get('num_classes')} classes)"
+        hint = f" (it is a yolo-{start['size']})" if start.get("size") else ""
         raise RecipeError(
             f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights by name and shape"
-            f"{hint}; give a model.safetensors of this recipe with the same --size, or convert Ultralytics YOLOv8 "
-            "weights with python recipes/detect/ultralytics_weights.py"
+            f"{hint}; give a model.safetensors of this recipe with the same --size (or no --size), or Ultralytics' "
+            "YOLOv8 .pt"
         )
     model.load_state_dict(fits, strict=False)
     left = [k for k in own if k not in fits and not k.endswith("num_batches_tracked")]
@@ -113,11 +125,22 @@ def load_matching_weights(model: Detector, path: Path, flag: str) -> str:
     return line
 
 
+def model_size(size: str | None, start: dict | None, flag: str = "--init_weights") -> str:
+    """The model size to build: --size, else the pretrained start's, else n. A --size that is not the start's is
+    refused: the start would not fit."""
+    if size is not None and start is not None and start["size"] is not None and size != start["size"]:
+        raise RecipeError(
+            f"--size {size}, but {flag} {start['source']} is a yolo-{start['size']}; leave --size out (the start "
+            f"gives it) or start from a yolo-{size}"
+        )
+    return size or (start["size"] if start is not None and start["size"] else "n")
+
+
 def build_model(
     size: str,
     num_classes: int,
     channels_last: bool,
-    weights: str | Path | None = None,
+    weights: str | Path | dict | None = None,
     flag: str = "--model",
     cls_width: int | None = None,
     by_shape: bool = False,
@@ -126,16 +149,19 @@ def build_model(
     where they came from), in channels-last layout when asked; and its size figures (parameters, GFLOPs at 640, the
     size YOLO papers and model cards quote).
 
-    by_shape: a pretrained start (--init_weights) from a model that may detect other classes: the classification
-    branch takes that model's hidden width, and every tensor that fits by name and shape is loaded
-    (load_matching_weights); info["loaded"] says what was. Otherwise all weights must fit (a saved model's --model)."""
-    if weights and by_shape:
-        cls_width = class_branch_width_of(Path(weights)) or cls_width
+    by_shape: a pretrained start (--init_weights: a path, or what read_start read) from a model that may detect
+    other classes: the classification branch takes that model's hidden width, and every tensor that fits by name
+    and shape is loaded (load_matching_weights); info["loaded"] says what was. Otherwise all weights must fit (a
+    saved model's --model)."""
+    start = None
+    if weights is not None and by_shape:
+        start = weights if isinstance(weights, dict) else read_start(Path(weights), flag)
+        cls_width = start["cls_width"] or cls_width
     model = Detector(num_classes=num_classes, size=size, cls_width=cls_width)
     loaded = None
-    if weights and by_shape:
-        loaded = load_matching_weights(model, Path(weights), flag)
-    elif weights:
+    if start is not None:
+        loaded = load_matching_weights(model, start, flag)
+    elif weights is not None:
         load_weights(model, Path(weights), flag)
     info = dict(model_info(model, image_size=640), loaded=loaded)
     if channels_last:

@@ -1,6 +1,8 @@
 """The pictures of a detector's evaluation, as Ultralytics users know them, written by train.py after each evaluation:
 
 - PR_curve.png: precision against recall at IoU 0.5, per class and the mean over classes (whose area is mAP50);
+- P_curve.png, R_curve.png, F1_curve.png: precision, recall and F1 against the confidence threshold, per class and
+  the mean, the confidence of the best mean F1 (where results.json's precision, recall and F1 are read) marked;
 - confusion_matrix.png and .csv: classes plus background, predictions matched to ground truth as Ultralytics does;
 - val_predictions.png: the first validation images with their predicted boxes.
 """
@@ -89,6 +91,36 @@ def plot_pr_curve(pr: dict | None, names: list[str], png: Path) -> Path:
 
 
 @picture
+def plot_confidence_curve(curves: dict | None, names: list[str], which: str, png: Path) -> Path:
+    """One of the confidence curves of coco_map (p_curve, r_curve or f1_curve) against the confidence threshold: a
+    thin line per class with ground truth, a bold mean, and the confidence of the best mean F1 marked."""
+    label = {"p_curve": "precision", "r_curve": "recall", "f1_curve": "F1"}[which]
+    figure = new_figure(9, 6)
+    ax = figure.subplots()
+    valid = [k for k, truth in enumerate(curves["has_truth"]) if truth] if curves else []
+    if valid:
+        confidence, values = curves["confidence"], curves[which]
+        many = len(valid) > 20
+        for k in valid:
+            name = None if many else names[curves["classes"][k]]
+            color, alpha = ("gray", 0.5) if many else (None, 1)
+            ax.plot(confidence, values[k], linewidth=1, color=color, alpha=alpha, label=name)
+        mean = values[valid].mean(axis=0)
+        best = curves["best"]
+        label = f"all classes {mean[best]:.3f} at {confidence[best]:.3f}"
+        ax.plot(confidence, mean, linewidth=3, color="blue", label=label)
+        ax.axvline(confidence[best], color="blue", linestyle=":", linewidth=1)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    else:
+        ax.text(0.5, 0.5, "no detections to evaluate", ha="center", va="center", color="gray")
+    title = f"{label[0].upper() + label[1:]} against confidence at IoU 0.5 (dotted: the best mean F1)"
+    ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="confidence", ylabel=label, title=title)
+    ax.grid(alpha=0.3)
+    figure.savefig(png, dpi=100)
+    return png
+
+
+@picture
 def save_prediction_grid(
     records: list, names: list[str], png: Path, score_threshold: float = MATCH_SCORE, tile: int = 320
 ) -> Path:
@@ -109,8 +141,11 @@ def save_prediction_grid(
 
 
 def save_eval_pictures(output: Path, pictures: dict, names: list[str]) -> None:
-    """PR_curve.png, confusion_matrix.png / .csv and val_predictions.png in output, from what evaluate() returned."""
-    plot_pr_curve(pictures["pr_curve"], names, output / "PR_curve.png")
+    """PR_curve.png, P_curve.png, R_curve.png, F1_curve.png, confusion_matrix.png / .csv and val_predictions.png in
+    output, from what evaluate() returned."""
+    plot_pr_curve(pictures["curves"], names, output / "PR_curve.png")
+    for which, png in (("p_curve", "P_curve.png"), ("r_curve", "R_curve.png"), ("f1_curve", "F1_curve.png")):
+        plot_confidence_curve(pictures["curves"], names, which, output / png)
     counts = pictures["confusion"]
     save_confusion_matrix(
         counts,

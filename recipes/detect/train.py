@@ -44,11 +44,18 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, set_seed
-from coco_map import coco_map
-from detector_files import MODEL_CONFIG, build_model, draw_detections, read_model_config
+from coco_map import MAX_DETECTIONS, coco_map
+from detector_files import (
+    MODEL_CONFIG,
+    build_model,
+    draw_detections,
+    model_size,
+    read_model_config,
+    read_start,
+)
 from ema import ModelEMA
 from eval_pictures import detection_confusion_matrix, save_eval_pictures
-from onnx_export import export_onnx  # imports onnx and onnxruntime (the export extra) only when it runs
+from onnx_export import EXPORTS, export_model  # imports onnx and onnxruntime (the export extra) when it runs
 from predict import detect_images
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader, Dataset
@@ -65,7 +72,7 @@ from yolo_data import (
     scale_boxes_back,
 )
 from yolo_loss import DetectionLoss
-from yolo_model import SIZES, postprocess
+from yolo_model import FREEZABLE, SIZES, postprocess
 
 from accelerate_recipes import (
     BestModel,
@@ -91,6 +98,9 @@ from accelerate_recipes.compiling import compile_results, process_compile_counts
 from accelerate_recipes.plots import plot_results
 from accelerate_recipes.seeding import SeededAugmentation
 
+# --best_by: the evaluation's figure it reads
+BEST_BY = {"map50_95": "eval_map50_95", "fitness": "eval_fitness"}
+DEFAULT_PATIENCE = 100  # epochs without improvement before the run stops: Ultralytics' default
 LOSS_NAMES = ("loss", "box_loss", "cls_loss", "dfl_loss")  # what RunState sums and metrics.jsonl logs as train/*
 EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD = 0.001, 0.25  # --conf_threshold's default: low for mAP, higher for use
 SUMMARY = [
@@ -104,6 +114,9 @@ SUMMARY = [
     "epochs",
     "eval_map50",
     "eval_map50_95",
+    "eval_precision",
+    "eval_recall",
+    "eval_f1",
     "best_metric",
     "best_epoch",
     "eval_images",
@@ -128,7 +141,8 @@ class DetectFlags(TrainingFlags):
         synthetic_size: training images generated for --data synthetic (validation gets a quarter as many).
         image_size: side of the square (letterboxed) network input; a multiple of 32. Default: 640 for training; for
             --eval_only and --predict, the size the model in --model was trained at.
-        size: model size, n (nano) or s (small): YOLOv8's depth and width multipliers.
+        size: model size, n, s, m, l or x: YOLOv8's depth, width and max-channel multipliers. Default the size of
+            --init_weights, else n.
         optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
             Ultralytics' 0.01, which multiplies its loss by the batch size.
         momentum: SGD momentum, or AdamW's beta1.
@@ -157,35 +171,49 @@ class DetectFlags(TrainingFlags):
             but the classification outputs carry over (the run prints what was loaded and what was left), and a
             file that gives under 90% of the model's weights is refused. The optimizer, schedule and step count
             start fresh (--resume continues an interrupted run instead).
-        predict_dir: where --predict writes a picture of each image with its boxes and detections.json (every
-            image's boxes in its own pixels, score, class id and name); default <model>/predictions.
+        predict_dir: where --predict writes a picture of each image with its boxes, its YOLO label file under
+            labels/, and detections.json (every image's boxes in its own pixels, score, class id and name); an image
+            found in a subfolder keeps that subfolder there; default <model>/predictions.
         predict_device: the device --predict runs on (cuda, cpu, ...); default the first GPU when there is one.
         lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd (Ultralytics' 0.01 at its
             nominal batch of 64, moved onto a mean loss). Not scaled by the GPU count.
-        early_stopping_patience: stop after this many evaluations (--eval_every) in a row whose mAP50-95 is not higher
-            than the best so far, saving the last model and results.json as at a normal end; 0 (the default): train to
-            the end. Either way the model of the best evaluation is kept in output_dir/model_best (for --predict,
-            --eval_only and --init_weights).
+        patience: stop after this many epochs without a better --best_by; default 100, as Ultralytics' patience;
+            counted in whole evaluations (--eval_every), saving the last model and results.json as at a normal end;
+            0: train to the end. Either way the model of the best evaluation is kept in output_dir/model_best (for
+            --predict, --eval_only and --init_weights).
+        early_stopping_patience: the same counted in evaluations, as the other recipes count it; give it or
+            --patience, not both.
+        best_by: what model_best is chosen by: map50_95, or fitness (0.1 mAP50 + 0.9 mAP50-95, what earlier
+            Ultralytics 8 releases chose best.pt by; 8.4's is mAP50-95 alone).
+        freeze: keep the first N of YOLOv8's layers fixed while training (Ultralytics' freeze, counted as its
+            layers are: 10 is the whole backbone, 22 every layer but the head): their weights and their BatchNorm
+            statistics; 0: train everything.
+        split: the split of data.yaml that --eval_only evaluates: val, or test (data.yaml's `test:`).
         run_name: tracker run name; default detect-<size>.
-        eval_only: evaluate the model in --model on the val split of --data and write results.json and the
-            evaluation's pictures (PR_curve, confusion_matrix, val_predictions) to --output_dir, without training.
+        eval_only: evaluate the model in --model on the val split of --data (or --split test) and write
+            results.json and the evaluation's pictures (PR_curve, P_curve, R_curve, F1_curve, confusion_matrix,
+            val_predictions) to --output_dir, without training.
             Runs on any number of processes; each image is counted once. With --output_dir the model's folder (the
             default), the training run's results.json and pictures are replaced.
         predict: detect objects with the model in --model instead of training: an image file or a folder of images;
             give --predict several times for several. Prints one JSON line per image (its boxes, scores and classes)
-            on stdout and writes the pictures and detections.json to --predict_dir; runs in one process. --model may
-            also be a model.onnx that --export wrote (run by onnxruntime).
-        export: onnx: write the model in --model (default --output_dir) as --output_dir/model.onnx (torch's ONNX
-            exporter; batch, height and width dynamic; the class names and image size in its metadata), check it
-            with onnxruntime against PyTorch on one batch, and stop. Needs onnx, onnxscript and onnxruntime
-            (pip install 'accelerate-recipes[export]').
+            on stdout and writes the pictures, one YOLO label file per image (labels/<name>.txt: class cx cy w h,
+            normalised, ready to train on as pseudo-labels) and detections.json to --predict_dir; folders are
+            walked recursively; runs in one process. --model may also be a file --export wrote (model.onnx and
+            model_raw.onnx: onnxruntime; model.torchscript: torch.jit.load).
+        export: write the model in --model (default --output_dir) to --output_dir as a file that deploys, check it
+            against PyTorch on a batch, and stop. onnx: model.onnx, end to end (decoded boxes, scores and classes,
+            NMS in the graph: detections [B, 300, 6] and num_detections [B], at --conf_threshold (default 0.25) and
+            --iou_threshold); torchscript: model.torchscript, the same end to end; onnx-raw: model_raw.onnx, the
+            network's three raw outputs. Batch, height and width dynamic; detector.json inside. ONNX needs onnx,
+            onnxscript and onnxruntime (pip install 'accelerate-recipes[export]').
     """
 
     data: str = "coco128"
     data_dir: str = "data"
     synthetic_size: int = 512
     image_size: int | None = None
-    size: str = "n"
+    size: str | None = None
     optimizer: str = "adamw"
     momentum: float = 0.937
     warmup_epochs: float = 3.0
@@ -203,6 +231,10 @@ class DetectFlags(TrainingFlags):
     channels_last: bool = True
     cache: str = "auto"
     init_weights: str | None = None
+    patience: int | None = None
+    best_by: str = "map50_95"
+    freeze: int = 0
+    split: str = "val"
     predict_dir: str | None = None
     predict_device: str | None = None
     export: str | None = None
@@ -216,7 +248,7 @@ class DetectFlags(TrainingFlags):
 
 def check_flags(args: DetectFlags) -> None:
     """The flags' values a run cannot start with, refused before anything else happens."""
-    if args.size not in SIZES:
+    if args.size is not None and args.size not in SIZES:
         raise RecipeError(f"unknown --size {args.size!r}; choose one of {', '.join(SIZES)}")
     if args.optimizer not in ("sgd", "adamw"):
         raise RecipeError(f"unknown --optimizer {args.optimizer!r}; choose sgd or adamw")
@@ -229,8 +261,26 @@ def check_flags(args: DetectFlags) -> None:
         raise RecipeError(f"unknown --cache {args.cache!r}; choose auto, ram or off")
     if args.close_mosaic < 0:
         raise RecipeError(f"--close_mosaic {args.close_mosaic} must be >= 0 (epochs at the end without mosaic)")
-    if args.export not in (None, "onnx"):
-        raise RecipeError(f"unknown --export {args.export!r}; the format written is onnx: --export onnx")
+    if args.export is not None and args.export not in EXPORTS:
+        raise RecipeError(f"unknown --export {args.export!r}; choose one of {', '.join(EXPORTS)}")
+    if args.best_by not in BEST_BY:
+        raise RecipeError(f"unknown --best_by {args.best_by!r}; choose map50_95 or fitness")
+    if args.split not in ("val", "test"):
+        raise RecipeError(f"unknown --split {args.split!r}; choose val or test (the splits of data.yaml)")
+    if isinstance(args.freeze, bool) or not isinstance(args.freeze, int) or not 0 <= args.freeze <= FREEZABLE:
+        raise RecipeError(
+            f"--freeze {args.freeze}: give the number of YOLOv8 layers to keep fixed, 0 to {FREEZABLE} "
+            "(10: the backbone)"
+        )
+    if args.patience is not None and args.early_stopping_patience:
+        raise RecipeError(
+            "give --patience (epochs) or --early_stopping_patience (evaluations), not both; e.g. --patience 50"
+        )
+    whole = isinstance(args.patience, int) and not isinstance(args.patience, bool) and args.patience >= 0
+    if args.patience is not None and not whole:
+        raise RecipeError(
+            f"--patience {args.patience}: give a whole number of epochs, 0 to turn early stopping off",
+        )
     if args.max_grad_norm < 0:
         raise RecipeError(
             f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. --max_grad_norm 10"
@@ -337,9 +387,10 @@ def data_loaders(
     return train_loader, val_loader
 
 
-def validation_set(dataset: DataConfig, image_size: int, cache: bool) -> YoloDataset:
-    """The val split, letterboxed to image_size and not augmented; every label is checked here, up front."""
-    return YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False, cache=cache)
+def validation_set(dataset: DataConfig, image_size: int, cache: bool, split: str = "val") -> YoloDataset:
+    """The val (or test) split, letterboxed to image_size and not augmented; every label is checked here, up front."""
+    files = dataset.test if split == "test" else dataset.val
+    return YoloDataset(files, len(dataset.names), image_size=image_size, augment=False, cache=cache)
 
 
 def loader_settings(accelerator, num_workers: int | None) -> dict:
@@ -357,9 +408,11 @@ def loader_settings(accelerator, num_workers: int | None) -> dict:
 def build_optimizer(
     model: torch.nn.Module, name: str, lr: float, momentum: float, weight_decay: float, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD (nesterov), with weight decay on conv and linear weights only (not on BatchNorm or biases)."""
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
+    """AdamW or SGD (nesterov) over the trainable parameters (--freeze leaves some out), with weight decay on conv and
+    linear weights only (not on BatchNorm or biases)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim > 1]
+    no_decay = [p for p in trainable if p.ndim <= 1]  # BatchNorm weights and biases
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
@@ -367,6 +420,40 @@ def build_optimizer(
     # of the time of the loop of tensor ops
     fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), fused=fused)
+
+
+def start_classes_line(start: dict, names: list[str]) -> str:
+    """What the pretrained start was trained to detect, beside the classes of --data."""
+    theirs = start.get("names")
+    if not theirs:
+        return f"the start: {start['kind']}; its classes are not recorded"
+    listed = ", ".join(theirs[:5]) + (f" and {len(theirs) - 5} more" if len(theirs) > 5 else "")
+    if list(theirs) == list(names):
+        verdict = "the classes of --data: every output carries over"
+    elif len(theirs) == len(names):
+        verdict = "as many as --data's but other names: the class outputs carry over by position"
+    else:
+        verdict = f"--data has {len(names)}: the class outputs start fresh"
+    return f"the start: {start['kind']}, {len(theirs)} classes ({listed}); {verdict}"
+
+
+def freeze_line(layers: int, blocks: tuple[str, ...], model: torch.nn.Module) -> str:
+    """What --freeze prints: the layers fixed and the parameters left to train."""
+    fixed = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (
+        f"--freeze {layers}: YOLOv8 layers 0-{layers - 1} fixed ({', '.join(blocks)}), with their BatchNorm "
+        f"statistics; {(total - fixed) / 1e6:.2f}M of {total / 1e6:.2f}M parameters train"
+    )
+
+
+def evaluations_of_patience(args: DetectFlags) -> int:
+    """--patience's epochs as the evaluations (one every --eval_every epochs) that early stopping counts, or
+    --early_stopping_patience's evaluations as given; 0: no early stopping."""
+    if args.early_stopping_patience:
+        return args.early_stopping_patience
+    epochs = DEFAULT_PATIENCE if args.patience is None else args.patience
+    return math.ceil(epochs / args.eval_every)
 
 
 def weight_average(accelerator, model: torch.nn.Module, decay: float) -> tuple[torch.nn.Module, ModelEMA | None]:
@@ -428,12 +515,15 @@ def model_line(size: str, info: dict, num_classes: int, train_size: int, val_siz
 def evaluate(
     model, loader, accelerator, names: list[str], channels_last: bool, conf_threshold: float, iou_threshold: float
 ) -> tuple[dict, dict]:
-    """COCO mAP@0.5 and mAP@0.5:0.95 (torchmetrics + pycocotools), each validation image counted exactly once.
+    """The figures Ultralytics users compare (coco_map: mAP@0.5 and mAP@0.5:0.95 with up to 300 detections an image,
+    COCO's 100-detection mAP beside it, precision, recall and F1 overall and per class), and the fitness, each
+    validation image counted exactly once. NMS keeps every class above conf_threshold (multi-label, as Ultralytics'
+    val does).
 
     Every process predicts on its shard; gather_for_metrics collects the per-image records and drops the images the
     sampler repeated to give every process an equal share. Boxes are compared in original image pixels.
-    Returns (metrics, what the pictures need: the first 16 records, and on the main process the precision-recall
-    table at IoU 0.5 and the detection confusion matrix).
+    Returns (metrics, what the pictures need: the first 16 records, and on the main process the evaluation's curves
+    and the detection confusion matrix).
     """
     model.eval()
     records = []
@@ -447,6 +537,8 @@ def evaluate(
             model.reg_max,
             conf_threshold=conf_threshold,
             iou_threshold=iou_threshold,
+            max_detections=MAX_DETECTIONS,
+            multi_label=True,  # every class above the threshold is scored, as Ultralytics' val does
         )
         batch = []
         for det, meta, truth in zip(detections, metas, targets):  # the targets never leave the host
@@ -467,11 +559,17 @@ def evaluate(
     results = {"eval_images": len(records), "eval_unique_images": len({r["path"] for r in records})}
     pictures = {"records": records[:16]}
     if accelerator.is_main_process:  # the records are complete on every process; one computes
-        scores, pictures["pr_curve"] = coco_map(records, names)
-        results.update(scores)
+        scores, pictures["curves"] = coco_map(records, names, MAX_DETECTIONS)
+        results.update(scores, eval_fitness=fitness(scores))
         pictures["confusion"] = detection_confusion_matrix(records, len(names))
     results = broadcast_object_list([results])[0]  # and every process gets its figures, to log and save alike
     return results, pictures
+
+
+def fitness(scores: dict) -> float:
+    """0.1 mAP50 + 0.9 mAP50-95: what earlier Ultralytics 8 releases chose best.pt by (8.4.190's fitness is
+    mAP50-95 alone, as --best_by map50_95)."""
+    return 0.1 * scores["eval_map50"] + 0.9 * scores["eval_map50_95"]
 
 
 def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
@@ -517,10 +615,37 @@ def epoch_line(state: RunState, num_epochs: int, seconds: float, images_per_seco
     )
 
 
+def class_table(results: dict) -> str:
+    """The evaluation by class, as Ultralytics' val prints it: images, instances, precision, recall (and F1) at the
+    confidence of the best mean F1, mAP50 and mAP50-95; the first row all classes."""
+    columns = f"{'P':>6} {'R':>6} {'F1':>6} {'mAP50':>6} {'mAP50-95':>8}"
+    header = f"{'class':>20} {'images':>7} {'instances':>9} {columns}"
+    per_class = results["eval_per_class"]
+    instances = sum(c["instances"] for c in per_class.values())
+    rows = [
+        header,
+        f"{'all':>20} {results['eval_images']:>7} {instances:>9} {results['eval_precision']:>6.3f} "
+        f"{results['eval_recall']:>6.3f} {results['eval_f1']:>6.3f} {results['eval_map50']:>6.3f} "
+        f"{results['eval_map50_95']:>8.3f}",
+    ]
+    for name, c in per_class.items():
+        rows.append(
+            f"{name[:20]:>20} {c['images']:>7} {c['instances']:>9} {c['precision']:>6.3f} {c['recall']:>6.3f} "
+            f"{c['f1']:>6.3f} {c['ap50']:>6.3f} {c['ap50_95']:>8.3f}"
+        )
+    rows.append(
+        f"P, R and F1 at confidence {results['eval_f1_confidence']:.3f} (the best mean F1); mAP with up to "
+        f"{results['eval_max_detections']} detections an image (COCO's 100: mAP50-95 "
+        f"{results['eval_map50_95_at_100']:.3f}); fitness (0.1 mAP50 + 0.9 mAP50-95) "
+        f"{results['eval_fitness']:.3f}"
+    )
+    return "\n".join(rows)
+
+
 def print_results(results: dict, output: Path, path: Path, tracking) -> None:
-    """What a finished run or evaluation prints (main process): AP50-95 by class, the summary table, what was saved
-    where."""
-    print("AP50-95 per class: " + ", ".join(f"{k} {v:.3f}" for k, v in results["eval_ap_per_class"].items()))
+    """What a finished run or evaluation prints (main process): the figures by class, the summary table, what was
+    saved where."""
+    print(class_table(results))
     if results.get("eval_only"):
         print_summary(results, SUMMARY, title="detect: evaluation")
         print(f"{path.name}, {MODEL_CONFIG} and the evaluation's pictures saved in {output}")
@@ -537,6 +662,26 @@ def print_results(results: dict, output: Path, path: Path, tracking) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------- train
+def settle_start(args: DetectFlags):
+    """(flags, start): a pretrained start read once (a model of this recipe, or Ultralytics' .pt converted in
+    memory), which gives the size; --patience's epochs as the evaluations early stopping counts."""
+    start = read_start(Path(args.init_weights)) if args.init_weights else None
+    size = model_size(args.size, start)
+    return replace(args, size=size, early_stopping_patience=evaluations_of_patience(args)), start
+
+
+def build_detector(args: DetectFlags, start, names: list[str], accelerator) -> tuple:
+    """(model, its build info, the trainable parameters): random weights, or the start's by name and shape, the
+    first --freeze layers fixed; what the start gave and what is frozen said in a line each."""
+    model, info = build_model(args.size, len(names), args.channels_last, start, flag="--init_weights", by_shape=True)
+    if info["loaded"]:
+        accelerator.print(info["loaded"])  # what the pretrained start gave, and what it left
+        accelerator.print(start_classes_line(start, names))
+    if args.freeze:
+        accelerator.print(freeze_line(args.freeze, model.freeze(args.freeze), model))
+    return model, info, sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def train(args: DetectFlags) -> None:
     """Train the detector on --data; the last (EMA) model, model_best/, results.json and the pictures go to
     --output_dir."""
@@ -546,6 +691,7 @@ def train(args: DetectFlags) -> None:
     image_size = args.image_size or 640
     lr = args.lr if args.lr is not None else (0.64 if args.optimizer == "sgd" else 0.002)
     conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
+    args, start = settle_start(args)  # the size from a pretrained start; --patience in evaluations
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{args.size}", args.swanlab_mode)
@@ -579,11 +725,7 @@ def train(args: DetectFlags) -> None:
 
     # ---- model (random weights, or --init_weights by name and shape), optimizer (no weight decay on BatchNorm and
     # biases), loss
-    model, info = build_model(
-        args.size, len(names), args.channels_last, args.init_weights, flag="--init_weights", by_shape=True
-    )
-    if info["loaded"]:
-        accelerator.print(info["loaded"])  # what the pretrained start gave, and what it left
+    model, info, trainable = build_detector(args, start, names, accelerator)  # --freeze: its layers fixed
     optimizer = build_optimizer(model, args.optimizer, lr, args.momentum, args.weight_decay, accelerator.device)
     criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
 
@@ -606,7 +748,8 @@ def train(args: DetectFlags) -> None:
         dataset=str(data_yaml),
         model=f"yolo-{args.size}",
         per_process_batch_size=per_process,
-        trainable_parameters=info["parameters"],
+        trainable_parameters=trainable,
+        parameters=info["parameters"],
         gflops_at_640=info["gflops"],
         image_size=image_size,
         num_classes=len(names),
@@ -626,8 +769,8 @@ def train(args: DetectFlags) -> None:
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
-    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
-    best = BestModel(accelerator, state, output, "eval_map50_95", patience=args.early_stopping_patience)
+    accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
+    best = BestModel(accelerator, state, output, BEST_BY[args.best_by], patience=args.early_stopping_patience)
     progress = TrainingProgress(
         accelerator,
         state,
@@ -721,7 +864,8 @@ def train(args: DetectFlags) -> None:
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
     save_model(output)  # the (EMA) model and detector.json, what --predict and --eval_only rebuild it from
-    results = dict(config, **progress.results(started), **compile_results(compiled_before))
+    results = dict(config, **progress.results(started))
+    results.update(compile_results(compiled_before))  # what --compile (or --dynamo_backend) compiled
     accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -762,7 +906,14 @@ def evaluate_saved_model(args: DetectFlags) -> None:
             f"--model {model_dir} detects {saved['num_classes']} classes and {data_yaml} has "
             f"{len(names)}: evaluate it on data with the same classes"
         )
-    val_set = validation_set(dataset, image_size, cache_in_memory(args.cache, len(dataset.val), image_size))
+    if args.split == "test" and not dataset.test:
+        raise RecipeError(
+            f"--split test: {data_yaml} has no test split; add one to it (test: images/test, a folder or a list "
+            "of images like val), or evaluate --split val"
+        )
+    files = dataset.test if args.split == "test" else dataset.val
+    cache = cache_in_memory(args.cache, len(files), image_size)
+    val_set = validation_set(dataset, image_size, cache, args.split)
     val_loader = DataLoader(
         val_set,
         batch_size=per_process * args.gradient_accumulation_steps,
@@ -791,6 +942,7 @@ def evaluate_saved_model(args: DetectFlags) -> None:
         num_classes=len(names),
         conf_threshold=conf_threshold,
         iou_threshold=args.iou_threshold,
+        split=args.split,
         val_size=len(val_set),
         distributed_type=accelerator.distributed_type.value,
         synthetic_data=args.data == "synthetic",
@@ -842,11 +994,21 @@ def predict(args: DetectFlags) -> None:
 
 # ----------------------------------------------------------------------------------------------------------- main
 def export(args: DetectFlags) -> None:
-    """The model in --model (default --output_dir) as --output_dir/model.onnx, checked by onnxruntime. One process."""
+    """The model in --model (default --output_dir) as a file that deploys in --output_dir: model.onnx (end to end),
+    model.torchscript (end to end) or model_raw.onnx (the network alone), checked against PyTorch. One process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("--export runs in one process: start it with python, not a launcher")
     check_flags(args)
-    export_onnx(Path(args.model or args.output_dir), Path(args.output_dir) / "model.onnx", image_size=args.image_size)
+    files = {"onnx": "model.onnx", "torchscript": "model.torchscript", "onnx-raw": "model_raw.onnx"}
+    name = files[args.export]
+    export_model(
+        Path(args.model or args.output_dir),
+        Path(args.output_dir) / name,
+        args.export,
+        image_size=args.image_size,
+        conf_threshold=PREDICT_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold,
+        iou_threshold=args.iou_threshold,
+    )
 
 
 def main(args: DetectFlags) -> None:

@@ -23,13 +23,39 @@ import torch.nn as nn
 import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
-# YOLOv8's compound-scaling multipliers: depth scales the number of bottlenecks per C2f, width the channels, and
-# channels are capped at max_channels before scaling.
+# YOLOv8's compound-scaling multipliers (the scales of Ultralytics' yolov8.yaml): depth scales the number of
+# bottlenecks per C2f, width the channels, and channels are capped at max_channels before scaling.
 SIZES = {
     "n": dict(depth=0.33, width=0.25, max_channels=1024),
     "s": dict(depth=0.33, width=0.50, max_channels=1024),
     "m": dict(depth=0.67, width=0.75, max_channels=768),
+    "l": dict(depth=1.00, width=1.00, max_channels=512),
+    "x": dict(depth=1.00, width=1.25, max_channels=512),
 }
+
+# Our blocks in YOLOv8's layer order: the index of each in Ultralytics' model (model.<index>, its detection YAML).
+# Indices 10, 11, 13, 14, 17 and 20 are Upsample and Concat layers, without weights; 22 is the head.
+YOLOV8_LAYERS = {
+    "backbone.stem.0": 0,
+    "backbone.stem.1": 1,
+    "backbone.stem.2": 2,
+    "backbone.stage3.0": 3,
+    "backbone.stage3.1": 4,
+    "backbone.stage4.0": 5,
+    "backbone.stage4.1": 6,
+    "backbone.stage5.0": 7,
+    "backbone.stage5.1": 8,
+    "backbone.stage5.2": 9,
+    "neck.top_down4": 12,
+    "neck.top_down3": 15,
+    "neck.down3": 16,
+    "neck.bottom_up4": 18,
+    "neck.down4": 19,
+    "neck.bottom_up5": 21,
+    "head.box": "22.cv2",  # the box branch of each level
+    "head.cls": "22.cv3",  # the classification branch of each level
+}
+FREEZABLE = 22  # --freeze counts YOLOv8's layers: at most every layer before the head
 
 
 class Conv(nn.Sequential):
@@ -167,6 +193,16 @@ def _channels(c: int, width: float, max_channels: int) -> int:
     return int(math.ceil(min(c, max_channels) * width / 8) * 8)  # multiples of 8 suit tensor cores
 
 
+def size_of_weights(state: dict) -> str | None:
+    """The size (n, s, m, l, x) of a state dict of this detector, read from the first convolution's width (16, 32,
+    48, 64, 80 channels); None when it has no such layer or another width."""
+    first = state.get("backbone.stem.0.0.weight")
+    if first is None:
+        return None
+    widths = {_channels(64, v["width"], v["max_channels"]): size for size, v in SIZES.items()}
+    return widths.get(int(first.shape[0]))
+
+
 class Detector(nn.Module):
     """YOLOv8-layout detector. forward(images [B, 3, H, W] float in [0, 1], H and W multiples of 32) returns a list of
     3 raw tensors [B, 4 * reg_max + num_classes, H / s, W / s] for s in strides, in train and eval mode alike:
@@ -195,8 +231,27 @@ class Detector(nn.Module):
         self.head = Head([ch[2], ch[3], ch[4]], num_classes, self.strides, self.reg_max, cls_width)
         self.cls_width = self.head.cls[0][0][0].out_channels
 
+    frozen_blocks: tuple[str, ...] = ()  # what freeze() fixed: kept in eval mode by train()
+
     def forward(self, images: torch.Tensor) -> list[torch.Tensor]:
         return self.head(self.neck(*self.backbone(images)))
+
+    def freeze(self, layers: int) -> tuple[str, ...]:
+        """Fix YOLOv8's first `layers` layers (Ultralytics' freeze: 10 is the backbone): their parameters get no
+        gradient and their BatchNorm layers stay in eval mode, so their running statistics do not move either.
+        Returns the names of the blocks fixed."""
+        if not 0 <= layers <= FREEZABLE:
+            raise ValueError(f"layers must be 0 to {FREEZABLE} (the layers before the head), got {layers}")
+        self.frozen_blocks = tuple(n for n, i in YOLOV8_LAYERS.items() if isinstance(i, int) and i < layers)
+        for name in self.frozen_blocks:
+            self.get_submodule(name).requires_grad_(False)
+        return self.train(self.training).frozen_blocks
+
+    def train(self, mode: bool = True) -> "Detector":
+        super().train(mode)
+        for name in self.frozen_blocks:  # frozen BatchNorm statistics: also under model.train() and DDP's
+            self.get_submodule(name).eval()
+        return self
 
 
 def make_anchors(
@@ -265,22 +320,31 @@ def postprocess(
     iou_threshold: float = 0.7,
     max_detections: int = 300,
     max_candidates: int = 30000,
+    multi_label: bool = False,
 ) -> list[dict]:
     """Raw outputs -> per image dict(boxes [N, 4] float xyxy input pixels clipped to the image, scores [N],
     labels [N] int64), sorted by score, N <= max_detections.
 
-    One label per anchor (its best class); anchors scoring <= conf_threshold are dropped, at most max_candidates of
-    the best go into class-aware NMS (class_aware_nms) at iou_threshold, on the boxes as decoded; the kept ones are
-    then clipped to the image (the order Ultralytics follows, so that the same raw outputs give the same boxes)."""
+    multi_label False (prediction): one label per anchor, its best class. True (evaluation, as Ultralytics' val
+    scores): every class of an anchor above conf_threshold is a candidate of its own, so a box may count for two
+    classes. Candidates scoring <= conf_threshold are dropped, at most max_candidates of the best go into
+    class-aware NMS (class_aware_nms) at iou_threshold, on the boxes as decoded; the kept ones are then clipped to
+    the image (the order Ultralytics follows, so that the same raw outputs give the same boxes)."""
     boxes, cls_logits = decode(outputs, strides, reg_max)
     height, width = outputs[0].shape[-2] * strides[0], outputs[0].shape[-1] * strides[0]
     # a decoded side reaches at most (reg_max - 1) strides from its anchor: the span class_aware_nms must clear
     reach = (reg_max - 1) * max(strides)
-    scores, labels = cls_logits.sigmoid().max(dim=-1)
+    probabilities = cls_logits.sigmoid()
+    best_scores, best_labels = probabilities.max(dim=-1)
     results = []
     for b in range(boxes.shape[0]):
-        keep = scores[b] > conf_threshold
-        img_boxes, img_scores, img_labels = boxes[b][keep], scores[b][keep], labels[b][keep]
+        if multi_label:
+            anchors, img_labels = (probabilities[b] > conf_threshold).nonzero(as_tuple=True)
+            img_scores = probabilities[b][anchors, img_labels]
+        else:
+            anchors = (best_scores[b] > conf_threshold).nonzero(as_tuple=True)[0]
+            img_scores, img_labels = best_scores[b][anchors], best_labels[b][anchors]
+        img_boxes = boxes[b][anchors]
         if img_scores.numel() > max_candidates:  # bounds NMS time when an untrained model fires everywhere
             top = img_scores.topk(max_candidates).indices
             img_boxes, img_scores, img_labels = img_boxes[top], img_scores[top], img_labels[top]
