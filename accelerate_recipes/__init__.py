@@ -1,11 +1,14 @@
 """The runtime any recipe may use, in recipes/ or copied into a project of its own.
 
-The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in their own body;
-this package holds only the plumbing they would otherwise copy: command-line entry, launch checks (check_launch),
-tracker set-up, the run's position (RunState), the bookkeeping after each step (TrainingProgress) and the judge of
-the best model (BestModel), a throughput meter, the results.json writer, the run's pictures (accelerate_recipes.plots:
-results.png, confusion matrices), atomic checkpoint folders, sharding set-up, seeded augmentation and the stop-signal /
-NaN guard. Code one recipe alone uses lives beside that recipe; the stand-alone tools (doctor, hostfile launcher,
+The recipes keep every Accelerate call (prepare, accumulate, backward, gather_for_metrics, save) in
+their own body; this package holds only the plumbing they would otherwise copy: command-line entry,
+launch checks (check_launch), tracker set-up, the run's position (RunState), the bookkeeping after
+each step (TrainingProgress) and the judge of the best model (BestModel), the steps every recipe
+takes the same way (shared_steps: the run's Accelerator, the progress and checkpoint wiring, a
+guarded optimizer step, an evaluation-only run's results), a throughput meter, the results.json
+writer, the run's pictures (accelerate_recipes.plots: results.png, confusion matrices), atomic
+checkpoint folders, sharding set-up, seeded augmentation and the stop-signal / NaN guard. Code one
+recipe alone uses lives beside that recipe; the stand-alone tools (doctor, hostfile launcher,
 topology) are the recipe_tools package.
 """
 
@@ -37,6 +40,21 @@ _EXPORTS = {
     **dict.fromkeys(["TrainingFlags"], "flags"),
     **dict.fromkeys(["print_summary", "run_config", "run_facts", "write_results"], "results"),
     **dict.fromkeys(["setup_fsdp"], "sharding"),
+    **dict.fromkeys(
+        [
+            "check_launch_flags",
+            "clip_norm",
+            "epoch_batches",
+            "eval_only_config",
+            "eval_only_results",
+            "evaluation_accelerator",
+            "keeps_update",
+            "saving_checkpoint",
+            "training_accelerator",
+            "training_progress",
+        ],
+        "shared_steps",
+    ),
     **dict.fromkeys(["setup_tracker"], "tracking"),
 }
 __all__ = list(_EXPORTS)

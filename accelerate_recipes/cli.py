@@ -446,28 +446,6 @@ def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
     return commands[None] if None in commands else commands
 
 
-def answer_help_from_source(module_name: str, path: str) -> None:
-    """Print a script's -h/--help from its source and exit, before the script's heavy imports run.
-
-    Call it at the top of a script, above `import torch`: `answer_help_from_source(__name__, __file__)`. The help is
-    the text `run` prints, in a fraction of a second instead of the seconds torch, torchvision and transformers take
-    to import. Anything it cannot rebuild from the source leaves the help to `run`, after the imports.
-    """
-    argv = sys.argv[1:]
-    if module_name != "__main__" or not wants_help(argv):
-        return
-    try:
-        main = _commands_in_source(Path(path).read_text(encoding="utf-8"), Path(path).resolve().parent)
-    except Exception:  # the slow path prints the same help
-        return
-    if main is None:
-        return
-    help_text = _help_for(main, os.path.basename(sys.argv[0]), argv)
-    if help_text is not None:
-        print(help_text)
-        sys.exit(0)
-
-
 def run(main, presets: dict[str, dict] | None = None) -> None:
     """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
 

@@ -22,6 +22,7 @@ GPU is never made to wait for the host on the steps between them.
 """
 
 import math
+import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,8 +33,9 @@ from tqdm.auto import tqdm
 from accelerate_recipes.checkpoints import BEST_DIR, BEST_RECORD, CHECKPOINTS_DIR, newest_checkpoint, saving_folder
 from accelerate_recipes.errors import RecipeError
 from accelerate_recipes.guard import StepGuard
-from accelerate_recipes.meter import StepMeter, peak_memory_mb
+from accelerate_recipes.meter import FIGURES, ProcessFigures, StepMeter, StepParts, peak_memory_mb
 from accelerate_recipes.results import MetricsLog, run_facts
+from accelerate_recipes.tracking import log_image_files
 
 
 class RunState:
@@ -196,7 +198,13 @@ class TrainingProgress:
     checkpoint is due and when the run is over; at epoch ends log the evaluation with the epoch's figures.
 
     Builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, output_dir/metrics.jsonl,
-    appended to; Checkpoints.resolve trimmed it for a resumed run). Nothing is written to disk here."""
+    appended to; Checkpoints.resolve trimmed it for a resumed run). Nothing is written to disk here.
+
+    With more than one process, each log step also logs every process's and every node's step
+    time, data wait and communication wait (StepParts, `timed` for the data wait; ProcessFigures),
+    and warns once when one process is persistently slower than the others. Build it after
+    `accelerator.prepare`: it hooks the prepared optimizers' parameters to time communication
+    under DDP."""
 
     def __init__(
         self,
@@ -222,6 +230,12 @@ class TrainingProgress:
             accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=lambda: newest_checkpoint(checkpoints)
         )
         self.meter = StepMeter(accelerator.device)
+        # prepare wraps the model in DDP for the MULTI_* types (FSDP and DeepSpeed are types of
+        # their own); accelerate keeps the prepared optimizers in a list with no public accessor
+        ddp = accelerator.distributed_type.value.startswith("MULTI_")
+        self.parts = StepParts(accelerator.device, getattr(accelerator, "_optimizers", ()), ddp)
+        self.processes = ProcessFigures(accelerator)
+        self.output_dir = Path(output_dir)
         self.metrics = MetricsLog(accelerator, output_dir)
         self.progress_bar = tqdm(
             total=total_steps, initial=state.step, desc="train", unit="step", disable=not accelerator.is_main_process
@@ -240,12 +254,27 @@ class TrainingProgress:
         self.epoch_started = time.perf_counter()
         self.meter.restart()
 
+    def timed(self, batches):
+        """`for batch in progress.timed(batches):` the batches, with the host's wait for each
+        counted as the step's data wait."""
+        started = time.perf_counter()
+        iterator = iter(batches)  # a DataLoader starts its workers here: the first batch's wait
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.parts.data_waited(time.perf_counter() - started)
+            yield batch
+            started = time.perf_counter()
+
     def step_done(self, scheduler) -> bool:
         """After an optimizer step (and its scheduler step): True when a checkpoint is due now (its interval, or a
         stop signal every process agreed on). Collective at log and checkpoint steps."""
         state = self.state
         state.step += 1
         self.meter.step(self.global_batch_size)
+        self.parts.step()
         self.progress_bar.update(1)
         at_log = state.step % self.log_every == 0 or state.step == 1 or self.finished
         mid_epoch = state.batches_done < self.batches_per_epoch and not self.finished  # else the epoch-end save
@@ -256,6 +285,7 @@ class TrainingProgress:
             # The mean of every micro-batch since the last log, over all processes: the one read of the losses.
             means = self.accelerator.reduce(state.running / max(state.micro_batches, 1), reduction="mean").tolist()
             step_seconds = self.meter.interval_seconds()
+            processes = self._process_figures(step_seconds)
             state.first_loss = means[0] if state.first_loss is None else state.first_loss
             state.last_loss = means[0]
             lr = scheduler.get_last_lr()[0]
@@ -266,6 +296,7 @@ class TrainingProgress:
                     "train/epoch": state.step / self.steps_per_epoch,
                     "perf/step_seconds": step_seconds,
                     "perf/samples_per_second": self.global_batch_size / max(step_seconds, 1e-9),
+                    **processes,
                 },
                 step=state.step,
             )
@@ -273,6 +304,21 @@ class TrainingProgress:
             state.running.zero_()
             state.micro_batches = 0
         return bool(self.guard.stop_signal) or at_checkpoint
+
+    def _process_figures(self, step_seconds: float) -> dict:
+        """A log step's figures of every process and node for the tracker (collective; none on one
+        process), and the slow-process warning when one is due."""
+        data, comm = self.parts.interval_means()
+        if self.accelerator.num_processes == 1:
+            return {}
+        rows = self.processes.gather(step_seconds, data, comm)
+        if not self.accelerator.is_main_process:
+            return {}
+        # step 1's lazy initialisation differs between processes: no verdict on it
+        warning = self.processes.check_slow(rows, self.state.step) if self.state.step > 1 else None
+        if warning:
+            self.progress_bar.write(warning)
+        return ProcessFigures.tracked(rows)
 
     def epoch_done(self, evaluation: dict, **extra) -> float:
         """At an epoch's end, after its evaluation: log it (eval_* as eval/*) with the epoch's time, throughput and
@@ -327,11 +373,34 @@ class TrainingProgress:
             **state.last_eval,
             **best,
             **run_facts(self.accelerator, self.meter, state.samples_seen),
+            **self._process_results(),
         )
 
+    def _process_results(self) -> dict:
+        """results.json's figures of every process and node: the mean seconds a step over the run
+        (less its warm-up steps, as median_step_seconds) of the step, its data wait, its
+        communication wait (None where not measured) and its compute, in rank and node order; and
+        the ranks warned about as slow. Collective."""
+        skip = self.meter.warmup_skipped()
+        durations = self.meter.durations[skip:]
+        data, comm = self.parts.run_means(skip)
+        rows = self.processes.gather(statistics.fmean(durations) if durations else 0.0, data, comm)
+        nodes = ProcessFigures.by_node(rows)
+        figures = {"node_of_process": [row["node"] for row in rows]}
+        for name in FIGURES:
+            figures[f"{name}_per_process"] = [row[name] for row in rows]
+        for name in FIGURES:
+            figures[f"{name}_per_node"] = [nodes[node][name] for node in sorted(nodes)]
+        figures["slow_processes"] = list(self.processes.slow_processes)
+        return figures
+
     def close(self) -> None:
-        """After the loop: says so when the run stopped early."""
+        """After the loop: says so when the run stopped early; the run's curves (results.png, drawn
+        at its last epoch's end) to the trackers that take images."""
         self.progress_bar.close()
+        if self.accelerator.is_main_process:
+            curves = {"results": self.output_dir / "results.png"}
+            log_image_files(self.accelerator, curves, self.state.step)
         self.guard.close()
         if self.best is not None and self.best.out_of_patience and self.state.step < self.total_steps:
             self.accelerator.print(self.best.explain_stop(self.total_steps, self.steps_per_epoch))

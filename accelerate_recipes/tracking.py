@@ -23,6 +23,7 @@ from accelerate_recipes.errors import RecipeError
 SWANLAB_MODES = ("online", "cloud", "offline", "local", "disabled")
 TRACKER_RUN_FILE = "tracker_run.json"  # in the output directory: the tracker's id of the training it holds
 RESUMABLE = {"swanlab", "wandb"}  # the trackers whose init takes an id and resume="allow"
+IMAGE_TRACKERS = ("swanlab", "wandb")  # whose log_images takes a list of pictures per key
 SWANLAB_API_HOST = "https://api.swanlab.cn"  # SwanLab's default; SWANLAB_API_HOST points it at a private server
 REACH_SECONDS = 3.0  # compute nodes without internet: give up on the cloud this fast instead of holding rank 0
 
@@ -211,3 +212,32 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
         offline_because=offline_because,
         output_dir=Path(output_dir),
     )
+
+
+def log_images(accelerator, images: dict[str, list], step: int) -> None:
+    """Pictures (PIL images or arrays), a list per key, to the trackers that take them: SwanLab (as
+    swanlab.Image) and wandb (as wandb.Image); nothing for the others. Only the main process has
+    trackers. A picture that cannot be logged is one warning line, never the end of a run."""
+    for tracker in accelerator.trackers:
+        if tracker.name not in IMAGE_TRACKERS or not images:
+            continue
+        try:
+            tracker.log_images(images, step=step)
+        except Exception as err:  # pictures are a convenience
+            accelerator.print(f"warning: could not log images to {tracker.name}: {err}")
+
+
+def log_image_files(accelerator, files: dict[str, str | Path], step: int) -> None:
+    """Picture files a run has written (results.png, confusion_matrix.png, ...) to the trackers
+    that take images (log_images), each under its key; a file not there (no matplotlib, no
+    evaluation yet) is left out."""
+    if not any(tracker.name in IMAGE_TRACKERS for tracker in accelerator.trackers):
+        return
+    from PIL import Image
+
+    images = {}
+    for key, path in files.items():
+        if Path(path).is_file():
+            with Image.open(path) as picture:
+                images[key] = [picture.convert("RGB")]
+    log_images(accelerator, images, step)

@@ -15,10 +15,6 @@ untimed: rank r contributes r + 1, so every element must equal n(n+1)/2 (ones wh
 the dtype).
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
 import time
 from pathlib import Path

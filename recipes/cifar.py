@@ -14,10 +14,6 @@ Install: `pip install -e .` from a clone of accelerate-recipes (the runtime; thi
 project of your own, copy this file and cifar_data.py (generated data and the on-device loader) beside it.
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import hashlib
 import json
 import math
@@ -25,15 +21,13 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torchvision
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedType, set_seed
 from cifar_data import DeviceImageLoader, synthetic_images  # beside this file: copy it with the recipe
 from PIL import Image
 from safetensors.torch import load_file
@@ -47,26 +41,32 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    StepMeter,
     TrainingFlags,
-    TrainingProgress,
     check_launch,
+    check_launch_flags,
+    clip_norm,
     cpu_threads_and_workers,
-    explain_startup_failure,
+    epoch_batches,
+    eval_only_config,
+    eval_only_results,
+    evaluation_accelerator,
     first_line,
+    keeps_update,
     model_to_save,
-    num_machines,
     prepare_output_dir,
     print_summary,
     run,
     run_config,
-    run_facts,
+    saving_checkpoint,
     setup_tracker,
+    training_accelerator,
+    training_progress,
     write_results,
 )
 from accelerate_recipes.compiling import compile_results, compile_summary_keys, process_compile_counts
 from accelerate_recipes.plots import plot_results, save_confusion_matrix
 from accelerate_recipes.seeding import SeededAugmentation
+from accelerate_recipes.tracking import log_image_files
 
 DATASETS = ("cifar10", "cifar100", "synthetic", "imagefolder")
 CIFAR = {  # torchvision class, folder it extracts to, archive to place by hand when offline
@@ -728,24 +728,9 @@ def train(args: CifarFlags) -> None:
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"cifar-{args.dataset}", args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-            step_scheduler_with_optimizer=False,
-            # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-            dynamo_backend=args.compile_backend if args.compile else None,  # prepare() then wraps it in torch.compile
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    dynamo_backend = args.compile_backend if args.compile else None  # prepare() then compiles it
+    accelerator = training_accelerator(args, tracking, dynamo_backend=dynamo_backend)
+    per_process = check_launch_flags(accelerator, args)
     set_seed(args.seed)
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape: pick the fastest kernels once
     prepare_output_dir(output)
@@ -809,43 +794,26 @@ def train(args: CifarFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
-    progress = TrainingProgress(
+    progress = training_progress(
         accelerator,
+        args,
         state,
-        output,
+        best,
+        resume_from,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         batches_per_epoch=len(train_loader),
-        global_batch_size=args.batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        skip_nonfinite=args.skip_nonfinite_steps,
-        resumed_from=resume_from,
-        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
-
-    def save_checkpoint() -> None:
-        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-            accelerator.save_state(path)
-        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
-        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
         if isinstance(train_set, SeededAugmentation):
             train_set.set_epoch(state.epoch)
-        batches = train_loader
-        if state.batches_done:  # skip what the interrupted run had trained on in this epoch
-            batches = (
-                train_loader.skip_first_batches(state.batches_done)
-                if loader == "device"
-                else accelerator.skip_first_batches(train_loader, state.batches_done)
-            )
-        for images, labels in batches:
+        batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
+        for images, labels in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
             if args.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
@@ -854,9 +822,8 @@ def train(args: CifarFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if not guard.skip_update(state.step + 1, grad_norm):
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(loss.detach(), samples=labels.shape[0])  # summed on the device, read at log steps only
@@ -864,7 +831,8 @@ def train(args: CifarFlags) -> None:
                 continue
             scheduler.step()
             if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-                save_checkpoint()
+                with saving_checkpoint(checkpoints, progress, config) as folder:
+                    accelerator.save_state(folder)
             if progress.finished:
                 break
 
@@ -878,9 +846,13 @@ def train(args: CifarFlags) -> None:
         if accelerator.is_main_process:  # results.png and confusion_matrix.csv every epoch; its picture at the end
             plot_results(progress.metrics.path, output / "results.png")
             save_confusion_matrix(confusion, classes, output, draw=progress.finished)
+            if progress.finished:  # to the trackers that take images
+                picture = output / "confusion_matrix.png"
+                log_image_files(accelerator, {"eval/confusion_matrix": picture}, state.step)
         accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
         state.epoch, state.batches_done = state.epoch + 1, 0
-        save_checkpoint()
+        with saving_checkpoint(checkpoints, progress, config) as folder:
+            accelerator.save_state(folder)
     progress.close()
 
     # ---- save the model and the run's results
@@ -910,12 +882,7 @@ def evaluate_saved_model(args: CifarFlags) -> None:
             f"--model {model_dir} takes {image_size} px images and --dataset {args.dataset} has 32 px "
             "ones: evaluate it on --dataset imagefolder"
         )
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
+    accelerator = evaluation_accelerator(args)
     per_process = check_launch(accelerator, args.batch_size, 1, False, 0.0)
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -933,16 +900,13 @@ def evaluate_saved_model(args: CifarFlags) -> None:
         f"eval accuracy {evaluation['eval_accuracy']:.4f}, loss {evaluation['eval_loss']:.4f} on "
         f"{evaluation['eval_samples']} test images"
     )
-    results = dict(
-        recipe="cifar",
+    config = eval_only_config(
+        "cifar",
+        args,
+        accelerator,
         dataset=args.dataset,
         model=saved["model"],
         model_dir=str(model_dir),
-        eval_only=True,
-        world_size=accelerator.num_processes,
-        num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision,
-        global_batch_size=args.batch_size,
         per_process_batch_size=per_process,
         image_size=image_size,
         loader=loader,
@@ -950,12 +914,9 @@ def evaluate_saved_model(args: CifarFlags) -> None:
         test_size=len(test_set),
         distributed_type=accelerator.distributed_type.value,
         synthetic_data=args.dataset == "synthetic",
-        steps=0,
         epochs=0,
-        wall_seconds=time.perf_counter() - started,
-        **evaluation,
-        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
     )
+    results = eval_only_results(config, accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -21,29 +21,15 @@ optimizer -> prepare -> resume -> loop -> eval -> save); evaluate_saved_model() 
 Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
 import math
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    gather_object,
-    send_to_device,
-    set_seed,
-)
+from accelerate.utils import DistributedType, gather_object, send_to_device, set_seed
 from chat.conversations import dataset_name
 from chat.generation import without_compiling
 from chat.model import (
@@ -85,20 +71,25 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    StepMeter,
-    TrainingProgress,
     check_launch,
+    check_launch_flags,
+    clip_norm,
     cpu_threads_and_workers,
-    explain_startup_failure,
-    num_machines,
+    epoch_batches,
+    eval_only_config,
+    eval_only_results,
+    evaluation_accelerator,
+    keeps_update,
     prepare_output_dir,
     print_summary,
     quiet_other_local_processes,
     run,
     run_config,
-    run_facts,
+    saving_checkpoint,
     setup_fsdp,
     setup_tracker,
+    training_accelerator,
+    training_progress,
     write_results,
 )
 from accelerate_recipes.checkpoints import read_progress
@@ -431,26 +422,9 @@ def train(args: DpoFlags) -> None:
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            # Steps by count, as the chat recipe's: a step's micro-batches are whole pairs of the global batch.
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-            ),
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-            step_scheduler_with_optimizer=False,
-            # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    # Steps by count, as SFT's: a step's micro-batches are whole pairs of the global batch.
+    accelerator = training_accelerator(args, tracking, steps_by_count=True)
+    per_process = check_launch_flags(accelerator, args)
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
     blocks = settle_compile(args, accelerator)  # by default on a CUDA GPU; a compile failure goes on eagerly
     generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
@@ -517,27 +491,17 @@ def train(args: DpoFlags) -> None:
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     metric, higher = BEST_METRICS[args.best_model_metric]
     best = BestModel(accelerator, state, output, metric, higher_is_better=higher, patience=args.early_stopping_patience)
-    progress = TrainingProgress(
+    progress = training_progress(
         accelerator,
+        args,
         state,
-        output,
+        best,
+        resume_from,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         batches_per_epoch=batches_per_epoch,
-        global_batch_size=args.batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        skip_nonfinite=args.skip_nonfinite_steps,
-        resumed_from=resume_from,
-        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
-
-    def save_checkpoint() -> None:
-        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-            accelerator.save_state(path)
-        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     if resume_from is None:  # the answers before any update, to compare with those after
         sample_answers(accelerator, model, tokenizer, splits["validation"], args, 0, 0, output, tracking)
@@ -546,14 +510,10 @@ def train(args: DpoFlags) -> None:
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
-        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
-        # Skip what the interrupted run had trained on in this epoch; an epoch's last batches that make no whole
-        # step are left out.
-        batches = (
-            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
-        )
+        batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
+        # an epoch's last batches that make no whole step are left out
         batches = first_batches(batches, batches_per_epoch - state.batches_done)
-        for batch in batches:
+        for batch in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
             reference_rows = reference_logprobs(accelerator, model, reference, batch, stored)
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
@@ -565,9 +525,8 @@ def train(args: DpoFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if not guard.skip_update(state.step + 1, grad_norm):
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # the micro-batch's means; RunState averages them over micro-batches and processes
@@ -576,7 +535,8 @@ def train(args: DpoFlags) -> None:
                 continue
             scheduler.step()
             if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-                save_checkpoint()
+                with saving_checkpoint(checkpoints, progress, config) as folder:
+                    accelerator.save_state(folder)
             if progress.finished:
                 break
 
@@ -595,7 +555,8 @@ def train(args: DpoFlags) -> None:
             plot_results(progress.metrics.path, output / "results.png", eval_keys=PLOTTED)
         accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
-        save_checkpoint()
+        with saving_checkpoint(checkpoints, progress, config) as folder:
+            accelerator.save_state(folder)
     progress.close()
 
     # ---- save the model and the run's results
@@ -657,12 +618,7 @@ def evaluate_saved_model(args: DpoFlags) -> None:
     check_flags(args)
     output = Path(args.output_dir)
     model_dir = args.model or args.output_dir
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            dataloader_config=DataLoaderConfiguration(non_blocking=True),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
+    accelerator = evaluation_accelerator(args)
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -689,24 +645,18 @@ def evaluate_saved_model(args: DpoFlags) -> None:
         _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
         accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation pairs")
-    results = dict(
-        recipe="dpo",
+    config = eval_only_config(
+        "dpo",
+        args,
+        accelerator,
         dataset=dataset_name(args),
         model=model_dir,
         reference_model=args.reference_model or "the adapter's base",
-        eval_only=True,
         loss_type=args.loss_type,
         beta=args.beta,
-        world_size=accelerator.num_processes,
-        num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision,
-        global_batch_size=args.batch_size,
         validation_size=len(splits["validation"]),
-        steps=0,
-        wall_seconds=time.perf_counter() - started,
-        **evaluation,
-        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
     )
+    results = eval_only_results(config, accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:

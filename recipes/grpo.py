@@ -28,28 +28,15 @@ chat/rewards.py.
 Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import contextlib
 import json
 import math
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    gather_object,
-    set_seed,
-)
+from accelerate.utils import DistributedType, gather_object, set_seed
 from chat import generation
 from chat.conversations import dataset_name
 from chat.generation import Completions
@@ -95,19 +82,24 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    StepMeter,
-    TrainingProgress,
     check_launch,
-    explain_startup_failure,
-    num_machines,
+    check_launch_flags,
+    clip_norm,
+    epoch_batches,
+    eval_only_config,
+    eval_only_results,
+    evaluation_accelerator,
+    keeps_update,
     prepare_output_dir,
     print_summary,
     quiet_other_local_processes,
     run,
     run_config,
-    run_facts,
+    saving_checkpoint,
     setup_fsdp,
     setup_tracker,
+    training_accelerator,
+    training_progress,
     write_results,
 )
 from accelerate_recipes.compiling import compile_summary_keys
@@ -518,26 +510,9 @@ def train(args: GrpoFlags) -> None:
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            # Steps by count: a step's rollouts are all generated before its first forward pass.
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-            ),
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-            step_scheduler_with_optimizer=False,
-            # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    # Steps by count: a step's rollouts are all generated before its first forward pass.
+    accelerator = training_accelerator(args, tracking, steps_by_count=True)
+    per_process = check_launch_flags(accelerator, args)
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
     rows = per_process * args.num_generations  # a micro-batch's completions; evaluation answers as many at once
     check_update_rows(accelerator, args.update_rows, rows)
@@ -589,28 +564,18 @@ def train(args: GrpoFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_reward", patience=args.early_stopping_patience)
-    progress = TrainingProgress(
+    progress = training_progress(
         accelerator,
+        args,
         state,
-        output,
+        best,
+        resume_from,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         batches_per_epoch=batches_per_epoch,
-        global_batch_size=args.batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        skip_nonfinite=args.skip_nonfinite_steps,
-        resumed_from=resume_from,
-        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
     speed = Throughput(accelerator)
-
-    def save_checkpoint() -> None:
-        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-            accelerator.save_state(path)
-        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     def evaluate_now() -> dict:
         """Greedy answers to every validation prompt, scored; a few go to samples.jsonl and the tracker."""
@@ -633,12 +598,12 @@ def train(args: GrpoFlags) -> None:
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
-        train_loader.set_epoch(state.epoch)  # the prompt order of each epoch depends on the seed and epoch only
-        # Skip the prompts the interrupted run had trained on in this epoch (a loader batch per num_iterations).
-        done = state.batches_done // args.num_iterations
-        batches = accelerator.skip_first_batches(train_loader, done) if done else train_loader
+        done = state.batches_done // args.num_iterations  # batches of prompts done
+        batches = epoch_batches(accelerator, train_loader, state.epoch, done)
         limit, models = rollouts_per_epoch * accumulation - done, (accelerator, model, reference, tokenizer)
-        batches = rollout_steps(batches, limit, *models, train_rows, rewards, state.epoch, args, speed)
+        prompts = progress.timed(batches)  # the wait for prompts timed; generating is compute
+        rollouts = (limit, *models, train_rows, rewards, state.epoch, args, speed)
+        batches = rollout_steps(prompts, *rollouts)
         for rollout in batches:
             state.batches_done += 1
             speed.update_started()
@@ -654,9 +619,8 @@ def train(args: GrpoFlags) -> None:
                     guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                     passes.add(part, loss=loss.detach(), clip_fraction=clip_fraction, kl=kl)
                 if accelerator.sync_gradients:
-                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if not guard.skip_update(state.step + 1, grad_norm):
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(in_order(figures, passes.figures, rollout.figures), samples=len(rollout.indices))
@@ -666,7 +630,8 @@ def train(args: GrpoFlags) -> None:
             speed.update_ended()
             scheduler.step()
             if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-                save_checkpoint()
+                with saving_checkpoint(checkpoints, progress, config) as folder:
+                    accelerator.save_state(folder)
             if state.step % args.log_every == 0 or state.step == 1:
                 log_samples(accelerator, output, state, train_rows, rollout, tracking)
             if args.eval_every and state.step % args.eval_every == 0 and not progress.finished:
@@ -685,7 +650,8 @@ def train(args: GrpoFlags) -> None:
             plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
         accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
-        save_checkpoint()
+        with saving_checkpoint(checkpoints, progress, config) as folder:
+            accelerator.save_state(folder)
     progress.close()
 
     # ---- save the model and the run's results
@@ -791,11 +757,7 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
     output = Path(args.output_dir)
     model_dir = args.model or args.output_dir
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
+    accelerator = evaluation_accelerator(args)
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -815,21 +777,16 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
     )
     accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation prompts")
-    results = dict(
-        recipe="grpo",
+    config = eval_only_config(
+        "grpo",
+        args,
+        accelerator,
         dataset=dataset_name(args),
         model=model_dir,
-        eval_only=True,
         rewards=rewards.names,
-        world_size=accelerator.num_processes,
-        num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision,
         max_new_tokens=args.max_new_tokens,
-        steps=0,
-        wall_seconds=time.perf_counter() - started,
-        **evaluation,
-        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
     )
+    results = eval_only_results(config, accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -16,29 +16,17 @@ and merge() --merge; the flags are SftFlags, the data formats and the loss mask 
 Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import datasets
 import peft
 import torch
-from accelerate import Accelerator
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    set_seed,
-)
+from accelerate.utils import DistributedType, set_seed
 from chat.answer_loss import PLAIN_LOGITS, use_answer_loss
 from chat.conversations import load_conversations, tokenize_splits
 from chat.generation import without_compiling
@@ -76,21 +64,26 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    StepMeter,
-    TrainingProgress,
     always_build_attention_masks,
     check_launch,
+    check_launch_flags,
+    clip_norm,
     cpu_threads_and_workers,
-    explain_startup_failure,
-    num_machines,
+    epoch_batches,
+    eval_only_config,
+    eval_only_results,
+    evaluation_accelerator,
+    keeps_update,
     prepare_output_dir,
     print_summary,
     quiet_other_local_processes,
     run,
     run_config,
-    run_facts,
+    saving_checkpoint,
     setup_fsdp,
     setup_tracker,
+    training_accelerator,
+    training_progress,
     write_results,
 )
 from accelerate_recipes.compiling import CompiledPath, compile_summary_keys
@@ -400,27 +393,10 @@ def train(args: SftFlags) -> None:
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            # Steps by count, not at a loader's end: whole_steps reads a step's batches before its first forward.
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False
-            ),
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-            step_scheduler_with_optimizer=False,
-            # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
+    # By count, not at a loader's end: whole_steps reads a step's batches before its first forward.
+    accelerator = training_accelerator(args, tracking, steps_by_count=True)
     blocks = settle_flags(args, accelerator)  # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    per_process = check_launch_flags(accelerator, args)
     check_generation(accelerator, args.eval_generate)
     world = accelerator.num_processes
     set_seed(args.seed)
@@ -478,41 +454,27 @@ def train(args: SftFlags) -> None:
     best = BestModel(
         accelerator, state, output, "eval_loss", higher_is_better=False, patience=args.early_stopping_patience
     )
-    progress = TrainingProgress(
+    progress = training_progress(
         accelerator,
+        args,
         state,
-        output,
+        best,
+        resume_from,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         batches_per_epoch=batches_per_epoch,
-        global_batch_size=args.batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        skip_nonfinite=args.skip_nonfinite_steps,
-        resumed_from=resume_from,
-        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
-
-    def save_checkpoint() -> None:
-        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-            accelerator.save_state(path)
-        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
-        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
-        # Skip what the interrupted run had trained on in this epoch.
-        batches = (
-            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
-        )
+        batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
         batches = whole_steps(
             batches, args.gradient_accumulation_steps, accelerator, batches_per_epoch - state.batches_done
         )
-        for batch in batches:
+        for batch in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
                 # Summed token losses / the step's answer tokens; x world x accumulation undoes the means that DDP
@@ -521,9 +483,8 @@ def train(args: SftFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if not guard.skip_update(state.step + 1, grad_norm):
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(loss.detach(), samples=micro_batch_samples)  # the step's loss: the mean over its micro-batches
@@ -531,7 +492,8 @@ def train(args: SftFlags) -> None:
                 continue
             scheduler.step()
             if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-                save_checkpoint()
+                with saving_checkpoint(checkpoints, progress, config) as folder:
+                    accelerator.save_state(folder)
             if progress.finished:
                 break
 
@@ -553,7 +515,8 @@ def train(args: SftFlags) -> None:
             plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
         accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
-        save_checkpoint()
+        with saving_checkpoint(checkpoints, progress, config) as folder:
+            accelerator.save_state(folder)
     progress.close()
 
     # ---- save the model and the run's results
@@ -582,12 +545,7 @@ def evaluate_saved_model(args: SftFlags) -> None:
     started = time.perf_counter()
     output = Path(args.output_dir)
     model_dir = args.model or args.output_dir
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            dataloader_config=DataLoaderConfiguration(non_blocking=True),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
+    accelerator = evaluation_accelerator(args)
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
     check_generation(accelerator, args.eval_generate)
     set_seed(args.seed)
@@ -608,21 +566,15 @@ def evaluate_saved_model(args: SftFlags) -> None:
         accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation conversations")
 
-    results = dict(
-        recipe="sft",
+    config = eval_only_config(
+        "sft",
+        args,
+        accelerator,
         dataset=dataset_name(args),
         model=model_dir,
-        eval_only=True,
-        world_size=accelerator.num_processes,
-        num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision,
-        global_batch_size=args.batch_size,
         validation_size=len(tokenized["validation"]),
-        steps=0,
-        wall_seconds=time.perf_counter() - started,
-        **evaluation,
-        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
     )
+    results = eval_only_results(config, accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
@@ -633,11 +585,7 @@ def evaluate_saved_model(args: SftFlags) -> None:
 def plan_only(args: SftFlags) -> None:
     """--plan_only: the memory plan of the run these flags describe, on its launch (or the one --plan_* assume),
     from the model's config alone; nothing is loaded, trained or written."""
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
+    accelerator = evaluation_accelerator(args)
     settle_flags(args, accelerator)
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
     model = build_model(args, args.model or DEFAULT_MODEL, accelerator, meta=True)

@@ -14,23 +14,17 @@ on any number of GPUs.
 Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets and torchmetrics).
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import datasets
 import torch
 import transformers
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
 from transformers import (
@@ -46,25 +40,29 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    StepMeter,
     TrainingFlags,
-    TrainingProgress,
     always_build_attention_masks,
-    check_launch,
+    check_launch_flags,
+    clip_norm,
     cpu_threads_and_workers,
+    epoch_batches,
+    eval_only_config,
+    eval_only_results,
+    evaluation_accelerator,
     explain_load_failure,
-    explain_startup_failure,
     first_line,
+    keeps_update,
     model_to_save,
-    num_machines,
     prepare_output_dir,
     print_summary,
     quiet_other_local_processes,
     run,
     run_config,
-    run_facts,
+    saving_checkpoint,
     setup_fsdp,
     setup_tracker,
+    training_accelerator,
+    training_progress,
     write_results,
 )
 from accelerate_recipes.plots import plot_results
@@ -511,23 +509,8 @@ def train(args: TextFlags) -> None:
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or default_run_name(args), args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-            step_scheduler_with_optimizer=False,
-            # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    accelerator = training_accelerator(args, tracking)
+    per_process = check_launch_flags(accelerator, args)
     world = accelerator.num_processes
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -598,47 +581,32 @@ def train(args: TextFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
-    progress = TrainingProgress(
+    progress = training_progress(
         accelerator,
+        args,
         state,
-        output,
+        best,
+        resume_from,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         batches_per_epoch=len(train_loader),
-        global_batch_size=args.batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        skip_nonfinite=args.skip_nonfinite_steps,
-        resumed_from=resume_from,
-        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
-
-    def save_checkpoint() -> None:
-        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-            accelerator.save_state(path)
-        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # ---- training loop
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
-        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
-        # Skip what the interrupted run had trained on in this epoch.
-        batches = (
-            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
-        )
-        for batch in batches:
+        batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
+        for batch in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
                 loss = model(**batch).loss
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if not guard.skip_update(state.step + 1, grad_norm):
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(loss.detach(), samples=batch["labels"].shape[0])  # summed on the device, read at log steps only
@@ -646,7 +614,8 @@ def train(args: TextFlags) -> None:
                 continue
             scheduler.step()
             if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-                save_checkpoint()
+                with saving_checkpoint(checkpoints, progress, config) as folder:
+                    accelerator.save_state(folder)
             if progress.finished:
                 break
 
@@ -664,7 +633,8 @@ def train(args: TextFlags) -> None:
             f"{progress.meter.samples_per_second:.1f} samples/s"
         )
         state.epoch, state.batches_done = state.epoch + 1, 0
-        save_checkpoint()
+        with saving_checkpoint(checkpoints, progress, config) as folder:
+            accelerator.save_state(folder)
     progress.close()
 
     # ---- save the model and the run's results
@@ -688,16 +658,8 @@ def evaluate_saved_model(args: TextFlags) -> None:
     check_fine_tuned(model_dir)
     task = glue_task(args)
     # No tracker: the results are in results.json and the output.
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,  # checked against a DeepSpeed config
-            dataloader_config=DataLoaderConfiguration(non_blocking=True),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    accelerator = evaluation_accelerator(args, accumulation_steps=args.gradient_accumulation_steps)
+    per_process = check_launch_flags(accelerator, args)
     set_seed(args.seed)
     prepare_output_dir(output)
 
@@ -709,21 +671,15 @@ def evaluate_saved_model(args: TextFlags) -> None:
     evaluation = evaluate(model, eval_loader, accelerator, data.extra_metric, len(data.label_names))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation examples")
 
-    results = dict(
-        recipe="text_classification",
+    config = eval_only_config(
+        "text_classification",
+        args,
+        accelerator,
         dataset=dataset_name(args),
         model=model_dir,
-        eval_only=True,
-        world_size=accelerator.num_processes,
-        num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision,
-        global_batch_size=args.batch_size,
         validation_size=len(data.raw["validation"]),
-        steps=0,
-        wall_seconds=time.perf_counter() - started,
-        **evaluation,
-        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
     )
+    results = eval_only_results(config, accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:

@@ -573,7 +573,8 @@ CIFAR_RUN = [
 TEXT_FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
 TEXT_RUN = [*TEXT_FAST, "--epochs", "2", "--checkpoint_every", "0"]
 # The detector on 2 processes: 32 generated training images (8 steps of 4 per epoch), 6 steps inside the first epoch,
-# logged at steps 1 and 6 only.
+# logged at steps 1 and 6 only, to SwanLab offline (its pictures and every process's figures are
+# read back).
 DETECT_TWO = [
     "--data",
     "synthetic",
@@ -592,7 +593,9 @@ DETECT_TWO = [
     "--checkpoint_every",
     "0",
     "--tracker",
-    "none",
+    "swanlab",
+    "--swanlab_mode",
+    "offline",
     "--num_workers",
     "0",
 ]

@@ -142,6 +142,21 @@ def test_a_plan_that_does_not_fit_names_the_first_change_that_fits():
     assert advice(size, launch(device_mb=64)).startswith("no change tried fits")
 
 
+def test_hybrid_sharding_divides_by_the_shard_group_not_by_every_process():
+    """2 nodes x 2 processes under HSDP keep what FSDP over one node's 2 keeps: twice FSDP over
+    all 4."""
+    size = ModelSize.of(meta_qwen())
+    hybrid = parts(size, launch(strategy="fsdp", processes=4, shard_processes=2))
+    one_node = parts(size, launch(strategy="fsdp", processes=2))
+    every = parts(size, launch(strategy="fsdp", processes=4))
+    sharded = ("weights", "gradients", "optimizer")
+    assert [hybrid[k] for k in sharded] == [one_node[k] for k in sharded]
+    assert hybrid["optimizer"] == pytest.approx(2 * every["optimizer"])
+    assert launch(strategy="fsdp", processes=4, shard_processes=2).layout() == (
+        "fsdp on 4 process(es), sharded in groups of 2"
+    )
+
+
 def test_the_largest_token_budget_is_the_last_that_fits():
     """--plan_only's line for --batch_tokens: a micro-batch of one packed row of that many tokens fits, 256 more do
     not; gradient checkpointing, which keeps less per token, lets the row grow."""

@@ -39,6 +39,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 from accelerate_recipes import cpu_precision
+from accelerate_recipes.meter import FIGURES
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
 CONTRACT_KEYS = {
@@ -155,6 +156,51 @@ def test_swanlab_offline_without_login_logs_metrics_we_can_read_back(cifar_run):
         assert logged[(key, step)] == pytest.approx(value, rel=1e-6), (key, step)
 
 
+def test_the_runs_pictures_reach_swanlab_as_images(cifar_run):
+    """The final confusion matrix and results.png, logged as images at the last step (offline: the
+    pictures are in the run's media folder); the 1-process run logs no per-process figures."""
+    from test_resume import swanlab_images
+
+    out, _ = cifar_run
+    (run_file,) = (out / "swanlog").glob("run-*/run-*.swanlab")
+    images = swanlab_images(run_file)
+    last = read_results(out)["steps"]
+    assert sorted(images) == [("eval/confusion_matrix", last), ("results", last)]
+    check_png(images["eval/confusion_matrix", last][0])
+    check_png(images["results", last][0], 800, 600)
+    logged = {key for m in read_metrics(out) for key in m}
+    assert not [key for key in logged if key.startswith(("process/", "node/"))]
+
+
+def test_every_process_times_its_steps_data_and_communication(cifar_two):
+    """cifar_two (DDP, 2 gloo processes): at every log step each process's step time, data wait,
+    communication wait and compute go to the tracker (metrics.jsonl holds the same), and
+    results.json holds their means over the run by process and by node; the parts add up to the
+    step, and the processes, in DDP's lockstep, take alike long a step."""
+    results = read_results(cifar_two.out)
+    assert results["node_of_process"] == [0, 0] and results["slow_processes"] == []
+    for rank in (0, 1):
+        step = results["step_seconds_per_process"][rank]
+        names = ("data", "comm", "compute")
+        parts = [results[f"{name}_seconds_per_process"][rank] for name in names]
+        assert all(0 < part < step for part in parts), (rank, step, parts)
+        assert sum(parts) == pytest.approx(step, rel=1e-5)
+    steps = results["step_seconds_per_process"]
+    assert abs(steps[0] - steps[1]) < 0.2 * max(steps), steps
+    for name in ("step", "data", "comm", "compute"):
+        mean = sum(results[f"{name}_seconds_per_process"]) / 2
+        assert results[f"{name}_seconds_per_node"] == [pytest.approx(mean, rel=1e-5)], name
+    logged = [m for m in read_metrics(cifar_two.out) if "train/loss" in m]
+    assert [m["step"] for m in logged] == [1, 2, 4, 6, 8]
+    for m in logged:
+        for rank in (0, 1):
+            step, data, comm, compute = (m[f"process/{name}/rank{rank}"] for name in FIGURES)
+            assert compute == pytest.approx(step - data - comm, abs=1e-5)
+            assert data >= 0 and comm >= 0 and compute > 0
+        assert m["process/step_seconds/rank0"] == pytest.approx(m["perf/step_seconds"], rel=1e-5)
+        assert "node/compute_seconds/node0" in m
+
+
 def test_two_processes_match_one_process(cifar_one, cifar_two):
     """Same global batch and seed (conftest's CIFAR_RUN): 2 gloo processes follow the 1-process loss trajectory.
 
@@ -236,6 +282,11 @@ def test_a_killed_worker_is_restarted_by_the_elastic_agent_and_the_run_ends_as_i
     logged = {**swanlab_scalars(parts[0]), **swanlab_scalars(parts[1])}
     expected = {(k, m["step"]): m[k] for m in read_metrics(out) for k in ("train/loss",) if k in m}
     assert sorted(expected) == sorted(key for key in logged if key[0] == "train/loss")
+    assert all(logged[key] == pytest.approx(value, rel=1e-6) for key, value in expected.items())
+    # and every process's figures, both halves in the same experiment
+    keys = [f"process/{name}/rank{rank}" for name in FIGURES for rank in (0, 1)]
+    expected = {(k, m["step"]): m[k] for m in read_metrics(out) for k in keys if k in m}
+    assert len(expected) == len(keys) * 5  # steps 1, 2, 4, 6, 8
     assert all(logged[key] == pytest.approx(value, rel=1e-6) for key, value in expected.items())
 
 

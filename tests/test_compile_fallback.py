@@ -98,13 +98,22 @@ def test_a_backend_that_fails_sends_every_block_back_to_eager_and_the_step_train
 
 def test_the_recompile_limit_sends_the_blocks_back_to_eager_instead_of_a_silent_slow_run(tiny_chat_model, capfd):
     """torch recompiles a code object at most recompile_limit times and then runs it eagerly without a word; here the
-    limit (1) is reached at the second width and said, and every later step runs eagerly."""
-    widths = [17, 23, 29]
-    expected = train_steps(tiny(tiny_chat_model), widths)
+    limit (1) is reached at the first call of a second kind (an evaluation without gradients between two training
+    steps: the blocks' graphs are dynamic in the width, so widths alone compile once) and said, and every later
+    step runs eagerly."""
+
+    def train_evaluate_train(model) -> list[torch.Tensor]:
+        losses = train_steps(model, [17])
+        with torch.no_grad():
+            ids = torch.arange(23).remainder(model.config.vocab_size).unsqueeze(0)
+            losses.append(model(input_ids=ids, labels=ids).loss)
+        return losses + train_steps(model, [29, 31], seed=1)
+
+    expected = train_evaluate_train(tiny(tiny_chat_model))
     model, path = tiny(tiny_chat_model), blocks_path()
     chat_model.compile_blocks(model, "aot_eager", path)
     with torch._dynamo.config.patch(recompile_limit=1):
-        losses = train_steps(model, widths)
+        losses = train_evaluate_train(model)
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
     assert path.counts.graphs >= 1 and "recompile limit (1 graphs of one function)" in path.fallback
     [line] = stderr_lines(capfd)

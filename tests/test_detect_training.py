@@ -19,6 +19,7 @@ from conftest import (
     free_port,
     losses,
     read_audit,
+    read_metrics,
     read_results,
     recipe_env,
     run,
@@ -26,6 +27,7 @@ from conftest import (
 from safetensors.torch import load_file
 from synthetic_shapes import write_synthetic_dataset
 
+from accelerate_recipes.meter import FIGURES
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
 TRAIN = DETECT_SCRIPT
@@ -106,6 +108,28 @@ def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(tra
     per_class = read_results(out)["eval_per_class"]
     assert [per_class[n]["instances"] if n in per_class else 0 for n in names[:3]] == objects
     assert counts[3][3] == 0  # background against background is not a thing
+
+
+def test_the_evaluation_pictures_and_every_process_figures_reach_swanlab(detect_two):
+    """detect_two (2 processes, SwanLab offline): the evaluation's PR curve, confusion matrix and a
+    few validation images with their boxes, and results.png, logged as images at the last step;
+    each process's figures at each log step logged as metrics.jsonl has them."""
+    from test_resume import swanlab_images, swanlab_scalars
+
+    (run_file,) = (detect_two.out / "swanlog").glob("run-*/run-*.swanlab")
+    images = swanlab_images(run_file)
+    keys = ["eval/PR_curve", "eval/confusion_matrix", "eval/predictions", "results"]
+    assert sorted(images) == [(key, 6) for key in keys]
+    check_png(images["eval/PR_curve", 6][0])
+    check_png(images["eval/confusion_matrix", 6][0])
+    check_png(images["results", 6][0], 800, 600)
+    predictions = images["eval/predictions", 6]
+    assert len(predictions) == 4 and all(picture.is_file() for picture in predictions)
+    scalars = swanlab_scalars(run_file)
+    names = [f"process/{name}/rank{rank}" for name in FIGURES for rank in (0, 1)]
+    expected = {(k, m["step"]): m[k] for m in read_metrics(detect_two.out) for k in names if k in m}
+    assert sorted({step for _, step in expected}) == [1, 6] and len(expected) == 2 * len(names)
+    assert all(scalars[key] == pytest.approx(value, rel=1e-6) for key, value in expected.items())
 
 
 def test_detector_loop_reads_nothing_between_log_steps_on_one_process(detect_one):

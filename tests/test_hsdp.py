@@ -89,6 +89,10 @@ def test_hsdp_lora_trains_like_one_process_and_saves_the_whole_adapter(hsdp_lora
     assert results["best_step"] == read_results(sft_one.out)["best_step"]
     best = load_file(hsdp_lora / "model_best" / ADAPTER)
     assert_same_weights(best, load_file(sft_one.out / "model_best" / ADAPTER))
+    # The memory plan divides the sharded parts by the 2 processes of a shard group, not by all 4.
+    plan, whole = results["memory_plan_mb"], read_results(sft_one.out)["memory_plan_mb"]
+    assert plan["gradients"] == pytest.approx(whole["gradients"] / 2)
+    assert plan["optimizer"] == pytest.approx(whole["optimizer"] / 2)
 
 
 @pytest.mark.parametrize("part", ["pytorch_model_fsdp_0", "optimizer_0"])

@@ -7,21 +7,27 @@ import socket
 import subprocess
 import time
 
+import pytest
 from conftest import (
     ACCELERATE,
     CIFAR_SCRIPT,
+    CONFIGS,
     PYTHON,
     REPO,
     TINY,
     check,
     fails_with,
     free_port,
+    processes_with,
+    read_metrics,
     read_results,
     recipe_env,
     run,
+    start_in_own_session,
     time_limit,
 )
 
+from accelerate_recipes.meter import FIGURES, SLOW_LOG_STEPS, SLOW_MARGIN
 from recipe_tools import multinode
 
 LAUNCHER = [PYTHON, "-m", "recipe_tools.multinode"]
@@ -57,10 +63,84 @@ def test_hostfile_with_two_localhost_nodes_trains_the_recipe(tmp_path):
     results = read_results(out)
     assert (results["world_size"], results["num_machines"]) == (2, 2)
     assert results["samples_seen_per_process"] == [16, 16]
+    # each node's figures: here those of its one process, told apart by the node rank torchrun gives
+    assert results["node_of_process"] == [0, 1]
+    for name in FIGURES:
+        assert results[f"{name}_per_node"] == pytest.approx(results[f"{name}_per_process"]), name
+    logged = [m for m in read_metrics(out) if "train/loss" in m]
+    assert [m["step"] for m in logged] == [1, 2]
+    assert all(f"node/{name}/node{n}" in m for m in logged for name in FIGURES for n in (0, 1))
     lines = proc.stdout.splitlines()
     assert any(line.startswith("[localhost:0]") and "2 process(es) on 2 machine(s)" in line for line in lines)
     assert any(line.startswith("[localhost:1]") for line in lines)
     assert lines[-1] == "all 2 node(s) finished"
+
+
+def throttle(pid: int, until) -> None:
+    """Hold the process `pid` stopped 60 ms of every 100 until `until()` holds: 40% of a CPU, as a
+    quota or a card that throttles its clocks leaves a worker."""
+    try:
+        while not until():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.06)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.04)
+    except ProcessLookupError:
+        pass  # it ended
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_throttled_process_is_named_once_and_the_others_wait_for_it(tmp_path):
+    """DDP on 2 gloo processes, rank 1 throttled to 40% of a CPU from the first log step on: every
+    process's figures show the others waiting for it (rank 0's communication wait is about rank 1's
+    extra compute), and after SLOW_LOG_STEPS slow log steps in a row one warning line names it;
+    results.json lists it."""
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    flags = [*TINY]
+    flags[flags.index("--max_steps") + 1] = "5"  # logged at every step; step 1 is never judged
+    launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_processes", "2"]
+    launch += ["--num_cpu_threads_per_process", "1", "--main_process_port", free_port()]
+    env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true", SLOW_TEST_RUN=str(tmp_path))
+    proc = start_in_own_session([*launch, CIFAR_SCRIPT, *flags, "--output_dir", out], env, log)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + time_limit(120)
+        while not (metrics.is_file() and metrics.stat().st_size) and proc.poll() is None:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        running = processes_with("SLOW_TEST_RUN", str(tmp_path)).items()
+        rank1 = [pid for pid, e in running if e.get("RANK") == "1"]
+        assert len(rank1) == 1, log.read_text()[-3000:]
+
+        def ended_or_warned() -> bool:
+            return proc.poll() is not None or "warning: process" in log.read_text()
+
+        throttle(rank1[0], until=ended_or_warned)
+        assert proc.wait(timeout=time_limit(120)) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = log.read_text().splitlines()
+    warnings = [line for line in lines if line.startswith("warning: process")]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("warning: process 1 (node 0) is the slowest"), warnings
+    warned_at = int(warnings[0].split("(step ")[1].split(")")[0])
+    assert read_results(out)["slow_processes"] == [1]
+    rows = {m["step"]: m for m in read_metrics(out) if "train/loss" in m}
+    judged = range(warned_at - SLOW_LOG_STEPS + 1, warned_at + 1)
+    assert judged[0] >= 2, warned_at
+    for step in judged:
+        row = rows[step]
+        busy = [row[f"process/compute_seconds/rank{r}"] for r in (0, 1)]
+        busy = [b + row[f"process/data_seconds/rank{r}"] for r, b in enumerate(busy)]
+        waits = [row[f"process/comm_seconds/rank{r}"] for r in (0, 1)]
+        assert busy[1] > (1 + SLOW_MARGIN) * busy[0], (step, busy)
+        # DDP's lockstep: rank 0 waits in the all-reduce for most of what rank 1 computes longer
+        assert waits[0] > waits[1] and waits[0] > 0.5 * (busy[1] - busy[0]), (step, busy, waits)
+        steps = [row[f"process/step_seconds/rank{r}"] for r in (0, 1)]
+        assert abs(steps[0] - steps[1]) < 0.25 * max(steps), (step, steps)
 
 
 def test_one_failing_node_stops_the_others(tmp_path):

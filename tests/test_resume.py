@@ -129,6 +129,24 @@ def swanlab_scalars(run_file: Path) -> dict[tuple[str, int], float]:
     return logged
 
 
+def swanlab_images(run_file: Path) -> dict[tuple[str, int], list[Path]]:
+    """(key, step) -> the picture files of every image an offline SwanLab run holds (in its media/
+    folder)."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    reader, logged = DataStoreReader(), {}
+    reader.open(str(run_file))
+    for raw in reader:
+        record = Record()
+        record.ParseFromString(raw)
+        if record.HasField("media"):
+            folder = run_file.parent / "media" / "image"
+            files = [folder / item.filename for item in record.media.value.items]
+            logged[(record.media.key, record.media.step)] = files
+    return logged
+
+
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted, tmp_path):
     """Preempted (SIGTERM) and resumed with --resume auto: the weights of the uninterrupted run, and one SwanLab
     experiment (offline here: one folder per start, both of the same run id, which `swanlab sync` uploads as one)

@@ -1,10 +1,13 @@
 """The skeleton every recipe shares stays the same in each of them.
 
-A recipe is a template: the Accelerator block, the resume block, the bookkeeping, the inner step, the evaluation's
-bookkeeping and the final save are written out in every recipe, because that is what a reader copies. Nothing else
-keeps three copies in step, so this test does (as Accelerate's own test suite does for its examples): each recipe's
-training function must hold SKELETON's lines, in this order, after a recipe's names are mapped to the common ones.
-Lines a recipe adds between them (its own Accelerator arguments, its loss, its evaluation) are its own.
+A recipe is a template: the calls that build the Accelerator and wire the progress and checkpoints
+(their plumbing written once, in accelerate_recipes.shared_steps), the resume block, the
+bookkeeping, the inner step with Accelerate's own calls, the evaluation's bookkeeping and the final
+save are written out in every recipe, because that is what a reader copies. Nothing else keeps the
+copies in step, so this test does (as Accelerate's own test suite does for its examples): each
+recipe's training function must hold SKELETON's lines, in this order, after a recipe's names are
+mapped to the common ones. Lines a recipe adds between them (its own Accelerator arguments, its
+loss, its evaluation) are its own.
 
 It also holds each recipe to the shape the README promises: one function per mode (train, evaluate_saved_model,
 predict) behind the same `main`, a training function of at most 150 code lines, and flags that extend the shared
@@ -34,26 +37,11 @@ RECIPES = {
 }
 CHAT_RECIPES = ("sft", "grpo", "dpo")  # their flags extend the chat-model layer's, which extend TrainingFlags
 
-SKELETON = '''
+SKELETON = """
 # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
 tracking = setup_tracker(args.tracker, output, args.run_name or RUN_NAME, args.swanlab_mode)
-with explain_startup_failure(args.dist_timeout):
-accelerator = Accelerator(
-mixed_precision=args.mixed_precision,
-gradient_accumulation_steps=args.gradient_accumulation_steps,
-log_with=tracking.log_with or None,
-project_dir=str(output),
-# The shuffle order then depends on the seed and epoch only, not on the number of processes.
-# non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-# Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-step_scheduler_with_optimizer=False,
-# How long a process waits for the others, at start-up and in every collective, before it stops.
-kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-)
-per_process = check_launch(
-accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-)
+accelerator = training_accelerator(args, tracking)
+per_process = check_launch_flags(accelerator, args)
 set_seed(args.seed)
 prepare_output_dir(output)
 checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
@@ -66,45 +54,38 @@ checkpoints.check_compatible(resume_from, config)
 accelerator.load_state(resume_from)
 accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
 best = BestModel(accelerator, state, output, METRIC, patience=args.early_stopping_patience)
-progress = TrainingProgress(
+progress = training_progress(
 accelerator,
+args,
 state,
-output,
+best,
+resume_from,
 total_steps=total_steps,
 steps_per_epoch=steps_per_epoch,
 batches_per_epoch=BATCHES_PER_EPOCH,
-global_batch_size=args.batch_size,
-log_every=args.log_every,
-checkpoint_every=args.checkpoint_every,
-skip_nonfinite=args.skip_nonfinite_steps,
-resumed_from=resume_from,
-best=best,
 )
 guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
-def save_checkpoint() -> None:
-"""All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-accelerator.save_state(path)
-guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 # ---- training loop
 while state.epoch < num_epochs and not progress.finished:
 progress.start_epoch()
 model.train()
+batches = epoch_batches(accelerator, train_loader, state.epoch, SKIPPED)
 for BATCH in batches:
 state.batches_done += 1
 with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
 accelerator.backward(loss)
 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
 if accelerator.sync_gradients:
-grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-if not guard.skip_update(state.step + 1, grad_norm):
+grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
 if not accelerator.sync_gradients:
 continue
 scheduler.step()
 if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-save_checkpoint()
+with saving_checkpoint(checkpoints, progress, config) as folder:
+accelerator.save_state(folder)
 if progress.finished:
 break
 # ---- evaluation once per epoch, on the whole validation split
@@ -113,7 +94,8 @@ seconds = progress.epoch_done(state.last_eval)
 if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
 with best.saving() as folder:
 state.epoch, state.batches_done = state.epoch + 1, 0
-save_checkpoint()
+with saving_checkpoint(checkpoints, progress, config) as folder:
+accelerator.save_state(folder)
 progress.close()
 # ---- save the model and the run's results
 accelerator.wait_for_everyone()
@@ -122,7 +104,7 @@ accelerator.wait_for_everyone()  # all ranks tear the process group down togethe
 accelerator.end_training()
 if accelerator.is_main_process:
 path = write_results(output, results)
-'''
+"""
 
 MAIN = '''
 def main(args: FLAGS) -> None:
@@ -144,16 +126,21 @@ NORMALISE = (
         r"BestModel\(\s*accelerator, state, output, [^,]+, (higher_is_better=\w+, )?patience=(.+?)\s*\)\n",
         r"BestModel(accelerator, state, output, METRIC, patience=\2)\n",
     ),
-    # The SFT recipe reads a step's micro-batches before its first forward pass (the loss is the mean over the
-    # step's answer tokens), so accelerate must sync by count, and its epochs are whole steps.
+    # The chat recipes read a step's micro-batches before its first forward pass (SFT: the loss is the
+    # mean over the step's answer tokens), so accelerate must sync by count, and their epochs are whole
+    # steps; cifar passes its --compile backend.
     (
-        r"gradient_accumulation_plugin=GradientAccumulationPlugin\(\s*num_steps=args\.gradient_accumulation_steps, "
-        r"sync_with_dataloader=False\s*\),",
-        "gradient_accumulation_steps=args.gradient_accumulation_steps,",
+        r"training_accelerator\(args, tracking(, steps_by_count=True|, dynamo_backend=\w+)\)",
+        "training_accelerator(args, tracking)",
+    ),
+    # GRPO skips loader batches of prompts, not micro-batches (each gives --num_iterations updates).
+    (
+        r"epoch_batches\(accelerator, train_loader, state\.epoch, (state\.batches_done|done)\)",
+        "epoch_batches(accelerator, train_loader, state.epoch, SKIPPED)",
     ),
     (r"batches_per_epoch=(len\(train_loader\)|batches_per_epoch),", "batches_per_epoch=BATCHES_PER_EPOCH,"),
     (r"def main\(args: \w+Flags\)", "def main(args: FLAGS)"),
-    (r"for [\w, ]+ in batches:", "for BATCH in batches:"),
+    (r"for [\w, ]+ in (progress\.timed\(batches\)|batches):.*", "for BATCH in batches:"),
     (r"progress\.epoch_done\(state\.last_eval, .+\)", "progress.epoch_done(state.last_eval)"),
 )
 

@@ -201,52 +201,26 @@ def test_text_loop_reads_nothing_between_log_steps_on_one_and_two_processes(text
     assert_both_ranks_quiet(text_two, steps=32, log_every=4)
 
 
-def test_eval_only_on_one_and_two_processes_reproduces_the_runs_evaluation(single_run, text_data, tmp_path):
+def test_eval_only_on_two_processes_reproduces_the_runs_evaluation(single_run, text_data, tmp_path):
+    """--eval_only of single_run's model on 2 gloo processes: the run's own evaluation (trained on 1 process), the
+    odd example out counted once, nothing trained or saved."""
     out, _ = single_run
-    common = [
-        "--eval_only",
-        "--model",
-        out,
-        "--train_file",
-        text_data["train"],
-        "--validation_file",
-        text_data["validation"],
-        "--batch_size",
-        "16",
-        "--tracker",
-        "none",
-        "--num_workers",
-        "0",
-    ]
+    common = ["--eval_only", "--model", out, "--train_file", text_data["train"]]
+    common += ["--validation_file", text_data["validation"], "--batch_size", "16", "--tracker", "none"]
+    common += ["--num_workers", "0"]
     env = recipe_env(tmp_path)
-    one = check(run([PYTHON, TEXT_SCRIPT, *common, "--output_dir", tmp_path / "one"], env))
-    check(
-        run(
-            [
-                ACCELERATE,
-                "launch",
-                "--config_file",
-                CONFIGS / "cpu.yaml",
-                "--num_cpu_threads_per_process",
-                "1",
-                TEXT_SCRIPT,
-                *common,
-                "--output_dir",
-                tmp_path / "two",
-            ],
-            dict(env, ACCELERATE_USE_CPU="true"),
-            timeout=300,
-        )
+    launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1"]
+    two = tmp_path / "two"
+    proc = check(
+        run([*launch, TEXT_SCRIPT, *common, "--output_dir", two], dict(env, ACCELERATE_USE_CPU="true"), timeout=300)
     )
-    trained, r1, r2 = read_results(out), read_results(tmp_path / "one"), read_results(tmp_path / "two")
-    assert (r1["world_size"], r2["world_size"]) == (1, 2) and r1["eval_only"] is True and r1["steps"] == 0
-    assert r1["eval_samples"] == r2["eval_samples"] == 63  # the odd example out counted once on 2 processes
-    assert r1["eval_accuracy"] == r2["eval_accuracy"] == trained["eval_accuracy"]
-    assert r1["eval_f1"] == r2["eval_f1"] == trained["eval_f1"]
-    assert r1["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-5)
+    trained, r2 = read_results(out), read_results(two)
+    assert r2["world_size"] == 2 and r2["eval_only"] is True and r2["steps"] == 0
+    assert r2["eval_samples"] == 63  # the odd example out counted once on 2 processes
+    assert r2["eval_accuracy"] == trained["eval_accuracy"] and r2["eval_f1"] == trained["eval_f1"]
     assert r2["eval_loss"] == pytest.approx(trained["eval_loss"], abs=1e-5)
-    assert f"accuracy {r1['eval_accuracy']:.4f}" in one.stdout
-    assert not (tmp_path / "one" / "model.safetensors").exists()  # evaluated, not trained or saved
+    assert f"accuracy {r2['eval_accuracy']:.4f}" in proc.stdout
+    assert not (two / "model.safetensors").exists()  # evaluated, not trained or saved
     # data with other labels, and a folder that holds no fine-tuned model, are refused in one line
     relabelled = [
         dict(row, label={"positive": "good", "negative": "bad"}[row["label"]]) for row in sentiment_rows(32, seed=5)

@@ -33,6 +33,7 @@ class OneProcess:
         self.barriers = 0
         self.printed = []
         self.logged = []
+        self.trackers = []  # no tracker takes the run's pictures
 
     def wait_for_everyone(self):
         self.barriers += 1

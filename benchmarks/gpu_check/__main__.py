@@ -108,9 +108,6 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 sys.path[:0] = [str(BENCHMARKS.parent), str(BENCHMARKS)]
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch imports
 
 import time
 

@@ -1,7 +1,8 @@
 """The memory plan of a chat fine-tune: per-process bytes of weights, gradients, optimizer states and activations,
 computed from the model (or its config, on the meta device) and the launch, before anything is trained.
 
-What one process keeps, by strategy (N processes):
+What one process keeps, by strategy (N processes in a shard group: all of them, or under hybrid
+sharding (HSDP, 2node-hsdp.yaml) the dp_shard_size processes of a node, the nodes holding replicas):
 
     ddp / no   the whole model, gradients and AdamW states (DDP adds a second copy of the gradients: its buckets)
     zero1      the AdamW states divided by N
@@ -128,11 +129,17 @@ class Launch:
     lora_r: int
     device_mb: float  # memory one process may use
     device_note: str = field(default="")
+    shard_processes: int = 0  # the processes a sharded part is split over (0: all; HSDP: a node's)
+
+    def layout(self) -> str:
+        """The strategy and the processes, as the plan's first line names them."""
+        shards = f", sharded in groups of {self.shard_processes}" if self.shard_processes else ""
+        return f"{self.strategy} on {self.processes} process(es){shards}"
 
 
 def parts(size: ModelSize, launch: Launch) -> dict[str, float]:
     """Per-process megabytes of each part and their total."""
-    n = launch.processes
+    n = launch.shard_processes or launch.processes
     weights_div, grads_div, states_div = (n if sharded else 1 for sharded in SHARDED[launch.strategy])
     trainable = size.trainable * size.trainable_bytes
     weights = (size.frozen_bytes + trainable) / weights_div
@@ -204,6 +211,15 @@ def launched_strategy(accelerator) -> str:
     return "ddp"
 
 
+def shard_group_size(accelerator) -> int:
+    """The processes of one shard group: under hybrid sharding (a parallelism_config's mesh)
+    dp_shard_size, the replicas holding the same shards; otherwise 0, every process."""
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is None or accelerator.distributed_type != DistributedType.FSDP:
+        return 0
+    return config.dp_shard_size if config.dp_shard_size < accelerator.num_processes else 0
+
+
 def device_memory(accelerator) -> tuple[float, str]:
     """(MB one process may use, what that is): free GPU memory, or the host's available memory shared by the node's
     processes."""
@@ -223,6 +239,7 @@ def launch_of(accelerator, args, per_process: int) -> Launch:
     if strategy not in SHARDED:
         raise RecipeError(f"--plan_sharding {strategy}: use one of {', '.join(STRATEGIES)}")
     processes = args.plan_devices or accelerator.num_processes
+    shard = 0 if args.plan_devices or args.plan_sharding else shard_group_size(accelerator)
     if args.plan_devices and not args.batch_tokens:
         per_process = per_process_batch_size(args.batch_size, processes, args.gradient_accumulation_steps)
     if args.plan_device_gb:
@@ -240,6 +257,7 @@ def launch_of(accelerator, args, per_process: int) -> Launch:
         lora_r=args.lora_r,
         device_mb=device_mb,
         device_note=note,
+        shard_processes=shard,
     )
 
 
@@ -287,8 +305,12 @@ def advice(size: ModelSize, launch: Launch, fixed_mb: float = 0.0) -> str:
         what = f"FSDP (full shard) on {where}"
         per = max(1, launch.micro_batch * launch.processes // n)
         return [
-            (what, size, dict(strategy="fsdp", processes=n, micro_batch=per)),
-            (" and ".join([what, *named]), lora or size, dict(together, strategy="fsdp", processes=n)),
+            (what, size, dict(strategy="fsdp", processes=n, micro_batch=per, shard_processes=0)),
+            (
+                " and ".join([what, *named]),
+                lora or size,
+                dict(together, strategy="fsdp", processes=n, shard_processes=0),
+            ),
         ]
 
     together = dict(checkpointing=True, micro_batch=1)
@@ -344,7 +366,7 @@ class MemoryPlan:
         method = f"LoRA r{launch.lora_r}" if launch.lora_r else "full fine-tune"
         precision = "bf16/fp16 compute" if launch.compute_bytes == 2 else "fp32"
         lines = [
-            f"memory plan per process: {method}, {launch.strategy} on {launch.processes} process(es), micro-batch "
+            f"memory plan per process: {method}, {launch.layout()}, micro-batch "
             f"{launch.micro_batch} x {launch.max_length} tokens, {precision}"
             f"{', gradient checkpointing' if launch.checkpointing else ''}",
             f"  parameters      {size.parameters:>14,} ({size.trainable:,} trainable)",
@@ -408,7 +430,7 @@ class RolloutPlan(MemoryPlan):
         else:
             decode = f"one static KV cache of {rows} rows x {length} positions for every generation"
         lines = [
-            f"memory plan per process: {method}, {launch.strategy} on {launch.processes} process(es), "
+            f"memory plan per process: {method}, {launch.layout()}, "
             f"update passes of {launch.micro_batch} completions x {launch.max_length} tokens, {precision}"
             f"{', gradient checkpointing' if launch.checkpointing else ''}",
             f"  decode {self.decode}: {decode}",
@@ -457,6 +479,7 @@ def rollout_plan(accelerator, args, model, reference, rows: int, longest_prompt:
         lora_r=args.lora_r,
         device_mb=device_mb,
         device_note=note,
+        shard_processes=shard_group_size(accelerator),
     )
     training = parts(size, launch)
     static = mode != "eager"

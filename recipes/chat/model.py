@@ -178,7 +178,11 @@ def compiled_blocks(flag: bool | None, accelerator, liger: bool = False, backend
 def compile_blocks(model, backend, path: CompiledPath | None = None) -> None:
     """torch.compile each decoder block in place (the pattern torchtitan uses): the blocks are where the time goes,
     each compiles to the same graph, and FSDP2 still shards them one by one; the loss and the rest stay eager. Each
-    block's call goes through `path` (compile_modules): a compile failure puts every block back to eager."""
+    block's call goes through `path` (compile_modules): a compile failure puts every block back to eager.
+
+    The graphs are dynamic in the row width from the first call: torch would otherwise compile each kind of call
+    (with and without gradients, with a padding mask and without one) static first and dynamic at the next width,
+    and 3 kinds x 2 masks x 2 reach torch's limit of 8 graphs a function (DPO on 2 processes of 2 pairs)."""
     causal_lm = inner_model(model)
     blocks = getattr(causal_lm.get_decoder(), "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
@@ -186,7 +190,7 @@ def compile_blocks(model, backend, path: CompiledPath | None = None) -> None:
                           "decoder.layers; drop --compile")  # fmt: skip
     if path is None:  # compiled on purpose: a failure is an error
         path = CompiledPath("the decoder blocks", "--nocompile", "--compile", explicit=True)
-    compile_modules(blocks, backend, path)
+    compile_modules(blocks, backend, path, dynamic=True)
 
 
 def use_liger_kernels(model, device) -> None:

@@ -27,10 +27,6 @@ Boxes that stick out of the image by up to one pixel are clipped (rounding in th
 is an error naming the annotation.
 """
 
-from accelerate_recipes.cli import answer_help_from_source
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
 import os
 import shutil

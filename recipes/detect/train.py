@@ -27,23 +27,15 @@ of GPUs; every training image is in every epoch (the last batch is filled up), a
 lowered to the set.
 """
 
-from dataclasses import dataclass, replace
-
-from accelerate_recipes.cli import answer_help_from_source
-from accelerate_recipes.flags import TrainingFlags
-
-answer_help_from_source(__name__, __file__)  # -h/--help at once, before torch and the rest import
-
 import json
 import math
 import os
 import time
-from datetime import timedelta
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from coco_map import MAX_DETECTIONS, coco_map
 from detector_files import (
     MODEL_CONFIG,
@@ -79,24 +71,30 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    StepMeter,
-    TrainingProgress,
-    check_launch,
+    check_launch_flags,
+    clip_norm,
     cpu_threads_and_workers,
-    explain_startup_failure,
+    epoch_batches,
+    eval_only_config,
+    eval_only_results,
+    evaluation_accelerator,
+    keeps_update,
     model_to_save,
-    num_machines,
     prepare_output_dir,
     print_summary,
     run,
     run_config,
-    run_facts,
+    saving_checkpoint,
     setup_tracker,
+    training_accelerator,
+    training_progress,
     write_results,
 )
 from accelerate_recipes.compiling import compile_results, process_compile_counts
+from accelerate_recipes.flags import TrainingFlags
 from accelerate_recipes.plots import plot_results
 from accelerate_recipes.seeding import SeededAugmentation
+from accelerate_recipes.tracking import IMAGE_TRACKERS, log_image_files, log_images
 
 # --best_by: the evaluation's figure it reads
 BEST_BY = {"map50_95": "eval_map50_95", "fitness": "eval_fitness"}
@@ -573,9 +571,9 @@ def fitness(scores: dict) -> float:
 
 
 def log_pictures(accelerator, records: list, names: list[str], step: int, score_threshold: float) -> None:
-    """A few validation images with their predicted boxes, for trackers that take images (SwanLab, TensorBoard...)."""
-    trackers = [t for t in accelerator.trackers if hasattr(t, "log_images")]
-    if not trackers or not records:
+    """A few validation images with their predicted boxes, for the trackers that take images
+    (SwanLab, wandb)."""
+    if not records or not any(tracker.name in IMAGE_TRACKERS for tracker in accelerator.trackers):
         return
     pictures = []
     for record in records:
@@ -585,19 +583,18 @@ def log_pictures(accelerator, records: list, names: list[str], step: int, score_
                 record["path"], record["boxes"][keep], record["labels"][keep], record["scores"][keep], names
             )
         )
-    for tracker in trackers:
-        try:
-            tracker.log_images({"eval/predictions": pictures}, step=step)
-        except Exception as err:  # pictures are a convenience; never stop training over one
-            accelerator.print(f"warning: could not log images to {tracker.name}: {err}")
+    log_images(accelerator, {"eval/predictions": pictures}, step)
 
 
 def show_evaluation(accelerator, pictures: dict, names: list[str], step: int, output: Path) -> None:
-    """An evaluation's pictures (main process): a few images with their boxes to the trackers, and PR_curve,
-    confusion_matrix and val_predictions (.png) to output_dir."""
+    """An evaluation's pictures (main process): PR_curve, confusion_matrix and val_predictions
+    (.png) to output_dir, and to the trackers that take images a few images with their boxes, the
+    PR curve and the confusion matrix."""
     if accelerator.is_main_process:
         log_pictures(accelerator, pictures["records"][:4], names, step, score_threshold=0.25)
         save_eval_pictures(output, pictures, names)
+        drawn = {"eval/PR_curve": "PR_curve.png", "eval/confusion_matrix": "confusion_matrix.png"}
+        log_image_files(accelerator, {key: output / name for key, name in drawn.items()}, step)
 
 
 def per_class_scalars(evaluation: dict) -> dict:
@@ -695,23 +692,8 @@ def train(args: DetectFlags) -> None:
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
     tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{args.size}", args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            # The shuffle order then depends on the seed and epoch only, not on the number of processes.
-            # non_blocking: batches are copied from pinned memory while the GPU still works on the previous step.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-            # Our schedule counts optimizer steps; we step it ourselves once per optimizer step.
-            step_scheduler_with_optimizer=False,
-            # How long a process waits for the others, at start-up and in every collective, before it stops.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    accelerator = training_accelerator(args, tracking)
+    per_process = check_launch_flags(accelerator, args)
     torch.backends.cudnn.benchmark = True  # training batches all have one shape: pick the fastest kernels once
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -771,27 +753,17 @@ def train(args: DetectFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, BEST_BY[args.best_by], patience=args.early_stopping_patience)
-    progress = TrainingProgress(
+    progress = training_progress(
         accelerator,
+        args,
         state,
-        output,
+        best,
+        resume_from,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         batches_per_epoch=len(train_loader),
-        global_batch_size=args.batch_size,
-        log_every=args.log_every,
-        checkpoint_every=args.checkpoint_every,
-        skip_nonfinite=args.skip_nonfinite_steps,
-        resumed_from=resume_from,
-        best=best,
     )
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
-
-    def save_checkpoint() -> None:
-        """All a resumed run needs to go on as if it had never stopped; after a stop signal, exit. Collective."""
-        with checkpoints.saving(state.step, dict(state.position(), config=config)) as path:
-            accelerator.save_state(path)
-        guard.stop_if_signalled(state.step, checkpoints.last_saved)  # exits with PREEMPTED_EXIT_CODE
 
     # what --predict, --eval_only and --export rebuild the model from
     model_config = detector_config(args, names, image_size, unwrapped.cls_width)
@@ -808,14 +780,10 @@ def train(args: DetectFlags) -> None:
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
-        train_loader.set_epoch(state.epoch)  # the shuffle of each epoch depends on the seed and the epoch only
-        train_set.set_epoch(state.epoch)  # and so does each image's augmentation
+        train_set.set_epoch(state.epoch)  # each image's augmentation depends on seed and epoch only
         train_set.set_mosaic(state.epoch < num_epochs - args.close_mosaic)  # no mosaic in the last --close_mosaic
-        # Skip what the interrupted run had trained on in this epoch.
-        batches = (
-            accelerator.skip_first_batches(train_loader, state.batches_done) if state.batches_done else train_loader
-        )
-        for images, targets, _ in batches:
+        batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
+        for images, targets, _ in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
             with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
                 outputs = model(to_model_input(images, args.channels_last))
@@ -823,9 +791,8 @@ def train(args: DetectFlags) -> None:
                 accelerator.backward(loss)
                 guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
                 if accelerator.sync_gradients:
-                    # the gradients' total norm, clipped to --max_grad_norm (0: measured only), for the guard to check
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    if not guard.skip_update(state.step + 1, grad_norm):
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
+                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # total, box, cls, dfl: summed on the device, read at log steps only
@@ -836,7 +803,8 @@ def train(args: DetectFlags) -> None:
             if ema is not None:
                 ema.update(unwrapped)
             if progress.step_done(scheduler):  # logs at log steps; True when a checkpoint is due
-                save_checkpoint()
+                with saving_checkpoint(checkpoints, progress, config) as folder:
+                    accelerator.save_state(folder)
             if progress.finished:
                 break
 
@@ -858,7 +826,8 @@ def train(args: DetectFlags) -> None:
         if accelerator.is_main_process:
             plot_results(progress.metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
         state.epoch, state.batches_done = state.epoch + 1, 0
-        save_checkpoint()
+        with saving_checkpoint(checkpoints, progress, config) as folder:
+            accelerator.save_state(folder)
     progress.close()
 
     # ---- save the model and the run's results
@@ -884,18 +853,9 @@ def evaluate_saved_model(args: DetectFlags) -> None:
     image_size = args.image_size or saved["image_size"]
     conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
     tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{saved['size']}", args.swanlab_mode)
-    with explain_startup_failure(args.dist_timeout):
-        accelerator = Accelerator(
-            mixed_precision=args.mixed_precision,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            log_with=tracking.log_with or None,
-            project_dir=str(output),
-            dataloader_config=DataLoaderConfiguration(non_blocking=True),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.dist_timeout))],
-        )
-    per_process = check_launch(
-        accelerator, args.batch_size, args.gradient_accumulation_steps, args.skip_nonfinite_steps, args.max_grad_norm
-    )
+    accumulation = args.gradient_accumulation_steps
+    accelerator = evaluation_accelerator(args, accumulation_steps=accumulation, tracking=tracking)
+    per_process = check_launch_flags(accelerator, args)
     set_seed(args.seed)
     prepare_output_dir(output)
 
@@ -925,16 +885,13 @@ def evaluate_saved_model(args: DetectFlags) -> None:
     model = accelerator.prepare_model(model, evaluation_mode=True)  # on the device, no DDP wrapper: nothing to sync
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)  # sharded, boxes on the host
 
-    config = dict(
-        recipe="detect",
+    config = eval_only_config(
+        "detect",
+        args,
+        accelerator,
         dataset=str(data_yaml),
         model=f"yolo-{saved['size']}",
         model_dir=str(model_dir),
-        eval_only=True,
-        world_size=accelerator.num_processes,
-        num_machines=num_machines(accelerator.num_processes),
-        mixed_precision=accelerator.mixed_precision,
-        global_batch_size=args.batch_size,
         per_process_batch_size=per_process,
         trainable_parameters=info["parameters"],
         gflops_at_640=info["gflops"],
@@ -958,14 +915,7 @@ def evaluate_saved_model(args: DetectFlags) -> None:
         args.iou_threshold,
     )
     accelerator.log({"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0)
-    results = dict(
-        config,
-        steps=0,
-        epochs=0,
-        wall_seconds=time.perf_counter() - started,
-        **evaluation,
-        **run_facts(accelerator, StepMeter(accelerator.device), samples_seen=0),
-    )
+    results = eval_only_results(dict(config, epochs=0), accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
