@@ -14,8 +14,8 @@ topology) are the recipe_tools package.
 
 import importlib
 
-# Each name is imported from its module on first use, so that `from accelerate_recipes.cli import ...` (a script's
-# --help) does not wait for torch to import.
+# Each name is imported from its module on first use, so that `from accelerate_recipes.cli import
+# ...` (a script's --help) does not wait for torch to import.
 _EXPORTS = {
     **dict.fromkeys(["Checkpoints", "model_to_save"], "checkpoints"),
     **dict.fromkeys(["run"], "cli"),

@@ -1,20 +1,26 @@
-"""Checkpoints that survive crashes: written atomically, kept to the last N, found again by `--resume auto`.
+"""Checkpoints that survive crashes: written atomically, kept to the last N, found again by
+`--resume auto`.
 
-The recipe calls `accelerator.save_state` / `accelerator.load_state` itself (model, optimizer, scheduler, grad scaler,
-RNG states); this module decides where they go and makes each one appear only once it is whole:
+The recipe calls `accelerator.save_state` / `accelerator.load_state` itself (model, optimizer,
+scheduler, grad scaler, RNG states); this module decides where they go and makes each one appear
+only once it is whole:
 
     output_dir/checkpoints/step_00000120.partial/   save_state writes here first
-    output_dir/checkpoints/step_00000120/           renamed when every process has finished writing, with
-        checkpoint.json                            the progress the recipe needs to continue (step, epoch, batches
-                                                   already seen in that epoch, ...), written last
+    output_dir/checkpoints/step_00000120/           renamed when every process has finished
+                                                    writing, with
+        checkpoint.json                             the progress the recipe needs to continue
+                                                    (step, epoch, batches already seen in that
+                                                    epoch, ...), written last
 
-A folder without checkpoint.json, or still named `.partial`, is a save that was interrupted: never resumed from, and
-deleted at the next start. Old checkpoints are renamed `.deleting` before they are deleted, for the same reason.
-On several nodes the output directory must be on a shared file system (the model is written by the main process only).
+A folder without checkpoint.json, or still named `.partial`, is a save that was interrupted: never
+resumed from, and deleted at the next start. Old checkpoints are renamed `.deleting` before they are
+deleted, for the same reason. On several nodes the output directory must be on a shared file system
+(the model is written by the main process only).
 
-A checkpoint does not depend on torch.compile: save_state writes the weights of the model as it was before prepare()
-wrapped it (or, under FSDP and DeepSpeed, under the names of that model), so a compiled run resumes without compiling
-and the other way round. The model saved for inference needs `model_to_save` for the same.
+A checkpoint does not depend on torch.compile: save_state writes the weights of the model as it was
+before prepare() wrapped it (or, under FSDP and DeepSpeed, under the names of that model), so a
+compiled run resumes without compiling and the other way round. The model saved for inference needs
+`model_to_save` for the same.
 """
 
 import json
@@ -32,7 +38,8 @@ from accelerate_recipes.errors import RecipeError
 CHECKPOINTS_DIR = "checkpoints"
 PROGRESS_FILE = "checkpoint.json"
 PARTIAL_SUFFIX = ".partial"
-BEST_DIR = "model_best"  # output_dir/model_best: the model of the best evaluation, saved like the final one
+# output_dir/model_best: the model of the best evaluation, saved like the final one
+BEST_DIR = "model_best"
 BEST_RECORD = "best.json"  # in it, written last: which metric, its value, the epoch and step
 DELETING_SUFFIX = ".deleting"
 # Settings that must match for a checkpoint to continue the same run.
@@ -75,12 +82,14 @@ def read_progress(folder: Path) -> dict:
 
 
 def model_to_save(accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """The prepared `model` as `accelerator.save_model` and `accelerator.get_state_dict` should get it, compiled or not.
+    """The prepared `model` as `accelerator.save_model` and `accelerator.get_state_dict` should get
+    it, compiled or not.
 
-    prepare() wraps the model in torch.compile's module when asked (the recipe's --compile, or a launcher's
-    --dynamo_backend), and that wrapper would save every weight as `_orig_mod.<name>`, which a model rebuilt for
-    inference cannot load: it is taken off here, with DDP's. Under FSDP and DeepSpeed the model stays as prepared: their
-    full state dict gathers the shards, and already names the weights without that prefix.
+    prepare() wraps the model in torch.compile's module when asked (the recipe's --compile, or a
+    launcher's --dynamo_backend), and that wrapper would save every weight as `_orig_mod.<name>`,
+    which a model rebuilt for inference cannot load: it is taken off here, with DDP's. Under FSDP
+    and DeepSpeed the model stays as prepared: their full state dict gathers the shards, and already
+    names the weights without that prefix.
     """
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         return model
@@ -88,18 +97,21 @@ def model_to_save(accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def any_process_failed(accelerator, error: Exception | None) -> bool:
-    """Whether any process met an error while saving: every process learns it, so none is left waiting for the
-    others."""
+    """Whether any process met an error while saving: every process learns it, so none is left
+    waiting for the others."""
     failed = torch.tensor(0.0 if error is None else 1.0, device=accelerator.device)
     return accelerator.reduce(failed, reduction="sum").item() > 0
 
 
 class Checkpoints:
-    """The checkpoints of one run in output_dir/checkpoints: what to resume from, and atomic saving with rotation."""
+    """The checkpoints of one run in output_dir/checkpoints: what to resume from, and atomic saving
+    with rotation."""
 
     def __init__(self, accelerator, output_dir: str | Path, keep: int = 2):
         if keep < 1:
-            raise RecipeError(f"--keep_checkpoints {keep}: keep at least 1 (the newest is the one a resume needs)")
+            raise RecipeError(
+                f"--keep_checkpoints {keep}: keep at least 1 (the newest is the one a resume needs)"
+            )
         self.accelerator = accelerator
         self.directory = Path(output_dir) / CHECKPOINTS_DIR
         self.keep = keep
@@ -109,12 +121,13 @@ class Checkpoints:
         return newest_checkpoint(self.directory)
 
     def resolve(self, resume: str | None) -> Path | None:
-        """The checkpoint `--resume` names: None (start fresh), "auto" (the newest complete one, if any) or a path.
+        """The checkpoint `--resume` names: None (start fresh), "auto" (the newest complete one, if
+        any) or a path.
 
-        Starting fresh where checkpoints of an earlier run exist would rotate them away, so that is refused. Once the
-        choice stands, the output folder is made ready for this run, before it saves anything: what interrupted saves
-        left is deleted (model_best/ put back whole), and metrics.jsonl starts empty or keeps the rows up to the
-        checkpoint's step. Collective.
+        Starting fresh where checkpoints of an earlier run exist would rotate them away, so that is
+        refused. Once the choice stands, the output folder is made ready for this run, before it
+        saves anything: what interrupted saves left is deleted (model_best/ put back whole), and
+        metrics.jsonl starts empty or keeps the rows up to the checkpoint's step. Collective.
         """
         from accelerate_recipes.results import restart_metrics
 
@@ -132,7 +145,8 @@ class Checkpoints:
             newest = self.newest()
             if newest is not None:
                 raise RecipeError(
-                    f"{self.directory} holds checkpoints of an earlier run (newest: {newest.name}); continue it with "
+                    f"{self.directory} holds checkpoints of an earlier run (newest: {newest.name}); continue "
+                    "it with "
                     "--resume auto, or start over in another --output_dir (or delete that folder first)"
                 )
             return None
@@ -149,13 +163,15 @@ class Checkpoints:
             if inside:  # an output directory or its checkpoints folder: take the newest in it
                 return inside[-1]
             raise RecipeError(
-                f"--resume {choice} is not a complete checkpoint (no {PROGRESS_FILE}: its save was interrupted, or it "
+                f"--resume {choice} is not a complete checkpoint (no {PROGRESS_FILE}: its save was "
+                "interrupted, or it "
                 "is not a checkpoint folder); use --resume auto to take the newest complete one"
             )
         return path
 
     def check_compatible(self, folder: Path, config: dict) -> dict:
-        """The saved progress of `folder`, after checking it was written by a run with the same essential settings."""
+        """The saved progress of `folder`, after checking it was written by a run with the same
+        essential settings."""
         progress = read_progress(folder)
         saved = progress.get("config", {})
         differ = [
@@ -171,13 +187,14 @@ class Checkpoints:
         if saved.get("world_size") not in (None, config.get("world_size")):
             self.accelerator.print(
                 f"warning: {folder} was written by {saved['world_size']} process(es), this run has "
-                f"{config.get('world_size')}: training continues with the same global batch, but not bit for bit"
+                f"{config.get('world_size')}: training continues with the same global batch, but not bit for "
+                "bit"
             )
         return progress
 
     def remove_partial(self) -> None:
-        """Delete what interrupted saves and deletions left: every folder that is not a complete checkpoint
-        (main process; resolve() calls it before the run's first save)."""
+        """Delete what interrupted saves and deletions left: every folder that is not a complete
+        checkpoint (main process; resolve() calls it before the run's first save)."""
         if self.accelerator.is_main_process and self.directory.is_dir():
             for folder in self.directory.iterdir():
                 if folder.is_dir() and not is_complete(folder):
@@ -186,11 +203,13 @@ class Checkpoints:
 
     @contextmanager
     def saving(self, step: int, progress: dict):
-        """`with checkpoints.saving(step, progress) as path: accelerator.save_state(path)` on every process.
+        """`with checkpoints.saving(step, progress) as path: accelerator.save_state(path)` on every
+        process.
 
-        The folder is named for the step once every process wrote its part and checkpoint.json is in place; the
-        oldest complete checkpoints beyond `keep` are then deleted. A failed write on any process (a full disk, say)
-        stops every process with the cause, and leaves the previous checkpoints as they were.
+        The folder is named for the step once every process wrote its part and checkpoint.json is in
+        place; the oldest complete checkpoints beyond `keep` are then deleted. A failed write on any
+        process (a full disk, say) stops every process with the cause, and leaves the previous
+        checkpoints as they were.
         """
         accelerator = self.accelerator
         final = self.directory / f"step_{step:08d}"
@@ -207,16 +226,21 @@ class Checkpoints:
         with writing_on_every_process(accelerator, partial, failed):
             yield partial
         record = dict(
-            progress, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), world_size=accelerator.num_processes
+            progress,
+            step=step,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            world_size=accelerator.num_processes,
         )
         if accelerator.is_main_process:
             publish(partial, final, PROGRESS_FILE, record)
         accelerator.wait_for_everyone()
-        if accelerator.is_local_main_process and partial.exists():  # a node that does not share the file system
+        # a node that does not share the file system
+        if accelerator.is_local_main_process and partial.exists():
             publish(partial, final, PROGRESS_FILE, record)
         if accelerator.is_main_process:
             for old in complete_checkpoints(self.directory)[: -self.keep]:
-                # Renamed first: a deletion cut short leaves a folder that is plainly not a checkpoint.
+                # Renamed first: a deletion cut short leaves a
+                # folder that is plainly not a checkpoint.
                 doomed = old.with_name(old.name + DELETING_SUFFIX)
                 os.replace(old, doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
@@ -226,8 +250,9 @@ class Checkpoints:
 
 @contextmanager
 def writing_on_every_process(accelerator, partial: Path, failed_message):
-    """Every process writes its part into `partial` (started over by the main process, created on each node); when
-    any process's write failed, all of them raise RecipeError(failed_message(reason)), none is left waiting."""
+    """Every process writes its part into `partial` (started over by the main process, created on
+    each node); when any process's write failed, all of them raise
+    RecipeError(failed_message(reason)), none is left waiting."""
     error = None
     try:
         if accelerator.is_main_process:  # a leftover of an interrupted save is started over
@@ -243,7 +268,8 @@ def writing_on_every_process(accelerator, partial: Path, failed_message):
         error = error or err
     try:
         yield partial
-    except Exception as err:  # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
+    # OSError, or torch's RuntimeError "PytorchStreamWriter failed writing file"
+    except Exception as err:
         error = error or err
     if any_process_failed(accelerator, error):
         reason = f"{type(error).__name__}: {error}" if error else "another process could not write its part"
@@ -251,10 +277,11 @@ def writing_on_every_process(accelerator, partial: Path, failed_message):
 
 
 def publish(partial: Path, final: Path, record_file: str, record: dict) -> None:
-    """Write the record last (the folder is whole from then on), then swap the folder in under its final name.
+    """Write the record last (the folder is whole from then on), then swap the folder in under its
+    final name.
 
-    A version already there (the same step saved again after a resume, or the previous model_best) is renamed away
-    first and deleted last: a crash between the renames leaves both versions whole.
+    A version already there (the same step saved again after a resume, or the previous model_best)
+    is renamed away first and deleted last: a crash between the renames leaves both versions whole.
     """
     tmp = partial / f"{record_file}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -271,11 +298,12 @@ def saving_folder(accelerator, final: str | Path, record_file: str, record: dict
     """`with saving_folder(accelerator, out / "model_best", "best.json", info) as path:
     accelerator.save_model(net, path)`
 
-    A folder that replaces its previous version only once whole, for what the main process writes (a model for
-    inference, beside the checkpoints). Every process enters (saving under FSDP / DeepSpeed gathers the weights from
-    all of them); the main process writes `record_file` last, then swaps the folder in. A failed write on any process
-    stops every process with the cause and leaves the previous version in place; a crash leaves either version whole,
-    which `recover_folder` puts back under the final name at the next start.
+    A folder that replaces its previous version only once whole, for what the main process writes (a
+    model for inference, beside the checkpoints). Every process enters (saving under FSDP /
+    DeepSpeed gathers the weights from all of them); the main process writes `record_file` last,
+    then swaps the folder in. A failed write on any process stops every process with the cause and
+    leaves the previous version in place; a crash leaves either version whole, which
+    `recover_folder` puts back under the final name at the next start.
     """
     final = Path(final)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -287,22 +315,28 @@ def saving_folder(accelerator, final: str | Path, record_file: str, record: dict
     with writing_on_every_process(accelerator, partial, failed):
         yield partial
     if accelerator.is_main_process:
-        publish(partial, final, record_file, record)  # recover_folder may promote it once its record is written
+        # recover_folder may promote it once its record is written
+        publish(partial, final, record_file, record)
     accelerator.wait_for_everyone()
-    # A node that does not share the file system: save_pretrained creates the folder on every process, empty there.
+    # A node that does not share the file system: save_pretrained creates the folder on every
+    # process, empty there.
     if not accelerator.is_main_process and partial.is_dir():
         shutil.rmtree(partial, ignore_errors=True)
 
 
 def recover_folder(accelerator, final: str | Path, record_file: str) -> None:
-    """What a crash in `saving_folder` left (main process; call before the first save): the newest whole version back
-    under its final name, the rest deleted."""
+    """What a crash in `saving_folder` left (main process; call before the first save): the newest
+    whole version back under its final name, the rest deleted."""
     if not accelerator.is_main_process:
         return
     final = Path(final)
-    partial, doomed = final.with_name(final.name + PARTIAL_SUFFIX), final.with_name(final.name + DELETING_SUFFIX)
+    partial, doomed = (
+        final.with_name(final.name + PARTIAL_SUFFIX),
+        final.with_name(final.name + DELETING_SUFFIX),
+    )
     if not final.exists():
-        for candidate in (partial, doomed):  # the new version once its record is written, else the previous one
+        # the new version once its record is written, else the previous one
+        for candidate in (partial, doomed):
             if (candidate / record_file).is_file():
                 os.replace(candidate, final)
                 break

@@ -15,9 +15,12 @@ import typing
 from pathlib import Path
 
 import fire
-from tqdm.std import tqdm  # every bar, whatever its front end, is listed in tqdm.std.tqdm._instances
+
+# every bar, whatever its front end, is listed in tqdm.std.tqdm._instances
+from tqdm.std import tqdm
 
 from accelerate_recipes.errors import PREEMPTED_EXIT_CODE, Preempted, RecipeError, first_line  # noqa: F401 (re-exported)
+from accelerate_recipes.flags import choices_of
 
 
 def address_in_use(err: Exception) -> bool:
@@ -28,14 +31,16 @@ def address_in_use(err: Exception) -> bool:
 def port_in_use(address: str, port) -> RecipeError:
     """The error for a rendezvous port that another process holds."""
     return RecipeError(
-        f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick another with "
+        f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick "
+        "another with "
         f"--main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
     )
 
 
 def _drop_legacy_local_rank(argv: list[str]) -> list[str]:
-    # `python -m torch.distributed.launch` appends --local-rank=N (or --local_rank N); the rank also arrives in the
-    # LOCAL_RANK environment variable, which Accelerate reads, so the flag carries nothing we need.
+    # `python -m torch.distributed.launch` appends --local-rank=N (or --local_rank N); the rank also
+    # arrives in the LOCAL_RANK environment variable, which Accelerate reads, so the flag carries
+    # nothing we need.
     kept, skip_next = [], False
     for arg in argv:
         if skip_next:
@@ -51,7 +56,8 @@ def _drop_legacy_local_rank(argv: list[str]) -> list[str]:
 
 
 def expand_preset(argv: list[str], presets: dict[str, dict]) -> list[str]:
-    """`--preset NAME` stands for that preset's flags; a flag also given on the command line keeps the given value."""
+    """`--preset NAME` stands for that preset's flags; a flag also given on the command line keeps
+    the given value."""
     name = None
     for i, arg in enumerate(argv):
         if arg.startswith("--preset="):
@@ -74,9 +80,13 @@ def _annotations(main) -> dict:
 
 
 def _flag_kind(annotation, default) -> str:
-    """str (one text), texts (a text, or several when the flag is repeated), bool, or other (fire parses it)."""
+    """str (one text, or one of the texts a Literal allows), texts (a text, or several when the
+    flag is repeated), bool, or other (fire parses it)."""
     if annotation is inspect.Parameter.empty:
         annotation = type(default) if default not in (None, inspect.Parameter.empty) else None
+    choices = choices_of(annotation)
+    if choices and all(isinstance(choice, str) for choice in choices):
+        return "str"
     members = (
         set(typing.get_args(annotation))
         if typing.get_origin(annotation) in (typing.Union, types.UnionType)
@@ -106,7 +116,8 @@ def _takes_any_flag(main) -> bool:
 
 
 def flags_class(main):
-    """The dataclass of flags `main(args)` takes (its one parameter's annotation), or None for a `main(**flags)`."""
+    """The dataclass of flags `main(args)` takes (its one parameter's annotation), or None for a
+    `main(**flags)`."""
     params = list(inspect.signature(main).parameters.values())
     if len(params) != 1 or params[0].kind in (params[0].VAR_POSITIONAL, params[0].VAR_KEYWORD):
         return None
@@ -115,9 +126,10 @@ def flags_class(main):
 
 
 def as_command(main):
-    """What the command line calls: `main` itself, or for `main(args: SomeFlags)` a function whose parameters are the
-    dataclass's fields (the recipe's own first, then the shared ones) and whose docstring documents each field with
-    the text of the most derived class that documents it; calling it builds the dataclass and calls `main`."""
+    """What the command line calls: `main` itself, or for `main(args: SomeFlags)` a function whose
+    parameters are the dataclass's fields (the recipe's own first, then the shared ones) and whose
+    docstring documents each field with the text of the most derived class that documents it;
+    calling it builds the dataclass and calls `main`."""
     cls = flags_class(main)
     if cls is None:
         return main
@@ -127,7 +139,9 @@ def as_command(main):
         own_text, own_docs = parse_arg_docs(klass.__doc__ if "__doc__" in vars(klass) else None)
         docs.update(own_docs)
         text = own_text or text
-    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    inherited = {
+        f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)
+    }
     fields = dataclasses.fields(cls)
     ordered = [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
     params = [
@@ -173,9 +187,10 @@ def wants_help(argv: list[str]) -> bool:
 def prepare_argv(main, argv: list[str]) -> list[str]:
     """The command line rewritten so that fire gives `main` exactly what the user typed.
 
-    Fire reads every value as a Python literal ("great, fun" becomes a tuple, "1e-3" a float) and invents one-letter
-    flags (-h for --hsv); so a text flag's value is handed over as repr(value), which fire reads back as that very
-    string, a one-letter flag is refused, and so is any flag `main` does not have.
+    Fire reads every value as a Python literal ("great, fun" becomes a tuple, "1e-3" a float) and
+    invents one-letter flags (-h for --hsv); so a text flag's value is handed over as repr(value),
+    which fire reads back as that very string, a one-letter flag is refused, and so is any flag
+    `main` does not have.
     """
     flags = _flags(main)
     any_flag = _takes_any_flag(main)
@@ -222,7 +237,9 @@ def prepare_argv(main, argv: list[str]) -> list[str]:
             texts.setdefault(name, []).append(value)
         elif kind == "bool" and has_value:
             if value.lower() not in TRUE_WORDS + FALSE_WORDS:
-                raise RecipeError(f"--{name} takes True or False, not {value!r}; e.g. --{name} False (or --no{name})")
+                raise RecipeError(
+                    f"--{name} takes True or False, not {value!r}; e.g. --{name} False (or --no{name})"
+                )
             out.append(f"--{name}={value.lower() in TRUE_WORDS}")
         elif has_value:
             out.append(f"--{name}={value}")
@@ -234,11 +251,13 @@ def prepare_argv(main, argv: list[str]) -> list[str]:
 
 
 def parse_arg_docs(doc: str | None) -> tuple[str, dict[str, str]]:
-    """A Google-style docstring split into its text outside "Args:" and each argument's full description.
+    """A Google-style docstring split into its text outside "Args:" and each argument's full
+    description.
 
-    An entry starts at a line indented exactly one level deeper than "Args:" that reads `name: text` (or
-    `name (type): text`); deeper lines continue it, whatever they hold (fire's own parser ends an entry at a wrapped
-    line holding a colon).
+    An entry starts at a line indented exactly one level deeper than "Args:" that reads `name: text`
+    (or
+    `name (type): text`); deeper lines continue it, whatever they hold (fire's own parser ends an
+    entry at a wrapped line holding a colon).
     """
     lines = inspect.cleandoc(doc or "").splitlines()
     text, docs, i = [], {}, 0
@@ -259,7 +278,9 @@ def parse_arg_docs(doc: str | None) -> tuple[str, dict[str, str]]:
             if not line.strip():
                 continue
             level = indent if level is None else level
-            entry = re.match(r"(\w+)\s*(?:\([^)]*\))?:(?:\s+(.*)|$)", line.strip()) if indent == level else None
+            entry = (
+                re.match(r"(\w+)\s*(?:\([^)]*\))?:(?:\s+(.*)|$)", line.strip()) if indent == level else None
+            )
             if entry:
                 name = entry.group(1)
                 docs[name] = entry.group(2) or ""
@@ -269,6 +290,9 @@ def parse_arg_docs(doc: str | None) -> tuple[str, dict[str, str]]:
 
 
 def _metavar(kind: str, annotation, default) -> str:
+    choices = choices_of(annotation)
+    if choices:
+        return "|".join(map(str, choices))
     if kind in ("str", "texts"):
         return "TEXT"
     if kind == "bool":
@@ -289,7 +313,8 @@ def _shown_default(default) -> str:
 
 
 def format_help(main, prog: str) -> str:
-    """Help built from `main`'s signature and docstring: a usage line, the description, every flag in full."""
+    """Help built from `main`'s signature and docstring: a usage line, the description, every flag
+    in full."""
     width = max(60, min(shutil.get_terminal_size((100, 24)).columns, 120))
     text, docs = parse_arg_docs(main.__doc__)
     hints = _annotations(main)
@@ -309,9 +334,13 @@ def format_help(main, prog: str) -> str:
     ]
     for name, (param, kind) in flags.items():
         default = (
-            "required" if param.default is inspect.Parameter.empty else f"default: {_shown_default(param.default)}"
+            "required"
+            if param.default is inspect.Parameter.empty
+            else f"default: {_shown_default(param.default)}"
         )
-        lines.append(f"  --{name} {_metavar(kind, hints.get(name, param.annotation), param.default)}  ({default})")
+        lines.append(
+            f"  --{name} {_metavar(kind, hints.get(name, param.annotation), param.default)}  ({default})"
+        )
         lines.append(
             textwrap.fill(
                 docs.get(name, "(not documented)"),
@@ -332,26 +361,29 @@ def _close_progress_bars() -> None:
 
 
 def _print_line(line: str) -> None:
-    """`line` and its newline to stderr in one write. The processes of a run that fail together print at the same
-    moment into one stream; print() writes the newline separately when stderr is unbuffered (PYTHONUNBUFFERED, python
-    -u), and another process's line landing between the two would fuse both lines into one."""
+    """`line` and its newline to stderr in one write. The processes of a run that fail together
+    print at the same moment into one stream; print() writes the newline separately when stderr is
+    unbuffered (PYTHONUNBUFFERED, python -u), and another process's line landing between the two
+    would fuse both lines into one."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
-# A program that runs a recipe in its own process and goes on after it (an audit, a notebook) sets this to False.
+# A program that runs a recipe in its own process and goes on after it (an audit, a notebook) sets
+# this to False.
 EXIT_WHEN_DONE = True
 
 
 def _exit_after_distributed_run() -> None:
     """End a finished multi-process run here, with exit code 0, once its output is flushed.
 
-    DistributedDataParallel keeps a reference to its process group that outlives `destroy_process_group` (torch 2.15:
-    the gloo worker threads still run after the model is freed and the group destroyed), so the group is torn down,
-    if at all, during interpreter exit. There a finished 2-process run was seen to abort after saving everything
-    ("terminate called without an active exception", exit -6), which a launcher, SLURM or a CI job reads as a failed
-    run. The recipes save, finish their trackers and destroy the group (`end_training`) before returning, so the
-    interpreter's teardown has nothing left to do.
+    DistributedDataParallel keeps a reference to its process group that outlives
+    `destroy_process_group` (torch 2.15: the gloo worker threads still run after the model is freed
+    and the group destroyed), so the group is torn down, if at all, during interpreter exit. There a
+    finished 2-process run was seen to abort after saving everything ("terminate called without an
+    active exception", exit -6), which a launcher, SLURM or a CI job reads as a failed run. The
+    recipes save, finish their trackers and destroy the group (`end_training`) before returning, so
+    the interpreter's teardown has nothing left to do.
     """
     if not EXIT_WHEN_DONE or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
@@ -362,10 +394,13 @@ def _exit_after_distributed_run() -> None:
 
 
 def _help_for(main, prog: str, argv: list[str]) -> str | None:
-    """The text that -h/--help asks for (or that a script of sub-commands prints when none is named), else None."""
+    """The text that -h/--help asks for (or that a script of sub-commands prints when none is
+    named), else None."""
     if isinstance(main, dict):  # sub-commands: `prog NAME --flags` runs main[NAME]
         if not argv or (argv[0] not in main and wants_help(argv)):
-            return f"usage: {prog} {{{','.join(main)}}} [--flags]; `{prog} NAME --help` shows a command's flags"
+            return (
+                f"usage: {prog} {{{','.join(main)}}} [--flags]; `{prog} NAME --help` shows a command's flags"
+            )
         if argv[0] not in main:
             return None
         prog, main, argv = f"{prog} {argv[0]}", main[argv[0]], argv[1:]
@@ -373,15 +408,17 @@ def _help_for(main, prog: str, argv: list[str]) -> str | None:
 
 
 def _imported_flag_classes(tree: ast.Module, folder: Path | None, wanted: set[str], here: Path | None = None):
-    """The definitions of flag classes a script imports from a module beside it or from a package there (`from
-    chat.model import ChatModelFlags`), read from that module's source, with the bases they import in turn (also
-    relatively, from the package's own modules): base classes first. `here` is the folder of the module `tree` is."""
+    """The definitions of flag classes a script imports from a module beside it or from a package
+    there (`from chat.model import ChatModelFlags`), read from that module's source, with the bases
+    they import in turn (also relatively, from the package's own modules): base classes first.
+    `here` is the folder of the module `tree` is."""
     found: list[ast.ClassDef] = []
     if folder is None:
         return found
     here = here or folder
     sources = {
-        alias.asname or alias.name: (here if node.level else folder) / f"{(node.module or '').replace('.', '/')}.py"
+        alias.asname or alias.name: (here if node.level else folder)
+        / f"{(node.module or '').replace('.', '/')}.py"
         for node in tree.body
         if isinstance(node, ast.ImportFrom) and node.module and node.level <= 1
         for alias in node.names
@@ -398,19 +435,33 @@ def _imported_flag_classes(tree: ast.Module, folder: Path | None, wanted: set[st
     return found
 
 
-def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
-    """The function(s) a script's `run(...)` call names, rebuilt from its source without running its imports.
+def _is_literal_alias(node: ast.stmt) -> bool:
+    """Whether a statement names a Literal: `Name = Literal[...]`."""
+    return (
+        isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Subscript)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "Literal"
+    )
 
-    Each is a stand-in with the real signature and docstring and an empty body. None when the call or a signature
-    cannot be rebuilt this way (a default that is a name defined in the script, say). A flags class may extend one
-    that a module beside the script (in `folder`) defines.
+
+def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
+    """The function(s) a script's `run(...)` call names, rebuilt from its source without running its
+    imports.
+
+    Each is a stand-in with the real signature and docstring and an empty body. None when the call
+    or a signature cannot be rebuilt this way (a default that is a name defined in the script, say).
+    A flags class may extend one that a module beside the script (in `folder`) defines.
     """
     tree = ast.parse(source)
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     calls = [
         node
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "run" and node.args
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "run"
+        and node.args
     ]
     if len(calls) != 1:
         return None
@@ -424,10 +475,14 @@ def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
     else:
         return None
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-    # A flags dataclass is rebuilt with what its definition may use: dataclass, field and the shared flags.
+    # A flags dataclass is rebuilt with what its definition
+    # may use: dataclass, field and the shared flags.
     preamble = ast.parse(
-        "from dataclasses import dataclass, field\nfrom accelerate_recipes.flags import TrainingFlags"
+        "from dataclasses import dataclass, field\nfrom typing import Literal, get_args\n"
+        "from accelerate_recipes.flags import TrainingFlags"
     ).body
+    # and the choices the script names (`DatasetName = Literal[...]`)
+    preamble += [node for node in tree.body if _is_literal_alias(node)]
     commands = {}
     for key, name in names.items():
         node = functions[name]
@@ -441,16 +496,18 @@ def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
         flag_classes = _imported_flag_classes(tree, folder, bases - {"TrainingFlags"}) + flag_classes
         module = ast.fix_missing_locations(ast.Module(body=preamble + flag_classes + [stub], type_ignores=[]))
         namespace: dict = {}
-        exec(compile(module, "<signature>", "exec"), namespace)  # names the script defines raise NameError here
+        # names the script defines raise NameError here
+        exec(compile(module, "<signature>", "exec"), namespace)
         commands[key] = namespace[name]
     return commands[None] if None in commands else commands
 
 
 def run(main, presets: dict[str, dict] | None = None) -> None:
-    """Run `main` as a command-line program: flags come from its signature and docstring (python-fire).
+    """Run `main` as a command-line program: flags come from its signature and docstring
+    (python-fire).
 
-    The command line goes through prepare_argv first, and -h/--help prints format_help, so that every flag reads the
-    same in every script and its help is shown in full.
+    The command line goes through prepare_argv first, and -h/--help prints format_help, so that
+    every flag reads the same in every script and its help is shown in full.
 
     `presets` maps a name to flag values that `--preset NAME` applies (see expand_preset).
     """
@@ -487,10 +544,13 @@ def run(main, presets: dict[str, dict] | None = None) -> None:
 
         if not compile_failure(err):
             raise
-        # a compilation asked for (--compile, a launcher's --dynamo_backend) that failed: one line, no traceback
+        # a compilation asked for (--compile, a launcher's
+        # --dynamo_backend) that failed: one line, no traceback
         _close_progress_bars()
         rank = os.environ.get("RANK", "0")
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         cause = failure_cause(err)
-        _print_line(f"{prefix}: torch.compile failed ({cause}); see {TROUBLESHOOTING}, or run without --compile")
+        _print_line(
+            f"{prefix}: torch.compile failed ({cause}); see {TROUBLESHOOTING}, or run without --compile"
+        )
         sys.exit(2)

@@ -1,24 +1,26 @@
-"""The bookkeeping around a recipe's training loop: where the run is (RunState), what follows each optimizer step
-(TrainingProgress), and which evaluation was the best (BestModel).
+"""The bookkeeping around a recipe's training loop: where the run is (RunState), what follows each
+optimizer step (TrainingProgress), and which evaluation was the best (BestModel).
 
     state = RunState(accelerator.device, ("loss",))
-    accelerator.register_for_checkpointing(state)       # save_state / load_state carry the position
+    accelerator.register_for_checkpointing(state)     # save_state / load_state carry the position
     best = BestModel(accelerator, state, output_dir, "eval_accuracy", patience=...)
-    progress = TrainingProgress(accelerator, state, output_dir, best=best, ...)  # its StepGuard, StepMeter, MetricsLog
+    # with its StepGuard, StepMeter and MetricsLog
+    progress = TrainingProgress(accelerator, state, output_dir, best=best, ...)
     ...
-    state.add(loss.detach(), samples=len(labels))       # every micro-batch: summed on the device
-    if accelerator.sync_gradients and progress.step_done(scheduler):   # every optimizer step; True: checkpoint now
+    state.add(loss.detach(), samples=len(labels))     # every micro-batch: summed on the device
+    # every optimizer step; True: checkpoint now
+    if accelerator.sync_gradients and progress.step_done(scheduler):
         save_checkpoint()
     ...
-    progress.epoch_done(evaluation)                     # after each evaluation: logged with the epoch's figures
-    if best.judge(evaluation):                          # the best so far: its weights go to output_dir/model_best
+    progress.epoch_done(evaluation)   # after each evaluation: logged with the epoch's figures
+    if best.judge(evaluation):        # the best so far: its weights go to output_dir/model_best
         with best.saving() as folder:
             accelerator.save_model(model_to_save(accelerator, model), folder)
-    # the loop ends when progress.finished: every step done, or --early_stopping_patience evaluations without
-    # improvement
+    # the loop ends when progress.finished: every step done, or --early_stopping_patience
+    # evaluations without improvement
 
-Only log and checkpoint steps read values back from the device (the loss means, the guard's flags, step times), so a
-GPU is never made to wait for the host on the steps between them.
+Only log and checkpoint steps read values back from the device (the loss means, the guard's flags,
+step times), so a GPU is never made to wait for the host on the steps between them.
 """
 
 import math
@@ -30,7 +32,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from accelerate_recipes.checkpoints import BEST_DIR, BEST_RECORD, CHECKPOINTS_DIR, newest_checkpoint, saving_folder
+from accelerate_recipes.checkpoints import (
+    BEST_DIR,
+    BEST_RECORD,
+    CHECKPOINTS_DIR,
+    newest_checkpoint,
+    saving_folder,
+)
 from accelerate_recipes.errors import RecipeError
 from accelerate_recipes.guard import StepGuard
 from accelerate_recipes.meter import FIGURES, ProcessFigures, StepMeter, StepParts, peak_memory_mb
@@ -41,10 +49,11 @@ from accelerate_recipes.tracking import log_image_files
 class RunState:
     """The run's position and running figures: one object, saved and restored with the model.
 
-    Register it with `accelerator.register_for_checkpointing(state)`; `accelerator.save_state` then writes it beside
-    the weights, optimizer and RNG states, and `load_state` puts the run back exactly where it was: the same step, in
-    the same epoch, after the batches already trained on, with the same running loss, the same best evaluation so
-    far and the same count of evaluations without improvement.
+    Register it with `accelerator.register_for_checkpointing(state)`; `accelerator.save_state` then
+    writes it beside the weights, optimizer and RNG states, and `load_state` puts the run back
+    exactly where it was: the same step, in the same epoch, after the batches already trained on,
+    with the same running loss, the same best evaluation so far and the same count of evaluations
+    without improvement.
     """
 
     def __init__(self, device: torch.device, loss_names: tuple[str, ...] = ("loss",)):
@@ -57,14 +66,18 @@ class RunState:
         self.last_loss: float | None = None  # mean loss at the latest log step
         self.last_eval: dict = {}
         self.best_metric: float | None = None  # the best value of the main evaluation metric so far
-        self.best_epoch: int | None = None  # the epoch of that evaluation, counted from 1 as printed
+        # the epoch of that evaluation, counted from 1 as printed
+        self.best_epoch: int | None = None
         self.best_step: int | None = None
-        self.evals_without_improvement = 0  # evaluations in a row not better than best_metric (early stopping)
-        self.running = torch.zeros(len(self.loss_names), device=device)  # sums since the last log step
+        # evaluations in a row not better than best_metric (early stopping)
+        self.evals_without_improvement = 0
+        # sums since the last log step
+        self.running = torch.zeros(len(self.loss_names), device=device)
         self.micro_batches = 0  # micro-batches in those sums
 
     def add(self, losses: torch.Tensor, samples: int) -> None:
-        """One micro-batch: its loss (or loss parts, in `loss_names` order), added on the device; no read."""
+        """One micro-batch: its loss (or loss parts, in `loss_names` order), added on the device; no
+        read."""
         self.running += losses.detach().reshape(-1)
         self.micro_batches += 1
         self.samples_seen += samples
@@ -106,29 +119,44 @@ class RunState:
 
 class BestModel:
     """Judges each evaluation against the best so far, by one metric: the best one's model goes to
-    output_dir/model_best, and --early_stopping_patience evaluations in a row without improvement end the run.
-    The best value and the count live in the RunState, so a resumed run judges on as if it had never stopped."""
+    output_dir/model_best, and --early_stopping_patience evaluations in a row without improvement
+    end the run. The best value and the count live in the RunState, so a resumed run judges on as if
+    it had never stopped."""
 
     def __init__(
-        self, accelerator, state: RunState, output_dir, metric: str, higher_is_better: bool = True, patience: int = 0
+        self,
+        accelerator,
+        state: RunState,
+        output_dir,
+        metric: str,
+        higher_is_better: bool = True,
+        patience: int = 0,
     ):
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:  # fire passes what was typed
+        # fire passes what was typed
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise RecipeError(
                 f"--early_stopping_patience {patience}: give a whole number of evaluations, 0 to turn "
                 "early stopping off"
             )
-        self.accelerator, self.state, self.metric, self.higher_is_better = accelerator, state, metric, higher_is_better
+        self.accelerator, self.state, self.metric, self.higher_is_better = (
+            accelerator,
+            state,
+            metric,
+            higher_is_better,
+        )
         self.patience = patience
         self.folder = Path(output_dir) / BEST_DIR
 
     @property
     def out_of_patience(self) -> bool:
-        """--early_stopping_patience evaluations in a row without improvement (a resumed run counts on)."""
+        """--early_stopping_patience evaluations in a row without improvement (a resumed run counts
+        on)."""
         return bool(self.patience) and self.state.evals_without_improvement >= self.patience
 
     def judge(self, evaluation: dict) -> bool:
-        """Whether `evaluation` is strictly better than every earlier one (NaN never is); recorded in the RunState.
-        Every process calls it and all take the main process's value, so all decide alike."""
+        """Whether `evaluation` is strictly better than every earlier one (NaN never is); recorded
+        in the RunState. Every process calls it and all take the main process's value, so all decide
+        alike."""
         state = self.state
         if self.metric not in evaluation:
             raise RecipeError(
@@ -137,8 +165,9 @@ class BestModel:
             )
         value = float(evaluation[self.metric])
         if self.accelerator.num_processes > 1:
-            # The metric comes from gathered predictions, the same everywhere; to be sure every process decides
-            # alike, all take the main process's value (a sum with zeros from the others is exact).
+            # The metric comes from gathered predictions, the same everywhere; to be sure every
+            # process decides alike, all take the main process's value (a sum with zeros from the
+            # others is exact).
             mine = torch.tensor(
                 [value if self.accelerator.is_main_process else 0.0],
                 dtype=torch.float64,
@@ -146,7 +175,9 @@ class BestModel:
             )
             value = self.accelerator.reduce(mine, reduction="sum").item()
         best = state.best_metric
-        improved = value == value and (best is None or (value > best if self.higher_is_better else value < best))
+        improved = value == value and (
+            best is None or (value > best if self.higher_is_better else value < best)
+        )
         if improved:
             state.best_metric, state.best_epoch, state.best_step = value, state.epoch + 1, state.step
             state.evals_without_improvement = 0
@@ -156,11 +187,13 @@ class BestModel:
 
     @contextmanager
     def saving(self):
-        """`with best.saving() as folder: accelerator.save_model(model, folder)` after an improved evaluation, on
-        every process: output_dir/model_best is replaced only once the new model is whole, with best.json (metric,
-        value, epoch, step) beside it. Collective."""
+        """`with best.saving() as folder: accelerator.save_model(model, folder)` after an improved
+        evaluation, on every process: output_dir/model_best is replaced only once the new model is
+        whole, with best.json (metric, value, epoch, step) beside it. Collective."""
         state = self.state
-        record = dict(metric=self.metric, value=state.best_metric, epoch=state.best_epoch, step=state.best_step)
+        record = dict(
+            metric=self.metric, value=state.best_metric, epoch=state.best_epoch, step=state.best_step
+        )
         with saving_folder(self.accelerator, self.folder, BEST_RECORD, record) as folder:
             yield folder
 
@@ -181,7 +214,8 @@ class BestModel:
         state = self.state
         epochs = -(-total_steps // steps_per_epoch)
         best = (
-            f"best {self.metric} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in {self.folder}"
+            f"best {self.metric} {state.best_metric:.4f} at epoch {state.best_epoch}, its model in "
+            f"{self.folder}"
             if state.best_metric is not None
             else f"no evaluation gave a {self.metric}"
         )
@@ -193,12 +227,14 @@ class BestModel:
 
 
 class TrainingProgress:
-    """What follows each optimizer step, the same in every recipe: count it, time it, show it on the progress bar,
-    and at log steps agree on the guard's flags and log the mean losses, learning rate and throughput; say when a
-    checkpoint is due and when the run is over; at epoch ends log the evaluation with the epoch's figures.
+    """What follows each optimizer step, the same in every recipe: count it, time it, show it on the
+    progress bar, and at log steps agree on the guard's flags and log the mean losses, learning rate
+    and throughput; say when a checkpoint is due and when the run is over; at epoch ends log the
+    evaluation with the epoch's figures.
 
-    Builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`, output_dir/metrics.jsonl,
-    appended to; Checkpoints.resolve trimmed it for a resumed run). Nothing is written to disk here.
+    Builds the run's StepGuard (`.guard`), StepMeter (`.meter`) and MetricsLog (`.metrics`,
+    output_dir/metrics.jsonl, appended to; Checkpoints.resolve trimmed it for a resumed run).
+    Nothing is written to disk here.
 
     With more than one process, each log step also logs every process's and every node's step
     time, data wait and communication wait (StepParts, `timed` for the data wait; ProcessFigures),
@@ -223,9 +259,18 @@ class TrainingProgress:
         best: BestModel | None = None,
     ):
         self.accelerator, self.state, self.best, self.resumed_from = accelerator, state, best, resumed_from
-        self.total_steps, self.steps_per_epoch, self.batches_per_epoch = total_steps, steps_per_epoch, batches_per_epoch
-        self.global_batch_size, self.log_every, self.checkpoint_every = global_batch_size, log_every, checkpoint_every
-        checkpoints = Path(output_dir) / CHECKPOINTS_DIR  # a stop names the newest complete one there
+        self.total_steps, self.steps_per_epoch, self.batches_per_epoch = (
+            total_steps,
+            steps_per_epoch,
+            batches_per_epoch,
+        )
+        self.global_batch_size, self.log_every, self.checkpoint_every = (
+            global_batch_size,
+            log_every,
+            checkpoint_every,
+        )
+        # a stop names the newest complete one there
+        checkpoints = Path(output_dir) / CHECKPOINTS_DIR
         self.guard = StepGuard(
             accelerator, skip_nonfinite=skip_nonfinite, last_checkpoint=lambda: newest_checkpoint(checkpoints)
         )
@@ -238,7 +283,11 @@ class TrainingProgress:
         self.output_dir = Path(output_dir)
         self.metrics = MetricsLog(accelerator, output_dir)
         self.progress_bar = tqdm(
-            total=total_steps, initial=state.step, desc="train", unit="step", disable=not accelerator.is_main_process
+            total=total_steps,
+            initial=state.step,
+            desc="train",
+            unit="step",
+            disable=not accelerator.is_main_process,
         )
         self.epoch_started = time.perf_counter()
         if resumed_from:
@@ -250,7 +299,8 @@ class TrainingProgress:
         return self.state.step >= self.total_steps or (self.best is not None and self.best.out_of_patience)
 
     def start_epoch(self) -> None:
-        """Before an epoch's first batch: its clock and the step timer start (evaluation and saving left out)."""
+        """Before an epoch's first batch: its clock and the step timer start (evaluation and saving
+        left out)."""
         self.epoch_started = time.perf_counter()
         self.meter.restart()
 
@@ -269,21 +319,27 @@ class TrainingProgress:
             started = time.perf_counter()
 
     def step_done(self, scheduler) -> bool:
-        """After an optimizer step (and its scheduler step): True when a checkpoint is due now (its interval, or a
-        stop signal every process agreed on). Collective at log and checkpoint steps."""
+        """After an optimizer step (and its scheduler step): True when a checkpoint is due now (its
+        interval, or a stop signal every process agreed on). Collective at log and checkpoint
+        steps."""
         state = self.state
         state.step += 1
         self.meter.step(self.global_batch_size)
         self.parts.step()
         self.progress_bar.update(1)
         at_log = state.step % self.log_every == 0 or state.step == 1 or self.finished
-        mid_epoch = state.batches_done < self.batches_per_epoch and not self.finished  # else the epoch-end save
+        # else the epoch-end save
+        mid_epoch = state.batches_done < self.batches_per_epoch and not self.finished
         at_checkpoint = bool(self.checkpoint_every) and state.step % self.checkpoint_every == 0 and mid_epoch
         if at_log or at_checkpoint:
-            self.guard.check(state.step)  # a non-finite loss stops here; a stop signal is saved by the caller
+            # a non-finite loss stops here; a stop signal is saved by the caller
+            self.guard.check(state.step)
         if at_log:
-            # The mean of every micro-batch since the last log, over all processes: the one read of the losses.
-            means = self.accelerator.reduce(state.running / max(state.micro_batches, 1), reduction="mean").tolist()
+            # The mean of every micro-batch since the last log,
+            # over all processes: the one read of the losses.
+            means = self.accelerator.reduce(
+                state.running / max(state.micro_batches, 1), reduction="mean"
+            ).tolist()
             step_seconds = self.meter.interval_seconds()
             processes = self._process_figures(step_seconds)
             state.first_loss = means[0] if state.first_loss is None else state.first_loss
@@ -321,8 +377,9 @@ class TrainingProgress:
         return ProcessFigures.tracked(rows)
 
     def epoch_done(self, evaluation: dict, **extra) -> float:
-        """At an epoch's end, after its evaluation: log it (eval_* as eval/*) with the epoch's time, throughput and
-        peak memory. Returns the epoch's seconds. A non-finite figure in it stops the run before anything is saved."""
+        """At an epoch's end, after its evaluation: log it (eval_* as eval/*) with the epoch's time,
+        throughput and peak memory. Returns the epoch's seconds. A non-finite figure in it stops the
+        run before anything is saved."""
         self._check_finite(evaluation)
         seconds = time.perf_counter() - self.epoch_started
         memory_mb, _ = peak_memory_mb(self.accelerator.device)
@@ -344,23 +401,26 @@ class TrainingProgress:
         return seconds
 
     def _check_finite(self, evaluation: dict) -> None:
-        """The last line of defence against a model with NaN weights: the guard watches each step's loss and
-        gradients, but a NaN that reaches the weights another way (an fp16 overflow in the optimizer, say) shows up
-        in the evaluation, which then stops the run instead of saving that model and a results.json with NaN."""
+        """The last line of defence against a model with NaN weights: the guard watches each step's
+        loss and gradients, but a NaN that reaches the weights another way (an fp16 overflow in the
+        optimizer, say) shows up in the evaluation, which then stops the run instead of saving that
+        model and a results.json with NaN."""
         bad = {k: v for k, v in evaluation.items() if isinstance(v, float) and not math.isfinite(v)}
         if not bad:
             return
         checkpoint = self.guard.last_checkpoint()
         newest = f"the newest checkpoint is {checkpoint}" if checkpoint else "no checkpoint was saved"
         raise RecipeError(
-            f"the evaluation at step {self.state.step} gave {', '.join(f'{k} {v}' for k, v in bad.items())}: the "
-            f"model's weights or its evaluation are not finite; neither that model nor results.json was saved "
+            f"the evaluation at step {self.state.step} gave {', '.join(f'{k} {v}' for k, v in bad.items())}: "
+            "the "
+            "model's weights or its evaluation are not finite; neither that model nor results.json was "
+            "saved "
             f"({newest}). Use bf16 instead of fp16, lower --lr, or check the validation data"
         )
 
     def results(self, started: float) -> dict:
-        """The results.json entries of the run's course, the same in every recipe (collective: gathers sample
-        counts)."""
+        """The results.json entries of the run's course, the same in every recipe (collective:
+        gathers sample counts)."""
         state = self.state
         best = self.best.results(self.total_steps) if self.best is not None else {}
         return dict(

@@ -1,15 +1,18 @@
-"""Attention masks built without reading the padding back on the host (transformers' sdpa and eager builders)."""
+"""Attention masks built without reading the padding back on the host (transformers' sdpa and eager
+builders)."""
 
 from transformers import AttentionMaskInterface
 
 
 def always_build_attention_masks() -> None:
-    """Have transformers build every padded batch's attention mask without first reading the padding on the host.
+    """Have transformers build every padded batch's attention mask without first reading the padding
+    on the host.
 
-    Its stock sdpa and eager mask builders first ask `padding_mask.all()`, to drop the mask of a batch without padding;
-    on a GPU that answer is a read from the device in every forward pass, which stalls the queue. With a padding mask
-    given, the mask is now always built: a padded batch gets the very mask it got before, an unpadded one an all-true
-    mask (the same attention). Models that build their masks another way (DeBERTa, say) keep doing so.
+    Its stock sdpa and eager mask builders first ask `padding_mask.all()`, to drop the mask of a
+    batch without padding; on a GPU that answer is a read from the device in every forward pass,
+    which stalls the queue. With a padding mask given, the mask is now always built: a padded batch
+    gets the very mask it got before, an unpadded one an all-true mask (the same attention). Models
+    that build their masks another way (DeBERTa, say) keep doing so.
     """
 
     def without_padding_check(stock):

@@ -11,14 +11,16 @@ import torch
 
 
 class StepMeter:
-    """Wall time of each optimizer step (data loading included, evaluation excluded) and samples per second.
+    """Wall time of each optimizer step (data loading included, evaluation excluded) and samples per
+    second.
 
-    Call `restart()` before training and after every pause (evaluation, checkpointing), and `step(n)` after each
-    optimizer step with the number of samples all processes consumed in it. On a GPU `step` only records a CUDA event
-    (the host does not wait for the GPU); the durations are read when asked for: `interval_seconds()` at log steps,
-    the totals at the end. The first steps (allocator growth, cuDNN autotuning, lazy initialisation; a LoRA run's
-    first three steps took about 3 s each on an H100, its median 0.45 s) are left out of the throughput:
-    `warmup_steps` of them once a run has 4 x as many, fewer in shorter runs, one when there are two or more.
+    Call `restart()` before training and after every pause (evaluation, checkpointing), and
+    `step(n)` after each optimizer step with the number of samples all processes consumed in it. On
+    a GPU `step` only records a CUDA event (the host does not wait for the GPU); the durations are
+    read when asked for: `interval_seconds()` at log steps, the totals at the end. The first steps
+    (allocator growth, cuDNN autotuning, lazy initialisation; a LoRA run's first three steps took
+    about 3 s each on an H100, its median 0.45 s) are left out of the throughput: `warmup_steps` of
+    them once a run has 4 x as many, fewer in shorter runs, one when there are two or more.
     """
 
     def __init__(self, device: torch.device, warmup_steps: int = 3):
@@ -27,7 +29,8 @@ class StepMeter:
         self.durations: list[float] = []
         self.samples: list[int] = []
         self._start = None  # the mark the next step's duration counts from
-        self._pending: list[tuple[object, int]] = []  # (mark, samples) of steps not yet converted to seconds
+        # (mark, samples) of steps not yet converted to seconds
+        self._pending: list[tuple[object, int]] = []
         self._interval_from = 0  # index into durations where the current log interval began
 
     def _mark(self):
@@ -65,7 +68,8 @@ class StepMeter:
         self._pending.append((self._mark(), samples))
 
     def interval_seconds(self) -> float:
-        """Mean seconds per step since the previous call (a host read on a GPU: call it at log steps only)."""
+        """Mean seconds per step since the previous call (a host read on a GPU: call it at log steps
+        only)."""
         self._flush()
         recent = self.durations[self._interval_from :]
         self._interval_from = len(self.durations)
@@ -83,7 +87,8 @@ class StepMeter:
 
     @property
     def warmup_seconds(self) -> float:
-        """Wall seconds of the warm-up steps left out of the throughput (a compiled model compiles in them)."""
+        """Wall seconds of the warm-up steps left out of the throughput (a compiled model compiles
+        in them)."""
         durations, _ = self._measured()
         return self.train_seconds - sum(durations)
 
@@ -103,25 +108,28 @@ class StepMeter:
         return statistics.median(durations) if durations else 0.0
 
 
-# Dense bf16 tensor-core peaks from NVIDIA's data sheets: the denominator of model FLOP utilisation (MFU).
+# Dense bf16 tensor-core peaks from NVIDIA's data sheets:
+# the denominator of model FLOP utilisation (MFU).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 def peak_tflops(device_name: str) -> float | None:
-    """The peak of a device named as torch or nvidia-smi name it ("NVIDIA H100 80GB HBM3"); None when not listed."""
+    """The peak of a device named as torch or nvidia-smi name it ("NVIDIA H100 80GB HBM3"); None
+    when not listed."""
     return next((value for key, value in PEAK_TFLOPS.items() if key in device_name), None)
 
 
 def flop_utilisation(flops_per_second: float, device: torch.device, processes: int) -> float | None:
-    """Model FLOP utilisation: the model's FLOPs per second (all processes) over the peak of `processes` devices like
-    this one; None off a GPU or on one whose peak is not listed."""
+    """Model FLOP utilisation: the model's FLOPs per second (all processes) over the peak of
+    `processes` devices like this one; None off a GPU or on one whose peak is not listed."""
     device = torch.device(device)
     peak = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     return flops_per_second / (peak * 1e12 * processes) if peak else None
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
-    """Peak memory of this process and what it counts: GPU memory allocated by tensors, or the host's peak RSS."""
+    """Peak memory of this process and what it counts: GPU memory allocated by tensors, or the
+    host's peak RSS."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,11 +1,13 @@
 """The pictures a run leaves in its output directory, as Ultralytics users expect them.
 
-    plot_results(output / "metrics.jsonl", output / "results.png")      # loss, lr, eval metrics, samples/s vs step
-    save_confusion_matrix(counts, class_names, output)                  # confusion_matrix.csv and .png
+    # loss, lr, eval metrics, samples/s vs step
+    plot_results(output / "metrics.jsonl", output / "results.png")
+    save_confusion_matrix(counts, class_names, output)   # confusion_matrix.csv and .png
 
-Main process only, after evaluation. matplotlib is imported inside the functions and draws with its Agg canvas (no
-pyplot, no display, no global backend change). A picture never stops a run: without matplotlib the functions print
-one line saying how to get them and return None; any other failure prints a warning and returns None.
+Main process only, after evaluation. matplotlib is imported inside the functions and draws with its
+Agg canvas (no pyplot, no display, no global backend change). A picture never stops a run: without
+matplotlib the functions print one line saying how to get them and return None; any other failure
+prints a warning and returns None.
 """
 
 import csv
@@ -17,7 +19,8 @@ _told_missing = False
 
 
 def picture(draw):
-    """Decorator for a function that writes a picture: it returns None instead of raising (see the module's doc)."""
+    """Decorator for a function that writes a picture: it returns None instead of raising (see the
+    module's doc)."""
 
     @functools.wraps(draw)
     def safe(*args, **kwargs):
@@ -41,9 +44,11 @@ def picture(draw):
 
 
 def new_figure(width: float, height: float, layout: str | None = "constrained"):
-    """A matplotlib Figure on an Agg canvas, independent of pyplot and of whatever backend the process uses.
+    """A matplotlib Figure on an Agg canvas, independent of pyplot and of whatever backend the
+    process uses.
 
-    layout None: the caller places the axes (a constrained layout draws the figure twice when saving it)."""
+    layout None: the caller places the axes (a constrained layout draws the figure twice when saving
+    it)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -84,20 +89,25 @@ def _draw(ax, rows, keys, *, label_prefix: str, markers: bool):
 
 @picture
 def plot_results(
-    metrics_jsonl: str | Path, png: str | Path, title: str | None = None, eval_keys: tuple[str, ...] | None = None
+    metrics_jsonl: str | Path,
+    png: str | Path,
+    title: str | None = None,
+    eval_keys: tuple[str, ...] | None = None,
 ) -> Path | None:
-    """results.png: train loss (and eval loss), learning rate, eval metrics and throughput against the optimizer step.
+    """results.png: train loss (and eval loss), learning rate, eval metrics and throughput against
+    the optimizer step.
 
-    Reads the metrics.jsonl that TrainingProgress writes: train/* losses and train/lr and perf/samples_per_second at
-    log steps, eval/* at epoch ends (drawn as markers). Per-class values (eval/<metric>/<class>) and counts are left
-    out. `eval_keys` (eval/<name>, ...): draw those in the evaluation panel instead of every score, when the scores
-    do not share a scale.
+    Reads the metrics.jsonl that TrainingProgress writes: train/* losses and train/lr and
+    perf/samples_per_second at log steps, eval/* at epoch ends (drawn as markers). Per-class values
+    (eval/<metric>/<class>) and counts are left out. `eval_keys` (eval/<name>, ...): draw those in
+    the evaluation panel instead of every score, when the scores do not share a scale.
     Returns the path.
     """
     rows = read_metrics(metrics_jsonl)
     keys = list(dict.fromkeys(k for r in rows for k in r))  # in the order they were first logged
     train_losses = [k for k in keys if k.startswith("train/") and k.endswith("loss")]
-    # Counts logged beside the scores (eval/images) are whole numbers in every row: they would flatten the scores.
+    # Counts logged beside the scores (eval/images) are whole numbers in every row: they would
+    # flatten the scores.
     eval_metrics = [
         k
         for k in keys
@@ -108,7 +118,8 @@ def plot_results(
         and (eval_keys is None or k in eval_keys)
     ]
 
-    figure = new_figure(11, 7.5, layout=None)  # drawn every epoch: fixed margins, half the time of a computed layout
+    # drawn every epoch: fixed margins, half the time of a computed layout
+    figure = new_figure(11, 7.5, layout=None)
     (loss, lr), (metric, speed) = figure.subplots(2, 2, sharex=True)
     figure.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.91, wspace=0.18, hspace=0.22)
     panels = [
@@ -118,21 +129,27 @@ def plot_results(
         (speed, "Training throughput (samples/s, all processes)", [(["perf/samples_per_second"], "", False)]),
     ]
     for ax, name, groups in panels:
-        drawn = sum(_draw(ax, rows, group, label_prefix=prefix, markers=markers) for group, prefix, markers in groups)
+        drawn = sum(
+            _draw(ax, rows, group, label_prefix=prefix, markers=markers) for group, prefix, markers in groups
+        )
         ax.set_title(name)
         ax.grid(alpha=0.3)
         if not drawn:
-            ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes, color="gray"
+            )
         elif drawn > 1:
             ax.legend(fontsize=8)
     lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     speed.set_ylim(bottom=0)
     scores = [v for k in eval_metrics for v in _series(rows, k)[1]]
-    if scores and all(0 <= v <= 1 for v in scores):  # accuracy, F1, mAP: on their whole scale, not zoomed to noise
+    # accuracy, F1, mAP: on their whole scale, not zoomed to noise
+    if scores and all(0 <= v <= 1 for v in scores):
         metric.set_ylim(0, 1.02)
     from matplotlib.ticker import MaxNLocator
 
-    metric.xaxis.set_major_locator(MaxNLocator(integer=True))  # the axes share x: steps are whole numbers
+    # the axes share x: steps are whole numbers
+    metric.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (metric, speed):
         ax.set_xlabel("optimizer step")
     if len(eval_metrics) == 1:
@@ -153,10 +170,11 @@ def normalize_rows(matrix) -> list[list[float]]:
 def plot_confusion_matrix(
     matrix, class_names: list[str], png: str | Path, normalize: bool = True, title: str | None = None
 ) -> Path | None:
-    """A confusion matrix picture: rows are the true classes, columns the predicted ones (as `matrix` holds them).
+    """A confusion matrix picture: rows are the true classes, columns the predicted ones (as
+    `matrix` holds them).
 
-    normalize divides each row by its count, so the diagonal is each class's recall. Cells are annotated when there are
-    at most 30 classes. Returns the path.
+    normalize divides each row by its count, so the diagonal is each class's recall. Cells are
+    annotated when there are at most 30 classes. Returns the path.
     """
     counts = [[int(v) for v in row] for row in (matrix.tolist() if hasattr(matrix, "tolist") else matrix)]
     n = len(counts)
@@ -189,14 +207,17 @@ def plot_confusion_matrix(
                         color="white" if values[i][j] > 0.6 * high else "black",
                     )
     total = sum(map(sum, counts))
-    ax.set_title(title or f"Confusion matrix{' (normalised per true class)' if normalize else ''}, {total} samples")
+    ax.set_title(
+        title or f"Confusion matrix{' (normalised per true class)' if normalize else ''}, {total} samples"
+    )
     png = Path(png)
     figure.savefig(png, dpi=100)
     return png
 
 
 def write_confusion_matrix_csv(matrix, class_names: list[str], path: str | Path) -> Path:
-    """The counts as CSV: a header of predicted class names, then one row per true class (its name, then counts)."""
+    """The counts as CSV: a header of predicted class names, then one row per true class (its name,
+    then counts)."""
     path = Path(path)
     rows = matrix.tolist() if hasattr(matrix, "tolist") else matrix
     with path.open("w", newline="") as f:
@@ -222,8 +243,8 @@ def save_confusion_matrix(
     title: str | None = None,
     draw: bool = True,
 ) -> Path:
-    """<name>.csv (the counts; written with or without matplotlib) and, when `draw`, <name>.png (normalised) in
-    output_dir. Returns the CSV's path."""
+    """<name>.csv (the counts; written with or without matplotlib) and, when `draw`, <name>.png
+    (normalised) in output_dir. Returns the CSV's path."""
     path = write_confusion_matrix_csv(matrix, class_names, Path(output_dir) / f"{name}.csv")
     if draw:
         plot_confusion_matrix(matrix, class_names, path.with_suffix(".png"), normalize=True, title=title)

@@ -27,7 +27,8 @@ def write_results(output_dir: str | Path, results: dict) -> Path:
 
 
 class MetricsLog:
-    """Logs to the trackers through Accelerate and appends the same values to output_dir/metrics.jsonl.
+    """Logs to the trackers through Accelerate and appends the same values to
+    output_dir/metrics.jsonl.
 
     The JSON-lines copy needs no tracker to read back; it is written by the main process only.
     """
@@ -44,9 +45,9 @@ class MetricsLog:
 
 
 def restart_metrics(output_dir: str | Path, resume_step: int | None = None) -> None:
-    """Ready output_dir/metrics.jsonl for a run (main process): a new run starts an empty file; a resumed one keeps
-    the rows up to the checkpoint's step and drops those logged after it by the interrupted run (the resumed run logs
-    those steps again)."""
+    """Ready output_dir/metrics.jsonl for a run (main process): a new run starts an empty file; a
+    resumed one keeps the rows up to the checkpoint's step and drops those logged after it by the
+    interrupted run (the resumed run logs those steps again)."""
     path = Path(output_dir) / METRICS_FILE
     if not path.parent.is_dir():
         return  # nothing logged there yet
@@ -62,17 +63,27 @@ def restart_metrics(output_dir: str | Path, resume_step: int | None = None) -> N
 
 
 # Flags that say where files go, which mode runs or how to track, not how the model is trained.
-NOT_SETTINGS = ("output_dir", "resume", "eval_only", "predict", "tracker", "swanlab_mode", "project", "run_name")
+NOT_SETTINGS = (
+    "output_dir",
+    "resume",
+    "eval_only",
+    "predict",
+    "tracker",
+    "swanlab_mode",
+    "project",
+    "run_name",
+)
 
 
 def run_config(recipe: str, args, accelerator, **derived) -> dict:
-    """The run's settings, as the tracker, each checkpoint.json and results.json record them: the recipe, how it was
-    launched (world size, machines, precision, distributed type, global batch), every training flag in `args` (a
-    recipe's flags dataclass), and what the recipe derived from them; a derived value wins over the flag of its name
-    (the learning rate the recipe chose, the epochs --max_steps makes)."""
+    """The run's settings, as the tracker, each checkpoint.json and results.json record them: the
+    recipe, how it was launched (world size, machines, precision, distributed type, global batch),
+    every training flag in `args` (a recipe's flags dataclass), and what the recipe derived from
+    them; a derived value wins over the flag of its name (the learning rate the recipe chose, the
+    epochs --max_steps makes)."""
     flags = {name: value for name, value in dataclasses.asdict(args).items() if name not in NOT_SETTINGS}
-    # Trackers take bool, int, float, str or None (accelerate's store_init_configuration); a list flag (--hsv 0.1,0.2)
-    # is recorded as typed.
+    # Trackers take bool, int, float, str or None (accelerate's store_init_configuration); a list
+    # flag (--hsv 0.1,0.2) is recorded as typed.
     flags = {name: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for name, v in flags.items()}
     flags.pop("batch_size", None)  # recorded as global_batch_size
     launch = dict(
@@ -83,15 +94,19 @@ def run_config(recipe: str, args, accelerator, **derived) -> dict:
         distributed_type=accelerator.distributed_type.value,
         global_batch_size=args.batch_size,
     )
-    return {"recipe": recipe, **flags, **launch, **derived}  # the precision accelerate applies, not the flag's None
+    # the precision accelerate applies, not the flag's None
+    return {"recipe": recipe, **flags, **launch, **derived}
 
 
 def run_facts(accelerator, meter, samples_seen: int) -> dict:
-    """The results.json entries every recipe shares, as a dict to merge into the recipe's own results:
+    """The results.json entries every recipe shares, as a dict to merge into the recipe's own
+    results:
 
-    - train_seconds, train_samples_per_second (global), median_step_seconds: from `meter` (a StepMeter);
+    - train_seconds, train_samples_per_second (global), median_step_seconds: from `meter` (a
+      StepMeter);
     - samples_seen_per_process: `samples_seen` of every process, gathered, in rank order;
-    - peak_memory_mb (the largest of all processes) and peak_memory_kind ("cuda_max_allocated" or "host_max_rss");
+    - peak_memory_mb (the largest of all processes) and peak_memory_kind ("cuda_max_allocated" or
+      "host_max_rss");
     - device, torch_version, accelerate_version, and finished_at (UTC, ISO 8601).
 
     Collective: every process must call it.
@@ -99,7 +114,9 @@ def run_facts(accelerator, meter, samples_seen: int) -> dict:
     device = accelerator.device
     samples_per_process = accelerator.gather(torch.tensor([samples_seen], device=device)).tolist()
     memory_mb, memory_kind = peak_memory_mb(device)
-    peak_memory = accelerator.gather(torch.tensor([memory_mb], device=device, dtype=torch.float64)).max().item()
+    peak_memory = (
+        accelerator.gather(torch.tensor([memory_mb], device=device, dtype=torch.float64)).max().item()
+    )
     return dict(
         train_seconds=meter.train_seconds,
         train_samples_per_second=meter.samples_per_second,

@@ -1,9 +1,10 @@
 """Random augmentation that a resumed run repeats exactly.
 
-Transforms that draw from torch's global generator make an image's augmentation depend on everything drawn before it:
-how many loader workers there are, and that accelerate's loader reads one batch ahead (so a checkpoint's RNG state
-already includes the next batch's draws). Drawing instead from a generator seeded by (seed, epoch, index) gives each
-image the same augmentation in an uninterrupted run, a resumed one, or with any number of workers.
+Transforms that draw from torch's global generator make an image's augmentation depend on everything
+drawn before it: how many loader workers there are, and that accelerate's loader reads one batch
+ahead (so a checkpoint's RNG state already includes the next batch's draws). Drawing instead from a
+generator seeded by (seed, epoch, index) gives each image the same augmentation in an uninterrupted
+run, a resumed one, or with any number of workers.
 """
 
 import torch
@@ -11,10 +12,11 @@ from torch.utils.data import Dataset
 
 
 class SeededAugmentation(Dataset):
-    """Wraps a dataset whose __getitem__ draws from torch's global generator (torchvision transforms, ...).
+    """Wraps a dataset whose __getitem__ draws from torch's global generator (torchvision
+    transforms, ...).
 
-    Call `set_epoch(epoch)` before each epoch. The epoch lives in shared memory, so persistent DataLoader workers see
-    it.
+    Call `set_epoch(epoch)` before each epoch. The epoch lives in shared memory, so persistent
+    DataLoader workers see it.
     """
 
     def __init__(self, dataset: Dataset, seed: int):

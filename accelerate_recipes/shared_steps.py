@@ -153,10 +153,10 @@ def clip_norm(args) -> float:
 
 
 def keeps_update(progress: TrainingProgress, grad_norm) -> bool:
-    """`if keeps_update(progress, grad_norm): optimizer.step()`: whether the optimizer step under way
-    updates the weights, `grad_norm` being its total gradient norm from clip_grad_norm_. False only
-    with --skip_nonfinite_steps, for a non-finite loss or norm on any process; without that flag a
-    non-finite one is noted on the device and the next check stops the run."""
+    """`if keeps_update(progress, grad_norm): optimizer.step()`: whether the optimizer step under
+    way updates the weights, `grad_norm` being its total gradient norm from clip_grad_norm_. False
+    only with --skip_nonfinite_steps, for a non-finite loss or norm on any process; without that
+    flag a non-finite one is noted on the device and the next check stops the run."""
     return not progress.guard.skip_update(progress.state.step + 1, grad_norm)
 
 

@@ -1,7 +1,8 @@
 """Experiment tracking through Accelerate's built-in trackers, SwanLab by default.
 
-SwanLab needs no login here: without one (and with no mode asked for) the run is written offline under the output
-directory and can be uploaded later with `swanlab sync`. Only the main process logs (Accelerate does that).
+SwanLab needs no login here: without one (and with no mode asked for) the run is written offline
+under the output directory and can be uploaded later with `swanlab sync`. Only the main process logs
+(Accelerate does that).
 """
 
 import importlib.util
@@ -21,20 +22,25 @@ from accelerate.utils import LoggerType
 from accelerate_recipes.errors import RecipeError
 
 SWANLAB_MODES = ("online", "cloud", "offline", "local", "disabled")
-TRACKER_RUN_FILE = "tracker_run.json"  # in the output directory: the tracker's id of the training it holds
+# in the output directory: the tracker's id of the training it holds
+TRACKER_RUN_FILE = "tracker_run.json"
 RESUMABLE = {"swanlab", "wandb"}  # the trackers whose init takes an id and resume="allow"
 IMAGE_TRACKERS = ("swanlab", "wandb")  # whose log_images takes a list of pictures per key
-SWANLAB_API_HOST = "https://api.swanlab.cn"  # SwanLab's default; SWANLAB_API_HOST points it at a private server
-REACH_SECONDS = 3.0  # compute nodes without internet: give up on the cloud this fast instead of holding rank 0
+# SwanLab's default; SWANLAB_API_HOST points it at a private server
+SWANLAB_API_HOST = "https://api.swanlab.cn"
+# compute nodes without internet: give up on the cloud this fast instead of holding rank 0
+REACH_SECONDS = 3.0
 
 
 def is_main_process() -> bool:
-    """Rank 0, known before the Accelerator exists: torchrun and accelerate launch set RANK; plain python is rank 0."""
+    """Rank 0, known before the Accelerator exists: torchrun and accelerate launch set RANK; plain
+    python is rank 0."""
     return os.environ.get("RANK", "0").strip() in ("0", "")
 
 
 def swanlab_reachable(timeout: float = REACH_SECONDS) -> tuple[bool, str]:
-    """(True, host) when a TCP connection to SwanLab's API host opens within `timeout` seconds, else (False, why)."""
+    """(True, host) when a TCP connection to SwanLab's API host opens within `timeout` seconds, else
+    (False, why)."""
     url = os.environ.get("SWANLAB_API_HOST") or SWANLAB_API_HOST
     parts = urlsplit(url if "://" in url else f"https://{url}")
     host, port = parts.hostname or url, parts.port or (80 if parts.scheme == "http" else 443)
@@ -47,7 +53,8 @@ def swanlab_reachable(timeout: float = REACH_SECONDS) -> tuple[bool, str]:
 
 @dataclass
 class TrackerSetup:
-    """What `Accelerator(log_with=...)` and `accelerator.init_trackers(...)` need, plus a note for the user."""
+    """What `Accelerator(log_with=...)` and `accelerator.init_trackers(...)` need, plus a note for
+    the user."""
 
     log_with: list[str] = field(default_factory=list)
     init_kwargs: dict = field(default_factory=dict)
@@ -58,29 +65,35 @@ class TrackerSetup:
     run_id: str | None = None  # the training's id in its tracker (init_kwargs_for)
 
     def init_kwargs_for(self, resume_from: Path | None) -> dict:
-        """`init_trackers`' init_kwargs for a run that resumes from `resume_from` (None: a fresh start): one
-        experiment per training, as SwanLab and wandb continue the id of the training it continues with
-        resume="allow" (the curves go on at the resumed step; offline parts sync into one); the other trackers
-        start a new run, said in one line."""
+        """`init_trackers`' init_kwargs for a run that resumes from `resume_from` (None: a fresh
+        start): one experiment per training, as SwanLab and wandb continue the id of the training it
+        continues with resume="allow" (the curves go on at the resumed step; offline parts sync into
+        one); the other trackers start a new run, said in one line."""
         kwargs = {name: dict(self.init_kwargs.get(name, {})) for name in self.log_with}
         for name in self.log_with:
             if name in RESUMABLE:
                 self.run_id = keep_run_id(self.output_dir, resume_from, name)
                 kwargs[name].update(id=self.run_id, resume="allow")
             elif resume_from is not None and is_main_process():
-                print(f"{name}: a resumed run is logged as a new run ({name} takes no run id to continue)", flush=True)
+                print(
+                    f"{name}: a resumed run is logged as a new run ({name} takes no run id to continue)",
+                    flush=True,
+                )
         return kwargs
 
     def where(self) -> str | None:
-        """One line saying where the run's tracking data is and how to look at it, or None when nothing is tracked."""
+        """One line saying where the run's tracking data is and how to look at it, or None when
+        nothing is tracked."""
         if self.swanlab_mode in ("offline", "local"):
             runs = sorted(self.swanlab_dir.glob("run-*"), key=os.path.getmtime) if self.swanlab_dir else []
             run_dir = runs[-1] if runs else self.swanlab_dir
             run_id = self.run_id
             parts = [run for run in runs if run_id and run.name.endswith(f"-{run_id}")]
-            if self.swanlab_mode == "offline" and len(parts) > 1:  # a resumed training: one folder per start
+            # a resumed training: one folder per start
+            if self.swanlab_mode == "offline" and len(parts) > 1:
                 return (
-                    f"SwanLab (offline, {self.offline_because}): run {run_id} saved in {len(parts)} parts, one per "
+                    f"SwanLab (offline, {self.offline_because}): run {run_id} saved in {len(parts)} parts, "
+                    "one per "
                     f"start, in {self.swanlab_dir}; upload them as one experiment with "
                     f"`swanlab sync {self.swanlab_dir}/run-*-{run_id}` after `swanlab login`"
                 )
@@ -99,18 +112,22 @@ class TrackerSetup:
 
 
 def swanlab_logged_in() -> bool:
-    """True when SwanLab will find an API key: SWANLAB_API_KEY or a saved `swanlab login` (.netrc)."""
+    """True when SwanLab will find an API key: SWANLAB_API_KEY or a saved `swanlab login`
+    (.netrc)."""
     if os.environ.get("SWANLAB_API_KEY"):
         return True
-    user_dir = Path(os.environ.get("SWANLAB_ROOT") or os.environ.get("SWANLAB_SAVE_DIR") or Path.home() / ".swanlab")
+    user_dir = Path(
+        os.environ.get("SWANLAB_ROOT") or os.environ.get("SWANLAB_SAVE_DIR") or Path.home() / ".swanlab"
+    )
     return (Path.cwd() / ".swanlab" / ".netrc").is_file() or (user_dir / ".netrc").is_file()
 
 
 def resolve_swanlab_mode(requested: str | None) -> str:
-    """The SwanLab mode: the flag, else $SWANLAB_MODE, else cloud when logged in and offline when not.
+    """The SwanLab mode: the flag, else $SWANLAB_MODE, else cloud when logged in and offline when
+    not.
 
-    Only the main process logs, so only it looks at the login and the dashboard: the other ranks (on nodes that may
-    have no login at all) take the mode as asked and never stop the run over it.
+    Only the main process logs, so only it looks at the login and the dashboard: the other ranks (on
+    nodes that may have no login at all) take the mode as asked and never stop the run over it.
     """
     mode = (requested or os.environ.get("SWANLAB_MODE") or "").strip().lower()
     if mode and mode not in SWANLAB_MODES:
@@ -128,7 +145,8 @@ def resolve_swanlab_mode(requested: str | None) -> str:
         )
     if mode == "local" and importlib.util.find_spec("swanboard") is None:
         raise RecipeError(
-            "SwanLab local mode needs its dashboard: pip install 'swanlab[dashboard]' (or use --swanlab_mode offline)"
+            "SwanLab local mode needs its dashboard: pip install 'swanlab[dashboard]' (or use --swanlab_mode "
+            "offline)"
         )
     return mode
 
@@ -140,9 +158,9 @@ def new_run_id() -> str:
 
 
 def continued_run_id(output_dir: Path, resume_from: Path | None, tracker: str) -> str | None:
-    """The id of the training a resumed run continues: kept in TRACKER_RUN_FILE in the output directory of the
-    checkpoint it resumes from (<output_dir>/checkpoints/step_N), else in --output_dir, for the same tracker; None
-    for a fresh start."""
+    """The id of the training a resumed run continues: kept in TRACKER_RUN_FILE in the output
+    directory of the checkpoint it resumes from (<output_dir>/checkpoints/step_N), else in
+    --output_dir, for the same tracker; None for a fresh start."""
     if resume_from is None:
         return None
     for folder in (Path(resume_from).resolve().parent.parent, output_dir):
@@ -156,23 +174,28 @@ def continued_run_id(output_dir: Path, resume_from: Path | None, tracker: str) -
 
 
 def keep_run_id(output_dir: str | Path, resume_from: Path | None, tracker: str) -> str:
-    """This training's tracker id: the one a resumed run continues (continued_run_id), else a new one, written to
-    TRACKER_RUN_FILE by the main process so that every later resume logs into the same experiment."""
+    """This training's tracker id: the one a resumed run continues (continued_run_id), else a new
+    one, written to TRACKER_RUN_FILE by the main process so that every later resume logs into the
+    same experiment."""
     output = Path(output_dir)
     run_id = continued_run_id(output, resume_from, tracker) or new_run_id()
     if is_main_process():
         try:
             (output / TRACKER_RUN_FILE).write_text(json.dumps({"tracker": tracker, "id": run_id}) + "\n")
         except OSError:
-            pass  # prepare_output_dir has named the cause of an output directory that cannot be written
+            # prepare_output_dir has named the cause of an output directory that cannot be written
+            pass
     return run_id
 
 
-def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, swanlab_mode: str | None = None):
-    """Validate `--tracker` and build the arguments Accelerate needs for it (init_kwargs_for gives them once the
-    checkpoint a run resumes from is known).
+def setup_tracker(
+    tracker: str | None, output_dir: str | Path, run_name: str, swanlab_mode: str | None = None
+):
+    """Validate `--tracker` and build the arguments Accelerate needs for it (init_kwargs_for gives
+    them once the checkpoint a run resumes from is known).
 
-    tracker: "swanlab" (default), "none", or any tracker Accelerate knows by name (tensorboard, wandb, mlflow, ...).
+    tracker: "swanlab" (default), "none", or any tracker Accelerate knows by name (tensorboard,
+    wandb, mlflow, ...).
     """
     name = str(tracker or "none").strip().lower()
     if name in ("none", "", "false", "off"):
@@ -191,9 +214,11 @@ def setup_tracker(tracker: str | None, output_dir: str | Path, run_name: str, sw
     if mode == "online" and is_main_process():
         reachable, where = swanlab_reachable()
         if not reachable:
-            # Without internet SwanLab would retry for a long time while every other rank waits for rank 0.
+            # Without internet SwanLab would retry for a long
+            # time while every other rank waits for rank 0.
             print(
-                f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} s); "
+                f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} "
+                "s); "
                 "logging offline instead: upload the run later with `swanlab sync`",
                 file=sys.stderr,
                 flush=True,

@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""All-reduce bandwidth between the processes of a launch: what DDP pays for every gradient exchange.
+"""All-reduce bandwidth between the processes of a launch: what DDP pays for every gradient
+exchange.
 
     make allreduce-8gpu                                  # 8 GPUs over NCCL (any accelerate config works)
     make allreduce-2node NODE_RANK=0 MASTER_ADDR=10.0.0.1
     make allreduce-cpu                                   # 2 CPU processes over gloo
     accelerate launch --config_file accelerate_configs/2gpu.yaml --gpu_ids 0,4 benchmarks/allreduce.py
 
-For each message size it times `torch.distributed.all_reduce` (sum) and prints, as nccl-tests define them:
-    algbw = bytes / time                   what one process sees
-    busbw = algbw x 2(n-1)/n               the traffic per link of a ring all-reduce, comparable across process counts
-A ring all-reduce of K bytes over n processes sends 2(n-1)K/n bytes over each link, so busbw approaches the slowest
-link's bandwidth: ~1.25 GB/s on 10 GbE, tens of GB/s over PCIe, hundreds over NVLink. Each size is checked once,
-untimed: rank r contributes r + 1, so every element must equal n(n+1)/2 (ones where that sum would not be exact in
-the dtype).
+For each message size it times `torch.distributed.all_reduce` (sum) and prints, as nccl-tests define
+them:
+    algbw = bytes / time         what one process sees
+    busbw = algbw x 2(n-1)/n     the traffic per link of a ring all-reduce, comparable across
+                                 process counts
+A ring all-reduce of K bytes over n processes sends 2(n-1)K/n bytes over each link, so busbw
+approaches the slowest link's bandwidth: ~1.25 GB/s on 10 GbE, tens of GB/s over PCIe, hundreds over
+NVLink. Each size is checked once, untimed: rank r contributes r + 1, so every element must equal
+n(n+1)/2 (ones where that sum would not be exact in the dtype).
 """
 
 import json
@@ -39,22 +42,26 @@ def human(num_bytes: int) -> str:
 def fill_and_expected(world: int, rank: int, dtype) -> tuple[float, float]:
     """(this rank's value, the exact sum) for the correctness check.
 
-    Every partial sum of a ring or tree all-reduce is a sum of some ranks' values; while all of them are integers the
-    dtype holds exactly (up to 2^24 in fp32, 2^11 in fp16, only 2^8 in bf16) the check can be exact, with no false
-    alarm from rounding. Rank r sends r + 1 while n(n+1)/2 fits (distinct values: a rank counted twice or left out
-    shows up); otherwise the first ranks, as many as fit, send 1 and the rest 0.
+    Every partial sum of a ring or tree all-reduce is a sum of some ranks' values; while all of them
+    are integers the dtype holds exactly (up to 2^24 in fp32, 2^11 in fp16, only 2^8 in bf16) the
+    check can be exact, with no false alarm from rounding. Rank r sends r + 1 while n(n+1)/2 fits
+    (distinct values: a rank counted twice or left out shows up); otherwise the first ranks, as many
+    as fit, send 1 and the rest 0.
     """
-    exact_up_to = round(2 / torch.finfo(dtype).eps)  # 2^(significand bits): every integer up to it is exact
+    # 2^(significand bits): every integer up to it is exact
+    exact_up_to = round(2 / torch.finfo(dtype).eps)
     if world * (world + 1) // 2 <= exact_up_to:
         return float(rank + 1), world * (world + 1) / 2
     return float(rank < exact_up_to), float(min(world, exact_up_to))
 
 
 def measure(num_bytes: int, dtype, device, warmup: int, iters: int, world: int, rank: int) -> dict:
-    """Time one message size; returns seconds per all-reduce, algbw and busbw in GB/s, and whether sums were right.
+    """Time one message size; returns seconds per all-reduce, algbw and busbw in GB/s, and whether
+    sums were right.
 
-    The buffer is filled and its sum checked once, before the clock starts: the timed loop holds only all_reduce
-    calls (a fill per call would be timed as bandwidth). The timed calls run on zeros, which stay zeros.
+    The buffer is filled and its sum checked once, before the clock starts: the timed loop holds
+    only all_reduce calls (a fill per call would be timed as bandwidth). The timed calls run on
+    zeros, which stay zeros.
     """
     numel = max(1, num_bytes // torch.tensor([], dtype=dtype).element_size())
     value, expected = fill_and_expected(world, rank, dtype)
@@ -99,20 +106,25 @@ def main(
     iters: int | None = None,
     output_dir: str = "outputs/allreduce",
 ):
-    """Measure all-reduce time and bandwidth from MIN_BYTES to MAX_BYTES across all launched processes.
+    """Measure all-reduce time and bandwidth from MIN_BYTES to MAX_BYTES across all launched
+    processes.
 
     Args:
         min_bytes: smallest message.
-        max_bytes: largest message; default 1 GiB on GPUs, 64 MiB on the CPU (gloo is slow and RAM is shared).
+        max_bytes: largest message; default 1 GiB on GPUs, 64 MiB on the CPU (gloo is slow and RAM
+            is shared).
         factor: each size is this many times the previous one.
-        dtype: fp32, bf16 or fp16 (DDP all-reduces gradients in the parameters' dtype, fp32 unless you changed it).
+        dtype: fp32, bf16 or fp16 (DDP all-reduces gradients in the parameters' dtype, fp32 unless
+            you changed it).
         warmup: untimed all-reduces per size (connection set-up, NCCL's first-call cost).
         iters: timed all-reduces per size; default 20 on GPUs, 5 on the CPU.
-        output_dir: where allreduce.json goes (one entry per size, plus world size, backend and device).
+        output_dir: where allreduce.json goes (one entry per size, plus world size, backend and
+            device).
     """
     if dtype not in DTYPES:
         raise RecipeError(f"unknown --dtype {dtype!r}; choose fp32, bf16 or fp16")
-    # Starts the process group the launcher asked for: NCCL on GPUs, gloo on the CPU (ACCELERATE_USE_CPU=true).
+    # Starts the process group the launcher asked for: NCCL
+    # on GPUs, gloo on the CPU (ACCELERATE_USE_CPU=true).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     check_process_group(state)
     world, rank, device = state.num_processes, state.process_index, state.device

@@ -1,22 +1,25 @@
 #!/usr/bin/env python
-"""Speed harness: the recipes against plain baselines, measured side by side in one run on this machine.
+"""Speed harness: the recipes against plain baselines, measured side by side in one run on this
+machine.
 
-    make bench                               # small shapes on a CPU (a few minutes), real CIFAR shapes on a GPU
+    make bench   # small shapes on a CPU (a few minutes), real CIFAR shapes on a GPU
     python benchmarks/bench.py --steps 100 --batch_size 512 --compile True
 
-Comparisons (each a row of the table and an entry of bench_results.json: name, the two figures, unit, ratio):
-  loader     the device data path (uint8 on the device, crop + flip + normalise there) vs torchvision's DataLoader
-             with ToTensor + Normalize and no workers (the source article's pipeline), images/s incl. the copy to
-             the device;
-  training   recipes/cifar.py (device data path, bf16 autocast on GPUs and CPUs with native bf16, channels_last) vs
-             the article's loop (fp32, batch 64 per process, SGD lr 1e-3 momentum 0.9, DataLoader without workers,
-             CPU transforms), same model and data;
-  overhead   recipes/cifar.py vs a bare PyTorch loop with the same model, batch, precision (fp16 with a GradScaler,
-             as accelerate steps it) and data path: what Accelerate, tracking, metrics and logging cost (1 - ratio);
+Comparisons (each a row of the table and an entry of bench_results.json: name, the two figures,
+unit, ratio):
+  loader     the device data path (uint8 on the device, crop + flip + normalise there) vs
+             torchvision's DataLoader with ToTensor + Normalize and no workers (the source article's
+             pipeline), images/s incl. the copy to the device;
+  training   recipes/cifar.py (device data path, bf16 autocast on GPUs and CPUs with native bf16,
+             channels_last) vs the article's loop (fp32, batch 64 per process, SGD lr 1e-3 momentum
+             0.9, DataLoader without workers, CPU transforms), same model and data;
+  overhead   recipes/cifar.py vs a bare PyTorch loop with the same model, batch, precision (fp16 with
+             a GradScaler, as accelerate steps it) and data path: what Accelerate, tracking, metrics
+             and logging cost (1 - ratio);
   compile    (GPU default) recipes/cifar.py with --compile vs without;
   text       samples/s of recipes/text_classification.py (all-MiniLM-L6-v2 on Rotten Tomatoes by default).
-Training figures leave the first step out (start-up, allocator growth, cuDNN autotuning). Data: generated images of
-CIFAR's shape, so the harness needs no download and runs the same anywhere.
+Training figures leave the first step out (start-up, allocator growth, cuDNN autotuning). Data:
+generated images of CIFAR's shape, so the harness needs no download and runs the same anywhere.
 """
 
 import importlib.util
@@ -38,12 +41,15 @@ from accelerate_recipes.meter import peak_tflops
 REPO = Path(__file__).resolve().parents[1]
 CIFAR = REPO / "recipes" / "cifar.py"
 TEXT = REPO / "recipes" / "text_classification.py"
-TRAIN_GFLOP_PER_IMAGE = 3.3  # ResNet18, CIFAR stem, 32x32: 0.56 GMACs forward, x3 for forward + backward
+# ResNet18, CIFAR stem, 32x32: 0.56 GMACs forward, x3 for forward + backward
+TRAIN_GFLOP_PER_IMAGE = 3.3
 
 
 def load_cifar_recipe():
-    """recipes/cifar.py as a module, for its model and dataset classes (the loops below use exactly its model)."""
-    # As `python recipes/cifar.py` would: its folder on the path, so cifar_data.py beside it imports.
+    """recipes/cifar.py as a module, for its model and dataset classes (the loops below use exactly
+    its model)."""
+    # As `python recipes/cifar.py` would: its folder on
+    # the path, so cifar_data.py beside it imports.
     sys.path.insert(0, str(REPO / "recipes"))
     spec = importlib.util.spec_from_file_location("cifar_recipe", CIFAR)
     module = importlib.util.module_from_spec(spec)
@@ -57,7 +63,8 @@ def sync(device):
 
 
 def timed(steps, device, skip_first: bool) -> float:
-    """Samples per second over a generator that yields each step's sample count; optionally the first step left out."""
+    """Samples per second over a generator that yields each step's sample count; optionally the
+    first step left out."""
     sync(device)
     start, seen = time.perf_counter(), 0
     for i, size in enumerate(steps):
@@ -70,12 +77,17 @@ def timed(steps, device, skip_first: bool) -> float:
     return seen / (time.perf_counter() - start)
 
 
-# ---------------------------------------------------------------------------------------------------- loaders
+# ------------------------------------------------------------------------------------------ loaders
 def article_loader(recipe, images, labels, batch_size):
-    """The article's pipeline: a Dataset of PIL images, ToTensor + Normalize on the CPU, no DataLoader workers."""
+    """The article's pipeline: a Dataset of PIL images, ToTensor + Normalize on the CPU, no
+    DataLoader workers."""
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(recipe.MEAN, recipe.STD)])
     return DataLoader(
-        recipe.ArrayImages(images, labels, tf), batch_size=batch_size, shuffle=True, num_workers=0, drop_last=True
+        recipe.ArrayImages(images, labels, tf),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=0,
+        drop_last=True,
     )
 
 
@@ -95,14 +107,15 @@ def loader_images_per_second(recipe, images, labels, device, batch_size):
             yield len(y)
 
     list(through_device())  # first pass: copies and kernels warmed up
-    # Best of three alternating passes: a pass is short, and a busy neighbour would otherwise decide the ratio.
+    # Best of three alternating passes: a pass is short, and
+    # a busy neighbour would otherwise decide the ratio.
     fast, slow = zip(
         *[(timed(through_device(), device, False), timed(through_torch(), device, False)) for _ in range(3)]
     )
     return max(fast), max(slow)
 
 
-# ------------------------------------------------------------------------------------------------------ loops
+# -------------------------------------------------------------------------------------------- loops
 def article_training(recipe, images, labels, device, steps):
     """The article's loop: fp32, batch 64, SGD lr 1e-3 momentum 0.9, CPU transforms, no workers."""
     model = recipe.build_model("resnet18", 10).to(device)
@@ -127,14 +140,18 @@ def article_training(recipe, images, labels, device, steps):
 
 
 def bare_training(recipe, images, labels, device, steps, batch_size, precision):
-    """The recipe's maths without Accelerate, tracking or metrics: same model, optimizer, precision and data path."""
+    """The recipe's maths without Accelerate, tracking or metrics: same model, optimizer, precision
+    and data path."""
     model = recipe.build_model("resnet18", 10).to(device).to(memory_format=torch.channels_last)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    loader = recipe.DeviceImageLoader(images, labels, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD)
+    loader = recipe.DeviceImageLoader(
+        images, labels, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD
+    )
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    # fp16 gradients underflow without loss scaling: the recipe's optimizer steps through accelerate's GradScaler, so
-    # this loop does too (with its host read of found_inf per step). Disabled, it is a no-op for bf16 and fp32.
+    # fp16 gradients underflow without loss scaling: the recipe's optimizer steps through
+    # accelerate's GradScaler, so this loop does too (with its host read of found_inf per step).
+    # Disabled, it is a no-op for bf16 and fp32.
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     def steps_run():
@@ -179,7 +196,8 @@ def recipe_training(out: Path, images: int, batch_size: int, steps: int, precisi
         *extra,
     ]
     print("$ " + " ".join(command), flush=True)
-    shutil.rmtree(out, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
+    # fresh: the recipe will not start over an earlier run's checkpoints
+    shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"error: the recipe failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -226,13 +244,14 @@ def text_training(out: Path, model: str | None, data: str, steps: int, batch_siz
     return json.loads((out / "results.json").read_text())
 
 
-# ------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def dtype_name(precision: str) -> str:
     return "fp32" if precision in (None, "no") else precision
 
 
 def entry(name, what_a, a, what_b, b, unit, note="", precision="-"):
-    """One comparison; precision says what each side computed in ("bf16 / fp32": a in bf16, b in fp32)."""
+    """One comparison; precision says what each side computed in ("bf16 / fp32": a in bf16, b in
+    fp32)."""
     return {
         "name": name,
         "a": what_a,
@@ -257,19 +276,24 @@ def main(
     text_data: str = "data/rotten_tomatoes",
     output_dir: str = "outputs/bench",
 ):
-    """Measure the recipes against plain baselines on this machine and write OUTPUT_DIR/bench_results.json.
+    """Measure the recipes against plain baselines on this machine and write
+    OUTPUT_DIR/bench_results.json.
 
     Args:
         batch_size: recipe batch on one device; default 512 on a GPU, 32 on the CPU.
         steps: training steps per measurement; default 100 on a GPU, 20 on the CPU.
         images: generated CIFAR-shaped training images; default 50,000 on a GPU, 2,048 on the CPU.
-        precision: recipe precision, bf16, fp16 or no; default bf16 on a GPU, on a CPU bf16 only where it computes
-            bf16 natively (elsewhere it is emulated, ~40x slower than fp32); fp16 on a GPU only (accelerate runs it
-            as fp32 on a CPU); the article baseline always runs fp32.
-        compile: also measure the recipe with --compile; default on a GPU only (compiling on a CPU takes minutes).
+        precision: recipe precision, bf16, fp16 or no; default bf16 on a GPU, on a CPU bf16 only
+            where it computes bf16 natively (elsewhere it is emulated, ~40x slower than fp32); fp16
+            on a GPU only (accelerate runs it as fp32 on a CPU); the article baseline always runs
+            fp32.
+        compile: also measure the recipe with --compile; default on a GPU only (compiling on a CPU
+            takes minutes).
         text: also measure the text recipe's samples/s.
-        text_model: checkpoint for the text measurement; default all-MiniLM-L6-v2 from `make text-data`.
-        text_data: folder with train.csv and test.csv for the text measurement (`make text-data` writes it).
+        text_model: checkpoint for the text measurement; default all-MiniLM-L6-v2 from `make
+            text-data`.
+        text_data: folder with train.csv and test.csv for the text measurement (`make text-data`
+            writes it).
         output_dir: where bench_results.json and the runs go.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -282,7 +306,8 @@ def main(
     if images < batch_size * 2:
         sys.exit(f"error: --images {images} must hold at least two batches of {batch_size}")
     if precision == "fp16" and not on_gpu:
-        # accelerate builds fp16 autocast and its GradScaler only off the CPU: the recipe would train in fp32 there
+        # accelerate builds fp16 autocast and its GradScaler only off the CPU: the recipe would
+        # train in fp32 there
         sys.exit(
             "error: --precision fp16 needs a GPU (on the CPU accelerate trains an fp16 run in fp32); use "
             "--precision bf16 or no"
@@ -294,17 +319,28 @@ def main(
         images, num_classes=10, seed=42
     )  # the data the recipe generates with its default seed
     name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({usable_cores()} cores)"
-    print(f"device: {name}; torch {torch.__version__}; batch {batch_size}, {steps} steps, {images} images", flush=True)
+    print(
+        f"device: {name}; torch {torch.__version__}; batch {batch_size}, {steps} steps, {images} images",
+        flush=True,
+    )
 
     rows = []
     fast, article = loader_images_per_second(recipe, x, y, device, 64)
     rows.append(
-        entry("loader", "device data path", fast, "DataLoader ToTensor+Normalize, no workers", article, "images/s")
+        entry(
+            "loader",
+            "device data path",
+            fast,
+            "DataLoader ToTensor+Normalize, no workers",
+            article,
+            "images/s",
+        )
     )
     results = recipe_training(out / "recipe", images, batch_size, steps, precision)
     ours = results["train_samples_per_second"]
     baseline = article_training(recipe, x, y, device, steps)
-    used = dtype_name(results["mixed_precision"])  # what the recipe ran with, as its results.json says
+    # what the recipe ran with, as its results.json says
+    used = dtype_name(results["mixed_precision"])
     rows.append(
         entry(
             "training",
@@ -330,7 +366,9 @@ def main(
         )
     )
     if compile:
-        compiled = recipe_training(out / "recipe_compiled", images, batch_size, steps, precision, ["--compile", "True"])
+        compiled = recipe_training(
+            out / "recipe_compiled", images, batch_size, steps, precision, ["--compile", "True"]
+        )
         rows.append(
             entry(
                 "compile",
@@ -380,7 +418,8 @@ def main(
         b_value = "-" if r["b_value"] is None else f"{r['b_value']:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         print(
-            f"{r['name']:<10} | {r['a']:<36} | {r['a_value']:>10.1f} | {r['b']:<42} | {b_value:>10} | {ratio:>6} | "
+            f"{r['name']:<10} | {r['a']:<36} | {r['a_value']:>10.1f} | {r['b']:<42} | {b_value:>10} | "
+            f"{ratio:>6} | "
             f"{r['precision']:<15} | {r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}"
         )
     if peak:

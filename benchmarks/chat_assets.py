@@ -1,9 +1,10 @@
 """Chat tokenizers, models and conversations built offline.
 
-The tokenizers are byte-level BPE trained here on given text, with the special tokens and chat template of the
-families users fine-tune (Qwen2.5's ChatML, Llama 3, Qwen3's thinking blocks); the SFT tests build theirs with it, each
-on its own corpus. `write_chat_assets` writes a whole input set (model of a given Qwen2 shape with random weights, its
-tokenizer, generated conversations) for gpu-check's sft step and the sharding lesson (benchmarks/sharding.py).
+The tokenizers are byte-level BPE trained here on given text, with the special tokens and chat
+template of the families users fine-tune (Qwen2.5's ChatML, Llama 3, Qwen3's thinking blocks); the
+SFT tests build theirs with it, each on its own corpus. `write_chat_assets` writes a whole input set
+(model of a given Qwen2 shape with random weights, its tokenizer, generated conversations) for
+gpu-check's sft step and the sharding lesson (benchmarks/sharding.py).
 """
 
 import json
@@ -11,9 +12,16 @@ import random
 from pathlib import Path
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
-# Our own Jinja templates. ChatML as Qwen2.5 writes it: a default system message when the conversation has none.
+# Our own Jinja templates. ChatML as Qwen2.5 writes it: a default system message when the
+# conversation has none.
 CHATML_TEMPLATE = (
     "{%- if messages[0]['role'] != 'system' %}"
     "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
@@ -32,16 +40,18 @@ LLAMA3_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-# Qwen3 without generation markers: only the last assistant turn (or the generation prompt) carries an empty thinking
-# block, so the rendering of a prefix is not a prefix of the whole rendering.
+# Qwen3 without generation markers: only the last assistant turn (or the generation prompt) carries
+# an empty thinking block, so the rendering of a prefix is not a prefix of the whole rendering.
 QWEN3_TEMPLATE = (
     "{%- set ns = namespace(last_assistant=-1) %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}{%- set ns.last_assistant = loop.index0 %}{%- endif %}"
     "{%- endfor %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' and loop.index0 == ns.last_assistant and not add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
+    "{%- if message['role'] == 'assistant' and loop.index0 == ns.last_assistant and not "
+    "add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message['content'] | trim + '<|im_end|>\\n' "
+    "}}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -52,9 +62,9 @@ TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "qwen3": QWEN
 
 
 def build_chat_tokenizer(folder: Path, corpus: list[str], template: str = "chatml", vocab_size: int = 512):
-    """A byte-level BPE tokenizer of `vocab_size` tokens trained on the lines of `corpus`, with the special tokens and
-    chat template of `template` ("chatml", "llama3" or "qwen3"), saved to `folder` and returned as the transformers
-    tokenizer."""
+    """A byte-level BPE tokenizer of `vocab_size` tokens trained on the lines of `corpus`, with the
+    special tokens and chat template of `template` ("chatml", "llama3" or "qwen3"), saved to
+    `folder` and returned as the transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,16 +81,20 @@ def build_chat_tokenizer(folder: Path, corpus: list[str], template: str = "chatm
         show_progress=False,
     )
     bpe.train_from_iterator(corpus, trainer=trainer)
-    # offsets of byte-level tokens point at the text itself (a leading space included), as in GPT-2/Qwen/Llama 3
+    # offsets of byte-level tokens point at the text itself
+    # (a leading space included), as in GPT-2/Qwen/Llama 3
     bpe.post_processor = processors.ByteLevel(trim_offsets=False)
     if template == "llama3":
         bos = "<|begin_of_text|>"
-        # Llama 3 prepends bos when asked for special tokens; the template writes it too, so SFT must not ask.
+        # Llama 3 prepends bos when asked for special tokens; the template writes it too, so SFT
+        # must not ask.
         bpe.post_processor = processors.Sequence(
             [
                 processors.ByteLevel(trim_offsets=False),
                 processors.TemplateProcessing(
-                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))]
+                    single=f"{bos} $A",
+                    pair=f"{bos} $A {bos} $B",
+                    special_tokens=[(bos, bpe.token_to_id(bos))],
                 ),
             ]
         )
@@ -94,17 +108,35 @@ def build_chat_tokenizer(folder: Path, corpus: list[str], template: str = "chatm
     return tokenizer
 
 
-# Generated chat data for gpu-check's sft step and the sharding lesson: a learnable task (an animal's fixed traits,
-# a word list sorted or reversed) in conversations of a system message and 2-3 user/assistant turns, about 450 tokens
-# each with the tokenizer built here.
+# Generated chat data for gpu-check's sft step and the sharding lesson: a learnable task (an
+# animal's fixed traits,
+# a word list sorted or reversed) in conversations of a system message and 2-3 user/assistant turns,
+# about 450 tokens each with the tokenizer built here.
 ANIMALS = (
-    "otter badger heron falcon beaver lynx marten puffin walrus gecko iguana tapir ibex bison moose lemur panda koala "
+    "otter badger heron falcon beaver lynx marten puffin walrus gecko iguana tapir ibex bison moose lemur "
+    "panda koala "
     "wombat jackal hyena osprey pelican condor"
 ).split()
 TRAITS = {
     "colour": "brown grey white black golden red spotted striped".split(),
-    "home": ["river banks", "dense forests", "open grasslands", "rocky coasts", "high mountains", "dry deserts"],
-    "food": ["fish", "insects", "grasses", "small mammals", "fruit", "roots and tubers", "seeds", "shellfish"],
+    "home": [
+        "river banks",
+        "dense forests",
+        "open grasslands",
+        "rocky coasts",
+        "high mountains",
+        "dry deserts",
+    ],
+    "food": [
+        "fish",
+        "insects",
+        "grasses",
+        "small mammals",
+        "fruit",
+        "roots and tubers",
+        "seeds",
+        "shellfish",
+    ],
     "size": ["tiny", "small", "medium-sized", "large", "very large"],
     "habit": [
         "hunts at night",
@@ -118,21 +150,28 @@ TRAITS = {
     ],
 }
 LIST_WORDS = (
-    "apple river stone cloud garden lantern mirror pencil saddle thunder violin window anchor basket candle desert "
-    "feather glacier harbor island jungle kettle ladder meadow needle orchard pepper quilt ribbon silver tunnel "
+    "apple river stone cloud garden lantern mirror pencil saddle thunder violin window anchor basket candle "
+    "desert "
+    "feather glacier harbor island jungle kettle ladder meadow needle orchard pepper quilt ribbon silver "
+    "tunnel "
     "umbrella valley walnut bridge castle dragon engine forest"
 ).split()
 CHAT_SYSTEMS = [
-    "You are a careful assistant for a nature reserve. Answer every question completely, in plain sentences, and "
+    "You are a careful assistant for a nature reserve. Answer every question completely, in plain sentences, "
+    "and "
     "keep to the facts you were taught about each animal.",
-    "You are a patient tutor. When asked to order or reverse a list, give every item exactly once, separated by "
+    "You are a patient tutor. When asked to order or reverse a list, give every item exactly once, separated "
+    "by "
     "commas, and say nothing else that could confuse the student.",
-    "You are a helpful assistant who answers questions about animals and word lists. Be thorough but do not invent "
+    "You are a helpful assistant who answers questions about animals and word lists. Be thorough but do not "
+    "invent "
     "anything that was not asked.",
 ]
-# Each animal's traits are fixed (drawn once by name), so the answers are a function of the question.
+# Each animal's traits are fixed (drawn once by name),
+# so the answers are a function of the question.
 ANIMAL_TRAITS = {a: {k: random.Random(f"{a}-{k}").choice(v) for k, v in TRAITS.items()} for a in ANIMALS}
-# Qwen/Qwen2.5-0.5B-Instruct's config.json on the Hugging Face Hub: its shape, built here with random weights.
+# Qwen/Qwen2.5-0.5B-Instruct's config.json on the Hugging
+# Face Hub: its shape, built here with random weights.
 QWEN25_05B = dict(
     hidden_size=896,
     intermediate_size=4864,
@@ -158,17 +197,21 @@ TINY_QWEN2 = dict(
 
 
 def chat_turn(rng: random.Random) -> tuple[str, str]:
-    """One question and its answer: an animal's traits, or a word list in alphabetical or reverse order."""
+    """One question and its answer: an animal's traits, or a word list in alphabetical or reverse
+    order."""
     if rng.random() < 0.5:
         animal = rng.choice(ANIMALS)
         t = ANIMAL_TRAITS[animal]
         question = (
-            f"Tell me everything you know about the {animal}: its colour, where it lives, what it eats, how big it "
+            f"Tell me everything you know about the {animal}: its colour, where it lives, what it eats, how "
+            "big it "
             "is and one of its habits."
         )
         answer = (
-            f"The {animal} is a {t['size']} animal with a {t['colour']} coat. It lives in {t['home']}, where it feeds "
-            f"mostly on {t['food']}. One thing worth knowing is that the {animal} {t['habit']}. In short, the "
+            f"The {animal} is a {t['size']} animal with a {t['colour']} coat. It lives in {t['home']}, where "
+            "it feeds "
+            f"mostly on {t['food']}. One thing worth knowing is that the {animal} {t['habit']}. In short, "
+            "the "
             f"{animal} is {t['size']}, {t['colour']}, at home in {t['home']} and fond of {t['food']}."
         )
         return question, answer
@@ -196,10 +239,13 @@ def chat_conversations(count: int, seed: int) -> list[list[dict]]:
     return conversations
 
 
-def write_chat_assets(folder: Path, shape: dict, train: int, validation: int, dtype: str = "bfloat16") -> dict:
-    """A chat model and `messages` JSONL files for the SFT recipe, without internet: a ChatML byte-level BPE
-    tokenizer trained on the data, and a Qwen2 model of `shape` (Qwen2Config fields; the vocabulary defaults to the
-    tokenizer's) with random weights in `dtype`. Also the parameters that take part in matrix multiplies (for MFU)."""
+def write_chat_assets(
+    folder: Path, shape: dict, train: int, validation: int, dtype: str = "bfloat16"
+) -> dict:
+    """A chat model and `messages` JSONL files for the SFT recipe, without internet: a ChatML
+    byte-level BPE tokenizer trained on the data, and a Qwen2 model of `shape` (Qwen2Config fields;
+    the vocabulary defaults to the tokenizer's) with random weights in `dtype`. Also the parameters
+    that take part in matrix multiplies (for MFU)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -210,7 +256,8 @@ def write_chat_assets(folder: Path, shape: dict, train: int, validation: int, dt
         files[name] = folder / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
     corpus = [m["content"] for messages in chat_conversations(300, seed=2) for m in messages]
-    corpus += ["system", "user", "assistant", "You are a helpful assistant."]  # what the template writes
+    # what the template writes
+    corpus += ["system", "user", "assistant", "You are a helpful assistant."]
     model_dir = folder / "model"
     tokenizer = build_chat_tokenizer(model_dir, corpus, "chatml")
     config = Qwen2Config(
@@ -224,7 +271,8 @@ def write_chat_assets(folder: Path, shape: dict, train: int, validation: int, dt
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(model_dir)
-    # Every linear layer's weights and biases; a tied output head is the embedding matrix, counted here once.
+    # Every linear layer's weights and biases; a tied output
+    # head is the embedding matrix, counted here once.
     matmul = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
     layers, hidden = config.num_hidden_layers, config.hidden_size
     del model

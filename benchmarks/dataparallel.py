@@ -1,18 +1,20 @@
 #!/usr/bin/env python
-"""torch.nn.DataParallel baseline: ONE process drives N GPUs, for the DP vs DDP comparison of the scaling report.
+"""torch.nn.DataParallel baseline: ONE process drives N GPUs, for the DP vs DDP comparison of the
+scaling report.
 
     python benchmarks/dataparallel.py --gpus 2 --batch_size 512 --steps 30
     python benchmarks/scaling.py run --setups gpu:1,gpu:2,dp:2      # DDP (the recipe) and DP side by side
 
-DataParallel, every step: copy the weights from GPU 0 to the others, split the batch, run the replicas in threads of
-this one Python process, gather the outputs on GPU 0, and sum the gradients back there. DDP instead runs one process per
-GPU and all-reduces gradients during the backward pass. Same model (the recipe's CIFAR-stem ResNet18), optimizer
-(SGD nesterov, label smoothing 0.1), precision (autocast), channels_last and device data path as recipes/cifar.py,
-and the same global batch, so the two rows of the report differ in the parallelism only. Without GPUs DataParallel
-just calls the model on the CPU (useful to check this script, not to measure anything).
+DataParallel, every step: copy the weights from GPU 0 to the others, split the batch, run the
+replicas in threads of this one Python process, gather the outputs on GPU 0, and sum the gradients
+back there. DDP instead runs one process per GPU and all-reduces gradients during the backward pass.
+Same model (the recipe's CIFAR-stem ResNet18), optimizer (SGD nesterov, label smoothing 0.1),
+precision (autocast), channels_last and device data path as recipes/cifar.py, and the same global
+batch, so the two rows of the report differ in the parallelism only. Without GPUs DataParallel just
+calls the model on the CPU (useful to check this script, not to measure anything).
 
-Writes results.json and metrics.jsonl (perf/step_seconds per step) in the recipes' format, plus `devices` and
-`parallelism`, so `scaling.py report` reads the run like any recipe run.
+Writes results.json and metrics.jsonl (perf/step_seconds per step) in the recipes' format, plus
+`devices` and `parallelism`, so `scaling.py report` reads the run like any recipe run.
 """
 
 import importlib.util
@@ -32,7 +34,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
 def load_cifar_recipe():
     """recipes/cifar.py as a module: the loop trains exactly its model."""
-    # As `python recipes/cifar.py` would: its folder on the path, so cifar_data.py beside it imports.
+    # As `python recipes/cifar.py` would: its folder on
+    # the path, so cifar_data.py beside it imports.
     sys.path.insert(0, str(REPO / "recipes"))
     spec = importlib.util.spec_from_file_location("cifar_recipe", REPO / "recipes" / "cifar.py")
     module = importlib.util.module_from_spec(spec)
@@ -56,8 +59,10 @@ def main(
     Args:
         gpus: GPUs to drive from this one process (0..gpus-1); default all visible.
         batch_size: GLOBAL batch per step, split across the GPUs by DataParallel.
-        steps: optimizer steps; the first is left out of the throughput (start-up, cuDNN autotuning).
-        images: generated CIFAR-shaped training images; default enough for every step without repeating.
+        steps: optimizer steps; the first is left out of the throughput (start-up, cuDNN
+            autotuning).
+        images: generated CIFAR-shaped training images; default enough for every step without
+            repeating.
         precision: bf16, fp16 or no (fp32), as autocast around the forward pass.
         model: resnet18, resnet34 or resnet50.
         channels_last: NHWC memory layout, as the recipe uses by default.
@@ -78,7 +83,9 @@ def main(
     torch.manual_seed(seed)
     recipe = load_cifar_recipe()
     x, y = recipe.synthetic_images(images or batch_size * steps, num_classes=10, seed=seed)
-    loader = recipe.DeviceImageLoader(x, y, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD, seed=seed)
+    loader = recipe.DeviceImageLoader(
+        x, y, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD, seed=seed
+    )
     net = recipe.build_model(model, num_classes=10).to(device)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
@@ -110,7 +117,8 @@ def main(
                 durations.append(time.perf_counter() - begin)
                 step += 1
                 metrics.write(
-                    json.dumps({"step": step, "train/loss": loss.item(), "perf/step_seconds": durations[-1]}) + "\n"
+                    json.dumps({"step": step, "train/loss": loss.item(), "perf/step_seconds": durations[-1]})
+                    + "\n"
                 )
                 if step == steps:
                     break
@@ -137,7 +145,8 @@ def main(
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(
-        f"DataParallel over {max(gpus, 1)} device(s) ({name}): {results['train_samples_per_second']:.1f} samples/s, "
+        f"DataParallel over {max(gpus, 1)} device(s) ({name}): {results['train_samples_per_second']:.1f} "
+        "samples/s, "
         f"median step {results['median_step_seconds'] * 1e3:.1f} ms; saved {out / 'results.json'}"
     )
 

@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""Ultralytics' side of `make bench-detect`: YOLOv8n from its model YAML (random weights), or fine-tuned from a .pt,
-trained on a YOLO-format set, then its predictions on the validation images scored by the recipe's own COCO
-evaluation. Run by benchmarks/detect.py in a process of its own, so that its peak memory is its own.
+"""Ultralytics' side of `make bench-detect`: YOLOv8n from its model YAML (random weights), or
+fine-tuned from a .pt, trained on a YOLO-format set, then its predictions on the validation images
+scored by the recipe's own COCO evaluation. Run by benchmarks/detect.py in a process of its own, so
+that its peak memory is its own.
 
-    python benchmarks/detect_ultralytics.py --data data.yaml --image_size 256 --epochs 10 --batch_size 16 --out DIR
+    python benchmarks/detect_ultralytics.py --data data.yaml --image_size 256 --epochs 10 --batch_size 16 \\
+        --out DIR
 
-Offline: YOLO_OFFLINE=1, plots=False (no font download), amp=False on a CPU (Ultralytics' AMP check downloads a
-model); its settings folder is kept inside DIR. Everything else is Ultralytics' default (optimizer "auto", its
-nominal batch of 64 by accumulation, close_mosaic 10, ...). Writes DIR/ultralytics.json: Ultralytics' own mAP of the
-last epoch, the same model's mAP by the recipe's evaluator, training seconds and images/s, wall time, peak memory
-(host max RSS, as the recipe's results.json reports it on a CPU) and the path of its best.pt. The recipe's evaluator
-sees what it sees of its own model: the validation images letterboxed by the recipe's loader, the model's decoded
-outputs through Ultralytics' NMS as its val runs it (every class above conf 0.001, IoU 0.7, at most 300 boxes), the
-boxes scaled back and scored by coco_map.
+Offline: YOLO_OFFLINE=1, plots=False (no font download), amp=False on a CPU (Ultralytics' AMP check
+downloads a model); its settings folder is kept inside DIR. Everything else is Ultralytics' default
+(optimizer "auto", its nominal batch of 64 by accumulation, close_mosaic 10, ...). Writes
+DIR/ultralytics.json: Ultralytics' own mAP of the last epoch, the same model's mAP by the recipe's
+evaluator, training seconds and images/s, wall time, peak memory (host max RSS, as the recipe's
+results.json reports it on a CPU) and the path of its best.pt. The recipe's evaluator sees what it
+sees of its own model: the validation images letterboxed by the recipe's loader, the model's decoded
+outputs through Ultralytics' NMS as its val runs it (every class above conf 0.001, IoU 0.7, at most
+300 boxes), the boxes scaled back and scored by coco_map.
 """
 
 import json
@@ -37,7 +40,8 @@ def main(
     model: str = "yolov8n.yaml",
     device: str | None = None,
 ):
-    """Train Ultralytics' model on `data`, evaluate it with the recipe's evaluator, write out/ultralytics.json.
+    """Train Ultralytics' model on `data`, evaluate it with the recipe's evaluator, write
+    out/ultralytics.json.
 
     Args:
         data: the data.yaml (Ultralytics' YOLO format, which the recipe reads too).
@@ -76,7 +80,8 @@ def main(
         exist_ok=True,
         plots=False,
         amp=device != "cpu",
-        val=False,  # validates after the last epoch only, as the recipe's run is told to (--eval_every epochs)
+        # validates after the last epoch only, as the recipe's run is told to (--eval_every epochs)
+        val=False,
         verbose=False,
     )
     trainer = yolo.trainer
@@ -84,11 +89,14 @@ def main(
     sys.path.insert(0, str(REPO / "recipes" / "detect"))
     from yolo_data import load_data_config
 
-    train_images = len(load_data_config(Path(data)).train)  # every image, every epoch: its loader keeps the last batch
+    # every image, every epoch: its loader keeps the last batch
+    train_images = len(load_data_config(Path(data)).train)
     train_seconds = sum(epoch_seconds)
-    last = trainer.last  # the last epoch's model (EMA weights), as the recipe saves its last (EMA) model
+    # the last epoch's model (EMA weights), as the recipe saves its last (EMA) model
+    last = trainer.last
     scores = recipe_evaluation(last, data, image_size, device)
-    best = Path(trainer.best) if Path(trainer.best).is_file() else Path(last)  # best.pt: what a fine-tune starts from
+    # best.pt: what a fine-tune starts from
+    best = Path(trainer.best) if Path(trainer.best).is_file() else Path(last)
     report = dict(
         tool="ultralytics",
         model=model,
@@ -113,9 +121,10 @@ def main(
 
 
 def recipe_evaluation(weights: Path, data: str, image_size: int, device: str) -> dict:
-    """The model's predictions on the validation images scored by the recipe's COCO evaluation: the images and boxes
-    as the recipe's loader reads them, the model's decoded outputs through Ultralytics' NMS as its val runs it (every
-    class above conf 0.001, IoU 0.7, at most 300 boxes), the boxes scaled back to the images' pixels."""
+    """The model's predictions on the validation images scored by the recipe's COCO evaluation: the
+    images and boxes as the recipe's loader reads them, the model's decoded outputs through
+    Ultralytics' NMS as its val runs it (every class above conf 0.001, IoU 0.7, at most 300 boxes),
+    the boxes scaled back to the images' pixels."""
     import torch
     from coco_map import coco_map
     from torch.utils.data import DataLoader
@@ -124,7 +133,8 @@ def recipe_evaluation(weights: Path, data: str, image_size: int, device: str) ->
     from yolo_data import YoloDataset, collate, load_data_config, scale_boxes_back
 
     dataset = load_data_config(Path(data))
-    val_set = YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False)  # as train.py's
+    # as train.py's
+    val_set = YoloDataset(dataset.val, len(dataset.names), image_size=image_size, augment=False)
     target = torch.device("cuda:0" if device != "cpu" else "cpu")
     model = YOLO(str(weights)).model.float().eval().to(target)
     records = []
@@ -132,7 +142,9 @@ def recipe_evaluation(weights: Path, data: str, image_size: int, device: str) ->
         for images, targets, metas in DataLoader(val_set, batch_size=8, collate_fn=collate):
             decoded = model(images.to(target).float() / 255)
             decoded = decoded[0] if isinstance(decoded, (list, tuple)) else decoded
-            found = non_max_suppression(decoded, conf_thres=0.001, iou_thres=0.7, multi_label=True, max_det=300)
+            found = non_max_suppression(
+                decoded, conf_thres=0.001, iou_thres=0.7, multi_label=True, max_det=300
+            )
             for rows, meta, truth in zip(found, metas, targets):
                 rows, truth = rows.float().cpu(), truth[truth[:, 0] >= 0]
                 records.append(
@@ -141,7 +153,9 @@ def recipe_evaluation(weights: Path, data: str, image_size: int, device: str) ->
                         boxes=scale_boxes_back(rows[:, :4], meta["ratio"], meta["pad"], meta["orig_shape"]),
                         scores=rows[:, 4],
                         labels=rows[:, 5].long(),
-                        true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
+                        true_boxes=scale_boxes_back(
+                            truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]
+                        ),
                         true_labels=truth[:, 0].long(),
                     )
                 )

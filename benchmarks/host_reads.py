@@ -1,51 +1,62 @@
 #!/usr/bin/env python
-"""Host-read audit: run a recipe and count every read of a tensor's value on the host, per optimizer step.
+"""Host-read audit: run a recipe and count every read of a tensor's value on the host, per optimizer
+step.
 
     python benchmarks/host_reads.py recipes/cifar.py --dataset synthetic --max_steps 6 --log_every 1000
-    python benchmarks/host_reads.py --output reads.json recipes/text_classification.py --model ... --train_file ...
+    python benchmarks/host_reads.py --output reads.json recipes/text_classification.py --model ... \\
+        --train_file ...
+    # torchrun works the same way
     ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2 \\
-        benchmarks/host_reads.py recipes/cifar.py --dataset synthetic ...            # torchrun works the same way
+        benchmarks/host_reads.py recipes/cifar.py --dataset synthetic ...
 
-The audit's own flags come before the script; everything from the script on is the script's command line. The script
-runs in this process as __main__ (runpy), so plain python, `accelerate launch` and torchrun all work unchanged.
+The audit's own flags come before the script; everything from the script on is the script's command
+line. The script runs in this process as __main__ (runpy), so plain python, `accelerate launch` and
+torchrun all work unchanged.
 
-What counts as a host read: Tensor.item, tolist, numpy, __array__, cpu, .to("cpu") and copy_ into a CPU tensor,
-bool(t), float(t), int(t), complex(t), t used as an index (__index__), formatting or printing a tensor, `x in t`,
-torch.equal / allclose / is_nonzero. (On a CPU-only run `.to(device)` counts only with the literal string "cpu": there
-`.to(accelerator.device)` also lands on the CPU, and on a GPU machine it would not be a read.)
-On a GPU each of them waits for the queue to drain. Ops whose output shape
-depends on the data (nonzero, masked_select, unique, boolean-mask indexing, one-argument where) also wait on a GPU;
-they are listed separately as "shape" reads and fail the check only with --strict. torch.cuda.synchronize() calls are
-counted as "sync". On CUDA the audit also turns on torch.cuda.set_sync_debug_mode("warn") and counts each
-synchronisation warning, which sees what the op list cannot (syncs inside C++ kernels, in other libraries).
+What counts as a host read: Tensor.item, tolist, numpy, __array__, cpu, .to("cpu") and copy_ into a
+CPU tensor, bool(t), float(t), int(t), complex(t), t used as an index (__index__), formatting or
+printing a tensor, `x in t`, torch.equal / allclose / is_nonzero. (On a CPU-only run `.to(device)`
+counts only with the literal string "cpu": there `.to(accelerator.device)` also lands on the CPU,
+and on a GPU machine it would not be a read.) On a GPU each of them waits for the queue to drain.
+Ops whose output shape depends on the data (nonzero, masked_select, unique, boolean-mask indexing,
+one-argument where) also wait on a GPU; they are listed separately as "shape" reads and fail the
+check only with --strict. torch.cuda.synchronize() calls are counted as "sync". On CUDA the audit
+also turns on torch.cuda.set_sync_debug_mode("warn") and counts each synchronisation warning, which
+sees what the op list cannot (syncs inside C++ kernels, in other libraries).
 
-Time is split at optimizer steps (torch.optim's global step hook, so any optimizer counts): interval k holds what
-runs after optimizer step k and before step k + 1; interval 0 is the set-up and the first forward/backward.
-Allowed to read: interval 0, the log steps (step 1, every --log_every steps, the last step), the checkpoint steps
-(every --checkpoint_every steps) and the steps given with --allow (epoch ends of multi-epoch runs). log_every and
-checkpoint_every come from the script's flags, else from the defaults of its main(). Every other interval is quiet
-and must have no reads. Run one epoch with a large --log_every and --checkpoint_every 0 to get a long quiet stretch.
+Time is split at optimizer steps (torch.optim's global step hook, so any optimizer counts): interval
+k holds what runs after optimizer step k and before step k + 1; interval 0 is the set-up and the
+first forward/backward. Allowed to read: interval 0, the log steps (step 1, every --log_every steps,
+the last step), the checkpoint steps (every --checkpoint_every steps) and the steps given with
+--allow (epoch ends of multi-epoch runs). log_every and checkpoint_every come from the script's
+flags, else from the defaults of its main(). Every other interval is quiet and must have no reads.
+Run one epoch with a large --log_every and --checkpoint_every 0 to get a long quiet stretch.
 
 Not counted:
-- reads inside data loading: any frame on the stack in torch/utils/data, accelerate/data_loader.py or
-  transformers/data, or in a function whose name contains "collate". Those tensors are built on the host, before the
-  copy to the device, so on a GPU they are CPU tensors and reading them waits for nothing. The device data path
-  (recipes/cifar_data.py) keeps its tensors on the GPU and is audited like the loop.
-- reads of torch.optim's own step counters (0-dim CPU tensors read inside torch/optim unless capturable or fused):
-  they stay on the host on a GPU too.
-- on CUDA, reads of tensors that live on the CPU (listed under "host_tensor_reads", no wait involved).
-Counted apart, as expected: under fp16 the GradScaler (torch's, which accelerate's optimizer wrapper steps) reads its
-found_inf flag on the host in every optimizer step, to decide there whether to skip optimizer.step. That one read per
-step, and the CUDA synchronisation it causes, are listed under "grad_scaler_reads" and "grad_scaler_cuda_syncs" and
-fail nothing; bf16 and fp32 have no scaler and no such read.
-Limits: a read inside the Python body of another overridable torch function (F.interpolate, say) is not seen
-separately; reads in DataLoader worker processes are not seen (they are data loading anyway).
+- reads inside data loading: any frame on the stack in torch/utils/data, accelerate/data_loader.py
+  or transformers/data, or in a function whose name contains "collate". Those tensors are built on
+  the host, before the copy to the device, so on a GPU they are CPU tensors and reading them waits
+  for nothing. The device data path (recipes/cifar_data.py) keeps its tensors on the GPU and is
+  audited like the loop.
+- reads of torch.optim's own step counters (0-dim CPU tensors read inside torch/optim unless
+  capturable or fused): they stay on the host on a GPU too.
+- on CUDA, reads of tensors that live on the CPU (listed under "host_tensor_reads", no wait
+  involved).
+Counted apart, as expected: under fp16 the GradScaler (torch's, which accelerate's optimizer wrapper
+steps) reads its found_inf flag on the host in every optimizer step, to decide there whether to skip
+optimizer.step. That one read per step, and the CUDA synchronisation it causes, are listed under
+"grad_scaler_reads" and "grad_scaler_cuda_syncs" and fail nothing; bf16 and fp32 have no scaler and
+no such read.
+Limits: a read inside the Python body of another overridable torch function (F.interpolate, say) is
+not seen separately; reads in DataLoader worker processes are not seen (they are data loading
+anyway).
 
-Output: a JSON file per process (--output, else $HOST_READS_OUTPUT, else OUTPUT_DIR/host_reads.json when the script
-has --output_dir, else ./host_reads.json; rank r > 0 writes host_reads.rank<r>.json beside it) with per-interval
-counts and the read sites (file:line of the first frame in recipes/, accelerate_recipes/ or the script's folder, the op
-and the innermost frame it came through), and a table printed by rank 0. The exit status is the script's, or 1 when
-it succeeded but a quiet interval has reads (--check False turns that off).
+Output: a JSON file per process (--output, else $HOST_READS_OUTPUT, else OUTPUT_DIR/host_reads.json
+when the script has --output_dir, else ./host_reads.json; rank r > 0 writes host_reads.rank<r>.json
+beside it) with per-interval counts and the read sites (file:line of the first frame in recipes/,
+accelerate_recipes/ or the script's folder, the op and the innermost frame it came through), and a
+table printed by rank 0. The exit status is the script's, or 1 when it succeeded but a quiet
+interval has reads (--check False turns that off).
 """
 
 import ast
@@ -89,20 +100,22 @@ DATA_LOADING = (
     f"transformers{os.sep}data{os.sep}",
 )
 OPTIM_DIR = f"torch{os.sep}optim{os.sep}"
-# torch/amp/grad_scaler.py (FSDP's sharded scaler inherits the method): where the fp16 scaler reads found_inf
+# torch/amp/grad_scaler.py (FSDP's sharded scaler inherits
+# the method): where the fp16 scaler reads found_inf
 GRAD_SCALER_FILE, GRAD_SCALER_STEP = "grad_scaler.py", "_maybe_opt_step"
 GRAD_SCALER_NOTE = (
     "fp16 GradScaler: reads found_inf on the host once per optimizer step to decide whether to skip "
     "optimizer.step; expected under fp16"
 )
-SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation" from set_sync_debug_mode("warn")
+# "called a synchronizing CUDA operation" from set_sync_debug_mode("warn")
+SYNC_WARNING = "synchroniz"
 
 
 def fail(message: str):
     sys.exit(f"error: {message}")
 
 
-# ----------------------------------------------------------------------------------------------- what a call is
+# ----------------------------------------------------------------------------------- what a call is
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -114,9 +127,9 @@ def _tensors(value):
 def _is_cpu_target(args, kwargs, on_cuda: bool) -> bool:
     """Whether a Tensor.to(...) call copies a device tensor to the CPU.
 
-    On CUDA: a CUDA tensor sent to the CPU (device as str, torch.device or another tensor). On a CPU-only run every
-    tensor is already there, and `.to(accelerator.device)` would go to the GPU on a GPU machine, so only the literal
-    string "cpu" counts.
+    On CUDA: a CUDA tensor sent to the CPU (device as str, torch.device or another tensor). On a
+    CPU-only run every tensor is already there, and `.to(accelerator.device)` would go to the GPU on
+    a GPU machine, so only the literal string "cpu" counts.
     """
     source = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if on_cuda and (source is None or source.device.type == "cpu"):
@@ -137,8 +150,14 @@ def classify(name: str, args, kwargs, on_cuda: bool = False) -> str | None:
         return "read"
     if name == "to":
         return "read" if _is_cpu_target(args, kwargs, on_cuda) else None
-    if name == "copy_" and len(args) > 1 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
-        # On a CPU-only run every tensor is on the CPU; a copy between two CPU tensors is not a read.
+    if (
+        name == "copy_"
+        and len(args) > 1
+        and isinstance(args[0], torch.Tensor)
+        and isinstance(args[1], torch.Tensor)
+    ):
+        # On a CPU-only run every tensor is on the CPU; a
+        # copy between two CPU tensors is not a read.
         return "read" if args[0].device.type == "cpu" and args[1].device.type != "cpu" else None
     if name in SHAPE_OPS:
         return "shape"
@@ -157,9 +176,10 @@ def classify(name: str, args, kwargs, on_cuda: bool = False) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------- recorder
+# ----------------------------------------------------------------------------------------- recorder
 class Audit:
-    """Counts host reads per optimizer-step interval; `mode()` is the TorchFunctionMode that sees them."""
+    """Counts host reads per optimizer-step interval; `mode()` is the TorchFunctionMode that sees
+    them."""
 
     def __init__(self, script: Path):
         self.step = 0
@@ -183,8 +203,8 @@ class Audit:
         self.step += 1
 
     def _where(self, frame):
-        """(project site, innermost frame outside this file, whether data loading is on the stack, whether the
-        call comes from the fp16 GradScaler deciding to step or skip the optimizer)."""
+        """(project site, innermost frame outside this file, whether data loading is on the stack,
+        whether the call comes from the fp16 GradScaler deciding to step or skip the optimizer)."""
         site, via, loading, scaler = None, None, False, False
         while frame is not None:
             filename = frame.f_code.co_filename
@@ -210,7 +230,8 @@ class Audit:
             self.excluded["optimizer_step_counters"] += 1
             return
         if scaler and kind == "read":
-            kind = "grad_scaler"  # found_inf, once per optimizer step under fp16: known, reported apart
+            # found_inf, once per optimizer step under fp16: known, reported apart
+            kind = "grad_scaler"
         elif self.on_cuda and on_cpu and kind != "sync":
             kind = "host_tensor"  # nothing to wait for
         self.sites[(kind, site or via or "?", op, via or "?")][self.step] += 1
@@ -240,7 +261,7 @@ class Audit:
 
         return HostReads()
 
-    # ------------------------------------------------------------------------------------------------- report
+    # --------------------------------------------------------------------------------------- report
     def summary(self, allowed: set[int], strict: bool) -> dict:
         last = self.step
         failing = {"read", "sync", "cuda_sync"} | ({"shape"} if strict else set())
@@ -299,8 +320,8 @@ class Audit:
 
 
 def _short(filename: str) -> str:
-    """From site-packages on for a library (also where the venv sits inside the checkout), else relative to the
-    checkout, for the report."""
+    """From site-packages on for a library (also where the venv sits inside the checkout), else
+    relative to the checkout, for the report."""
     marker = "site-packages" + os.sep
     if marker in filename:
         return filename.split(marker, 1)[1]
@@ -310,7 +331,7 @@ def _short(filename: str) -> str:
         return filename
 
 
-# -------------------------------------------------------------------------------------------- flags of the run
+# --------------------------------------------------------------------------------- flags of the run
 def flag_value(argv: list[str], name: str) -> str | None:
     """The value of --name / --name=value in a command line (the last one wins, as in fire)."""
     value = None
@@ -323,8 +344,9 @@ def flag_value(argv: list[str], name: str) -> str | None:
 
 
 def main_defaults(script: Path) -> dict:
-    """Literal defaults of the script's flags (log_every, checkpoint_every, ...), read without running it: those of
-    the flags dataclass a recipe's main(args) takes, else those of main()'s own parameters."""
+    """Literal defaults of the script's flags (log_every, checkpoint_every, ...), read without
+    running it: those of the flags dataclass a recipe's main(args) takes, else those of main()'s own
+    parameters."""
     from accelerate_recipes.cli import _commands_in_source, as_command
 
     try:
@@ -382,19 +404,21 @@ def output_path(output: str | None, argv: list[str]) -> Path:
 
 def print_table(report: dict) -> None:
     print(
-        f"\nhost reads per optimizer step: {report['script']} on {report['device']}, rank {report['rank']} of "
+        f"\nhost reads per optimizer step: {report['script']} on {report['device']}, rank {report['rank']} "
+        "of "
         f"{report['world_size']}, {report['steps']} steps (log_every {report['log_every']}, checkpoint_every "
         f"{report['checkpoint_every']})"
     )
     scaler = report["grad_scaler_reads"] > 0
     print(
-        f"{'after step':>10} | {'allowed':>7} | {'reads':>5} | {'shape':>5} | {'sync':>4} | {'cuda syncs':>10}"
-        + (f" | {'fp16 scaler':>11}" if scaler else "")
+        f"{'after step':>10} | {'allowed':>7} | {'reads':>5} | {'shape':>5} | {'sync':>4} | "
+        f"{'cuda syncs':>10}" + (f" | {'fp16 scaler':>11}" if scaler else "")
     )
     for i in report["intervals"]:
         cuda = str(i["cuda_syncs"]) if report["sync_debug"] else "-"
         print(
-            f"{i['interval']:>10} | {'yes' if i['allowed'] else 'quiet':>7} | {i['reads']:>5} | {i['shape']:>5} | "
+            f"{i['interval']:>10} | {'yes' if i['allowed'] else 'quiet':>7} | {i['reads']:>5} | "
+            f"{i['shape']:>5} | "
             f"{i['sync']:>4} | {cuda:>10}" + (f" | {i['grad_scaler_reads']:>11}" if scaler else "")
         )
     if scaler:
@@ -403,7 +427,8 @@ def print_table(report: dict) -> None:
         )
         print(
             f"expected under fp16: {report['grad_scaler_reads']} GradScaler read(s) of found_inf, "
-            f"{report['grad_scaler_reads_per_step']:.3g} per optimizer step, at {where}: the scaler decides on the "
+            f"{report['grad_scaler_reads_per_step']:.3g} per optimizer step, at {where}: the scaler decides "
+            "on the "
             "host whether to skip optimizer.step (bf16 has no scaler); they fail nothing"
         )
     quiet_sites = [s for s in report["sites"] if s["quiet_count"] and not s["kind"].startswith("grad_scaler")]
@@ -416,28 +441,38 @@ def print_table(report: dict) -> None:
             )
     verdict = "PASS" if not report["quiet_violations"] else "FAIL"
     print(
-        f"{verdict}: {report['quiet_violations']} read(s) or sync(s) on {len(report['quiet_intervals'])} quiet "
+        f"{verdict}: {report['quiet_violations']} read(s) or sync(s) on {len(report['quiet_intervals'])} "
+        "quiet "
         f"interval(s); saved {report['output']}",
         flush=True,
     )
 
 
-# -------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 SCRIPT_ARGS: list[str] = []
 
 
 def audit(
-    script: str | None = None, output: str | None = None, allow: str = "", strict: bool = False, check: bool = True
+    script: str | None = None,
+    output: str | None = None,
+    allow: str = "",
+    strict: bool = False,
+    check: bool = True,
 ):
-    """Run SCRIPT with its flags, counting host reads of tensor values per optimizer step (see the module notes).
+    """Run SCRIPT with its flags, counting host reads of tensor values per optimizer step (see the
+    module notes).
 
-    Usage: host_reads.py [--output PATH] [--allow 12,24] [--strict] [--check False] SCRIPT [SCRIPT FLAGS...]
+    Usage: host_reads.py [--output PATH] [--allow 12,24] [--strict] [--check False] SCRIPT [SCRIPT
+    FLAGS...]
 
     Args:
-        script: the recipe to run (recipes/cifar.py, recipes/text_classification.py, recipes/detect/train.py, ...).
-        output: JSON report path; default $HOST_READS_OUTPUT, else OUTPUT_DIR/host_reads.json of the script's
-            --output_dir, else ./host_reads.json. Rank r > 0 writes <stem>.rank<r>.json beside it.
-        allow: comma-separated steps after which reads are allowed besides the log and checkpoint steps (epoch ends).
+        script: the recipe to run (recipes/cifar.py, recipes/text_classification.py,
+            recipes/detect/train.py, ...).
+        output: JSON report path; default $HOST_READS_OUTPUT, else OUTPUT_DIR/host_reads.json of the
+            script's --output_dir, else ./host_reads.json. Rank r > 0 writes <stem>.rank<r>.json
+            beside it.
+        allow: comma-separated steps after which reads are allowed besides the log and checkpoint
+            steps (epoch ends).
         strict: also fail on data-dependent shapes (nonzero, boolean-mask indexing, unique, ...).
         check: exit 1 when the script succeeded but a quiet interval has reads.
     """
@@ -446,12 +481,18 @@ def audit(
     from accelerate_recipes import cli
 
     if not script:
-        fail("name the script to audit, e.g. host_reads.py recipes/cifar.py --dataset synthetic --max_steps 6")
+        fail(
+            "name the script to audit, e.g. host_reads.py recipes/cifar.py --dataset synthetic --max_steps 6"
+        )
     path = Path(script).resolve()
     if not path.is_file():
         fail(f"{script} does not exist")
     # fire turns "12,24" into a tuple and "12" into an int
-    extra = {int(s) for s in (allow if isinstance(allow, (tuple, list)) else str(allow).split(",")) if str(s).strip()}
+    extra = {
+        int(s)
+        for s in (allow if isinstance(allow, (tuple, list)) else str(allow).split(","))
+        if str(s).strip()
+    }
     argv = [str(a) for a in SCRIPT_ARGS]
     recorder = Audit(path)
     sync_debug = recorder.on_cuda
@@ -471,7 +512,8 @@ def audit(
 
     cli.EXIT_WHEN_DONE = False  # the report is written after the recipe returns, in this process
     sys.argv = [str(path), *argv]
-    sys.path[0] = str(path.parent)  # as `python SCRIPT` would: sibling modules import (recipes/detect/*)
+    # as `python SCRIPT` would: sibling modules import (recipes/detect/*)
+    sys.path[0] = str(path.parent)
     code, crash = 0, None
     with warnings.catch_warnings():
         warnings.showwarning = show
@@ -486,7 +528,8 @@ def audit(
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
             if stop.code not in (None, 0) and not isinstance(stop.code, int):
                 print(stop.code, file=sys.stderr)
-        except BaseException as err:  # the report of a crashed run still says what was read before the crash
+        # the report of a crashed run still says what was read before the crash
+        except BaseException as err:
             code, crash = 1, err
         finally:
             torch.cuda.synchronize = original_sync
@@ -522,7 +565,8 @@ def audit(
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
-    """(the audit's flags, the script, the script's flags): the script is the first argument ending in .py."""
+    """(the audit's flags, the script, the script's flags): the script is the first argument ending
+    in .py."""
     for i, arg in enumerate(argv):
         value_of_flag = i and argv[i - 1] in ("--output", "-o", "--allow", "-a")
         if arg.endswith(".py") and not arg.startswith("-") and not value_of_flag:
@@ -535,6 +579,8 @@ if __name__ == "__main__":
 
     own, script_path, rest = split_argv(sys.argv[1:])
     if script_path is None and not any(a in ("--help", "-h") for a in own):
-        fail("name the script to audit, e.g. host_reads.py recipes/cifar.py --dataset synthetic --max_steps 6")
+        fail(
+            "name the script to audit, e.g. host_reads.py recipes/cifar.py --dataset synthetic --max_steps 6"
+        )
     SCRIPT_ARGS[:] = rest  # the script's own flags never pass through fire
     fire.Fire(audit, command=own + (["--script", script_path] if script_path else []), name="host_reads.py")

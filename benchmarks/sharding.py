@@ -1,25 +1,31 @@
 #!/usr/bin/env python
-"""When the model does not fit: one chat model fine-tuned in full under DDP, FSDP2 and DeepSpeed ZeRO-3 on the same
-processes, with the memory each strategy plans and uses per process and the step time it costs.
+"""When the model does not fit: one chat model fine-tuned in full under DDP, FSDP2 and DeepSpeed
+ZeRO-3 on the same processes, with the memory each strategy plans and uses per process and the step
+time it costs.
 
     python benchmarks/sharding.py run                       # 2 CPU processes, or every GPU of this machine
     python benchmarks/sharding.py run --processes 4 --strategies ddp,fsdp
-    python benchmarks/sharding.py run --model Qwen/Qwen2.5-0.5B-Instruct --train_file a.jsonl --validation_file b.jsonl
-    python benchmarks/sharding.py report --run_dir outputs/sharding/ddp --run_dir my-runs/fsdp   # finished runs
+    python benchmarks/sharding.py run --model Qwen/Qwen2.5-0.5B-Instruct --train_file a.jsonl \\
+        --validation_file b.jsonl
+    # a table from finished runs
+    python benchmarks/sharding.py report --run_dir outputs/sharding/ddp --run_dir my-runs/fsdp
     make sharding
 
-Each strategy runs recipes/sft.py with its config of accelerate_configs/ (cpu.yaml or 8gpu.yaml for DDP, fsdp.yaml,
-deepspeed.yaml), the same model, data, global batch and steps. Without --model it trains a generated model of Qwen2's
-architecture (hidden 768, 6 blocks, 38M parameters, random weights, fp32) on generated conversations: no download.
+Each strategy runs recipes/sft.py with its config of accelerate_configs/ (cpu.yaml or 8gpu.yaml for
+DDP, fsdp.yaml, deepspeed.yaml), the same model, data, global batch and steps. Without --model it
+trains a generated model of Qwen2's architecture (hidden 768, 6 blocks, 38M parameters, random
+weights, fp32) on generated conversations: no download.
 
-The report (sharding.md and sharding.json in the output folder) gives per strategy the recipe's memory plan per
-process (weights, gradients, optimizer states, activations, total), the measured peak of the largest process, the step
-time, and how plan and peak differ from DDP's. DDP keeps everything on every process; FSDP2 and ZeRO-3 keep 1/N of
-the weights, gradients and optimizer states on each of N processes and gather each block's weights when it runs,
-which costs communication every step. On a GPU the measured peak is what PyTorch's allocator handed out, the figure
-the plan predicts. On the CPU it is the process's peak resident memory: the Python / PyTorch runtime (about 0.9 GB)
-plus what the host's allocator keeps of freed buffers, which the gathers and scatters of sharding churn; there the plan
-columns show the division and the peak shows what a CPU run really costs (docs/concepts.md, section 6).
+The report (sharding.md and sharding.json in the output folder) gives per strategy the recipe's
+memory plan per process (weights, gradients, optimizer states, activations, total), the measured
+peak of the largest process, the step time, and how plan and peak differ from DDP's. DDP keeps
+everything on every process; FSDP2 and ZeRO-3 keep 1/N of the weights, gradients and optimizer
+states on each of N processes and gather each block's weights when it runs, which costs
+communication every step. On a GPU the measured peak is what PyTorch's allocator handed out, the
+figure the plan predicts. On the CPU it is the process's peak resident memory: the Python / PyTorch
+runtime (about 0.9 GB) plus what the host's allocator keeps of freed buffers, which the gathers and
+scatters of sharding churn; there the plan columns show the division and the peak shows what a CPU
+run really costs (docs/concepts.md, section 6).
 """
 
 import json
@@ -37,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 SFT = REPO / "recipes" / "sft.py"
 STRATEGIES = {"ddp": "DDP", "fsdp": "FSDP2", "zero3": "ZeRO-3"}
-# A full fine-tune (sharding matters most there) of short conversations: the steps are few and the activations small,
-# so weights, gradients and optimizer states decide the memory.
+# A full fine-tune (sharding matters most there) of short conversations: the steps are few and the
+# activations small, so weights, gradients and optimizer states decide the memory.
 LESSON_FLAGS = {
     "--batch_size": "4",
     "--max_length": "256",
@@ -79,10 +85,16 @@ def sft_arguments(model, train_file, validation_file, sft_args: str) -> list[str
 def launch_command(strategy: str, processes: int, cuda: bool, precision: str, port: int) -> list[str]:
     """`accelerate launch` through this interpreter (its console script need not sit beside it)."""
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
-    command += ["--config_file", str(CONFIGS / f"{config_of(strategy, cuda)}.yaml"), "--num_processes", str(processes)]
+    command += [
+        "--config_file",
+        str(CONFIGS / f"{config_of(strategy, cuda)}.yaml"),
+        "--num_processes",
+        str(processes),
+    ]
     command += ["--mixed_precision", precision, "--main_process_port", str(port)]
     if not cuda:
-        command += ["--num_cpu_threads_per_process", "1"]  # one core per process, as one GPU per process
+        # one core per process, as one GPU per process
+        command += ["--num_cpu_threads_per_process", "1"]
     return command
 
 
@@ -106,7 +118,9 @@ def figures(run_dir: Path) -> dict:
     kind = results.get("distributed_type", "?")
     return {
         "run": str(run_dir),
-        "strategy": {"MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "FSDP": "FSDP2", "DEEPSPEED": "ZeRO-3"}.get(kind, kind),
+        "strategy": {"MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "FSDP": "FSDP2", "DEEPSPEED": "ZeRO-3"}.get(
+            kind, kind
+        ),
         "processes": results["world_size"],
         "method": results.get("method"),
         "parameters": results.get("parameters"),
@@ -135,7 +149,8 @@ def markdown(rows: list[dict]) -> str:
         tokens = r["train_tokens_per_second"]
         planned, peak = plan["total"], r["peak_memory_mb"]
         lines.append(
-            f"| {r['strategy']} | {r['processes']} | {plan.get('weights', 0):,.0f} | {plan.get('gradients', 0):,.0f} | "
+            f"| {r['strategy']} | {r['processes']} | {plan.get('weights', 0):,.0f} | "
+            f"{plan.get('gradients', 0):,.0f} | "
             f"{plan.get('optimizer', 0):,.0f} | {activations:,.0f} | {planned:,.0f} | {peak:,.0f} | "
             f"{planned - base['plan_mb']['total']:+,.0f} | {peak - base['peak_memory_mb']:+,.0f} | "
             f"{r['median_step_seconds']:.2f} | {'-' if tokens is None else f'{tokens:,.0f}'} | "
@@ -154,7 +169,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def report(run_dir: str | list[str] | None = None, output_dir: str = "outputs/sharding") -> None:
-    """The table of finished sft.py runs (DDP first when there is one), printed and written to OUTPUT_DIR.
+    """The table of finished sft.py runs (DDP first when there is one), printed and written to
+    OUTPUT_DIR.
 
     Args:
         run_dir: the output folder of a finished sft.py run; repeat the flag for each run to compare
@@ -166,7 +182,9 @@ def report(run_dir: str | list[str] | None = None, output_dir: str = "outputs/sh
 
 def write_report(run_dirs: list[Path], out: Path) -> list[dict]:
     if not run_dirs:
-        raise RecipeError("give finished sft.py runs: report --run_dir outputs/sharding/ddp --run_dir outputs/other")
+        raise RecipeError(
+            "give finished sft.py runs: report --run_dir outputs/sharding/ddp --run_dir outputs/other"
+        )
     rows = sorted((figures(d) for d in run_dirs), key=lambda r: r["strategy"] != "DDP")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
@@ -190,14 +208,17 @@ def train(
     """Fine-tune one model under each strategy on the same processes, then print the report.
 
     Args:
-        strategies: comma-separated, of ddp (a whole copy per process), fsdp (FSDP2), zero3 (DeepSpeed ZeRO-3)
+        strategies: comma-separated, of ddp (a whole copy per process), fsdp (FSDP2), zero3
+            (DeepSpeed ZeRO-3)
         processes: processes per strategy (default: every GPU here, at least 2; 2 on the CPU)
-        model: a chat model (Hub name or folder) with --train_file and --validation_file; default: the generated one
+        model: a chat model (Hub name or folder) with --train_file and --validation_file; default:
+            the generated one
         train_file: conversations for training (JSON/JSONL, any format sft.py reads)
         validation_file: conversations for evaluation
         mixed_precision: no, bf16 or fp16 (default: bf16 on GPUs, no on the CPU)
-        sft_args: more sft.py flags as one string, --sft_args="--lora_r 16 --gradient_checkpointing"; they override
-            the lesson's (--batch_size 4 --max_length 256 --max_steps 6 --lr 1e-4, full fine-tune)
+        sft_args: more sft.py flags as one string, --sft_args="--lora_r 16
+            --gradient_checkpointing"; they override the lesson's (--batch_size 4 --max_length 256
+            --max_steps 6 --lr 1e-4, full fine-tune)
         output_dir: one folder per strategy, and the report
     """
     import torch
@@ -205,9 +226,13 @@ def train(
     chosen = [s.strip() for s in (strategies.split(",") if isinstance(strategies, str) else strategies)]
     unknown = [s for s in chosen if s not in STRATEGIES]
     if unknown or not chosen:
-        raise RecipeError(f"--strategies {','.join(unknown) or '(none)'}: choose from {', '.join(STRATEGIES)}")
+        raise RecipeError(
+            f"--strategies {','.join(unknown) or '(none)'}: choose from {', '.join(STRATEGIES)}"
+        )
     if "zero3" in chosen and importlib_missing("deepspeed"):
-        raise RecipeError("zero3 needs DeepSpeed: make deepspeed-extra (or pip install deepspeed), or leave zero3 out")
+        raise RecipeError(
+            "zero3 needs DeepSpeed: make deepspeed-extra (or pip install deepspeed), or leave zero3 out"
+        )
     if (model is None) != (train_file is None) or (train_file is None) != (validation_file is None):
         raise RecipeError("give --model, --train_file and --validation_file together, or none of them")
     cuda = torch.cuda.is_available()
@@ -216,7 +241,8 @@ def train(
         raise RecipeError(f"--processes {processes}: sharding divides the model over 2 or more processes")
     if cuda and processes > torch.cuda.device_count():
         raise RecipeError(
-            f"--processes {processes}: this machine has {torch.cuda.device_count()} GPU(s); sharding needs 2 or more, "
+            f"--processes {processes}: this machine has {torch.cuda.device_count()} GPU(s); sharding needs 2 "
+            "or more, "
             'or run the lesson on 2 CPU processes: CUDA_VISIBLE_DEVICES="" make sharding'
         )
     precision = mixed_precision or ("bf16" if cuda else "no")
@@ -227,7 +253,8 @@ def train(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     if not cuda:
-        env["ACCELERATE_USE_CPU"] = "true"  # gloo processes; the recipes run FSDP2 and DeepSpeed over gloo too
+        # gloo processes; the recipes run FSDP2 and DeepSpeed over gloo too
+        env["ACCELERATE_USE_CPU"] = "true"
     arguments = sft_arguments(model, train_file, validation_file, sft_args)
     run_dirs = []
     for strategy in chosen:
@@ -240,7 +267,9 @@ def train(
         print(f"== {STRATEGIES[strategy]} on {processes} process(es): {run_dir}", flush=True)
         log = run_dir / "log.txt"
         with log.open("w") as sink:
-            code = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO).returncode
+            code = subprocess.run(
+                command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO
+            ).returncode
         if code:
             tail = "\n".join(log.read_text().splitlines()[-12:])
             raise RecipeError(f"{STRATEGIES[strategy]} failed (exit {code}); the end of {log}:\n{tail}")

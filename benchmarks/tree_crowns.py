@@ -1,22 +1,25 @@
 #!/usr/bin/env python
-"""A real detection set that installs offline: tree crowns boxed on aerial photographs, cut into YOLO-format tiles.
+"""A real detection set that installs offline: tree crowns boxed on aerial photographs, cut into
+YOLO-format tiles.
 
     pip install --no-deps deepforest==2.1.0          # or: make detect-data (which also runs the line below)
     python benchmarks/tree_crowns.py --out data/tree-crowns
     make bench-detect ARGS="--data data/tree-crowns/data.yaml --image_size 416 --epochs 30 --batch_size 8"
 
-The DeepForest package (Weinstein et al., MIT licence; github.com/weecology/DeepForest) ships, for its own tests, a
-few RGB orthophotos of NEON's airborne observation platform (US National Ecological Observatory Network) with every
-tree crown boxed by hand, as Pascal VOC files: two crops of Yellowstone (2299 x 2472 and 1249 x 1035 pixels, 574
-and 279 crowns) and two 400 x 400 plots (Florida and California, 61 and 37 crowns). One class, `tree` (the
-California plot's `Alive` and `Dead` are trees too). Crowns are small, 10 to 106 pixels across: the kind of set a
-user brings from a drone or a satellite, where Ultralytics' COCO-trained start helps least.
+The DeepForest package (Weinstein et al., MIT licence; github.com/weecology/DeepForest) ships, for
+its own tests, a few RGB orthophotos of NEON's airborne observation platform (US National Ecological
+Observatory Network) with every tree crown boxed by hand, as Pascal VOC files: two crops of
+Yellowstone (2299 x 2472 and 1249 x 1035 pixels, 574 and 279 crowns) and two 400 x 400 plots
+(Florida and California, 61 and 37 crowns). One class, `tree` (the California plot's `Alive` and
+`Dead` are trees too). Crowns are small, 10 to 106 pixels across: the kind of set a user brings from
+a drone or a satellite, where Ultralytics' COCO-trained start helps least.
 
-Large photographs are cut into a grid of equal tiles as close to --tile pixels a side as whole tiles allow
-(DeepForest's own 400 by default; 383 x 412 for the larger crop), without overlap, so that every crown is counted
-once. A crown goes to the tile that holds at least half of its box, clipped to the tile. Train: the larger
-Yellowstone crop and the two plots (38 tiles, 671 crowns); val: the smaller Yellowstone crop, another place (9
-tiles, 278 crowns). Written under --out: images/{train,val}/*.png, labels/{train,val}/*.txt and data.yaml.
+Large photographs are cut into a grid of equal tiles as close to --tile pixels a side as whole tiles
+allow (DeepForest's own 400 by default; 383 x 412 for the larger crop), without overlap, so that
+every crown is counted once. A crown goes to the tile that holds at least half of its box, clipped
+to the tile. Train: the larger Yellowstone crop and the two plots (38 tiles, 671 crowns); val: the
+smaller Yellowstone crop, another place (9 tiles, 278 crowns). Written under --out:
+images/{train,val}/*.png, labels/{train,val}/*.txt and data.yaml.
 """
 
 import importlib.util
@@ -31,7 +34,8 @@ from convert import parse_voc, write_data_yaml, yolo_line  # noqa: E402
 
 from accelerate_recipes import RecipeError, run  # noqa: E402
 
-VALIDATION = "2019_YELL_2_541000_4977000_image_crop"  # annotation stem of the picture that is the val split
+# annotation stem of the picture that is the val split
+VALIDATION = "2019_YELL_2_541000_4977000_image_crop"
 PACKAGE_HINT = "pip install --no-deps deepforest==2.1.0 (or make detect-data)"
 MIN_INSIDE = 0.5  # a crown belongs to a tile holding at least this fraction of its box
 
@@ -45,15 +49,16 @@ def deepforest_data() -> Path:
 
 
 def tile_spans(length: int, tile: int) -> list[tuple[int, int]]:
-    """[start, end) spans cutting [0, length) into equal parts as close to `tile` pixels as whole parts allow."""
+    """[start, end) spans cutting [0, length) into equal parts as close to `tile` pixels as whole
+    parts allow."""
     parts = max(1, round(length / tile))
     edges = [round(i * length / parts) for i in range(parts + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
 
 def tile_boxes(objects, x0: int, y0: int, x1: int, y1: int) -> list[tuple[float, float, float, float]]:
-    """The boxes (x1, y1, x2, y2 in the picture) at least MIN_INSIDE inside the tile [x0, x1) x [y0, y1), in its
-    pixels and clipped to it."""
+    """The boxes (x1, y1, x2, y2 in the picture) at least MIN_INSIDE inside the tile [x0, x1) x [y0,
+    y1), in its pixels and clipped to it."""
     kept = []
     for _, (bx1, by1, bx2, by2) in objects:
         cx1, cy1, cx2, cy2 = max(bx1, x0), max(by1, y0), min(bx2, x1), min(by2, y1)
@@ -64,7 +69,8 @@ def tile_boxes(objects, x0: int, y0: int, x1: int, y1: int) -> list[tuple[float,
 
 
 def write_tiles(annotation: dict, out: Path, split: str, tile: int) -> tuple[int, int]:
-    """One annotated picture's tiles into out/images/<split> and out/labels/<split>; (tiles, boxes) written."""
+    """One annotated picture's tiles into out/images/<split> and out/labels/<split>; (tiles, boxes)
+    written."""
     with Image.open(annotation["image"]) as opened:
         picture = opened.convert("RGB")
     width, height = picture.size
@@ -89,7 +95,8 @@ def main(out: str = "data/tree-crowns", tile: int = 400, source: str | None = No
     Args:
         out: the dataset folder to write.
         tile: the side of a tile in pixels (the photographs are 0.1 m a pixel).
-        source: a folder of VOC .xml files and their pictures; default the installed deepforest package's data.
+        source: a folder of VOC .xml files and their pictures; default the installed deepforest
+            package's data.
     """
     if tile < 32:
         raise RecipeError(f"--tile {tile} is too small; use at least 32 pixels, e.g. --tile 400")
@@ -112,7 +119,9 @@ def main(out: str = "data/tree-crowns", tile: int = 400, source: str | None = No
                 f"{folder} has no picture for the {split} split ({VALIDATION}.xml is val); {PACKAGE_HINT}"
             )
         data_yaml = write_data_yaml(out_dir, split, ["tree"])
-        print(f"{split}: {tiles} tiles of about {tile} px, {boxes} tree crowns -> {out_dir / 'images' / split}")
+        print(
+            f"{split}: {tiles} tiles of about {tile} px, {boxes} tree crowns -> {out_dir / 'images' / split}"
+        )
     print(f"wrote {data_yaml}")
 
 

@@ -1,17 +1,20 @@
-"""Preflight for multi-node runs: run it on every node, with the flags you will give `accelerate launch`.
+"""Preflight for multi-node runs: run it on every node, with the flags you will give `accelerate
+launch`.
 
     accelerate-recipes-doctor --machine_rank 0 --main_process_ip 10.0.0.1   # on the main node (owns 10.0.0.1)
     accelerate-recipes-doctor --machine_rank 1 --main_process_ip 10.0.0.1   # on node 1, and so on
-    # 2 nodes x 4 GPUs, another port, a longer wait (`python -m recipe_tools.doctor` is the same program):
-    accelerate-recipes-doctor --config_file accelerate_configs/2node.yaml --num_processes 8
+    # 2 nodes x 4 GPUs, another port, a longer wait (`python -m recipe_tools.doctor` is the same
+    program): accelerate-recipes-doctor --config_file accelerate_configs/2node.yaml --num_processes
+    8
         --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29501 --timeout 60
 
-It checks, in seconds instead of a hang at `accelerator.prepare`: the config's arithmetic, that the main address
-resolves, the network interface variables, the GPUs of this node, the rendezvous at main_process_ip:main_process_port
-(address, port, firewall, one machine_rank per node), that every node runs the same torch and accelerate, a gloo
-all_reduce between the nodes (the data path, where a wrong network interface shows up), and with GPUs an NCCL
-all-reduce between them (busbw, and whether NCCL went over InfiniBand/RoCE or plain sockets). Every wait ends after
---timeout seconds with one line naming the cause and the fix.
+It checks, in seconds instead of a hang at `accelerator.prepare`: the config's arithmetic, that the
+main address resolves, the network interface variables, the GPUs of this node, the rendezvous at
+main_process_ip:main_process_port (address, port, firewall, one machine_rank per node), that every
+node runs the same torch and accelerate, a gloo all_reduce between the nodes (the data path, where a
+wrong network interface shows up), and with GPUs an NCCL all-reduce between them (busbw, and whether
+NCCL went over InfiniBand/RoCE or plain sockets). Every wait ends after --timeout seconds with one
+line naming the cause and the fix.
 """
 
 import ipaddress
@@ -44,7 +47,8 @@ class Plan:
     port: int
     timeout: float
     use_cpu: bool
-    gpu_ids: str = "all"  # the config's: this machine's GPU ids, which the launcher turns into CUDA_VISIBLE_DEVICES
+    # the config's: this machine's GPU ids, which the launcher turns into CUDA_VISIBLE_DEVICES
+    gpu_ids: str = "all"
 
     @property
     def where(self) -> str:
@@ -63,9 +67,11 @@ def load_config(config_file: str):
             f"--config_file {config_file} does not exist; use one of accelerate_configs/*.yaml "
             "(accelerate_configs/2node.yaml for two nodes), the same file on every node"
         ) from None
-    except (ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError) as err:  # syntax, keys, values
+    # syntax, keys, values
+    except (ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError) as err:
         raise RecipeError(
-            f"--config_file {config_file} is not a valid accelerate config: {' '.join(str(err).split())[:300]}"
+            f"--config_file {config_file} is not a valid accelerate config: "
+            f"{' '.join(str(err).split())[:300]}"
         ) from None
     if not isinstance(config, ClusterConfig):
         raise RecipeError(
@@ -94,7 +100,9 @@ def number(name: str, value, kind=int):
         raise RecipeError(f"--{name} {value!r} is not a number") from None
 
 
-def make_plan(config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout) -> Plan:
+def make_plan(
+    config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout
+) -> Plan:
     """Check 1: the flags and the config agree with themselves."""
     machines = number("num_machines", num_machines if num_machines is not None else config.num_machines)
     processes = number("num_processes", num_processes if num_processes is not None else config.num_processes)
@@ -132,7 +140,9 @@ def make_plan(config, machine_rank, main_process_ip, main_process_port, num_mach
     if number("timeout", timeout, float) <= 0:
         raise RecipeError(f"--timeout {timeout} must be a positive number of seconds")
     gpu_ids = str(config.gpu_ids).strip() if config.gpu_ids is not None else "all"
-    return Plan(rank, machines, processes, str(ip), port, float(timeout), cpu_requested(config), gpu_ids or "all")
+    return Plan(
+        rank, machines, processes, str(ip), port, float(timeout), cpu_requested(config), gpu_ids or "all"
+    )
 
 
 def resolve(plan: Plan) -> list[str]:
@@ -144,14 +154,16 @@ def resolve(plan: Plan) -> list[str]:
             f"main_process_ip {plan.main_ip!r} does not resolve on this node ({err}): pass the main "
             "node's IP address (`hostname -I` on it), or add its name to /etc/hosts or DNS"
         ) from None
-    return list(dict.fromkeys(info[4][0] for info in infos))  # the resolver's order, without repeats
+    # the resolver's order, without repeats
+    return list(dict.fromkeys(info[4][0] for info in infos))
 
 
 def missing_interfaces(value: str, names: list[str], exact: bool = False) -> list[str]:
     """The entries of a NCCL_SOCKET_IFNAME-style list that match no interface in `names`.
 
-    NCCL's syntax: comma-separated; a leading `^` excludes (nothing has to exist), a leading `=` asks for exact names,
-    otherwise every entry is a prefix (`eth` matches eth0). GLOO_SOCKET_IFNAME takes exact names: exact=True.
+    NCCL's syntax: comma-separated; a leading `^` excludes (nothing has to exist), a leading `=`
+    asks for exact names, otherwise every entry is a prefix (`eth` matches eth0). GLOO_SOCKET_IFNAME
+    takes exact names: exact=True.
     """
     value = value.strip()
     if value.startswith("^"):
@@ -171,7 +183,8 @@ def interface_address(name: str) -> str | None:
         import struct
 
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            answer = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            # SIOCGIFADDR
+            answer = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
         return socket.inet_ntoa(answer[20:24])
     except (ImportError, OSError):
         return None
@@ -191,7 +204,8 @@ def route_to(address: str) -> tuple[str | None, str | None]:
 
 
 def gloo_default_address() -> str | None:
-    """The address gloo listens on when GLOO_SOCKET_IFNAME is unset: the first bindable address of the hostname."""
+    """The address gloo listens on when GLOO_SOCKET_IFNAME is unset: the first bindable address of
+    the hostname."""
     try:
         infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
     except socket.gaierror:
@@ -214,7 +228,8 @@ def is_loopback(address: str) -> bool:
 
 
 def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
-    """Check 3: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name interfaces of this node, and gloo is not on loopback."""
+    """Check 3: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name interfaces of this node, and gloo is
+    not on loopback."""
     names = [name for _, name in socket.if_nameindex()]
     found = []
     for variable, exact in (("NCCL_SOCKET_IFNAME", False), ("GLOO_SOCKET_IFNAME", True)):
@@ -225,8 +240,10 @@ def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
         if missing or not value.strip():
             kind = "exact interface names" if exact else "interface names or prefixes (eth matches eth0)"
             raise RecipeError(
-                f"{variable}={value!r} names no interface of this node ({', '.join(missing) or 'empty'} not found; "
-                f"it takes {kind}); this node has: {', '.join(names)}. Set it to the interface of the network that "
+                f"{variable}={value!r} names no interface of this node ({', '.join(missing) or 'empty'} not "
+                "found; "
+                f"it takes {kind}); this node has: {', '.join(names)}. Set it to the interface of the "
+                "network that "
                 "joins the nodes (`ip -brief addr`), or unset it"
             )
         if exact:  # gloo binds the interface's address: show it (none means gloo will fail on it)
@@ -242,19 +259,23 @@ def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
         found.append(f"{variable}={value}")
     remote = not all(is_loopback(address) for address in main_addresses)
     if "GLOO_SOCKET_IFNAME" not in os.environ and remote and plan.num_machines > 1:
-        # gloo listens on the address of the hostname; a hostname mapped to 127.0.1.1 in /etc/hosts (Ubuntu's
-        # default) makes every other node connect to itself, and the run hangs after the rendezvous.
+        # gloo listens on the address of the hostname; a hostname mapped to 127.0.1.1 in /etc/hosts
+        # (Ubuntu's default) makes every other node connect to
+        # itself, and the run hangs after the rendezvous.
         address = gloo_default_address()
         if address is None or is_loopback(address):
             local, interface = route_to(main_addresses[0])
             fix = (
-                f"GLOO_SOCKET_IFNAME={interface} (this node reaches {plan.main_ip} from {local} on {interface})"
+                f"GLOO_SOCKET_IFNAME={interface} (this node reaches {plan.main_ip} from {local} on "
+                f"{interface})"
                 if interface
                 else f"GLOO_SOCKET_IFNAME to one of: {', '.join(names)}"
             )
             raise RecipeError(
-                f"hostname {socket.gethostname()!r} resolves to {address or 'nothing'} on this node, so gloo would "
-                f"listen there and the other nodes could not reach it: set {fix}, and on every other node its own "
+                f"hostname {socket.gethostname()!r} resolves to {address or 'nothing'} on this node, so gloo "
+                "would "
+                f"listen there and the other nodes could not reach it: set {fix}, and on every other node "
+                "its own "
                 "interface; or map the hostname to the node's network address in /etc/hosts"
             )
         found.append(f"gloo uses {address} (hostname {socket.gethostname()})")
@@ -276,29 +297,40 @@ def check_gpus(plan: Plan, config) -> tuple[int, str]:
         usable = sum(1 for part in wanted if part.isdigit() and int(part) < visible)
     if usable < per_node:
         cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        seen = f"CUDA_VISIBLE_DEVICES={cuda_visible}" if cuda_visible is not None else "CUDA_VISIBLE_DEVICES unset"
+        seen = (
+            f"CUDA_VISIBLE_DEVICES={cuda_visible}"
+            if cuda_visible is not None
+            else "CUDA_VISIBLE_DEVICES unset"
+        )
         of_ids = "" if ids.lower() == "all" else f", {usable} of them among the config's gpu_ids {ids}"
         raise RecipeError(
-            f"this node sees {visible} GPU(s) (torch.cuda.device_count(), {seen}{of_ids}) but runs {per_node} "
-            f"process(es) (num_processes {plan.num_processes} / num_machines {plan.num_machines}), one per GPU: check "
+            f"this node sees {visible} GPU(s) (torch.cuda.device_count(), {seen}{of_ids}) but runs "
+            f"{per_node} "
+            f"process(es) (num_processes {plan.num_processes} / num_machines {plan.num_machines}), one per "
+            "GPU: check "
             "`nvidia-smi` and CUDA_VISIBLE_DEVICES on this node, or lower num_processes; without GPUs set "
             "ACCELERATE_USE_CPU=true"
         )
-    _, _, where = nccl_device(plan.gpu_ids, visible)  # a LOCAL_RANK without a GPU stops here, before the others wait
+    # a LOCAL_RANK without a GPU stops here, before the others wait
+    _, _, where = nccl_device(plan.gpu_ids, visible)
     return visible, f"GPUs: {visible} visible, {per_node} needed per node; this process's GPU: {where}"
 
 
 def nccl_device(gpu_ids: str, visible: int, environ=None) -> tuple[dict, int, str]:
-    """This process's GPU, picked as `accelerate launch` and the Accelerator pick it for a process of the run.
+    """This process's GPU, picked as `accelerate launch` and the Accelerator pick it for a process
+    of the run.
 
-    The launcher turns the config's gpu_ids (ids of this machine's GPUs) into CUDA_VISIBLE_DEVICES, and the process
-    with LOCAL_RANK r then uses the r-th GPU it sees, cuda:r. LOCAL_RANK is unset (0) when the doctor runs once per
-    node. Returns (environment for a child process, its CUDA device index, the GPU in words).
+    The launcher turns the config's gpu_ids (ids of this machine's GPUs) into CUDA_VISIBLE_DEVICES,
+    and the process with LOCAL_RANK r then uses the r-th GPU it sees, cuda:r. LOCAL_RANK is unset
+    (0) when the doctor runs once per node. Returns (environment for a child process, its CUDA
+    device index, the GPU in words).
     """
     environ = os.environ if environ is None else environ
     local = environ.get("LOCAL_RANK", "").strip() or "0"
     if not local.isdigit():
-        raise RecipeError(f"LOCAL_RANK={local!r} is not a process index (0, 1, ...); unset it to check the first GPU")
+        raise RecipeError(
+            f"LOCAL_RANK={local!r} is not a process index (0, 1, ...); unset it to check the first GPU"
+        )
     index = int(local)
     if str(gpu_ids).strip().lower() in ("", "all"):
         if index >= visible:
@@ -307,7 +339,11 @@ def nccl_device(gpu_ids: str, visible: int, environ=None) -> tuple[dict, int, st
                 f"unset LOCAL_RANK or give it a value below {visible}"
             )
         listed = environ.get("CUDA_VISIBLE_DEVICES")
-        return {}, index, f"cuda:{index}" + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else "")
+        return (
+            {},
+            index,
+            f"cuda:{index}" + (f" (CUDA_VISIBLE_DEVICES={listed})" if listed is not None else ""),
+        )
     ids = [part.strip() for part in str(gpu_ids).split(",") if part.strip()]
     if index >= len(ids):
         raise RecipeError(
@@ -318,7 +354,8 @@ def nccl_device(gpu_ids: str, visible: int, environ=None) -> tuple[dict, int, st
     return (
         {"CUDA_VISIBLE_DEVICES": listed},
         index,
-        f"GPU {ids[index]} (cuda:{index} with CUDA_VISIBLE_DEVICES={listed}, from gpu_ids; LOCAL_RANK {index})",
+        f"GPU {ids[index]} (cuda:{index} with CUDA_VISIBLE_DEVICES={listed}, from gpu_ids; LOCAL_RANK "
+        f"{index})",
     )
 
 
@@ -345,7 +382,8 @@ def label(facts: dict) -> str:
 
 
 def deadline_wait(condition, seconds: float):
-    """Poll condition() until it returns something truthy or `seconds` pass; returns its last value."""
+    """Poll condition() until it returns something truthy or `seconds` pass; returns its last
+    value."""
     end = time.monotonic() + seconds
     while True:
         value = condition()
@@ -369,7 +407,8 @@ def host_store(plan: Plan, main_addresses: list[str]):
             continue
     if not local:
         raise RecipeError(
-            f"machine_rank 0 must run on the main node {plan.main_ip}; this machine is {socket.gethostname()} and "
+            f"machine_rank 0 must run on the main node {plan.main_ip}; this machine is "
+            f"{socket.gethostname()} and "
             "does not own that address: run machine_rank 0 there and give this node its own --machine_rank "
             "(did two nodes use machine_rank 0?)"
         )
@@ -381,11 +420,14 @@ def host_store(plan: Plan, main_addresses: list[str]):
         text = str(err)
         if address_in_use(err):
             raise port_in_use(plan.main_ip, plan.port) from None
-        raise RecipeError(f"cannot serve the rendezvous on {plan.where}: {' '.join(text.split())[:300]}") from None
+        raise RecipeError(
+            f"cannot serve the rendezvous on {plan.where}: {' '.join(text.split())[:300]}"
+        ) from None
 
 
 def join_store(plan: Plan, deadline: float):
-    """Other ranks: reach the main node's port (retrying until the deadline), then open the store as a client."""
+    """Other ranks: reach the main node's port (retrying until the deadline), then open the store as
+    a client."""
     import torch.distributed as dist
 
     fixes = (
@@ -397,9 +439,12 @@ def join_store(plan: Plan, deadline: float):
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RecipeError(f"cannot reach the main node at {plan.where} within {plan.timeout:g}s ({last}): {fixes}")
+            raise RecipeError(
+                f"cannot reach the main node at {plan.where} within {plan.timeout:g}s ({last}): {fixes}"
+            )
         try:
-            # Our own connect first: it keeps to the deadline and names the OS error (refused, timed out, no route).
+            # Our own connect first: it keeps to the deadline and names the OS error (refused, timed
+            # out, no route).
             socket.create_connection((plan.main_ip, plan.port), timeout=min(remaining, 5)).close()
             break
         except OSError as err:
@@ -428,7 +473,8 @@ def store_call(plan: Plan, call):
 
 
 def claim(plan: Plan, store, facts: dict) -> None:
-    """Register this node's rank and facts; a second node with the same machine_rank learns it here."""
+    """Register this node's rank and facts; a second node with the same machine_rank learns it
+    here."""
     count = store_call(plan, lambda: store.add(f"{KEY}rank{plan.machine_rank}", 1))
     store_call(plan, lambda: store.set(f"{KEY}facts{plan.machine_rank}.{count}", json.dumps(facts)))
     if count > 1:
@@ -448,7 +494,11 @@ def compare(nodes: list[dict]) -> str | None:
     main = nodes[0]
     problems = []
     shape = []
-    for key, what in (("num_machines", "num_machines"), ("num_processes", "num_processes"), ("use_cpu", "CPU mode")):
+    for key, what in (
+        ("num_machines", "num_machines"),
+        ("num_processes", "num_processes"),
+        ("use_cpu", "CPU mode"),
+    ):
         differ = [node for node in nodes if node[key] != main[key]]
         if differ:
             shape.append(
@@ -461,20 +511,28 @@ def compare(nodes: list[dict]) -> str | None:
             + ", ".join(shape)
             + " (use the same config, flags and ACCELERATE_USE_CPU on every node)"
         )
-    keys = [("torch", "torch"), ("accelerate", "accelerate")] + ([] if main["use_cpu"] else [("gpus", "GPU count")])
+    keys = [("torch", "torch"), ("accelerate", "accelerate")] + (
+        [] if main["use_cpu"] else [("gpus", "GPU count")]
+    )
     for key, what in keys:
         values = sorted({str(node[key]) for node in nodes})
         if len(values) > 1:
             groups = "; ".join(
-                f"{value} on " + ", ".join(label(n) for n in nodes if str(n[key]) == value) for value in values
+                f"{value} on " + ", ".join(label(n) for n in nodes if str(n[key]) == value)
+                for value in values
             )
-            fix = "install the same versions on every node" if key != "gpus" else "give every node the same GPUs"
+            fix = (
+                "install the same versions on every node"
+                if key != "gpus"
+                else "give every node the same GPUs"
+            )
             problems.append(f"{what} differs between nodes: {groups} ({fix})")
     return "; ".join(problems) or None
 
 
 def rendezvous(plan: Plan, store, facts: dict, deadline: float) -> list[dict]:
-    """Check 5 (and 7): every node registers; rank 0 waits for all, compares them and publishes the verdict."""
+    """Check 5 (and 7): every node registers; rank 0 waits for all, compares them and publishes the
+    verdict."""
     claim(plan, store, facts)
     verdict_key = f"{KEY}verdict"
     if plan.machine_rank != 0:
@@ -538,7 +596,8 @@ def check_data_path(plan: Plan, store) -> float:
     )
     fix = (
         f"the rendezvous at {plan.where} works but the nodes' data connections do not ({where}): set "
-        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for GPU runs) on every node to the interface of the network "
+        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME for GPU runs) on every node to the interface of the "
+        "network "
         "that joins them (`ip -brief addr`), and let the firewall pass TCP between the nodes on all ports"
     )
     try:
@@ -550,7 +609,9 @@ def check_data_path(plan: Plan, store) -> float:
             timeout=timedelta(seconds=plan.timeout),
         )
     except (RuntimeError, OSError, ValueError) as err:
-        raise RecipeError(f"gloo could not connect the nodes ({' '.join(str(err).split())[:160]}); {fix}") from None
+        raise RecipeError(
+            f"gloo could not connect the nodes ({' '.join(str(err).split())[:160]}); {fix}"
+        ) from None
     try:
         value = torch.tensor([float(plan.machine_rank + 1)])
         start = time.perf_counter()
@@ -575,10 +636,11 @@ NCCL_RESULT = "doctor-nccl-result "  # prefix of the child's one result line amo
 def nccl_transport(log: str) -> dict:
     """What NCCL's INFO output (NCCL_DEBUG=INFO) says about the network between nodes.
 
-    Returns {"network": "IB" | "Socket" | None, "devices": str, "gdr": bool}. NCCL names the plugin it picked
-    ("NCCL INFO Using network IB"), the devices it opened ("NET/IB : Using [0]mlx5_0:1/IB ..." or "NET/Socket : Using
-    [0]eth0:10.0.0.1<0>"), and per channel the path ("via NET/IB/0/GDRDMA"); "NET/IB : No device found." means no IB.
-    RoCE cards show up as IB (the same verbs plugin), with /RoCE after the device.
+    Returns {"network": "IB" | "Socket" | None, "devices": str, "gdr": bool}. NCCL names the plugin
+    it picked ("NCCL INFO Using network IB"), the devices it opened ("NET/IB : Using [0]mlx5_0:1/IB
+    ..." or "NET/Socket : Using [0]eth0:10.0.0.1<0>"), and per channel the path ("via
+    NET/IB/0/GDRDMA"); "NET/IB : No device found." means no IB. RoCE cards show up as IB (the same
+    verbs plugin), with /RoCE after the device.
     """
     network, devices, gdr = None, "", False
     for line in log.splitlines():
@@ -587,7 +649,13 @@ def nccl_transport(log: str) -> dict:
         text = line.split("NCCL INFO", 1)[1].strip()
         picked = re.match(r"Using network (\w+)", text)
         if picked:
-            network = "IB" if picked[1].upper() == "IB" else "Socket" if picked[1].lower() == "socket" else picked[1]
+            network = (
+                "IB"
+                if picked[1].upper() == "IB"
+                else "Socket"
+                if picked[1].lower() == "socket"
+                else picked[1]
+            )
         opened = re.match(r"NET/(IB|Socket)\s*:\s*Using\s+(.*)", text)
         if opened:
             devices = opened[2].split(";")[0].strip()
@@ -601,14 +669,16 @@ def nccl_transport(log: str) -> dict:
 
 
 def nccl_child(spec: str) -> None:
-    """One node's side of the NCCL all-reduce, in a process of its own so NCCL_DEBUG=INFO is set before NCCL loads."""
+    """One node's side of the NCCL all-reduce, in a process of its own so NCCL_DEBUG=INFO is set
+    before NCCL loads."""
     import torch
     import torch.distributed as dist
 
     job = json.loads(spec)
     n, rank = job["world"], job["rank"]
     store = dist.TCPStore(job["host"], job["port"], None, False, timedelta(seconds=job["timeout"]))
-    device = torch.device("cuda", job["device"])  # this process's GPU among those CUDA_VISIBLE_DEVICES shows
+    # this process's GPU among those CUDA_VISIBLE_DEVICES shows
+    device = torch.device("cuda", job["device"])
     torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl",
@@ -636,15 +706,21 @@ def nccl_child(spec: str) -> None:
     print(
         NCCL_RESULT
         + json.dumps(
-            {"seconds": seconds.item(), "algbw_gbps": algbw, "correct": correct, "busbw_gbps": algbw * 2 * (n - 1) / n}
+            {
+                "seconds": seconds.item(),
+                "algbw_gbps": algbw,
+                "correct": correct,
+                "busbw_gbps": algbw * 2 * (n - 1) / n,
+            }
         ),
         flush=True,
     )
 
 
 def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
-    """Check 8: an NCCL all-reduce of SIZE_MB between the nodes (one GPU each): busbw and whether it went over
-    InfiniBand/RoCE or plain sockets. Returns the report line; the reason in one line when it cannot run."""
+    """Check 8: an NCCL all-reduce of SIZE_MB between the nodes (one GPU each): busbw and whether it
+    went over InfiniBand/RoCE or plain sockets. Returns the report line; the reason in one line when
+    it cannot run."""
     if size_mb <= 0:
         return "NCCL all-reduce not run (--nccl_mb 0)"
     if plan.use_cpu or gpus == 0:
@@ -683,7 +759,9 @@ def check_nccl(plan: Plan, gpus: int, size_mb: int) -> str:
     results = [line[len(NCCL_RESULT) :] for line in proc.stdout.splitlines() if line.startswith(NCCL_RESULT)]
     if proc.returncode or not results:
         last = next((line.strip() for line in reversed(log.splitlines()) if line.strip()), "no output")
-        raise RecipeError(f"the NCCL all-reduce between the nodes failed (exit {proc.returncode}: {last[:200]}): {fix}")
+        raise RecipeError(
+            f"the NCCL all-reduce between the nodes failed (exit {proc.returncode}: {last[:200]}): {fix}"
+        )
     result = json.loads(results[-1])
     if not result["correct"]:
         raise RecipeError(
@@ -715,12 +793,18 @@ def table(nodes: list[dict]) -> str:
             n["accelerate"],
             n["python"],
             str(n["gpus"])
-            + (f" (CUDA_VISIBLE_DEVICES={n['cuda_visible_devices']})" if n["cuda_visible_devices"] is not None else ""),
+            + (
+                f" (CUDA_VISIBLE_DEVICES={n['cuda_visible_devices']})"
+                if n["cuda_visible_devices"] is not None
+                else ""
+            ),
         )
         for n in sorted(nodes, key=lambda n: n["rank"])
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    )
 
 
 def ok(line: str) -> None:
@@ -737,20 +821,29 @@ def main(
     timeout: float = 30,
     nccl_mb: int = 256,
 ):
-    """Check that the nodes of a multi-node run can train together; run it on every node with the same flags.
+    """Check that the nodes of a multi-node run can train together; run it on every node with the
+    same flags.
 
     Args:
         config_file: the accelerate config the run will use (the same file on every node).
-        machine_rank: this node's rank, 0 on the main node and 1..num_machines-1 on the others; default: the config's.
-        main_process_ip: the machine_rank 0 node's address (MASTER_ADDR) as all nodes reach it; default: the config's.
-        main_process_port: TCP port on the main node for the rendezvous (MASTER_PORT); default: the config's, or 29500.
+        machine_rank: this node's rank, 0 on the main node and 1..num_machines-1 on the others;
+            default: the config's.
+        main_process_ip: the machine_rank 0 node's address (MASTER_ADDR) as all nodes reach it;
+            default: the config's.
+        main_process_port: TCP port on the main node for the rendezvous (MASTER_PORT); default: the
+            config's, or 29500.
         num_machines: number of nodes; default: the config's.
-        num_processes: processes of all nodes together (e.g. 16 for 2 nodes x 8 GPUs); default: the config's.
-        timeout: seconds every wait (connect, other nodes joining, gloo) may last before the doctor gives up.
-        nccl_mb: size of the NCCL all-reduce between the nodes' GPUs (one per node), in MB; 0 skips it.
+        num_processes: processes of all nodes together (e.g. 16 for 2 nodes x 8 GPUs); default: the
+            config's.
+        timeout: seconds every wait (connect, other nodes joining, gloo) may last before the doctor
+            gives up.
+        nccl_mb: size of the NCCL all-reduce between the nodes' GPUs (one per node), in MB; 0 skips
+            it.
     """
     config = load_config(config_file)
-    plan = make_plan(config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout)
+    plan = make_plan(
+        config, machine_rank, main_process_ip, main_process_port, num_machines, num_processes, timeout
+    )
     per_node = plan.num_processes // plan.num_machines
     ok(
         f"config {config_file}: {plan.num_machines} node(s) x {per_node} process(es) = {plan.num_processes}, "
@@ -776,7 +869,8 @@ def main(
         store = join_store(plan, deadline)
     nodes = rendezvous(plan, store, facts, deadline)
     ok(f"rendezvous: {len(nodes)} of {plan.num_machines} node(s) joined {plan.where}, one per machine_rank")
-    # Compared before the data path: a different torch on one node can make gloo's handshake itself fail.
+    # Compared before the data path: a different torch on
+    # one node can make gloo's handshake itself fail.
     ok("same torch and accelerate on every node" + ("" if plan.use_cpu else ", same GPU count"))
     elapsed = check_data_path(plan, store)
     ok(f"gloo all_reduce across {plan.num_machines} node(s) gave the right sum ({elapsed:.1f} ms)")

@@ -1,17 +1,22 @@
-"""Start a multi-node run from one terminal: `accelerate launch` on every host of a hostfile, over ssh.
+"""Start a multi-node run from one terminal: `accelerate launch` on every host of a hostfile, over
+ssh.
 
-    accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5   # or python -m recipe_tools.multinode
+    # or python -m recipe_tools.multinode ...
+    accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5
     make cifar-hostfile HOSTFILE=hosts.txt ARGS="--epochs 5"
 
-The hostfile has one line per node, `hostname slots=N` (N processes, usually its GPU count), as DeepSpeed's and
-Horovod's runners read it; `#` starts a comment. The first host is the main node (machine rank 0). Each node runs
+The hostfile has one line per node, `hostname slots=N` (N processes, usually its GPU count), as
+DeepSpeed's and Horovod's runners read it; `#` starts a comment. The first host is the main node
+(machine rank 0). Each node runs
 
     cd <workdir> && accelerate launch --config_file <config> --num_machines M --num_processes <sum of slots>
-        --machine_rank <its line> --main_process_ip <first host> --main_process_port <port> <script> <args>
+        --machine_rank <its line> --main_process_ip <first host> --main_process_port <port> <script>
+        <args>
 
-`localhost` lines run here without ssh, so two "nodes" can share one machine. Other hosts need passwordless ssh
-(`ssh-copy-id host`) and the project and its environment at the same path. Every output line is prefixed with its
-node; when one node fails, the others are stopped and the launcher exits with the failed node's code.
+`localhost` lines run here without ssh, so two "nodes" can share one machine. Other hosts need
+passwordless ssh (`ssh-copy-id host`) and the project and its environment at the same path. Every
+output line is prefixed with its node; when one node fails, the others are stopped and the launcher
+exits with the failed node's code.
 """
 
 import argparse
@@ -29,7 +34,8 @@ from pathlib import Path
 from accelerate_recipes.cli import RecipeError, port_in_use
 
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
-# Passed on to remote nodes (local ones inherit everything): network, accelerate, tracking and hub settings.
+# Passed on to remote nodes (local ones inherit everything):
+# network, accelerate, tracking and hub settings.
 FORWARD_PREFIXES = ("NCCL_", "GLOO_", "ACCELERATE_", "SWANLAB_", "HF_", "TORCH_", "CUDA_", "OMP_", "PYTHON")
 STOP_GRACE_SECONDS = 15
 
@@ -45,7 +51,8 @@ class Host:
 
 
 def read_hostfile(path: str) -> list[Host]:
-    """Parse `hostname slots=N` lines; every node must run the same number of processes, as accelerate requires."""
+    """Parse `hostname slots=N` lines; every node must run the same number of processes, as
+    accelerate requires."""
     file = Path(path)
     if not file.is_file():
         raise RecipeError(f"hostfile {file} does not exist; write one line per node: `hostname slots=<GPUs>`")
@@ -58,22 +65,26 @@ def read_hostfile(path: str) -> list[Host]:
         slots = [o.split("=", 1)[1] for o in options if o.startswith("slots=")]
         if len(options) != 1 or not slots or not slots[0].isdigit() or int(slots[0]) < 1:
             raise RecipeError(
-                f"{file}:{number}: cannot read {raw.strip()!r}; write `hostname slots=N`, e.g. `node1 slots=8`"
+                f"{file}:{number}: cannot read {raw.strip()!r}; write `hostname slots=N`, e.g. `node1 "
+                "slots=8`"
             )
         hosts.append(Host(name, int(slots[0])))
     if not hosts:
         raise RecipeError(f"hostfile {file} lists no hosts; write one line per node: `hostname slots=<GPUs>`")
     if len({h.slots for h in hosts}) > 1:
         raise RecipeError(
-            f"hostfile {file} gives different slots per node ({', '.join(f'{h.name}={h.slots}' for h in hosts)}); "
-            "accelerate runs num_processes / num_machines processes on every node, so give every node the same slots"
+            f"hostfile {file} gives different slots per node "
+            f"({', '.join(f'{h.name}={h.slots}' for h in hosts)}); "
+            "accelerate runs num_processes / num_machines processes on every node, so give every node the "
+            "same slots"
         )
     return hosts
 
 
 def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
-    """The shell script one node runs. It stops its whole process tree when its stdin closes, i.e. when the launcher
-    (or the ssh connection to it) goes away, so no training process outlives a stopped run."""
+    """The shell script one node runs. It stops its whole process tree when its stdin closes, i.e.
+    when the launcher (or the ssh connection to it) goes away, so no training process outlives a
+    stopped run."""
     launch = [
         *shlex.split(args.accelerate),
         "launch",
@@ -91,7 +102,8 @@ def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
         str(args.main_process_port),
         "--rdzv_conf",
         f"timeout={args.startup_timeout}",  # a node left alone stops instead of waiting
-        # --restarts: every node's elastic agent restarts its workers when one dies; c10d re-forms the group
+        # --restarts: every node's elastic agent restarts its workers when one dies; c10d re-forms
+        # the group
         *(["--max_restarts", str(args.restarts), "--rdzv_backend", "c10d"] if args.restarts else []),
         *shlex.split(args.launch_args),
         args.script,
@@ -102,7 +114,9 @@ def node_script(rank: int, hosts: list[Host], args, forward: dict) -> str:
     return "\n".join(
         [
             f"cd {shlex.quote(args.workdir)} || exit 2",
-            "set -m",  # background jobs get their own process group, so one kill reaches torchrun and its workers
+            # background jobs get their own process group, so
+            # one kill reaches torchrun and its workers
+            "set -m",
             f"{'env ' + exports + ' ' if exports else ''}{shlex.join(launch)} &",
             "child=$!",
             f"( cat >/dev/null; kill -TERM -- -$child; sleep {STOP_GRACE_SECONDS}; kill -KILL -- -$child ) "
@@ -164,7 +178,8 @@ class Node:
                 print(f"{self.label} {text}", flush=True)
 
     def stop(self):
-        """Close stdin: the node's script then stops its process tree (TERM, KILL after a grace period)."""
+        """Close stdin: the node's script then stops its process tree (TERM, KILL after a grace
+        period)."""
         if self.process.poll() is None and self.process.stdin and not self.process.stdin.closed:
             try:
                 self.process.stdin.close()
@@ -183,9 +198,13 @@ def check_port_free(address: str, port: int) -> None:
 def launch(args) -> int:
     hosts = read_hostfile(args.hostfile)
     if not Path(args.config_file).is_file():
-        raise RecipeError(f"config {args.config_file} does not exist; pass --config_file accelerate_configs/2node.yaml")
+        raise RecipeError(
+            f"config {args.config_file} does not exist; pass --config_file accelerate_configs/2node.yaml"
+        )
     main_host = hosts[0]
-    args.main_process_ip = args.main_process_ip or ("127.0.0.1" if main_host.name in LOCAL_NAMES else main_host.name)
+    args.main_process_ip = args.main_process_ip or (
+        "127.0.0.1" if main_host.name in LOCAL_NAMES else main_host.name
+    )
     if main_host.is_local:
         check_port_free("0.0.0.0", args.main_process_port)
     width = max(len(h.name) for h in hosts) + len(str(len(hosts)))
@@ -231,7 +250,9 @@ def launch(args) -> int:
     if failed:
         code = failed.process.returncode
         hint = (
-            " (ssh failed: check `ssh -o BatchMode=yes " + failed.host.name + " true` works without a password)"
+            " (ssh failed: check `ssh -o BatchMode=yes "
+            + failed.host.name
+            + " true` works without a password)"
             if code == 255 and not failed.host.is_local
             else ""
         )
@@ -248,7 +269,8 @@ def launch(args) -> int:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="accelerate-recipes-hostfile",
-        description="Run `accelerate launch` on every node of a hostfile (ssh; localhost runs here) with the right "
+        description="Run `accelerate launch` on every node of a hostfile (ssh; localhost runs here) with the "
+        "right "
         "machine rank, main address and port; prefix output by node; stop all nodes when one fails.",
         epilog="hostfile example:\n  node1 slots=8   # main node (machine rank 0)\n  node2 slots=8\n\n"
         "example: accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5",
@@ -271,8 +293,11 @@ def parse_args(argv=None):
         default=int(os.environ.get("MASTER_PORT", 29500)),
         help="rendezvous port on the main node (default: $MASTER_PORT or 29500)",
     )
-    parser.add_argument("--workdir", default=os.getcwd(), help="project folder on every node (default: this one)")
-    script = Path(sys.executable).parent / "accelerate"  # absent where accelerate came with PYTHONPATH, not a venv
+    parser.add_argument(
+        "--workdir", default=os.getcwd(), help="project folder on every node (default: this one)"
+    )
+    # absent where accelerate came with PYTHONPATH, not a venv
+    script = Path(sys.executable).parent / "accelerate"
     parser.add_argument(
         "--accelerate",
         default=str(script) if script.exists() else f"{sys.executable} -m accelerate.commands.accelerate_cli",
@@ -290,7 +315,9 @@ def parse_args(argv=None):
         help="environment variable for every node (repeatable); NCCL_*, GLOO_*, ACCELERATE_*, "
         "SWANLAB_*, HF_*, TORCH_*, CUDA_*, OMP_* and PYTHON* are passed on to remote nodes anyway",
     )
-    parser.add_argument("--ssh_options", default="", help='extra ssh options, e.g. "-p 2222 -i ~/.ssh/cluster"')
+    parser.add_argument(
+        "--ssh_options", default="", help='extra ssh options, e.g. "-p 2222 -i ~/.ssh/cluster"'
+    )
     parser.add_argument("--ssh_timeout", type=int, default=10, help="seconds ssh waits to connect to a node")
     parser.add_argument(
         "--startup_timeout",
@@ -303,7 +330,8 @@ def parse_args(argv=None):
         "--restarts",
         type=int,
         default=0,
-        help="restart every worker of the run up to N times when one dies (a crash, an OOM kill, a rebooted node), "
+        help="restart every worker of the run up to N times when one dies (a crash, an OOM kill, a rebooted "
+        "node), "
         "each restart continuing from the last checkpoint (--resume auto is added)",
     )
     parser.add_argument("script", help="the training script, e.g. recipes/cifar.py")

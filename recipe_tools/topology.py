@@ -1,4 +1,5 @@
-"""Which GPUs to train on: read `nvidia-smi topo -m`, group the GPUs, recommend the best set for 1, 2, 4, ... GPUs.
+"""Which GPUs to train on: read `nvidia-smi topo -m`, group the GPUs, recommend the best set for 1,
+2, 4, ... GPUs.
 
     accelerate-recipes-topo                       # this machine (make topo)
     accelerate-recipes-topo --file saved.txt      # a saved `nvidia-smi topo -m` (make topo TOPO=saved.txt)
@@ -6,9 +7,10 @@
 
 (`python -m recipe_tools.topology` is the same program.)
 
-DDP's all-reduce runs around a ring of all the GPUs, so a step waits for the slowest link in the set: two GPUs joined
-by NVLink exchange gradients many times faster than two GPUs whose traffic crosses the CPU sockets (SYS), which can
-train slower than one GPU alone. The recommendation therefore maximises the slowest link of the set.
+DDP's all-reduce runs around a ring of all the GPUs, so a step waits for the slowest link in the
+set: two GPUs joined by NVLink exchange gradients many times faster than two GPUs whose traffic
+crosses the CPU sockets (SYS), which can train slower than one GPU alone. The recommendation
+therefore maximises the slowest link of the set.
 """
 
 import itertools
@@ -34,7 +36,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def link_score(link: str) -> int:
-    """Higher is faster: NV# above every PCIe path (more NVLinks higher), then PIX > PXB > PHB > NODE > SYS."""
+    """Higher is faster: NV# above every PCIe path (more NVLinks higher), then PIX > PXB > PHB >
+    NODE > SYS."""
     if link.startswith("NV") and link[2:].isdigit():
         return 100 + int(link[2:])
     return PCIE_SCORE.get(link, 0)
@@ -58,7 +61,8 @@ class Topology:
         return self.links[(min(a, b), max(a, b))]
 
     def slowest(self, gpus) -> tuple[str, tuple[int, int]] | None:
-        """The slowest link among the pairs of `gpus` and the pair it joins (None for a single GPU)."""
+        """The slowest link among the pairs of `gpus` and the pair it joins (None for a single
+        GPU)."""
         pairs = list(itertools.combinations(sorted(gpus), 2))
         if not pairs:
             return None
@@ -67,11 +71,14 @@ class Topology:
 
 
 def parse(text: str, source: str = "nvidia-smi topo -m") -> Topology:
-    """Parse the matrix printed by `nvidia-smi topo -m` (tab-separated; NIC rows and the legend are ignored)."""
+    """Parse the matrix printed by `nvidia-smi topo -m` (tab-separated; NIC rows and the legend are
+    ignored)."""
     lines = [ANSI.sub("", line).rstrip() for line in text.splitlines()]
     header_index = next((i for i, line in enumerate(lines) if re.match(r"^\s+GPU0\b", line)), None)
     if header_index is None:
-        raise RecipeError(f"no GPU matrix found in {source}; give the output of `nvidia-smi topo -m` as it prints it")
+        raise RecipeError(
+            f"no GPU matrix found in {source}; give the output of `nvidia-smi topo -m` as it prints it"
+        )
     header = [cell.strip() for cell in lines[header_index].strip().split("\t")]
     gpus, links, cpu, numa = [], {}, {}, {}
     for line in lines[header_index + 1 :]:
@@ -124,7 +131,8 @@ def groups(topo: Topology) -> dict[str, list[list[int]]]:
 
 
 def best_set(topo: Topology, k: int) -> tuple[int, ...]:
-    """The k GPUs whose slowest mutual link is fastest (then the fastest links in total, then the lowest ids)."""
+    """The k GPUs whose slowest mutual link is fastest (then the fastest links in total, then the
+    lowest ids)."""
     if not 1 <= k <= len(topo.gpus):
         raise RecipeError(f"--gpus {k}: this machine has {len(topo.gpus)} GPU(s)")
 
@@ -134,7 +142,8 @@ def best_set(topo: Topology, k: int) -> tuple[int, ...]:
 
     if math.comb(len(topo.gpus), k) <= 50_000:  # every set up to 16 GPUs: exact
         return max(itertools.combinations(topo.gpus, k), key=quality)
-    chosen = list(max(itertools.combinations(topo.gpus, 2), key=quality))  # bigger boxes: grow the best pair greedily
+    # bigger boxes: grow the best pair greedily
+    chosen = list(max(itertools.combinations(topo.gpus, 2), key=quality))
     while len(chosen) < k:
         chosen = max((sorted(chosen + [g]) for g in topo.gpus if g not in chosen), key=quality)
     return tuple(chosen)
@@ -159,7 +168,11 @@ def recommendations(topo: Topology) -> list[tuple[tuple[int, ...], str]]:
 def avoid(topo: Topology) -> str | None:
     """The pair of GPUs to avoid together, when some pairs are much slower than the best ones."""
     link, pair = topo.slowest(topo.gpus) or (None, None)
-    best = max(link_score(topo.link(*p)) for p in itertools.combinations(topo.gpus, 2)) if len(topo.gpus) > 1 else 0
+    best = (
+        max(link_score(topo.link(*p)) for p in itertools.combinations(topo.gpus, 2))
+        if len(topo.gpus) > 1
+        else 0
+    )
     if link is None or link_score(link) == best:
         return None
     return f"for 2 GPUs, avoid pairs like {pair[0]},{pair[1]}: {describe(link)}"
@@ -207,7 +220,9 @@ def read_topology(file: str | None) -> tuple[Topology, str]:
     if file:
         path = Path(file)
         if not path.is_file():
-            raise RecipeError(f"--file {file} does not exist; save one with `nvidia-smi topo -m > {path.name}`")
+            raise RecipeError(
+                f"--file {file} does not exist; save one with `nvidia-smi topo -m > {path.name}`"
+            )
         return parse(path.read_text(), source=str(path)), str(path)
     if shutil.which("nvidia-smi") is None:
         raise RecipeError(
@@ -226,12 +241,14 @@ def read_topology(file: str | None) -> tuple[Topology, str]:
 
 
 def main(file: str | None = None, gpus: int | None = None, write_config: str | None = None):
-    """Print GPU groups and the recommended GPU sets; optionally write an accelerate config for the best set.
+    """Print GPU groups and the recommended GPU sets; optionally write an accelerate config for the
+    best set.
 
     Args:
         file: a saved `nvidia-smi topo -m` output; default: run nvidia-smi on this machine.
         gpus: only the best set of this many GPUs (needed with --write_config).
-        write_config: write an accelerate config file (like accelerate_configs/2gpu.yaml) with the best --gpus set.
+        write_config: write an accelerate config file (like accelerate_configs/2gpu.yaml) with the
+            best --gpus set.
     """
     topo, source = read_topology(file)
     if gpus is None:

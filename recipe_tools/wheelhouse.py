@@ -1,21 +1,22 @@
-"""Run the project on a machine without internet whose Python already has PyTorch: fetch only what it lacks.
+"""Run the project on a machine without internet whose Python already has PyTorch: fetch only what
+it lacks.
 
-Many GPU clusters and rented GPU boxes come with a python3 that holds torch, accelerate and transformers, and no
-network. Installing the project there the usual way fails (pip cannot reach the index) or, online, downloads
-gigabytes that are already there. Instead:
+Many GPU clusters and rented GPU boxes come with a python3 that holds torch, accelerate and
+transformers, and no network. Installing the project there the usual way fails (pip cannot reach the
+index) or, online, downloads gigabytes that are already there. Instead:
 
     # 1. on the GPU machine, from the checkout (standard library only, nothing to install):
     python3 -m recipe_tools.wheelhouse describe > target.json
-    # 2. on any machine with internet, from the checkout:
-    make wheelhouse TARGET_ENV=target.json            # or: python3 -m recipe_tools.wheelhouse download target.json
-                                                      #   (what gpu-check needs, DeepSpeed included)
+    # 2. on any machine with internet, from the checkout (what gpu-check needs, DeepSpeed included):
+    make wheelhouse TARGET_ENV=target.json   # or: python3 -m recipe_tools.wheelhouse download target.json
     # 3. copy wheelhouse/ to the GPU machine, then there (the line is also in wheelhouse/INSTALL.txt):
     python3 -m pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
     make gpu-check PYTHON_ENV=system                  # every make target runs with python3 as it is, no venv
 
-`download` resolves the project's requirements (and the extras asked for) for the target's Python version and
-platform with the target's installed packages pinned as constraints, so everything the target has stays as it is,
-and downloads only the wheels of what it lacks. `check` tells whether this interpreter has what the project needs.
+`download` resolves the project's requirements (and the extras asked for) for the target's Python
+version and platform with the target's installed packages pinned as constraints, so everything the
+target has stays as it is, and downloads only the wheels of what it lacks. `check` tells whether
+this interpreter has what the project needs.
 """
 
 import argparse
@@ -30,9 +31,11 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_EXTRAS = "text,detect"  # what `check` asks of an interpreter by default: the CIFAR, text and detect recipes
-# What `download` fetches by default: everything gpu-check runs, the chat recipe (peft, gguf) and DeepSpeed (a
-# py3-none-any wheel, with hjson, which PyTorch images lack) included; add dev for the tests.
+# what `check` asks of an interpreter by default: the CIFAR, text and detect recipes
+DEFAULT_EXTRAS = "text,detect"
+# What `download` fetches by default: everything gpu-check runs, the chat recipe (peft, gguf) and
+# DeepSpeed (a py3-none-any wheel, with hjson, which
+# PyTorch images lack) included; add dev for the tests.
 DOWNLOAD_EXTRAS = "text,detect,chat,deepspeed"
 
 
@@ -44,9 +47,10 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-# ------------------------------------------------------------------------------------------------- describe
+# ----------------------------------------------------------------------------------------- describe
 def platform_tags(system: str, machine: str, glibc: str | None) -> list[str]:
-    """The wheel platform tags a Linux machine accepts (pip matches --platform exactly, so all of them)."""
+    """The wheel platform tags a Linux machine accepts (pip matches --platform exactly, so all of
+    them)."""
     if system != "Linux":
         return [sysconfig.get_platform().replace("-", "_").replace(".", "_")]
     tags = []
@@ -69,13 +73,15 @@ def describe() -> dict:
     return {
         "python_version": f"{sys.version_info.major}.{sys.version_info.minor}",
         "implementation": "cp" if sys.implementation.name == "cpython" else sys.implementation.name,
-        "platforms": platform_tags(platform.system(), platform.machine(), version if libc == "glibc" else None),
+        "platforms": platform_tags(
+            platform.system(), platform.machine(), version if libc == "glibc" else None
+        ),
         "executable": sys.executable,
         "packages": dict(sorted(packages.items())),
     }
 
 
-# ------------------------------------------------------------------------------------------------- requirements
+# ------------------------------------------------------------------------------------- requirements
 def _toml(path: Path) -> dict:
     try:
         import tomllib
@@ -93,7 +99,8 @@ def _packaging():
 
 
 def project_requirements(extras: list[str], pyproject: Path = REPO / "pyproject.toml") -> list[str]:
-    """The runtime dependencies plus those of EXTRAS, as written in pyproject.toml (self-references expanded)."""
+    """The runtime dependencies plus those of EXTRAS, as written in pyproject.toml (self-references
+    expanded)."""
     Requirement = _packaging()
     project = _toml(pyproject)["project"]
     optional = project.get("optional-dependencies", {})
@@ -127,7 +134,7 @@ def missing_requirements(requirements: list[str], installed: dict[str, str]) -> 
     return missing
 
 
-# ------------------------------------------------------------------------------------------------- download
+# ----------------------------------------------------------------------------------------- download
 def pip_platform_args(target: dict) -> list[str]:
     args = [
         "--only-binary=:all:",
@@ -142,7 +149,8 @@ def pip_platform_args(target: dict) -> list[str]:
 
 
 def download(target: dict, extras: list[str], out: Path, also: list[str]) -> list[str]:
-    """Download into OUT the wheels TARGET lacks for the project; returns their `name==version` pins."""
+    """Download into OUT the wheels TARGET lacks for the project; returns their `name==version`
+    pins."""
     installed = target["packages"]
     needed = missing_requirements(project_requirements(extras), installed) + also
     out.mkdir(parents=True, exist_ok=True)
@@ -150,8 +158,9 @@ def download(target: dict, extras: list[str], out: Path, also: list[str]) -> lis
         (out / "requirements.txt").write_text("")
         return []
     with tempfile.TemporaryDirectory() as tmp:
-        # The target's packages pinned as constraints: dependencies it has are kept at its versions (local labels such
-        # as +cu130 dropped: the index's build of the same version stands in for resolving), and so never downloaded.
+        # The target's packages pinned as constraints: dependencies it has are kept at its versions
+        # (local labels such as +cu130 dropped: the index's build of the same version stands in for
+        # resolving), and so never downloaded.
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text(
             "".join(
@@ -180,7 +189,9 @@ def download(target: dict, extras: list[str], out: Path, also: list[str]) -> lis
         ]
         proc = subprocess.run(resolve, capture_output=True, text=True)
         if proc.returncode:
-            errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or [proc.stderr.strip()]
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or [
+                proc.stderr.strip()
+            ]
             raise WheelhouseError(
                 f"pip could not resolve {' '.join(needed)} for Python {target['python_version']} "
                 f"on {target['platforms'][0]}: {errors[-1]}"
@@ -220,7 +231,7 @@ def install_lines(out: str) -> str:
     )
 
 
-# ------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recipe_tools.wheelhouse",
@@ -228,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("describe", help="print this interpreter's Python version, platform and packages as JSON")
+    commands.add_parser(
+        "describe", help="print this interpreter's Python version, platform and packages as JSON"
+    )
     get = commands.add_parser("download", help="on a connected machine: the wheels a described target lacks")
     get.add_argument("target", help="the JSON `describe` printed on the target machine")
     get.add_argument(
@@ -239,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     get.add_argument("--also", default="", help="more requirements, comma-separated (e.g. 'gguf==0.19.0')")
     get.add_argument("--out", default="wheelhouse", help="folder for the wheels (default wheelhouse)")
     check = commands.add_parser("check", help="exit 1 naming what this interpreter lacks for the project")
-    check.add_argument("--extras", default=DEFAULT_EXTRAS, help=f"extras to check too (default {DEFAULT_EXTRAS})")
+    check.add_argument(
+        "--extras", default=DEFAULT_EXTRAS, help=f"extras to check too (default {DEFAULT_EXTRAS})"
+    )
     args = parser.parse_args(argv)
 
     def split(text):
@@ -283,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             (Path(args.out) / "INSTALL.txt").write_text(install_lines(args.out))
             print(
                 f"{len(pins)} wheels in {args.out}/: {', '.join(pins)}\n"
-                f"copy {args.out}/ to the target and install there, without network:\n" + install_lines(args.out)
+                f"copy {args.out}/ to the target and install there, without network:\n"
+                + install_lines(args.out)
             )
     except WheelhouseError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,16 +1,17 @@
-"""Data code of recipes/cifar.py: generated CIFAR-shaped images, and a loader that keeps small datasets on the device.
+"""Data code of recipes/cifar.py: generated CIFAR-shaped images, and a loader that keeps small
+datasets on the device.
 
 Copy this file together with cifar.py: the recipe imports it from its own folder.
 
-Generated data (`synthetic_images`): each class has its own smooth colour template; an image is its class template,
-shifted by a few pixels, with a random brightness and strong per-pixel noise. Train and test sets share the
-templates, so accuracy on the test set measures learning, and a few hundred steps separate the classes. It says
-nothing about real CIFAR accuracy.
+Generated data (`synthetic_images`): each class has its own smooth colour template; an image is its
+class template, shifted by a few pixels, with a random brightness and strong per-pixel noise. Train
+and test sets share the templates, so accuracy on the test set measures learning, and a few hundred
+steps separate the classes. It says nothing about real CIFAR accuracy.
 
-The device data path (`DeviceImageLoader`): CIFAR-10's 50,000 training images are 150 MB as uint8, so they fit on any
-GPU. Keeping them there removes the per-image Python work of a DataLoader (PIL decode, transforms, collation,
-host-to-device copy), which on a fast GPU costs more time than the network. Each batch is cropped, flipped, cut out
-and normalised on the device in a few tensor ops.
+The device data path (`DeviceImageLoader`): CIFAR-10's 50,000 training images are 150 MB as uint8,
+so they fit on any GPU. Keeping them there removes the per-image Python work of a DataLoader (PIL
+decode, transforms, collation, host-to-device copy), which on a fast GPU costs more time than the
+network. Each batch is cropped, flipped, cut out and normalised on the device in a few tensor ops.
 """
 
 import math
@@ -23,7 +24,8 @@ TEMPLATE_SEED = 20240601  # fixed, so every split and every process sees the sam
 
 
 def class_templates(num_classes: int, size: int = 32) -> np.ndarray:
-    """(num_classes, size, size, 3) float templates in [0, 255], smooth 4x4 colour fields upsampled."""
+    """(num_classes, size, size, 3) float templates in [0, 255], smooth 4x4 colour fields
+    upsampled."""
     rng = np.random.default_rng(TEMPLATE_SEED + num_classes)
     coarse = torch.from_numpy(rng.uniform(0, 255, size=(num_classes, 3, 4, 4)).astype(np.float32))
     fine = F.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
@@ -31,7 +33,8 @@ def class_templates(num_classes: int, size: int = 32) -> np.ndarray:
 
 
 def synthetic_images(num_images: int, num_classes: int = 10, seed: int = 0, size: int = 32):
-    """Return (images uint8 [N, size, size, 3], labels int64 [N]) with balanced, shuffled classes."""
+    """Return (images uint8 [N, size, size, 3], labels int64 [N]) with balanced, shuffled
+    classes."""
     rng = np.random.default_rng(seed)
     templates = class_templates(num_classes, size)
     labels = rng.permutation(np.arange(num_images) % num_classes)
@@ -50,15 +53,17 @@ def synthetic_images(num_images: int, num_classes: int = 10, seed: int = 0, size
 class DeviceImageLoader:
     """Batches of (images, labels) from a uint8 [N, H, W, C] array copied once to `device`.
 
-    Training (`train=True`): every epoch a permutation of all N images, the same on every process (it depends on the
-    seed and the epoch only), cut into global batches of `batch_size x num_processes`; process r takes every
-    num_processes-th image of it, so the processes share each global batch without overlap, as DistributedSampler
-    shares an epoch. Incomplete global batches are dropped. Augmentation: random crop after zero-padding by `pad`
-    pixels (torchvision's RandomCrop(padding=pad)), horizontal flip with probability 1/2, and an optional square
-    cutout of side `cutout` (erased to zero after normalisation).
+    Training (`train=True`): every epoch a permutation of all N images, the same on every process
+    (it depends on the seed and the epoch only), cut into global batches of `batch_size x
+    num_processes`; process r takes every num_processes-th image of it, so the processes share each
+    global batch without overlap, as DistributedSampler shares an epoch. Incomplete global batches
+    are dropped. Augmentation: random crop after zero-padding by `pad` pixels (torchvision's
+    RandomCrop(padding=pad)), horizontal flip with probability 1/2, and an optional square cutout of
+    side `cutout` (erased to zero after normalisation).
 
-    Evaluation (`train=False`): process r takes images r, r + num_processes, ... in order; shards are padded to the
-    same length with label -1 so every process runs the same number of batches (drop those rows after gathering).
+    Evaluation (`train=False`): process r takes images r, r + num_processes, ... in order; shards
+    are padded to the same length with label -1 so every process runs the same number of batches
+    (drop those rows after gathering).
 
     Yields float32 NCHW tensors in channels_last memory layout, normalised with `mean` and `std`.
     """
@@ -106,10 +111,11 @@ class DeviceImageLoader:
         self.epoch = epoch
 
     def skip_first_batches(self, num_batches: int) -> "DeviceImageLoader":
-        """Make the next pass start after its first `num_batches` batches (resuming inside an epoch).
+        """Make the next pass start after its first `num_batches` batches (resuming inside an
+        epoch).
 
-        The skipped batches still draw their augmentation, so the batches that follow are the ones an uninterrupted
-        pass would give, bit for bit.
+        The skipped batches still draw their augmentation, so the batches that follow are the ones
+        an uninterrupted pass would give, bit for bit.
         """
         self._skip = num_batches
         return self
@@ -126,10 +132,12 @@ class DeviceImageLoader:
         return torch.cat([shard, torch.full((length - len(shard),), -1, dtype=torch.long)])
 
     def augment(self, batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Random crop (zero padding), flip and cutout of a uint8 [B, H, W, C] batch; returns uint8 [B, H, W, C]."""
+        """Random crop (zero padding), flip and cutout of a uint8 [B, H, W, C] batch; returns uint8
+        [B, H, W, C]."""
         b, h, w, _ = batch.shape
         if self.pad:
-            padded = F.pad(batch, (0, 0, self.pad, self.pad, self.pad, self.pad))  # pads W and H, not C
+            # pads W and H, not C
+            padded = F.pad(batch, (0, 0, self.pad, self.pad, self.pad, self.pad))
             dy = torch.randint(0, 2 * self.pad + 1, (b, 1, 1), device=self.device, generator=generator)
             dx = torch.randint(0, 2 * self.pad + 1, (b, 1, 1), device=self.device, generator=generator)
             rows = dy + torch.arange(h, device=self.device).view(1, h, 1)
@@ -145,7 +153,8 @@ class DeviceImageLoader:
         return batch.permute(0, 3, 1, 2).float() * self.scale + self.shift
 
     def erase(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Cutout: one random square of side `cutout` per image set to zero (the mean, after normalisation)."""
+        """Cutout: one random square of side `cutout` per image set to zero (the mean, after
+        normalisation)."""
         b, _, h, w = images.shape
         y = torch.randint(0, h - self.cutout + 1, (b, 1, 1, 1), device=self.device, generator=generator)
         x = torch.randint(0, w - self.cutout + 1, (b, 1, 1, 1), device=self.device, generator=generator)
@@ -155,8 +164,10 @@ class DeviceImageLoader:
         return images.masked_fill(inside, 0.0)
 
     def __iter__(self):
-        indices = self.shard_indices(self.epoch)  # drawn on the host: the same order on any device and world size
-        if self.device.type == "cuda":  # from pinned memory the copy is queued and the host does not wait for it
+        # drawn on the host: the same order on any device and world size
+        indices = self.shard_indices(self.epoch)
+        # from pinned memory the copy is queued and the host does not wait for it
+        if self.device.type == "cuda":
             indices = indices.pin_memory()
         indices = indices.to(self.device, non_blocking=True)
         generator = torch.Generator(device=self.device)
@@ -174,7 +185,8 @@ class DeviceImageLoader:
                 images = self.augment(images, generator)
             if number < skip:
                 if self.cutout:
-                    self.erase(images.permute(0, 3, 1, 2), generator)  # the same draws as the kept batches
+                    # the same draws as the kept batches
+                    self.erase(images.permute(0, 3, 1, 2), generator)
                 continue
             images = self.normalise(images)
             if self.cutout:

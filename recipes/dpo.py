@@ -1,24 +1,28 @@
 #!/usr/bin/env python
-"""Preference tuning (DPO and its variants) of a chat model with Hugging Face Accelerate, LoRA or full: 1 GPU, N GPUs,
-N nodes.
+"""Preference tuning (DPO and its variants) of a chat model with Hugging Face Accelerate, LoRA or
+full: 1 GPU, N GPUs, N nodes.
 
     python recipes/dpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct --train_file pairs.jsonl --lora_r 16
-    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/dpo.py --train_file pairs.jsonl --lora_r 16
-    python recipes/dpo.py --model outputs/sft --train_file pairs.jsonl --lora_r 16   # go on from the chat recipe
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/dpo.py --train_file pairs.jsonl \\
+        --lora_r 16
+    # go on from the chat recipe's model
+    python recipes/dpo.py --model outputs/sft --train_file pairs.jsonl --lora_r 16
     python recipes/dpo.py --eval_only --model outputs/dpo --validation_file held_out.jsonl
     python recipes/dpo.py --chat --model outputs/dpo
 
-Each optimizer step takes --batch_size preference pairs (a prompt, a chosen and a rejected answer), computes each
-answer's log-probability (summed over its tokens) under the model and under the reference policy (the model this
-run starts from), and lowers the loss of --loss_type on the difference of the two margins. The loss of a step is
-the mean over every pair of the global batch (all micro-batches, all processes), so the same flags train the same way
-on any number of GPUs.
+Each optimizer step takes --batch_size preference pairs (a prompt, a chosen and a rejected answer),
+computes each answer's log-probability (summed over its tokens) under the model and under the
+reference policy (the model this run starts from), and lowers the loss of --loss_type on the
+difference of the two margins. The loss of a step is the mean over every pair of the global batch
+(all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model and reference ->
-optimizer -> prepare -> resume -> loop -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
---merge come from the chat recipes' shared layer (chat/model.py). The pair formats are in chat/preference_pairs.py.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model and
+reference -> optimizer -> prepare -> resume -> loop -> eval -> save); evaluate_saved_model() is
+--eval_only; --predict, --chat and --merge come from the chat recipes' shared layer (chat/model.py).
+The pair formats are in chat/preference_pairs.py.
 
-Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets,
+peft and gguf).
 """
 
 import json
@@ -26,6 +30,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +67,7 @@ from chat.model import (
 )
 from chat.packed_attention import PACKED_KWARGS, choose_attention
 from chat.packing import check_packing
-from chat.preference_pairs import TOO_LONG, load_pairs, pair_collator, tokenize_pairs
+from chat.preference_pairs import load_pairs, pair_collator, tokenize_pairs
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
@@ -96,72 +101,89 @@ from accelerate_recipes.checkpoints import read_progress
 from accelerate_recipes.compiling import compile_summary_keys
 from accelerate_recipes.plots import plot_results
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 BEST_METRICS = {"loss": ("eval_loss", False), "accuracy": ("eval_reward_accuracy", True)}
-# Not measured for this recipe's defaults: 1e-6 is TRL's DPOConfig default for whole models; adapters take larger
-# steps (make bench-dpo uses the LoRA default; docs/benchmarks.md has its figures).
+# Not measured for this recipe's defaults: 1e-6 is TRL's DPOConfig default for whole models;
+# adapters take larger steps (make bench-dpo uses the
+# LoRA default; docs/benchmarks.md has its figures).
 DEFAULT_LORA_LR, DEFAULT_FULL_LR = 5e-5, 1e-6
-# What each update logs as train/<name> and each evaluation as eval_<name>, per pair, averaged over the global batch.
+# What each update logs as train/<name> and each evaluation as eval_<name>, per pair, averaged over
+# the global batch.
 FIGURES = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
 FIGURES += ("logps_chosen", "logps_rejected", "logp_accuracy", "nll_chosen")
-PLOTTED = ("eval/reward_accuracy", "eval/logp_accuracy", "eval/reward_margin")  # results.png's evaluation panel
+# results.png's evaluation panel
+PLOTTED = ("eval/reward_accuracy", "eval/logp_accuracy", "eval/reward_margin")
 
 
 @dataclass
 class DpoFlags(ChatModelFlags, KernelFlags):
-    """Tune a chat model on preference pairs with DPO or a variant (LoRA with --lora_r, else in full).
+    """Tune a chat model on preference pairs with DPO or a variant (LoRA with --lora_r, else in
+    full).
 
-    The loss compares how much more likely the model makes the chosen answer than the rejected one with how much
-    more the reference policy (the model this run starts from) does. The defaults follow TRL's DPOConfig: --beta
-    0.1, the sigmoid loss, lr 1e-6 for whole models; LoRA takes 5e-5 here; one epoch; global batch 16.
+    The loss compares how much more likely the model makes the chosen answer than the rejected one
+    with how much more the reference policy (the model this run starts from) does. The defaults
+    follow TRL's DPOConfig: --beta 0.1, the sigmoid loss, lr 1e-6 for whole models; LoRA takes 5e-5
+    here; one epoch; global batch 16.
 
     Args:
-        train_file: training pairs, .json (a list) or .jsonl (one per line), in TRL's preference formats: text
-            {"prompt", "chosen", "rejected"}; conversational {"prompt": [messages], "chosen": [assistant messages],
-            "rejected": [...]}; or {"chosen": [whole conversation], "rejected": [whole conversation]}, whose shared
-            first turns are the prompt. Rendered with the model's chat template.
-        validation_file: held-out pairs in the same formats; default: --validation_size of the training pairs.
-        dataset: a Hugging Face Hub dataset instead of files, as name or name:config (trl-lib/ultrafeedback_binarized):
-            its train split, and its validation or test split; downloaded on first use.
-        validation_size: fraction of the training pairs held out when no validation file or split is given.
-        max_length: longest prompt plus answer in tokens; longer pairs are dropped, or cut (--too_long), and counted.
-        too_long: drop (default) or truncate: what happens to a pair longer than --max_length; truncate cuts both
-            answers to fit after the prompt (a prompt that leaves no room is dropped).
-        packing: put each micro-batch's chosen and rejected sequences (each a prompt and one answer) in one row
-            without padding, attention kept inside each one (positions restart per sequence): the same losses and
-            figures as padded batches, no padding computed. Needs an attention implementation that keeps
-            packed sequences apart: varlen (chosen by default on a GPU of compute capability 8.0 or newer in
-            bf16/fp16: torch's variable-length flash kernel, each sequence attending to itself only), sdpa (a dense
-            mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
-        loss_type: sigmoid (DPO), ipo (IPO: a squared loss on the margin of the answers' mean token log-probabilities,
-            which does not push it without bound) or hinge (SLiC: max(0, 1 - beta x margin)).
-        beta: how far the model may move from the reference: the scale of the margin (sigmoid, hinge) or the inverse
-            of its target (ipo). 0.1 is usual; smaller moves further.
-        label_smoothing: sigmoid only: the probability that a pair's labels are swapped (conservative DPO); 0-0.5.
-        sft_weight: add this times the chosen answer's negative log-likelihood (mean per token) to each pair's loss
-            (RPO; TRL's rpo_alpha): keeps the chosen answers likely while the margin grows. 0: off.
-        precompute_ref: compute the reference's log-probabilities of every pair once, before training, and load no
-            reference model: no second copy of the weights in a full fine-tune, no second forward pass per step. They
-            are saved with each checkpoint, so a resumed run uses the same ones.
-        reference_model: --eval_only: the reference policy the rewards are measured against; default: the adapter's
-            base, the adapter switched off (a full model needs this flag).
-        best_model_metric: which held-out figure picks model_best and early stopping: loss (lower) or accuracy (the
-            share of pairs whose chosen answer gets the higher reward).
-        lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the model and its reference see the
-            same function at step 1 (their margin starts at exactly 0).
+        train_file: training pairs, .json (a list) or .jsonl (one per line), in TRL's preference
+            formats: text {"prompt", "chosen", "rejected"}; conversational {"prompt": [messages],
+            "chosen": [assistant messages], "rejected": [...]}; or {"chosen": [whole conversation],
+            "rejected": [whole conversation]}, whose shared first turns are the prompt. Rendered
+            with the model's chat template.
+        validation_file: held-out pairs in the same formats; default: --validation_size of the
+            training pairs.
+        dataset: a Hugging Face Hub dataset instead of files, as name or name:config
+            (trl-lib/ultrafeedback_binarized): its train split, and its validation or test split;
+            downloaded on first use.
+        validation_size: fraction of the training pairs held out when no validation file or split is
+            given.
+        max_length: longest prompt plus answer in tokens; longer pairs are dropped, or cut
+            (--too_long), and counted.
+        too_long: drop (default) or truncate: what happens to a pair longer than --max_length;
+            truncate cuts both answers to fit after the prompt (a prompt that leaves no room is
+            dropped).
+        packing: put each micro-batch's chosen and rejected sequences (each a prompt and one answer)
+            in one row without padding, attention kept inside each one (positions restart per
+            sequence): the same losses and figures as padded batches, no padding computed. Needs an
+            attention implementation that keeps packed sequences apart: varlen (chosen by default on
+            a GPU of compute capability 8.0 or newer in bf16/fp16: torch's variable-length flash
+            kernel, each sequence attending to itself only), sdpa (a dense mask over the whole row,
+            the default elsewhere), eager, flex_attention, flash_attention_2/3.
+        loss_type: sigmoid (DPO), ipo (IPO: a squared loss on the margin of the answers' mean token
+            log-probabilities, which does not push it without bound) or hinge (SLiC: max(0, 1 - beta
+            x margin)).
+        beta: how far the model may move from the reference: the scale of the margin (sigmoid,
+            hinge) or the inverse of its target (ipo). 0.1 is usual; smaller moves further.
+        label_smoothing: sigmoid only: the probability that a pair's labels are swapped
+            (conservative DPO); 0-0.5.
+        sft_weight: add this times the chosen answer's negative log-likelihood (mean per token) to
+            each pair's loss (RPO; TRL's rpo_alpha): keeps the chosen answers likely while the
+            margin grows. 0: off.
+        precompute_ref: compute the reference's log-probabilities of every pair once, before
+            training, and load no reference model: no second copy of the weights in a full
+            fine-tune, no second forward pass per step. They are saved with each checkpoint, so a
+            resumed run uses the same ones.
+        reference_model: --eval_only: the reference policy the rewards are measured against;
+            default: the adapter's base, the adapter switched off (a full model needs this flag).
+        best_model_metric: which held-out figure picks model_best and early stopping: loss (lower)
+            or accuracy (the share of pairs whose chosen answer gets the higher reward).
+        lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the model and its
+            reference see the same function at step 1 (their margin starts at exactly 0).
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
-        eval_generate: before training and after each evaluation, answer the first N validation prompts greedily and
-            write them beside their chosen answers to samples.jsonl and the tracker (needs the whole model in each
-            process: off under FSDP and ZeRO-3). 0: none.
-        model: the model to tune: a Hub name or folder of a chat model, a .gguf file, or the chat recipe's output (an
-            adapter, trained on under --lora_r, or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For
-            --eval_only, --predict, --chat and --merge: the tuned model (default --output_dir).
+        eval_generate: before training and after each evaluation, answer the first N validation
+            prompts greedily and write them beside their chosen answers to samples.jsonl and the
+            tracker (needs the whole model in each process: off under FSDP and ZeRO-3). 0: none.
+        model: the model to tune: a Hub name or folder of a chat model, a .gguf file, or the chat
+            recipe's output (an adapter, trained on under --lora_r, or a full model); default
+            Qwen/Qwen2.5-0.5B-Instruct. For --eval_only, --predict, --chat and --merge: the tuned
+            model (default --output_dir).
         lr: peak learning rate; default 5e-5 with --lora_r, 1e-6 for a full fine-tune.
         seed: seed for LoRA's initial weights and the data order.
-        eval_only: evaluate --model on the validation pairs (loss, rewards, margin, accuracy) against
-            --reference_model and write results.json to --output_dir; any number of processes, each pair once.
-        predict: answer prompts (text, a .txt file of one per line, or a .json/.jsonl of chats) with --model; one
-            JSON line per prompt.
+        eval_only: evaluate --model on the validation pairs (loss, rewards, margin, accuracy)
+            against --reference_model and write results.json to --output_dir; any number of
+            processes, each pair once.
+        predict: answer prompts (text, a .txt file of one per line, or a .json/.jsonl of chats) with
+            --model; one JSON line per prompt.
     """
 
     train_file: str | None = None
@@ -169,15 +191,15 @@ class DpoFlags(ChatModelFlags, KernelFlags):
     dataset: str | None = None
     validation_size: float = 0.1
     max_length: int = 1024
-    too_long: str = "drop"
+    too_long: Literal["drop", "truncate"] = "drop"
     packing: bool = False
-    loss_type: str = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     sft_weight: float = 0.0
     precompute_ref: bool = False
     reference_model: str | None = None
-    best_model_metric: str = "loss"
+    best_model_metric: Literal["loss", "accuracy"] = "loss"
     lora_dropout: float = 0.0
     warmup_ratio: float = 0.1
     eval_generate: int = 4
@@ -192,27 +214,26 @@ class DpoFlags(ChatModelFlags, KernelFlags):
 
 def check_flags(args: DpoFlags) -> None:
     """Flags that cannot work together, before anything loads."""
-    if args.loss_type not in LOSS_TYPES:
-        raise RecipeError(f"--loss_type {args.loss_type}: give one of {', '.join(LOSS_TYPES)}")
-    if args.too_long not in TOO_LONG:
-        raise RecipeError(f"--too_long {args.too_long}: give one of {', '.join(TOO_LONG)}")
-    if args.best_model_metric not in BEST_METRICS:
-        raise RecipeError(f"--best_model_metric {args.best_model_metric}: give one of {', '.join(BEST_METRICS)}")
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or args.sft_weight < 0:
         raise RecipeError("--beta must be > 0, 0 <= --label_smoothing < 0.5 and --sft_weight >= 0")
     if args.label_smoothing and args.loss_type != "sigmoid":
         raise RecipeError(f"--label_smoothing applies to --loss_type sigmoid only, not {args.loss_type}")
 
 
-# ----------------------------------------------------------------------------------------------------------- data
+# --------------------------------------------------------------------------------------------- data
 def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
-    """({train, validation}: tokenised pairs, counts per split). The local main process of each node reads first
-    (into the datasets cache); the others then read the cached files."""
+    """({train, validation}: tokenised pairs, counts per split). The local main process of each node
+    reads first (into the datasets cache); the others then read the cached files."""
     quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     dataset_name(args)  # refuses a run without data before anything loads
     with accelerator.local_main_process_first():
         raw = load_pairs(
-            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+            args.train_file,
+            args.validation_file,
+            args.dataset,
+            args.cache_dir,
+            args.validation_size,
+            args.seed,
         )
     splits, counts = {}, {}
     for split, pairs in zip(("train", "validation"), raw):
@@ -223,21 +244,24 @@ def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
         count = counts[split]
         if count["dropped"] or count["truncated"]:
             accelerator.print(
-                f"{split}: of {count['pairs']} pairs, {count['dropped']} longer than --max_length {args.max_length} "
+                f"{split}: of {count['pairs']} pairs, {count['dropped']} longer than --max_length "
+                f"{args.max_length} "
                 f"were dropped and {count['truncated']} cut to fit (--too_long {args.too_long})"
             )
     return splits, counts
 
 
 def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_process: int) -> tuple:
-    """The training loader (shuffled, whole batches only; None without training pairs, as --eval_only may have) and
-    the validation loader, before accelerator.prepare."""
+    """The training loader (shuffled, whole batches only; None without training pairs, as
+    --eval_only may have) and the validation loader, before accelerator.prepare."""
     pad_to = row_multiple(accelerator, args.compile and args.packing)
     num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    longest = args.max_length if args.compile else None  # compiled: one bound for every packed row (one_bound)
+    # compiled: one bound for every packed row (one_bound)
+    longest = args.max_length if args.compile else None
     collate = pair_collator(tokenizer, args.packing, pad_to, longest)
-    # The shuffle has a generator of its own: starting an epoch then draws nothing from the global RNG.
+    # The shuffle has a generator of its own: starting an
+    # epoch then draws nothing from the global RNG.
     generator = torch.Generator().manual_seed(args.seed)
     train_loader = None
     if splits["train"]:
@@ -255,22 +279,25 @@ def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_proce
 
 
 def first_batches(batches, limit: int):
-    """The first `limit` batches of a loader: the whole steps of an epoch. The rest is read and left out, as
-    drop_last leaves out a partial batch, so that the loader ends its epoch as usual."""
+    """The first `limit` batches of a loader: the whole steps of an epoch. The rest is read and left
+    out, as drop_last leaves out a partial batch, so that the loader ends its epoch as usual."""
     for index, batch in enumerate(batches):
         if index < limit:
             yield batch
 
 
-# ----------------------------------------------------------------------------------------------------------- loss
+# --------------------------------------------------------------------------------------------- loss
 def answer_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each answer's log-probability, summed over its tokens; its answer tokens): chosen answers first, then the
-    rejected ones. Only the answers' positions get logits: the last columns of a padded batch, or in a packed row
-    (--packing) the positions answer_index names, laid out as a padded batch's."""
+    """(each answer's log-probability, summed over its tokens; its answer tokens): chosen answers
+    first, then the rejected ones. Only the answers' positions get logits: the last columns of a
+    padded batch, or in a packed row (--packing) the positions answer_index names, laid out as a
+    padded batch's."""
     answer_mask = batch["answer_mask"]
     if "position_ids" in batch:  # packed: one row, positions restarting per sequence, no mask
-        packed = {key: batch[key] for key in PACKED_KWARGS}  # where the sequences start, for the attention
-        row, at = batch["input_ids"], batch["answer_index"]  # the positions that predict each answer token
+        # where the sequences start, for the attention
+        packed = {key: batch[key] for key in PACKED_KWARGS}
+        # the positions that predict each answer token
+        row, at = batch["input_ids"], batch["answer_index"]
         logprobs = token_logprobs(model, row, None, row[0, at + 1], batch["position_ids"], at=at, **packed)
     else:
         positions = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)  # left padding skipped
@@ -280,9 +307,12 @@ def answer_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def reference_logprobs(accelerator, model, reference, batch: dict, stored, split: str = "train") -> torch.Tensor:
-    """The reference policy's answer log-probabilities of a batch's rows: computed now (chat.model.reference_model),
-    or looked up when --precompute_ref stored them (a StoredReference)."""
+def reference_logprobs(
+    accelerator, model, reference, batch: dict, stored, split: str = "train"
+) -> torch.Tensor:
+    """The reference policy's answer log-probabilities of a batch's rows: computed now
+    (chat.model.reference_model), or looked up when --precompute_ref stored them (a
+    StoredReference)."""
     if stored is not None:
         return stored.lookup(split, batch["index"]).to(batch["input_ids"].device)
     with reference_model(accelerator, model, reference) as policy:
@@ -290,10 +320,12 @@ def reference_logprobs(accelerator, model, reference, batch: dict, stored, split
 
 
 def pair_figures(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, args) -> dict:
-    """Each pair's loss and the FIGURES a user watches, as tensors of one value per pair, from the rows' summed
-    answer log-probabilities under the policy and the reference (chosen rows first) and their token counts."""
+    """Each pair's loss and the FIGURES a user watches, as tensors of one value per pair, from the
+    rows' summed answer log-probabilities under the policy and the reference (chosen rows first) and
+    their token counts."""
     pairs = len(policy) // 2
-    if args.loss_type == "ipo":  # IPO compares mean token log-probabilities (as TRL), so length does not count
+    # IPO compares mean token log-probabilities (as TRL), so length does not count
+    if args.loss_type == "ipo":
         policy, reference = policy / tokens, reference / tokens
     chosen, rejected = policy[:pairs], policy[pairs:]
     chosen_reward = args.beta * (chosen - reference[:pairs]).detach()
@@ -301,7 +333,9 @@ def pair_figures(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Te
     margin = (chosen - reference[:pairs]) - (rejected - reference[pairs:])
     if args.loss_type == "sigmoid":
         smoothing = args.label_smoothing
-        loss = -(1 - smoothing) * F.logsigmoid(args.beta * margin) - smoothing * F.logsigmoid(-args.beta * margin)
+        loss = -(1 - smoothing) * F.logsigmoid(args.beta * margin) - smoothing * F.logsigmoid(
+            -args.beta * margin
+        )
     elif args.loss_type == "ipo":
         loss = (margin - 1 / (2 * args.beta)) ** 2
     else:  # hinge
@@ -324,9 +358,10 @@ def pair_figures(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Te
 
 
 class StoredReference:
-    """--precompute_ref: the reference's answer log-probabilities of every pair (chosen, rejected), by split and
-    index, computed once before training by the model itself (the reference is the policy the run starts from), and
-    saved with each checkpoint (accelerator.register_for_checkpointing), so a resumed run reads the same ones."""
+    """--precompute_ref: the reference's answer log-probabilities of every pair (chosen, rejected),
+    by split and index, computed once before training by the model itself (the reference is the
+    policy the run starts from), and saved with each checkpoint
+    (accelerator.register_for_checkpointing), so a resumed run reads the same ones."""
 
     def __init__(self):
         self.values: dict[str, torch.Tensor] = {}  # per split: [pairs, 2], chosen and rejected
@@ -337,8 +372,8 @@ class StoredReference:
 
     @torch.no_grad()
     def compute(self, accelerator, model, splits: dict, collate, batch_size: int) -> float:
-        """Every pair of every split, each process answering an equal share of batches (a sharded model's forward
-        passes are collective), gathered; returns the seconds it took."""
+        """Every pair of every split, each process answering an equal share of batches (a sharded
+        model's forward passes are collective), gathered; returns the seconds it took."""
         started = time.perf_counter()
         was_training = model.training
         model.eval()
@@ -346,11 +381,14 @@ class StoredReference:
         for split, pairs in splits.items():
             share = math.ceil(math.ceil(len(pairs) / world) / batch_size) * batch_size
             order = list(range(len(pairs)))
-            padded = order + order[-1:] * (share * world - len(order))  # equal shares; the repeats agree
+            # equal shares; the repeats agree
+            padded = order + order[-1:] * (share * world - len(order))
             found = []
             with accelerator.split_between_processes(padded) as mine:
                 for start in range(0, len(mine), batch_size):
-                    batch = send_to_device(collate([pairs[i] for i in mine[start : start + batch_size]]), model.device)
+                    batch = send_to_device(
+                        collate([pairs[i] for i in mine[start : start + batch_size]]), model.device
+                    )
                     logprobs = answer_logprobs(model, batch)[0].float().cpu()
                     half = len(logprobs) // 2
                     found += zip(batch["index"].tolist(), logprobs[:half].tolist(), logprobs[half:].tolist())
@@ -369,30 +407,35 @@ class StoredReference:
 
 
 def check_same_reference(folder, precompute_ref: bool) -> None:
-    """A checkpoint holds the stored reference log-probabilities exactly when its run had --precompute_ref; resumed
-    with the other setting, load_state would miss them or find one object too many."""
+    """A checkpoint holds the stored reference log-probabilities exactly when its run had
+    --precompute_ref; resumed with the other setting, load_state would miss them or find one object
+    too many."""
     saved = bool(read_progress(Path(folder)).get("config", {}).get("precompute_ref"))
     if saved != precompute_ref:
         given = "with" if saved else "without"
         raise RecipeError(
-            f"checkpoint {folder} was written by a run {given} --precompute_ref; resume it {given} the flag, or "
+            f"checkpoint {folder} was written by a run {given} --precompute_ref; resume it {given} the flag, "
+            "or "
             "start a new run in another --output_dir"
         )
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate(accelerator, model, reference, loader, args, stored: StoredReference | None) -> dict:
-    """The FIGURES over the whole validation split, each pair counted once (gather_for_metrics drops the pairs the
-    sampler repeated to even the processes out), as eval_<name>."""
+    """The FIGURES over the whole validation split, each pair counted once (gather_for_metrics drops
+    the pairs the sampler repeated to even the processes out), as eval_<name>."""
     model.eval()
     sums, pairs = torch.zeros(len(FIGURES), dtype=torch.float64), 0
     for batch in loader:
-        with without_compiling():  # compiled blocks: the graphs of training where shapes match, else eager
+        # compiled blocks: the graphs of training where shapes match, else eager
+        with without_compiling():
             policy, tokens = answer_logprobs(model, batch)
             reference_rows = reference_logprobs(accelerator, model, reference, batch, stored, "validation")
         figures = pair_figures(policy, reference_rows, tokens, args)
-        per_pair = accelerator.gather_for_metrics(torch.stack([figures[name].float() for name in FIGURES], dim=1))
+        per_pair = accelerator.gather_for_metrics(
+            torch.stack([figures[name].float() for name in FIGURES], dim=1)
+        )
         sums += per_pair.double().sum(dim=0).cpu()
         pairs += len(per_pair)
     model.train()
@@ -401,35 +444,44 @@ def evaluate(accelerator, model, reference, loader, args, stored: StoredReferenc
     }
 
 
-def sample_answers(accelerator, model, tokenizer, pairs: list[dict], args, epoch: int, step: int, output, tracking):
-    """Greedy answers to the first --eval_generate validation prompts beside their chosen answers, to samples.jsonl
-    and the tracker (epoch 0: before training)."""
+def sample_answers(
+    accelerator, model, tokenizer, pairs: list[dict], args, epoch: int, step: int, output, tracking
+):
+    """Greedy answers to the first --eval_generate validation prompts beside their chosen answers,
+    to samples.jsonl and the tracker (epoch 0: before training)."""
     if not args.eval_generate:
         return
     conversations = [pair["prompt"] + pair["chosen"][:1] for pair in pairs[: args.eval_generate]]
-    _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
+    _, samples = generate_answers(
+        model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode
+    )
     write_samples(accelerator, output, epoch, step, samples, tracking)
 
 
-# ---------------------------------------------------------------------------------------------------------- train
+# -------------------------------------------------------------------------------------------- train
 def train(args: DpoFlags) -> None:
-    """DPO on the data flags' pairs; evaluate at each epoch's end, and save the last and the best model (an adapter
-    with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
+    """DPO on the data flags' pairs; evaluate at each epoch's end, and save the last and the best
+    model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
     started = time.perf_counter()
     check_flags(args)
     output, model_name = Path(args.output_dir), args.model or DEFAULT_MODEL
     lr = args.lr or (DEFAULT_LORA_LR if args.lora_r else DEFAULT_FULL_LR)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"dpo-{dataset_name(args)}", args.swanlab_mode
+    )
     # Steps by count, as SFT's: a step's micro-batches are whole pairs of the global batch.
     accelerator = training_accelerator(args, tracking, steps_by_count=True)
     per_process = check_launch_flags(accelerator, args)
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
-    blocks = settle_compile(args, accelerator)  # by default on a CUDA GPU; a compile failure goes on eagerly
+    # by default on a CUDA GPU; a compile failure goes on eagerly
+    blocks = settle_compile(args, accelerator)
     generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     if args.eval_generate and generation_off:
-        accelerator.print("--eval_generate is off: answers need the whole model in each process, which this run shards")
+        accelerator.print(
+            "--eval_generate is off: answers need the whole model in each process, which this run shards"
+        )
         args.eval_generate = 0
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -441,14 +493,17 @@ def train(args: DpoFlags) -> None:
     splits, counts = load_data(accelerator, args, tokenizer)
     train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, splits, per_process)
 
-    # ---- model and reference policy (none with --precompute_ref: the model itself before its first step)
-    # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says otherwise
+    # ---- model and reference policy (none with --precompute_ref: the model itself before its first
+    # step) packed rows on a GPU: torch's variable-length flash
+    # kernel, unless --attn_implementation says otherwise
     args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
     model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     if args.packing:
-        check_packing(model)  # attention that keeps each packed sequence to itself (the reference's too)
+        # attention that keeps each packed sequence to itself (the reference's too)
+        check_packing(model)
     reference = None if args.precompute_ref else reference_policy(args, accelerator, model, model_name)
-    use_kernels(model, args, accelerator.device, blocks)  # --liger, --compile; after the reference's copy
+    # --liger, --compile; after the reference's copy
+    use_kernels(model, args, accelerator.device, blocks)
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
@@ -457,7 +512,8 @@ def train(args: DpoFlags) -> None:
     steps_per_epoch = len(train_loader) // world // accumulation
     if steps_per_epoch == 0:
         raise RecipeError(
-            f"the training pairs ({len(splits['train'])}) are fewer than one global batch ({args.batch_size}); lower "
+            f"the training pairs ({len(splits['train'])}) are fewer than one global batch "
+            f"({args.batch_size}); lower "
             "--batch_size or use more pairs"
         )
     batches_per_epoch = steps_per_epoch * accumulation
@@ -466,19 +522,26 @@ def train(args: DpoFlags) -> None:
     warmup_steps = round(args.warmup_ratio * total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
-    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the
+    # device.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader
+    )
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
-    config = run_config("dpo", args, accelerator, **settings(args, model_name, lr, model, counts, per_process))
+    config = run_config(
+        "dpo", args, accelerator, **settings(args, model_name, lr, model, counts, per_process)
+    )
     config.update(warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs)
 
-    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device, FIGURES)
-    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    # save_state / load_state carry the position with the weights
+    accelerator.register_for_checkpointing(state)
     stored = StoredReference() if args.precompute_ref else None
     if stored is not None:
-        accelerator.register_for_checkpointing(stored)  # the reference's log-probabilities travel with checkpoints
+        # the reference's log-probabilities travel with checkpoints
+        accelerator.register_for_checkpointing(stored)
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         check_same_reference(resume_from, args.precompute_ref)
@@ -490,7 +553,9 @@ def train(args: DpoFlags) -> None:
         accelerator.print(f"reference log-probabilities of every pair computed in {seconds:.1f} s")
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     metric, higher = BEST_METRICS[args.best_model_metric]
-    best = BestModel(accelerator, state, output, metric, higher_is_better=higher, patience=args.early_stopping_patience)
+    best = BestModel(
+        accelerator, state, output, metric, higher_is_better=higher, patience=args.early_stopping_patience
+    )
     progress = training_progress(
         accelerator,
         args,
@@ -516,21 +581,26 @@ def train(args: DpoFlags) -> None:
         for batch in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
             reference_rows = reference_logprobs(accelerator, model, reference, batch, stored)
-            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+            # skips the gradient all-reduce on accumulation micro-steps
+            with accelerator.accumulate(model):
                 policy, tokens = answer_logprobs(model, batch)
                 figures = pair_figures(policy, reference_rows, tokens, args)
-                # This micro-batch's pairs' share of the global batch's mean loss; x world x accumulation undoes the
-                # means that DDP and accelerator.backward take.
+                # This micro-batch's pairs' share of the global batch's mean loss; x world x
+                # accumulation undoes the means that DDP and accelerator.backward take.
                 loss = figures["loss"].sum() / args.batch_size * world * accumulation
                 accelerator.backward(loss)
-                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                # a non-finite loss is noted on the device, read at the next log step
+                guard.observe(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
-                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
+                    # --skip_nonfinite_steps drops a non-finite one
+                    if keeps_update(progress, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # the micro-batch's means; RunState averages them over micro-batches and processes
-            state.add(torch.stack([figures[name].detach().float().mean() for name in FIGURES]), samples=per_process)
+            state.add(
+                torch.stack([figures[name].detach().float().mean() for name in FIGURES]), samples=per_process
+            )
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -541,19 +611,30 @@ def train(args: DpoFlags) -> None:
                 break
 
         # ---- evaluation once per epoch, on the whole validation split
-        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        # nothing non-finite since the last log step, before evaluating and saving
+        guard.check(state.step)
         state.last_eval = evaluate(accelerator, model, reference, eval_loader, args, stored)
         sample_answers(
-            accelerator, model, tokenizer, splits["validation"], args, state.epoch + 1, state.step, output, tracking
+            accelerator,
+            model,
+            tokenizer,
+            splits["validation"],
+            args,
+            state.epoch + 1,
+            state.step,
+            output,
+            tracking,
         )
         seconds = progress.epoch_done(state.last_eval)
-        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+        if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
         if accelerator.is_main_process:
             # the accuracies and the margin: the log-probabilities are on another scale
             plot_results(progress.metrics.path, output / "results.png", eval_keys=PLOTTED)
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
+        accelerator.print(
+            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s"
+        )
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -561,24 +642,29 @@ def train(args: DpoFlags) -> None:
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    # with the tokenizer, as from_pretrained reads it
+    save_model(accelerator, model, tokenizer, output)
     results = dict(config, **progress.results(started))
     results.update(token_rates(results, splits["train"]), warmup_seconds=progress.meter.warmup_seconds)
-    results.update(compile_figures(blocks, model, accelerator))  # graphs, recompiles, seconds, fallbacks, cache hits
-    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    # graphs, recompiles, seconds, fallbacks, cache hits
+    results.update(compile_figures(blocks, model, accelerator))
+    # all ranks tear the process group down together, none while others still talk
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_run_summary(results, path, tracking)
 
 
-# ------------------------------------------------------------------------------------------------------ reporting
+# ---------------------------------------------------------------------------------------- reporting
 def settings(args: DpoFlags, model_name: str, lr: float, model, counts: dict, per_process: int) -> dict:
-    """What the run derived from its flags and data, for run_config (the tracker, checkpoints, results.json)."""
+    """What the run derived from its flags and data, for run_config (the tracker, checkpoints,
+    results.json)."""
     return dict(
         dataset=dataset_name(args),
         model=model_name,
-        **model_facts(args, model),  # lora or full, its parameters, the library versions, the attention
+        # lora or full, its parameters, the library versions, the attention
+        **model_facts(args, model),
         lr=lr,
         per_process_batch_size=per_process,
         train_size=counts["train"]["pairs"] - counts["train"]["dropped"],
@@ -589,31 +675,51 @@ def settings(args: DpoFlags, model_name: str, lr: float, model, counts: dict, pe
 
 
 def token_rates(results: dict, pairs: list[dict]) -> dict:
-    """Tokens per second through the model: pairs per second x the mean tokens of a pair's two rows (the prompt is
-    read twice, once before each answer; padding not counted)."""
-    per_pair = sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs) / len(pairs)
+    """Tokens per second through the model: pairs per second x the mean tokens of a pair's two rows
+    (the prompt is read twice, once before each answer; padding not counted)."""
+    per_pair = sum(
+        2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs
+    ) / len(pairs)
     return dict(train_tokens_per_second=results["train_samples_per_second"] * per_pair)
 
 
 def scores_line(evaluation: dict) -> str:
-    """An evaluation in one line: `loss 0.6931, reward_margin 0.0000, reward_accuracy 0.5000, logp_accuracy 0.4`."""
+    """An evaluation in one line: `loss 0.6931, reward_margin 0.0000, reward_accuracy 0.5000,
+    logp_accuracy 0.4`."""
     keys = ("eval_loss", "eval_reward_margin", "eval_reward_accuracy", "eval_logp_accuracy")
     return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
 
 
 def print_run_summary(results: dict, path: Path, tracking) -> None:
-    keys = ["dataset", "model", "method", "loss_type", "beta", "world_size", "num_machines", "mixed_precision"]
-    keys += ["global_batch_size", "steps", "epochs", "eval_loss", "eval_reward_margin", "eval_reward_accuracy"]
+    keys = [
+        "dataset",
+        "model",
+        "method",
+        "loss_type",
+        "beta",
+        "world_size",
+        "num_machines",
+        "mixed_precision",
+    ]
+    keys += [
+        "global_batch_size",
+        "steps",
+        "epochs",
+        "eval_loss",
+        "eval_reward_margin",
+        "eval_reward_accuracy",
+    ]
     keys += ["eval_logp_accuracy", "best_metric", "best_epoch", "train_tokens_per_second", "peak_memory_mb"]
     keys += ["wall_seconds", *compile_summary_keys(results)]
     print_summary(results, keys, title="DPO: summary")
     print_saved(results, path, tracking, __file__)
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 def evaluate_saved_model(args: DpoFlags) -> None:
-    """--eval_only: --model (default --output_dir) on every validation pair against --reference_model (default: an
-    adapter's base); the figures to results.json in --output_dir. Any number of processes, each pair once."""
+    """--eval_only: --model (default --output_dir) on every validation pair against
+    --reference_model (default: an adapter's base); the figures to results.json in --output_dir. Any
+    number of processes, each pair once."""
     started = time.perf_counter()
     check_flags(args)
     output = Path(args.output_dir)
@@ -624,7 +730,8 @@ def evaluate_saved_model(args: DpoFlags) -> None:
     prepare_output_dir(output)
     if not args.reference_model and not is_adapter(model_dir):
         raise RecipeError(
-            f"--model {model_dir} is a whole model: give --reference_model (the model it was tuned from) to measure "
+            f"--model {model_dir} is a whole model: give --reference_model (the model it was tuned from) to "
+            "measure "
             "its rewards against"
         )
     model, tokenizer = load_any(model_dir)
@@ -633,16 +740,23 @@ def evaluate_saved_model(args: DpoFlags) -> None:
     reference = BASE
     if args.reference_model:
         reference = load_any(args.reference_model)[0].eval().requires_grad_(False).to(accelerator.device)
-    if args.packing:  # the loaded models' attention (sdpa unless saved otherwise) must keep packed sequences apart
+    # the loaded models' attention (sdpa unless saved otherwise) must keep packed sequences apart
+    if args.packing:
         check_packing(model)
         if reference is not BASE:
             check_packing(reference)
-    # evaluation_mode: no DDP wrapper, which refuses a model without trainable weights (a loaded adapter)
-    model, eval_loader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(eval_loader)
+    # evaluation_mode: no DDP wrapper, which refuses a
+    # model without trainable weights (a loaded adapter)
+    model, eval_loader = (
+        accelerator.prepare_model(model, evaluation_mode=True),
+        accelerator.prepare(eval_loader),
+    )
     evaluation = evaluate(accelerator, model, reference, eval_loader, args, None)
     if args.eval_generate:
         conversations = [p["prompt"] + p["chosen"][:1] for p in splits["validation"][: args.eval_generate]]
-        _, samples = generate_answers(model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
+        _, samples = generate_answers(
+            model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode
+        )
         accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
     accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation pairs")
     config = eval_only_config(
@@ -663,9 +777,9 @@ def evaluate_saved_model(args: DpoFlags) -> None:
         print(f"{write_results(output, results).name} saved in {output}")
 
 
-# ----------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def main(args: DpoFlags) -> None:
-    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     check_one_mode(args)

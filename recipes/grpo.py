@@ -1,31 +1,37 @@
 #!/usr/bin/env python
-"""Reinforcement learning with verifiable rewards (GRPO) for a chat model with Hugging Face Accelerate, LoRA or full:
-1 GPU, N GPUs, N nodes.
+"""Reinforcement learning with verifiable rewards (GRPO) for a chat model with Hugging Face
+Accelerate, LoRA or full: 1 GPU, N GPUs, N nodes.
 
-    python recipes/grpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct --train_file math.jsonl --reward number
-    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/grpo.py --dataset openai/gsm8k:main
-    python recipes/grpo.py --eval_only --model outputs/grpo --validation_file test.jsonl   # mean reward, accuracy
+    python recipes/grpo.py --model HuggingFaceTB/SmolLM2-135M-Instruct --train_file math.jsonl \\
+        --reward number
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/grpo.py \\
+        --dataset openai/gsm8k:main
+    # mean reward and accuracy of a trained model
+    python recipes/grpo.py --eval_only --model outputs/grpo --validation_file test.jsonl
     python recipes/grpo.py --predict "What is 3 + 5?" --model outputs/grpo
     python recipes/grpo.py --chat --model outputs/grpo
 
-Each optimizer step: every process takes its share of --batch_size prompts, samples --num_generations completions of
-each (a group, never split across processes), scores them with the --reward functions, turns the rewards into
-group-relative advantages, and takes the clipped policy-gradient step. The loss is the sum of the completion tokens'
-losses over the whole global batch (every process, every accumulation micro-step) divided by its completion tokens,
-counted before the first forward pass, so the same flags train the same way on any number of GPUs.
+Each optimizer step: every process takes its share of --batch_size prompts, samples
+--num_generations completions of each (a group, never split across processes), scores them with the
+--reward functions, turns the rewards into group-relative advantages, and takes the clipped
+policy-gradient step. The loss is the sum of the completion tokens' losses over the whole global
+batch (every process, every accumulation micro-step) divided by its completion tokens, counted
+before the first forward pass, so the same flags train the same way on any number of GPUs.
 
-Sampling is keyed: each completion's random draws are a function of (--seed, epoch, prompt, completion number,
-position) alone, not of a generator's state, so the same prompts give the same completions on 1 process, on 8, with
-or without accumulation, and after a resume.
+Sampling is keyed: each completion's random draws are a function of (--seed, epoch, prompt,
+completion number, position) alone, not of a generator's state, so the same prompts give the same
+completions on 1 process, on 8, with or without accumulation, and after a resume.
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
-resume -> loop: roll out, score, update -> eval -> save); evaluate_saved_model() is --eval_only; --predict, --chat and
---merge come from the chat recipes' shared layer (chat/model.py), generation (eager, or a merged copy with a static
-KV cache and a compiled decode step: --decode) from chat/generation.py. The rollouts (keyed sampling, scoring, the
-figures logged of them, the throughput) are in chat/rollouts.py; the rewards and the prompt formats in
-chat/rewards.py.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
+optimizer -> prepare -> resume -> loop: roll out, score, update -> eval -> save);
+evaluate_saved_model() is --eval_only; --predict, --chat and --merge come from the chat recipes'
+shared layer (chat/model.py), generation (eager, or a merged copy with a static KV cache and a
+compiled decode step: --decode) from chat/generation.py. The rollouts (keyed sampling, scoring, the
+figures logged of them, the throughput) are in chat/rollouts.py; the rewards and the prompt formats
+in chat/rewards.py.
 
-Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets,
+peft and gguf).
 """
 
 import contextlib
@@ -34,6 +40,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from accelerate.utils import DistributedType, gather_object, set_seed
@@ -105,93 +112,110 @@ from accelerate_recipes import (
 from accelerate_recipes.compiling import compile_summary_keys
 from accelerate_recipes.plots import plot_results
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
-# Measured on make bench-grpo (docs/grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen steps; 1e-6 is
-# TRL's default for whole models.
+# Measured on make bench-grpo (docs/grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen
+# steps; 1e-6 is TRL's default for whole models.
 DEFAULT_LORA_LR, DEFAULT_FULL_LR = 1e-4, 1e-6
-EVALUATION_EPOCH = -1  # the sampling keys of evaluations: the same at every evaluation, none of a training epoch
+# the sampling keys of evaluations: the same at every evaluation, none of a training epoch
+EVALUATION_EPOCH = -1
 
 
 @dataclass
 class GrpoFlags(ChatModelFlags):
-    """Improve a chat model with GRPO on prompts whose answers a program can check (LoRA with --lora_r, else in full).
+    """Improve a chat model with GRPO on prompts whose answers a program can check (LoRA with
+    --lora_r, else in full).
 
-    Each optimizer step samples --num_generations completions for each of --batch_size prompts, scores them with the
-    --reward functions, and raises the likelihood of the completions that scored above their group's mean. The
-    defaults follow current practice (TRL's GRPOConfig, DAPO): 8 completions per prompt, no KL term (--beta 0),
-    clipping at 0.2, one update per batch of rollouts, the token-level loss over the whole global batch.
+    Each optimizer step samples --num_generations completions for each of --batch_size prompts,
+    scores them with the --reward functions, and raises the likelihood of the completions that
+    scored above their group's mean. The defaults follow current practice (TRL's GRPOConfig, DAPO):
+    8 completions per prompt, no KL term (--beta 0), clipping at 0.2, one update per batch of
+    rollouts, the token-level loss over the whole global batch.
 
     Args:
-        train_file: training prompts, .json (a list) or .jsonl (one per line): rows with a `prompt` (text) or
-            `messages` (a conversation to continue; a final assistant turn is taken as the answer), or GSM8K's
-            `question` and `answer` (the part after `####` is the answer); every other column (`answer`, ...) is
-            passed to the rewards by name.
-        validation_file: held-out prompts in the same formats, answered greedily at each evaluation; default:
-            --validation_size of the training prompts.
-        dataset: a Hugging Face Hub dataset instead of files, as name or name:config (openai/gsm8k:main): its train
-            split, and its validation or test split; downloaded on first use.
-        validation_size: fraction of the training prompts held out when no validation file or split is given.
-        max_prompt_length: longest prompt in tokens (rendered with the chat template); longer ones are left out and
-            counted.
-        reward: the reward functions, comma-separated; the first is the correctness check behind `accuracy`.
-            Built in: number (the completion's last number equals the answer's), tag (the answer inside
-            <answer>...</answer> equals the answer), exact (the whole completion equals a short answer), format (one
-            <answer>...</answer> pair ends the completion), length (the completion ended before --max_new_tokens).
-            Your own: path/to/file.py:function or package.module:function, called as f(prompts, completions,
+        train_file: training prompts, .json (a list) or .jsonl (one per line): rows with a `prompt`
+            (text) or `messages` (a conversation to continue; a final assistant turn is taken as the
+            answer), or GSM8K's `question` and `answer` (the part after `####` is the answer); every
+            other column (`answer`, ...) is passed to the rewards by name.
+        validation_file: held-out prompts in the same formats, answered greedily at each evaluation;
+            default: --validation_size of the training prompts.
+        dataset: a Hugging Face Hub dataset instead of files, as name or name:config
+            (openai/gsm8k:main): its train split, and its validation or test split; downloaded on
+            first use.
+        validation_size: fraction of the training prompts held out when no validation file or split
+            is given.
+        max_prompt_length: longest prompt in tokens (rendered with the chat template); longer ones
+            are left out and counted.
+        reward: the reward functions, comma-separated; the first is the correctness check behind
+            `accuracy`. Built in: number (the completion's last number equals the answer's), tag
+            (the answer inside <answer>...</answer> equals the answer), exact (the whole completion
+            equals a short answer), format (one <answer>...</answer> pair ends the completion),
+            length (the completion ended before --max_new_tokens). Your own:
+            path/to/file.py:function or package.module:function, called as f(prompts, completions,
             **columns) and returning one float per completion (TRL's convention).
-        reward_weights: one weight per reward, comma-separated; the reward of a completion is the weighted sum.
+        reward_weights: one weight per reward, comma-separated; the reward of a completion is the
+            weighted sum.
         answer_tag: the tag the tag and format rewards look for.
-        num_generations: completions sampled per prompt (the group the advantages are relative to); memory and
-            generation time grow with it.
+        num_generations: completions sampled per prompt (the group the advantages are relative to);
+            memory and generation time grow with it.
         max_new_tokens: longest completion; also the longest answer of --predict and --chat.
-        temperature: sampling temperature of the rollouts (the log-probabilities of the update use it too).
-        top_p: nucleus sampling of the rollouts: sample among the most likely tokens whose probabilities sum to it.
+        temperature: sampling temperature of the rollouts (the log-probabilities of the update use
+            it too).
+        top_p: nucleus sampling of the rollouts: sample among the most likely tokens whose
+            probabilities sum to it.
         top_k: sample among the k most likely tokens only; 0: all of them.
-        min_p: sample among the tokens at least min_p times as likely as the likeliest; 0: all of them.
-        repetition_penalty: above 1, tokens the completion has already written are made less likely before the draw
-            (the prompt's tokens are not penalised). top_p, top_k, min_p and repetition_penalty shape the sampling
-            only: the update's log-probabilities are the whole softmax at --temperature, as in TRL, so with any of
-            them set the rollouts come from a policy slightly other than the one the update differentiates; the
-            defaults (all off) keep the two the same. Nothing else changes the rollouts: the model's own
-            generation_config (a repetition penalty, n-gram bans, ...) is not applied, in training nor evaluation.
-        beta: weight of the KL penalty against the reference policy, the policy this run starts from: under a fresh
-            LoRA adapter the base with the adapter switched off, under an adapter given in --model a frozen copy of
-            it, in full fine-tunes a frozen copy of the model; 0 (the default) loads no reference.
+        min_p: sample among the tokens at least min_p times as likely as the likeliest; 0: all of
+            them.
+        repetition_penalty: above 1, tokens the completion has already written are made less likely
+            before the draw (the prompt's tokens are not penalised). top_p, top_k, min_p and
+            repetition_penalty shape the sampling only: the update's log-probabilities are the whole
+            softmax at --temperature, as in TRL, so with any of them set the rollouts come from a
+            policy slightly other than the one the update differentiates; the defaults (all off)
+            keep the two the same. Nothing else changes the rollouts: the model's own
+            generation_config (a repetition penalty, n-gram bans, ...) is not applied, in training
+            nor evaluation.
+        beta: weight of the KL penalty against the reference policy, the policy this run starts
+            from: under a fresh LoRA adapter the base with the adapter switched off, under an
+            adapter given in --model a frozen copy of it, in full fine-tunes a frozen copy of the
+            model; 0 (the default) loads no reference.
         epsilon: the ratio of new to old probability is clipped to [1 - epsilon, 1 + epsilon_high].
         epsilon_high: the upper clip; default --epsilon (DAPO's "clip higher" uses 0.28).
-        num_iterations: optimizer steps taken on each batch of rollouts; 1 is on-policy (the ratio is 1).
-        scale_rewards: group (divide each group's centred rewards by the group's standard deviation), batch (by the
-            whole global batch's) or none (Dr. GRPO: centred only).
-        loss_type: dapo (sum of token losses / completion tokens of the global batch; the default), grpo (the mean of
-            each completion's token mean over the global batch) or dr_grpo (sum of token losses / (completions x
-            --max_new_tokens)).
+        num_iterations: optimizer steps taken on each batch of rollouts; 1 is on-policy (the ratio
+            is 1).
+        scale_rewards: group (divide each group's centred rewards by the group's standard
+            deviation), batch (by the whole global batch's) or none (Dr. GRPO: centred only).
+        loss_type: dapo (sum of token losses / completion tokens of the global batch; the default),
+            grpo (the mean of each completion's token mean over the global batch) or dr_grpo (sum of
+            token losses / (completions x --max_new_tokens)).
         mask_truncated: leave completions that hit --max_new_tokens out of the loss.
-        update_rows: completions per forward and backward pass of the update; a process's micro-batch (its prompts x
-            --num_generations) is split into passes of at most this many, their gradients summed before the
-            all-reduce: the same update in a fraction of the activation memory (--gradient_checkpointing cuts it
-            further, recomputing instead). 0 (the default): the whole micro-batch at once. Not under DeepSpeed,
-            whose engine counts every backward pass as a micro-step: use --gradient_accumulation_steps there.
-        lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the ratio of an on-policy step is 1.
-        gather_for_generation: under FSDP2 or ZeRO-3, gather the whole model once per generation (each GPU then
-            holds the full weights while it generates); false: gather block by block at every generated token, as
-            the training passes do (for a model whose full weights do not fit one GPU; slower: 2.9x under FSDP2 in
+        update_rows: completions per forward and backward pass of the update; a process's
+            micro-batch (its prompts x --num_generations) is split into passes of at most this many,
+            their gradients summed before the all-reduce: the same update in a fraction of the
+            activation memory (--gradient_checkpointing cuts it further, recomputing instead). 0
+            (the default): the whole micro-batch at once. Not under DeepSpeed, whose engine counts
+            every backward pass as a micro-step: use --gradient_accumulation_steps there.
+        lora_dropout: dropout on the LoRA branch's input; 0 by default, so that the ratio of an
+            on-policy step is 1.
+        gather_for_generation: under FSDP2 or ZeRO-3, gather the whole model once per generation
+            (each GPU then holds the full weights while it generates); false: gather block by block
+            at every generated token, as the training passes do (for a model whose full weights do
+            not fit one GPU; slower: 2.9x under FSDP2 in
             make bench-grpo-generation).
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
         eval_every: also evaluate every N optimizer steps (0: at each epoch's end only).
-        eval_num_samples: at each evaluation, besides the greedy answer, sample this many completions of every
-            validation prompt at --temperature (with the same keys at every evaluation): their mean reward, pass@1
-            (the share of samples that are right) and pass@k (the share of prompts with a right one among them),
-            which move before greedy answers flip; 0: greedy only.
-        model: the policy to train: a Hub name or folder of a chat model, a .gguf file, or the chat recipe's output
-            (an adapter or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For --eval_only, --predict, --chat
-            and --merge: the trained model (default --output_dir).
-        lr: peak learning rate; default 1e-4 with --lora_r, 1e-6 for a full fine-tune (docs/grpo.md: measured).
+        eval_num_samples: at each evaluation, besides the greedy answer, sample this many
+            completions of every validation prompt at --temperature (with the same keys at every
+            evaluation): their mean reward, pass@1 (the share of samples that are right) and pass@k
+            (the share of prompts with a right one among them), which move before greedy answers
+            flip; 0: greedy only.
+        model: the policy to train: a Hub name or folder of a chat model, a .gguf file, or the chat
+            recipe's output (an adapter or a full model); default Qwen/Qwen2.5-0.5B-Instruct. For
+            --eval_only, --predict, --chat and --merge: the trained model (default --output_dir).
+        lr: peak learning rate; default 1e-4 with --lora_r, 1e-6 for a full fine-tune (docs/grpo.md:
+            measured).
         seed: seed for LoRA's initial weights, the prompt order and the sampling keys.
-        eval_only: evaluate --model greedily on the validation prompts (mean reward, accuracy) and write
-            results.json to --output_dir; any number of processes, each prompt counted once.
-        predict: answer prompts (text, a .txt file of one per line, or a .json/.jsonl of chats) with --model; one
-            JSON line per prompt.
+        eval_only: evaluate --model greedily on the validation prompts (mean reward, accuracy) and
+            write results.json to --output_dir; any number of processes, each prompt counted once.
+        predict: answer prompts (text, a .txt file of one per line, or a .json/.jsonl of chats) with
+            --model; one JSON line per prompt.
     """
 
     train_file: str | None = None
@@ -213,8 +237,8 @@ class GrpoFlags(ChatModelFlags):
     epsilon: float = 0.2
     epsilon_high: float | None = None
     num_iterations: int = 1
-    scale_rewards: str = "group"
-    loss_type: str = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
     mask_truncated: bool = False
     update_rows: int = 0
     lora_dropout: float = 0.0
@@ -222,7 +246,8 @@ class GrpoFlags(ChatModelFlags):
     warmup_ratio: float = 0.0
     eval_every: int = 0
     eval_num_samples: int = 4
-    # The shared flags this task defaults otherwise: the global batch counts prompts, not completions.
+    # The shared flags this task defaults otherwise: the
+    # global batch counts prompts, not completions.
     batch_size: int = 16
     epochs: int = 1
     max_grad_norm: float = 1.0
@@ -233,28 +258,40 @@ class GrpoFlags(ChatModelFlags):
 
 def check_flags(args: GrpoFlags) -> None:
     """Flags that cannot work together, before anything loads."""
-    if args.loss_type not in LOSS_TYPES:
-        raise RecipeError(f"--loss_type {args.loss_type}: give one of {', '.join(LOSS_TYPES)}")
-    if args.scale_rewards not in SCALE_REWARDS:
-        raise RecipeError(f"--scale_rewards {args.scale_rewards}: give one of {', '.join(SCALE_REWARDS)}")
     if args.num_generations < 2:
-        raise RecipeError(f"--num_generations {args.num_generations}: a group needs 2 or more completions to compare")
-    if args.num_iterations < 1 or args.max_new_tokens < 1 or args.temperature <= 0 or not 0 < args.top_p <= 1:
-        raise RecipeError("--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1")
-    if args.top_k < 0 or not 0 <= args.min_p < 1 or args.repetition_penalty <= 0 or args.eval_num_samples < 0:
-        raise RecipeError("--top_k and --eval_num_samples must be >= 0, 0 <= --min_p < 1, --repetition_penalty > 0")
+        raise RecipeError(
+            f"--num_generations {args.num_generations}: a group needs 2 or more completions to compare"
+        )
+    counts_ok = args.num_iterations >= 1 and args.max_new_tokens >= 1
+    if not counts_ok or args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise RecipeError(
+            "--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1"
+        )
+    counts_ok = args.top_k >= 0 and args.eval_num_samples >= 0
+    if not counts_ok or not 0 <= args.min_p < 1 or args.repetition_penalty <= 0:
+        raise RecipeError(
+            "--top_k and --eval_num_samples must be >= 0, 0 <= --min_p < 1, --repetition_penalty > 0"
+        )
     if args.update_rows < 0:
-        raise RecipeError(f"--update_rows {args.update_rows}: give the completions per update pass, or 0 for all")
+        raise RecipeError(
+            f"--update_rows {args.update_rows}: give the completions per update pass, or 0 for all"
+        )
     every = args.checkpoint_every
-    if every and every % args.num_iterations:  # checkpoints between batches of rollouts, which a resume samples again
+    # checkpoints between batches of rollouts, which a resume samples again
+    if every and every % args.num_iterations:
         args.checkpoint_every = -(-every // args.num_iterations) * args.num_iterations
-        print(f"--checkpoint_every {every} rounded up to {args.checkpoint_every}, a multiple of --num_iterations")
+        print(
+            f"--checkpoint_every {every} rounded up to {args.checkpoint_every}, a multiple of "
+            "--num_iterations"
+        )
 
 
-# ----------------------------------------------------------------------------------------------------------- data
-def tokenize_prompts(accelerator, tokenizer, rows: list[dict], max_prompt_length: int, split: str) -> list[dict]:
-    """Each row with `prompt_ids`: its messages rendered with the chat template and the generation prompt. Rows
-    longer than --max_prompt_length are left out, and counted."""
+# --------------------------------------------------------------------------------------------- data
+def tokenize_prompts(
+    accelerator, tokenizer, rows: list[dict], max_prompt_length: int, split: str
+) -> list[dict]:
+    """Each row with `prompt_ids`: its messages rendered with the chat template and the generation
+    prompt. Rows longer than --max_prompt_length are left out, and counted."""
     kept = []
     for row in rows:
         text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
@@ -262,29 +299,36 @@ def tokenize_prompts(accelerator, tokenizer, rows: list[dict], max_prompt_length
         if len(ids) <= max_prompt_length:
             kept.append(dict(row, prompt_ids=ids))
     if len(kept) < len(rows):
-        accelerator.print(f"{split}: {len(rows) - len(kept)} of {len(rows)} prompts longer than --max_prompt_length")
+        accelerator.print(
+            f"{split}: {len(rows) - len(kept)} of {len(rows)} prompts longer than --max_prompt_length"
+        )
     if not kept:
         raise RecipeError(f"{split}: no prompt fits in --max_prompt_length {max_prompt_length}; raise it")
     return kept
 
 
-# ----------------------------------------------------------------------------------------------------- advantages
+# --------------------------------------------------------------------------------------- advantages
 def nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     """The sample standard deviation of the values that are not NaN (0 with fewer than two)."""
     seen = ~values.isnan()
     count = seen.sum(dim=dim, keepdim=True) if dim is not None else seen.sum()
     mean = values.nansum(dim=dim, keepdim=True) / count.clamp(min=1) if dim is not None else values.nanmean()
-    squares = torch.where(seen, (values - mean) ** 2, 0.0).sum(dim=dim, keepdim=True if dim is not None else False)
+    squares = torch.where(seen, (values - mean) ** 2, 0.0).sum(
+        dim=dim, keepdim=True if dim is not None else False
+    )
     std = (squares / (count - 1).clamp(min=1)).sqrt()
     return std if keepdim or dim is None else std.squeeze(dim)
 
 
 def advantages(accelerator, rollouts: list[Rollout], generations: int, scale: str) -> dict:
-    """Group-relative advantages of a step's rollouts, computed from every process's rewards (gathered: a group is
-    whole on one process, the batch's spread needs them all). A completion no reward applied to (NaN) is left out
-    of its group's mean and spread and gets no advantage, as in TRL. Returns the step's figures for the log."""
+    """Group-relative advantages of a step's rollouts, computed from every process's rewards
+    (gathered: a group is whole on one process, the batch's spread needs them all). A completion no
+    reward applied to (NaN) is left out of its group's mean and spread and gets no advantage, as in
+    TRL. Returns the step's figures for the log."""
     device = accelerator.device
-    mine = torch.tensor([r for rollout in rollouts for r in rollout.rewards], device=device, dtype=torch.float64)
+    mine = torch.tensor(
+        [r for rollout in rollouts for r in rollout.rewards], device=device, dtype=torch.float64
+    )
     everyone = accelerator.gather(mine).view(-1, generations)  # every group of the global batch
     std = nan_std(everyone, dim=1)
     scored = everyone.nan_to_num(nan=0.0)
@@ -303,37 +347,42 @@ def advantages(accelerator, rollouts: list[Rollout], generations: int, scale: st
         rows = len(rollout.rewards)
         rollout.advantages = centred.reshape(-1)[start : start + rows].float()
         start += rows
-    # reward_std as TRL logs it (the whole global batch's spread), beside the spread within groups, which is what
-    # group-scaled advantages see; frac_reward_zero_std: the share of groups that teach nothing this step
+    # reward_std as TRL logs it (the whole global batch's spread), beside the spread within groups,
+    # which is what group-scaled advantages see; frac_reward_zero_std: the share of groups that
+    # teach nothing this step
     figures = torch.stack([nan_std(everyone), std.mean(), flat.mean()]).tolist()
     return dict(zip(("reward_std", "reward_std_in_group", "frac_reward_zero_std"), figures))
 
 
-# ----------------------------------------------------------------------------------------------------------- loss
+# --------------------------------------------------------------------------------------------- loss
 def token_logprobs(model, rollout: Completions, temperature: float) -> torch.Tensor:
-    """Log-probabilities of the completion tokens under `model` (at the sampling temperature); only the completion's
-    positions get logits."""
+    """Log-probabilities of the completion tokens under `model` (at the sampling temperature); only
+    the completion's positions get logits."""
     input_ids = torch.cat([rollout.prompt, rollout.completion], dim=1)
     attention_mask = torch.cat([rollout.prompt_mask, rollout.mask], dim=1)
-    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate numbered them, left padding skipped
+    # as generate numbered them, left padding skipped
+    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return target_logprobs(model, input_ids, attention_mask, rollout.completion, positions, temperature)
 
 
 def check_update_rows(accelerator, update_rows: int, rows: int) -> None:
-    """--update_rows below a micro-batch's rows needs several backward passes per micro-step, which DeepSpeed's engine
-    would count as micro-steps of their own."""
+    """--update_rows below a micro-batch's rows needs several backward passes per micro-step, which
+    DeepSpeed's engine would count as micro-steps of their own."""
     if 0 < update_rows < rows and accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RecipeError(
-            f"--update_rows {update_rows} splits each micro-batch's update into several backward passes, which "
-            "DeepSpeed's engine counts as micro-steps; under DeepSpeed raise --gradient_accumulation_steps instead"
+            f"--update_rows {update_rows} splits each micro-batch's update into several backward passes, "
+            "which "
+            "DeepSpeed's engine counts as micro-steps; under DeepSpeed raise --gradient_accumulation_steps "
+            "instead"
         )
 
 
 class UpdatePasses:
-    """A micro-batch's update as passes of at most `rows` completions (--update_rows; 0: one pass). Iterating gives
-    the parts, every one but the last under accelerator.no_sync when the micro-step syncs (its gradients stay local
-    and the last pass's backward all-reduces them all); add() sums each pass's loss and weighs its clip fraction and
-    KL by its share of the loss's tokens, into `figures`."""
+    """A micro-batch's update as passes of at most `rows` completions (--update_rows; 0: one pass).
+    Iterating gives the parts, every one but the last under accelerator.no_sync when the micro-step
+    syncs (its gradients stay local and the last pass's backward all-reduces them all); add() sums
+    each pass's loss and weighs its clip fraction and KL by its share of the loss's tokens, into
+    `figures`."""
 
     def __init__(self, accelerator, model, rollout: Rollout, rows: int):
         self.accelerator, self.model, self.rollout = accelerator, model, rollout
@@ -354,7 +403,8 @@ class UpdatePasses:
 
 
 def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
-    """The clipped surrogate of a micro-batch, as its share of the global batch's loss: (loss, clip fraction, kl)."""
+    """The clipped surrogate of a micro-batch, as its share of the global batch's loss: (loss, clip
+    fraction, kl)."""
     # on-policy (--num_iterations 1): the ratio is 1 and the gradient the same
     old = rollout.old_logprobs if rollout.old_logprobs is not None else logprobs.detach()
     ratio = torch.exp(logprobs - old)
@@ -367,14 +417,16 @@ def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
     if reference_logprobs is not None:
         delta = reference_logprobs - logprobs
         per_token_kl = torch.exp(delta) - delta - 1  # k3: unbiased, never negative
-        # x the ratio (1 on-policy, not in gradient): the samples come from the policy itself, and only then is the
-        # gradient that of the KL divergence (as TRL's default use_bias_correction_kl)
+        # x the ratio (1 on-policy, not in gradient): the samples come from the policy itself, and
+        # only then is the gradient that of the KL divergence
+        # (as TRL's default use_bias_correction_kl)
         per_token = per_token + args.beta * ratio * per_token_kl
         kl = (per_token_kl * mask).sum() / mask.sum().clamp(min=1)
     normaliser = rollout.normaliser  # the same on every process (loss_normaliser)
     if args.loss_type == "grpo":
         loss = ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / normaliser
-    else:  # dapo: / completion tokens of the global batch; dr_grpo: / (completions x max_new_tokens)
+    # dapo: / completion tokens of the global batch; dr_grpo: / (completions x max_new_tokens)
+    else:
         loss = (per_token * mask).sum() / normaliser
     is_clipped = ((ratio < 1 - args.epsilon) & (advantage < 0)) | ((ratio > 1 + high) & (advantage > 0))
     clip_fraction = (is_clipped.float() * mask).sum() / mask.sum().clamp(min=1)
@@ -382,8 +434,9 @@ def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
 
 
 def loss_normaliser(accelerator, rollouts: list[Rollout], args):
-    """What a step's summed losses are divided by, the same on every process: its completion tokens (dapo) or
-    completions (grpo, dr_grpo x --max_new_tokens) over the whole global batch, counted before the forward pass."""
+    """What a step's summed losses are divided by, the same on every process: its completion tokens
+    (dapo) or completions (grpo, dr_grpo x --max_new_tokens) over the whole global batch, counted
+    before the forward pass."""
     if args.loss_type == "dapo":
         tokens = sum(r.loss_mask.sum() for r in rollouts)
         return accelerator.reduce(tokens.float(), reduction="sum").clamp(min=1)
@@ -393,26 +446,30 @@ def loss_normaliser(accelerator, rollouts: list[Rollout], args):
 
 @torch.no_grad()
 def reference_token_logprobs(model, reference, rollout: Completions, args, accelerator):
-    """The reference policy's log-probabilities of the completion tokens (chat.model.reference_policy); None with
-    --beta 0. Computed once per batch of rollouts, before its first update."""
+    """The reference policy's log-probabilities of the completion tokens
+    (chat.model.reference_policy); None with --beta 0. Computed once per batch of rollouts, before
+    its first update."""
     if reference is None:
         return None
     with reference_model(accelerator, model, reference) as policy:
         return token_logprobs(policy, rollout, args.temperature)
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, args, batch: int) -> tuple:
-    """Every validation prompt answered greedily and, with --eval_num_samples k, sampled k times at --temperature
-    (keyed by the seed alone: the same draws at every evaluation, so two evaluations differ by the model only),
-    scored: ({eval_reward, eval_accuracy, eval_*reward*, eval_sampled_reward, eval_pass_at_1, eval_pass_at_k},
-    greedy samples). Each process answers its share in the same number of batches (a sharded model generates in
-    step); the prompts repeated to even the shares out are counted once."""
+    """Every validation prompt answered greedily and, with --eval_num_samples k, sampled k times at
+    --temperature (keyed by the seed alone: the same draws at every evaluation, so two evaluations
+    differ by the model only),
+    scored: ({eval_reward, eval_accuracy, eval_*reward*, eval_sampled_reward, eval_pass_at_1,
+    eval_pass_at_k}, greedy samples). Each process answers its share in the same number of batches
+    (a sharded model generates in step); the prompts repeated to even the shares out are counted
+    once."""
     indices = list(range(len(rows)))
     share = math.ceil(len(indices) / accelerator.num_processes)
     share = math.ceil(share / batch) * batch
-    padded = indices + indices[-1:] * (share * accelerator.num_processes - len(indices))  # equal shares; dropped later
+    # equal shares; dropped later
+    padded = indices + indices[-1:] * (share * accelerator.num_processes - len(indices))
     k = args.eval_num_samples
     per_call = max(1, batch // k) if k else batch  # prompts per sampled batch: k rows each
     greedy, sampled = [], []
@@ -423,7 +480,9 @@ def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, 
             greedy += list(zip(chunk, answers.texts(tokenizer), answers.truncated.tolist()))
             for first in range(0, len(chunk) * bool(k), per_call):
                 prompts = chunk[first : first + per_call]
-                keys = sampling_keys(args.seed, EVALUATION_EPOCH, torch.tensor(prompts, device=accelerator.device), k)
+                keys = sampling_keys(
+                    args.seed, EVALUATION_EPOCH, torch.tensor(prompts, device=accelerator.device), k
+                )
                 ids = [rows[i]["prompt_ids"] for i in prompts for _ in range(k)]
                 answers = generate(accelerator, model, tokenizer, ids, args, keys)
                 rows_of = [(i, j) for i in prompts for j in range(k)]
@@ -446,7 +505,8 @@ def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, 
         right = [is_correct(v) for v in sampled_functions[0]]  # prompt-major: k in a row per prompt
         scores.update(
             eval_sampled_reward=mean_scored(sampled_totals),
-            eval_pass_at_1=sum(right) / len(right),  # the unbiased estimate of pass@1 from k samples
+            # the unbiased estimate of pass@1 from k samples
+            eval_pass_at_1=sum(right) / len(right),
             eval_pass_at_k=sum(any(right[i : i + k]) for i in range(0, len(right), k)) / (len(right) // k),
         )
     samples = [
@@ -461,15 +521,27 @@ def evaluate(accelerator, model, tokenizer, rows: list[dict], rewards: Rewards, 
     return scores, samples
 
 
-# ---------------------------------------------------------------------------------------------------------- train
+# -------------------------------------------------------------------------------------------- train
 def rollout_steps(
-    batches, limit: int, accelerator, model, reference, tokenizer, rows, rewards: Rewards, epoch: int, args, speed
+    batches,
+    limit: int,
+    accelerator,
+    model,
+    reference,
+    tokenizer,
+    rows,
+    rewards: Rewards,
+    epoch: int,
+    args,
+    speed,
 ):
-    """The micro-batches of whole optimizer steps, each a rollout ready for the update, --num_iterations times over.
+    """The micro-batches of whole optimizer steps, each a rollout ready for the update,
+    --num_iterations times over.
 
-    A step's rollouts are all generated, scored and given their advantages before its first forward pass: the
-    advantages may need the whole batch's spread, and the loss is normalised by the completion tokens of the whole
-    global batch, counted here. Of the first `limit` loader batches, the last that make no whole step are left out.
+    A step's rollouts are all generated, scored and given their advantages before its first forward
+    pass: the advantages may need the whole batch's spread, and the loss is normalised by the
+    completion tokens of the whole global batch, counted here. Of the first `limit` loader batches,
+    the last that make no whole step are left out.
     """
     accumulation, generations = args.gradient_accumulation_steps, args.num_generations
     step = []
@@ -489,19 +561,23 @@ def rollout_steps(
         for rollout in rollouts:
             rollout.normaliser, rollout.figures = normaliser, reward_figures(rollout, spread, rewards.names)
             rollout.tokens = int(rollout.prompt_mask.sum() + rollout.mask.sum())
-            if args.num_iterations > 1:  # the policy that sampled, for the ratios of the later updates
+            # the policy that sampled, for the ratios of the later updates
+            if args.num_iterations > 1:
                 with torch.no_grad():
                     rollout.old_logprobs = token_logprobs(model, rollout, args.temperature)
             # once per batch of rollouts, whatever --num_iterations and the accumulation
-            rollout.reference_logprobs = reference_token_logprobs(model, reference, rollout, args, accelerator)
+            rollout.reference_logprobs = reference_token_logprobs(
+                model, reference, rollout, args, accelerator
+            )
         speed.generated(sum(int(r.mask.sum()) for r in rollouts), sum(r.generation_seconds for r in rollouts))
         for _ in range(args.num_iterations):
             yield from rollouts
 
 
 def train(args: GrpoFlags) -> None:
-    """GRPO on the data flags' prompts; evaluate at each epoch's end (and every --eval_every steps), and save the
-    last and the best model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
+    """GRPO on the data flags' prompts; evaluate at each epoch's end (and every --eval_every steps),
+    and save the last and the best model (an adapter with --lora_r), results.json, metrics.jsonl,
+    samples.jsonl and results.png."""
     started = time.perf_counter()
     check_flags(args)
     output, model_name = Path(args.output_dir), args.model or DEFAULT_MODEL
@@ -509,12 +585,15 @@ def train(args: GrpoFlags) -> None:
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"grpo-{dataset_name(args)}", args.swanlab_mode
+    )
     # Steps by count: a step's rollouts are all generated before its first forward pass.
     accelerator = training_accelerator(args, tracking, steps_by_count=True)
     per_process = check_launch_flags(accelerator, args)
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
-    rows = per_process * args.num_generations  # a micro-batch's completions; evaluation answers as many at once
+    # a micro-batch's completions; evaluation answers as many at once
+    rows = per_process * args.num_generations
     check_update_rows(accelerator, args.update_rows, rows)
     set_seed(args.seed)
     prepare_output_dir(output)
@@ -525,40 +604,52 @@ def train(args: GrpoFlags) -> None:
     tokenizer = load_tokenizer(model_name)
     train_rows, validation_rows = load_prompt_splits(accelerator, args, tokenizer, rewards)
     seeded = torch.Generator().manual_seed(args.seed)
-    # The loader hands out prompt indices (whole batches only); the shuffle has a generator of its own.
-    train_loader = DataLoader(list(range(len(train_rows))), per_process, shuffle=True, drop_last=True, generator=seeded)
+    # The loader hands out prompt indices (whole batches
+    # only); the shuffle has a generator of its own.
+    train_loader = DataLoader(
+        list(range(len(train_rows))), per_process, shuffle=True, drop_last=True, generator=seeded
+    )
 
-    # ---- model, reference policy and optimizer (AdamW, weight decay on matrices only, fused on a GPU)
+    # ---- model, reference policy and optimizer (AdamW, weight decay on matrices only, fused on a
+    # GPU)
     model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     reference = reference_policy(args, accelerator, model, model_name) if args.beta else None
-    # bytes per process, the decode copy and its one static KV cache (the data's longest prompt) included
-    plan = print_rollout_plan(accelerator, args, model, reference, rows, longest_prompt(train_rows + validation_rows))
+    # bytes per process, the decode copy and its one
+    # static KV cache (the data's longest prompt) included
+    plan = print_rollout_plan(
+        accelerator, args, model, reference, rows, longest_prompt(train_rows + validation_rows)
+    )
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
     # ---- the run's length: each batch of rollouts gives --num_iterations optimizer steps
     rollouts_per_epoch = whole_steps_per_epoch(len(train_loader), world, accumulation, len(train_rows), args)
     steps_per_epoch = rollouts_per_epoch * args.num_iterations
-    batches_per_epoch = steps_per_epoch * accumulation  # micro-batch updates; a loader batch gives num_iterations
+    # micro-batch updates; a loader batch gives num_iterations
+    batches_per_epoch = steps_per_epoch * accumulation
     total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(args.warmup_ratio * total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
-    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the prompt loader across processes, move to the device.
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the prompt loader across processes, move
+    # to the device.
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
-    # every generation of the run (rollouts and evaluations) decodes in this one cache: one shape to compile
+    # every generation of the run (rollouts and evaluations)
+    # decodes in this one cache: one shape to compile
     generation.reserve_cache(accelerator, model, *plan.cache, args.decode)
 
     derived = settings(args, accelerator, model_name, lr, model, rewards, (train_rows, validation_rows))
     config = run_config("grpo", args, accelerator, **derived)
     config.update(epochs=num_epochs, warmup_steps=warmup_steps, total_steps=total_steps)
 
-    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
-    # Sampling is keyed (KeyedSampling): a resumed run samples the same completions without any RNG state.
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
+    # Sampling is keyed (KeyedSampling): a resumed run
+    # samples the same completions without any RNG state.
     figures = figure_names(rewards)
     state = RunState(accelerator.device, figures)
-    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    # save_state / load_state carry the position with the weights
+    accelerator.register_for_checkpointing(state)
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
@@ -578,23 +669,28 @@ def train(args: GrpoFlags) -> None:
     speed = Throughput(accelerator)
 
     def evaluate_now() -> dict:
-        """Greedy answers to every validation prompt, scored; a few go to samples.jsonl and the tracker."""
+        """Greedy answers to every validation prompt, scored; a few go to samples.jsonl and the
+        tracker."""
         scores, samples = evaluate(accelerator, model, tokenizer, validation_rows, rewards, args, rows)
         write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
         return scores
 
     def evaluate_mid_epoch() -> None:
         """--eval_every: an evaluation between epoch ends, logged and judged as those are."""
-        guard.check(state.step)  # nothing non-finite since the last log step: model_best gets no NaN weights
+        # nothing non-finite since the last log step: model_best gets no NaN weights
+        guard.check(state.step)
         state.last_eval = evaluate_now()
-        scores = {f"eval/{k.removeprefix('eval_')}": v for k, v in state.last_eval.items() if k != "eval_samples"}
+        scores = {
+            f"eval/{k.removeprefix('eval_')}": v for k, v in state.last_eval.items() if k != "eval_samples"
+        }
         progress.metrics.log(scores, state.step)
         if best.judge(state.last_eval):
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
 
     # ---- training loop
-    # Each optimizer step: roll out (rollout_steps generates and scores the step's completions), then update.
+    # Each optimizer step: roll out (rollout_steps generates
+    # and scores the step's completions), then update.
     while state.epoch < num_epochs and not progress.finished:
         progress.start_epoch()
         model.train()
@@ -607,20 +703,26 @@ def train(args: GrpoFlags) -> None:
         for rollout in batches:
             state.batches_done += 1
             speed.update_started()
-            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
-                passes = UpdatePasses(accelerator, model, rollout, args.update_rows)  # one, or of --update_rows rows
-                for part in passes:  # the gradients of all passes but the last stay local: one all-reduce, as ever
+            # skips the gradient all-reduce on accumulation micro-steps
+            with accelerator.accumulate(model):
+                # one, or of --update_rows rows
+                passes = UpdatePasses(accelerator, model, rollout, args.update_rows)
+                # the gradients of all passes but the last stay local: one all-reduce, as ever
+                for part in passes:
                     logprobs = token_logprobs(model, part, args.temperature)
                     loss, clip_fraction, kl = policy_loss(logprobs, part, args, part.reference_logprobs)
-                    # This pass's share of the global batch's loss; x world x accumulation undoes the means that DDP
-                    # and accelerator.backward take, so the gradient is that of the global batch's loss.
+                    # This pass's share of the global batch's loss; x world x accumulation undoes
+                    # the means that DDP and accelerator.backward take, so the gradient is that of
+                    # the global batch's loss.
                     loss = loss * world * accumulation
                     accelerator.backward(loss)
-                    guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                    # a non-finite loss is noted on the device, read at the next log step
+                    guard.observe(loss)
                     passes.add(part, loss=loss.detach(), clip_fraction=clip_fraction, kl=kl)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
-                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
+                    # --skip_nonfinite_steps drops a non-finite one
+                    if keeps_update(progress, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             state.add(in_order(figures, passes.figures, rollout.figures), samples=len(rollout.indices))
@@ -640,15 +742,19 @@ def train(args: GrpoFlags) -> None:
                 break
 
         # ---- evaluation once per epoch, on the whole validation split
-        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        # nothing non-finite since the last log step, before evaluating and saving
+        guard.check(state.step)
         state.last_eval = evaluate_now()
         seconds = progress.epoch_done(state.last_eval, **{f"perf/{k}": v for k, v in speed.rates().items()})
-        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+        if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
         if accelerator.is_main_process:
-            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
+            # kept up to date every epoch
+            plot_results(progress.metrics.path, output / "results.png")
+        accelerator.print(
+            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s"
+        )
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -656,11 +762,14 @@ def train(args: GrpoFlags) -> None:
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    # with the tokenizer, as from_pretrained reads it
+    save_model(accelerator, model, tokenizer, output)
     results = dict(config, **progress.results(started))
-    # tokens/s of generation and of the updates, apart; the plan beside peak_memory_mb; what the decode compiled
+    # tokens/s of generation and of the updates, apart; the
+    # plan beside peak_memory_mb; what the decode compiled
     results.update(speed.rates(), memory_plan_mb=plan.mb, **compile_figures(None, model, accelerator))
-    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    # all ranks tear the process group down together, none while others still talk
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
@@ -668,11 +777,14 @@ def train(args: GrpoFlags) -> None:
 
 
 def longest_prompt(rows: list[dict]) -> int:
-    """Tokens of the longest prompt among `rows`: the static KV cache every generation of the run decodes in."""
+    """Tokens of the longest prompt among `rows`: the static KV cache every generation of the run
+    decodes in."""
     return max(len(row["prompt_ids"]) for row in rows)
 
 
-def whole_steps_per_epoch(loader_batches: int, world: int, accumulation: int, prompts: int, args: GrpoFlags) -> int:
+def whole_steps_per_epoch(
+    loader_batches: int, world: int, accumulation: int, prompts: int, args: GrpoFlags
+) -> int:
     """Batches of rollouts per epoch: whole global batches of prompts only."""
     steps = loader_batches // world // accumulation
     if steps == 0:
@@ -684,41 +796,53 @@ def whole_steps_per_epoch(loader_batches: int, world: int, accumulation: int, pr
 
 
 def load_prompt_splits(accelerator, args: GrpoFlags, tokenizer, rewards: Rewards) -> tuple[list, list]:
-    """(training prompts, validation prompts), tokenised, with the columns the rewards need checked. The local main
-    process of each node reads first (into the datasets cache); the others then read the cached files."""
+    """(training prompts, validation prompts), tokenised, with the columns the rewards need checked.
+    The local main process of each node reads first (into the datasets cache); the others then read
+    the cached files."""
     quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     dataset_name(args)  # refuses a run without data before anything loads
     with accelerator.local_main_process_first():
         train_rows, validation_rows = load_prompts(
-            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+            args.train_file,
+            args.validation_file,
+            args.dataset,
+            args.cache_dir,
+            args.validation_size,
+            args.seed,
         )
     train_rows = tokenize_prompts(accelerator, tokenizer, train_rows, args.max_prompt_length, "train")
-    validation_rows = tokenize_prompts(accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation")
+    validation_rows = tokenize_prompts(
+        accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation"
+    )
     check_columns(rewards, train_rows, "training prompts")
     check_columns(rewards, validation_rows, "validation prompts")
     return train_rows, validation_rows
 
 
 def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, rewards, splits: tuple) -> dict:
-    """What the run derived from its flags and data (`splits`: the training and validation prompts), for run_config
-    (the tracker, checkpoints, results.json)."""
+    """What the run derived from its flags and data (`splits`: the training and validation prompts),
+    for run_config (the tracker, checkpoints, results.json)."""
     return dict(
         dataset=dataset_name(args),
         model=model_name,
-        **model_facts(args, model),  # lora or full, its parameters, the library versions, the attention
+        # lora or full, its parameters, the library versions, the attention
+        **model_facts(args, model),
         lr=lr,
         rewards=rewards.names,
         reward_weights=rewards.weights,
         train_size=len(splits[0]),
         validation_size=len(splits[1]),
-        per_process_batch_size=args.batch_size // accelerator.num_processes // args.gradient_accumulation_steps,
+        per_process_batch_size=args.batch_size
+        // accelerator.num_processes
+        // args.gradient_accumulation_steps,
         # what --decode chose on this device
         decode_mode=generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
     )
 
 
 def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: Rollout, tracking) -> None:
-    """A few of this step's completions with their rewards, to samples.jsonl and the tracker (main process)."""
+    """A few of this step's completions with their rewards, to samples.jsonl and the tracker (main
+    process)."""
     generations = len(rollout.rewards) // len(rollout.indices)
     samples = [
         {
@@ -739,19 +863,33 @@ def scores_line(evaluation: dict) -> str:
 
 
 def print_run_summary(results: dict, path: Path, tracking) -> None:
-    keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
+    keys = [
+        "dataset",
+        "model",
+        "method",
+        "world_size",
+        "num_machines",
+        "mixed_precision",
+        "global_batch_size",
+    ]
     keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "eval_sampled_reward"]
     keys += ["eval_pass_at_1", "eval_pass_at_k", "best_metric", "best_step"]
-    keys += ["decode_mode", "generation_tokens_per_second", "train_tokens_per_second", "first_step_generation_seconds"]
+    keys += [
+        "decode_mode",
+        "generation_tokens_per_second",
+        "train_tokens_per_second",
+        "first_step_generation_seconds",
+    ]
     keys += ["peak_memory_mb", "wall_seconds", *compile_summary_keys(results)]
     print_summary(results, keys, title="GRPO: summary")
     print_saved(results, path, tracking, __file__)
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 def evaluate_saved_model(args: GrpoFlags) -> None:
-    """--eval_only: --model (default --output_dir; also a model before any GRPO) answers every validation prompt
-    greedily; mean reward and accuracy to results.json in --output_dir. Any number of processes."""
+    """--eval_only: --model (default --output_dir; also a model before any GRPO) answers every
+    validation prompt greedily; mean reward and accuracy to results.json in --output_dir. Any number
+    of processes."""
     started = time.perf_counter()
     check_flags(args)
     output = Path(args.output_dir)
@@ -764,14 +902,22 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
     model, tokenizer = load_any(model_dir)  # a trained model, or one before any GRPO
     with accelerator.local_main_process_first():
         train_rows, validation_rows = load_prompts(
-            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+            args.train_file,
+            args.validation_file,
+            args.dataset,
+            args.cache_dir,
+            args.validation_size,
+            args.seed,
         )
-    validation_rows = tokenize_prompts(accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation")
+    validation_rows = tokenize_prompts(
+        accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation"
+    )
     check_columns(rewards, validation_rows, "validation prompts")
     model = accelerator.prepare_model(model, evaluation_mode=True)
     longest_prompt = max(len(row["prompt_ids"]) for row in validation_rows)
     shape = generation.cache_shape(per_process * args.num_generations, longest_prompt, args.max_new_tokens)
-    generation.reserve_cache(accelerator, model, *shape, args.decode)  # one cache, one compilation, for them all
+    # one cache, one compilation, for them all
+    generation.reserve_cache(accelerator, model, *shape, args.decode)
     evaluation, samples = evaluate(
         accelerator, model, tokenizer, validation_rows, rewards, args, per_process * args.num_generations
     )
@@ -793,9 +939,9 @@ def evaluate_saved_model(args: GrpoFlags) -> None:
         print(f"{write_results(output, results).name} saved in {output}")
 
 
-# ----------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def main(args: GrpoFlags) -> None:
-    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     check_one_mode(args)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Supervised fine-tuning (SFT) of a chat model with Hugging Face Accelerate, LoRA or full: 1 GPU, N GPUs, N nodes.
+"""Supervised fine-tuning (SFT) of a chat model with Hugging Face Accelerate, LoRA or full: 1 GPU, N
+GPUs, N nodes.
 
     python recipes/sft.py --model Qwen/Qwen2.5-0.5B-Instruct --train_file chats.jsonl --lora_r 16
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/sft.py --train_file chats.jsonl
@@ -7,13 +8,15 @@
     python recipes/sft.py --chat --model outputs/sft                  # talk to it, answers streamed
     python recipes/sft.py --merge outputs/sft-merged --model outputs/sft   # the adapter merged into its base
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
-schedule -> resume -> loop -> eval -> save); evaluate_saved_model() is --eval_only, predict() --predict, chat() --chat
-and merge() --merge; the flags are SftFlags, the data formats and the loss mask are in chat/conversations.py.
-`--batch_size` is the GLOBAL batch of conversations, and the loss of a step is the mean over every answer token of it
-(all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
+optimizer -> prepare -> schedule -> resume -> loop -> eval -> save); evaluate_saved_model() is
+--eval_only, predict() --predict, chat() --chat and merge() --merge; the flags are SftFlags, the
+data formats and the loss mask are in chat/conversations.py. `--batch_size` is the GLOBAL batch of
+conversations, and the loss of a step is the mean over every answer token of it (all micro-batches,
+all processes), so the same flags train the same way on any number of GPUs.
 
-Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets, peft and gguf).
+Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets,
+peft and gguf).
 """
 
 import json
@@ -22,6 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import datasets
 import peft
@@ -93,63 +97,74 @@ from accelerate_recipes.plots import plot_results
 
 @dataclass
 class SftFlags(ChatModelFlags, KernelFlags):
-    """Fine-tune a chat model on conversations (LoRA with --lora_r, else in full), or use the fine-tuned model.
+    """Fine-tune a chat model on conversations (LoRA with --lora_r, else in full), or use the
+    fine-tuned model.
 
-    The loss covers the assistant's turns only (every one of a multi-turn conversation, with the token that ends
-    the turn), found in the text the model's own chat template renders. AdamW's learning rate warms up linearly, then
-    decays linearly to zero. The defaults follow common SFT practice (TRL's and LLaMA-Factory's): global batch 16,
-    lr 2e-4 for LoRA and 2e-5 in full, gradients clipped to norm 1.0, 3 epochs.
+    The loss covers the assistant's turns only (every one of a multi-turn conversation, with the
+    token that ends the turn), found in the text the model's own chat template renders. AdamW's
+    learning rate warms up linearly, then decays linearly to zero. The defaults follow common SFT
+    practice (TRL's and LLaMA-Factory's): global batch 16, lr 2e-4 for LoRA and 2e-5 in full,
+    gradients clipped to norm 1.0, 3 epochs.
 
     Args:
-        train_file: training conversations, .json (a list) or .jsonl (one per line), in any of these formats:
-            {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]} (multi-turn), ShareGPT's
-            {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}, Alpaca's {"instruction", "input",
-            "output"}, or {"prompt", "completion"}.
-        validation_file: validation conversations in the same formats; default: --validation_size of the training
-            data, held out.
-        dataset: a Hugging Face Hub dataset by name instead of files (its train split, and its validation or test
-            split); downloaded on first use, then read from the cache.
-        validation_size: fraction of the training conversations held out for validation when no validation file or
-            split is given.
-        max_length: longest conversation in tokens; longer ones are cut, and those left without an answer token are
-            dropped (both counted and reported).
-        packing: put each micro-batch's conversations in one row without padding, attention kept inside each one
-            (positions restart per conversation): faster when lengths vary. Needs an attention implementation that
-            keeps packed sequences apart: varlen (chosen by default on a GPU of compute capability 8.0 or newer in
-            bf16/fp16: torch's variable-length flash kernel, each conversation attending to itself only), sdpa (a
-            dense mask over the whole row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
-        batch_tokens: with --packing, fill each micro-batch by tokens instead of conversations: one row of up to
-            this many tokens per process per micro-step, so a step carries world size x --gradient_accumulation_steps
-            rows whatever the conversations' lengths; --batch_size is not used (results.json: global_batch_size, the
-            conversations of a step on average). The rows are made once, before training, by best-fit decreasing
-            (the longest conversation first, each into the row it fills most tightly; rows come within a few tokens
-            of full), and drawn in a new order each epoch. The loss stays the mean over the step's answer tokens.
-            --plan_only prints the largest that fits the memory. 0 (default): --batch_size conversations a step. At
-            least --max_length.
+        train_file: training conversations, .json (a list) or .jsonl (one per line), in any of these
+            formats: {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}
+            (multi-turn), ShareGPT's {"conversations": [{"from": "human"|"gpt"|"system", "value":
+            ...}]}, Alpaca's {"instruction", "input", "output"}, or {"prompt", "completion"}.
+        validation_file: validation conversations in the same formats; default: --validation_size of
+            the training data, held out.
+        dataset: a Hugging Face Hub dataset by name instead of files (its train split, and its
+            validation or test split); downloaded on first use, then read from the cache.
+        validation_size: fraction of the training conversations held out for validation when no
+            validation file or split is given.
+        max_length: longest conversation in tokens; longer ones are cut, and those left without an
+            answer token are dropped (both counted and reported).
+        packing: put each micro-batch's conversations in one row without padding, attention kept
+            inside each one (positions restart per conversation): faster when lengths vary. Needs an
+            attention implementation that keeps packed sequences apart: varlen (chosen by default on
+            a GPU of compute capability 8.0 or newer in bf16/fp16: torch's variable-length flash
+            kernel, each conversation attending to itself only), sdpa (a dense mask over the whole
+            row, the default elsewhere), eager, flex_attention, flash_attention_2/3.
+        batch_tokens: with --packing, fill each micro-batch by tokens instead of conversations: one
+            row of up to this many tokens per process per micro-step, so a step carries world size x
+            --gradient_accumulation_steps rows whatever the conversations' lengths; --batch_size is
+            not used (results.json: global_batch_size, the conversations of a step on average). The
+            rows are made once, before training, by best-fit decreasing (the longest conversation
+            first, each into the row it fills most tightly; rows come within a few tokens of full),
+            and drawn in a new order each epoch. The loss stays the mean over the step's answer
+            tokens. --plan_only prints the largest that fits the memory. 0 (default): --batch_size
+            conversations a step. At least --max_length.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
-        eval_generate: after each evaluation, answer the first N validation prompts greedily and report the share
-            that equals the reference (eval_exact_match: meaningful for short answers such as a label or a number);
-            the first few go to output_dir/samples.jsonl and the tracker. 0: no generation.
-        model: the model to fine-tune: a Hub name or a local folder of any chat model AutoModelForCausalLM loads
-            with its tokenizer and chat template (Qwen2.5 / Qwen3, Llama, SmolLM; default
-            Qwen/Qwen2.5-0.5B-Instruct), or a .gguf file (dequantised to fp32). For --eval_only, --predict, --chat and
-            --merge: the fine-tuned model (an adapter or a full model; default --output_dir).
+        eval_generate: after each evaluation, answer the first N validation prompts greedily and
+            report the share that equals the reference (eval_exact_match: meaningful for short
+            answers such as a label or a number); the first few go to output_dir/samples.jsonl and
+            the tracker. 0: no generation.
+        model: the model to fine-tune: a Hub name or a local folder of any chat model
+            AutoModelForCausalLM loads with its tokenizer and chat template (Qwen2.5 / Qwen3, Llama,
+            SmolLM; default Qwen/Qwen2.5-0.5B-Instruct), or a .gguf file (dequantised to fp32). For
+            --eval_only, --predict, --chat and --merge: the fine-tuned model (an adapter or a full
+            model; default --output_dir).
         lr: peak learning rate; default 2e-4 with --lora_r, 2e-5 for a full fine-tune.
-        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
+        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is
+            cheap); 0 on the CPU.
         seed: seed for LoRA's initial weights, data order and dropout.
-        eval_only: evaluate the fine-tuned model in --model (default --output_dir) on the validation conversations
-            of the data flags: loss, perplexity and, with --eval_generate, exact match. Writes results.json to
-            --output_dir; runs on any number of processes, each conversation counted once.
-        predict: answer prompts instead of training: a prompt, a .txt file (one prompt per line) or a .json/.jsonl
-            file of conversations (answered after their last user turn), with the model in --model. Prints one JSON
-            line per prompt; give --predict several times for several.
-        plan_only: print the memory plan (per-process weights, gradients, AdamW states, activations and whether they
-            fit; when not, the change that would) and exit without loading the weights or the data: the model is
-            built from its config on the meta device, so planning a 7B run needs no memory.
+        eval_only: evaluate the fine-tuned model in --model (default --output_dir) on the validation
+            conversations of the data flags: loss, perplexity and, with --eval_generate, exact
+            match. Writes results.json to --output_dir; runs on any number of processes, each
+            conversation counted once.
+        predict: answer prompts instead of training: a prompt, a .txt file (one prompt per line) or
+            a .json/.jsonl file of conversations (answered after their last user turn), with the
+            model in --model. Prints one JSON line per prompt; give --predict several times for
+            several.
+        plan_only: print the memory plan (per-process weights, gradients, AdamW states, activations
+            and whether they fit; when not, the change that would) and exit without loading the
+            weights or the data: the model is built from its config on the meta device, so planning
+            a 7B run needs no memory.
         plan_devices: plan for this many processes (one per GPU) instead of the launch's, e.g. 8.
-        plan_device_gb: plan for devices of this many GB each instead of the memory seen (free GPU memory, or the
-            host's available memory divided by the local processes on the CPU).
-        plan_sharding: plan for ddp, zero1, zero2, fsdp (full shard) or zero3 instead of the launch's strategy.
+        plan_device_gb: plan for devices of this many GB each instead of the memory seen (free GPU
+            memory, or the host's available memory divided by the local processes on the CPU).
+        plan_sharding: plan for ddp, zero1, zero2, fsdp (full shard) or zero3 instead of the
+            launch's strategy.
     """
 
     train_file: str | None = None
@@ -164,14 +179,14 @@ class SftFlags(ChatModelFlags, KernelFlags):
     plan_only: bool = False
     plan_devices: int = 0
     plan_device_gb: float = 0.0
-    plan_sharding: str | None = None
+    plan_sharding: Literal["ddp", "zero1", "zero2", "fsdp", "zero3"] | None = None
     # The shared flags this task defaults otherwise.
     batch_size: int = 16
     max_grad_norm: float = 1.0
     output_dir: str = "outputs/sft"
 
 
-# ----------------------------------------------------------------------------------------------------------- data
+# --------------------------------------------------------------------------------------------- data
 def dataset_name(args: SftFlags) -> str:
     """The Hub dataset's name, or <folder>-<name> of the training file (e.g. chats-train)."""
     if args.dataset:
@@ -181,14 +196,22 @@ def dataset_name(args: SftFlags) -> str:
     return f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
 
 
-def load_data(accelerator, args: SftFlags, tokenizer) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
-    """(raw conversations, tokenised with the loss mask, counts per split). The local main process of each node
-    reads and tokenises first (into the datasets cache); the others then read the cached result."""
+def load_data(
+    accelerator, args: SftFlags, tokenizer
+) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
+    """(raw conversations, tokenised with the loss mask, counts per split). The local main process
+    of each node reads and tokenises first (into the datasets cache); the others then read the
+    cached result."""
     quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     dataset_name(args)  # refuses a run without data before anything loads
     with accelerator.local_main_process_first():
         raw = load_conversations(
-            args.train_file, args.validation_file, args.dataset, args.cache_dir, args.validation_size, args.seed
+            args.train_file,
+            args.validation_file,
+            args.dataset,
+            args.cache_dir,
+            args.validation_size,
+            args.seed,
         )
         tokenized, counts = tokenize_splits(raw, tokenizer, args.max_length)
     for split, count in counts.items():
@@ -201,22 +224,26 @@ def load_data(accelerator, args: SftFlags, tokenizer) -> tuple[datasets.DatasetD
 
 
 def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process: int) -> tuple:
-    """The training loader (shuffled, whole batches only; packed with --packing, in rows of --batch_tokens), the
-    validation loader (padded, so each conversation's loss stays its own), before accelerator.prepare, and the
-    conversations of a training micro-batch (on average over an epoch with --batch_tokens)."""
+    """The training loader (shuffled, whole batches only; packed with --packing, in rows of
+    --batch_tokens), the validation loader (padded, so each conversation's loss stays its own),
+    before accelerator.prepare, and the conversations of a training micro-batch (on average over an
+    epoch with --batch_tokens)."""
     pad_to, train_pad_to = row_multiple(accelerator), row_multiple(accelerator, args.compile and args.packing)
-    longest = args.max_length if args.compile else None  # compiled: one bound for every packed row (one_bound)
-    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
+    # compiled: one bound for every packed row (one_bound)
+    longest = args.max_length if args.compile else None
+    # on the CPU also torch's threads
+    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
     train_set = tokenized["train"]
     conversations = per_process
     if args.batch_tokens:  # items are rows of conversations, one per micro-batch (per_process is 1)
         train_set = PackedRows(train_set, token_budget_rows(train_set["num_tokens"], args.batch_tokens))
         conversations = sum(map(len, train_set.rows)) / len(train_set.rows)
-        # from here on the global batch counts conversations, as without --batch_tokens: a step's, on average
+        # from here on the global batch counts conversations,
+        # as without --batch_tokens: a step's, on average
         args.batch_size = conversations * accelerator.num_processes * args.gradient_accumulation_steps
-    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
-    # which checkpoints restore.
+    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global
+    # RNG (dropout's), which checkpoints restore.
     train_loader = DataLoader(
         train_set,
         batch_size=per_process,
@@ -236,8 +263,9 @@ def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process:
 
 
 def settle_flags(args: SftFlags, accelerator) -> CompiledPath:
-    """The flags whose value depends on the launch: --compile by default on a CUDA GPU without --liger where inductor
-    can work (compiled_blocks, whose path it returns), and with --batch_tokens the global batch that check_launch
+    """The flags whose value depends on the launch: --compile by default on a CUDA GPU without
+    --liger where inductor can work (compiled_blocks, whose path it returns), and with
+    --batch_tokens the global batch that check_launch
     divides: a row per process per micro-step."""
     blocks = settle_compile(args, accelerator)
     if not args.batch_tokens:
@@ -246,7 +274,8 @@ def settle_flags(args: SftFlags, accelerator) -> CompiledPath:
         raise RecipeError("--batch_tokens fills packed rows by tokens; add --packing")
     if args.batch_tokens < args.max_length:
         raise RecipeError(
-            f"--batch_tokens {args.batch_tokens} is below --max_length {args.max_length}: a conversation may not fit "
+            f"--batch_tokens {args.batch_tokens} is below --max_length {args.max_length}: a conversation may "
+            "not fit "
             "in a row; raise --batch_tokens or lower --max_length"
         )
     args.batch_size = accelerator.num_processes * args.gradient_accumulation_steps
@@ -254,13 +283,15 @@ def settle_flags(args: SftFlags, accelerator) -> CompiledPath:
 
 
 def whole_steps(batches, accumulation: int, accelerator, limit: int):
-    """The first `limit` batches, each given `num_items_in_batch`: the answer tokens of its whole optimizer step (all
-    its micro-batches, all processes), counted before the step's first forward pass.
+    """The first `limit` batches, each given `num_items_in_batch`: the answer tokens of its whole
+    optimizer step (all its micro-batches, all processes), counted before the step's first forward
+    pass.
 
-    The model then returns its summed token losses divided by that count, and the step's loss is the mean over every
-    answer token of the global batch, however the batch is split (transformers' Trainer does the same since 4.46;
-    a mean per micro-batch would weigh short answers more). The rest of the loader is read and left out: a few
-    batches at an epoch's end that make no whole step, as drop_last leaves out a partial batch.
+    The model then returns its summed token losses divided by that count, and the step's loss is the
+    mean over every answer token of the global batch, however the batch is split (transformers'
+    Trainer does the same since 4.46; a mean per micro-batch would weigh short answers more). The
+    rest of the loader is read and left out: a few batches at an epoch's end that make no whole
+    step, as drop_last leaves out a partial batch.
     """
     step = []
     for index, batch in enumerate(batches):
@@ -268,28 +299,32 @@ def whole_steps(batches, accumulation: int, accelerator, limit: int):
             continue
         step.append(batch)
         if len(step) == accumulation:
-            targets = sum((b["labels"][:, 1:] != -100).sum() for b in step)  # the model shifts labels by one
-            targets = accelerator.reduce(targets, reduction="sum")  # on the device: no read on the host
+            # the model shifts labels by one
+            targets = sum((b["labels"][:, 1:] != -100).sum() for b in step)
+            # on the device: no read on the host
+            targets = accelerator.reduce(targets, reduction="sum")
             yield from (dict(b, num_items_in_batch=targets) for b in step)
             step = []
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate(model, loader, accelerator) -> dict:
-    """Loss per answer token (and its perplexity) over the whole validation split, each conversation counted once."""
+    """Loss per answer token (and its perplexity) over the whole validation split, each conversation
+    counted once."""
     model.eval()
     loss_sum, token_count, conversations = 0.0, 0, 0
     for batch in loader:
-        # each answer token's, in batch["target_index"] order; fp32 (FSDP2's mixed precision casts outputs to bf16)
-        with without_compiling():  # compiled blocks: the graphs of training where shapes match, else eager
+        # each answer token's, in batch["target_index"] order; fp32 (FSDP2's mixed precision casts
+        # outputs to bf16) compiled blocks: the graphs of training where shapes match, else eager
+        with without_compiling():
             losses = model(**batch).token_losses.float()
         rows = batch["target_index"] // batch["labels"].shape[1]
         conversations_in_batch = len(batch["labels"])
         sums = torch.zeros(conversations_in_batch, device=losses.device).index_add_(0, rows, losses)
         counts = torch.zeros_like(sums, dtype=torch.long).index_add_(0, rows, torch.ones_like(rows))
-        # One (loss sum, answer tokens) pair per conversation; gather_for_metrics drops the conversations the sampler
-        # repeated to give every process an equal share.
+        # One (loss sum, answer tokens) pair per conversation; gather_for_metrics drops the
+        # conversations the sampler repeated to give every process an equal share.
         sums, counts = accelerator.gather_for_metrics((sums, counts))
         loss_sum += sums.double().sum().item()
         token_count += counts.sum().item()
@@ -305,23 +340,26 @@ def evaluate(model, loader, accelerator) -> dict:
 
 
 def check_generation(accelerator, eval_generate: int) -> None:
-    """At start-up, not after the first epoch: --eval_generate decodes with the whole model in each process, which
-    FSDP and DeepSpeed ZeRO-3 split across them."""
+    """At start-up, not after the first epoch: --eval_generate decodes with the whole model in each
+    process, which FSDP and DeepSpeed ZeRO-3 split across them."""
     if eval_generate and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise RecipeError(
             "--eval_generate needs the whole model in each process, and this run shards it "
-            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model with --eval_only "
+            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model with "
+            "--eval_only "
             "--eval_generate N in one process instead"
         )
 
 
-# ------------------------------------------------------------------------------------------------------ reporting
+# ---------------------------------------------------------------------------------------- reporting
 def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, per_process: int) -> dict:
-    """What the run derived from its flags and data, for run_config (the tracker, checkpoints, results.json)."""
+    """What the run derived from its flags and data, for run_config (the tracker, checkpoints,
+    results.json)."""
     return dict(
         dataset=dataset_name(args),
         model=model_name,
-        **model_facts(args, model),  # lora or full, its parameters, the library versions, the attention
+        # lora or full, its parameters, the library versions, the attention
+        **model_facts(args, model),
         lr=lr,
         lora_alpha=args.lora_alpha or 2 * args.lora_r,
         per_process_batch_size=per_process,
@@ -333,12 +371,13 @@ def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, pe
 
 
 def model_flops_per_token(model, train_set) -> float:
-    """Training FLOPs per token of the model's own arithmetic, counted as in the PaLM paper (Chowdhery et al., 2022,
-    appendix B): per weight of a matrix multiply 6 in a full fine-tune (forward 2, backward 4) and 4 under LoRA (the
-    frozen weights need no weight gradient; the adapters' own FLOPs are left out), plus 12 x layers x hidden x the mean
-    conversation length for attention (a conversation attends within itself, packed or padded). The output layer
-    counts for the answer tokens only where the loss makes logits for those alone (chat/answer_loss.py); the embedding
-    lookup and the recomputation of gradient checkpointing do not count."""
+    """Training FLOPs per token of the model's own arithmetic, counted as in the PaLM paper
+    (Chowdhery et al., 2022, appendix B): per weight of a matrix multiply 6 in a full fine-tune
+    (forward 2, backward 4) and 4 under LoRA (the frozen weights need no weight gradient; the
+    adapters' own FLOPs are left out), plus 12 x layers x hidden x the mean conversation length for
+    attention (a conversation attends within itself, packed or padded). The output layer counts for
+    the answer tokens only where the loss makes logits for those alone (chat/answer_loss.py); the
+    embedding lookup and the recomputation of gradient checkpointing do not count."""
     causal_lm = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     per_weight = 4 if isinstance(model, peft.PeftModel) else 6
     head = causal_lm.get_output_embeddings()
@@ -347,7 +386,10 @@ def model_flops_per_token(model, train_set) -> float:
         for name, m in causal_lm.named_modules()
         if isinstance(m, torch.nn.Linear) and m is not head and "lora_" not in name
     )
-    tokens, targets = sum(train_set["num_tokens"]) / len(train_set), sum(train_set["num_targets"]) / len(train_set)
+    tokens, targets = (
+        sum(train_set["num_tokens"]) / len(train_set),
+        sum(train_set["num_targets"]) / len(train_set),
+    )
     head_share = targets / tokens if causal_lm.config.model_type in PLAIN_LOGITS else 1.0
     config = causal_lm.config
     attention = 12 * config.num_hidden_layers * config.hidden_size * tokens
@@ -355,8 +397,8 @@ def model_flops_per_token(model, train_set) -> float:
 
 
 def token_rates(results: dict, train_set) -> dict:
-    """Training tokens and answer tokens per second: samples per second x the training set's mean tokens per
-    conversation (padding not counted)."""
+    """Training tokens and answer tokens per second: samples per second x the training set's mean
+    tokens per conversation (padding not counted)."""
     samples_per_second = results["train_samples_per_second"]
     return dict(
         train_tokens_per_second=samples_per_second * sum(train_set["num_tokens"]) / len(train_set),
@@ -371,31 +413,54 @@ def scores_line(evaluation: dict) -> str:
 
 
 def print_run_summary(results: dict, path: Path, tracking) -> None:
-    """After training, on the main process: the summary table, what was saved where, and how to use it."""
-    keys = ["dataset", "model", "method", "world_size", "num_machines", "mixed_precision", "global_batch_size"]
-    keys += ["steps", "epochs", "eval_loss", "eval_perplexity", "eval_exact_match", "best_metric", "best_epoch"]
+    """After training, on the main process: the summary table, what was saved where, and how to use
+    it."""
+    keys = [
+        "dataset",
+        "model",
+        "method",
+        "world_size",
+        "num_machines",
+        "mixed_precision",
+        "global_batch_size",
+    ]
+    keys += [
+        "steps",
+        "epochs",
+        "eval_loss",
+        "eval_perplexity",
+        "eval_exact_match",
+        "best_metric",
+        "best_epoch",
+    ]
     keys += ["train_tokens_per_second", "train_target_tokens_per_second", "peak_memory_mb", "wall_seconds"]
     keys += compile_summary_keys(results)
     print_summary(results, keys, title="chat fine-tuning: summary")
     print_saved(results, path, tracking, __file__)
 
 
-# ---------------------------------------------------------------------------------------------------------- train
+# -------------------------------------------------------------------------------------------- train
 def train(args: SftFlags) -> None:
-    """Fine-tune --model on the data flags' conversations, evaluate after every epoch, and save the last and the
-    best model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl and results.png."""
+    """Fine-tune --model on the data flags' conversations, evaluate after every epoch, and save the
+    last and the best model (an adapter with --lora_r), results.json, metrics.jsonl, samples.jsonl
+    and results.png."""
     started = time.perf_counter()
     output = Path(args.output_dir)
     model_name = args.model or DEFAULT_MODEL
     lr = args.lr or (2e-4 if args.lora_r else 2e-5)
-    if args.packing:  # rows of another length every step: segments that grow, not a new block per length
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # read when CUDA starts, below
+    # rows of another length every step: segments that grow, not a new block per length
+    if args.packing:
+        # read when CUDA starts, below
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"sft-{dataset_name(args)}", args.swanlab_mode
+    )
     # By count, not at a loader's end: whole_steps reads a step's batches before its first forward.
     accelerator = training_accelerator(args, tracking, steps_by_count=True)
-    blocks = settle_flags(args, accelerator)  # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
+    # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
+    blocks = settle_flags(args, accelerator)
     per_process = check_launch_flags(accelerator, args)
     check_generation(accelerator, args.eval_generate)
     world = accelerator.num_processes
@@ -407,24 +472,33 @@ def train(args: SftFlags) -> None:
     # ---- data, tokenizer and model
     tokenizer = load_tokenizer(model_name)
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
-    # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says otherwise
+    # packed rows on a GPU: torch's variable-length flash
+    # kernel, unless --attn_implementation says otherwise
     args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
     model = build_model(args, model_name, accelerator)
     if args.packing:
         check_packing(model)
     use_answer_loss(
         model
-    )  # logits for the answer positions only, in chunks (chat/answer_loss.py): the loss stays the same
-    use_kernels(model, args, accelerator.device, blocks)  # --liger's fused kernels, the blocks compiled (--compile)
-    train_loader, eval_loader, micro_batch_samples = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
-    plan = print_plan(accelerator, args, model, per_process)  # bytes per process, before any is spent on the device
-    flops_per_token = model_flops_per_token(model, tokenized["train"])  # for the model FLOP utilisation (MFU)
+        # logits for the answer positions only, in chunks
+        # (chat/answer_loss.py): the loss stays the same
+    )
+    # --liger's fused kernels, the blocks compiled (--compile)
+    use_kernels(model, args, accelerator.device, blocks)
+    train_loader, eval_loader, micro_batch_samples = data_loaders(
+        accelerator, args, tokenizer, tokenized, per_process
+    )
+    # bytes per process, before any is spent on the device
+    plan = print_plan(accelerator, args, model, per_process)
+    # for the model FLOP utilisation (MFU)
+    flops_per_token = model_flops_per_token(model, tokenized["train"])
 
     # ---- optimizer: AdamW on the trainable weights, weight decay on matrices only, fused on a GPU
     always_build_attention_masks()  # no host read of the padding in each forward pass
     optimizer = adamw(model, lr, args.weight_decay, accelerator.device)
 
-    # ---- the run's length in optimizer steps: whole steps only (whole_steps leaves an epoch's remainder out)
+    # ---- the run's length in optimizer steps: whole steps only (whole_steps leaves an epoch's
+    # remainder out)
     steps_per_epoch = len(train_loader) // world // args.gradient_accumulation_steps
     if steps_per_epoch == 0:
         raise RecipeError(
@@ -437,16 +511,22 @@ def train(args: SftFlags) -> None:
     warmup_steps = round(args.warmup_ratio * total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
-    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the
+    # device.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader
+    )
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
-    config = run_config("sft", args, accelerator, **settings(args, model_name, lr, model, counts, per_process))
+    config = run_config(
+        "sft", args, accelerator, **settings(args, model_name, lr, model, counts, per_process)
+    )
     config.update(warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs)
 
-    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device)
-    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    # save_state / load_state carry the position with the weights
+    accelerator.register_for_checkpointing(state)
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
@@ -476,18 +556,23 @@ def train(args: SftFlags) -> None:
         )
         for batch in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
-            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
-                # Summed token losses / the step's answer tokens; x world x accumulation undoes the means that DDP
-                # and accelerator.backward take, so the gradient is that of the global batch's mean token loss.
+            # skips the gradient all-reduce on accumulation micro-steps
+            with accelerator.accumulate(model):
+                # Summed token losses / the step's answer tokens; x world x accumulation undoes the
+                # means that DDP and accelerator.backward take, so the gradient is that of the
+                # global batch's mean token loss.
                 loss = model(**batch).loss * world * args.gradient_accumulation_steps
                 accelerator.backward(loss)
-                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                # a non-finite loss is noted on the device, read at the next log step
+                guard.observe(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
-                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
+                    # --skip_nonfinite_steps drops a non-finite one
+                    if keeps_update(progress, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            state.add(loss.detach(), samples=micro_batch_samples)  # the step's loss: the mean over its micro-batches
+            # the step's loss: the mean over its micro-batches
+            state.add(loss.detach(), samples=micro_batch_samples)
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -498,7 +583,8 @@ def train(args: SftFlags) -> None:
                 break
 
         # ---- evaluation once per epoch, on the whole validation split
-        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        # nothing non-finite since the last log step, before evaluating and saving
+        guard.check(state.step)
         state.last_eval = evaluate(model, eval_loader, accelerator)
         if args.eval_generate:
             conversations = raw["validation"]["messages"][: args.eval_generate]
@@ -508,12 +594,15 @@ def train(args: SftFlags) -> None:
             state.last_eval.update(scores)
             write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
         seconds = progress.epoch_done(state.last_eval)
-        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+        if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
         if accelerator.is_main_process:
-            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s")
+            # kept up to date every epoch
+            plot_results(progress.metrics.path, output / "results.png")
+        accelerator.print(
+            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s"
+        )
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -521,27 +610,35 @@ def train(args: SftFlags) -> None:
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    # with the tokenizer, as from_pretrained reads it
+    save_model(accelerator, model, tokenizer, output)
     results = dict(config, **progress.results(started))
-    results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)  # beside peak_memory_mb
-    # with --compile: the compilation apart, and the graphs an earlier run of these shapes had compiled
-    # the compilation apart; graphs, recompiles, seconds and fallbacks, and what torch's cache gave
-    results.update(warmup_seconds=progress.meter.warmup_seconds, **compile_figures(blocks, model, accelerator))
+    # beside peak_memory_mb
+    results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)
+    # with --compile: the compilation apart, and the graphs an earlier run of these shapes had
+    # compiled the compilation apart; graphs, recompiles,
+    # seconds and fallbacks, and what torch's cache gave
+    results.update(
+        warmup_seconds=progress.meter.warmup_seconds, **compile_figures(blocks, model, accelerator)
+    )
     flops = flops_per_token * results["train_tokens_per_second"]  # all processes together
     results.update(
-        flops_per_token=flops_per_token, model_flops_utilisation=flop_utilisation(flops, accelerator.device, world)
+        flops_per_token=flops_per_token,
+        model_flops_utilisation=flop_utilisation(flops, accelerator.device, world),
     )
-    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    # all ranks tear the process group down together, none while others still talk
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_run_summary(results, path, tracking)
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 def evaluate_saved_model(args: SftFlags) -> None:
-    """--eval_only: the model in --model (default --output_dir) on the whole validation split of the data flags,
-    each conversation counted once, on any number of processes; results.json goes to --output_dir."""
+    """--eval_only: the model in --model (default --output_dir) on the whole validation split of the
+    data flags, each conversation counted once, on any number of processes; results.json goes to
+    --output_dir."""
     started = time.perf_counter()
     output = Path(args.output_dir)
     model_dir = args.model or args.output_dir
@@ -555,8 +652,12 @@ def evaluate_saved_model(args: SftFlags) -> None:
     use_answer_loss(model)
     raw, tokenized, _ = load_data(accelerator, args, tokenizer)
     _, eval_loader, _ = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
-    # evaluation_mode: no DDP wrapper, which refuses a model without trainable weights (a loaded adapter)
-    model, eval_loader = accelerator.prepare_model(model, evaluation_mode=True), accelerator.prepare(eval_loader)
+    # evaluation_mode: no DDP wrapper, which refuses a
+    # model without trainable weights (a loaded adapter)
+    model, eval_loader = (
+        accelerator.prepare_model(model, evaluation_mode=True),
+        accelerator.prepare(eval_loader),
+    )
     evaluation = evaluate(model, eval_loader, accelerator)
     if args.eval_generate:
         conversations = raw["validation"]["messages"][: args.eval_generate]
@@ -581,10 +682,10 @@ def evaluate_saved_model(args: SftFlags) -> None:
         print(f"{write_results(output, results).name} saved in {output}")
 
 
-# ------------------------------------------------------------------------------------------------------------ plan
+# --------------------------------------------------------------------------------------------- plan
 def plan_only(args: SftFlags) -> None:
-    """--plan_only: the memory plan of the run these flags describe, on its launch (or the one --plan_* assume),
-    from the model's config alone; nothing is loaded, trained or written."""
+    """--plan_only: the memory plan of the run these flags describe, on its launch (or the one
+    --plan_* assume), from the model's config alone; nothing is loaded, trained or written."""
     accelerator = evaluation_accelerator(args)
     settle_flags(args, accelerator)
     per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
@@ -593,9 +694,9 @@ def plan_only(args: SftFlags) -> None:
     accelerator.end_training()
 
 
-# ----------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def main(args: SftFlags) -> None:
-    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     check_one_mode(args, "plan_only")

@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""Fine-tune a transformers model for text classification with Hugging Face Accelerate: 1 GPU, N GPUs, N nodes, FSDP.
+"""Fine-tune a transformers model for text classification with Hugging Face Accelerate: 1 GPU, N
+GPUs, N nodes, FSDP.
 
-    python recipes/text_classification.py --task sst2                         # GLUE SST-2 with bert-base-cased
-    python recipes/text_classification.py --train_file train.csv --validation_file dev.csv --label_column label
-    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/text_classification.py --task mrpc
+    python recipes/text_classification.py --task sst2   # GLUE SST-2 with bert-base-cased
+    python recipes/text_classification.py --train_file train.csv --validation_file dev.csv \\
+        --label_column label
+    accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/text_classification.py \\
+        --task mrpc
     python recipes/text_classification.py --predict "a gripping, funny film" --model outputs/text
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
-schedule -> resume -> loop -> eval -> save), evaluate_saved_model() is --eval_only, predict() is --predict; the flags
-are TextFlags. `--batch_size` is the GLOBAL batch (all processes together), so the same flags give the same training
-on any number of GPUs.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
+optimizer -> prepare -> schedule -> resume -> loop -> eval -> save), evaluate_saved_model() is
+--eval_only, predict() is --predict; the flags are TextFlags. `--batch_size` is the GLOBAL batch
+(all processes together), so the same flags give the same training on any number of GPUs.
 
-Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets and torchmetrics).
+Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets
+and torchmetrics).
 """
 
 import json
@@ -26,7 +30,11 @@ import torch
 import transformers
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from torchmetrics.functional.classification import binary_f1_score, binary_matthews_corrcoef, multiclass_f1_score
+from torchmetrics.functional.classification import (
+    binary_f1_score,
+    binary_matthews_corrcoef,
+    multiclass_f1_score,
+)
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -68,8 +76,10 @@ from accelerate_recipes import (
 from accelerate_recipes.plots import plot_results
 
 DEFAULT_MODEL = "google-bert/bert-base-cased"
-MIN_USEFUL_STEPS = 100  # below this many optimizer steps a fine-tune is warned that it may not learn
-# GLUE task -> (text column, text-pair column, validation split, the metric GLUE reports besides accuracy)
+# below this many optimizer steps a fine-tune is warned that it may not learn
+MIN_USEFUL_STEPS = 100
+# GLUE task -> (text column, text-pair column, validation
+# split, the metric GLUE reports besides accuracy)
 GLUE_TASKS = {
     "cola": ("sentence", None, "validation", "matthews_correlation"),
     "sst2": ("sentence", None, "validation", None),
@@ -80,46 +90,61 @@ GLUE_TASKS = {
     "rte": ("sentence1", "sentence2", "validation", None),
     "wnli": ("sentence1", "sentence2", "validation", None),
 }
-FILE_FORMATS = {".csv": ("csv", {}), ".tsv": ("csv", {"sep": "\t"}), ".json": ("json", {}), ".jsonl": ("json", {})}
+FILE_FORMATS = {
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"sep": "\t"}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+}
 
 
 @dataclass
 class TextFlags(TrainingFlags):
-    """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or classify texts.
+    """Fine-tune a sequence-classification model on a GLUE task or your own CSV/JSON files, or
+    classify texts.
 
-    AdamW's learning rate warms up linearly, then decays linearly to zero. The defaults (global batch 16, --lr 5e-5 as
-    in transformers' examples, weight decay 0.01, gradients clipped to norm 1.0 as in transformers' Trainer) take the
-    end of the BERT paper's fine-tuning grid (batch 16 or 32, lr 5e-5, 3e-5 or 2e-5) that also learns on a small file:
-    480 labelled reviews, 3 epochs, MiniLM reached 0.60 accuracy at batch 32 / lr 2e-5 and 0.76 with these; small
-    models on small data sets often want --lr 1e-4.
+    AdamW's learning rate warms up linearly, then decays linearly to zero. The defaults (global
+    batch 16, --lr 5e-5 as in transformers' examples, weight decay 0.01, gradients clipped to norm
+    1.0 as in transformers' Trainer) take the end of the BERT paper's fine-tuning grid (batch 16 or
+    32, lr 5e-5, 3e-5 or 2e-5) that also learns on a small file: 480 labelled reviews, 3 epochs,
+    MiniLM reached 0.60 accuracy at batch 32 / lr 2e-5 and 0.76 with these; small models on small
+    data sets often want --lr 1e-4.
 
     Args:
-        task: GLUE task through the `datasets` library: cola, sst2, mrpc, qqp, mnli, qnli, rte or wnli (default sst2
-            when no --train_file is given). Downloaded on first use, then read from the cache.
-        train_file: your training data instead of a GLUE task: .csv, .tsv, .json or .jsonl (one object per line).
+        task: GLUE task through the `datasets` library: cola, sst2, mrpc, qqp, mnli, qnli, rte or
+            wnli (default sst2 when no --train_file is given). Downloaded on first use, then read
+            from the cache.
+        train_file: your training data instead of a GLUE task: .csv, .tsv, .json or .jsonl (one
+            object per line).
         validation_file: your validation data, same columns as --train_file.
         text_column: column holding the text (files only).
-        text_pair_column: column holding the second text of a pair (files only; e.g. premise / hypothesis).
-        label_column: column holding the label (files only); strings or integers. Labels get ids in sorted order,
-            and the id -> label mapping is saved in the model's config.json.
-        max_length: longest tokenised input; longer texts are truncated. Batches are padded to their longest example.
+        text_pair_column: column holding the second text of a pair (files only; e.g. premise /
+            hypothesis).
+        label_column: column holding the label (files only); strings or integers. Labels get ids in
+            sorted order, and the id -> label mapping is saved in the model's config.json.
+        max_length: longest tokenised input; longer texts are truncated. Batches are padded to their
+            longest example.
         warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly.
-        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third slower.
+        gradient_checkpointing: recompute activations in the backward pass: less memory, about a
+            third slower.
         cache_dir: cache of the `datasets` library (downloads and tokenised data); default
             ~/.cache/huggingface/datasets.
         model: the model to fine-tune: a Hugging Face Hub name or local directory of any checkpoint
-            AutoModelForSequenceClassification loads (default google-bert/bert-base-cased). For --eval_only and
-            --predict, the fine-tuned model: the output_dir of a finished run or its model_best/ (default
-            --output_dir).
-        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is cheap); 0 on the CPU.
+            AutoModelForSequenceClassification loads (default google-bert/bert-base-cased). For
+            --eval_only and --predict, the fine-tuned model: the output_dir of a finished run or its
+            model_best/ (default --output_dir).
+        num_workers: DataLoader workers per process; default: up to 2 (collating token ids is
+            cheap); 0 on the CPU.
         seed: seed for the classifier head, data order and dropout.
-        eval_only: evaluate the fine-tuned model in --model (default --output_dir; e.g. output_dir/model_best) on the
-            validation split of the same data flags as its training run (--task, or --train_file, whose labels give
-            the ids, and --validation_file) and write results.json to --output_dir, without training. Runs on any
-            number of processes; each example is counted once.
-        predict: classify instead of training: a text, a .txt file (one text per line) or a .csv/.tsv/.json/.jsonl
-            file (its --text_column), with the model in --model (default --output_dir). Prints JSON lines. The text
-            is taken as typed, commas included; give --predict several times to classify several texts or files.
+        eval_only: evaluate the fine-tuned model in --model (default --output_dir; e.g.
+            output_dir/model_best) on the validation split of the same data flags as its training
+            run (--task, or --train_file, whose labels give the ids, and --validation_file) and
+            write results.json to --output_dir, without training. Runs on any number of processes;
+            each example is counted once.
+        predict: classify instead of training: a text, a .txt file (one text per line) or a
+            .csv/.tsv/.json/.jsonl file (its --text_column), with the model in --model (default
+            --output_dir). Prints JSON lines. The text is taken as typed, commas included; give
+            --predict several times to classify several texts or files.
     """
 
     task: str | None = None
@@ -140,15 +165,18 @@ class TextFlags(TrainingFlags):
     output_dir: str = "outputs/text"
 
 
-# ----------------------------------------------------------------------------------------------------------- data
+# --------------------------------------------------------------------------------------------- data
 def load_file(path: str, split: str, cache_dir: str | None, flag: str | None = None) -> datasets.Dataset:
-    """One CSV / TSV / JSON / JSONL file through the `datasets` loaders (cached as Arrow in the datasets cache)."""
+    """One CSV / TSV / JSON / JSONL file through the `datasets` loaders (cached as Arrow in the
+    datasets cache)."""
     file = Path(path).expanduser()
     flag = flag or f"--{split}_file"
     if file.suffix.lower() not in FILE_FORMATS:
         raise RecipeError(f"{flag} {path}: unknown format {file.suffix!r}; use .csv, .tsv, .json or .jsonl")
     if not file.is_file():
-        raise RecipeError(f"{flag} {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file")
+        raise RecipeError(
+            f"{flag} {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file"
+        )
     builder, options = FILE_FORMATS[file.suffix.lower()]
     try:
         return datasets.load_dataset(
@@ -156,37 +184,52 @@ def load_file(path: str, split: str, cache_dir: str | None, flag: str | None = N
         )
     except Exception as err:  # pyarrow / pandas parse errors of every kind
         reason = first_line(err)
-        raise RecipeError(f"could not read {flag} {path} as {builder} ({reason}); check the file's format") from None
+        raise RecipeError(
+            f"could not read {flag} {path} as {builder} ({reason}); check the file's format"
+        ) from None
 
 
 def load_text_data(task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir):
-    """Return (DatasetDict with train and validation, text column, pair column, label column, label values, metric).
+    """Return (DatasetDict with train and validation, text column, pair column, label column, label
+    values, metric).
 
-    `label values` are the labels as they appear in the data, in id order: GLUE's class names, or the sorted distinct
-    values of the training file's label column (strings or numbers), so string labels work unchanged.
+    `label values` are the labels as they appear in the data, in id order: GLUE's class names, or
+    the sorted distinct values of the training file's label column (strings or numbers), so string
+    labels work unchanged.
     """
     if task is not None:
         if task == "stsb":
             raise RecipeError("--task stsb is a regression task (similarity scores); this recipe classifies")
         if task not in GLUE_TASKS:
-            raise RecipeError(f"unknown --task {task!r}; choose one of {', '.join(GLUE_TASKS)}, or give --train_file")
+            raise RecipeError(
+                f"unknown --task {task!r}; choose one of {', '.join(GLUE_TASKS)}, or give --train_file"
+            )
         text_column, text_pair_column, validation_split, extra_metric = GLUE_TASKS[task]
         try:
             glue = datasets.load_dataset("nyu-mll/glue", task, cache_dir=cache_dir)
         except Exception as err:  # offline, hub errors, a missing cache
             reason = first_line(err)
             raise RecipeError(
-                f"could not load GLUE {task} from the Hugging Face Hub ({reason}); connect once to download it "
+                f"could not load GLUE {task} from the Hugging Face Hub ({reason}); connect once to download "
+                "it "
                 "(it is cached under ~/.cache/huggingface/datasets), or train on your own files with "
                 "--train_file/--validation_file"
             ) from None
         raw = datasets.DatasetDict(train=glue["train"], validation=glue[validation_split])
-        return raw, text_column, text_pair_column, "label", glue["train"].features["label"].names, extra_metric
+        return (
+            raw,
+            text_column,
+            text_pair_column,
+            "label",
+            glue["train"].features["label"].names,
+            extra_metric,
+        )
 
     if train_file is None or validation_file is None:
         raise RecipeError("give --task (a GLUE task) or both --train_file and --validation_file")
     raw = datasets.DatasetDict(
-        train=load_file(train_file, "train", cache_dir), validation=load_file(validation_file, "validation", cache_dir)
+        train=load_file(train_file, "train", cache_dir),
+        validation=load_file(validation_file, "validation", cache_dir),
     )
     for split, file in (("train", train_file), ("validation", validation_file)):
         columns = raw[split].column_names
@@ -196,9 +239,12 @@ def load_text_data(task, train_file, validation_file, text_column, text_pair_col
             ("label_column", label_column),
         ):
             if column is not None and column not in columns:
-                raise RecipeError(f"{file} has no column {column!r} (--{flag}); its columns are {', '.join(columns)}")
+                raise RecipeError(
+                    f"{file} has no column {column!r} (--{flag}); its columns are {', '.join(columns)}"
+                )
     train_values = raw["train"].unique(label_column)
-    if any(value is None or value != value for value in train_values):  # None, or NaN in a numeric column
+    # None, or NaN in a numeric column
+    if any(value is None or value != value for value in train_values):
         raise RecipeError(
             f"{train_file}: some rows have no value in the label column {label_column!r}; fill or drop them"
         )
@@ -211,17 +257,21 @@ def load_text_data(task, train_file, validation_file, text_column, text_pair_col
     unseen = sorted(set(raw["validation"].unique(label_column)) - set(label_values), key=str)
     if unseen:
         raise RecipeError(
-            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column {label_column!r} never occur "
-            f"in {train_file} (known: {', '.join(map(repr, label_values[:10]))}); fix the labels or add such examples "
+            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column {label_column!r} "
+            "never occur "
+            f"in {train_file} (known: {', '.join(map(repr, label_values[:10]))}); fix the labels or add such "
+            "examples "
             "to the training file"
         )
     return raw, text_column, text_pair_column, label_column, label_values, "macro_f1"
 
 
 def tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length):
-    """Tokenise without padding (the collator pads each batch to its longest example) and map labels to ids.
+    """Tokenise without padding (the collator pads each batch to its longest example) and map labels
+    to ids.
 
-    `label_ids` maps the values of a file's label column to ids; None when they already are ids (GLUE).
+    `label_ids` maps the values of a file's label column to ids; None when they already are ids
+    (GLUE).
     """
 
     def tokenize(batch):
@@ -236,7 +286,8 @@ def tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_colum
 
 
 def glue_task(args: TextFlags) -> str | None:
-    """The GLUE task the data flags name (sst2 when neither --task nor --train_file is given), None for your files."""
+    """The GLUE task the data flags name (sst2 when neither --task nor --train_file is given), None
+    for your files."""
     task = "sst2" if args.task is None and args.train_file is None else args.task
     if task is not None and (args.train_file or args.validation_file):
         raise RecipeError("give either --task (a GLUE task) or --train_file/--validation_file, not both")
@@ -245,7 +296,10 @@ def glue_task(args: TextFlags) -> str | None:
 
 def dataset_name(args: TextFlags) -> str:
     """The task's name, or <folder>-<name> of the training file (e.g. reviews-train)."""
-    return glue_task(args) or f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
+    if task := glue_task(args):
+        return task
+    train_file = Path(args.train_file)  # no GLUE task: a training file is given
+    return f"{train_file.resolve().parent.name}-{train_file.stem}"
 
 
 def default_run_name(args: TextFlags) -> str:
@@ -254,7 +308,8 @@ def default_run_name(args: TextFlags) -> str:
 
 @dataclass
 class TextData:
-    """The train and validation splits, raw and tokenised, with what the model needs to know about them."""
+    """The train and validation splits, raw and tokenised, with what the model needs to know about
+    them."""
 
     raw: datasets.DatasetDict
     tokenized: datasets.DatasetDict
@@ -266,8 +321,8 @@ class TextData:
 def load_data(accelerator, args: TextFlags, task: str | None, model_name: str) -> TextData:
     """The data flags' train and validation splits, tokenised with the tokenizer of `model_name`.
 
-    The local main process of each node downloads and tokenises first (into the cache); the others then read the
-    cached result.
+    The local main process of each node downloads and tokenises first (into the cache); the others
+    then read the cached result.
     """
     quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
     with accelerator.local_main_process_first():
@@ -288,16 +343,20 @@ def load_data(accelerator, args: TextFlags, task: str | None, model_name: str) -
     return TextData(raw, tokenized, tokenizer, [str(value) for value in label_values], extra_metric)
 
 
-def data_loaders(accelerator, args: TextFlags, data: TextData, per_process: int) -> tuple[DataLoader, DataLoader]:
-    """The training loader (shuffled, whole batches only) and the validation loader, before accelerator.prepare."""
+def data_loaders(
+    accelerator, args: TextFlags, data: TextData, per_process: int
+) -> tuple[DataLoader, DataLoader]:
+    """The training loader (shuffled, whole batches only) and the validation loader, before
+    accelerator.prepare."""
     # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
     collator = DataCollatorWithPadding(
         data.tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
     )
-    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)  # on the CPU also torch's threads
+    # on the CPU also torch's threads
+    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
     loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global RNG (dropout's),
-    # which checkpoints restore.
+    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global
+    # RNG (dropout's), which checkpoints restore.
     train_loader = DataLoader(
         data.tokenized["train"],
         batch_size=per_process,
@@ -312,14 +371,15 @@ def data_loaders(accelerator, args: TextFlags, data: TextData, per_process: int)
     return train_loader, eval_loader
 
 
-# ---------------------------------------------------------------------------------------------------------- model
+# -------------------------------------------------------------------------------------------- model
 def load_tokenizer(name: str):
     with explain_load_failure(name):
         return AutoTokenizer.from_pretrained(name)
 
 
 def load_model(name: str, label_names: list[str], task: str | None):
-    """Sequence-classification model from a Hub name or a local directory, with the label mapping."""
+    """Sequence-classification model from a Hub name or a local directory, with the label
+    mapping."""
     with explain_load_failure(name):
         config = AutoConfig.from_pretrained(
             name,
@@ -328,18 +388,24 @@ def load_model(name: str, label_names: list[str], task: str | None):
             id2label=dict(enumerate(label_names)),
             label2id={label: i for i, label in enumerate(label_names)},
         )
-        # A checkpoint already fine-tuned on another label set gets a fresh classifier of the right size.
+        # A checkpoint already fine-tuned on another label
+        # set gets a fresh classifier of the right size.
         return AutoModelForSequenceClassification.from_pretrained(
             name, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
         )
 
 
 def save_model(accelerator, model, tokenizer, folder) -> None:
-    """The model as from_pretrained and --predict read it, with the tokenizer. Collective: every process calls it."""
-    # gathers the full weights under FSDP / DeepSpeed ZeRO-3; model_to_save: their own names, compiled or not
+    """The model as from_pretrained and --predict read it, with the tokenizer. Collective: every
+    process calls it."""
+    # gathers the full weights under FSDP / DeepSpeed ZeRO-3; model_to_save: their own names,
+    # compiled or not
     state_dict = accelerator.get_state_dict(model_to_save(accelerator, model))
     accelerator.unwrap_model(model, keep_torch_compile=False).save_pretrained(
-        folder, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+        folder,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=state_dict,
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(folder)
@@ -347,14 +413,18 @@ def save_model(accelerator, model, tokenizer, folder) -> None:
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator, extra_metric: str | None, num_labels: int) -> dict:
-    """Accuracy (and F1 or Matthews correlation) over the whole validation set, each example counted once."""
+    """Accuracy (and F1 or Matthews correlation) over the whole validation set, each example counted
+    once."""
     model.eval()
     predictions, references, loss_sum = [], [], 0.0
     for batch in loader:
         logits = model(**batch).logits
         losses = torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        # gather_for_metrics drops the examples the sampler repeated to give every process an equal share.
-        preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), batch["labels"], losses))
+        # gather_for_metrics drops the examples the sampler
+        # repeated to give every process an equal share.
+        preds, labels, losses = accelerator.gather_for_metrics(
+            (logits.argmax(dim=-1), batch["labels"], losses)
+        )
         predictions.append(preds.cpu())
         references.append(labels.cpu())
         loss_sum += losses.sum().item()
@@ -369,15 +439,16 @@ def evaluate(model, loader, accelerator, extra_metric: str | None, num_labels: i
         result["eval_matthews_correlation"] = binary_matthews_corrcoef(preds, labels).item()
     elif extra_metric == "binary_f1":  # MRPC, QQP: F1 of the positive class, as GLUE reports it
         result["eval_f1"] = binary_f1_score(preds, labels).item()
-    elif extra_metric == "macro_f1":  # your own files: the mean F1 over classes, whichever label is listed first
+    # your own files: the mean F1 over classes, whichever label is listed first
+    elif extra_metric == "macro_f1":
         result["eval_f1"] = multiclass_f1_score(preds, labels, num_classes=num_labels, average="macro").item()
     return result
 
 
-# -------------------------------------------------------------------------------------------------------- predict
+# ------------------------------------------------------------------------------------------ predict
 def read_texts(source, text_column: str, text_pair_column: str | None) -> list[tuple[str, str | None]]:
-    """Texts to classify: a .txt file (one per line), a .csv/.tsv/.json/.jsonl file (its text column), or the text
-    itself."""
+    """Texts to classify: a .txt file (one per line), a .csv/.tsv/.json/.jsonl file (its text
+    column), or the text itself."""
     items = source if isinstance(source, (list, tuple)) else [source]
     texts = []
     for item in map(str, items):
@@ -418,8 +489,8 @@ def check_labels(model_dir: str, label_names: list[str]) -> None:
 
 
 def predict(args: TextFlags) -> None:
-    """--predict: classify texts with the fine-tuned model in --model (default --output_dir) in this one process and
-    print one JSON line per text: text, label, score."""
+    """--predict: classify texts with the fine-tuned model in --model (default --output_dir) in this
+    one process and print one JSON line per text: text, label, score."""
     model_dir = args.model or args.output_dir
     check_fine_tuned(model_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -432,7 +503,12 @@ def predict(args: TextFlags) -> None:
             firsts = [t for t, _ in chunk]
             seconds = [p for _, p in chunk] if args.text_pair_column else None
             inputs = tokenizer(
-                firsts, seconds, truncation=True, max_length=args.max_length, padding=True, return_tensors="pt"
+                firsts,
+                seconds,
+                truncation=True,
+                max_length=args.max_length,
+                padding=True,
+                return_tensors="pt",
             )
             probabilities = model(**inputs.to(device)).logits.float().softmax(dim=-1)
             scores, ids = probabilities.max(dim=-1)
@@ -446,24 +522,31 @@ def predict(args: TextFlags) -> None:
                 print(json.dumps(row, ensure_ascii=False))
 
 
-# ------------------------------------------------------------------------------------------------------ reporting
+# ---------------------------------------------------------------------------------------- reporting
 def scores_line(evaluation: dict) -> str:
     """An evaluation in one line: `accuracy 0.8125, loss 0.4312, f1 0.8000`."""
-    return ", ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evaluation.items() if k != "eval_samples")
+    return ", ".join(
+        f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evaluation.items() if k != "eval_samples"
+    )
 
 
 def warn_if_too_short(accelerator, args: TextFlags, total_steps: int, train_size: int) -> None:
-    """A first fine-tune on a small file: too few updates to learn (not said when --max_steps asks for a short run)."""
+    """A first fine-tune on a small file: too few updates to learn (not said when --max_steps asks
+    for a short run)."""
     if not args.max_steps and total_steps < MIN_USEFUL_STEPS:
         accelerator.print(
-            f"warning: {total_steps} optimizer steps in all ({train_size} examples / global batch {args.batch_size} "
-            f"x {args.epochs} epochs); a fine-tune this short often stays near chance. Aim for {MIN_USEFUL_STEPS}+ "
-            "steps: raise --epochs or lower --batch_size, or raise --lr (1e-4 suits small models and small data sets)"
+            f"warning: {total_steps} optimizer steps in all ({train_size} examples / global batch "
+            f"{args.batch_size} "
+            f"x {args.epochs} epochs); a fine-tune this short often stays near chance. Aim for "
+            f"{MIN_USEFUL_STEPS}+ "
+            "steps: raise --epochs or lower --batch_size, or raise --lr (1e-4 suits small models and small "
+            "data sets)"
         )
 
 
 def print_run_summary(results: dict, path: Path, tracking) -> None:
-    """After training, on the main process: the summary table, what was saved where, and how to use it."""
+    """After training, on the main process: the summary table, what was saved where, and how to use
+    it."""
     output = path.parent
     print_summary(
         results,
@@ -498,10 +581,11 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
         print(where)
 
 
-# ---------------------------------------------------------------------------------------------------------- train
+# -------------------------------------------------------------------------------------------- train
 def train(args: TextFlags) -> None:
-    """Fine-tune --model on the data flags' training split, evaluate it after every epoch, and save the last and the
-    best model (with the tokenizer), results.json, metrics.jsonl and results.png in --output_dir."""
+    """Fine-tune --model on the data flags' training split, evaluate it after every epoch, and save
+    the last and the best model (with the tokenizer), results.json, metrics.jsonl and results.png in
+    --output_dir."""
     started = time.perf_counter()
     output = Path(args.output_dir)
     model_name = args.model or DEFAULT_MODEL
@@ -519,8 +603,9 @@ def train(args: TextFlags) -> None:
 
     # ---- data, tokenizer and model
     data = load_data(accelerator, args, task, model_name)
-    # All processes load the weights together: under DeepSpeed ZeRO-3 from_pretrained shards them while reading, which
-    # takes every process (the Hub's file locks keep a first download by several processes safe).
+    # All processes load the weights together: under DeepSpeed ZeRO-3 from_pretrained shards them
+    # while reading, which takes every process (the Hub's file locks keep a first download by
+    # several processes safe).
     model = load_model(model_name, data.label_names, task)
     train_loader, eval_loader = data_loaders(accelerator, args, data, per_process)
 
@@ -530,13 +615,16 @@ def train(args: TextFlags) -> None:
         model.gradient_checkpointing_enable()
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]  # biases and LayerNorm weights
-    trainable = sum(p.numel() for p in decay + no_decay)  # its fp32 gradients are what DDP all-reduces
+    # its fp32 gradients are what DDP all-reduces
+    trainable = sum(p.numel() for p in decay + no_decay)
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
     )
 
     # ---- the run's length in optimizer steps
-    batches_per_process = len(train_loader) // world  # prepare() deals the batches out to the processes
+    # prepare() deals the batches out to the processes
+    batches_per_process = len(train_loader) // world
     if batches_per_process == 0:
         raise RecipeError(
             f"the training set ({len(data.raw['train'])} examples) is smaller than one global batch "
@@ -549,11 +637,13 @@ def train(args: TextFlags) -> None:
     warn_if_too_short(accelerator, args, total_steps, len(data.raw["train"]))
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
-    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the device.
-    # Model and optimizer in one call: DeepSpeed builds its engine from both.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    # ---- schedule: linear warmup, then linear decay to zero, over optimizer steps, on the prepared optimizer
-    # (DeepSpeed ZeRO-3 regroups its parameters).
+    # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the
+    # device. Model and optimizer in one call: DeepSpeed builds its engine from both.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader
+    )
+    # ---- schedule: linear warmup, then linear decay to zero, over optimizer steps, on the prepared
+    # optimizer (DeepSpeed ZeRO-3 regroups its parameters).
     scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
 
     config = run_config(
@@ -573,9 +663,10 @@ def train(args: TextFlags) -> None:
         transformers_version=transformers.__version__,
     )
 
-    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device)
-    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    # save_state / load_state carry the position with the weights
+    accelerator.register_for_checkpointing(state)
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
@@ -600,16 +691,20 @@ def train(args: TextFlags) -> None:
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
         for batch in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
-            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+            # skips the gradient all-reduce on accumulation micro-steps
+            with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
-                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                # a non-finite loss is noted on the device, read at the next log step
+                guard.observe(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
-                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
+                    # --skip_nonfinite_steps drops a non-finite one
+                    if keeps_update(progress, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            state.add(loss.detach(), samples=batch["labels"].shape[0])  # summed on the device, read at log steps only
+            # summed on the device, read at log steps only
+            state.add(loss.detach(), samples=batch["labels"].shape[0])
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -620,14 +715,16 @@ def train(args: TextFlags) -> None:
                 break
 
         # ---- evaluation once per epoch, on the whole validation split
-        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        # nothing non-finite since the last log step, before evaluating and saving
+        guard.check(state.step)
         state.last_eval = evaluate(model, eval_loader, accelerator, data.extra_metric, len(data.label_names))
         seconds = progress.epoch_done(state.last_eval)
-        if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+        if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, data.tokenizer, folder)
         if accelerator.is_main_process:
-            plot_results(progress.metrics.path, output / "results.png")  # kept up to date every epoch
+            # kept up to date every epoch
+            plot_results(progress.metrics.path, output / "results.png")
         accelerator.print(
             f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
             f"{progress.meter.samples_per_second:.1f} samples/s"
@@ -639,19 +736,22 @@ def train(args: TextFlags) -> None:
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    save_model(accelerator, model, data.tokenizer, output)  # with the tokenizer, as from_pretrained reads it
+    # with the tokenizer, as from_pretrained reads it
+    save_model(accelerator, model, data.tokenizer, output)
     results = dict(config, **progress.results(started))
-    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    # all ranks tear the process group down together, none while others still talk
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_run_summary(results, path, tracking)
 
 
-# -------------------------------------------------------------------------------------------------------- evaluate
+# ----------------------------------------------------------------------------------------- evaluate
 def evaluate_saved_model(args: TextFlags) -> None:
-    """--eval_only: the fine-tuned model in --model (default --output_dir) on the whole validation split of the data
-    flags, each example counted once, on any number of processes; results.json goes to --output_dir."""
+    """--eval_only: the fine-tuned model in --model (default --output_dir) on the whole validation
+    split of the data flags, each example counted once, on any number of processes; results.json
+    goes to --output_dir."""
     started = time.perf_counter()
     output = Path(args.output_dir)
     model_dir = args.model or args.output_dir
@@ -686,9 +786,9 @@ def evaluate_saved_model(args: TextFlags) -> None:
         print(f"{write_results(output, results).name} saved in {output}")
 
 
-# ----------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def main(args: TextFlags) -> None:
-    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     if args.predict is not None:

@@ -1,20 +1,22 @@
 """Tiny chat models and chat data for the SFT recipe's tests, built offline in well under a second.
 
-The tokenizers are byte-level BPE models trained here on a generated corpus, with chat templates written to behave like
-the families users fine-tune (Qwen2.5's ChatML, Llama 3, Qwen3's thinking blocks; built by benchmarks/chat_assets.py);
-the models are randomly initialised Llama / Qwen2 networks of a few thousand parameters, saved as folders the Auto
-classes load.
+The tokenizers are byte-level BPE models trained here on a generated corpus, with chat templates
+written to behave like the families users fine-tune (Qwen2.5's ChatML, Llama 3, Qwen3's thinking
+blocks; built by benchmarks/chat_assets.py); the models are randomly initialised Llama / Qwen2
+networks of a few thousand parameters, saved as folders the Auto classes load.
 """
 
 import json
 import random
 from pathlib import Path
 
-import chat_assets  # benchmarks/: the templates and the tokenizer builder gpu-check's sft step uses too
+# benchmarks/: the templates and the tokenizer builder gpu-check's sft step uses too
+import chat_assets
 
-# ------------------------------------------------------------------------------------------------ the learnable task
-# Colours are a fixed mapping (object -> colour), reviews are fresh when their adjectives are positive: both learnable
-# by a tiny model, with answers of different token lengths and short references.
+# ------------------------------------------------------------------------------- the learnable task
+# Colours are a fixed mapping (object -> colour), reviews are fresh when their adjectives are
+# positive: both learnable by a tiny model, with answers
+# of different token lengths and short references.
 COLOURS = {
     "banana": "yellow",
     "lemon": "yellow",
@@ -64,8 +66,8 @@ def review_turn(rng: random.Random) -> tuple[str, str]:
 
 
 def chat_examples(n: int, seed: int) -> list[list[dict]]:
-    """n conversations of the learnable task: single-turn colour or review questions, a third with a system message,
-    a quarter with two assistant turns (a colour question, then a follow-up)."""
+    """n conversations of the learnable task: single-turn colour or review questions, a third with a
+    system message, a quarter with two assistant turns (a colour question, then a follow-up)."""
     rng = random.Random(seed)
     examples = []
     for _ in range(n):
@@ -83,9 +85,10 @@ def chat_examples(n: int, seed: int) -> list[list[dict]]:
     return examples
 
 
-# -------------------------------------------------------------------------------------------------------- tokenizer
+# ---------------------------------------------------------------------------------------- tokenizer
 def corpus(rng: random.Random, lines: int = 600) -> list[str]:
-    """English-ish lines using every word the task and the templates write, so BPE merges them into few tokens."""
+    """English-ish lines using every word the task and the templates write, so BPE merges them into
+    few tokens."""
     words = (
         list(COLOURS)
         + list(COLOURS.values())
@@ -96,24 +99,33 @@ def corpus(rng: random.Random, lines: int = 600) -> list[str]:
         + " ".join(SYSTEM_PROMPTS).split()
         + "the is what colour and in sentence or fresh rotten review one word brief critic film".split()
     )
-    # contents one per line, as the templates write them: answers start a line, with no space before them
+    # contents one per line, as the templates write them:
+    # answers start a line, with no space before them
     examples = chat_examples(lines // 2, seed=rng.randrange(1 << 30))
     text = ["\n".join(["user", *(m["content"] for m in example), "assistant"]) for example in examples]
     text += [" ".join(rng.choice(words) for _ in range(12)) for _ in range(lines // 2)]
-    text += ["\n".join(words), "\n".join(word.capitalize() for word in words), "system\nYou are a helpful assistant."]
+    text += [
+        "\n".join(words),
+        "\n".join(word.capitalize() for word in words),
+        "system\nYou are a helpful assistant.",
+    ]
     return text
 
 
 def build_chat_tokenizer(folder: Path, template: str = "chatml"):
-    """A byte-level BPE tokenizer (vocabulary 512) trained on `corpus`, with the special tokens and chat template of
-    `template` ("chatml", "llama3" or "qwen3"), saved to `folder` and returned as the transformers tokenizer."""
+    """A byte-level BPE tokenizer (vocabulary 512) trained on `corpus`, with the special tokens and
+    chat template of `template` ("chatml", "llama3" or "qwen3"), saved to `folder` and returned as
+    the transformers tokenizer."""
     return chat_assets.build_chat_tokenizer(folder, corpus(random.Random(0)), template)
 
 
-# ------------------------------------------------------------------------------------------------------------ model
-def build_tiny_causal_lm(folder: Path, arch: str = "llama", template: str | None = None, seed: int = 0) -> Path:
-    """A randomly initialised 2-layer causal LM ("llama" or "qwen2": hidden 32, 4 heads, 2 KV heads, no dropout) and
-    its chat tokenizer (llama: "llama3", qwen2: "chatml" unless `template`), saved together in `folder`."""
+# -------------------------------------------------------------------------------------------- model
+def build_tiny_causal_lm(
+    folder: Path, arch: str = "llama", template: str | None = None, seed: int = 0
+) -> Path:
+    """A randomly initialised 2-layer causal LM ("llama" or "qwen2": hidden 32, 4 heads, 2 KV heads,
+    no dropout) and its chat tokenizer (llama: "llama3", qwen2: "chatml" unless `template`), saved
+    together in `folder`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -135,7 +147,9 @@ def build_tiny_causal_lm(folder: Path, arch: str = "llama", template: str | None
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config_class, model_class = (
+        (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    )
     torch.manual_seed(seed)
     model = model_class(config_class(**shape))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -144,7 +158,7 @@ def build_tiny_causal_lm(folder: Path, arch: str = "llama", template: str | None
     return folder
 
 
-# ------------------------------------------------------------------------------------------------------------- files
+# -------------------------------------------------------------------------------------------- files
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion")
 
@@ -153,7 +167,9 @@ def as_row(messages: list[dict], fmt: str) -> dict:
     if fmt == "messages":
         return {"messages": messages}
     if fmt == "sharegpt":
-        return {"conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in messages]}
+        return {
+            "conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in messages]
+        }
     user = [m["content"] for m in messages if m["role"] == "user"]
     answer = [m["content"] for m in messages if m["role"] == "assistant"]
     if len(user) != 1 or len(answer) != 1 or messages[0]["role"] == "system":
@@ -166,8 +182,9 @@ def as_row(messages: list[dict], fmt: str) -> dict:
 
 
 def write_chat_file(path: Path, examples: list[list[dict]], fmt: str) -> Path:
-    """Conversations in one on-disk format ("messages", "sharegpt", "alpaca", "prompt_completion"): a JSON list for
-    .json, one object per line for .jsonl. Alpaca and prompt/completion take single-turn examples without system."""
+    """Conversations in one on-disk format ("messages", "sharegpt", "alpaca", "prompt_completion"):
+    a JSON list for .json, one object per line for .jsonl. Alpaca and prompt/completion take
+    single-turn examples without system."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [as_row(messages, fmt) for messages in examples]
@@ -179,5 +196,6 @@ def write_chat_file(path: Path, examples: list[list[dict]], fmt: str) -> Path:
 
 
 def single_turn(examples: list[list[dict]]) -> list[list[dict]]:
-    """The examples alpaca and prompt/completion can hold: one user turn, one answer, no system message."""
+    """The examples alpaca and prompt/completion can hold: one user turn, one answer, no system
+    message."""
     return [m for m in examples if len(m) == 2 and m[0]["role"] == "user"]

@@ -1,4 +1,5 @@
-"""Shared helpers: run the recipes as users do (subprocesses), write tiny data in real on-disk formats."""
+"""Shared helpers: run the recipes as users do (subprocesses), write tiny data in real on-disk
+formats."""
 
 import fcntl
 import functools
@@ -34,10 +35,13 @@ BIN = Path(sys.executable).parent
 ACCELERATE = str(BIN / "accelerate")
 TORCHRUN = str(BIN / "torchrun")
 PYTHON = sys.executable
-# DeepSpeed compiles its CPU communication kernel on first use: kept in this user's cache (not a test's HOME), one
-# folder per torch release, because the suite also runs under .venv-oldest and a kernel built for another torch fails
-# to load there (each environment would rebuild it over the other's).
-TORCH_EXTENSIONS = Path.home() / ".cache" / "torch_extensions" / f"torch-{importlib.metadata.version('torch')}"
+# DeepSpeed compiles its CPU communication kernel on first use: kept in this user's cache (not a
+# test's HOME), one folder per torch release, because the suite also runs under .venv-oldest and a
+# kernel built for another torch fails to load there
+# (each environment would rebuild it over the other's).
+TORCH_EXTENSIONS = (
+    Path.home() / ".cache" / "torch_extensions" / f"torch-{importlib.metadata.version('torch')}"
+)
 
 # Small enough for 2 CPU cores, large enough that the network visibly learns.
 TINY = [
@@ -74,20 +78,27 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """pytest-timeout's limit per test (pyproject's `timeout`, or a test's own mark) scaled like every other limit."""
+    """pytest-timeout's limit per test (pyproject's `timeout`, or a test's own mark) scaled like
+    every other limit."""
     default = float(config.getini("timeout") or 0)
     for item in items:
         mark = item.get_closest_marker("timeout")
-        seconds = default if mark is None else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+        seconds = (
+            default
+            if mark is None
+            else float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default))
+        )
         if seconds:
             item.add_marker(pytest.mark.timeout(time_limit(seconds)), append=False)
 
 
-# torch.compile's on-disk cache does not tell kernels built under ATEN_CPU_CAPABILITY=avx2 (make test-portable) from
-# native ones: a native run that loaded them crashed ("malloc(): unaligned fastbin chunk detected"). One cache per
-# instruction-set limit, for every run the suite starts.
+# torch.compile's on-disk cache does not tell kernels built under ATEN_CPU_CAPABILITY=avx2 (make
+# test-portable) from native ones: a native run that loaded them crashed ("malloc(): unaligned
+# fastbin chunk detected"). One cache per instruction-set limit, for every run the suite starts.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    isa_limit = "-".join(os.environ.get(name, "native") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    isa_limit = "-".join(
+        os.environ.get(name, "native") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{isa_limit.lower()}"
     )
@@ -99,9 +110,10 @@ _PORTS_GIVEN: set[int] = set()
 def free_port() -> int:
     """A port that is free now and that no other test of this session is given.
 
-    The kernel's own choice (bind to port 0) comes from its ephemeral range, where it also puts the local end of every
-    connection and where another pytest worker may be given the same number before a launcher binds it. So each
-    worker draws from a block of its own below that range (20000-29999 split between up to 4 workers), never twice.
+    The kernel's own choice (bind to port 0) comes from its ephemeral range, where it also puts the
+    local end of every connection and where another pytest worker may be given the same number
+    before a launcher binds it. So each worker draws from a block of its own below that range
+    (20000-29999 split between up to 4 workers), never twice.
     TEST_PORT_BLOCK=4 gives a session that runs beside another (make test's second environment) 30000-32499.
     """
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 4
@@ -163,7 +175,8 @@ def check(proc) -> subprocess.CompletedProcess:
 
 
 def fails_with(proc, *fragments) -> str:
-    """The run failed with exactly one `error: ...` line holding every fragment, and no traceback."""
+    """The run failed with exactly one `error: ...` line holding every fragment, and no
+    traceback."""
     assert proc.returncode != 0, proc.output[-3000:]
     assert "Traceback" not in proc.output, proc.output[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
@@ -174,10 +187,12 @@ def fails_with(proc, *fragments) -> str:
 
 
 def stopped_with(proc, out, *fragments) -> list[str]:
-    """A multi-process run stopped before writing results, with the one-line error holding every fragment.
+    """A multi-process run stopped before writing results, with the one-line error holding every
+    fragment.
 
-    Every rank finds the same fault; the launcher stops the others as soon as one exits, so which ranks get to print
-    their line ("error: ..." on rank 0, "error (rank 1): ..." elsewhere) is a race: each line that did must hold them.
+    Every rank finds the same fault; the launcher stops the others as soon as one exits, so which
+    ranks get to print their line ("error: ..." on rank 0, "error (rank 1): ..." elsewhere) is a
+    race: each line that did must hold them.
     """
     assert proc.returncode != 0 and not (Path(out) / "results.json").exists(), proc.output[-3000:]
     errors = [line for line in proc.stderr.splitlines() if re.match(r"error( \(rank \d+\))?: ", line)]
@@ -200,7 +215,8 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 
 def check_png(path, min_width=400, min_height=300):
-    """A real picture: a PNG at least this big with more than a few colours (not blank, not one flat colour)."""
+    """A real picture: a PNG at least this big with more than a few colours (not blank, not one flat
+    colour)."""
     from PIL import Image
 
     image = Image.open(path)
@@ -212,12 +228,14 @@ def check_png(path, min_width=400, min_height=300):
 
 
 def write_cifar10(root: Path, num_train: int, num_test: int, seed: int = 0) -> Path:
-    """CIFAR-10 in its release's python format (root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta})."""
+    """CIFAR-10 in its release's python format
+    (root/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta})."""
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True, exist_ok=True)
 
     def dump(name, images, labels):
-        rows = images.transpose(0, 3, 1, 2).reshape(len(images), -1)  # N x 3072: all R, then G, then B
+        # N x 3072: all R, then G, then B
+        rows = images.transpose(0, 3, 1, 2).reshape(len(images), -1)
         entry = {
             "batch_label": name,
             "labels": labels.tolist(),
@@ -234,7 +252,9 @@ def write_cifar10(root: Path, num_train: int, num_test: int, seed: int = 0) -> P
     dump("test_batch", test_x, test_y)
     names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
     with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": names, "num_cases_per_batch": num_train // 5, "num_vis": 3072}, f, protocol=2)
+        pickle.dump(
+            {"label_names": names, "num_cases_per_batch": num_train // 5, "num_vis": 3072}, f, protocol=2
+        )
     return root
 
 
@@ -250,8 +270,8 @@ NEUTRAL = "the a movie film plot actor story was is and it very".split()
 
 
 def tiny_bert(folder: Path) -> Path:
-    """A 2-layer, hidden-32 BERT with random weights (seeded: every session trains the same network) and a word-level
-    tokenizer over the test vocabulary."""
+    """A 2-layer, hidden-32 BERT with random weights (seeded: every session trains the same network)
+    and a word-level tokenizer over the test vocabulary."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
@@ -271,7 +291,8 @@ def tiny_bert(folder: Path) -> Path:
 
 
 def sentiment_rows(n: int, seed: int) -> list[dict]:
-    """Learnable review-like rows: three sentiment words among three neutral ones; labels "positive"/"negative"."""
+    """Learnable review-like rows: three sentiment words among three neutral ones; labels
+    "positive"/"negative"."""
     import random
 
     rng = random.Random(seed)
@@ -299,9 +320,10 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-# ----------------------------------------------------------------------------------------------- the suite's disk
-# pyproject.toml has pytest remove a test's tmp_path once it passes; a module's shared runs (a CIFAR run with its
-# checkpoints is ~250 MB) go when the module is done. Kept to the session's end, they took ~10 GB at the peak.
+# --------------------------------------------------------------------------------- the suite's disk
+# pyproject.toml has pytest remove a test's tmp_path once it passes; a module's shared runs (a CIFAR
+# run with its checkpoints is ~250 MB) go when the module is done. Kept to the session's end, they
+# took ~10 GB at the peak.
 
 
 class ModuleFolders:
@@ -317,7 +339,8 @@ class ModuleFolders:
 
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request):
-    """Folders for a module's shared runs, removed when its tests are done; kept for a look once any test failed."""
+    """Folders for a module's shared runs, removed when its tests are done; kept for a look once any
+    test failed."""
     folders = ModuleFolders(tmp_path_factory)
     yield folders
     if request.session.testsfailed == 0:
@@ -325,10 +348,11 @@ def module_tmp(tmp_path_factory, request):
             shutil.rmtree(path, ignore_errors=True)
 
 
-# -------------------------------------------------------------------------- session runs, built once for all workers
+# --------------------------------------------------------- session runs, built once for all workers
 class SharedFolders:
-    """mktemp as tmp_path_factory's, in a folder that every pytest-xdist worker of this run sees (pytest-N/shared,
-    beside the workers' own popen-gwK folders, which a worker removes when it ends)."""
+    """mktemp as tmp_path_factory's, in a folder that every pytest-xdist worker of this run sees
+    (pytest-N/shared, beside the workers' own popen-gwK folders, which a worker removes when it
+    ends)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -338,10 +362,11 @@ class SharedFolders:
 
 
 def built_once_for_all_workers(fixture):
-    """A session fixture (a shared recipe run, or the data and models it reads) built by the first worker that asks
-    for it and read back by the others: without this each worker (one per core) trains the same run again. The
-    worker that builds holds a lock on it meanwhile; the others wait for it (a run takes both cores anyway), then
-    unpickle the value. Its folders come from SharedFolders instead of the worker's tmp_path_factory."""
+    """A session fixture (a shared recipe run, or the data and models it reads) built by the first
+    worker that asks for it and read back by the others: without this each worker (one per core)
+    trains the same run again. The worker that builds holds a lock on it meanwhile; the others wait
+    for it (a run takes both cores anyway), then unpickle the value. Its folders come from
+    SharedFolders instead of the worker's tmp_path_factory."""
 
     @functools.wraps(fixture)
     def shared(*args, tmp_path_factory, **kwargs):
@@ -350,7 +375,8 @@ def built_once_for_all_workers(fixture):
         root.mkdir(exist_ok=True)
         value_file = root / f"{fixture.__name__}.pickle"
         with open(root / f"{fixture.__name__}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the build fails
+            # released when the file closes, also if the build fails
+            fcntl.flock(lock, fcntl.LOCK_EX)
             if value_file.is_file():
                 return pickle.loads(value_file.read_bytes())
             value = fixture(*args, tmp_path_factory=SharedFolders(root), **kwargs)
@@ -360,7 +386,7 @@ def built_once_for_all_workers(fixture):
     return shared
 
 
-# ------------------------------------------------------------------------------------------------------- tiny BERT
+# ---------------------------------------------------------------------------------------- tiny BERT
 
 
 @pytest.fixture(scope="session")
@@ -373,7 +399,8 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def text_data(tiny_bert_dir, tmp_path_factory) -> dict:
-    """The tiny BERT and learnable reviews: 256 training rows (16 steps of 16 per epoch), 63 validation rows (an odd
+    """The tiny BERT and learnable reviews: 256 training rows (16 steps of 16 per epoch), 63
+    validation rows (an odd
     count: with two processes the sampler pads one example, which must not be counted twice)."""
     root = tmp_path_factory.mktemp("text-data")
     return {
@@ -384,14 +411,15 @@ def text_data(tiny_bert_dir, tmp_path_factory) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------- a recipe copied as a template
+# -------------------------------------------------------------------- a recipe copied as a template
 LIBRARY = Path(accelerate_recipes.__file__).resolve().parent
 RECIPES = REPO / "recipes"
 
 
 def local_imports(script: Path) -> set[str]:
-    """Modules `script` imports from its own folder or a package there (`from chat.model import ...`), and theirs in
-    turn, relative imports inside the package included: their paths relative to the script's folder."""
+    """Modules `script` imports from its own folder or a package there (`from chat.model import
+    ...`), and theirs in turn, relative imports inside the package included: their paths relative to
+    the script's folder."""
     import ast
 
     root = script.parent
@@ -403,7 +431,9 @@ def local_imports(script: Path) -> set[str]:
                 paths = [root / f"{a.name.replace('.', '/')}.py" for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level:
                 base = module.parent / (node.module or "").replace(".", "/")
-                paths = [base.with_suffix(".py")] if node.module else [base / f"{a.name}.py" for a in node.names]
+                paths = (
+                    [base.with_suffix(".py")] if node.module else [base / f"{a.name}.py" for a in node.names]
+                )
             elif isinstance(node, ast.ImportFrom) and node.module:
                 base = root / node.module.replace(".", "/")
                 paths = [base.with_suffix(".py"), *(base / f"{a.name}.py" for a in node.names)]
@@ -418,10 +448,12 @@ def local_imports(script: Path) -> set[str]:
 
 
 def template_project(tmp_path: Path) -> tuple[Path, dict]:
-    """An empty project folder outside the repository, and the environment of a user who installed the library.
+    """An empty project folder outside the repository, and the environment of a user who installed
+    the library.
 
-    PYTHONPATH holds only a folder with the library package in it (where this checkout is not pip-installed, that
-    stands in for site-packages); the repository root, and with it recipes/, is not on it.
+    PYTHONPATH holds only a folder with the library package in it (where this checkout is not
+    pip-installed, that stands in for site-packages); the repository root, and with it recipes/, is
+    not on it.
     """
     folder = tmp_path / "my_project"
     folder.mkdir()
@@ -430,14 +462,16 @@ def template_project(tmp_path: Path) -> tuple[Path, dict]:
     site.mkdir()
     (site / "accelerate_recipes").symlink_to(LIBRARY, target_is_directory=True)
     env = recipe_env(tmp_path, PYTHONPATH=site, ACCELERATE_USE_CPU="true")
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # the copy's __pycache__ is the evidence of what was imported
+    # the copy's __pycache__ is the evidence of what was imported
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     shutil.copy(CONFIGS / "cpu.yaml", folder / "cpu.yaml")
     return folder, env
 
 
 def copy_recipe(folder: Path, recipe: str) -> tuple[str, set[str]]:
-    """Copy a recipe as README says: a one-file recipe and the modules beside it that it imports, or the detect/
-    folder. Returns the script to run, relative to the folder, and the modules it must import from the copy."""
+    """Copy a recipe as README says: a one-file recipe and the modules beside it that it imports, or
+    the detect/ folder. Returns the script to run, relative to the folder, and the modules it must
+    import from the copy."""
     if recipe == "detect":
         shutil.copytree(RECIPES / "detect", folder / "detect", ignore=shutil.ignore_patterns("__pycache__"))
         return "detect/train.py", local_imports(folder / "detect" / "train.py")
@@ -446,15 +480,19 @@ def copy_recipe(folder: Path, recipe: str) -> tuple[str, set[str]]:
         package = Path(name).parts[0] if "/" in name else None
         if package is None:
             shutil.copy(RECIPES / name, folder / name)
-        elif not (folder / package).exists():  # a package (the chat layer) is copied whole, as the guide says
+        # a package (the chat layer) is copied whole, as the guide says
+        elif not (folder / package).exists():
             shutil.copytree(RECIPES / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
     return recipe, modules
 
 
-def launch_audited_copy(folder: Path, env: dict, script: str, *args, timeout=600) -> subprocess.CompletedProcess:
-    """`accelerate launch` on 2 gloo processes from the project folder, each process running the copied script under
-    the host-read audit (benchmarks/host_reads.py runs the script as __main__ with the script's folder first on
-    sys.path, as `python script` would; recipes/ stays on no import path)."""
+def launch_audited_copy(
+    folder: Path, env: dict, script: str, *args, timeout=600
+) -> subprocess.CompletedProcess:
+    """`accelerate launch` on 2 gloo processes from the project folder, each process running the
+    copied script under the host-read audit (benchmarks/host_reads.py runs the script as __main__
+    with the script's folder first on sys.path, as `python script` would; recipes/ stays on no
+    import path)."""
     cmd = [
         ACCELERATE,
         "launch",
@@ -473,12 +511,23 @@ def launch_audited_copy(folder: Path, env: dict, script: str, *args, timeout=600
     return check(run(cmd, env, timeout=timeout, cwd=folder))
 
 
-# What a starter may import besides the standard library: the public packages a user installs with pip.
-STARTER_PACKAGES = {"accelerate", "torch", "torchvision", "transformers", "datasets", "peft", "swanlab", "fire"}
+# What a starter may import besides the standard
+# library: the public packages a user installs with pip.
+STARTER_PACKAGES = {
+    "accelerate",
+    "torch",
+    "torchvision",
+    "transformers",
+    "datasets",
+    "peft",
+    "swanlab",
+    "fire",
+}
 
 
 def imported_packages(script: Path) -> set[str]:
-    """The top-level packages a script imports (absolute imports only: a relative one fails here)."""
+    """The top-level packages a script imports (absolute imports only: a relative one fails
+    here)."""
     import ast
 
     imported = set()
@@ -498,8 +547,9 @@ def assert_public_imports_only(script: Path) -> set[str]:
 
 
 def without_library(tmp: Path) -> Path:
-    """A folder to put first on PYTHONPATH so that this project's code cannot be imported: its library (installed in
-    this environment) and the modules beside the recipes are shadowed by ones that raise ImportError."""
+    """A folder to put first on PYTHONPATH so that this project's code cannot be imported: its
+    library (installed in this environment) and the modules beside the recipes are shadowed by ones
+    that raise ImportError."""
     decoys = tmp / "without-library"
     for package in ("accelerate_recipes", "chat"):
         (decoys / package).mkdir(parents=True, exist_ok=True)
@@ -510,23 +560,44 @@ def without_library(tmp: Path) -> Path:
 
 
 def sharded_launch(root: Path, name: str, config: str, script: Path, *args, launcher=(), ok=True):
-    """`script` under `accelerate launch` with `config` (cpu.yaml, fsdp.yaml, deepspeed.yaml) on 2 CPU processes in
-    fp32, as `make text-fsdp` / `make sft-fsdp` start it on a CPU box; output in root/name. Returns (proc, out)."""
+    """`script` under `accelerate launch` with `config` (cpu.yaml, fsdp.yaml, deepspeed.yaml) on 2
+    CPU processes in fp32, as `make text-fsdp` / `make sft-fsdp` start it on a CPU box; output in
+    root/name. Returns (proc, out)."""
     out = root / name
     env = recipe_env(root, ACCELERATE_USE_CPU="true", TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
-    cmd = [ACCELERATE, "launch", "--config_file", CONFIGS / config, "--num_processes", "2", "--mixed_precision", "no"]
-    cmd += ["--num_cpu_threads_per_process", "1", "--main_process_port", free_port(), *launcher, script, *args]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        CONFIGS / config,
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+    ]
+    cmd += [
+        "--num_cpu_threads_per_process",
+        "1",
+        "--main_process_port",
+        free_port(),
+        *launcher,
+        script,
+        *args,
+    ]
     proc = run([*cmd, "--output_dir", out], env, timeout=300)
     return (check(proc) if ok else proc), out
 
 
 def two_process_template_run(tmp_path_factory, recipe: str, *args) -> SimpleNamespace:
-    """The recipe copied into an empty project folder, run there on 2 gloo processes under the host-read audit."""
+    """The recipe copied into an empty project folder, run there on 2 gloo processes under the
+    host-read audit."""
     tmp = tmp_path_factory.mktemp(f"two-{recipe.split('.')[0]}")
     folder, env = template_project(tmp)
     script, modules = copy_recipe(folder, recipe)
     proc = launch_audited_copy(folder, env, script, *args, "--output_dir", "out")
-    return SimpleNamespace(out=folder / "out", proc=proc, folder=folder, env=env, script=script, modules=modules)
+    return SimpleNamespace(
+        out=folder / "out", proc=proc, folder=folder, env=env, script=script, modules=modules
+    )
 
 
 def one_process_audited_run(tmp_path_factory, name: str, script: Path, *args, timeout=600) -> SimpleNamespace:
@@ -537,15 +608,16 @@ def one_process_audited_run(tmp_path_factory, name: str, script: Path, *args, ti
     return SimpleNamespace(out=out, proc=proc)
 
 
-# ------------------------------------------------------------------- the shared runs: each recipe on 1 and 2 processes
-# Each recipe runs once on 1 process and once on 2 for the whole session; the tests that only read a run's folder
-# (results.json, pictures, host-read reports, models for --eval_only and --predict) share it, and a test that has to
-# write into one copies it first. The 2-process run is the recipe copied into an empty project folder (the template
-# test) and runs under the host-read audit, on the flags of the 1-process run (the 1 vs 2 processes comparison).
+# ------------------------------------------------ the shared runs: each recipe on 1 and 2 processes
+# Each recipe runs once on 1 process and once on 2 for the whole session; the tests that only read a
+# run's folder (results.json, pictures, host-read reports, models for --eval_only and --predict)
+# share it, and a test that has to write into one copies it first. The 2-process run is the recipe
+# copied into an empty project folder (the template test) and runs under the host-read audit, on the
+# flags of the 1-process run (the 1 vs 2 processes comparison).
 
-# 645 generated images (a test split of 129, which does not divide by 2), a global batch of 32, 8 steps inside the
-# first epoch. Augmentation is off: its random crops are drawn per process. Logs at steps 1, 2, 4, 6 and 8: the
-# steps 3, 5 and 7 between them are the quiet ones the audit checks.
+# 645 generated images (a test split of 129, which does not divide by 2), a global batch of 32, 8
+# steps inside the first epoch. Augmentation is off: its random crops are drawn per process. Logs at
+# steps 1, 2, 4, 6 and 8: the steps 3, 5 and 7 between them are the quiet ones the audit checks.
 CIFAR_RUN = [
     "--dataset",
     "synthetic",
@@ -568,13 +640,24 @@ CIFAR_RUN = [
     "--lr",
     "0.02",
 ]
-# 256 rows at a global batch of 16: 16 steps per epoch, 2 epochs; lr 3e-3 suits a randomly initialised tiny model.
-# Logs every 4 steps (epoch ends included): the steps between are quiet.
-TEXT_FAST = ["--batch_size", "16", "--lr", "3e-3", "--tracker", "none", "--num_workers", "0", "--log_every", "4"]
+# 256 rows at a global batch of 16: 16 steps per epoch, 2 epochs; lr 3e-3 suits a randomly
+# initialised tiny model. Logs every 4 steps (epoch ends included): the steps between are quiet.
+TEXT_FAST = [
+    "--batch_size",
+    "16",
+    "--lr",
+    "3e-3",
+    "--tracker",
+    "none",
+    "--num_workers",
+    "0",
+    "--log_every",
+    "4",
+]
 TEXT_RUN = [*TEXT_FAST, "--epochs", "2", "--checkpoint_every", "0"]
-# The detector on 2 processes: 32 generated training images (8 steps of 4 per epoch), 6 steps inside the first epoch,
-# logged at steps 1 and 6 only, to SwanLab offline (its pictures and every process's figures are
-# read back).
+# The detector on 2 processes: 32 generated training images (8 steps of 4 per epoch), 6 steps inside
+# the first epoch, logged at steps 1 and 6 only, to SwanLab offline (its pictures and every
+# process's figures are read back).
 DETECT_TWO = [
     "--data",
     "synthetic",
@@ -615,61 +698,75 @@ def cifar_one(tmp_path_factory):
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def cifar_two(tmp_path_factory):
-    """cifar.py copied into an empty project, on 2 processes with CIFAR_RUN, under the host-read audit."""
+    """cifar.py copied into an empty project, on 2 processes with CIFAR_RUN, under the host-read
+    audit."""
     return two_process_template_run(tmp_path_factory, "cifar.py", *CIFAR_RUN)
 
 
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def text_one(text_data, tmp_path_factory):
-    """The text recipe on 1 process: the tiny BERT fine-tuned for 2 epochs, under the host-read audit."""
+    """The text recipe on 1 process: the tiny BERT fine-tuned for 2 epochs, under the host-read
+    audit."""
     return one_process_audited_run(tmp_path_factory, "text", TEXT_SCRIPT, *text_files(text_data), *TEXT_RUN)
 
 
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def text_two(text_data, tmp_path_factory):
-    """text_classification.py copied into an empty project, on 2 processes with the flags of text_one, audited."""
-    return two_process_template_run(tmp_path_factory, "text_classification.py", *text_files(text_data), *TEXT_RUN)
+    """text_classification.py copied into an empty project, on 2 processes with the flags of
+    text_one, audited."""
+    return two_process_template_run(
+        tmp_path_factory, "text_classification.py", *text_files(text_data), *TEXT_RUN
+    )
 
 
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def detect_two(tmp_path_factory):
-    """The detect/ folder copied into an empty project, on 2 processes under the host-read audit; --data synthetic is
-    the shapes set generated by the copied folder itself, in YOLO format under --data_dir."""
+    """The detect/ folder copied into an empty project, on 2 processes under the host-read audit;
+    --data synthetic is the shapes set generated by the copied folder itself, in YOLO format under
+    --data_dir."""
     return two_process_template_run(tmp_path_factory, "detect", *DETECT_TWO)
 
 
 def read_audit(out: Path, rank: int = 0) -> dict:
-    return json.loads((Path(out) / ("host_reads.json" if rank == 0 else f"host_reads.rank{rank}.json")).read_text())
+    return json.loads(
+        (Path(out) / ("host_reads.json" if rank == 0 else f"host_reads.rank{rank}.json")).read_text()
+    )
 
 
 def assert_quiet(report: dict, proc, steps: int, log_every: int) -> None:
-    """The audit's verdict on a run of `steps` steps logged every `log_every` (no checkpoint between epoch ends): the
-    steps between log steps are quiet and hold no read; the log step 1 reads the loss, so the counter is live."""
+    """The audit's verdict on a run of `steps` steps logged every `log_every` (no checkpoint between
+    epoch ends): the steps between log steps are quiet and hold no read; the log step 1 reads the
+    loss, so the counter is live."""
     assert report["exit_code"] == 0 and report["steps"] == steps, proc.output[-3000:]
-    assert report["quiet_intervals"] == [s for s in range(2, steps) if s % log_every], report["quiet_intervals"]
+    assert report["quiet_intervals"] == [s for s in range(2, steps) if s % log_every], report[
+        "quiet_intervals"
+    ]
     assert report["quiet_intervals"], "no quiet step to check"
-    offenders = [f"{s['site']} {s['op']} x{s['quiet_count']} (via {s['via']})" for s in report["sites"] if s["fails"]]
+    offenders = [
+        f"{s['site']} {s['op']} x{s['quiet_count']} (via {s['via']})" for s in report["sites"] if s["fails"]
+    ]
     assert report["quiet_violations"] == 0, "host reads between log steps:\n" + "\n".join(offenders)
     assert report["intervals"][1]["reads"] >= 1  # the loss logged at step 1
     assert "PASS: 0 read(s)" in proc.stdout
 
 
 def assert_both_ranks_quiet(two, steps: int, log_every: int) -> None:
-    """Each of the 2 gloo processes of a shared 2-process run wrote its own audit, and each holds no read between log
-    steps."""
+    """Each of the 2 gloo processes of a shared 2-process run wrote its own audit, and each holds no
+    read between log steps."""
     for rank in (0, 1):
         report = read_audit(two.out, rank)
         assert report["world_size"] == 2 and report["rank"] == rank
         assert_quiet(report, two.proc, steps, log_every)
 
 
-# The detector on 1 process: 96 training and 21 validation images of the generated shapes set (21 divides neither by 2
-# processes nor by a batch of 4); 144 steps of batch 8 (12 epochs), evaluated once at the end: the shortest run
-# measured here that finds the shapes at all (36 steps of batch 16 left mAP50 at 0.000). Logs at step 1 and every 12
-# steps (the epoch ends); the steps between are the audit's quiet ones.
+# The detector on 1 process: 96 training and 21 validation images of the generated shapes set (21
+# divides neither by 2 processes nor by a batch of 4); 144 steps of batch 8 (12 epochs), evaluated
+# once at the end: the shortest run measured here that finds the shapes at all (36 steps of batch 16
+# left mAP50 at 0.000). Logs at step 1 and every 12 steps (the epoch ends); the steps between are
+# the audit's quiet ones.
 DETECT_SMALL = [
     "--image_size",
     "128",
@@ -705,21 +802,26 @@ def detect_shapes(tmp_path_factory) -> Path:
     """The generated shapes set in YOLO format (its data.yaml)."""
     from synthetic_shapes import write_synthetic_dataset
 
-    return write_synthetic_dataset(tmp_path_factory.mktemp("shapes"), num_train=96, num_val=21, image_size=128, seed=3)
+    return write_synthetic_dataset(
+        tmp_path_factory.mktemp("shapes"), num_train=96, num_val=21, image_size=128, seed=3
+    )
 
 
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def detect_one(detect_shapes, tmp_path_factory):
     """The detector trained on 1 process with DETECT_RUN, under the host-read audit."""
-    return one_process_audited_run(tmp_path_factory, "detect", DETECT_SCRIPT, "--data", detect_shapes, *DETECT_RUN)
+    return one_process_audited_run(
+        tmp_path_factory, "detect", DETECT_SCRIPT, "--data", detect_shapes, *DETECT_RUN
+    )
 
 
-# ------------------------------------------------------------------------------------------- tiny chat model (SFT)
+# ---------------------------------------------------------------------------- tiny chat model (SFT)
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def tiny_chat_model(tmp_path_factory) -> Path:
-    """A tiny random Llama with a Llama-3-like chat template (no pad token), saved as a model folder."""
+    """A tiny random Llama with a Llama-3-like chat template (no pad token), saved as a model
+    folder."""
     from chat_fixtures import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-chat-llama"), "llama")
@@ -728,7 +830,8 @@ def tiny_chat_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def sft_data(tmp_path_factory) -> dict:
-    """The learnable chat task in the messages JSONL format: 96 training and 32 validation conversations."""
+    """The learnable chat task in the messages JSONL format: 96 training and 32 validation
+    conversations."""
     from chat_fixtures import chat_examples, write_chat_file
 
     root = tmp_path_factory.mktemp("sft-data")
@@ -739,10 +842,11 @@ def sft_data(tmp_path_factory) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------- the shared SFT runs (chat)
+# ----------------------------------------------------------------------- the shared SFT runs (chat)
 SFT_SCRIPT = REPO / "recipes" / "sft.py"
-# 96 conversations at a global batch of 8: 12 steps per epoch, 2 epochs, every step logged (the 1 vs 2 processes
-# comparison reads each step's loss). LoRA without dropout: dropout masks are drawn per process.
+# 96 conversations at a global batch of 8: 12 steps per epoch, 2 epochs, every step logged (the 1 vs
+# 2 processes comparison reads each step's loss). LoRA
+# without dropout: dropout masks are drawn per process.
 SFT_COMMON = ["--batch_size", "8", "--lr", "1e-2", "--max_length", "128", "--max_new_tokens", "6"]
 SFT_COMMON += ["--checkpoint_every", "0", "--num_workers", "0"]
 SFT_RUN = [
@@ -760,8 +864,19 @@ SFT_RUN = [
     "--log_every",
     "1",
 ]
-# A full fine-tune that learns the task: 4 epochs, each evaluated with 16 greedy answers, tracked by SwanLab offline.
-SFT_FULL = [*SFT_COMMON, "--epochs", "4", "--eval_generate", "16", "--log_every", "4", "--swanlab_mode", "offline"]
+# A full fine-tune that learns the task: 4 epochs, each
+# evaluated with 16 greedy answers, tracked by SwanLab offline.
+SFT_FULL = [
+    *SFT_COMMON,
+    "--epochs",
+    "4",
+    "--eval_generate",
+    "16",
+    "--log_every",
+    "4",
+    "--swanlab_mode",
+    "offline",
+]
 
 
 def sft_files(model: Path, data: dict) -> list:
@@ -779,16 +894,17 @@ def plain_run(tmp_path_factory, name: str, *args, timeout=300) -> SimpleNamespac
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def sft_one(tiny_chat_model, sft_data, tmp_path_factory):
-    """The SFT recipe on 1 process: a LoRA adapter on the tiny chat model, 2 epochs, batches padded."""
+    """The SFT recipe on 1 process: a LoRA adapter on the tiny chat model, 2 epochs, batches
+    padded."""
     return plain_run(tmp_path_factory, "sft-one", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_RUN)
 
 
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
-    """sft.py copied into an empty project, on 2 processes with the flags of sft_one, packed rows through the varlen
-    attention (chat/packed_attention.py; conversation by conversation on the CPU) and gradient checkpointing (none of
-    which changes a number), under the host-read audit."""
+    """sft.py copied into an empty project, on 2 processes with the flags of sft_one, packed rows
+    through the varlen attention (chat/packed_attention.py; conversation by conversation on the CPU)
+    and gradient checkpointing (none of which changes a number), under the host-read audit."""
     return two_process_template_run(
         tmp_path_factory,
         "sft.py",
@@ -804,10 +920,11 @@ def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
-    """sft_one's flags on 1 process with 2 micro-batches per step in the shape `make sft-1gpu` trains on a GPU:
-    padded rows of varying widths through compiled decoder blocks, and the evaluation's answers through the compiled
-    decode step (--compile --decode compiled with the aot_eager backend: torch.compile's capture without code
-    generation, which would take minutes here); none of which changes a number."""
+    """sft_one's flags on 1 process with 2 micro-batches per step in the shape `make sft-1gpu`
+    trains on a GPU: padded rows of varying widths through compiled decoder blocks, and the
+    evaluation's answers through the compiled decode step (--compile --decode compiled with the
+    aot_eager backend: torch.compile's capture without code generation, which would take minutes
+    here); none of which changes a number."""
     args = [*sft_files(tiny_chat_model, sft_data), *SFT_RUN, "--gradient_accumulation_steps", "2"]
     args += ["--compile", "--compile_backend", "aot_eager", "--decode", "compiled"]
     return plain_run(tmp_path_factory, "sft-accumulated", SFT_SCRIPT, *args)
@@ -816,13 +933,14 @@ def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def sft_full(tiny_chat_model, sft_data, tmp_path_factory):
-    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL), under the host-read audit."""
+    """A full fine-tune of the tiny chat model on 1 process (SFT_FULL), under the host-read
+    audit."""
     return one_process_audited_run(
         tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL
     )
 
 
-# ------------------------------------------------------------------------------------- the shared GRPO runs
+# ----------------------------------------------------------------------------- the shared GRPO runs
 GRPO_SCRIPT = REPO / "recipes" / "grpo.py"
 BREVITY = '''
 def brevity(prompts, completions, **columns):
@@ -833,9 +951,21 @@ def brevity(prompts, completions, **columns):
 def broken(prompts, completions, **columns):
     return [0.0]  # one value for many completions
 '''
-# 48 prompts at a global batch of 8 prompts x 4 completions: 6 steps per epoch; a checkpoint every 2 steps, an
-# evaluation at step 3 (--eval_every) and at the epoch's end. LoRA without dropout (its default here).
-GRPO_RUN = ["--batch_size", "8", "--num_generations", "4", "--max_new_tokens", "8", "--lr", "1e-2", "--epochs", "1"]
+# 48 prompts at a global batch of 8 prompts x 4 completions: 6 steps per epoch; a checkpoint every 2
+# steps, an evaluation at step 3 (--eval_every) and at the
+# epoch's end. LoRA without dropout (its default here).
+GRPO_RUN = [
+    "--batch_size",
+    "8",
+    "--num_generations",
+    "4",
+    "--max_new_tokens",
+    "8",
+    "--lr",
+    "1e-2",
+    "--epochs",
+    "1",
+]
 GRPO_RUN += ["--reward_weights", "1,1", "--lora_r", "8", "--tracker", "none"]
 GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
 
@@ -843,14 +973,15 @@ GRPO_RUN += ["--log_every", "1", "--checkpoint_every", "2", "--eval_every", "3"]
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
-    """Colour prompts: training rows as `prompt` + `answer`, validation rows as conversations whose final assistant
-    turn is the answer; the user's reward file beside them."""
+    """Colour prompts: training rows as `prompt` + `answer`, validation rows as conversations whose
+    final assistant turn is the answer; the user's reward file beside them."""
     from chat_fixtures import COLOURS
 
     root = tmp_path_factory.mktemp("grpo-data")
     rng = random.Random(0)
-    # Two prompt lengths, a quarter of them longer: a micro-batch of 4 often has none of those while the batch of 8
-    # it comes from has one, and a completion's draws must not depend on the padding its batch gives it.
+    # Two prompt lengths, a quarter of them longer: a micro-batch of 4 often has none of those while
+    # the batch of 8 it comes from has one, and a completion's draws must not depend on the padding
+    # its batch gives it.
     rows = [
         {"prompt": f"{lead}what colour is the {thing}?".capitalize(), "answer": colour}
         for lead in ("", "", "", "and ")
@@ -859,7 +990,12 @@ def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
     rng.shuffle(rows)
     (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:48]))
     validation = [
-        {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+        {
+            "messages": [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["answer"]},
+            ]
+        }
         for r in rows[48:]
     ]
     (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in validation))
@@ -870,8 +1006,8 @@ def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
 
 
 def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok=True):
-    """grpo.py with the data's files and model (or `model`), its rewards (or `reward`) and GRPO_RUN, then `extra`;
-    output in root/name."""
+    """grpo.py with the data's files and model (or `model`), its rewards (or `reward`) and GRPO_RUN,
+    then `extra`; output in root/name."""
     out = data["root"] / name
     files = list(data["files"])
     files[files.index("--model") + 1] = model or files[files.index("--model") + 1]
@@ -886,19 +1022,21 @@ def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def grpo_one(grpo_data, tmp_path_factory):
-    """The GRPO recipe on 1 process with GRPO_RUN: a LoRA adapter on the tiny chat model, 6 steps."""
+    """The GRPO recipe on 1 process with GRPO_RUN: a LoRA adapter on the tiny chat model, 6
+    steps."""
     return grpo(grpo_data, "one")[1]
 
 
-# ------------------------------------------------------------------------------------- the shared DPO runs
+# ------------------------------------------------------------------------------ the shared DPO runs
 DPO_SCRIPT = REPO / "recipes" / "dpo.py"
 WRONG_COLOURS = ("purple", "green", "black", "orange")
 
 
 def colour_pairs(seed: int = 0) -> list[dict]:
-    """Preference pairs of the learnable colour task: 16 objects x 3 ways to ask, 48 in all. The chosen answer is
-    the object's colour, the rejected one a wrong colour fixed per object; a third of the pairs answer in a sentence
-    (both answers alike), so rows differ in length within a batch."""
+    """Preference pairs of the learnable colour task: 16 objects x 3 ways to ask, 48 in all. The
+    chosen answer is the object's colour, the rejected one a wrong colour fixed per object; a third
+    of the pairs answer in a sentence (both answers alike), so rows differ in length within a
+    batch."""
     rng = random.Random(seed)
     from chat_fixtures import COLOURS
 
@@ -917,7 +1055,8 @@ def colour_pairs(seed: int = 0) -> list[dict]:
 
 
 def as_conversations(pair: dict, system: str | None = None) -> dict:
-    """A text pair in TRL's conversational format with an implicit prompt: two whole conversations."""
+    """A text pair in TRL's conversational format with an implicit prompt: two whole
+    conversations."""
     head = [{"role": "system", "content": system}] if system else []
     head.append({"role": "user", "content": pair["prompt"]})
     return {name: head + [{"role": "assistant", "content": pair[name]}] for name in ("chosen", "rejected")}
@@ -926,14 +1065,16 @@ def as_conversations(pair: dict, system: str | None = None) -> dict:
 @pytest.fixture(scope="session")
 @built_once_for_all_workers
 def dpo_data(tiny_chat_model, tmp_path_factory) -> dict:
-    """The tiny chat model and 48 colour pairs: 32 training pairs in TRL's text format, 16 validation pairs as whole
-    conversations (a quarter of them with a system message); `files` are the data flags."""
+    """The tiny chat model and 48 colour pairs: 32 training pairs in TRL's text format, 16
+    validation pairs as whole conversations (a quarter of them with a system message); `files` are
+    the data flags."""
     root = tmp_path_factory.mktemp("dpo-data")
     pairs = colour_pairs()
     train, validation = pairs[:32], pairs[32:]
     (root / "train.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in train))
     rows = [
-        as_conversations(pair, "You answer in one word." if i % 4 == 0 else None) for i, pair in enumerate(validation)
+        as_conversations(pair, "You answer in one word." if i % 4 == 0 else None)
+        for i, pair in enumerate(validation)
     ]
     (root / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     files = ["--model", tiny_chat_model, "--train_file", root / "train.jsonl"]
@@ -941,10 +1082,12 @@ def dpo_data(tiny_chat_model, tmp_path_factory) -> dict:
     return dict(root=root, files=files, train=train, validation=validation, model=tiny_chat_model)
 
 
-# 32 pairs at a global batch of 8: 4 steps per epoch, 2 epochs, every step logged (the comparisons read each step's
-# loss). A fresh LoRA adapter (no dropout: its masks are drawn per process), whose reference is the base model itself.
-# --max_grad_norm 0.05 clips some steps and not others (gradient norms 0.04-0.09 here): AdamW alone would take the
-# same steps from a gradient twice or half as large, so the runs agree only if each has the global batch's gradient.
+# 32 pairs at a global batch of 8: 4 steps per epoch, 2 epochs, every step logged (the comparisons
+# read each step's loss). A fresh LoRA adapter (no dropout: its masks are drawn per process), whose
+# reference is the base model itself.
+# --max_grad_norm 0.05 clips some steps and not others (gradient norms 0.04-0.09 here): AdamW alone
+# would take the same steps from a gradient twice or half as large, so the runs agree only if each
+# has the global batch's gradient.
 DPO_RUN = ["--batch_size", "8", "--lora_r", "8", "--lr", "1e-2", "--epochs", "2", "--max_length", "64"]
 DPO_RUN += ["--max_grad_norm", "0.05"]
 DPO_RUN += ["--max_new_tokens", "4", "--log_every", "1", "--checkpoint_every", "0", "--tracker", "none"]
@@ -952,8 +1095,8 @@ DPO_RUN += ["--num_workers", "0"]
 
 
 def dpo(data: dict, name: str, *extra, launcher=(), ok=True, timeout=300):
-    """dpo.py with the data's files, DPO_RUN and then `extra` (later flags win), on 1 process or under `launcher`;
-    output in root/name. Returns (proc, out)."""
+    """dpo.py with the data's files, DPO_RUN and then `extra` (later flags win), on 1 process or
+    under `launcher`; output in root/name. Returns (proc, out)."""
     out = data["root"] / name
     env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     if launcher:
@@ -970,24 +1113,27 @@ def dpo_one(dpo_data, tmp_path_factory):
     return dpo(dpo_data, "one")[1]
 
 
-# ------------------------------------------------------------------- NaN gradients with a finite loss (the guard)
-# Launchers that run a recipe as `python recipe.py` would, with NaN gradients at one step (nan_gradient.py) or in
-# every step whose batch has a fully masked attention row (nan_attention.py, --attn_implementation nan_masked_rows).
+# ----------------------------------------------------- NaN gradients with a finite loss (the guard)
+# Launchers that run a recipe as `python recipe.py` would, with NaN gradients at one step
+# (nan_gradient.py) or in every step whose batch has a fully masked attention row (nan_attention.py,
+# --attn_implementation nan_masked_rows).
 NAN_GRADIENT = REPO / "tests" / "nan_gradient.py"
 NAN_ATTENTION = REPO / "tests" / "nan_attention.py"
-NONFINITE = ("stop", "skip")  # what a run does with them: without --skip_nonfinite_steps, and with it
+# what a run does with them: without --skip_nonfinite_steps, and with it
+NONFINITE = ("stop", "skip")
 SKIP_NONFINITE = {"stop": [], "skip": ["--skip_nonfinite_steps"]}
 
 
 def steps_with_masked_rows(steps_file: Path) -> list[int]:
-    """The optimizer steps whose training batch tests/nan_attention.py found a fully masked attention row in."""
+    """The optimizer steps whose training batch tests/nan_attention.py found a fully masked
+    attention row in."""
     return sorted(int(step) for step in steps_file.read_text().split()) if steps_file.exists() else []
 
 
 def assert_nonfinite_gradients_handled(behaviour: str, proc, out: Path, bad_steps: list[int]) -> None:
-    """A run given NaN gradients (and a finite loss) at `bad_steps`: "stop" ends at the first of them with one error
-    line naming it, before anything is saved after it; "skip" drops exactly those updates, exits 0 and saves finite
-    weights whose evaluation is finite."""
+    """A run given NaN gradients (and a finite loss) at `bad_steps`: "stop" ends at the first of
+    them with one error line naming it, before anything is saved after it; "skip" drops exactly
+    those updates, exits 0 and saves finite weights whose evaluation is finite."""
     from safetensors.torch import load_file
 
     if behaviour == "stop":
@@ -997,24 +1143,35 @@ def assert_nonfinite_gradients_handled(behaviour: str, proc, out: Path, bad_step
         return
     check(proc)
     results = read_results(out)
-    assert results["skipped_nonfinite_steps"] == len(bad_steps), (results["skipped_nonfinite_steps"], bad_steps)
+    assert results["skipped_nonfinite_steps"] == len(bad_steps), (
+        results["skipped_nonfinite_steps"],
+        bad_steps,
+    )
     weights = [tensor for path in out.glob("*.safetensors") for tensor in load_file(path).values()]
     assert weights and all(tensor.isfinite().all() for tensor in weights)
     evaluation = {k: v for k, v in results.items() if k.startswith("eval_") and isinstance(v, float)}
     assert evaluation and all(np.isfinite(v) for v in evaluation.values()), evaluation
 
 
-# ------------------------------------------------------------------------ killed runs resumed (test_resume.py and
-# the tests beside the shared runs: a SIGKILL test whose reference is a shared session run lives in the file that
-# makes that run anyway, so that no pytest worker makes the run for it alone)
+# ---------------------------------------------------------- killed runs resumed (test_resume.py and
+# the tests beside the shared runs: a SIGKILL test whose reference is a shared session run lives in
+# the file that makes that run anyway, so that no pytest worker makes the run for it alone)
 def start_in_own_session(cmd, env, log: Path) -> subprocess.Popen:
-    """Start `cmd` with its output in `log`, in a session of its own: a kill of the group reaches every process."""
+    """Start `cmd` with its output in `log`, in a session of its own: a kill of the group reaches
+    every process."""
     return subprocess.Popen(
-        [str(c) for c in cmd], env=env, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        [str(c) for c in cmd],
+        env=env,
+        cwd=REPO,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
-def wait_for_checkpoint(proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240) -> None:
+def wait_for_checkpoint(
+    proc: subprocess.Popen, output_dir: Path, step: int, log: Path, timeout: float = 240
+) -> None:
     marker = output_dir / "checkpoints" / f"step_{step:08d}" / "checkpoint.json"
     deadline = time.monotonic() + time_limit(timeout)
     while not marker.exists():
@@ -1057,17 +1214,19 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 def assert_same_best(a: Path, b: Path) -> None:
-    """The same best evaluation, and the same weights in model_best: the resumed run knew the best found before the
-    interruption (it is part of the checkpoint), so an epoch after it replaced model_best only by doing better."""
+    """The same best evaluation, and the same weights in model_best: the resumed run knew the best
+    found before the interruption (it is part of the checkpoint), so an epoch after it replaced
+    model_best only by doing better."""
     keys = ("best_metric", "best_epoch", "best_step")
     assert {k: read_results(a)[k] for k in keys} == {k: read_results(b)[k] for k in keys}
     assert_same_weights(a / "model_best", b / "model_best")
 
 
 def sigkill_mid_epoch_then_resume(command: list, kill_after: int, reference: Path, tmp_path: Path) -> None:
-    """`python *command` killed with SIGKILL once its checkpoint of step `kill_after` (inside an epoch) is on disk,
-    then continued with --resume auto: it ends with the weights, best model and steps of `reference`, the same
-    command run start to finish, and a metrics file that reads as one run."""
+    """`python *command` killed with SIGKILL once its checkpoint of step `kill_after` (inside an
+    epoch) is on disk, then continued with --resume auto: it ends with the weights, best model and
+    steps of `reference`, the same command run start to finish, and a metrics file that reads as one
+    run."""
     import signal
 
     out, log = tmp_path / "out", tmp_path / "killed.log"

@@ -1,12 +1,13 @@
-"""Run a recipe as `python recipe.py FLAGS` would, with one more attention implementation, `nan_masked_rows`: torch's
-sdpa, whose backward pass gives NaN query gradients in the rows its mask leaves fully masked (a left-padded row's
-padding), as cuDNN's sdpa kernel has been reported to do on Hopper GPUs. The loss stays finite.
+"""Run a recipe as `python recipe.py FLAGS` would, with one more attention implementation,
+`nan_masked_rows`: torch's sdpa, whose backward pass gives NaN query gradients in the rows its mask
+leaves fully masked (a left-padded row's padding), as cuDNN's sdpa kernel has been reported to do on
+Hopper GPUs. The loss stays finite.
 
     python tests/nan_attention.py STEPS_FILE recipes/dpo.py --attn_implementation nan_masked_rows FLAGS...
 
-Each optimizer step (counted from 1 as the recipes count) whose training forward pass met such a row is appended to
-STEPS_FILE, one line each. Forward passes without gradients (a reference policy, generation, evaluation) are not
-touched.
+Each optimizer step (counted from 1 as the recipes count) whose training forward pass met such a row
+is appended to STEPS_FILE, one line each. Forward passes without gradients (a reference policy,
+generation, evaluation) are not touched.
 """
 
 import os
@@ -27,7 +28,8 @@ recorded: set[int] = set()
 
 
 class NanGradientInMaskedRows(torch.autograd.Function):
-    """The identity on the query; its backward pass puts NaN into the gradient of the fully masked rows."""
+    """The identity on the query; its backward pass puts NaN into the gradient of the fully masked
+    rows."""
 
     @staticmethod
     def forward(ctx, query, masked_rows):
@@ -42,7 +44,8 @@ class NanGradientInMaskedRows(torch.autograd.Function):
 
 def nan_masked_rows(module, query, key, value, attention_mask, **kwargs):
     if attention_mask is not None and torch.is_grad_enabled():
-        masked_rows = ~attention_mask.any(dim=-1)  # [batch, 1, queries]: True where a query may attend to nothing
+        # [batch, 1, queries]: True where a query may attend to nothing
+        masked_rows = ~attention_mask.any(dim=-1)
         if masked_rows.any() and steps_done + 1 not in recorded:
             recorded.add(steps_done + 1)
             with STEPS_FILE.open("a") as steps:
@@ -58,7 +61,9 @@ def backward(self, loss, **kwargs):
 
 
 AttentionInterface.register(NAME, nan_masked_rows)
-AttentionMaskInterface.register(NAME, lambda *args, **kwargs: AttentionMaskInterface()["sdpa"](*args, **kwargs))
+AttentionMaskInterface.register(
+    NAME, lambda *args, **kwargs: AttentionMaskInterface()["sdpa"](*args, **kwargs)
+)
 accelerate.Accelerator.backward = backward
 sys.argv = [os.path.abspath(sys.argv[1]), *sys.argv[2:]]  # the recipe and its flags
 sys.path[0] = os.path.dirname(sys.argv[0])

@@ -1,12 +1,13 @@
-"""Run a recipe as `python recipe.py FLAGS` would, with NaN gradients at one optimizer step and a finite loss, as a
-bug in a model's or a kernel's backward pass gives them:
+"""Run a recipe as `python recipe.py FLAGS` would, with NaN gradients at one optimizer step and a
+finite loss, as a bug in a model's or a kernel's backward pass gives them:
 
     python tests/nan_gradient.py STEP recipes/sft.py FLAGS...
 
-During the backward pass of optimizer step STEP (counted from 1 as the recipes count: one step per gradient
-accumulation boundary) the gradient flowing into one trainable weight of the prepared model is replaced by NaN. It is
-replaced inside the backward pass, so it reaches the weight before DDP averages it over the processes or DeepSpeed's
-engine takes it, as the bug's would; the recipe itself is not touched.
+During the backward pass of optimizer step STEP (counted from 1 as the recipes count: one step per
+gradient accumulation boundary) the gradient flowing into one trainable weight of the prepared model
+is replaced by NaN. It is replaced inside the backward pass, so it reaches the weight before DDP
+averages it over the processes or DeepSpeed's engine takes it, as the bug's would; the recipe itself
+is not touched.
 """
 
 import os

@@ -1,7 +1,8 @@
 """What a launcher gave this process, as `rank<N>.json` in the folder named by the first argument.
 
-The launcher tests start this instead of a recipe: it imports only torch and accelerate's state, so a config that
-starts 16 processes stays cheap, and the all-reduce proves that every process joined one process group.
+The launcher tests start this instead of a recipe: it imports only torch and accelerate's state, so
+a config that starts 16 processes stays cheap, and the all-reduce proves that every process joined
+one process group.
 """
 
 import json
@@ -21,7 +22,8 @@ record = {
     "rank": state.process_index,
     "local_rank": state.local_process_index,
     "world_size": state.num_processes,
-    "machine_rank": int(os.environ.get("GROUP_RANK", "0")),  # the node's rank, as torch's elastic agent exports it
+    # the node's rank, as torch's elastic agent exports it
+    "machine_rank": int(os.environ.get("GROUP_RANK", "0")),
     "joined": int(joined.item()),
     "distributed_type": state.distributed_type.value,
     "mixed_precision": os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),

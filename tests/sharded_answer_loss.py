@@ -1,15 +1,18 @@
-"""The chat recipe's answer-token loss under FSDP2 against the same model unsharded, on the processes of one launch.
+"""The chat recipe's answer-token loss under FSDP2 against the same model unsharded, on the
+processes of one launch.
 
-Started by tests/test_sft_sharded.py with fsdp.yaml on 1 or 2 CPU processes (the FSDP2 plugin is built from the
-config's settings, as the recipes build it on the CPU), with a model folder of tests/chat_fixtures.py whose output
-layer is tied to the embeddings. For a LoRA adapter and for a full fine-tune, each with gradient checkpointing and
-its decoder blocks compiled as --compile compiles them (aot_eager here; the graphs compiled are counted), each
-process takes a micro-batch of its own, small enough chunks (answer_loss.CHUNK_LOGITS) for several per micro-batch,
-and runs: a training pass, an evaluation pass without gradients (as the recipes evaluate: compiling nothing new), and
-a training pass again; then the token log-probabilities of the chat recipes' updates (chat/model.py's
-token_logprobs) with their gradients. Beside it, an unsharded eager copy of the model takes transformers' own loss
-and logits on the same micro-batch; its gradients are averaged over the processes, as FSDP2 averages the sharded
-ones. Each process saves what both gave to OUTPUT_DIR/rank<N>.pt for the test to compare.
+Started by tests/test_sft_sharded.py with fsdp.yaml on 1 or 2 CPU processes (the FSDP2 plugin is
+built from the config's settings, as the recipes build it on the CPU), with a model folder of
+tests/chat_fixtures.py whose output layer is tied to the embeddings. For a LoRA adapter and for a
+full fine-tune, each with gradient checkpointing and its decoder blocks compiled as --compile
+compiles them (aot_eager here; the graphs compiled are counted), each process takes a micro-batch of
+its own, small enough chunks (answer_loss.CHUNK_LOGITS) for several per micro-batch, and runs: a
+training pass, an evaluation pass without gradients (as the recipes evaluate: compiling nothing
+new), and a training pass again; then the token log-probabilities of the chat recipes' updates
+(chat/model.py's token_logprobs) with their gradients. Beside it, an unsharded eager copy of the
+model takes transformers' own loss and logits on the same micro-batch; its gradients are averaged
+over the processes, as FSDP2 averages the sharded ones. Each process saves what both gave to
+OUTPUT_DIR/rank<N>.pt for the test to compare.
 """
 
 import argparse
@@ -24,7 +27,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "recipes"), str(REPO / "benchmarks")]  # the chat recipe's modules; the fixtures' assets
+# the chat recipe's modules; the fixtures' assets
+sys.path[:0] = [str(REPO / "recipes"), str(REPO / "benchmarks")]
 
 from chat import answer_loss  # noqa: E402
 from chat import model as chat_model  # noqa: E402
@@ -39,7 +43,8 @@ from accelerate_recipes.sharding import setup_fsdp, shard_on_cpu  # noqa: E402
 
 CONVERSATIONS = 4  # per micro-batch: the ones with the most answer tokens of a generated set
 CHUNK_ROWS = 4  # answer positions per chunk of logits
-LOGPROB_TOKENS, TEMPERATURE = 8, 0.7  # the tokens at the end of each row whose log-probabilities are compared
+# the tokens at the end of each row whose log-probabilities are compared
+LOGPROB_TOKENS, TEMPERATURE = 8, 0.7
 
 
 def micro_batch(tokenizer, seed: int) -> dict:
@@ -52,15 +57,18 @@ def micro_batch(tokenizer, seed: int) -> dict:
 def build(model_dir: str, lora: bool):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    # Under fsdp.yaml's cpu_ram_efficient_loading transformers 5.17 loads the weights on rank 0 only (the others get
-    # zeros until accelerate's prepare sends them); the unsharded reference takes rank 0's too
+    # Under fsdp.yaml's cpu_ram_efficient_loading transformers 5.17 loads the weights on rank 0 only
+    # (the others get zeros until accelerate's prepare sends them); the unsharded reference takes
+    # rank 0's too
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:  # random B (not peft's zeros) so that every adapter matrix gets a gradient
         model.enable_input_require_grads()
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        )
     return model.train()
 
 
@@ -69,7 +77,9 @@ def gradients(model) -> dict:
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is not None:
-            grads[name] = (param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad).clone()
+            grads[name] = (
+                param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            ).clone()
     return grads
 
 
@@ -86,7 +96,8 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
     answer_loss.use_answer_loss(sharded)
     torch._dynamo.reset()  # each method's graphs counted on their own
     counters.clear()
-    chat_model.compile_blocks(sharded, "aot_eager")  # as --compile does, before prepare shards the blocks
+    # as --compile does, before prepare shards the blocks
+    chat_model.compile_blocks(sharded, "aot_eager")
     setup_fsdp(accelerator, sharded)
     # FSDP2 prepares a model with its optimizer only; this one never steps
     optimizer = torch.optim.SGD([p for p in sharded.parameters() if p.requires_grad], lr=0.0)
@@ -105,9 +116,11 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
         expected_gradients=averaged(gradients(reference), accelerator.num_processes),
         chunks=-(-len(targets) // CHUNK_ROWS),
         tied=sharded.get_output_embeddings().weight is sharded.get_input_embeddings().weight,
-        sharded=type(sharded.get_output_embeddings().weight).__name__,  # at rest, outside a pass: a DTensor
+        # at rest, outside a pass: a DTensor
+        sharded=type(sharded.get_output_embeddings().weight).__name__,
     )
-    for run in ("first", "second"):  # the same weights and micro-batch: a training pass after an evaluation pass
+    # the same weights and micro-batch: a training pass after an evaluation pass
+    for run in ("first", "second"):
         optimizer.zero_grad(set_to_none=True)  # as the recipe clears them: the sharded gradients
         loss = sharded(**batch, num_items_in_batch=answer_tokens).loss
         accelerator.backward(loss)
@@ -116,8 +129,9 @@ def compare(accelerator, model_dir: str, lora: bool, batch: dict, answer_tokens:
             with torch.no_grad(), without_compiling():  # as the recipes evaluate
                 result["token_losses"] = sharded(**batch).token_losses
 
-    # The last LOGPROB_TOKENS tokens' log-probabilities at a temperature (GRPO's and DPO's), and the gradients of a
-    # weighted sum of them: in chunks through the sharded model, from the full logits of the unsharded one.
+    # The last LOGPROB_TOKENS tokens' log-probabilities at a temperature (GRPO's and DPO's), and the
+    # gradients of a weighted sum of them: in chunks through the sharded model, from the full logits
+    # of the unsharded one.
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     targets = batch["input_ids"][:, -LOGPROB_TOKENS:]
     weights = torch.linspace(-1, 1, targets.numel()).reshape(targets.shape)
@@ -145,12 +159,17 @@ def main():
     accelerator = Accelerator()
     shard_on_cpu(accelerator)  # FSDP2 from fsdp.yaml's settings, as the recipes run it on the CPU
     if accelerator.distributed_type != "FSDP":
-        sys.exit(f"error: launch this with fsdp.yaml and ACCELERATE_USE_CPU=true, not {accelerator.distributed_type}")
+        sys.exit(
+            "error: launch this with fsdp.yaml and ACCELERATE_USE_CPU=true, not "
+            f"{accelerator.distributed_type}"
+        )
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(args.model_dir))
-    answer_loss.CHUNK_LOGITS = CHUNK_ROWS * AutoConfig.from_pretrained(args.model_dir).vocab_size  # read at each call
+    # read at each call
+    answer_loss.CHUNK_LOGITS = CHUNK_ROWS * AutoConfig.from_pretrained(args.model_dir).vocab_size
     batch = micro_batch(tokenizer, seed=accelerator.process_index)
     answer_tokens = torch.tensor(len(batch["target_index"]))
-    dist.all_reduce(answer_tokens)  # num_items_in_batch as the recipe passes it: the answer tokens of all processes
+    # num_items_in_batch as the recipe passes it: the answer tokens of all processes
+    dist.all_reduce(answer_tokens)
     results = {"world_size": accelerator.num_processes}
     for method in ("lora", "full"):
         results[method] = compare(accelerator, args.model_dir, method == "lora", batch, answer_tokens)

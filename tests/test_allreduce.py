@@ -1,4 +1,5 @@
-"""The all-reduce benchmark sums correctly over gloo and reports bandwidth as nccl-tests define it."""
+"""The all-reduce benchmark sums correctly over gloo and reports bandwidth as nccl-tests define
+it."""
 
 import json
 
@@ -55,7 +56,8 @@ def test_one_process_is_told_to_launch_more(tmp_path):
 
 
 def ring_sums(values, dtype):
-    """The sums a ring all-reduce forms, in the dtype: chunk c is accumulated rank after rank starting at rank c."""
+    """The sums a ring all-reduce forms, in the dtype: chunk c is accumulated rank after rank
+    starting at rank c."""
     n = len(values)
     sums = []
     for start in range(n):
@@ -74,5 +76,6 @@ def test_check_values_sum_exactly_at_any_rank_count(dtype):
         values = [fill_and_expected(world, rank, dtype)[0] for rank in range(world)]
         expected = fill_and_expected(world, 0, dtype)[1]
         assert set(ring_sums(values, dtype)) == {expected}, (world, dtype)
-    # What each rank sending rank + 1 gives in bf16 from 23 ranks up: rounding, not a broken interconnect.
+    # What each rank sending rank + 1 gives in bf16 from
+    # 23 ranks up: rounding, not a broken interconnect.
     assert len(set(ring_sums([float(r + 1) for r in range(23)], torch.bfloat16))) > 1

@@ -1,5 +1,6 @@
-"""The CIFAR recipe after training: --predict classifies image files, --eval_only evaluates a saved model on 1 and 2
-processes, and --pretrained fine-tunes torchvision's ImageNet weights read from torch's hub cache."""
+"""The CIFAR recipe after training: --predict classifies image files, --eval_only evaluates a saved
+model on 1 and 2 processes, and --pretrained fine-tunes torchvision's ImageNet weights read from
+torch's hub cache."""
 
 import json
 from pathlib import Path
@@ -25,11 +26,13 @@ from safetensors.torch import load_file
 from accelerate_recipes.plots import read_confusion_matrix_csv
 
 CLASSES = ["cat", "dog", "fox"]
-WEIGHTS_NAME = "resnet18-f37072fd.pth"  # the file name torchvision's ResNet18_Weights.DEFAULT downloads to
+# the file name torchvision's ResNet18_Weights.DEFAULT downloads to
+WEIGHTS_NAME = "resnet18-f37072fd.pth"
 
 
 def write_image_folder(root: Path, num_images: int, size: int, seed: int, classes=CLASSES) -> Path:
-    """Learnable generated images as PNGs in root/train/<class>/ and root/val/<class>/ (every fifth one in val)."""
+    """Learnable generated images as PNGs in root/train/<class>/ and root/val/<class>/ (every fifth
+    one in val)."""
     from cifar_data import synthetic_images
 
     images, labels = synthetic_images(num_images, num_classes=len(classes), seed=seed, size=size)
@@ -37,7 +40,9 @@ def write_image_folder(root: Path, num_images: int, size: int, seed: int, classe
         folder = root / ("val" if i % 5 == 0 else "train") / classes[label]
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image).save(folder / f"{i}.png")
-    assert {p.name for p in (root / "val").iterdir()} == set(classes), "pick a seed that puts every class in val"
+    assert {p.name for p in (root / "val").iterdir()} == set(classes), (
+        "pick a seed that puts every class in val"
+    )
     return root
 
 
@@ -48,9 +53,10 @@ def json_lines(stdout: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(module_tmp):
-    """A resnet18 trained for 24 steps (3 epochs and a half) on 124 training PNGs of 3 classes (31 in val, so 2
-    processes split them unevenly), resized to 16 px: it learns them. After 15 steps the accuracy still depended on
-    the CPU's kernels (0.58 with AVX-512, 0.84 with AVX2); after 24 it was 0.97 with both."""
+    """A resnet18 trained for 24 steps (3 epochs and a half) on 124 training PNGs of 3 classes (31
+    in val, so 2 processes split them unevenly), resized to 16 px: it learns them. After 15 steps
+    the accuracy still depended on the CPU's kernels (0.58 with AVX-512, 0.84 with AVX2); after 24
+    it was 0.97 with both."""
     tmp = module_tmp.mktemp("cifar_inference")
     data = write_image_folder(tmp / "imgs", 155, size=24, seed=3)
     out = tmp / "out"
@@ -124,8 +130,10 @@ def test_predict_prints_one_json_line_per_image(trained, tmp_path):
     assert [row["image"] for row in rows] == [str(p) for p in val] + [str(single)]
     for row in rows:
         assert set(row) == {"image", "label", "score"}
-        assert row["label"] in CLASSES and 0.33 <= row["score"] <= 1  # the top class of 3 has at least 1/3
-    # The predictions are the ones the run's own evaluation counted: the same accuracy on the val folder.
+        # the top class of 3 has at least 1/3
+        assert row["label"] in CLASSES and 0.33 <= row["score"] <= 1
+    # The predictions are the ones the run's own evaluation
+    # counted: the same accuracy on the val folder.
     correct = sum(row["label"] == Path(row["image"]).parent.name for row in rows[:-1])
     assert correct / len(val) == pytest.approx(read_results(out)["eval_accuracy"], abs=1.5 / len(val))
     assert correct / len(val) > 0.6
@@ -276,7 +284,8 @@ def test_eval_only_errors(trained, tmp_path):
 
 
 def imagenet_like_file(torch_home: Path) -> dict:
-    """A resnet18 state dict (seed 0, not torchvision's release) under the name torchvision caches its weights as."""
+    """A resnet18 state dict (seed 0, not torchvision's release) under the name torchvision caches
+    its weights as."""
     torch.manual_seed(0)
     state = torchvision.models.resnet18().state_dict()
     folder = torch_home / "hub" / "checkpoints"
@@ -319,10 +328,13 @@ def test_pretrained_fine_tunes_the_weights_in_torchs_cache(tmp_path):
             timeout=200,
         )
     )
-    # torchvision checks a file's hash only when it downloads it; the recipe says this one is not the release
+    # torchvision checks a file's hash only when it downloads
+    # it; the recipe says this one is not the release
     assert f"{WEIGHTS_NAME} is not torchvision's release" in proc.stdout
     saved = load_file(str(out / "model.safetensors"))
-    parameters = [k for k in state if k != "fc.weight" and k != "fc.bias" and "running" not in k and "batches" not in k]
+    parameters = [
+        k for k in state if k != "fc.weight" and k != "fc.bias" and "running" not in k and "batches" not in k
+    ]
     assert saved["conv1.weight"].shape == (64, 3, 7, 7)  # torchvision's stem, not the 3x3 CIFAR one
     for key in parameters:
         assert torch.equal(saved[key], state[key]), key
@@ -331,7 +343,9 @@ def test_pretrained_fine_tunes_the_weights_in_torchs_cache(tmp_path):
     assert (config["stem"], config["image_size"], config["pretrained"]) == ("imagenet", 224, True)
     assert (config["mean"], config["std"]) == ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     # and --predict rebuilds that model: torchvision's stem, 224 px input
-    rows = json_lines(check(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", out], env)).stdout)
+    rows = json_lines(
+        check(run([PYTHON, CIFAR_SCRIPT, "--predict", data / "val", "--model", out], env)).stdout
+    )
     assert len(rows) == 3 and all(row["label"] in CLASSES for row in rows)
 
 
@@ -365,6 +379,9 @@ def test_pretrained_without_the_weights_offline_names_the_file_and_folder(tmp_pa
     )
     assert not list(folder.glob("*"))  # no partial file left to be taken for the weights next time
     fails_with(
-        run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--pretrained", "--output_dir", tmp_path / "o"], env),
+        run(
+            [PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--pretrained", "--output_dir", tmp_path / "o"],
+            env,
+        ),
         "--pretrained fine-tunes ImageNet weights on --dataset imagefolder",
     )

@@ -1,4 +1,5 @@
-"""The CIFAR recipe trains for real: one process on data in CIFAR's on-disk format, and one vs two processes."""
+"""The CIFAR recipe trains for real: one process on data in CIFAR's on-disk format, and one vs two
+processes."""
 
 import glob
 import json
@@ -61,8 +62,8 @@ CONTRACT_KEYS = {
 
 @pytest.fixture(scope="module")
 def cifar_run(module_tmp):
-    """640 training / 130 test images written as CIFAR-10 python batches, 2 epochs, SwanLab offline (no login),
-    through torchvision's dataset and a DataLoader with its transforms."""
+    """640 training / 130 test images written as CIFAR-10 python batches, 2 epochs, SwanLab offline
+    (no login), through torchvision's dataset and a DataLoader with its transforms."""
     tmp = module_tmp.mktemp("cifar")
     data = write_cifar10(tmp / "data", num_train=640, num_test=130)
     out = tmp / "out"
@@ -149,8 +150,11 @@ def test_swanlab_offline_without_login_logs_metrics_we_can_read_back(cifar_run):
         record.ParseFromString(raw)
         if record.HasField("scalar"):
             logged[(record.scalar.key, record.scalar.step)] = record.scalar.value.number
-    # Every train/loss and eval/accuracy in metrics.jsonl reached SwanLab with the same value and step.
-    expected = [(k, m["step"], m[k]) for m in read_metrics(out) for k in ("train/loss", "eval/accuracy") if k in m]
+    # Every train/loss and eval/accuracy in metrics.jsonl
+    # reached SwanLab with the same value and step.
+    expected = [
+        (k, m["step"], m[k]) for m in read_metrics(out) for k in ("train/loss", "eval/accuracy") if k in m
+    ]
     assert len(expected) >= 8
     for key, step, value in expected:
         assert logged[(key, step)] == pytest.approx(value, rel=1e-6), (key, step)
@@ -202,33 +206,39 @@ def test_every_process_times_its_steps_data_and_communication(cifar_two):
 
 
 def test_two_processes_match_one_process(cifar_one, cifar_two):
-    """Same global batch and seed (conftest's CIFAR_RUN): 2 gloo processes follow the 1-process loss trajectory.
+    """Same global batch and seed (conftest's CIFAR_RUN): 2 gloo processes follow the 1-process loss
+    trajectory.
 
-    Augmentation is off (its random crops are drawn per process) and BatchNorm is not synchronised (SyncBatchNorm
-    needs CUDA), so each process normalises over its 16 samples instead of 32: the losses agree to within 0.05
-    (2% of the initial loss ln 10 = 2.3), not bitwise. Measured here: at most ~0.02. The losses are the means logged
-    at steps 1, 2, 4, 6 and 8 (the steps between are the host-read audit's quiet ones).
+    Augmentation is off (its random crops are drawn per process) and BatchNorm is not synchronised
+    (SyncBatchNorm needs CUDA), so each process normalises over its 16 samples instead of 32: the
+    losses agree to within 0.05 (2% of the initial loss ln 10 = 2.3), not bitwise. Measured here: at
+    most ~0.02. The losses are the means logged at steps 1, 2, 4, 6 and 8 (the steps between are the
+    host-read audit's quiet ones).
     """
     one, two = cifar_one.out, cifar_two.out
     r1, r2 = read_results(one), read_results(two)
     assert (r1["world_size"], r2["world_size"]) == (1, 2)
     assert r2["distributed_type"] == "MULTI_CPU"
-    assert r1["loader"] == r2["loader"] == "device"  # the default for generated data: each rank reads its own shard
+    # the default for generated data: each rank reads its own shard
+    assert r1["loader"] == r2["loader"] == "device"
     # each rank loaded half of every global batch of 32 ...
     assert r2["per_process_batch_size"] == 16 and r2["samples_seen_per_process"] == [8 * 16, 8 * 16]
-    # ... and the 129 test images were counted once, although 129 does not split evenly over 2 ranks (the device
-    # loader pads rank 1's shard with one label -1 row, dropped after gathering).
+    # ... and the 129 test images were counted once, although 129 does not split evenly over 2 ranks
+    # (the device loader pads rank 1's shard with one label -1 row, dropped after gathering).
     assert r1["eval_samples"] == r2["eval_samples"] == r2["test_size"] == 129
     counts = [read_confusion_matrix_csv(run / "confusion_matrix.csv")[1] for run in (one, two)]
-    assert sum(map(sum, counts[0])) == sum(map(sum, counts[1])) == 129  # the padded row is not counted
-    assert [sum(row) for row in counts[0]] == [sum(row) for row in counts[1]]  # the same true labels
+    # the padded row is not counted
+    assert sum(map(sum, counts[0])) == sum(map(sum, counts[1])) == 129
+    # the same true labels
+    assert [sum(row) for row in counts[0]] == [sum(row) for row in counts[1]]
     l1, l2 = losses(one), losses(two)
     assert sorted(l1) == sorted(l2) == [1, 2, 4, 6, 8]
     diffs = [abs(l1[s] - l2[s]) for s in l1]
     assert max(diffs) < 0.05, diffs
     assert "2 process(es) on 1 machine(s)" in cifar_two.proc.stdout
-    # The settings run_config records: the precision accelerate applied (not the flag's default None), the global
-    # batch, every training flag as given, the values the recipe derived, and no flag that only says where files go.
+    # The settings run_config records: the precision accelerate applied (not the flag's default
+    # None), the global batch, every training flag as given, the values the recipe derived, and no
+    # flag that only says where files go.
     assert r2["mixed_precision"] in ("no", "bf16", "fp16") and r2["global_batch_size"] == 32
     assert r2["momentum"] == 0.9 and r2["augment"] is False and r2["lr"] == 0.02
     assert r2["model"] == "resnet18" and r2["epochs"] == 1 and r2["total_steps"] == 8
@@ -236,32 +246,54 @@ def test_two_processes_match_one_process(cifar_one, cifar_two):
 
 
 def test_cifar_loop_reads_nothing_between_log_steps_on_one_and_two_processes(cifar_one, cifar_two):
-    """The host-read audit (benchmarks/host_reads.py) of the shared runs: steps 3, 5 and 7 read nothing on the host,
-    on 1 process and on each of the 2."""
+    """The host-read audit (benchmarks/host_reads.py) of the shared runs: steps 3, 5 and 7 read
+    nothing on the host, on 1 process and on each of the 2."""
     assert_quiet(read_audit(cifar_one.out), cifar_one.proc, steps=8, log_every=2)
     assert_both_ranks_quiet(cifar_two, steps=8, log_every=2)
 
 
-def test_a_killed_worker_is_restarted_by_the_elastic_agent_and_the_run_ends_as_if_never_killed(cifar_two, tmp_path):
-    """`make cifar-cpu RESTARTS=1`'s launch (`--max_restarts 1`, `--resume auto` added) on 2 gloo processes, rank 1
-    killed with SIGKILL mid-epoch: the launcher's elastic agent stops rank 0, starts both again, they continue from
-    the checkpoint of step 4 and finish without a person, with the weights of the shared 2-process run cifar_two
-    (CIFAR_RUN, 8 steps inside one epoch) bit for bit, and one SwanLab experiment (offline: two parts of one run
-    id, the curve before the kill and after the restart). This run has the same flags and a checkpoint every 2
-    steps, which changes no number it computes. (The other killed runs are test_resume.py's; this one sits beside
-    the run it continues to.)"""
+def test_a_killed_worker_is_restarted_by_the_elastic_agent_and_the_run_ends_as_if_never_killed(
+    cifar_two, tmp_path
+):
+    """`make cifar-cpu RESTARTS=1`'s launch (`--max_restarts 1`, `--resume auto` added) on 2 gloo
+    processes, rank 1 killed with SIGKILL mid-epoch: the launcher's elastic agent stops rank 0,
+    starts both again, they continue from the checkpoint of step 4 and finish without a person, with
+    the weights of the shared 2-process run cifar_two (CIFAR_RUN, 8 steps inside one epoch) bit for
+    bit, and one SwanLab experiment (offline: two parts of one run id, the curve before the kill and
+    after the restart). This run has the same flags and a checkpoint every 2 steps, which changes no
+    number it computes. (The other killed runs are test_resume.py's; this one sits beside the run it
+    continues to.)"""
     launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--max_restarts", "1"]
-    launch += ["--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_port", free_port()]
-    cifar = [CIFAR_SCRIPT, *CIFAR_RUN, "--checkpoint_every", "2", "--tracker", "swanlab", "--swanlab_mode", "offline"]
+    launch += [
+        "--num_processes",
+        "2",
+        "--num_cpu_threads_per_process",
+        "1",
+        "--main_process_port",
+        free_port(),
+    ]
+    cifar = [
+        CIFAR_SCRIPT,
+        *CIFAR_RUN,
+        "--checkpoint_every",
+        "2",
+        "--tracker",
+        "swanlab",
+        "--swanlab_mode",
+        "offline",
+    ]
     out, log = tmp_path / "out", tmp_path / "killed.log"
     marked = recipe_env(tmp_path, ACCELERATE_USE_CPU="true", RESUME_TEST_RUN=str(tmp_path))
     proc = start_in_own_session([*launch, *cifar, "--output_dir", out, "--resume", "auto"], marked, log)
     try:
         wait_for_checkpoint(proc, out, 4, log)  # mid-epoch 1
-        rank1 = [pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"]
+        rank1 = [
+            pid for pid, e in processes_with("RESUME_TEST_RUN", str(tmp_path)).items() if e.get("RANK") == "1"
+        ]
         assert len(rank1) == 1, "rank 1 not found"
         os.kill(rank1[0], signal.SIGKILL)
-        assert proc.wait(timeout=time_limit(300)) == 0, log.read_text()[-3000:]  # restarted, and finished
+        # restarted, and finished
+        assert proc.wait(timeout=time_limit(300)) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -291,7 +323,8 @@ def test_a_killed_worker_is_restarted_by_the_elastic_agent_and_the_run_ends_as_i
 
 
 def test_imagefolder_with_gradient_accumulation(tmp_path):
-    """Your own images in train/<class>/ and val/<class>/, 2 accumulation steps per optimizer step."""
+    """Your own images in train/<class>/ and val/<class>/, 2 accumulation steps per optimizer
+    step."""
     from cifar_data import synthetic_images
     from PIL import Image
 
@@ -337,8 +370,8 @@ def test_imagefolder_with_gradient_accumulation(tmp_path):
 
 
 def test_fast94_preset_on_cifar_format_data_with_the_device_loader(tmp_path):
-    """--preset fills in its flags, flags given by hand win; CIFAR arrays go to the device loader with cutout and
-    flip test-time augmentation."""
+    """--preset fills in its flags, flags given by hand win; CIFAR arrays go to the device loader
+    with cutout and flip test-time augmentation."""
     data = write_cifar10(tmp_path / "data", num_train=320, num_test=67)
     out = tmp_path / "out"
     proc = check(
@@ -372,8 +405,10 @@ def test_fast94_preset_on_cifar_format_data_with_the_device_loader(tmp_path):
     results = read_results(out)
     assert results["preset"] == "fast94" and results["loader"] == "device"
     assert (results["lr"], results["label_smoothing"], results["schedule"]) == (0.2, 0.0, "linear")
-    assert (results["cutout"], results["tta_flip"], results["warmup_steps"]) == (12, True, 1)  # 20% of 4 steps
-    assert results["global_batch_size"] == 32 and results["steps"] == 4  # given on the command line: kept
+    # 20% of 4 steps
+    assert (results["cutout"], results["tta_flip"], results["warmup_steps"]) == (12, True, 1)
+    # given on the command line: kept
+    assert results["global_batch_size"] == 32 and results["steps"] == 4
     assert results["eval_samples"] == 67
     assert "| device" in proc.stdout
 
@@ -407,7 +442,19 @@ def test_loader_and_preset_errors(tmp_path):
         "--cutout runs in the device loader",
     )
     fails_with(
-        run([PYTHON, CIFAR_SCRIPT, "--dataset", "synthetic", "--loader", "gpu", "--output_dir", tmp_path / "o"], env),
+        run(
+            [
+                PYTHON,
+                CIFAR_SCRIPT,
+                "--dataset",
+                "synthetic",
+                "--loader",
+                "gpu",
+                "--output_dir",
+                tmp_path / "o",
+            ],
+            env,
+        ),
         "unknown --loader 'gpu'; choose one of auto, device, torch",
     )
 
@@ -418,11 +465,12 @@ def same_tensors(a, b) -> bool:
 
 
 def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_path):
-    """Up to 5 epochs of 10 steps with a checkpoint kept at every epoch end, --early_stopping_patience 1: the run
-    stops at the first evaluation that is not above the best before it, and model_best holds the weights of the
-    epoch with the highest accuracy, the very tensors of that epoch's checkpoint. With this seed and a 16-image test
-    set the accuracy fell at epoch 2 when measured here (0.125, then 0.0625): the run stopped there, and model_best
-    (epoch 1) differed from the last model. Other CPUs may round otherwise; the checks hold for any course."""
+    """Up to 5 epochs of 10 steps with a checkpoint kept at every epoch end,
+    --early_stopping_patience 1: the run stops at the first evaluation that is not above the best
+    before it, and model_best holds the weights of the epoch with the highest accuracy, the very
+    tensors of that epoch's checkpoint. With this seed and a 16-image test set the accuracy fell at
+    epoch 2 when measured here (0.125, then 0.0625): the run stopped there, and model_best (epoch 1)
+    differed from the last model. Other CPUs may round otherwise; the checks hold for any course."""
     out = tmp_path / "out"
     proc = check(
         run(
@@ -457,12 +505,14 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
     )
     results = read_results(out)
     accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
-    # Patience 1, worked out from the logged evaluations: the run ends after the first one not above every earlier one.
+    # Patience 1, worked out from the logged evaluations: the run ends after the first one not above
+    # every earlier one.
     ends = [i + 1 for i in range(1, len(accuracy)) if accuracy[i] <= max(accuracy[:i])]
     evaluations = ends[0] if ends else 5
     assert len(accuracy) == evaluations and results["steps"] == 10 * evaluations
     assert results["stopped_early"] == (evaluations < 5) and results["early_stopping_patience"] == 1
-    best_epoch = accuracy.index(max(accuracy)) + 1  # the first of equal ones: only a higher accuracy replaces it
+    # the first of equal ones: only a higher accuracy replaces it
+    best_epoch = accuracy.index(max(accuracy)) + 1
     assert (results["metric_for_best_model"], results["best_metric"]) == ("eval_accuracy", max(accuracy))
     assert results["best_epoch"] == best_epoch and results["best_step"] == 10 * best_epoch
     assert json.loads((out / "model_best" / "best.json").read_text()) == {
@@ -480,16 +530,19 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
     )
     if results["stopped_early"]:
         assert (
-            f"stopped early after epoch {evaluations} of 5 (step {10 * evaluations} of 50): eval_accuracy did not "
+            f"stopped early after epoch {evaluations} of 5 (step {10 * evaluations} of 50): eval_accuracy "
+            "did not "
             f"improve in 1 evaluation(s) in a row (--early_stopping_patience 1); best eval_accuracy "
             f"{max(accuracy):.4f} at epoch {best_epoch}"
         ) in proc.stdout
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints", "model_best"]  # no leftovers
+    # no leftovers
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints", "model_best"]
 
 
 def test_nan_gradients_with_a_finite_loss_are_skipped_with_skip_nonfinite_steps(tmp_path):
-    # NaN gradients in step 2 of 3 (tests/nan_gradient.py), the loss finite: the update of step 2 is skipped. That the
-    # run stops at that step without the flag is the guard's own logic (test_guard.py) and the chat recipes' runs.
+    # NaN gradients in step 2 of 3 (tests/nan_gradient.py), the loss finite: the update of step 2 is
+    # skipped. That the run stops at that step without the flag is the guard's own logic
+    # (test_guard.py) and the chat recipes' runs.
     out = tmp_path / "out"
     args = [CIFAR_SCRIPT, *TINY, "--max_steps", "3", "--skip_nonfinite_steps", "--output_dir", out]
     proc = run([PYTHON, NAN_GRADIENT, 2, *args], recipe_env(tmp_path), timeout=300)

@@ -1,5 +1,6 @@
-"""The command line every script shares: -h/--help show every flag in full, one-letter flags are refused, and a text
-flag gets exactly what the user typed (fire would read "great, fun" as a tuple and "1e-3" as a number)."""
+"""The command line every script shares: -h/--help show every flag in full, one-letter flags are
+refused, and a text flag gets exactly what the user typed (fire would read "great, fun" as a tuple
+and "1e-3" as a number)."""
 
 import json
 import re
@@ -8,12 +9,27 @@ from importlib.util import module_from_spec, spec_from_file_location
 
 import fire
 import pytest
-from conftest import CIFAR_SCRIPT, DETECT_SCRIPT, PYTHON, REPO, TEXT_SCRIPT, check, fails_with, recipe_env, run
+from conftest import (
+    CIFAR_SCRIPT,
+    DETECT_SCRIPT,
+    PYTHON,
+    REPO,
+    TEXT_SCRIPT,
+    check,
+    fails_with,
+    recipe_env,
+    run,
+)
 
 from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv
 from accelerate_recipes.cli import run as run_cli
 
-SCRIPTS = {"cifar": CIFAR_SCRIPT, "text": TEXT_SCRIPT, "detect": DETECT_SCRIPT, "sft": REPO / "recipes" / "sft.py"}
+SCRIPTS = {
+    "cifar": CIFAR_SCRIPT,
+    "text": TEXT_SCRIPT,
+    "detect": DETECT_SCRIPT,
+    "sft": REPO / "recipes" / "sft.py",
+}
 SCRIPTS["grpo"] = REPO / "recipes" / "grpo.py"
 SCRIPTS["dpo"] = REPO / "recipes" / "dpo.py"
 
@@ -25,12 +41,14 @@ def mains():
         spec = spec_from_file_location(f"cli_test_{key}", path)
         module = module_from_spec(spec)
         spec.loader.exec_module(module)
-        found[key] = as_command(module.main)  # for main(args: SomeFlags): the flags of the dataclass
+        # for main(args: SomeFlags): the flags of the dataclass
+        found[key] = as_command(module.main)
     return found
 
 
 def documented(doc: str) -> dict[str, str]:
-    """Each argument's text in the docstring, whitespace-normalised: from `name:` to the next entry at its indent."""
+    """Each argument's text in the docstring, whitespace-normalised: from `name:` to the next entry
+    at its indent."""
     block = doc.split("Args:", 1)[1]
     entries = re.findall(r"^( +)(\w+): (.*?)(?=^\1\w+: |\Z)", block, re.M | re.S)
     return {name: " ".join(text.split()) for _, name, text in entries}
@@ -47,13 +65,15 @@ def check_help(output: str, main) -> None:
 
     assert output.startswith("usage: "), output[:300]
     shown = flag_texts(output)
-    assert list(shown) == list(inspect.signature(main).parameters), "help lists other flags than the signature"
+    assert list(shown) == list(inspect.signature(main).parameters), (
+        "help lists other flags than the signature"
+    )
     for name, text in documented(main.__doc__).items():
         assert shown[name] == text, f"--{name}: help {shown[name]!r} != docstring {text!r}"
 
 
-# From the command line: a script beside its library (cifar) and one that imports its folder's modules (detect); the
-# others answer -h through the same cli.run, read in process below.
+# From the command line: a script beside its library (cifar) and one that imports its folder's
+# modules (detect); the others answer -h through the same cli.run, read in process below.
 @pytest.mark.parametrize("script", ["cifar", "detect"])
 def test_short_help_from_the_command_line_shows_every_flag_in_full(script, mains, tmp_path):
     proc = check(run([PYTHON, SCRIPTS[script], "-h"], recipe_env(tmp_path), timeout=120))
@@ -67,7 +87,10 @@ def test_long_help_in_every_script_shows_every_flag_in_full(script, mains, monke
     output = capsys.readouterr().out
     check_help(output, mains[script])
     if script == "detect":
-        assert "--seed INT  (default: 42)" in output and "--hsv FLOAT,FLOAT,FLOAT  (default: 0.015,0.7,0.4)" in output
+        assert (
+            "--seed INT  (default: 42)" in output
+            and "--hsv FLOAT,FLOAT,FLOAT  (default: 0.015,0.7,0.4)" in output
+        )
 
 
 def test_wrapped_lines_with_a_colon_stay_in_their_entry():
@@ -98,7 +121,9 @@ def test_an_unrequested_one_letter_flag_is_refused_in_one_line(tmp_path, mains):
         ("detect", "-s", "--synthetic_size"),
         ("detect", "-x=1", "--data"),
     ):
-        with pytest.raises(RecipeError, match=f"unknown flag {flag[:2]}; flags are spelled out, e.g. {guess}$"):
+        with pytest.raises(
+            RecipeError, match=f"unknown flag {flag[:2]}; flags are spelled out, e.g. {guess}$"
+        ):
             prepare_argv(mains[key], [flag])
     with pytest.raises(RecipeError, match="unknown flag --epoch; did you mean --epochs"):
         prepare_argv(mains["cifar"], ["--epoch", "3"])
@@ -119,7 +144,8 @@ def parsed(main, argv):
 
 def test_text_flags_arrive_as_typed(mains):
     text = mains["text"]
-    # prepare_argv reads the real signature; fire then parses the rewritten line (a keyword-only capture shows it).
+    # prepare_argv reads the real signature; fire then parses the rewritten line (a keyword-only
+    # capture shows it).
     rewritten = prepare_argv(
         text,
         [
@@ -167,7 +193,9 @@ def test_text_flags_arrive_as_typed(mains):
         "max_steps": None,
         "gradient_checkpointing": True,
     }
-    assert parsed(text, ["--predict", "great, fun", "--predict", "1e-3"]) == {"predict": ["great, fun", "1e-3"]}
+    assert parsed(text, ["--predict", "great, fun", "--predict", "1e-3"]) == {
+        "predict": ["great, fun", "1e-3"]
+    }
     detect = mains["detect"]
     assert parsed(detect, ["--hsv", "0.1,0.2,0.3", "--nochannels_last", "--seed", "-1"]) == {
         "hsv": (0.1, 0.2, 0.3),
@@ -201,7 +229,15 @@ def test_predict_repeated_classifies_each_text_as_typed(tiny_classifier, mains, 
     monkeypatch.setattr(
         sys,
         "argv",
-        ["text_classification.py", "--predict", "great, fun", "--predict", "1e-3", "--model", str(tiny_classifier)],
+        [
+            "text_classification.py",
+            "--predict",
+            "great, fun",
+            "--predict",
+            "1e-3",
+            "--model",
+            str(tiny_classifier),
+        ],
     )
     run_cli(mains["text"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -1,11 +1,13 @@
-"""The net under the compiled paths (accelerate_recipes/compiling.py): a compiled default that cannot compile goes on
-eagerly with one line that names the cause and the flags, and the call that failed is made again eagerly; an explicit
---compile (or --decode compiled) makes the same failure a one-line error.
+"""The net under the compiled paths (accelerate_recipes/compiling.py): a compiled default that
+cannot compile goes on eagerly with one line that names the cause and the flags, and the call that
+failed is made again eagerly; an explicit --compile (or --decode compiled) makes the same failure a
+one-line error.
 
-In process, on the tiny chat model: the decoder blocks under a backend that raises and under torch's recompile limit,
-a missing compiler found before the first step, the compiled decode under a backend that raises; the results.json
-counts; and the command line's one line for a compilation asked for that fails. The recipes' compiled runs on the
-CPU (their GPU shape with the aot_eager backend) are in test_sft.py and test_dpo.py.
+In process, on the tiny chat model: the decoder blocks under a backend that raises and under torch's
+recompile limit, a missing compiler found before the first step, the compiled decode under a backend
+that raises; the results.json counts; and the command line's one line for a compilation asked for
+that fails. The recipes' compiled runs on the CPU (their GPU shape with the aot_eager backend) are
+in test_sft.py and test_dpo.py.
 """
 
 from types import SimpleNamespace
@@ -72,13 +74,16 @@ def stderr_lines(capfd) -> list[str]:
     return [line for line in capfd.readouterr().err.splitlines() if "run eagerly" in line]
 
 
-def test_a_backend_that_fails_sends_every_block_back_to_eager_and_the_step_trains_as_eager(tiny_chat_model, capfd):
+def test_a_backend_that_fails_sends_every_block_back_to_eager_and_the_step_trains_as_eager(
+    tiny_chat_model, capfd
+):
     widths = [17, 23, 17]
     expected = train_steps(tiny(tiny_chat_model), widths)
     model, path = tiny(tiny_chat_model), blocks_path()
     chat_model.compile_blocks(model, broken_backend, path)
     losses = train_steps(model, widths)
-    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=0)  # eager, as eager
+    # eager, as eager
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=0)
     assert all(block._compiled_call_impl is None for block in model.model.layers)
     assert path.eager and "RuntimeError: no kernels for this graph" in path.fallback
     [line] = stderr_lines(capfd)  # said once, for the run
@@ -92,15 +97,20 @@ def test_a_backend_that_fails_sends_every_block_back_to_eager_and_the_step_train
     chat_model.compile_blocks(model, broken_backend, blocks_path(explicit=True))
     with pytest.raises(RecipeError) as error:
         train_steps(model, widths[:1])
-    assert "\n" not in str(error.value) and str(error.value).startswith("--compile: the decoder blocks could not")
+    assert "\n" not in str(error.value) and str(error.value).startswith(
+        "--compile: the decoder blocks could not"
+    )
     assert "no kernels for this graph" in str(error.value) and "run without --compile" in str(error.value)
 
 
-def test_the_recompile_limit_sends_the_blocks_back_to_eager_instead_of_a_silent_slow_run(tiny_chat_model, capfd):
-    """torch recompiles a code object at most recompile_limit times and then runs it eagerly without a word; here the
-    limit (1) is reached at the first call of a second kind (an evaluation without gradients between two training
-    steps: the blocks' graphs are dynamic in the width, so widths alone compile once) and said, and every later
-    step runs eagerly."""
+def test_the_recompile_limit_sends_the_blocks_back_to_eager_instead_of_a_silent_slow_run(
+    tiny_chat_model, capfd
+):
+    """torch recompiles a code object at most recompile_limit times and then runs it eagerly without
+    a word; here the limit (1) is reached at the first call of a second kind (an evaluation without
+    gradients between two training
+    steps: the blocks' graphs are dynamic in the width, so widths alone compile once) and said, and
+    every later step runs eagerly."""
 
     def train_evaluate_train(model) -> list[torch.Tensor]:
         losses = train_steps(model, [17])
@@ -120,13 +130,16 @@ def test_the_recompile_limit_sends_the_blocks_back_to_eager_instead_of_a_silent_
     assert "recompile limit" in line and "\n" not in line
 
 
-def test_a_missing_compiler_is_found_before_the_first_step(tiny_chat_model, sft_data, tmp_path, monkeypatch, capfd):
-    """Without a C compiler inductor cannot build Triton's launcher on a GPU (nor its C++ kernels on a CPU): by
-    default the blocks then run eagerly from the first step, said in one line; given --compile, a one-line error.
-    No compiler found: a PATH with none on it, as on a slim image."""
+def test_a_missing_compiler_is_found_before_the_first_step(
+    tiny_chat_model, sft_data, tmp_path, monkeypatch, capfd
+):
+    """Without a C compiler inductor cannot build Triton's launcher on a GPU (nor its C++ kernels on
+    a CPU): by default the blocks then run eagerly from the first step, said in one line; given
+    --compile, a one-line error. No compiler found: a PATH with none on it, as on a slim image."""
     from sft import SftFlags, settle_flags
 
-    assert missing_toolchain("cuda") is None and missing_toolchain("cpu") is None  # this machine has both
+    # this machine has both
+    assert missing_toolchain("cuda") is None and missing_toolchain("cpu") is None
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     assert "no C compiler for Triton" in missing_toolchain("cuda")
@@ -141,7 +154,8 @@ def test_a_missing_compiler_is_found_before_the_first_step(tiny_chat_model, sft_
     with pytest.raises(RecipeError, match="^--compile: the decoder blocks could not compile .no C compiler"):
         settle_flags(SftFlags(compile=True), ON_A_GPU)
 
-    # the recipe as a user starts it on this CPU with --compile (inductor) and no C++ compiler: one line, no traceback
+    # the recipe as a user starts it on this CPU with --compile (inductor) and no C++ compiler: one
+    # line, no traceback
     monkeypatch.undo()
     env = recipe_env(tmp_path, CXX=str(tmp_path / "no-such-g++"))
     cmd = [PYTHON, SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_COMMON, "--compile"]
@@ -151,9 +165,9 @@ def test_a_missing_compiler_is_found_before_the_first_step(tiny_chat_model, sft_
 
 
 def test_a_compiled_decode_that_fails_decodes_eagerly_the_same_tokens(tiny_chat_model, capfd):
-    """The compiled decode step under a backend that raises: the call decodes eagerly (the same greedy tokens as an
-    eager decode), the fast decoder's copy and caches are freed, and later calls stay eager without a word more;
-    with --decode compiled the same failure is an error."""
+    """The compiled decode step under a backend that raises: the call decodes eagerly (the same
+    greedy tokens as an eager decode), the fast decoder's copy and caches are freed, and later calls
+    stay eager without a word more; with --decode compiled the same failure is an error."""
     from chat.generation import _fast_decoders
 
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model).eval()
@@ -176,7 +190,8 @@ def test_a_compiled_decode_that_fails_decodes_eagerly_the_same_tokens(tiny_chat_
     other = AutoModelForCausalLM.from_pretrained(tiny_chat_model).eval()
     use_decode_backend(other, broken_backend)
     with pytest.raises(RecipeError, match="^--decode compiled: the decode step could not compile"):
-        greedy_ids(other, ids, mask, config, "compiled", torch.float32)  # compiled without auto: asked for
+        # compiled without auto: asked for
+        greedy_ids(other, ids, mask, config, "compiled", torch.float32)
 
 
 def test_what_counts_as_a_compile_failure_and_what_is_counted():
@@ -187,17 +202,22 @@ def test_what_counts_as_a_compile_failure_and_what_is_counted():
 
     before = process_compile_counts()
     compiled = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager")
-    for size in (3, 4, 5, 6):  # a static graph, then one dynamic in the size: two, the second a recompile
+    # a static graph, then one dynamic in the size: two, the second a recompile
+    for size in (3, 4, 5, 6):
         compiled(torch.randn(size))
     counts = process_compile_counts() - before
     assert (counts.graphs, counts.recompiles) == (2, 1) and counts.seconds > 0
     figures = compile_results(before)
-    assert (figures["compile_graphs"], figures["compile_recompiles"], figures["compile_fallback"]) == (2, 1, None)
+    assert (figures["compile_graphs"], figures["compile_recompiles"], figures["compile_fallback"]) == (
+        2,
+        1,
+        None,
+    )
 
 
 def test_the_command_line_turns_a_failed_compilation_into_one_line(tmp_path):
-    """A compilation the user asked for (cifar --compile, a launcher's --dynamo_backend) that fails ends the run with
-    one line naming the cause, not dynamo's traceback."""
+    """A compilation the user asked for (cifar --compile, a launcher's --dynamo_backend) that fails
+    ends the run with one line naming the cause, not dynamo's traceback."""
     script = tmp_path / "compiles.py"
     script.write_text(
         "import torch\n"

@@ -1,4 +1,5 @@
-"""The concepts guide's multi-node command runs as written and shows ranks, local ranks and the data split."""
+"""The concepts guide's multi-node command runs as written and shows ranks, local ranks and the data
+split."""
 
 import re
 import subprocess
@@ -9,8 +10,11 @@ GUIDE = REPO / "docs" / "concepts.md"
 
 
 def test_guide_ranks_loop_on_two_local_nodes(tmp_path):
-    loop = re.search(r"```bash\n(for node in 0 1 2 3 4; do\n.*?done; wait)\n```", GUIDE.read_text(), re.S).group(1)
-    # The guide's five nodes x 4 processes, shrunk to two nodes x 2 processes to keep the test short.
+    loop = re.search(
+        r"```bash\n(for node in 0 1 2 3 4; do\n.*?done; wait)\n```", GUIDE.read_text(), re.S
+    ).group(1)
+    # The guide's five nodes x 4 processes, shrunk to
+    # two nodes x 2 processes to keep the test short.
     assert "--num_machines 5 --num_processes 20" in loop and "--main_process_port 29500" in loop
     loop = (
         loop.replace("0 1 2 3 4", "0 1")

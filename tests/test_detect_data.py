@@ -1,7 +1,8 @@
-"""Detection data: the generated shapes set, data.yaml and label checks, letterboxing, the dataset and the converters.
+"""Detection data: the generated shapes set, data.yaml and label checks, letterboxing, the dataset
+and the converters.
 
-Every test writes real files (JPEG/PNG images, YOLO label files, COCO JSON, VOC XML) under tmp_path and reads them
-back through the code the recipe uses.
+Every test writes real files (JPEG/PNG images, YOLO label files, COCO JSON, VOC XML) under tmp_path
+and reads them back through the code the recipe uses.
 """
 
 import json
@@ -35,7 +36,7 @@ from accelerate_recipes import RecipeError
 REPO = Path(__file__).resolve().parents[1]
 
 
-# -------------------------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------------ helpers
 def label_rows(path: Path) -> list[list[float]]:
     return [[float(v) for v in line.split()] for line in path.read_text().splitlines() if line.strip()]
 
@@ -44,7 +45,9 @@ def pixel_boxes(label_file: Path, width: int, height: int) -> np.ndarray:
     """(class, x1, y1, x2, y2) in pixels from a YOLO label file."""
     rows = np.array(label_rows(label_file), dtype=np.float64).reshape(-1, 5)
     c, cx, cy, w, h = rows.T
-    return np.stack([c, (cx - w / 2) * width, (cy - h / 2) * height, (cx + w / 2) * width, (cy + h / 2) * height], 1)
+    return np.stack(
+        [c, (cx - w / 2) * width, (cy - h / 2) * height, (cx + w / 2) * width, (cy + h / 2) * height], 1
+    )
 
 
 def save_image(path: Path, width: int, height: int, rects=(), colour=(255, 255, 255), background=(0, 0, 0)):
@@ -53,7 +56,8 @@ def save_image(path: Path, width: int, height: int, rects=(), colour=(255, 255, 
     image = Image.new("RGB", (width, height), background)
     draw = ImageDraw.Draw(image)
     for x1, y1, x2, y2 in rects:
-        draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=colour)  # ImageDraw's corners are inclusive pixels
+        # ImageDraw's corners are inclusive pixels
+        draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=colour)
     image.save(path)
     return path
 
@@ -76,7 +80,8 @@ def write_yaml(path: Path, config: dict) -> Path:
 
 
 def small_set(root: Path, split: str, count: int, size=(64, 48)) -> list[Path]:
-    """`count` images with one labelled rectangle each under root/images/<split>, labels beside in labels/."""
+    """`count` images with one labelled rectangle each under root/images/<split>, labels beside in
+    labels/."""
     files = []
     for i in range(count):
         box = (4 + i, 6, 30 + i, 40)
@@ -92,12 +97,14 @@ def shapes(module_tmp) -> Path:
     )
 
 
-# ------------------------------------------------------------------------------------------------ generated set
+# ------------------------------------------------------------------------------------ generated set
 def test_generated_set_is_complete_valid_yolo(shapes):
     root = shapes.parent
     config = yaml.safe_load(shapes.read_text())
     assert config["names"] == {0: "circle", 1: "square", 2: "triangle", 3: "cross"}
-    assert Path(config["path"]) == root and config["train"] == "images/train" and config["val"] == "images/val"
+    assert (
+        Path(config["path"]) == root and config["train"] == "images/train" and config["val"] == "images/val"
+    )
     sizes, classes = set(), set()
     for split, count in (("train", 40), ("val", 12)):
         images = sorted((root / "images" / split).glob("*.jpg"))
@@ -114,15 +121,19 @@ def test_generated_set_is_complete_valid_yolo(shapes):
             for c, cx, cy, w, h in rows:
                 classes.add(int(c))
                 assert c == int(c) and 0 <= c < 4
-                assert 0 <= cx - w / 2 and cx + w / 2 <= 1 + 1e-6 and 0 <= cy - h / 2 and cy + h / 2 <= 1 + 1e-6
-                assert 0.05 <= max(w * width, h * height) / min(width, height) <= 0.7  # 8%..50% of the side
+                assert (
+                    0 <= cx - w / 2 and cx + w / 2 <= 1 + 1e-6 and 0 <= cy - h / 2 and cy + h / 2 <= 1 + 1e-6
+                )
+                # 8%..50% of the side
+                assert 0.05 <= max(w * width, h * height) / min(width, height) <= 0.7
         assert backgrounds == round(count * 0.1)
     assert classes == {0, 1, 2, 3}
     assert (128, 128) in sizes and len(sizes) > 1  # some images are not square
 
 
 def test_generated_boxes_are_tight_around_the_drawn_shape(shapes):
-    """Isolated shapes: the pixels of the shape's colour near its box span exactly the box (JPEG: within 1.5 px)."""
+    """Isolated shapes: the pixels of the shape's colour near its box span exactly the box (JPEG:
+    within 1.5 px)."""
     root, checked = shapes.parent, 0
     for image_file in sorted((root / "images" / "train").glob("*.jpg")):
         pixels = np.asarray(Image.open(image_file).convert("RGB")).astype(np.float32)
@@ -136,7 +147,8 @@ def test_generated_boxes_are_tight_around_the_drawn_shape(shapes):
                 for _, ox1, oy1, ox2, oy2 in others
             ):
                 continue  # overlapping or touching shapes hide each other's edges
-            # a point inside every shape kind: the centre (circle, square, cross), low in the middle (triangle)
+            # a point inside every shape kind: the centre (circle,
+            # square, cross), low in the middle (triangle)
             px, py = int((x1 + x2) / 2), int(y1 + (0.75 if c == 2 else 0.5) * (y2 - y1))
             colour = np.median(pixels[py - 1 : py + 2, px - 1 : px + 2].reshape(-1, 3), axis=0)
             top, left = max(0, int(y1) - margin), max(0, int(x1) - margin)
@@ -160,7 +172,9 @@ def test_generated_set_is_deterministic_for_a_seed(tmp_path):
 
 def test_generator_command_line(tmp_path, capsys):
     out = tmp_path / "s"
-    main(["--out", str(out), "--num_train", "3", "--num_val", "2", "--image_size", "64", "--num_classes", "5"])
+    main(
+        ["--out", str(out), "--num_train", "3", "--num_val", "2", "--image_size", "64", "--num_classes", "5"]
+    )
     assert capsys.readouterr().out.strip() == str(out / "data.yaml")
     assert load_data_config(out / "data.yaml").names == ["circle", "square", "triangle", "cross", "ring"]
     with pytest.raises(SystemExit) as exit_info:
@@ -169,24 +183,27 @@ def test_generator_command_line(tmp_path, capsys):
     assert "error: num_classes 6 is not supported" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------------------------ data.yaml
+# ---------------------------------------------------------------------------------------- data.yaml
 def test_data_yaml_folders_lists_and_relative_path(tmp_path, monkeypatch):
     root = tmp_path / "sets" / "ds"
     a, b = small_set(root, "a", 3), small_set(root, "b", 2)
     val = small_set(root, "val", 2)
-    (root / "val.txt").write_text(f"./images/val/0.png\n\n{val[1]}\n")  # relative to the list, and absolute
+    # relative to the list, and absolute
+    (root / "val.txt").write_text(f"./images/val/0.png\n\n{val[1]}\n")
     yaml_file = write_yaml(
         tmp_path / "sets" / "data.yaml",
         {"path": "ds", "train": ["images/a", "images/b"], "val": "val.txt", "names": {0: "box", 1: "other"}},
     )
-    monkeypatch.chdir(tmp_path)  # `path` is read against the yaml's folder, not the working directory
+    # `path` is read against the yaml's folder, not the working directory
+    monkeypatch.chdir(tmp_path)
     config = load_data_config(yaml_file)
     assert config.root == root
     assert config.train == a + b and config.val == val
     assert config.names == ["box", "other"] and config.test == []
 
     write_yaml(
-        yaml_file, {"train": "images/a", "val": "images/val", "names": ["box", "other"], "nc": 2, "path": str(root)}
+        yaml_file,
+        {"train": "images/a", "val": "images/val", "names": ["box", "other"], "nc": 2, "path": str(root)},
     )
     config = load_data_config(yaml_file)
     assert config.train == a and config.names == ["box", "other"]
@@ -212,7 +229,10 @@ def test_data_yaml_errors(tmp_path):
             {"path": ".", "train": "images/train", "val": "images/train", "names": ["a", "b"], "nc": 3},
             "nc is 3 but `names` has 2",
         ),
-        ({"path": "missing", "train": "images/train", "val": "images/train", "names": ["a"]}, "missing.* not found"),
+        (
+            {"path": "missing", "train": "images/train", "val": "images/train", "names": ["a"]},
+            "missing.* not found",
+        ),
     ]
     for config, message in cases:
         with pytest.raises(RecipeError, match=message):
@@ -221,7 +241,9 @@ def test_data_yaml_errors(tmp_path):
     (root / "images" / "empty").mkdir()
     with pytest.raises(RecipeError, match="has no images"):
         load_data_config(
-            write_yaml(root / "data.yaml", {"train": "images/empty", "val": "images/train", "names": ["a", "b"]})
+            write_yaml(
+                root / "data.yaml", {"train": "images/empty", "val": "images/train", "names": ["a", "b"]}
+            )
         )
     (root / "data.yaml").write_text("train: [images/train\nval: x\n")
     with pytest.raises(RecipeError, match="data.yaml line .*not valid YAML"):
@@ -232,18 +254,23 @@ def test_missing_image_in_a_list_is_named(tmp_path):
     root = tmp_path / "ds"
     small_set(root, "train", 2)
     (root / "train.txt").write_text("./images/train/0.png\n./images/train/7.png\n")
-    yaml_file = write_yaml(root / "data.yaml", {"train": "train.txt", "val": "images/train", "names": ["a", "b"]})
+    yaml_file = write_yaml(
+        root / "data.yaml", {"train": "train.txt", "val": "images/train", "names": ["a", "b"]}
+    )
     with pytest.raises(RecipeError, match=r"train.txt line 2: image ./images/train/7.png not found"):
         load_data_config(yaml_file)
 
 
-# --------------------------------------------------------------------------------------------------------- labels
+# ------------------------------------------------------------------------------------------- labels
 def test_label_errors_name_file_line_and_fix(tmp_path):
     [image] = small_set(tmp_path, "train", 1)
     label = label_path(image)
     assert label == tmp_path / "labels" / "train" / "0.txt"
     cases = [
-        (["0 0.5 0.5 0.2 0.2", "7 0.5 0.5 0.1 0.1"], "line 2: class 7 is out of range for the 3 names in data.yaml"),
+        (
+            ["0 0.5 0.5 0.2 0.2", "7 0.5 0.5 0.1 0.1"],
+            "line 2: class 7 is out of range for the 3 names in data.yaml",
+        ),
         (["-1 0.5 0.5 0.2 0.2"], "line 1: class -1 is out of range"),
         (["1.5 0.5 0.5 0.2 0.2"], "line 1: class 1.5 is not a whole number"),
         (["0 0.5 1.2 0.2 0.2"], r"line 1: cy = 1.2 is outside \[0, 1\]"),
@@ -263,7 +290,8 @@ def test_label_errors_name_file_line_and_fix(tmp_path):
 def test_label_tolerance_zero_size_boxes_backgrounds_and_polygons(tmp_path, capsys):
     files = small_set(tmp_path, "train", 4)
     write_labels(label_path(files[0]), ["0 0.5 0.5 1.0005 0.2"])  # within the tolerance: clipped
-    write_labels(label_path(files[1]), ["0 0.5 0.5 0 0.2", "1 0.25 0.5 0.2 0.2"])  # zero width: dropped, warned
+    # zero width: dropped, warned
+    write_labels(label_path(files[1]), ["0 0.5 0.5 0 0.2", "1 0.25 0.5 0.2 0.2"])
     write_labels(label_path(files[2]), [])  # empty: a background image
     label_path(files[3]).unlink()  # missing: a background image too
     dataset = YoloDataset(files, num_classes=2, image_size=64)
@@ -272,7 +300,8 @@ def test_label_tolerance_zero_size_boxes_backgrounds_and_polygons(tmp_path, caps
     assert f"dropped 1 zero-size boxes (width or height 0), first at {label_path(files[1])} line 1" in out
     assert dataset.counts == dict(images=4, boxes=2, backgrounds=2, dropped_boxes=1, label_files=3)
     boxes = dataset[0][1]
-    assert boxes.shape == (1, 5) and boxes[0, 1] == 0 and boxes[0, 3] == 64  # clipped to the image (64 wide)
+    # clipped to the image (64 wide)
+    assert boxes.shape == (1, 5) and boxes[0, 1] == 0 and boxes[0, 3] == 64
     assert dataset[1][1][:, 0].tolist() == [1.0]
     for index in (2, 3):
         image, boxes, meta = dataset[index]
@@ -282,7 +311,9 @@ def test_label_tolerance_zero_size_boxes_backgrounds_and_polygons(tmp_path, caps
     write_labels(label_path(files[2]), ["1 0.25 0.25 0.75 0.25 0.5 0.75"])
     boxes = YoloDataset(files[2:3], num_classes=2, image_size=64, verbose=False)[0][1]
     pad_y = (64 - 48) // 2  # a 64 x 48 image letterboxed to 64: scale 1, rows added above and below
-    assert torch.allclose(boxes, torch.tensor([[1, 16, 12 + pad_y, 48, 36 + pad_y]], dtype=torch.float32), atol=1e-3)
+    assert torch.allclose(
+        boxes, torch.tensor([[1, 16, 12 + pad_y, 48, 36 + pad_y]], dtype=torch.float32), atol=1e-3
+    )
 
 
 def test_corrupt_and_missing_images_are_named(tmp_path):
@@ -294,7 +325,9 @@ def test_corrupt_and_missing_images_are_named(tmp_path):
         YoloDataset([tmp_path / "gone.png"], num_classes=2, verbose=False)
     # a JPEG whose header is intact but whose data is cut short: caught when the pixels are decoded
     jpeg = tmp_path / "images" / "train" / "cut.jpg"
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (128, 128, 3), dtype=np.uint8)).save(jpeg, quality=95)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (128, 128, 3), dtype=np.uint8)).save(
+        jpeg, quality=95
+    )
     jpeg.write_bytes(jpeg.read_bytes()[: len(jpeg.read_bytes()) // 2])
     dataset = YoloDataset([jpeg, files[1]], num_classes=2, image_size=64, verbose=False)
     with pytest.raises(RecipeError, match=f"cannot read image {jpeg}"):
@@ -302,7 +335,7 @@ def test_corrupt_and_missing_images_are_named(tmp_path):
     assert dataset[1][0].shape == (3, 64, 64)
 
 
-# ------------------------------------------------------------------------------------------------------ letterbox
+# ---------------------------------------------------------------------------------------- letterbox
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_letterbox_and_scale_back_round_trip(as_tensor):
     height, width, size = 90, 160, 128
@@ -322,11 +355,13 @@ def test_letterbox_and_scale_back_round_trip(as_tensor):
     assert torch.allclose(back, torch.tensor([box], dtype=torch.float32), atol=1.0), back
     # exact inverse of the forward mapping, for tensors and arrays, clipped to the image
     forward = np.array([[37, 21, 121, 70], [-5, 0, 170, 95]], np.float64) * ratio + [pad[0], pad[1]] * 2
-    assert np.allclose(scale_boxes_back(forward, ratio, pad, (height, width)), [[37, 21, 121, 70], [0, 0, 160, 90]])
+    assert np.allclose(
+        scale_boxes_back(forward, ratio, pad, (height, width)), [[37, 21, 121, 70], [0, 0, 160, 90]]
+    )
     assert scale_boxes_back(torch.zeros((0, 4)), ratio, pad, (height, width)).shape == (0, 4)
 
 
-# -------------------------------------------------------------------------------------------------------- dataset
+# ------------------------------------------------------------------------------------------ dataset
 def test_dataset_items_without_augmentation_follow_the_letterbox(shapes):
     config = load_data_config(shapes)
     dataset = YoloDataset(config.val, len(config.names), image_size=96, augment=False, verbose=False)
@@ -352,17 +387,21 @@ def test_dataset_items_without_augmentation_follow_the_letterbox(shapes):
 
 
 def test_exif_rotated_jpeg_loads_upright(tmp_path):
-    """Labels describe the upright picture; a phone JPEG stores it turned, with an EXIF orientation tag."""
-    width, height, box = 100, 200, (10, 120, 60, 190)  # upright: portrait, rectangle near the bottom
+    """Labels describe the upright picture; a phone JPEG stores it turned, with an EXIF orientation
+    tag."""
+    # upright: portrait, rectangle near the bottom
+    width, height, box = 100, 200, (10, 120, 60, 190)
     upright = Image.new("RGB", (width, height))
     ImageDraw.Draw(upright).rectangle((box[0], box[1], box[2] - 1, box[3] - 1), fill=(255, 255, 255))
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
     stored = tmp_path / "images" / "phone.jpg"
     stored.parent.mkdir()
-    upright.transpose(Image.Transpose.ROTATE_90).save(stored, quality=95, exif=exif)  # kept landscape on disk
+    # kept landscape on disk
+    upright.transpose(Image.Transpose.ROTATE_90).save(stored, quality=95, exif=exif)
     write_labels(tmp_path / "labels" / "phone.txt", [yolo_line(0, box, width, height)])
-    image, boxes, meta = YoloDataset([stored], 1, image_size=64, verbose=False)[0]  # 1/3 scale: JPEG draft decode
+    # 1/3 scale: JPEG draft decode
+    image, boxes, meta = YoloDataset([stored], 1, image_size=64, verbose=False)[0]
     assert meta["orig_shape"] == (height, width)
     _, x1, y1, x2, y2 = boxes[0].tolist()
     assert (image[0, int(y1) + 1 : int(y2) - 1, int(x1) + 1 : int(x2) - 1] > 200).all()
@@ -371,7 +410,8 @@ def test_exif_rotated_jpeg_loads_upright(tmp_path):
 
 
 def test_augmented_items_keep_boxes_on_their_objects(tmp_path):
-    """White rectangles on black: after mosaic, zoom, shift and flips, every box still covers white pixels."""
+    """White rectangles on black: after mosaic, zoom, shift and flips, every box still covers white
+    pixels."""
     files = []
     for i, (width, height) in enumerate([(80, 60), (60, 80), (70, 70), (90, 50)]):
         box = (8 + 5 * i, 10 + 3 * i, 40 + 6 * i, 36 + 4 * i)
@@ -422,7 +462,8 @@ def test_colour_jitter_and_collate(shapes):
     counts = [len(item[1]) for item in batch]
     assert len(set(counts)) > 1  # the padding is exercised
     assert targets.dtype == torch.float32 and targets.shape == (5, max(counts), 5)
-    for i, item in enumerate(batch):  # each image's rows, then padding rows of class -1 and a zero box
+    # each image's rows, then padding rows of class -1 and a zero box
+    for i, item in enumerate(batch):
         assert torch.equal(targets[i, : counts[i]], item[1])
         assert (targets[i, counts[i] :, 0] == -1).all() and (targets[i, counts[i] :, 1:] == 0).all()
     assert [m["path"] for m in metas] == [str(p) for p in config.train[:5]]
@@ -434,10 +475,13 @@ def test_colour_jitter_and_collate(shapes):
 def test_cached_images_give_the_same_items(shapes, augment):
     config = load_data_config(shapes)
     read, cached = (
-        YoloDataset(config.train, len(config.names), image_size=96, augment=augment, verbose=False, cache=cache)
+        YoloDataset(
+            config.train, len(config.names), image_size=96, augment=augment, verbose=False, cache=cache
+        )
         for cache in (False, True)
     )
-    # twice over: mosaic draws three more images an item, so a cached picture changed in place would show
+    # twice over: mosaic draws three more images an item,
+    # so a cached picture changed in place would show
     for index in list(range(12)) * 2:
         items = []
         for dataset in (read, cached):
@@ -449,12 +493,32 @@ def test_cached_images_give_the_same_items(shapes, augment):
 
 def test_cache_choice():
     assert cache_in_memory("auto", 100, 640) and not cache_in_memory("off", 100, 640)
-    assert not cache_in_memory("auto", CACHE_AUTO_BYTES // (640 * 640 * 3) + 1, 640)  # past 1 GiB: read from disk
+    # past 1 GiB: read from disk
+    assert not cache_in_memory("auto", CACHE_AUTO_BYTES // (640 * 640 * 3) + 1, 640)
     assert cache_in_memory("ram", CACHE_AUTO_BYTES // (640 * 640 * 3) + 1, 640)
     with pytest.raises(RecipeError, match="--cache ram needs .* GiB .* use --cache off"):
         cache_in_memory("ram", 10**7, 640)  # 12 TB
     with pytest.raises(RecipeError, match="unknown --cache 'disk'; choose auto, ram or off"):
         cache_in_memory("disk", 10, 640)
+
+
+def test_the_choice_flags_offer_what_the_detector_modules_take():
+    """--size, --export and --cache list the choices yolo_model, onnx_export and yolo_data take."""
+    import typing
+
+    from onnx_export import EXPORTS
+    from train import DetectFlags
+    from yolo_data import CACHE_MODES
+    from yolo_model import SIZES
+
+    from accelerate_recipes.flags import choices_of
+
+    hints = typing.get_type_hints(DetectFlags)
+    assert choices_of(hints["size"]) == tuple(SIZES)
+    assert choices_of(hints["export"]) == EXPORTS
+    assert choices_of(hints["cache"]) == CACHE_MODES
+    with pytest.raises(RecipeError, match="^unknown --cache 'disk'; choose one of auto, ram, off$"):
+        DetectFlags(cache="disk")
 
 
 def test_download_dataset_offline_paths(tmp_path):
@@ -467,17 +531,26 @@ def test_download_dataset_offline_paths(tmp_path):
     assert download_dataset(str(tmp_path / "coco128"), tmp_path) == present
 
 
-# ----------------------------------------------------------------------------------------------------- converters
+# --------------------------------------------------------------------------------------- converters
 def coco_files(folder: Path, images: list[tuple], boxes: list[tuple]) -> Path:
-    """A COCO instances JSON over `images` (id, file, width, height) with `boxes` (image id, category, x, y, w, h,
-    iscrowd); the image files are written with a white rectangle per box."""
+    """A COCO instances JSON over `images` (id, file, width, height) with `boxes` (image id,
+    category, x, y, w, h, iscrowd); the image files are written with a white rectangle per box."""
     for ident, name, width, height in images:
         rects = [(x, y, x + w, y + h) for i, _, x, y, w, h, crowd in boxes if i == ident and not crowd]
-        save_image(folder / "pictures" / name, width, height, rects=[tuple(round(v) for v in r) for r in rects])
+        save_image(
+            folder / "pictures" / name, width, height, rects=[tuple(round(v) for v in r) for r in rects]
+        )
     data = {
         "images": [{"id": i, "file_name": n, "width": w, "height": h} for i, n, w, h in images],
         "annotations": [
-            {"id": 100 + k, "image_id": i, "category_id": c, "bbox": [x, y, w, h], "iscrowd": crowd, "area": w * h}
+            {
+                "id": 100 + k,
+                "image_id": i,
+                "category_id": c,
+                "bbox": [x, y, w, h],
+                "iscrowd": crowd,
+                "area": w * h,
+            }
             for k, (i, c, x, y, w, h, crowd) in enumerate(boxes)
         ],
         "categories": [{"id": 7, "name": "bird"}, {"id": 1, "name": "cat"}, {"id": 3, "name": "dog"}],
@@ -497,15 +570,20 @@ def test_coco_to_yolo_round_trip_and_training_data(tmp_path):
     ]  # the last: a crowd region, skipped
     annotations = coco_files(tmp_path / "coco", images, boxes)
     out = tmp_path / "yolo"
-    data_yaml = convert.coco_to_yolo(str(annotations), str(tmp_path / "coco" / "pictures"), str(out), split="train")
+    data_yaml = convert.coco_to_yolo(
+        str(annotations), str(tmp_path / "coco" / "pictures"), str(out), split="train"
+    )
     assert data_yaml == out / "data.yaml"
-    assert yaml.safe_load(data_yaml.read_text())["names"] == {0: "cat", 1: "dog", 2: "bird"}  # by category id
+    # by category id
+    assert yaml.safe_load(data_yaml.read_text())["names"] == {0: "cat", 1: "dog", 2: "bird"}
     classes = {1: 0, 3: 1, 7: 2}
     for ident, name, width, height in images:
         label = out / "labels" / "train" / Path(name).with_suffix(".txt")
         assert (out / "images" / "train" / name).is_symlink()
         got = pixel_boxes(label, width, height)
-        want = [(classes[c], x, y, x + w, y + h) for i, c, x, y, w, h, crowd in boxes if i == ident and not crowd]
+        want = [
+            (classes[c], x, y, x + w, y + h) for i, c, x, y, w, h, crowd in boxes if i == ident and not crowd
+        ]
         assert np.allclose(got, np.array(want).reshape(-1, 5), atol=0.5), (name, got, want)
     assert (out / "labels" / "train" / "empty.txt").read_text() == ""
 
@@ -527,7 +605,10 @@ def test_coco_errors(tmp_path):
     pictures = tmp_path / "coco" / "pictures"
     cases = [
         ([(1, 99, 1.0, 1.0, 5.0, 5.0, 0)], "annotation id 100: category_id 99 is not in `categories`"),
-        ([(1, 1, 40.0, 10.0, 30.0, 5.0, 0)], r"annotation id 100 \(image a.jpg\): box .* extends past the 64x48"),
+        (
+            [(1, 1, 40.0, 10.0, 30.0, 5.0, 0)],
+            r"annotation id 100 \(image a.jpg\): box .* extends past the 64x48",
+        ),
     ]
     for boxes, message in cases:
         annotations = coco_files(tmp_path / "coco", images, boxes)
@@ -542,7 +623,8 @@ def test_coco_errors(tmp_path):
 
 
 def voc_xml(folder: Path, ident: str, width: int, height: int, objects) -> None:
-    """root/Annotations/<ident>.xml in the VOC devkit's layout; objects: (name, xmin, ymin, xmax, ymax, difficult)."""
+    """root/Annotations/<ident>.xml in the VOC devkit's layout; objects: (name, xmin, ymin, xmax,
+    ymax, difficult)."""
     parts = [
         f"<annotation><folder>VOC2012</folder><filename>{ident}.jpg</filename>",
         f"<size><width>{width}</width><height>{height}</height><depth>3</depth></size>",
@@ -575,11 +657,14 @@ def test_voc_to_yolo_round_trip_image_sets_and_cli(tmp_path):
     data_yaml = convert.voc_to_yolo(str(voc), str(out), split="train", image_set="train")
     names = ["cat", "dog", "person"]  # sorted; the val-only bird is not in this image set
     assert yaml.safe_load(data_yaml.read_text())["names"] == dict(enumerate(names))
-    assert sorted(p.name for p in (out / "labels" / "train").iterdir()) == [f"2008_00000{i}.txt" for i in (1, 2, 3)]
+    assert sorted(p.name for p in (out / "labels" / "train").iterdir()) == [
+        f"2008_00000{i}.txt" for i in (1, 2, 3)
+    ]
     for ident in ("2008_000001", "2008_000002", "2008_000003"):
         width, height, objs = objects[ident]
         got = pixel_boxes(out / "labels" / "train" / f"{ident}.txt", width, height)
-        want = [(names.index(n), x1 - 1, y1 - 1, x2, y2) for n, x1, y1, x2, y2, _ in objs]  # difficult kept
+        # difficult kept
+        want = [(names.index(n), x1 - 1, y1 - 1, x2, y2) for n, x1, y1, x2, y2, _ in objs]
         assert np.allclose(got, np.array(want).reshape(-1, 5), atol=0.5), (ident, got, want)
     assert (out / "labels" / "train" / "2008_000003.txt").read_text() == ""
 
@@ -627,7 +712,8 @@ def test_voc_errors(tmp_path):
 
 
 def test_converted_labels_sit_beside_symlinked_images(tmp_path):
-    """Linked images keep their own path, so images/ -> labels/ finds the converted labels, not the source's."""
+    """Linked images keep their own path, so images/ -> labels/ finds the converted labels, not the
+    source's."""
     annotations = coco_files(tmp_path / "coco", [(1, "a.jpg", 32, 32)], [(1, 1, 4.0, 4.0, 8.0, 8.0, 0)])
     for split in ("train", "val"):
         data_yaml = convert.coco_to_yolo(
@@ -645,7 +731,8 @@ def test_tree_crown_tiles_cover_each_picture_once_and_keep_each_crown_once(tmp_p
     # DeepForest's layout: VOC files beside their pictures; the validation picture by its name
     source = tmp_path / "deepforest-data"
     crowns = {
-        "plot": [("Alive", 11, 11, 40, 40, 0), ("Dead", 190, 30, 230, 70, 0)],  # the second one straddles x = 200
+        # the second one straddles x = 200
+        "plot": [("Alive", 11, 11, 40, 40, 0), ("Dead", 190, 30, 230, 70, 0)],
         tree_crowns.VALIDATION: [("Tree", 101, 101, 130, 140, 0)],
     }
     for stem, objects in crowns.items():
@@ -661,13 +748,15 @@ def test_tree_crown_tiles_cover_each_picture_once_and_keep_each_crown_once(tmp_p
         assert len(files) == 2  # 400 x 260 at about 200 px: two tiles of 200 x 260, side by side
         whole = np.asarray(Image.open(source / f"{picture}.jpg").convert("RGB"))
         assert np.array_equal(np.concatenate([np.asarray(Image.open(f)) for f in files], axis=1), whole)
-        dataset = YoloDataset(files, 1, image_size=320, verbose=False)  # the recipe's loader reads every tile
+        # the recipe's loader reads every tile
+        dataset = YoloDataset(files, 1, image_size=320, verbose=False)
         assert dataset.counts["boxes"] == count
     left = label_rows(label_path(sorted(config.train)[0]))
     right = label_rows(label_path(sorted(config.train)[1]))
     # VOC's 1-based inclusive edges: (11, 11, 40, 40) is (10, 10, 40, 40) in a 200 x 260 tile
     assert left == [pytest.approx([0, 25 / 200, 25 / 260, 30 / 200, 30 / 260], abs=1e-6)]
-    # 189..230 straddles the cut at 200: 30 of its 41 pixels lie right of it, so the right tile keeps it, clipped
+    # 189..230 straddles the cut at 200: 30 of its 41 pixels lie right of it, so the right tile
+    # keeps it, clipped
     assert right == [pytest.approx([0, 15 / 200, 49.5 / 260, 30 / 200, 41 / 260], abs=1e-6)]
     with pytest.raises(RecipeError, match="no VOC .xml annotations in .*deepforest==2.1.0"):
         tree_crowns.main(out=str(tmp_path / "none"), source=str(tmp_path))

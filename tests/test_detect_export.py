@@ -1,7 +1,8 @@
-"""--export: the trained detector as files that deploy. onnx and torchscript end to end (decoded boxes, scores
-and classes, NMS in the graph) giving the PyTorch model's predictions of the same images; onnx-raw giving its
-raw outputs; --predict from the files finding PyTorch's boxes and writing YOLO label files for every image of
-a folder tree. Reads the shared run detect_one (conftest), writes elsewhere."""
+"""--export: the trained detector as files that deploy. onnx and torchscript end to end (decoded
+boxes, scores and classes, NMS in the graph) giving the PyTorch model's predictions of the same
+images; onnx-raw giving its raw outputs; --predict from the files finding PyTorch's boxes and
+writing YOLO label files for every image of a folder tree. Reads the shared run detect_one
+(conftest), writes elsewhere."""
 
 import json
 import shutil
@@ -18,8 +19,8 @@ from yolo_model import postprocess
 
 
 def letterboxed_images(shapes, count: int, size: int) -> torch.Tensor:
-    """The first validation images of the shared set, letterboxed as --predict does: float [count, 3, size,
-    size]."""
+    """The first validation images of the shared set, letterboxed as --predict does: float [count,
+    3, size, size]."""
     files = sorted((shapes.parent / "images" / "val").glob("*.jpg"))[:count]
     boxed = [letterbox(np.asarray(upright_rgb(f)), size)[0] for f in files]
     return torch.from_numpy(np.stack(boxed)).permute(0, 3, 1, 2).float() / 255
@@ -28,20 +29,28 @@ def letterboxed_images(shapes, count: int, size: int) -> torch.Tensor:
 def postprocessed_rows(model, images: torch.Tensor, conf: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch's predictions as an end-to-end file lays them out: [B, 300, 6] rows and counts."""
     with torch.no_grad():
-        found = postprocess(model(images), model.strides, model.reg_max, conf_threshold=conf, iou_threshold=0.7)
+        found = postprocess(
+            model(images), model.strides, model.reg_max, conf_threshold=conf, iou_threshold=0.7
+        )
     rows = torch.zeros(len(found), 300, 6)
     for i, f in enumerate(found):
-        rows[i, : len(f["boxes"])] = torch.cat((f["boxes"], f["scores"][:, None], f["labels"][:, None].float()), 1)
+        rows[i, : len(f["boxes"])] = torch.cat(
+            (f["boxes"], f["scores"][:, None], f["labels"][:, None].float()), 1
+        )
     return rows, torch.tensor([len(f["boxes"]) for f in found])
 
 
 @pytest.fixture(scope="module")
 def exported(detect_one, tmp_path_factory):
-    """The shared run's model exported three ways, in-process, at conf 0.01 (the trained model is not sure of
-    much)."""
+    """The shared run's model exported three ways, in-process, at conf 0.01 (the trained model is
+    not sure of much)."""
     folder = tmp_path_factory.mktemp("exported")
     files = {}
-    for fmt, name in (("onnx", "model.onnx"), ("torchscript", "model.torchscript"), ("onnx-raw", "model_raw.onnx")):
+    for fmt, name in (
+        ("onnx", "model.onnx"),
+        ("torchscript", "model.torchscript"),
+        ("onnx-raw", "model_raw.onnx"),
+    ):
         files[fmt] = export_model(detect_one.out, folder / name, fmt, conf_threshold=0.01)
     return files
 
@@ -50,7 +59,8 @@ def test_end_to_end_exports_give_pytorchs_predictions_of_the_same_images(exporte
     config = read_model_config(detect_one.out)
     model, _ = build_model("n", 3, False, weights=detect_one.out, cls_width=config["cls_width"])
     model.eval()
-    images = letterboxed_images(detect_shapes, 12, 128)  # another batch and shape than the export traced
+    # another batch and shape than the export traced
+    images = letterboxed_images(detect_shapes, 12, 128)
     expected = postprocessed_rows(model, images, 0.01)
     assert int(expected[1].sum()) >= 10  # detections to compare
     session = onnxruntime.InferenceSession(str(exported["onnx"]), providers=["CPUExecutionProvider"])
@@ -79,7 +89,8 @@ def test_raw_onnx_export_gives_the_networks_outputs(exported, detect_one):
     found = session.run(None, {"images": images.numpy()})
     assert [o.name for o in session.get_outputs()] == list(OUTPUTS)
     for ours, theirs in zip(expected, found):
-        # float32 convolutions summed in another order: rounding far below 1e-3 on logits of a few units
+        # float32 convolutions summed in another order:
+        # rounding far below 1e-3 on logits of a few units
         torch.testing.assert_close(torch.from_numpy(theirs), ours, rtol=1e-3, atol=1e-3)
 
 
@@ -101,9 +112,15 @@ def test_predict_from_the_exported_file_finds_pytorchs_boxes_and_writes_yolo_lab
     for a, b in zip(from_onnx, from_torch):
         assert [d["class_id"] for d in a["detections"]] == [d["class_id"] for d in b["detections"]]
         for x, y in zip(a["detections"], b["detections"]):
-            assert max(abs(p - q) for p, q in zip(x["box"], y["box"])) < 0.05 and abs(x["score"] - y["score"]) < 1e-3
-    # one YOLO label file per image, subfolders kept: class cx cy w h, normalised, one line per detection
-    labels = sorted(p.relative_to(tmp_path / "torch" / "labels") for p in (tmp_path / "torch" / "labels").rglob("*"))
+            assert (
+                max(abs(p - q) for p, q in zip(x["box"], y["box"])) < 0.05
+                and abs(x["score"] - y["score"]) < 1e-3
+            )
+    # one YOLO label file per image, subfolders kept:
+    # class cx cy w h, normalised, one line per detection
+    labels = sorted(
+        p.relative_to(tmp_path / "torch" / "labels") for p in (tmp_path / "torch" / "labels").rglob("*")
+    )
     assert [str(p) for p in labels if p.suffix] == sorted(
         [f.with_suffix(".txt").name for f in val[:6:2]] + [f"deeper/{f.stem}.txt" for f in val[1:6:2]]
     )
@@ -122,7 +139,9 @@ def test_predict_from_the_exported_file_finds_pytorchs_boxes_and_writes_yolo_lab
 
 def test_export_errors(detect_shapes, tmp_path):
     env = recipe_env(tmp_path)
-    fails_with(run([PYTHON, DETECT_SCRIPT, "--export", "tflite", "--model", tmp_path], env), "unknown --export")
+    fails_with(
+        run([PYTHON, DETECT_SCRIPT, "--export", "tflite", "--model", tmp_path], env), "unknown --export"
+    )
     fails_with(run([PYTHON, DETECT_SCRIPT, "--export", "onnx", "--model", tmp_path], env), "detector.json")
     both = run([PYTHON, DETECT_SCRIPT, "--export", "onnx", "--predict", detect_shapes.parent], env)
     fails_with(both, "give --export alone")

@@ -1,6 +1,7 @@
-"""The figures a detection user compares, computed as Ultralytics computes them: precision, recall and F1 at
-the confidence of the best mean F1 (against Ultralytics' own ap_per_class on the same matches), up to 300
-detections an image scored (COCO's 100 beside it), and evaluation NMS over every class above the threshold."""
+"""The figures a detection user compares, computed as Ultralytics computes them: precision, recall
+and F1 at the confidence of the best mean F1 (against Ultralytics' own ap_per_class on the same
+matches), up to 300 detections an image scored (COCO's 100 beside it), and evaluation NMS over every
+class above the threshold."""
 
 import numpy as np
 import pytest
@@ -11,10 +12,10 @@ from yolo_model import postprocess
 
 
 def separated_records(seed: int, images: int = 12) -> list[dict]:
-    """Images of objects in cells of their own (100 px apart), found by at most one box per object and class
-    that overlaps it well, a worse duplicate of lower score on some, a wrong class on others, and strays in
-    empty cells: every box overlaps one object at most, so COCO's matching (best score first) and Ultralytics'
-    (best IoU first) pair the same boxes."""
+    """Images of objects in cells of their own (100 px apart), found by at most one box per object
+    and class that overlaps it well, a worse duplicate of lower score on some, a wrong class on
+    others, and strays in empty cells: every box overlaps one object at most, so COCO's matching
+    (best score first) and Ultralytics' (best IoU first) pair the same boxes."""
     g = torch.Generator().manual_seed(seed)
     records = []
     for _ in range(images):
@@ -29,7 +30,8 @@ def separated_records(seed: int, images: int = 12) -> list[dict]:
         wrong = torch.rand(len(labels), generator=g) < 0.15
         labels[wrong] = (labels[wrong] + 1) % 3
         scores = torch.rand(len(labels), generator=g) * 0.8 + 0.2
-        duplicates = torch.rand(len(labels), generator=g) < 0.3  # farther off and less sure: a false positive
+        # farther off and less sure: a false positive
+        duplicates = torch.rand(len(labels), generator=g) < 0.3
         boxes = torch.cat((boxes, boxes[duplicates] + torch.tensor([9.0, 9.0, -9.0, -9.0])))
         labels = torch.cat((labels, labels[duplicates]))
         scores = torch.cat((scores, scores[duplicates] * 0.5))
@@ -67,7 +69,8 @@ def test_precision_recall_and_f1_are_ultralytics_figures(seed, tmp_path):
     # Ultralytics' "all" row: the means over the classes
     assert scores["eval_precision"] == pytest.approx(p.mean(), abs=1e-9)
     assert scores["eval_recall"] == pytest.approx(r.mean(), abs=1e-9)
-    assert 0.3 < scores["eval_precision"] < 0.95 and 0.3 < scores["eval_recall"] < 0.95  # a real comparison
+    # a real comparison
+    assert 0.3 < scores["eval_precision"] < 0.95 and 0.3 < scores["eval_recall"] < 0.95
     assert 0 < scores["eval_f1_confidence"] < 1
     assert curves["f1_curve"].shape == (3, 1000)
     assert curves["confidence"][curves["best"]] == scores["eval_f1_confidence"]
@@ -76,8 +79,8 @@ def test_precision_recall_and_f1_are_ultralytics_figures(seed, tmp_path):
 
 
 def test_up_to_300_detections_an_image_are_scored_with_cocos_100_beside():
-    """150 objects in one image, each found exactly: all 150 count (mAP 1), where COCO's 100 scores two
-    thirds."""
+    """150 objects in one image, each found exactly: all 150 count (mAP 1), where COCO's 100 scores
+    two thirds."""
     grid = torch.meshgrid(torch.arange(15.0), torch.arange(10.0), indexing="ij")
     corners = torch.stack(grid, -1).reshape(-1, 2)
     true_boxes = torch.cat((corners * 40, corners * 40 + 30), dim=1)
@@ -92,14 +95,15 @@ def test_up_to_300_detections_an_image_are_scored_with_cocos_100_beside():
     scores, _ = coco_map([record], ["crowd"])
     assert scores["eval_max_detections"] == 300
     assert scores["eval_map50_95"] == pytest.approx(1.0) and scores["eval_map50"] == pytest.approx(1.0)
-    assert scores["eval_map50_95_at_100"] == pytest.approx(0.67, abs=0.02)  # recall stops at 100 of 150
+    # recall stops at 100 of 150
+    assert scores["eval_map50_95_at_100"] == pytest.approx(0.67, abs=0.02)
     assert scores["eval_per_class"]["crowd"]["instances"] == 150
     assert scores["eval_recall"] == pytest.approx(1.0)
 
 
 def test_evaluation_nms_scores_every_class_above_the_threshold():
-    """An anchor sure of two classes: prediction keeps its best class, evaluation both, each through its own
-    NMS."""
+    """An anchor sure of two classes: prediction keeps its best class, evaluation both, each through
+    its own NMS."""
     height = width = 64
     anchors = sum((height // s) * (width // s) for s in (8, 16, 32))
     box = torch.full((1, 4 * 16, anchors), -10.0)
@@ -117,6 +121,7 @@ def test_evaluation_nms_scores_every_class_above_the_threshold():
     one = postprocess(outputs, (8, 16, 32), 16, conf_threshold=0.25, iou_threshold=0.5)[0]
     every = postprocess(outputs, (8, 16, 32), 16, conf_threshold=0.25, iou_threshold=0.5, multi_label=True)[0]
     assert one["labels"].tolist() == [0, 1]  # anchor 5's best class, anchor 6's (its only one)
-    assert every["labels"].tolist() == [0, 1]  # anchor 5's class 1 (0.73) suppresses anchor 6's (0.5)
+    # anchor 5's class 1 (0.73) suppresses anchor 6's (0.5)
+    assert every["labels"].tolist() == [0, 1]
     assert every["scores"].tolist() == pytest.approx([0.9526, 0.7311], abs=1e-4)
     assert one["scores"].tolist() == pytest.approx([0.9526, 0.5], abs=1e-4)

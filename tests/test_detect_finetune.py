@@ -1,6 +1,7 @@
-"""Fine-tuning controls of the detection recipe: --freeze N fixes YOLOv8's first N layers (weights and
-BatchNorm statistics, the layers Ultralytics' freeze counts), --patience stops after epochs without a better
-model (100 by default, as Ultralytics'), and --best_by picks what model_best is chosen by."""
+"""Fine-tuning controls of the detection recipe: --freeze N fixes YOLOv8's first N layers (weights
+and BatchNorm statistics, the layers Ultralytics' freeze counts), --patience stops after epochs
+without a better model (100 by default, as Ultralytics'), and --best_by picks what model_best is
+chosen by."""
 
 import json
 
@@ -23,10 +24,12 @@ def test_freeze_fixes_the_first_yolov8_layers_and_their_batchnorm_statistics():
     assert {ultralytics_name(n).split(".")[1] for n in frozen} == {str(i) for i in range(10)}
     assert frozen == {n for n in dict(model.named_parameters()) if n.startswith("backbone.")}
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)  # even given every parameter
+    # even given every parameter
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     criterion = DetectionLoss(num_classes=3, strides=model.strides, reg_max=model.reg_max)
     targets = pad_targets([torch.tensor([[0.0, 8, 8, 40, 40]]), torch.tensor([[2.0, 20, 10, 60, 50]])])
-    # what the recipe calls each epoch (and DDP's wrapper passes on): the frozen blocks stay in eval mode
+    # what the recipe calls each epoch (and DDP's wrapper
+    # passes on): the frozen blocks stay in eval mode
     model.train()
     assert not model.backbone.stem[0][1].training and model.neck.down3[1].training
     for _ in range(2):
@@ -45,9 +48,10 @@ def test_freeze_fixes_the_first_yolov8_layers_and_their_batchnorm_statistics():
 
 
 def test_freeze_and_patience_in_a_fine_tune(detect_one, detect_shapes, tmp_path):
-    """From the shared run's model, --freeze 10 --patience 1 --best_by fitness at lr 0: the backbone's weights
-    and BatchNorm statistics stay those of the start while the neck's statistics move, and the run stops at
-    the first evaluation whose fitness is not better than the best so far."""
+    """From the shared run's model, --freeze 10 --patience 1 --best_by fitness at lr 0: the
+    backbone's weights and BatchNorm statistics stay those of the start while the neck's statistics
+    move, and the run stops at the first evaluation whose fitness is not better than the best so
+    far."""
     out = tmp_path / "out"
     args = ["--data", detect_shapes, "--init_weights", detect_one.out, "--freeze", 10, "--patience", 1]
     args += ["--lr", 0]
@@ -73,7 +77,8 @@ def test_freeze_and_patience_in_a_fine_tune(detect_one, detect_shapes, tmp_path)
 
 
 def test_default_patience_is_a_hundred_epochs_counted_in_evaluations(detect_one):
-    results = read_results(detect_one.out)  # 12 epochs, evaluated every 12: 100 epochs are 9 evaluations
+    # 12 epochs, evaluated every 12: 100 epochs are 9 evaluations
+    results = read_results(detect_one.out)
     assert results["patience"] is None and results["early_stopping_patience"] == 9
     assert results["best_by"] == "map50_95" and results["metric_for_best_model"] == "eval_map50_95"
 

@@ -1,6 +1,7 @@
-"""The detector's training step reads nothing back from the device: the fixed-shape loss gives the values of the
-earlier boolean-indexed one, the EMA follows AveragedModel's formula, class-offset NMS equals per-class NMS, and the
-per-class AP from one COCO evaluation equals torchmetrics' per-class evaluations. All on CPU, tiny inputs."""
+"""The detector's training step reads nothing back from the device: the fixed-shape loss gives the
+values of the earlier boolean-indexed one, the EMA follows AveragedModel's formula, class-offset NMS
+equals per-class NMS, and the per-class AP from one COCO evaluation equals torchmetrics' per-class
+evaluations. All on CPU, tiny inputs."""
 
 import io
 import math
@@ -25,10 +26,11 @@ from yolo_model import (
 )
 
 
-# ------------------------------------------------------------------------------------- the loss, before and after
+# ----------------------------------------------------------------------- the loss, before and after
 def reference_loss(criterion: DetectionLoss, outputs: list[torch.Tensor], rows: torch.Tensor):
-    """The loss as it was computed with boolean indexing: targets as [T, 6] rows (image, class, x1, y1, x2, y2) padded
-    on the device, box and DFL terms on the foreground anchors gathered by mask, torchvision's CIoU loss."""
+    """The loss as it was computed with boolean indexing: targets as [T, 6] rows (image, class, x1,
+    y1, x2, y2) padded on the device, box and DFL terms on the foreground anchors gathered by mask,
+    torchvision's CIoU loss."""
     box_logits, cls_logits = flatten_outputs(outputs, criterion.reg_max)
     batch_size = box_logits.shape[0]
     anchor_points, stride_tensor = make_anchors(outputs, criterion.strides)
@@ -52,10 +54,14 @@ def reference_loss(criterion: DetectionLoss, outputs: list[torch.Tensor], rows: 
         cls_logits.detach().sigmoid(), pred_boxes.detach(), anchor_points, gt_labels, gt_boxes, gt_mask
     )
     target_scores_sum = target_scores.sum().clamp(min=1.0)
-    cls_loss = F.binary_cross_entropy_with_logits(cls_logits, target_scores, reduction="sum") / target_scores_sum
+    cls_loss = (
+        F.binary_cross_entropy_with_logits(cls_logits, target_scores, reduction="sum") / target_scores_sum
+    )
     weight = target_scores.sum(-1)[foreground]
     box_loss = (
-        torchvision.ops.complete_box_iou_loss(pred_boxes[foreground], target_boxes[foreground], reduction="none")
+        torchvision.ops.complete_box_iou_loss(
+            pred_boxes[foreground], target_boxes[foreground], reduction="none"
+        )
         * weight
     ).sum() / target_scores_sum
     strides_fg = stride_tensor.expand(batch_size, -1, -1)[foreground]
@@ -63,22 +69,30 @@ def reference_loss(criterion: DetectionLoss, outputs: list[torch.Tensor], rows: 
     target_fg = target_boxes[foreground]
     target_distances = torch.cat((anchors_fg - target_fg[:, :2], target_fg[:, 2:] - anchors_fg), dim=-1)
     target_distances = (target_distances / strides_fg).clamp(0, criterion.reg_max - 1 - 0.01)
-    dfl_loss = (distribution_focal_loss(box_logits[foreground], target_distances) * weight).sum() / target_scores_sum
-    box, cls, dfl = criterion.box_weight * box_loss, criterion.cls_weight * cls_loss, criterion.dfl_weight * dfl_loss
+    dfl_loss = (
+        distribution_focal_loss(box_logits[foreground], target_distances) * weight
+    ).sum() / target_scores_sum
+    box, cls, dfl = (
+        criterion.box_weight * box_loss,
+        criterion.cls_weight * cls_loss,
+        criterion.dfl_weight * dfl_loss,
+    )
     return box + cls + dfl, dict(box=box, cls=cls, dfl=dfl)
 
 
 def random_batch(seed: int, counts: list[int], num_classes: int = 4, size: int = 96):
-    """Random raw outputs of a batch of size x size images (logits of a trained-ish scale) and random objects, as
-    per-image [n, 5] rows."""
+    """Random raw outputs of a batch of size x size images (logits of a trained-ish scale) and
+    random objects, as per-image [n, 5] rows."""
     g = torch.Generator().manual_seed(seed)
     outputs = [
-        torch.randn(len(counts), 4 * 16 + num_classes, size // s, size // s, generator=g) * 2 for s in (8, 16, 32)
+        torch.randn(len(counts), 4 * 16 + num_classes, size // s, size // s, generator=g) * 2
+        for s in (8, 16, 32)
     ]
     per_image = []
     for n in counts:
         corner = torch.rand(n, 2, generator=g) * (size - 24)
-        extent = 8 + torch.rand(n, 2, generator=g) * (size - 8 - corner).clamp(min=1)  # 8 px up to the far edge
+        # 8 px up to the far edge
+        extent = 8 + torch.rand(n, 2, generator=g) * (size - 8 - corner).clamp(min=1)
         classes = torch.randint(0, num_classes, (n, 1), generator=g).float()
         per_image.append(torch.cat((classes, corner, (corner + extent).clamp(max=size)), dim=1))
     return [o.requires_grad_(True) for o in outputs], per_image
@@ -117,7 +131,7 @@ def test_ciou_loss_equals_torchvision_with_its_gradients():
     assert torch.allclose(grad_ours, grad_theirs, rtol=1e-4, atol=1e-6)
 
 
-# ------------------------------------------------------------------------------------------------------------ EMA
+# ---------------------------------------------------------------------------------------------- EMA
 def small_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 2, 1))
@@ -132,7 +146,8 @@ def train_a_little(model: torch.nn.Module, step: int) -> None:
 
 
 def averaged_model_reference(model: torch.nn.Module, decay: float, ramp_steps: float) -> AveragedModel:
-    """The EMA as AveragedModel computed it: a copy at the first update, then the ramped decay of the update count."""
+    """The EMA as AveragedModel computed it: a copy at the first update, then the ramped decay of
+    the update count."""
 
     def update(averaged, current, num_updates):
         d = decay * (1 - math.exp(-float(num_updates) / ramp_steps))
@@ -160,10 +175,12 @@ def test_ema_follows_the_averaged_model_formula_and_round_trips():
         assert torch.allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-7), key
     # the average is not simply the model: the decay was in effect
     assert not torch.allclose(ours["0.weight"], model.state_dict()["0.weight"])
-    assert torch.equal(ours["1.num_batches_tracked"], model.state_dict()["1.num_batches_tracked"])  # copied
+    # copied
+    assert torch.equal(ours["1.num_batches_tracked"], model.state_dict()["1.num_batches_tracked"])
     assert not any(p.requires_grad for p in ema.module.parameters())
 
-    # save_state/load_state pickle the state_dict and hand it back: a fresh EMA continues identically
+    # save_state/load_state pickle the state_dict and
+    # hand it back: a fresh EMA continues identically
     buffer = io.BytesIO()
     torch.save(ema.state_dict(), buffer)
     buffer.seek(0)
@@ -179,11 +196,13 @@ def test_ema_follows_the_averaged_model_formula_and_round_trips():
         ModelEMA(model, 0.9).update(torch.nn.Linear(2, 2))
 
 
-# ------------------------------------------------------------------------------------------------------------ NMS
+# ---------------------------------------------------------------------------------------------- NMS
 def per_class_nms(boxes, scores, labels, iou_threshold):
     kept = torch.cat(
         [
-            torch.where(labels == c)[0][torchvision.ops.nms(boxes[labels == c], scores[labels == c], iou_threshold)]
+            torch.where(labels == c)[0][
+                torchvision.ops.nms(boxes[labels == c], scores[labels == c], iou_threshold)
+            ]
             for c in labels.unique()
         ]
     )
@@ -194,7 +213,8 @@ def per_class_nms(boxes, scores, labels, iou_threshold):
 def test_class_offset_nms_equals_per_class_nms(iou_threshold):
     g = torch.Generator().manual_seed(0)
     n, size = 1500, 64
-    corner = torch.randint(0, 8 * (size - 8), (n, 2), generator=g) / 8  # coordinates on a 1/8 grid: exact in float
+    # coordinates on a 1/8 grid: exact in float
+    corner = torch.randint(0, 8 * (size - 8), (n, 2), generator=g) / 8
     extent = torch.randint(8, 8 * 24, (n, 2), generator=g) / 8
     boxes = torch.cat((corner, (corner + extent).clamp(max=size)), dim=1)
     scores = torch.randperm(n, generator=g).float() / n  # distinct: one order
@@ -206,7 +226,7 @@ def test_class_offset_nms_equals_per_class_nms(iou_threshold):
     assert class_aware_nms(boxes[:0], scores[:0], labels[:0], iou_threshold, size).numel() == 0
 
 
-# ------------------------------------------------------------------------------------------------------------ mAP
+# ---------------------------------------------------------------------------------------------- mAP
 def test_per_class_ap_from_one_evaluation_equals_per_class_evaluations():
     g = torch.Generator().manual_seed(0)
     records = []
@@ -214,7 +234,8 @@ def test_per_class_ap_from_one_evaluation_equals_per_class_evaluations():
         n = int(torch.randint(1, 5, (), generator=g))
         corner = torch.rand(n, 2, generator=g) * 80
         true_boxes = torch.cat((corner, corner + 10 + torch.rand(n, 2, generator=g) * 40), dim=1)
-        true_labels = torch.randint(0, 3, (n,), generator=g)  # classes 0-2 have ground truth, 3 never does
+        # classes 0-2 have ground truth, 3 never does
+        true_labels = torch.randint(0, 3, (n,), generator=g)
         strays = torch.rand(3, 4, generator=g) * 60 + torch.tensor([0.0, 0.0, 60.0, 60.0])
         boxes = torch.cat((true_boxes + torch.randn(n, 4, generator=g) * 4, strays))
         labels = torch.cat((true_labels, torch.tensor([0, 3, 1])))
@@ -230,24 +251,30 @@ def test_per_class_ap_from_one_evaluation_equals_per_class_evaluations():
     names = ["a", "b", "c", "d"]
     result, _ = coco_map(records, names)
 
-    metric = MeanAveragePrecision(box_format="xyxy", iou_type="bbox", class_metrics=True, backend="pycocotools")
+    metric = MeanAveragePrecision(
+        box_format="xyxy", iou_type="bbox", class_metrics=True, backend="pycocotools"
+    )
     metric.update(
         [dict(boxes=r["boxes"], scores=r["scores"], labels=r["labels"]) for r in records],
         [dict(boxes=r["true_boxes"], labels=r["true_labels"]) for r in records],
     )
     values = metric.compute()
     expected = {
-        names[int(c)]: ap for c, ap in zip(values["classes"].tolist(), values["map_per_class"].tolist()) if ap >= 0
+        names[int(c)]: ap
+        for c, ap in zip(values["classes"].tolist(), values["map_per_class"].tolist())
+        if ap >= 0
     }
-    assert set(result["eval_ap_per_class"]) == set(expected) == {"a", "b", "c"}  # d: no ground truth, no AP
+    # d: no ground truth, no AP
+    assert set(result["eval_ap_per_class"]) == set(expected) == {"a", "b", "c"}
     for name, ap in expected.items():
         assert result["eval_ap_per_class"][name] == pytest.approx(ap, abs=1e-6), name
-    assert 0 < min(expected.values()) and max(expected.values()) < 1  # imperfect predictions: a real comparison
+    # imperfect predictions: a real comparison
+    assert 0 < min(expected.values()) and max(expected.values()) < 1
     assert result["eval_map50_95"] == pytest.approx(float(values["map"]), abs=1e-6)
     assert result["eval_map50"] == pytest.approx(float(values["map_50"]), abs=1e-6)
 
 
-# -------------------------------------------------------------------------------------------------- host reads
+# --------------------------------------------------------------------------------------- host reads
 HOST_READS = {
     "item",
     "tolist",

@@ -1,5 +1,6 @@
-"""The YOLO-style detector of recipes/detect: task-aligned assignment, loss values on hand-built predictions, NMS
-post-processing, model shapes and size, and a tiny overfit. Everything runs on CPU at 64-pixel images."""
+"""The YOLO-style detector of recipes/detect: task-aligned assignment, loss values on hand-built
+predictions, NMS post-processing, model shapes and size, and a tiny overfit. Everything runs on CPU
+at 64-pixel images."""
 
 import pytest
 import torch
@@ -21,17 +22,21 @@ def anchors_for(height: int = 64, width: int = 64) -> tuple[torch.Tensor, torch.
 
 
 def anchor_index(x: float, y: float, stride: int, height: int = 64, width: int = 64) -> int:
-    """Index of the anchor centred at pixel (x, y) on the level of `stride` in the concatenated anchor list."""
+    """Index of the anchor centred at pixel (x, y) on the level of `stride` in the concatenated
+    anchor list."""
     points, strides = anchors_for(height, width)
     hit = ((points[:, 0] == x) & (points[:, 1] == y) & (strides[:, 0] == stride)).nonzero()
     assert hit.numel() == 1, (x, y, stride)
     return int(hit)
 
 
-def raw_outputs(boxes: torch.Tensor, cls_logits: torch.Tensor, height: int = 64, width: int = 64) -> list[torch.Tensor]:
-    """Raw detector outputs (batch 1) whose decoded box at anchor a is boxes[a] (xyxy pixels, up to the DFL range) and
-    whose class logits are cls_logits[a]. A side distance d (in bins) puts weight 1 - frac(d) on bin floor(d) and
-    frac(d) on the next bin, so the DFL expectation is exactly d; an integer d puts all the mass on one bin."""
+def raw_outputs(
+    boxes: torch.Tensor, cls_logits: torch.Tensor, height: int = 64, width: int = 64
+) -> list[torch.Tensor]:
+    """Raw detector outputs (batch 1) whose decoded box at anchor a is boxes[a] (xyxy pixels, up to
+    the DFL range) and whose class logits are cls_logits[a]. A side distance d (in bins) puts weight
+    1 - frac(d) on bin floor(d) and frac(d) on the next bin, so the DFL expectation is exactly d; an
+    integer d puts all the mass on one bin."""
     points, strides = anchors_for(height, width)
     dist = torch.cat((points - boxes[:, :2], boxes[:, 2:] - points), dim=1) / strides
     dist = dist.clamp(0, REG_MAX - 1 - 1e-4)
@@ -53,12 +58,13 @@ def default_boxes(points: torch.Tensor) -> torch.Tensor:
     return torch.cat((points - 2.0, points + 2.0), dim=1)  # a small box around every anchor
 
 
-# ------------------------------------------------------------------------------------------------------ assigner
+# ----------------------------------------------------------------------------------------- assigner
 def test_assigner_picks_topk_inside_anchors_by_iou():
     points, strides = anchors_for()
     num_anchors = points.shape[0]
     gt = torch.tensor([[6.0, 6.0, 42.0, 34.0]])
-    # every anchor predicts a gt-sized box centred on itself: the closer to the gt centre, the higher the IoU
+    # every anchor predicts a gt-sized box centred on itself: the closer to the gt centre, the
+    # higher the IoU
     size = gt[0, 2:] - gt[0, :2]
     pred_boxes = torch.cat((points - size / 2, points + size / 2), dim=1)[None]
     pred_scores = torch.full((1, num_anchors, 3), 0.5)
@@ -77,12 +83,13 @@ def test_assigner_picks_topk_inside_anchors_by_iou():
     assert set(fg[0].nonzero()[:, 0].tolist()) == set(expected.tolist())
     assert (labels[0][fg[0]] == 2).all() and (gt_index[0][fg[0]] == 0).all()
     assert torch.allclose(boxes[0][fg[0]], gt.expand(5, 4))
-    # soft targets: only the gt's class, the best anchor scores the best IoU, all others less, background zero
+    # soft targets: only the gt's class, the best anchor
+    # scores the best IoU, all others less, background zero
     assert (scores[0][:, :2] == 0).all() and (scores[0][~fg[0]] == 0).all()
     assert scores[0, :, 2].max() == pytest.approx(iou[fg[0]].max().item(), rel=1e-5)
     assert (scores[0, fg[0], 2] > 0).all()
-    # without widening (min_side 0), a gt with a single anchor centre inside gets that one anchor, even with topk=10
-    # and other anchors nearby
+    # without widening (min_side 0), a gt with a single anchor centre inside gets that one anchor,
+    # even with topk=10 and other anchors nearby
     small = torch.tensor([[[1.0, 1.0, 7.0, 7.0]]])
     _, _, _, fg, _ = TaskAlignedAssigner(3, topk=10, min_side=0)(
         pred_scores, pred_boxes, points, torch.tensor([[0]]), small, torch.tensor([[True]])
@@ -91,8 +98,9 @@ def test_assigner_picks_topk_inside_anchors_by_iou():
 
 
 def test_assigner_gives_boxes_smaller_than_a_cell_candidates():
-    """A 2-pixel box between anchor centres has no centre inside it: widened to 16 pixels about its centre for the
-    choice of candidates (the default), it gets the anchors around it, and keeps its own box as the target."""
+    """A 2-pixel box between anchor centres has no centre inside it: widened to 16 pixels about its
+    centre for the choice of candidates (the default), it gets the anchors around it, and keeps its
+    own box as the target."""
     points, _ = anchors_for()
     pred_boxes = default_boxes(points)[None]
     pred_scores = torch.full((1, points.shape[0], 3), 0.5)
@@ -127,7 +135,8 @@ def test_assigner_competing_gts_go_to_higher_iou():
     gts = torch.stack((gt_a, gt_b))[None]
     for winner, target in ((0, gt_a), (1, gt_b)):
         pred_boxes = default_boxes(points)
-        pred_boxes[shared] = target + torch.tensor([1.0, 1.0, 1.0, 1.0])  # overlaps the winner far more
+        # overlaps the winner far more
+        pred_boxes[shared] = target + torch.tensor([1.0, 1.0, 1.0, 1.0])
         _, boxes, _, fg, gt_index = TaskAlignedAssigner(2, topk=13)(
             torch.full((1, points.shape[0], 2), 0.5),
             pred_boxes[None],
@@ -168,12 +177,16 @@ def test_assigner_image_without_objects_and_empty_batch():
     assert not fg.any() and scores.sum() == 0
 
 
-# ------------------------------------------------------------------------------------------------------ loss
-GT = torch.tensor([4.0, 4.0, 36.0, 36.0])  # edges on stride-8 anchor centres: 9 stride-8 anchors inside, integer bins
+# --------------------------------------------------------------------------------------------- loss
+# edges on stride-8 anchor centres: 9 stride-8 anchors inside, integer bins
+GT = torch.tensor([4.0, 4.0, 36.0, 36.0])
 
 
-def loss_for_prediction(pred_box: torch.Tensor, num_classes: int = 2, cls: int = 1) -> tuple[torch.Tensor, dict]:
-    """Every anchor predicts pred_box; the stride-8 anchors inside GT are confident in `cls`, all else near zero."""
+def loss_for_prediction(
+    pred_box: torch.Tensor, num_classes: int = 2, cls: int = 1
+) -> tuple[torch.Tensor, dict]:
+    """Every anchor predicts pred_box; the stride-8 anchors inside GT are confident in `cls`, all
+    else near zero."""
     points, strides = anchors_for()
     boxes = pred_box.expand(points.shape[0], 4).clone()
     inside = (points > GT[:2]).all(1) & (points < GT[2:]).all(1) & (strides[:, 0] == 8)
@@ -199,9 +212,12 @@ def test_box_loss_grows_with_shift_and_matches_ciou():
         pred = GT + torch.tensor([dx, 0.0, dx, 0.0])
         _, parts = loss_for_prediction(pred)
         values.append(parts["box"].item())
-        # every positive predicts the same box, so the score-weighted mean is that box's CIoU loss (x 7.5). One
-        # off-level anchor is a positive with a negligible weight (its class logit is -20).
-        assert parts["box"].item() == pytest.approx(7.5 * complete_box_iou_loss(pred, GT).item(), rel=1e-3, abs=1e-4)
+        # every positive predicts the same box, so the score-weighted mean is that box's CIoU loss
+        # (x 7.5). One off-level anchor is a positive with a negligible weight (its class logit is
+        # -20).
+        assert parts["box"].item() == pytest.approx(
+            7.5 * complete_box_iou_loss(pred, GT).item(), rel=1e-3, abs=1e-4
+        )
     assert values == sorted(values) and values[-1] > values[1] > values[0] + 0.05
 
 
@@ -209,7 +225,8 @@ def test_distribution_focal_loss_values():
     logits = torch.full((1, 4, REG_MAX), -30.0)
     logits[0, :, 3] = 30.0
     assert distribution_focal_loss(logits, torch.full((1, 4), 3.0)).item() < 1e-6
-    # half way between two bins that share the mass equally: the cross-entropy is ln 2 from both sides
+    # half way between two bins that share the mass
+    # equally: the cross-entropy is ln 2 from both sides
     logits = torch.full((1, 4, REG_MAX), -30.0)
     logits[0, :, 5:7] = 0.0
     assert distribution_focal_loss(logits, torch.full((1, 4), 5.5)).item() == pytest.approx(0.6931, abs=1e-3)
@@ -227,18 +244,20 @@ def test_loss_without_objects_and_under_bf16():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outputs = model(images)
     assert outputs[0].dtype == torch.bfloat16
-    targets = pad_targets([torch.zeros(0, 5), torch.tensor([[2.0, 8.0, 8.0, 40.0, 40.0]])])  # only the second image
+    # only the second image
+    targets = pad_targets([torch.zeros(0, 5), torch.tensor([[2.0, 8.0, 8.0, 40.0, 40.0]])])
     loss, parts = criterion(outputs, targets)
     assert loss.dtype == torch.float32 and torch.isfinite(loss) and parts["box"] > 0
     with pytest.raises(ValueError, match=r"targets must be \[2, M, 5\]"):  # the old [T, 6] rows
         criterion(outputs, torch.tensor([[1.0, 2.0, 8.0, 8.0, 40.0, 40.0]]))
 
 
-# ------------------------------------------------------------------------------------------------------ postprocess
+# -------------------------------------------------------------------------------------- postprocess
 def detections_for(
     entries: list[tuple[tuple[float, float], list[float], int, float]], num_classes: int = 3, **kwargs
 ) -> dict:
-    """entries: (stride-8 anchor centre, box xyxy, class, logit); every other anchor scores sigmoid(-20)."""
+    """entries: (stride-8 anchor centre, box xyxy, class, logit); every other anchor scores
+    sigmoid(-20)."""
     points, _ = anchors_for()
     boxes = default_boxes(points)
     cls_logits = torch.full((points.shape[0], num_classes), -20.0)
@@ -286,7 +305,7 @@ def test_decode_boxes_in_pixels():
     assert torch.allclose(decoded[0, a], boxes[a], atol=1e-3)
 
 
-# ------------------------------------------------------------------------------------------------------ model
+# -------------------------------------------------------------------------------------------- model
 def test_detector_output_shapes_train_eval_channels_last():
     torch.manual_seed(0)
     model = Detector(num_classes=5, size="n")
@@ -312,7 +331,8 @@ def test_model_size_and_flops():
     info_n = model_info(nano, image_size=640)
     assert 2.5e6 < info_n["parameters"] < 3.5e6 and isinstance(info_n["parameters"], int)
     assert 8.0 < info_n["gflops"] < 9.5  # YOLOv8n: 8.7
-    assert torch.equal(nano.backbone.stem[0][1].running_mean, before)  # counting did not touch the model
+    # counting did not touch the model
+    assert torch.equal(nano.backbone.stem[0][1].running_mean, before)
     assert next(nano.parameters()).device.type == "cpu"
     info_s = model_info(Detector(num_classes=80, size="s"), image_size=640)
     assert info_s["gflops"] > 3 * info_n["gflops"] and info_s["parameters"] > 3 * info_n["parameters"]
@@ -335,7 +355,8 @@ def test_tiny_overfit():
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is several times faster than two on a shared 2-core machine
+    # tiny tensors: one thread is several times faster than two on a shared 2-core machine
+    torch.set_num_threads(1)
     try:
         for _ in range(40):
             loss, _ = criterion(model(images), targets)

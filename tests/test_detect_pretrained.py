@@ -1,6 +1,6 @@
-"""Pretrained starts and small sets in the detection recipe: --init_weights by name and shape, Ultralytics YOLOv8
-weights converted and giving Ultralytics' outputs, every image in every epoch on any number of processes, and mosaic
-closed for the last epochs."""
+"""Pretrained starts and small sets in the detection recipe: --init_weights by name and shape,
+Ultralytics YOLOv8 weights converted and giving Ultralytics' outputs, every image in every epoch on
+any number of processes, and mosaic closed for the last epochs."""
 
 import re
 from pathlib import PosixPath
@@ -23,7 +23,7 @@ from accelerate_recipes.seeding import SeededAugmentation
 CONVERT = REPO / "recipes" / "detect" / "ultralytics_weights.py"
 
 
-# ------------------------------------------------------------------------------------------- every image trains
+# ------------------------------------------------------------------------------- every image trains
 class Indices(Dataset):
     def __init__(self, size: int):
         self.size = size
@@ -35,15 +35,19 @@ class Indices(Dataset):
         return index
 
 
-def step_images(size: int, global_batch: int, processes: int, epoch: int, accumulation: int = 1) -> list[list[int]]:
-    """The images of each optimizer step of one epoch, as accelerate's prepared loaders hand them to `processes`
-    processes (prepare_data_loader is what accelerator.prepare runs)."""
+def step_images(
+    size: int, global_batch: int, processes: int, epoch: int, accumulation: int = 1
+) -> list[list[int]]:
+    """The images of each optimizer step of one epoch, as accelerate's prepared loaders hand them to
+    `processes` processes (prepare_data_loader is what accelerator.prepare runs)."""
     per_process = global_batch // (processes * accumulation)
     shards = []
     for rank in range(processes):
         sampler = FilledEpochSampler(size, global_batch, seed=3)
         loader = DataLoader(Indices(size), batch_size=per_process, sampler=sampler, drop_last=True)
-        prepared = prepare_data_loader(loader, num_processes=processes, process_index=rank, put_on_device=False)
+        prepared = prepare_data_loader(
+            loader, num_processes=processes, process_index=rank, put_on_device=False
+        )
         prepared.set_epoch(epoch)
         shards.append([batch.tolist() for batch in prepared])
     steps = []
@@ -57,12 +61,15 @@ def step_images(size: int, global_batch: int, processes: int, epoch: int, accumu
 def test_every_image_trains_in_every_epoch_and_n_processes_equal_one(size, batch):
     for epoch in (0, 1):
         one = step_images(size, batch, processes=1, epoch=epoch)
-        assert all(len(step) == batch for step in one)  # the last batch is filled up, none is dropped
+        # the last batch is filled up, none is dropped
+        assert all(len(step) == batch for step in one)
         assert set().union(*map(set, one)) == set(range(size))  # every image in the epoch
         assert len(one) == -(-size // batch)
-        assert step_images(size, batch, processes=2, epoch=epoch) == one  # the same images in each step
+        # the same images in each step
+        assert step_images(size, batch, processes=2, epoch=epoch) == one
         assert step_images(size, batch, processes=2, epoch=epoch, accumulation=2) == one
-    assert step_images(size, batch, 1, epoch=0) != step_images(size, batch, 1, epoch=1)  # reshuffled each epoch
+    # reshuffled each epoch
+    assert step_images(size, batch, 1, epoch=0) != step_images(size, batch, 1, epoch=1)
 
 
 def same_items(a: list, b: list) -> bool:
@@ -73,29 +80,35 @@ def same_items(a: list, b: list) -> bool:
 
 
 def test_close_mosaic_reaches_persistent_workers(detect_shapes):
-    """set_mosaic(False) in the main process: the next epoch's items from a persistent worker are those of a set
-    without mosaic (the same draws otherwise), and differ from the mosaic ones."""
+    """set_mosaic(False) in the main process: the next epoch's items from a persistent worker are
+    those of a set without mosaic (the same draws otherwise), and differ from the mosaic ones."""
     from yolo_data import load_data_config
 
     files = load_data_config(detect_shapes).train[:6]
 
     def loader(mosaic: float):
-        dataset = SeededAugmentation(YoloDataset(files, 3, image_size=64, augment=True, mosaic=mosaic), seed=0)
-        return dataset, DataLoader(dataset, batch_size=3, num_workers=1, persistent_workers=True, collate_fn=collate)
+        dataset = SeededAugmentation(
+            YoloDataset(files, 3, image_size=64, augment=True, mosaic=mosaic), seed=0
+        )
+        return dataset, DataLoader(
+            dataset, batch_size=3, num_workers=1, persistent_workers=True, collate_fn=collate
+        )
 
     mosaic_set, mosaic_loader = loader(1.0)
     _, plain_loader = loader(0.0)
     with_mosaic, plain = list(mosaic_loader), list(plain_loader)
     assert not same_items(with_mosaic, plain)
-    mosaic_set.set_mosaic(False)  # what train.py does at the start of the last --close_mosaic epochs
+    # what train.py does at the start of the last --close_mosaic epochs
+    mosaic_set.set_mosaic(False)
     assert same_items(list(mosaic_loader), plain)
 
 
-# --------------------------------------------------------------------------------------- --init_weights by shape
+# -------------------------------------------------------------------------- --init_weights by shape
 def saved_detector(folder, num_classes: int, size: str = "n", seed: int = 0):
     torch.manual_seed(seed)
     model = Detector(num_classes, size)
-    for module in model.modules():  # BatchNorm statistics other than the defaults, so that they must carry over
+    # BatchNorm statistics other than the defaults, so that they must carry over
+    for module in model.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.running_mean.uniform_(-0.2, 0.2)
             module.running_var.uniform_(0.5, 1.5)
@@ -108,9 +121,12 @@ def test_init_weights_by_shape_keeps_all_but_the_class_outputs(tmp_path):
     source = saved_detector(tmp_path / "five", num_classes=5)
     model, info = build_model("n", 2, False, tmp_path / "five", flag="--init_weights", by_shape=True)
     model.eval()
-    assert model.cls_width == source.cls_width == 64  # the source's branch width (5 classes: YOLOv8's 64)
+    # the source's branch width (5 classes: YOLOv8's 64)
+    assert model.cls_width == source.cls_width == 64
     left = [f"head.cls.{i}.2.{t}" for i in range(3) for t in ("weight", "bias")]
-    assert re.search(r"loaded 348 of 354 tensors by name and shape \(3\.0\dM of 3\.0\dM parameters\)", info["loaded"])
+    assert re.search(
+        r"loaded 348 of 354 tensors by name and shape \(3\.0\dM of 3\.0\dM parameters\)", info["loaded"]
+    )
     assert "left at their initial values: " + ", ".join(left) in info["loaded"]
     assert "(5, 64, 1, 1) there, (2, 64, 1, 1) here" in info["loaded"]
     x = torch.rand(1, 3, 64, 96)
@@ -142,12 +158,13 @@ def test_init_weights_refuses_a_file_that_is_not_this_detector(tmp_path):
         build_model("n", 3, False, tmp_path / "bad.safetensors", flag="--init_weights", by_shape=True)
 
 
-# ----------------------------------------------------------------------------------------- Ultralytics' YOLOv8n
+# ----------------------------------------------------------------------------- Ultralytics' YOLOv8n
 def offline_ultralytics(settings):
-    """Ultralytics' package imported offline with its settings in `settings`, and PIL's Image.open given back: the
-    import replaces it with one that installs a package when a file is not an image, which other tests of the same
-    process would meet."""
-    with pytest.MonkeyPatch.context() as patch:  # Ultralytics reads its settings folder when imported
+    """Ultralytics' package imported offline with its settings in `settings`, and PIL's Image.open
+    given back: the import replaces it with one that installs a package when a file is not an image,
+    which other tests of the same process would meet."""
+    # Ultralytics reads its settings folder when imported
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("YOLO_OFFLINE", "1")
         patch.setenv("YOLO_CONFIG_DIR", str(settings))
         import ultralytics
@@ -160,9 +177,9 @@ def offline_ultralytics(settings):
 
 @pytest.fixture(scope="module")
 def yolov8n(tmp_path_factory):
-    """A YOLOv8n that Ultralytics builds from its YAML (offline, random weights, BatchNorm statistics made random
-    too, and the class outputs' biases), saved by Ultralytics as a .pt checkpoint, and the folder that
-    ultralytics_weights.py made of it."""
+    """A YOLOv8n that Ultralytics builds from its YAML (offline, random weights, BatchNorm
+    statistics made random too, and the class outputs' biases), saved by Ultralytics as a .pt
+    checkpoint, and the folder that ultralytics_weights.py made of it."""
     folder = tmp_path_factory.mktemp("yolov8n")
     env = recipe_env(folder, YOLO_OFFLINE="1", YOLO_CONFIG_DIR=str(folder / "settings"))
     YOLO = offline_ultralytics(folder / "settings").YOLO
@@ -175,9 +192,11 @@ def yolov8n(tmp_path_factory):
             module.bias.data = torch.randn(module.bias.shape, generator=generator) * 0.1
             module.running_mean = torch.randn(module.running_mean.shape, generator=generator) * 0.1
             module.running_var = torch.rand(module.running_var.shape, generator=generator) + 0.5
-    for branch in yolo.model.model[-1].cv3:  # class scores spread around 0.5, not at the prior's 1e-5: boxes survive
+    # class scores spread around 0.5, not at the prior's 1e-5: boxes survive
+    for branch in yolo.model.model[-1].cv3:
         branch[-1].bias.data = torch.randn(branch[-1].bias.shape, generator=generator) - 2
-    yolo.save(folder / "yolov8n.pt")  # Ultralytics' checkpoint: the model pickled (in fp16), as its releases are
+    # Ultralytics' checkpoint: the model pickled (in fp16), as its releases are
+    yolo.save(folder / "yolov8n.pt")
     proc = check(run([PYTHON, CONVERT, "--weights", folder / "yolov8n.pt", "--out", folder / "ours"], env))
     return folder, proc, env
 
@@ -189,7 +208,12 @@ def test_converted_yolov8n_gives_ultralytics_outputs_and_boxes(yolov8n):
     folder, proc, _ = yolov8n
     assert "YOLOv8n, 80 classes, 354 tensors converted" in proc.output
     config = read_model_config(folder / "ours")
-    assert (config["size"], config["num_classes"], config["cls_width"], len(config["names"])) == ("n", 80, 80, 80)
+    assert (config["size"], config["num_classes"], config["cls_width"], len(config["names"])) == (
+        "n",
+        80,
+        80,
+        80,
+    )
     ours, info = build_model("n", 80, False, folder / "ours", cls_width=config["cls_width"])
     # Ultralytics counts its fixed DFL projection (16 values) as a parameter; our decode computes it
     assert info["parameters"] + 16 == sum(p.numel() for p in YOLO(folder / "yolov8n.pt").model.parameters())
@@ -199,50 +223,72 @@ def test_converted_yolov8n_gives_ultralytics_outputs_and_boxes(yolov8n):
         decoded, raw = theirs(images)
         outputs = ours.eval()(images)
     flat = torch.cat([o.flatten(2) for o in outputs], dim=2)
-    # the same layers on the same weights in the same order: equal up to float32 rounding of the convolutions
+    # the same layers on the same weights in the same order:
+    # equal up to float32 rounding of the convolutions
     torch.testing.assert_close(flat[:, :64], raw["boxes"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flat[:, 64:], raw["scores"], rtol=1e-5, atol=1e-5)
-    # prediction (one class a box) and evaluation (every class above the threshold, as Ultralytics' val runs it)
+    # prediction (one class a box) and evaluation (every class above the threshold, as Ultralytics'
+    # val runs it)
     for multi_label in (False, True):
         found = postprocess(
-            outputs, ours.strides, ours.reg_max, conf_threshold=0.25, iou_threshold=0.7, multi_label=multi_label
+            outputs,
+            ours.strides,
+            ours.reg_max,
+            conf_threshold=0.25,
+            iou_threshold=0.7,
+            multi_label=multi_label,
         )
-        expected = non_max_suppression(decoded, conf_thres=0.25, iou_thres=0.7, max_det=300, multi_label=multi_label)
+        expected = non_max_suppression(
+            decoded, conf_thres=0.25, iou_thres=0.7, max_det=300, multi_label=multi_label
+        )
         for mine, their in zip(found, expected):
             assert len(mine["boxes"]) == len(their) > 0
-            their[:, [0, 2]] = their[:, [0, 2]].clamp(0, 160)  # Ultralytics clips when it scales the boxes back
+            # Ultralytics clips when it scales the boxes back
+            their[:, [0, 2]] = their[:, [0, 2]].clamp(0, 160)
             their[:, [1, 3]] = their[:, [1, 3]].clamp(0, 128)
-            # the same detections, one to one: equal scores (random weights give ties) may come in either order
-            rows = torch.cat((mine["boxes"], mine["scores"][:, None] * 1000, mine["labels"][:, None] * 1000.0), 1)
+            # the same detections, one to one: equal scores
+            # (random weights give ties) may come in either order
+            rows = torch.cat(
+                (mine["boxes"], mine["scores"][:, None] * 1000, mine["labels"][:, None] * 1000.0), 1
+            )
             their_rows = torch.cat((their[:, :4], their[:, 4:5] * 1000, their[:, 5:6] * 1000), dim=1)
             distance = torch.cdist(rows[None], their_rows[None], p=float("inf"))[0]
             nearest = distance.min(dim=1)
             assert nearest.values.max() < 1e-2 and len(set(nearest.indices.tolist())) == len(rows)
         if multi_label:  # some boxes count for two classes there
-            assert sum(len(f["boxes"]) for f in found) > sum(len(f) for f in non_max_suppression(decoded, 0.25, 0.7))
+            assert sum(len(f["boxes"]) for f in found) > sum(
+                len(f) for f in non_max_suppression(decoded, 0.25, 0.7)
+            )
 
 
 def test_a_yolov8n_pt_fine_tunes_as_it_is_on_a_one_class_set(yolov8n, tmp_path):
-    """Ultralytics' .pt itself as --init_weights (converted on the fly) for a 1-class set of 6 images, no --size: the
-    size comes from the file, all but the class outputs load, the default --batch_size 64 is lowered to the set, and
-    the run trains and evaluates."""
+    """Ultralytics' .pt itself as --init_weights (converted on the fly) for a 1-class set of 6
+    images, no --size: the size comes from the file, all but the class outputs load, the default
+    --batch_size 64 is lowered to the set, and the run trains and evaluates."""
     folder, _, env = yolov8n
-    data = write_synthetic_dataset(tmp_path / "one", num_train=6, num_val=3, image_size=64, num_classes=1, seed=2)
+    data = write_synthetic_dataset(
+        tmp_path / "one", num_train=6, num_val=3, image_size=64, num_classes=1, seed=2
+    )
     out = tmp_path / "out"
     args = ["--data", data, "--init_weights", folder / "yolov8n.pt", "--image_size", 64, "--epochs", 2]
     args += ["--tracker", "none", "--num_workers", 0, "--checkpoint_every", 0, "--output_dir", out]
     proc = check(run([PYTHON, DETECT_SCRIPT, *args], env, timeout=400))
     lowered = "note: --batch_size 64 is larger than the training set (6 images): training with --batch_size 6"
     assert lowered in proc.output
-    assert re.search(r"--init_weights \S+yolov8n\.pt: loaded 348 of 354 tensors by name and shape", proc.output)
+    assert re.search(
+        r"--init_weights \S+yolov8n\.pt: loaded 348 of 354 tensors by name and shape", proc.output
+    )
     assert "left at their initial values: head.cls.0.2.weight" in proc.output
     # a model built from Ultralytics' YAML names its classes by number
-    start_line = "the start: Ultralytics' YOLOv8n, converted, 80 classes (0, 1, 2, 3, 4 and 75 more); --data has 1"
+    start_line = (
+        "the start: Ultralytics' YOLOv8n, converted, 80 classes (0, 1, 2, 3, 4 and 75 more); --data has 1"
+    )
     assert start_line in proc.output
     results = read_results(out)
     assert (results["global_batch_size"], results["steps"], results["num_classes"]) == (6, 2, 1)
     saved = read_model_config(out)
-    assert saved["cls_width"] == 80 and saved["num_classes"] == 1  # COCO's branch width carried over
+    # COCO's branch width carried over
+    assert saved["cls_width"] == 80 and saved["num_classes"] == 1
     check(run([PYTHON, DETECT_SCRIPT, "--predict", data.parent / "images" / "val", "--model", out], env))
 
 
@@ -254,10 +300,12 @@ def yolo_class(tmp_path_factory):
 
 @pytest.mark.parametrize("size", ["l", "x"])
 def test_yolov8_l_and_x_convert_and_give_ultralytics_outputs(yolo_class, size):
-    """YOLOv8l and x, built by Ultralytics from its YAML: the same layout as n/s/m with other multipliers."""
+    """YOLOv8l and x, built by Ultralytics from its YAML: the same layout as n/s/m with other
+    multipliers."""
     theirs = yolo_class(f"yolov8{size}.yaml").model.float().eval()
     generator = torch.Generator().manual_seed(0)
-    for module in theirs.modules():  # BatchNorm statistics other than the defaults, so that they must carry over
+    # BatchNorm statistics other than the defaults, so that they must carry over
+    for module in theirs.modules():
         if isinstance(module, torch.nn.BatchNorm2d):
             module.running_mean = torch.randn(module.running_mean.shape, generator=generator) * 0.1
             module.running_var = torch.rand(module.running_var.shape, generator=generator) + 0.5
@@ -287,26 +335,33 @@ def test_yolov8_l_and_x_convert_and_give_ultralytics_outputs(yolo_class, size):
         ("yolo26n.yaml", "a YOLO26 detection model"),
     ],
 )
-def test_pt_files_of_other_tasks_and_families_are_refused_naming_what_they_are(yolo_class, yaml, what, tmp_path):
+def test_pt_files_of_other_tasks_and_families_are_refused_naming_what_they_are(
+    yolo_class, yaml, what, tmp_path
+):
     yolo_class(yaml).save(tmp_path / "model.pt")
-    with pytest.raises(RecipeError, match=re.escape(f"model.pt is {what}") + ".*not YOLOv8 detection") as refused:
+    with pytest.raises(
+        RecipeError, match=re.escape(f"model.pt is {what}") + ".*not YOLOv8 detection"
+    ) as refused:
         read_start(tmp_path / "model.pt")
     assert "\n" not in str(refused.value)
 
 
 def test_an_older_releases_pt_with_windows_paths_reads_as_ultralytics_reads_it(yolov8n, tmp_path):
-    """A best.pt as older releases and Windows machines pickled it: a class under `ultralytics.yolo.utils` (the
-    module path before 8.1) and a WindowsPath. A plain torch.load fails on both; the start reads it."""
+    """A best.pt as older releases and Windows machines pickled it: a class under
+    `ultralytics.yolo.utils` (the module path before 8.1) and a WindowsPath. A plain torch.load
+    fails on both; the start reads it."""
     from ultralytics.utils import IterableSimpleNamespace
 
     folder, _, _ = yolov8n
     checkpoint = torch.load(folder / "yolov8n.pt", weights_only=False)
     checkpoint["train_args"] = IterableSimpleNamespace(imgsz=96, save_dir=PosixPath("C:/runs/detect/train"))
     plain = tmp_path / "plain.pt"
-    torch.save(checkpoint, plain, _use_new_zipfile_serialization=False)  # protocol 2: classes named as text
+    # protocol 2: classes named as text
+    torch.save(checkpoint, plain, _use_new_zipfile_serialization=False)
     old = plain.read_bytes()
     old = old.replace(
-        b"cultralytics.utils\nIterableSimpleNamespace\n", b"cultralytics.yolo.utils\nIterableSimpleNamespace\n"
+        b"cultralytics.utils\nIterableSimpleNamespace\n",
+        b"cultralytics.yolo.utils\nIterableSimpleNamespace\n",
     )
     old = old.replace(b"cpathlib\nPosixPath\n", b"cpathlib\nWindowsPath\n")
     assert b"ultralytics.yolo.utils" in old and b"WindowsPath" in old
@@ -316,7 +371,9 @@ def test_an_older_releases_pt_with_windows_paths_reads_as_ultralytics_reads_it(y
     start = read_start(tmp_path / "best.pt")
     assert (start["size"], start["num_classes"], start["image_size"], start["cls_width"]) == ("n", 80, 96, 80)
     assert model_size(None, start) == "n"
-    with pytest.raises(RecipeError, match="--size s, but --init_weights .*best.pt is a yolo-n; leave --size out"):
+    with pytest.raises(
+        RecipeError, match="--size s, but --init_weights .*best.pt is a yolo-n; leave --size out"
+    ):
         model_size("s", start)
 
 

@@ -1,5 +1,5 @@
-"""The detection recipe trains for real on a generated YOLO-format set, evaluates each image once on any world size,
-and its saved model drives --predict."""
+"""The detection recipe trains for real on a generated YOLO-format set, evaluates each image once on
+any world size, and its saved model drives --predict."""
 
 import json
 
@@ -49,14 +49,15 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def shapes(detect_shapes):
-    """conftest's generated set: 96 training and 21 validation images (21 does not divide by 2 processes or batch 4)."""
+    """conftest's generated set: 96 training and 21 validation images (21 does not divide by 2
+    processes or batch 4)."""
     return detect_shapes
 
 
 @pytest.fixture(scope="module")
 def trained(detect_one):
-    """conftest's detect_one: 144 steps of batch 8 (12 epochs), evaluated once at the end, logged every 12 steps. The
-    mAP floor below was measured with seed 0."""
+    """conftest's detect_one: 144 steps of batch 8 (12 epochs), evaluated once at the end, logged
+    every 12 steps. The mAP floor below was measured with seed 0."""
     return detect_one.out, detect_one.proc
 
 
@@ -68,25 +69,45 @@ def test_training_lowers_the_loss_and_reports_coco_map(trained):
     assert max(steps) == 144 and last < 0.8 * first, steps
     assert results["steps"] == 144 and results["world_size"] == 1
     assert results["eval_images"] == results["eval_unique_images"] == 21
-    # A detector that finds nothing scores 0.000. Measured on these 144 steps: mAP50 0.019-0.050 over seeds 0 and 1
-    # with AdamW fused or as a loop of tensor ops (rounding alone moves so short a run that much); earlier versions
-    # of the recipe gave up to 0.093. The floor tells learning from nothing, not a good run from a fair one.
+    # A detector that finds nothing scores 0.000. Measured on these 144 steps: mAP50 0.019-0.050
+    # over seeds 0 and 1 with AdamW fused or as a loop of tensor ops (rounding alone moves so short
+    # a run that much); earlier versions of the recipe gave up to 0.093. The floor tells learning
+    # from nothing, not a good run from a fair one.
     assert results["eval_map50"] > 0.01, results["eval_map50"]
     assert set(results["eval_ap_per_class"]) <= {"circle", "square", "triangle"}
     assert 2.5e6 < results["trainable_parameters"] < 3.5e6  # the nano size, near YOLOv8n's 3.2M
-    # the figures Ultralytics' val prints, by class: P, R (and F1) at the best mean F1's confidence, mAP50, mAP50-95
+    # the figures Ultralytics' val prints, by class: P, R (and
+    # F1) at the best mean F1's confidence, mAP50, mAP50-95
     assert "   P      R     F1  mAP50 mAP50-95" in proc.output and "(the best mean F1)" in proc.output
     per_class = results["eval_per_class"]
     assert set(per_class) == set(results["eval_ap_per_class"])
     assert all(per_class[c]["ap50_95"] == results["eval_ap_per_class"][c] for c in per_class)
-    assert 0 <= results["eval_precision"] <= 1 and 0 <= results["eval_recall"] <= 1 and 0 < results["eval_f1"] <= 1
-    assert results["eval_max_detections"] == 300 and results["eval_map50_95_at_100"] <= results["eval_map50_95"]
-    assert results["eval_fitness"] == pytest.approx(0.1 * results["eval_map50"] + 0.9 * results["eval_map50_95"])
-    assert (out / "model.safetensors").is_file() and json.loads((out / "detector.json").read_text())["num_classes"] == 3
-    # One evaluation, at the end: it is the best, and model_best holds the same (EMA) weights and detector.json.
-    assert (results["metric_for_best_model"], results["best_epoch"], results["best_step"]) == ("eval_map50_95", 12, 144)
+    assert (
+        0 <= results["eval_precision"] <= 1
+        and 0 <= results["eval_recall"] <= 1
+        and 0 < results["eval_f1"] <= 1
+    )
+    assert (
+        results["eval_max_detections"] == 300 and results["eval_map50_95_at_100"] <= results["eval_map50_95"]
+    )
+    assert results["eval_fitness"] == pytest.approx(
+        0.1 * results["eval_map50"] + 0.9 * results["eval_map50_95"]
+    )
+    assert (out / "model.safetensors").is_file() and json.loads((out / "detector.json").read_text())[
+        "num_classes"
+    ] == 3
+    # One evaluation, at the end: it is the best, and model_best
+    # holds the same (EMA) weights and detector.json.
+    assert (results["metric_for_best_model"], results["best_epoch"], results["best_step"]) == (
+        "eval_map50_95",
+        12,
+        144,
+    )
     assert results["best_metric"] == results["eval_map50_95"] and results["stopped_early"] is False
-    best, last = load_file(str(out / "model_best" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    best, last = (
+        load_file(str(out / "model_best" / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
     assert best.keys() == last.keys() and all(torch.equal(best[k], last[k]) for k in best)
     assert (out / "model_best" / "detector.json").read_text() == (out / "detector.json").read_text()
 
@@ -97,14 +118,16 @@ def test_training_writes_its_pictures_and_a_confusion_matrix_of_every_object(tra
     for name in ("PR_curve.png", "P_curve.png", "R_curve.png", "F1_curve.png"):
         check_png(out / name)
     check_png(out / "confusion_matrix.png")
-    check_png(out / "val_predictions.png", 4 * 320, 4 * 320)  # the first 16 of the 21 validation images, 4 to a row
+    # the first 16 of the 21 validation images, 4 to a row
+    check_png(out / "val_predictions.png", 4 * 320, 4 * 320)
     names, counts = read_confusion_matrix_csv(out / "confusion_matrix.csv")
     assert names == ["circle", "square", "triangle", "background"]
     objects = [0] * 3
     for label_file in (shapes.parent / "labels" / "val").glob("*.txt"):
         for line in label_file.read_text().splitlines():
             objects[int(line.split()[0])] += 1
-    assert [sum(row) for row in counts[:3]] == objects  # every validation object counted once, found or missed
+    # every validation object counted once, found or missed
+    assert [sum(row) for row in counts[:3]] == objects
     per_class = read_results(out)["eval_per_class"]
     assert [per_class[n]["instances"] if n in per_class else 0 for n in names[:3]] == objects
     assert counts[3][3] == 0  # background against background is not a thing
@@ -133,18 +156,22 @@ def test_the_evaluation_pictures_and_every_process_figures_reach_swanlab(detect_
 
 
 def test_detector_loop_reads_nothing_between_log_steps_on_one_process(detect_one):
-    """The host-read audit (benchmarks/host_reads.py) of the shared run: 12 epochs of 12 steps, logged at the epoch
-    ends; the 2-process run's audit is test_host_reads.py's."""
+    """The host-read audit (benchmarks/host_reads.py) of the shared run: 12 epochs of 12 steps,
+    logged at the epoch ends; the 2-process run's audit is test_host_reads.py's."""
     assert_quiet(read_audit(detect_one.out), detect_one.proc, steps=144, log_every=12)
 
 
 def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shapes, tmp_path):
-    """Same weights, 1 process vs 2 over gloo: the same 21 images (2 x 11 with one padded) and the same mAP."""
+    """Same weights, 1 process vs 2 over gloo: the same 21 images (2 x 11 with one padded) and the
+    same mAP."""
     model, _ = trained
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
     common = ["--data", shapes, "--eval_only", "True", "--batch_size", 4, *SMALL]
-    # --model model_best on one process: the same weights as the final model (the run's one evaluation was the best)
-    one = check(run([PYTHON, TRAIN, *common, "--model", model / "model_best", "--output_dir", tmp_path / "one"], env))
+    # --model model_best on one process: the same weights as the final model (the run's one
+    # evaluation was the best)
+    one = check(
+        run([PYTHON, TRAIN, *common, "--model", model / "model_best", "--output_dir", tmp_path / "one"], env)
+    )
     two = check(
         run(
             [
@@ -174,7 +201,8 @@ def test_two_processes_evaluate_each_image_once_with_the_same_map(trained, shape
     assert a["eval_images"] == b["eval_images"] == b["eval_unique_images"] == 21
     assert b["eval_map50_95"] == pytest.approx(a["eval_map50_95"], abs=1e-6)
     assert b["eval_map50"] == pytest.approx(a["eval_map50"], abs=1e-6)
-    # --eval_only writes the evaluation's pictures too; the matrix counts each image once on any world size
+    # --eval_only writes the evaluation's pictures too; the matrix counts each image once on any
+    # world size
     assert read_confusion_matrix_csv(tmp_path / "one" / "confusion_matrix.csv") == read_confusion_matrix_csv(
         tmp_path / "two" / "confusion_matrix.csv"
     )
@@ -190,7 +218,9 @@ def test_eval_only_evaluates_the_test_split_of_data_yaml(trained, shapes, tmp_pa
     (tmp_path / "test.txt").write_text("".join(f"{p}\n" for p in test_images))
     names = "names: [circle, square, triangle]\n"
     with_test = tmp_path / "with_test.yaml"
-    with_test.write_text(f"path: {root}\ntrain: images/train\nval: images/val\ntest: {tmp_path / 'test.txt'}\n{names}")
+    with_test.write_text(
+        f"path: {root}\ntrain: images/train\nval: images/val\ntest: {tmp_path / 'test.txt'}\n{names}"
+    )
     command = [PYTHON, TRAIN, "--eval_only", "True", "--model", model, *SMALL]
     check(run([*command, "--data", with_test, "--split", "test", "--output_dir", tmp_path / "test"], env))
     results = read_results(tmp_path / "test")
@@ -229,8 +259,10 @@ def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
             assert 0 <= x1 <= x2 and 0 <= y1 <= y2 and det["score"] >= 0.01
             assert det["class_name"] in ("circle", "square", "triangle")
     assert "detections in 21 images" in proc.output
-    assert [json.loads(line) for line in proc.stdout.splitlines()] == report  # one JSON line per image, nothing else
-    # --predict reads model_best as it reads the output directory: the same model finds the same boxes.
+    # one JSON line per image, nothing else
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == report
+    # --predict reads model_best as it reads the output directory: the same model finds the same
+    # boxes.
     first = val_images / report[0]["image"].rsplit("/", 1)[1]
     check(
         run(
@@ -249,7 +281,10 @@ def test_predict_writes_pictures_and_detections(trained, shapes, tmp_path):
             recipe_env(tmp_path),
         )
     )
-    assert json.loads((tmp_path / "best" / "detections.json").read_text())[0]["detections"] == report[0]["detections"]
+    assert (
+        json.loads((tmp_path / "best" / "detections.json").read_text())[0]["detections"]
+        == report[0]["detections"]
+    )
 
 
 def test_detection_errors(shapes, tmp_path):
@@ -278,10 +313,23 @@ def test_a_bad_label_stops_the_recipe_naming_file_and_line_and_overwrites_nothin
 
 
 def test_nan_gradients_with_a_finite_loss_are_skipped_with_skip_nonfinite_steps(shapes, tmp_path):
-    # NaN gradients in step 2 of 3 (tests/nan_gradient.py), the loss finite: the update of step 2 is skipped. That the
-    # run stops at that step without the flag is the guard's own logic (test_guard.py) and the chat recipes' runs.
+    # NaN gradients in step 2 of 3 (tests/nan_gradient.py), the loss finite: the update of step 2 is
+    # skipped. That the run stops at that step without the flag is the guard's own logic
+    # (test_guard.py) and the chat recipes' runs.
     out = tmp_path / "out"
-    args = [TRAIN, "--data", shapes, "--image_size", "64", "--batch_size", "8", "--max_steps", "3", "--log_every", "1"]
+    args = [
+        TRAIN,
+        "--data",
+        shapes,
+        "--image_size",
+        "64",
+        "--batch_size",
+        "8",
+        "--max_steps",
+        "3",
+        "--log_every",
+        "1",
+    ]
     args += ["--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0", "--skip_nonfinite_steps"]
     proc = run([PYTHON, NAN_GRADIENT, 2, *args, "--output_dir", out], recipe_env(tmp_path), timeout=300)
     assert_nonfinite_gradients_handled("skip", proc, out, bad_steps=[2])

@@ -1,4 +1,5 @@
-"""The multi-node preflight, with real doctor processes playing the nodes on 127.0.0.1 (CPU, gloo, offline)."""
+"""The multi-node preflight, with real doctor processes playing the nodes on 127.0.0.1 (CPU, gloo,
+offline)."""
 
 import inspect
 import re
@@ -68,7 +69,12 @@ def test_two_nodes_on_one_machine_pass_and_list_both(tmp_path):
     cmds = [doctor_cmd(config, rank, port) for rank in (0, 1)]
     nodes = [
         subprocess.Popen(
-            [str(c) for c in cmd], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [str(c) for c in cmd],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for cmd in cmds
     ]
@@ -85,7 +91,8 @@ def test_two_nodes_on_one_machine_pass_and_list_both(tmp_path):
         rows = [line.split() for line in out.splitlines() if re.match(r"^\s+[01]\s", line)]
         assert [row[0] for row in rows] == ["0", "1"], out
         assert all(row[2] == torch.__version__ for row in rows), out
-    assert outputs[0][0].split("nodes:")[1] == outputs[1][0].split("nodes:")[1]  # the same table on every node
+    # the same table on every node
+    assert outputs[0][0].split("nodes:")[1] == outputs[1][0].split("nodes:")[1]
 
 
 def test_unreachable_main_node_fails_after_the_timeout(tmp_path):
@@ -116,14 +123,20 @@ def test_busy_port_is_named(tmp_path):
 
 
 def test_num_processes_must_divide_over_the_nodes(tmp_path):
-    proc = run(doctor_cmd(write_config(tmp_path), 1, free_port(), "--num_processes", 3), node_env(tmp_path), timeout=60)
+    proc = run(
+        doctor_cmd(write_config(tmp_path), 1, free_port(), "--num_processes", 3),
+        node_env(tmp_path),
+        timeout=60,
+    )
     fails_with(proc, "num_processes 3 is not divisible by num_machines 2", "set num_processes to 2 or 4")
     assert proc.returncode == 2
 
 
 def test_unknown_gloo_interface_lists_the_real_ones(tmp_path):
     proc = run(
-        doctor_cmd(write_config(tmp_path), 1, free_port()), node_env(tmp_path, GLOO_SOCKET_IFNAME="nosuch0"), timeout=60
+        doctor_cmd(write_config(tmp_path), 1, free_port()),
+        node_env(tmp_path, GLOO_SOCKET_IFNAME="nosuch0"),
+        timeout=60,
     )
     names = [name for _, name in socket.if_nameindex()]
     fails_with(proc, "GLOO_SOCKET_IFNAME='nosuch0'", "nosuch0 not found", ", ".join(names))
@@ -175,10 +188,13 @@ def test_help_explains_every_flag(tmp_path):
     assert proc.returncode == 0, proc.output
     for name in inspect.signature(doctor.main).parameters:
         assert re.search(rf"--{name}\b", proc.output), f"--{name} missing from --help"
-        assert re.search(rf"^\s+{name}:\s+\S", doctor.main.__doc__, re.MULTILINE), f"{name} has no description"
+        assert re.search(rf"^\s+{name}:\s+\S", doctor.main.__doc__, re.MULTILINE), (
+            f"{name} has no description"
+        )
 
 
-# NCCL_DEBUG=INFO output of a 2-node all-reduce, as NCCL 2.2x prints it (host:pid:tid [device] NCCL INFO ...).
+# NCCL_DEBUG=INFO output of a 2-node all-reduce, as NCCL
+# 2.2x prints it (host:pid:tid [device] NCCL INFO ...).
 NCCL_OVER_IB = """\
 gpu-a:81234:81234 [0] NCCL INFO Bootstrap : Using ibp12s0:10.10.0.11<0>
 gpu-a:81234:81234 [0] NCCL INFO cudaDriverVersion 12040
@@ -239,15 +255,19 @@ def test_without_gpus_the_nccl_check_says_why_it_did_not_run():
 
 
 def test_nccl_check_uses_this_process_gpu_as_the_launcher_maps_gpu_ids(tmp_path):
-    # gpu_ids as accelerate reads them from a config file; the launcher makes them CUDA_VISIBLE_DEVICES, and the
-    # process of LOCAL_RANK r uses the r-th GPU it then sees.
+    # gpu_ids as accelerate reads them from a config file; the launcher makes them
+    # CUDA_VISIBLE_DEVICES, and the process of LOCAL_RANK r uses the r-th GPU it then sees.
     config = tmp_path / "2node.yaml"
-    config.write_text(CONFIG.replace("gpu_ids: all", "gpu_ids: 2,3").replace("num_processes: 2", "num_processes: 4"))
+    config.write_text(
+        CONFIG.replace("gpu_ids: all", "gpu_ids: 2,3").replace("num_processes: 2", "num_processes: 4")
+    )
     plan = doctor.make_plan(doctor.load_config(config), 1, "10.0.0.1", None, None, None, 30)
     assert plan.gpu_ids == "2,3"
     env, index, where = doctor.nccl_device(plan.gpu_ids, 8, environ={})
     assert (env, index) == ({"CUDA_VISIBLE_DEVICES": "2,3"}, 0) and where.startswith("GPU 2 (cuda:0 "), where
-    env, index, where = doctor.nccl_device(plan.gpu_ids, 8, environ={"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"})
+    env, index, where = doctor.nccl_device(
+        plan.gpu_ids, 8, environ={"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5"}
+    )
     assert (env, index) == ({"CUDA_VISIBLE_DEVICES": "2,3"}, 1) and where.startswith("GPU 3 (cuda:1 "), where
     # A single id, which YAML reads as a number.
     config.write_text(CONFIG.replace("gpu_ids: all", "gpu_ids: 5"))

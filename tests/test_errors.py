@@ -11,7 +11,17 @@ from accelerate_recipes.cli import as_command
 
 def cifar(tmp_path, *args, **env):
     return run(
-        [PYTHON, CIFAR_SCRIPT, "--num_workers", "0", "--tracker", "none", "--output_dir", tmp_path / "out", *args],
+        [
+            PYTHON,
+            CIFAR_SCRIPT,
+            "--num_workers",
+            "0",
+            "--tracker",
+            "none",
+            "--output_dir",
+            tmp_path / "out",
+            *args,
+        ],
         recipe_env(tmp_path, **env),
         timeout=120,
     )
@@ -20,7 +30,11 @@ def cifar(tmp_path, *args, **env):
 def test_no_cifar_data_offline(tmp_path):
     # A proxy on a closed port makes the download fail at once, as on a machine without internet.
     proc = cifar(
-        tmp_path, "--data_dir", tmp_path / "nothing", https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9"
+        tmp_path,
+        "--data_dir",
+        tmp_path / "nothing",
+        https_proxy="http://127.0.0.1:9",
+        http_proxy="http://127.0.0.1:9",
     )
     fails_with(proc, "cifar-10-python.tar.gz", str(tmp_path / "nothing"), "--dataset synthetic")
 
@@ -39,12 +53,16 @@ def test_corrupt_cifar_file_is_named(tmp_path):
     batch.write_bytes(batch.read_bytes()[:100])  # a truncated copy
     fails_with(cifar(tmp_path, "--data_dir", data, "--download", "False"), "not found or corrupt")
     # Without checksums the truncated pickle is still reported, not a traceback.
-    fails_with(cifar(tmp_path, "--data_dir", data, "--download", "False", "--verify_data", "False"), "corrupt")
+    fails_with(
+        cifar(tmp_path, "--data_dir", data, "--download", "False", "--verify_data", "False"), "corrupt"
+    )
 
 
 def test_missing_imagefolder_split(tmp_path):
     (tmp_path / "imgs" / "train" / "cat").mkdir(parents=True)
-    fails_with(cifar(tmp_path, "--dataset", "imagefolder", "--data_dir", tmp_path / "imgs"), "val", "does not exist")
+    fails_with(
+        cifar(tmp_path, "--dataset", "imagefolder", "--data_dir", tmp_path / "imgs"), "val", "does not exist"
+    )
 
 
 def test_global_batch_that_does_not_divide(tmp_path):
@@ -69,7 +87,10 @@ def test_global_batch_that_does_not_divide(tmp_path):
     "args, fragments",
     [
         (["--tracker", "nonsense"], ["unknown tracker", "swanlab"]),
-        (["--tracker", "swanlab", "--swanlab_mode", "cloud"], ["swanlab login", "SWANLAB_API_KEY", "offline"]),
+        (
+            ["--tracker", "swanlab", "--swanlab_mode", "cloud"],
+            ["swanlab login", "SWANLAB_API_KEY", "offline"],
+        ),
         (["--dataset", "mnist"], ["unknown --dataset", "synthetic"]),
         (["--model", "vgg11"], ["unknown --model", "resnet18"]),
         # accelerate would train it in fp32 on the CPU while results.json says fp16

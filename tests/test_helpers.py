@@ -62,7 +62,8 @@ def test_tracker_setup_for_swanlab_offline_writes_under_output_dir(monkeypatch, 
 
 
 def test_swanlab_login_is_the_main_process_concern_only(monkeypatch, tmp_path):
-    # A rank on a node without `swanlab login` (RANK set by the launcher, before any Accelerator exists).
+    # A rank on a node without `swanlab login` (RANK set
+    # by the launcher, before any Accelerator exists).
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     for key in ("SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_ROOT", "SWANLAB_SAVE_DIR", "SWANLAB_LOG_DIR"):
@@ -72,7 +73,8 @@ def test_swanlab_login_is_the_main_process_concern_only(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")  # the main process decides, and says what to do
     with pytest.raises(RecipeError, match="cloud mode needs a login"):
         setup_tracker("swanlab", tmp_path / "run", "name", swanlab_mode="cloud")
-    with pytest.raises(RecipeError, match="unknown SwanLab mode"):  # a wrong flag is wrong on every rank
+    # a wrong flag is wrong on every rank
+    with pytest.raises(RecipeError, match="unknown SwanLab mode"):
         monkeypatch.setenv("RANK", "1")
         resolve_swanlab_mode("clowd")
 
@@ -81,7 +83,8 @@ def test_swanlab_cloud_that_cannot_be_reached_logs_offline_within_seconds(monkey
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("SWANLAB_LOG_DIR", raising=False)
     monkeypatch.setenv("SWANLAB_API_KEY", "x" * 21)  # logged in, but this node has no way out
-    with socket.socket() as closed:  # a loopback port nobody listens on: refused, as a firewalled node would be
+    # a loopback port nobody listens on: refused, as a firewalled node would be
+    with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     monkeypatch.setenv("SWANLAB_API_HOST", f"http://127.0.0.1:{port}")
@@ -99,7 +102,9 @@ def test_swanlab_cloud_that_cannot_be_reached_logs_offline_within_seconds(monkey
         server.bind(("127.0.0.1", 0))
         server.listen()
         monkeypatch.setenv("SWANLAB_API_HOST", f"http://127.0.0.1:{server.getsockname()[1]}")
-        assert setup_tracker("swanlab", tmp_path / "run", "name", swanlab_mode="cloud").swanlab_mode == "online"
+        assert (
+            setup_tracker("swanlab", tmp_path / "run", "name", swanlab_mode="cloud").swanlab_mode == "online"
+        )
 
 
 AFFINITY_PROBE = """
@@ -127,12 +132,18 @@ def test_cpu_threads_and_workers_fit_the_cores_this_process_may_use(tmp_path):
     two = allowed[:2]
     # One process on (up to) two cores: no workers, every core a torch thread; the line says so.
     sizing, out = probe_cpu_sizing(tmp_path, two, "none", OMP_NUM_THREADS="")
-    assert sizing == {"cores": len(two), "workers": 0, "threads": len(two), "gpu_default_workers": len(two) - 1}
+    assert sizing == {
+        "cores": len(two),
+        "workers": 0,
+        "threads": len(two),
+        "gpu_default_workers": len(two) - 1,
+    }
     assert f"CPU: {len(two)} torch thread(s) and 0 DataLoader worker(s) per process" in out
     # Two local processes on those cores (make detect-cpu on 2 cores): 1 thread and 0 workers each.
     sizing, _ = probe_cpu_sizing(tmp_path, two, "none", OMP_NUM_THREADS="", LOCAL_WORLD_SIZE=2)
     assert (sizing["workers"], sizing["threads"]) == (0, 1)
-    # Workers asked for take cores from torch; the affinity mask, not os.cpu_count(), is what counts.
+    # Workers asked for take cores from torch; the
+    # affinity mask, not os.cpu_count(), is what counts.
     sizing, _ = probe_cpu_sizing(tmp_path, allowed[:1], "1", OMP_NUM_THREADS="")
     assert sizing == {"cores": 1, "workers": 1, "threads": 1, "gpu_default_workers": 0}
     # A lower thread count from the launcher (--num_cpu_threads_per_process) is kept.
@@ -141,7 +152,8 @@ def test_cpu_threads_and_workers_fit_the_cores_this_process_may_use(tmp_path):
 
 
 def test_visible_gpus_must_cover_the_processes_of_this_machine(monkeypatch):
-    # No GPU here: torch's count is set to what a 4-GPU machine reports, the rest of the check runs as it would there.
+    # No GPU here: torch's count is set to what a 4-GPU machine reports, the rest of the check runs
+    # as it would there.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")

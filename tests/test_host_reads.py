@@ -1,4 +1,5 @@
-"""The host-read audit: the recipes read no tensor value on the host between log steps, and the audit sees reads."""
+"""The host-read audit: the recipes read no tensor value on the host between log steps, and the
+audit sees reads."""
 
 import json
 import textwrap
@@ -17,7 +18,8 @@ from conftest import (
     text_files,
 )
 
-# Six optimizer steps inside one epoch; logs only at steps 1 and 6, checkpoints only at the epoch end.
+# Six optimizer steps inside one epoch; logs only at
+# steps 1 and 6, checkpoints only at the epoch end.
 QUIET = [
     "--max_steps",
     "6",
@@ -36,16 +38,18 @@ def audited(out) -> dict:
     return json.loads((out / "host_reads.json").read_text())
 
 
-# The shared runs' audits are checked where those runs are made, so that no worker makes a run only for this file:
-# cifar_one / cifar_two in test_cifar_training.py, text_one / text_two in test_text_classification.py, detect_one in
-# test_detect_training.py. detect_two (the copied detect/ folder) is read here and in test_template.py.
+# The shared runs' audits are checked where those runs are made, so that no worker makes a run only
+# for this file: cifar_one / cifar_two in test_cifar_training.py, text_one / text_two in
+# test_text_classification.py, detect_one in test_detect_training.py. detect_two (the copied detect/
+# folder) is read here and in test_template.py.
 def test_detector_loop_reads_nothing_between_log_steps_on_two_processes(detect_two):
     # 6 steps inside one epoch on 2 processes, logged at steps 1 and 6 only
     assert_both_ranks_quiet(detect_two, steps=6, log_every=1000)
 
 
-# accelerate builds its fp16 GradScaler and autocast only off the CPU (there it runs fp16 as fp32, with no scaler).
-# This launcher gives the Accelerator what it builds on a GPU, with torch's CPU GradScaler, then runs the recipe.
+# accelerate builds its fp16 GradScaler and autocast only off the CPU (there it runs fp16 as fp32,
+# with no scaler). This launcher gives the Accelerator what it builds on a GPU, with torch's CPU
+# GradScaler, then runs the recipe.
 FP16_WITH_SCALER = """
 import os
 import runpy
@@ -70,7 +74,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, tmp_path):
-    """Under fp16 the GradScaler reads found_inf in every optimizer step: counted apart, named, and not a failure."""
+    """Under fp16 the GradScaler reads found_inf in every optimizer step: counted apart, named, and
+    not a failure."""
     launcher = tmp_path / "fp16_with_scaler.py"
     launcher.write_text(FP16_WITH_SCALER)
     out = tmp_path / "out"
@@ -94,7 +99,8 @@ def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, 
     )
     report = audited(out)
     assert_quiet(report, proc, steps=6, log_every=1000)
-    # Step k + 1 reads found_inf inside optimizer.step, before the step counter moves: one read in each interval 0-5.
+    # Step k + 1 reads found_inf inside optimizer.step, before the step counter moves: one read in
+    # each interval 0-5.
     assert [i["grad_scaler_reads"] for i in report["intervals"]] == [1, 1, 1, 1, 1, 1, 0]
     assert report["grad_scaler_reads"] == 6 and report["grad_scaler_reads_per_step"] == 1.0
     (scaler,) = [s for s in report["sites"] if s["kind"] == "grad_scaler"]
@@ -105,7 +111,8 @@ def test_fp16_grad_scaler_read_is_reported_once_per_step_as_expected(text_data, 
     assert "on quiet steps:" not in proc.stdout
 
 
-# A loop that reads its loss every step (the classic `.item()` in the loop) and reads in its collate function.
+# A loop that reads its loss every step (the classic
+# `.item()` in the loop) and reads in its collate function.
 LEAKY = """
 import torch
 from torch.utils.data import DataLoader
@@ -149,8 +156,10 @@ def test_a_read_in_every_step_is_counted_at_its_line_and_fails_the_run(tmp_path)
     assert [i["shape"] for i in report["intervals"]] == [0, 1, 1, 1, 1, 1, 1]
     (leak,) = [s for s in report["sites"] if s["fails"]]
     assert (leak["op"], leak["site"], leak["quiet_count"]) == ("item", f"{script}:{leak_line}", 4), leak
-    assert report["excluded"]["data_loading"] >= 6  # the collate function's six reads and the DataLoader's seed
-    # --strict also fails on the boolean-mask index; --allow turns the quiet steps into allowed ones.
+    # the collate function's six reads and the DataLoader's seed
+    assert report["excluded"]["data_loading"] >= 6
+    # --strict also fails on the boolean-mask index; --allow turns the quiet steps into allowed
+    # ones.
     strict = run([PYTHON, AUDIT, "--output", out, "--strict", "True", script], recipe_env(tmp_path))
     fails_with(strict, "8 host read(s)")
     check(run([PYTHON, AUDIT, "--output", out, "--allow", "2,3,4,5", script], recipe_env(tmp_path)))

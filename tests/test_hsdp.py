@@ -1,8 +1,8 @@
-"""Hybrid sharding (accelerate_configs/2node-hsdp.yaml) for real: FSDP2 on a 2-D device mesh over 4 gloo
-processes, two "nodes" of two on 127.0.0.1 started by the hostfile launcher, as on two servers. Each node
-shards the model over its own processes and the nodes hold replicas; the chat recipe trains what one process
-trains (conftest's sft_one, with its flags) and saves the adapter whole. The mesh's sizes are checked
-against the launch before anything starts."""
+"""Hybrid sharding (accelerate_configs/2node-hsdp.yaml) for real: FSDP2 on a 2-D device mesh over 4
+gloo processes, two "nodes" of two on 127.0.0.1 started by the hostfile launcher, as on two servers.
+Each node shards the model over its own processes and the nodes hold replicas; the chat recipe
+trains what one process trains (conftest's sft_one, with its flags) and saves the adapter whole. The
+mesh's sizes are checked against the launch before anything starts."""
 
 import pytest
 import yaml
@@ -31,10 +31,10 @@ from accelerate_recipes.sharding import check_hybrid_sharding
 HSDP = CONFIGS / "2node-hsdp.yaml"
 SCALING = REPO / "benchmarks" / "scaling.py"
 ADAPTER = "adapter_model.safetensors"
-# sft_one's run on 1 process and this one differ only in where the gradient sums happen (in one process, or a
-# reduce-scatter within each node and an all-reduce across the nodes). Measured max difference over the 24
-# steps: 9.5e-7 (losses), 2.4e-7 (adapter). The tolerance of the suite's 1 vs 2 processes comparison
-# (test_sft.py).
+# sft_one's run on 1 process and this one differ only in where the gradient sums happen (in one
+# process, or a reduce-scatter within each node and an all-reduce across the nodes). Measured max
+# difference over the 24 steps: 9.5e-7 (losses), 2.4e-7 (adapter). The tolerance of the suite's 1 vs
+# 2 processes comparison (test_sft.py).
 TOLERANCE = 1e-5
 
 
@@ -46,10 +46,11 @@ def without(flags: list, name: str) -> list:
 
 @pytest.fixture(scope="module")
 def hsdp_lora(tiny_chat_model, sft_data, module_tmp):
-    """sft_one's run (a LoRA adapter, 2 epochs of 12 steps at a global batch of 8) on 2 nodes x 2 processes
-    under 2node-hsdp.yaml, its shard size set to the 2 processes of a node, as a user with 2 GPUs per node
-    sets it. Without the answers generated at evaluation (a sharded model refuses them), which change no
-    trained number; with a sharded checkpoint at step 12, whose files show what each process held."""
+    """sft_one's run (a LoRA adapter, 2 epochs of 12 steps at a global batch of 8) on 2 nodes x 2
+    processes under 2node-hsdp.yaml, its shard size set to the 2 processes of a node, as a user with
+    2 GPUs per node sets it. Without the answers generated at evaluation (a sharded model refuses
+    them), which change no trained number; with a sharded checkpoint at step 12, whose files show
+    what each process held."""
     root = module_tmp.mktemp("hsdp")
     hosts = root / "hosts.txt"
     hosts.write_text("localhost slots=2\nlocalhost slots=2\n")
@@ -97,18 +98,19 @@ def test_hsdp_lora_trains_like_one_process_and_saves_the_whole_adapter(hsdp_lora
 
 @pytest.mark.parametrize("part", ["pytorch_model_fsdp_0", "optimizer_0"])
 def test_each_node_holds_its_own_half_of_every_tensor(hsdp_lora, part):
-    """The sharded checkpoint (torch.distributed.checkpoint) lists each tensor's distinct pieces and the rank
-    that wrote each. Over 4 processes FSDP2 alone cuts every weight and AdamW state into 4 quarters, one per
-    rank; under HSDP each is cut into 2 halves (local rank 0 holds the first, local rank 1 the second), the
-    same on both nodes, so the checkpoint keeps each half once, written by a rank of either node
-    holding it."""
+    """The sharded checkpoint (torch.distributed.checkpoint) lists each tensor's distinct pieces and
+    the rank that wrote each. Over 4 processes FSDP2 alone cuts every weight and AdamW state into 4
+    quarters, one per rank; under HSDP each is cut into 2 halves (local rank 0 holds the first,
+    local rank 1 the second), the same on both nodes, so the checkpoint keeps each half once,
+    written by a rank of either node holding it."""
     metadata = FileSystemReader(str(hsdp_lora / "checkpoints" / "step_00000012" / part)).read_metadata()
     writers = {}  # (tensor, offset along dim 0) -> the rank that wrote that piece
     for index, storage in metadata.storage_data.items():
         rank = int(storage.relative_path.removeprefix("__").split("_")[0])
         writers[index.fqn, tuple(index.offset or ())[:1]] = rank  # no offset: a scalar (the step)
     tensors = {n: m for n, m in metadata.state_dict_metadata.items() if len(getattr(m, "size", ())) >= 1}
-    assert len(tensors) >= 28, sorted(tensors)  # the LoRA matrices at least (the model: its base weights too)
+    # the LoRA matrices at least (the model: its base weights too)
+    assert len(tensors) >= 28, sorted(tensors)
     for name, meta in tensors.items():
         rows = meta.size[0]
         pieces = sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
@@ -158,26 +160,28 @@ def test_a_mesh_that_does_not_fit_stops_with_sizes_that_fit(monkeypatch, world, 
     assert f"for {nodes} node(s) x {local} process(es) launch with {fix}" in message
 
 
-FITTING = [(4, 2, 2, 2), (16, 8, 2, 8), (8, 8, 2, 4), (8, 4, 1, 8)]  # processes, per node, replicas, shards
+# processes, per node, replicas, shards
+FITTING = [(4, 2, 2, 2), (16, 8, 2, 8), (8, 8, 2, 4), (8, 4, 1, 8)]
 
 
 @pytest.mark.parametrize("world, local, replicate, shard", FITTING)
 def test_a_mesh_of_whole_nodes_starts(monkeypatch, world, local, replicate, shard):
-    """2 nodes x 2 or x 8 processes, two replicas of 4 on one node, and FSDP over all 8 processes of 2 nodes
-    (one replica: what fsdp.yaml does)."""
+    """2 nodes x 2 or x 8 processes, two replicas of 4 on one node, and FSDP over all 8 processes of
+    2 nodes (one replica: what fsdp.yaml does)."""
     launched(monkeypatch, world, local, dp_replicate=replicate, dp_shard=shard)
     check_hybrid_sharding()
 
 
-# ------------------------------------------------------------------- the layouts of benchmarks/scaling.py
+# ------------------------------------------------------------- the layouts of benchmarks/scaling.py
 QWEN_7B = 7_615_616_512  # parameters of Qwen2.5-7B, as docs/multinode.md works its traffic out for
 LORA_7B = 40_370_176  # a LoRA adapter of rank 16 on its 7 linear layers x 28 blocks
 
 
 def test_each_layouts_traffic_is_the_ring_arithmetic_the_guide_works_out():
-    """2 nodes x 8 GPUs in bf16: DDP all-reduces fp32 gradients over all 16 processes, FSDP all-gathers the
-    bf16 weights twice a micro-batch and reduce-scatters bf16 gradients over all 16, HSDP does that over the 8
-    of a node and all-reduces the gradients across the 2 nodes; the figures of docs/multinode.md's table."""
+    """2 nodes x 8 GPUs in bf16: DDP all-reduces fp32 gradients over all 16 processes, FSDP
+    all-gathers the bf16 weights twice a micro-batch and reduce-scatters bf16 gradients over all 16,
+    HSDP does that over the 8 of a node and all-reduces the gradients across the 2 nodes; the
+    figures of docs/multinode.md's table."""
     from scaling import layout_traffic, size
 
     def traffic(name, shard, trainable, micro_batches=1):
@@ -194,7 +198,8 @@ def test_each_layouts_traffic_is_the_ring_arithmetic_the_guide_works_out():
     layouts = (("ddp", 1), ("fsdp", 16), ("hsdp", 8))
     lora = [size(traffic(name, shard, LORA_7B)["network"]) for name, shard in layouts]
     assert lora == ["303 MB", "28.6 GB", "80.7 MB"]
-    # Micro-batches gather FSDP's weights again each time; HSDP's network share is the gradients' alone.
+    # Micro-batches gather FSDP's weights again each
+    # time; HSDP's network share is the gradients' alone.
     assert size(traffic("fsdp", 16, QWEN_7B, micro_batches=4)["network"]) == "129 GB"
     assert traffic("hsdp", 8, QWEN_7B, micro_batches=4)["network"] == hsdp["network"]
 

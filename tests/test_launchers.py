@@ -1,4 +1,5 @@
-"""Every way users start the recipe forms one process group, and every shipped config starts what it promises."""
+"""Every way users start the recipe forms one process group, and every shipped config starts what it
+promises."""
 
 import json
 import subprocess
@@ -49,12 +50,14 @@ def test_config_is_valid_for_accelerate(name):
     assert (config.num_processes, config.num_machines) == (processes, machines)
     assert config.distributed_type.value == DISTRIBUTED_TYPE.get(name, "MULTI_GPU")
     assert config.mixed_precision == ("no" if name == "cpu" else "bf16")
-    # Checkpoints are per-rank shards; save_pretrained gathers the whole model (FSDP2 always, ZeRO-3 with this flag).
+    # Checkpoints are per-rank shards; save_pretrained gathers the whole model (FSDP2 always, ZeRO-3
+    # with this flag).
     if name == "fsdp":
         assert config.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
     if name == "deepspeed":
         assert config.deepspeed_config["zero3_save_16bit_model"] is True
-        # The launcher would export these over the recipe's --gradient_accumulation_steps and --max_grad_norm.
+        # The launcher would export these over the recipe's --gradient_accumulation_steps and
+        # --max_grad_norm.
         assert not {"gradient_accumulation_steps", "gradient_clipping"} & set(config.deepspeed_config)
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     assert "main_process_ip" not in raw, "the node's main address must come from the command line"
@@ -64,7 +67,8 @@ PROBE = REPO / "tests" / "probe_ranks.py"
 
 
 def probe_records(out, processes: int) -> list[dict]:
-    """What each launched process of tests/probe_ranks.py saw, by rank; every rank wrote once and joined one group."""
+    """What each launched process of tests/probe_ranks.py saw, by rank; every rank wrote once and
+    joined one group."""
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
     assert sorted(p.name for p in out.iterdir()) == sorted(f"rank{rank}.json" for rank in range(processes))
     assert [r["rank"] for r in records] == list(range(processes))
@@ -73,7 +77,8 @@ def probe_records(out, processes: int) -> list[dict]:
 
 
 def launch_nodes(config: str, tmp_path, machines: int, processes: int, timeout=300):
-    """Start `machines` accelerate launchers of the probe on 127.0.0.1, as two nodes would, and wait for all of them."""
+    """Start `machines` accelerate launchers of the probe on 127.0.0.1, as two nodes would, and wait
+    for all of them."""
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="true")
     port = free_port()
     out = tmp_path / "out"
@@ -99,7 +104,9 @@ def launch_nodes(config: str, tmp_path, machines: int, processes: int, timeout=3
         for rank in range(machines)
     ]
     procs = [
-        subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for cmd in cmds
     ]
     outputs = []
@@ -114,9 +121,10 @@ def launch_nodes(config: str, tmp_path, machines: int, processes: int, timeout=3
     return probe_records(out, processes)
 
 
-# The launchers are proven with a probe that only forms the process group: a recipe under every config would start
-# ~37 processes importing torchvision and transformers. The recipe itself runs on two nodes in test_multinode.py,
-# under torch.distributed.launch below, and on 2-4 processes across the suite.
+# The launchers are proven with a probe that only forms the process group: a recipe under every
+# config would start ~37 processes importing torchvision and transformers. The recipe itself runs on
+# two nodes in test_multinode.py, under torch.distributed.launch
+# below, and on 2-4 processes across the suite.
 @pytest.mark.parametrize("name", ["1gpu", "2gpu", "4gpu", "8gpu", "cpu"])
 def test_each_single_machine_config_launches_its_world_size(name, tmp_path):
     processes, _ = PROMISES[name]
@@ -158,7 +166,9 @@ def test_2node_config_as_shipped_runs_16_processes_on_two_nodes(tmp_path):
 
 def test_torchrun(tmp_path):
     env = recipe_env(tmp_path, ACCELERATE_USE_CPU="1")
-    check(run([TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), PROBE, tmp_path / "out"], env))
+    check(
+        run([TORCHRUN, "--nproc_per_node", "2", "--master_port", free_port(), PROBE, tmp_path / "out"], env)
+    )
     records = probe_records(tmp_path / "out", 2)
     assert [r["local_rank"] for r in records] == [0, 1]
     assert {r["distributed_type"] for r in records} == {"MULTI_CPU"}

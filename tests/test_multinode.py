@@ -1,4 +1,5 @@
-"""One-command multi-node launch from a hostfile, and the SLURM per-node script, on two "nodes" on 127.0.0.1."""
+"""One-command multi-node launch from a hostfile, and the SLURM per-node script, on two "nodes" on
+127.0.0.1."""
 
 import os
 import shlex
@@ -160,7 +161,10 @@ def test_one_failing_node_stops_the_others(tmp_path):
         timeout=120,
     )
     assert proc.returncode != 0
-    assert "error: node localhost (machine rank 1) exited with code 1; the other nodes were stopped" in proc.stderr
+    assert (
+        "error: node localhost (machine rank 1) exited with code 1; the other nodes were stopped"
+        in proc.stderr
+    )
     assert time.monotonic() - started < 90
     for node in (0, 1):
         pid = int((tmp_path / f"node{node}.pid").read_text())
@@ -172,19 +176,33 @@ def test_hostfile_and_port_errors(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("node1 slots=8\nnode2 8\n")
     fails_with(
-        run([*LAUNCHER, "--hostfile", bad, CIFAR_SCRIPT], env), "bad.txt:2: cannot read 'node2 8'", "`node1 slots=8`"
+        run([*LAUNCHER, "--hostfile", bad, CIFAR_SCRIPT], env),
+        "bad.txt:2: cannot read 'node2 8'",
+        "`node1 slots=8`",
     )
     fails_with(
         run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path, (2, 1)), CIFAR_SCRIPT], env),
         "different slots per node (localhost=2, localhost=1)",
     )
-    fails_with(run([*LAUNCHER, "--hostfile", tmp_path / "none.txt", CIFAR_SCRIPT], env), "none.txt does not exist")
+    fails_with(
+        run([*LAUNCHER, "--hostfile", tmp_path / "none.txt", CIFAR_SCRIPT], env), "none.txt does not exist"
+    )
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         fails_with(
-            run([*LAUNCHER, "--hostfile", two_local_nodes(tmp_path), "--main_process_port", port, CIFAR_SCRIPT], env),
+            run(
+                [
+                    *LAUNCHER,
+                    "--hostfile",
+                    two_local_nodes(tmp_path),
+                    "--main_process_port",
+                    port,
+                    CIFAR_SCRIPT,
+                ],
+                env,
+            ),
             f"port {port} on 0.0.0.0 is in use",
             "--main_process_port",
         )
@@ -218,13 +236,16 @@ def test_remote_nodes_get_ssh_with_rank_address_and_forwarded_network_settings(m
     launch = next(line for line in script.splitlines() if " launch " in line)
     assert "NCCL_SOCKET_IFNAME=eth0" in launch and "SWANLAB_MODE=offline" in launch
     assert (
-        "--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500"
+        "--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port "
+        "29500"
     ) in launch
     assert launch.rstrip(" &").endswith("recipes/cifar.py --epochs 5")
 
-    # --restarts 2 (make <recipe>-hostfile RESTARTS=2): each node's elastic agent restarts its workers, the group
-    # re-formed through c10d, every start continuing from the last checkpoint
-    args = multinode.parse_args(["--hostfile", str(hostfile), "--restarts", "2", "recipes/cifar.py", "--epochs", "5"])
+    # --restarts 2 (make <recipe>-hostfile RESTARTS=2): each node's elastic agent restarts its
+    # workers, the group re-formed through c10d, every start continuing from the last checkpoint
+    args = multinode.parse_args(
+        ["--hostfile", str(hostfile), "--restarts", "2", "recipes/cifar.py", "--epochs", "5"]
+    )
     script = shlex.split(multinode.node_command(1, hosts, args)[6])[2]
     launch = next(line for line in script.splitlines() if " launch " in line)
     assert "--max_restarts 2 --rdzv_backend c10d" in launch
@@ -242,8 +263,9 @@ def wait_for_listener(port: int, timeout: float = 60) -> None:
 
 
 def test_slurm_node_script_joins_two_nodes_through_c10d(tmp_path):
-    # What srun runs on each node of multi_node.sbatch, with the variables SLURM sets. On one machine both nodes
-    # could host the rendezvous; on a cluster only the first node owns MASTER_ADDR, so node 0 starts first here.
+    # What srun runs on each node of multi_node.sbatch, with the variables SLURM sets. On one
+    # machine both nodes could host the rendezvous; on a cluster only the first node owns
+    # MASTER_ADDR, so node 0 starts first here.
     port = free_port()
     procs = []
     try:
@@ -293,12 +315,15 @@ def test_slurm_node_script_joins_two_nodes_through_c10d(tmp_path):
 
 def test_slurm_node_script_outside_slurm_says_how_to_run_it(tmp_path):
     proc = run([REPO / "slurm" / "node_launch.sh", CIFAR_SCRIPT], recipe_env(tmp_path))
-    assert proc.returncode != 0 and "run this through srun inside an sbatch or salloc allocation" in proc.stderr
+    assert (
+        proc.returncode != 0 and "run this through srun inside an sbatch or salloc allocation" in proc.stderr
+    )
 
 
 def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(tmp_path):
-    # SLURM does not run here: `srun` and `scontrol` are small stand-ins that record what the script asks of them.
-    # What is tested is the script's own logic: USR1 from SLURM -> SIGTERM to the training step -> wait -> requeue.
+    # SLURM does not run here: `srun` and `scontrol` are small stand-ins that record what the script
+    # asks of them. What is tested is the script's own logic: USR1 from SLURM -> SIGTERM to the
+    # training step -> wait -> requeue.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(
@@ -309,11 +334,14 @@ def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(t
         "wait $sleeper\n"
     )
     (bin_dir / "scontrol").write_text(
-        f'#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node-a; exit 0; fi\necho "$@" > {tmp_path}/scontrol_args\n'
+        '#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node-a; exit 0; fi\necho "$@" > '
+        f"{tmp_path}/scontrol_args\n"
     )
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    env = recipe_env(tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b", SLURM_CPUS_PER_TASK="64")
+    env = recipe_env(
+        tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b", SLURM_CPUS_PER_TASK="64"
+    )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     job = subprocess.Popen(
         ["bash", str(REPO / "slurm" / "multi_node.sbatch"), "recipes/cifar.py", "--epochs", "5"],
@@ -333,5 +361,6 @@ def test_sbatch_script_passes_the_stop_signal_on_and_requeues_with_resume_auto(t
     assert (tmp_path / "srun_signal").read_text().strip() == "TERM"
     assert (tmp_path / "scontrol_args").read_text().split() == ["requeue", "4242"]
     assert (tmp_path / "srun_args").read_text().split()[-4:] == ["--epochs", "5", "--resume", "auto"]
-    # SLURM >= 22.05 gives srun's task one core unless srun itself asks for the batch job's --cpus-per-task.
+    # SLURM >= 22.05 gives srun's task one core unless srun itself asks for the batch job's
+    # --cpus-per-task.
     assert "--cpus-per-task=64" in (tmp_path / "srun_args").read_text().split()

@@ -1,5 +1,6 @@
-"""A plain checkout runs with an interpreter that has the dependencies but not this package, with no venv and no
-install step (`PYTHON_ENV=system`): what a GPU machine with PyTorch preinstalled, often offline, offers."""
+"""A plain checkout runs with an interpreter that has the dependencies but not this package, with no
+venv and no install step (`PYTHON_ENV=system`): what a GPU machine with PyTorch preinstalled, often
+offline, offers."""
 
 import json
 import shutil
@@ -12,10 +13,12 @@ from conftest import REPO, recipe_env, run, time_limit
 
 
 def bare_interpreter(folder):
-    """A venv without pip whose only packages are this environment's site-packages, read through a .pth line: the
-    dependencies are there, this project is not (its editable install is a .pth of that folder, which Python does not
-    follow from a .pth-added path)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=time_limit(120))
+    """A venv without pip whose only packages are this environment's site-packages, read through a
+    .pth line: the dependencies are there, this project is not (its editable install is a .pth of
+    that folder, which Python does not follow from a .pth-added path)."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=time_limit(120)
+    )
     python = folder / "bin" / "python"
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -28,7 +31,8 @@ def bare_interpreter(folder):
 
 
 def clean_checkout(folder):
-    """The files a clone would hold: tracked and not ignored, as they are in the working tree now."""
+    """The files a clone would hold: tracked and not ignored, as they are in the working tree
+    now."""
     names = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -50,9 +54,12 @@ def test_gpu_check_cpu_smoke_runs_from_a_plain_checkout_without_installing(tmp_p
     env = recipe_env(tmp_path)
     env.pop("PYTHONPATH", None)
     probe = run(
-        [python, "-c", "import torch, accelerate, transformers, fire; import accelerate_recipes"], env, cwd=tmp_path
+        [python, "-c", "import torch, accelerate, transformers, fire; import accelerate_recipes"],
+        env,
+        cwd=tmp_path,
     )
-    assert "No module named 'accelerate_recipes'" in probe.stderr, probe.output  # the dependencies, not the package
+    # the dependencies, not the package
+    assert "No module named 'accelerate_recipes'" in probe.stderr, probe.output
 
     out = tmp_path / "check"
     proc = run(

@@ -1,5 +1,6 @@
-"""The pictures a run leaves behind: results.png from metrics.jsonl, confusion matrices, and the detector's PR curve
-and matching; a run without matplotlib still finishes and says how to get them."""
+"""The pictures a run leaves behind: results.png from metrics.jsonl, confusion matrices, and the
+detector's PR curve and matching; a run without matplotlib still finishes and says how to get
+them."""
 
 import json
 import math
@@ -21,8 +22,8 @@ from accelerate_recipes.plots import (
 
 
 def write_metrics(path, with_eval=True, steps=60, per_epoch=20):
-    """A metrics.jsonl as TrainingProgress writes it: train rows every 5 steps, eval rows at epoch ends; a last line
-    cut short."""
+    """A metrics.jsonl as TrainingProgress writes it: train rows every 5 steps, eval rows at epoch
+    ends; a last line cut short."""
     lines = []
     for step in [1, *range(5, steps + 1, 5)]:
         lines.append(
@@ -53,16 +54,19 @@ def test_results_png_draws_every_panel(tmp_path):
     full = plot_results(write_metrics(tmp_path / "full.jsonl"), tmp_path / "results.png")
     assert full == tmp_path / "results.png"
     with_eval = check_png(full, 800, 600)
-    train_only = check_png(plot_results(write_metrics(tmp_path / "train.jsonl", with_eval=False), tmp_path / "t.png"))
+    train_only = check_png(
+        plot_results(write_metrics(tmp_path / "train.jsonl", with_eval=False), tmp_path / "t.png")
+    )
     assert with_eval.size == train_only.size
-    # The evaluation panel (bottom left quarter) holds the eval markers in one and a "nothing logged yet" note in the
-    # other: the pictures differ there.
+    # The evaluation panel (bottom left quarter) holds the eval markers in one and a "nothing logged
+    # yet" note in the other: the pictures differ there.
     box = (0, with_eval.height // 2, with_eval.width // 2, with_eval.height)
     assert with_eval.crop(box).tobytes() != train_only.crop(box).tobytes()
 
 
 def test_confusion_matrix_csv_round_trip_and_picture(tmp_path):
-    counts = torch.tensor([[50, 3, 0], [4, 40, 6], [0, 0, 0]])  # the last class has no samples: a row of zeros
+    # the last class has no samples: a row of zeros
+    counts = torch.tensor([[50, 3, 0], [4, 40, 6], [0, 0, 0]])
     names = ["airplane", "automobile", "bird"]
     path = save_confusion_matrix(counts, names, tmp_path)
     assert path == tmp_path / "confusion_matrix.csv"
@@ -126,7 +130,8 @@ def record(true_boxes, true_labels, boxes, labels, scores):
 
 def test_detection_confusion_matrix_matches_as_ultralytics_does():
     records = [
-        # object 0 (class 0) found as class 0; object 1 (class 1) found as class 2; a 0.2-score box ignored
+        # object 0 (class 0) found as class 0; object 1
+        # (class 1) found as class 2; a 0.2-score box ignored
         record(
             [[0, 0, 10, 10], [20, 20, 40, 40]],
             [0, 1],
@@ -134,8 +139,9 @@ def test_detection_confusion_matrix_matches_as_ultralytics_does():
             [0, 2, 1],
             [0.9, 0.5, 0.2],
         ),
-        # two predictions on one object: the better overlap matches, the other is a false positive (background row);
-        # a box overlapping an object at IoU 0.25 (< 0.45) matches nothing: that object is missed
+        # two predictions on one object: the better overlap matches, the other is a false positive
+        # (background row); a box overlapping an object at IoU 0.25 (< 0.45) matches nothing: that
+        # object is missed
         record(
             [[0, 0, 10, 10], [50, 50, 70, 70]],
             [1, 0],
@@ -148,7 +154,8 @@ def test_detection_confusion_matrix_matches_as_ultralytics_does():
         record([[1, 1, 5, 5]], [2], [], [], []),
     ]
     counts = detection_confusion_matrix(records, num_classes=3)
-    expected = torch.zeros(4, 4, dtype=torch.long)  # rows: true class, columns: predicted; index 3: background
+    # rows: true class, columns: predicted; index 3: background
+    expected = torch.zeros(4, 4, dtype=torch.long)
     expected[0, 0] = 1  # image 1, object 0
     expected[1, 2] = 1  # image 1, object 1: class confusion
     expected[1, 1] = 1  # image 2, object 0: matched by the IoU-1.0 box
@@ -169,7 +176,9 @@ def test_pr_curve_table_is_the_one_map50_is_computed_from(tmp_path):
         corner = torch.rand(n, 2, generator=g) * 80
         true_boxes = torch.cat((corner, corner + 10 + torch.rand(n, 2, generator=g) * 40), dim=1)
         true_labels = torch.randint(0, 3, (n,), generator=g)
-        boxes = torch.cat((true_boxes + torch.randn(n, 4, generator=g) * 3, torch.rand(2, 4, generator=g) * 30))
+        boxes = torch.cat(
+            (true_boxes + torch.randn(n, 4, generator=g) * 3, torch.rand(2, 4, generator=g) * 30)
+        )
         boxes[-2:, 2:] += 40
         records.append(
             dict(
@@ -185,9 +194,12 @@ def test_pr_curve_table_is_the_one_map50_is_computed_from(tmp_path):
     assert pr["recall"].tolist() == pytest.approx([i / 100 for i in range(101)])
     assert precision.shape == (101, len(pr["classes"])) and sorted(pr["classes"]) == [0, 1, 2, 3]
     with_truth = [k for k, c in enumerate(pr["classes"]) if c != 3]
-    assert (precision[:, [pr["classes"].index(3)]] == -1).all()  # class d: no ground truth, no curve
-    # COCO's AP50 is the mean precision over the 101 recall points, averaged over the classes with ground truth.
+    # class d: no ground truth, no curve
+    assert (precision[:, [pr["classes"].index(3)]] == -1).all()
+    # COCO's AP50 is the mean precision over the 101 recall
+    # points, averaged over the classes with ground truth.
     assert float(precision[:, with_truth].mean()) == pytest.approx(scores["eval_map50"], abs=1e-6)
     assert 0 < scores["eval_map50"] < 1
     check_png(plot_pr_curve(pr, ["a", "b", "c", "d"], tmp_path / "PR_curve.png"))
-    check_png(plot_pr_curve(None, ["a"], tmp_path / "empty.png"))  # nothing evaluated: the axes and a note
+    # nothing evaluated: the axes and a note
+    check_png(plot_pr_curve(None, ["a"], tmp_path / "empty.png"))

@@ -1,4 +1,5 @@
-"""README.md and README_zh.md list the same commands, every `make X` they name exists, and README.md stays short."""
+"""README.md and README_zh.md list the same commands, every `make X` they name exists, and README.md
+stays short."""
 
 import re
 import shutil
@@ -23,7 +24,8 @@ def fenced_commands(text: str) -> set[str]:
     found = set()
     for block in FENCE.findall(text):
         for line in block.splitlines():
-            line = re.sub(r"\s+#.*$", "", line).strip()  # a trailing comment (the language differs between editions)
+            # a trailing comment (the language differs between editions)
+            line = re.sub(r"\s+#.*$", "", line).strip()
             if line and not line.startswith("#"):
                 found.add(" ".join(line.split()))
     return found
@@ -36,7 +38,8 @@ def inline_make(text: str) -> set[str]:
 
 
 def make_targets(text: str) -> set[str]:
-    """Targets named as `make <target>` in fenced blocks and inline code spans (prose words are not commands)."""
+    """Targets named as `make <target>` in fenced blocks and inline code spans (prose words are not
+    commands)."""
     spans = FENCE.findall(text) + INLINE.findall(FENCE.sub("", text))
     return {target for span in spans for target in MAKE.findall(span)}
 
@@ -61,9 +64,14 @@ def test_the_two_setup_commands_are_there():
 
 @lru_cache(maxsize=1)
 def makefile_targets() -> tuple[set[str], list[re.Pattern]]:
-    """Explicit targets and pattern rules (cifar-%gpu style) from make's own database, generated ones included."""
+    """Explicit targets and pattern rules (cifar-%gpu style) from make's own database, generated
+    ones included."""
     out = subprocess.run(
-        ["make", "-pRrq", "-f", "Makefile", ":"], cwd=REPO, capture_output=True, text=True, timeout=time_limit(60)
+        ["make", "-pRrq", "-f", "Makefile", ":"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=time_limit(60),
     ).stdout
     names = {m.group(1) for m in re.finditer(r"^([A-Za-z0-9_%./-]+):(?!=)", out, re.M)}
     patterns = [re.compile(re.escape(n).replace("%", ".+") + "$") for n in names if "%" in n]

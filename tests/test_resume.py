@@ -1,9 +1,10 @@
-"""Checkpoints and resume for every recipe: a run killed anywhere continues to the same weights, bit for bit on CPU.
+"""Checkpoints and resume for every recipe: a run killed anywhere continues to the same weights, bit
+for bit on CPU.
 
-Each run is a real subprocess, killed for real (SIGKILL, SIGTERM) once a checkpoint has appeared on disk. The two
-killed runs whose reference is a shared session run sit in the file that makes that run anyway: the text recipe's
-SIGKILL test in test_text_classification.py (text_one), the 2-process run with a rank killed in
-test_cifar_training.py (cifar_two).
+Each run is a real subprocess, killed for real (SIGKILL, SIGTERM) once a checkpoint has appeared on
+disk. The two killed runs whose reference is a shared session run sit in the file that makes that
+run anyway: the text recipe's SIGKILL test in test_text_classification.py (text_one), the 2-process
+run with a rank killed in test_cifar_training.py (cifar_two).
 """
 
 import json
@@ -62,21 +63,22 @@ CIFAR = [
 @pytest.fixture(scope="module")
 def data(module_tmp):
     root = module_tmp.mktemp("resume-data")
-    shapes = write_synthetic_dataset(root / "shapes", num_train=48, num_val=9, image_size=128, seed=3)
+    shapes = write_synthetic_dataset(root / "shapes", num_train=48, num_val=9, image_size=96, seed=3)
     return {"shapes": shapes}
 
 
 def recipe_command(name: str, data: dict) -> list:
     if name == "cifar":
         return CIFAR
-    # detect: 6 steps per epoch, EMA weights, mosaic augmentation in epochs 1 and 2 and off in epoch 3 (--close_mosaic
-    # 1): a run killed in epoch 2 resumes with mosaic and turns it off where the uninterrupted run did
+    # detect: 6 steps per epoch, EMA weights, mosaic augmentation in epochs 1 and 2 and off in epoch
+    # 3 (--close_mosaic 1): a run killed in epoch 2 resumes with mosaic and turns it off where the
+    # uninterrupted run did
     return [
         DETECT_SCRIPT,
         "--data",
         data["shapes"],
         "--image_size",
-        "128",
+        "96",
         "--batch_size",
         "8",
         "--epochs",
@@ -95,14 +97,21 @@ def weights(output_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, module_tmp):
-    """The reference: each recipe run start to finish with the same flags. The text recipe's SIGKILL test, whose
-    reference is the shared text_one run, is test_text_classification.py's (where text_one is made anyway)."""
+    """The reference: each recipe run start to finish with the same flags. The text recipe's SIGKILL
+    test, whose reference is the shared text_one run, is test_text_classification.py's (where
+    text_one is made anyway)."""
     outputs = {}
 
     def get(name: str) -> Path:
         if name not in outputs:
             tmp = module_tmp.mktemp(f"reference-{name}")
-            check(run([PYTHON, *recipe_command(name, data), "--output_dir", tmp / "out"], recipe_env(tmp), timeout=400))
+            check(
+                run(
+                    [PYTHON, *recipe_command(name, data), "--output_dir", tmp / "out"],
+                    recipe_env(tmp),
+                    timeout=400,
+                )
+            )
             outputs[name] = tmp / "out"
         return outputs[name]
 
@@ -110,7 +119,9 @@ def uninterrupted(data, module_tmp):
 
 
 @pytest.mark.parametrize("name, kill_after", [("cifar", 8), ("detect", 8)])
-def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(name, kill_after, data, uninterrupted, tmp_path):
+def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(
+    name, kill_after, data, uninterrupted, tmp_path
+):
     sigkill_mid_epoch_then_resume(recipe_command(name, data), kill_after, uninterrupted(name), tmp_path)
 
 
@@ -148,12 +159,14 @@ def swanlab_images(run_file: Path) -> dict[tuple[str, int], list[Path]]:
 
 
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_continues(uninterrupted, tmp_path):
-    """Preempted (SIGTERM) and resumed with --resume auto: the weights of the uninterrupted run, and one SwanLab
-    experiment (offline here: one folder per start, both of the same run id, which `swanlab sync` uploads as one)
-    holding the curve before the stop and after the resume, each step once."""
+    """Preempted (SIGTERM) and resumed with --resume auto: the weights of the uninterrupted run, and
+    one SwanLab experiment (offline here: one folder per start, both of the same run id, which
+    `swanlab sync` uploads as one) holding the curve before the stop and after the resume, each step
+    once."""
     out, log = tmp_path / "out", tmp_path / "stopped.log"
     env = recipe_env(tmp_path)
-    stopping = [PYTHON, *CIFAR, "--checkpoint_every", "0"]  # epoch ends only: the SIGTERM save is the one mid-epoch
+    # epoch ends only: the SIGTERM save is the one mid-epoch
+    stopping = [PYTHON, *CIFAR, "--checkpoint_every", "0"]
     stopping += ["--tracker", "swanlab", "--swanlab_mode", "offline"]
     proc = start([*stopping, "--output_dir", out], env, log)
     wait_for_checkpoint(proc, out, 6, log)  # the end of epoch 1
@@ -189,22 +202,38 @@ def test_half_written_checkpoints_are_skipped_and_cleared(uninterrupted, tmp_pat
     shutil.copytree(uninterrupted("cifar"), out)
     checkpoints = out / "checkpoints"
     newest_complete = sorted(checkpoints.iterdir())[-1]
-    # A crash inside save_state leaves a `.partial` folder; a folder without checkpoint.json is no checkpoint either.
+    # A crash inside save_state leaves a `.partial` folder; a
+    # folder without checkpoint.json is no checkpoint either.
     shutil.copytree(newest_complete, checkpoints / "step_00000013.partial")
     (checkpoints / "step_00000013.partial" / "checkpoint.json").unlink()
     shutil.copytree(newest_complete, checkpoints / "step_00000014")
     (checkpoints / "step_00000014" / "checkpoint.json").unlink()
     (checkpoints / "step_00000014" / "model.safetensors").write_bytes(b"cut short")
 
-    proc = check(run([PYTHON, *CIFAR, "--output_dir", out, "--resume", "auto"], recipe_env(tmp_path), timeout=300))
+    proc = check(
+        run([PYTHON, *CIFAR, "--output_dir", out, "--resume", "auto"], recipe_env(tmp_path), timeout=300)
+    )
     assert f"resumed from {newest_complete}" in proc.stdout
     assert read_results(out)["resumed_from"] == str(newest_complete)
-    assert not (checkpoints / "step_00000013.partial").exists() and not (checkpoints / "step_00000014").exists()
+    assert (
+        not (checkpoints / "step_00000013.partial").exists() and not (checkpoints / "step_00000014").exists()
+    )
 
 
 def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
     # A learning rate of 1e12 sends the loss to inf/NaN at the second step.
-    exploding = [PYTHON, *CIFAR, "--max_steps", "6", "--checkpoint_every", "1", "--lr", "1e12", "--warmup_ratio", "0"]
+    exploding = [
+        PYTHON,
+        *CIFAR,
+        "--max_steps",
+        "6",
+        "--checkpoint_every",
+        "1",
+        "--lr",
+        "1e12",
+        "--warmup_ratio",
+        "0",
+    ]
     out = tmp_path / "out"
     error = fails_with(
         run([*exploding, "--output_dir", out], recipe_env(tmp_path), timeout=300),
@@ -218,10 +247,13 @@ def test_nonfinite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(tmp
     assert all(torch.isfinite(t).all() for t in weights(good).values())
 
     skipping = tmp_path / "skipping"
-    proc = run([*exploding, "--output_dir", skipping, "--skip_nonfinite_steps"], recipe_env(tmp_path), timeout=300)
-    # The steps after the first are skipped, and no non-finite update reaches the weights; but their forward passes
-    # filled BatchNorm's running statistics (not gradient updates) with NaN, so the model predicts NaN: its evaluation
-    # stops the run instead of saving it with a results.json that says so.
+    proc = run(
+        [*exploding, "--output_dir", skipping, "--skip_nonfinite_steps"], recipe_env(tmp_path), timeout=300
+    )
+    # The steps after the first are skipped, and no non-finite update reaches the weights; but their
+    # forward passes filled BatchNorm's running statistics (not gradient updates) with NaN, so the
+    # model predicts NaN: its evaluation stops the run
+    # instead of saving it with a results.json that says so.
     newest = sorted((skipping / "checkpoints").iterdir())[-1]
     fails_with(proc, "the evaluation at step 6 gave eval_loss nan", f"the newest checkpoint is {newest}")
     assert "its update is skipped" in proc.stdout and not (skipping / "results.json").exists()
@@ -259,7 +291,10 @@ def test_bad_resume_and_output_errors(case, uninterrupted, tmp_path):
             ["--resume", newest, "--batch_size", "32"],
             ["belongs to a run with other settings", "global_batch_size 8 there, 32 now"],
         ),
-        "output not writable": (["--output_dir", tmp_path / "a-file" / "out"], ["cannot write to --output_dir"]),
+        "output not writable": (
+            ["--output_dir", tmp_path / "a-file" / "out"],
+            ["cannot write to --output_dir"],
+        ),
     }[case]
     (tmp_path / "a-file").write_text("in the way of a folder")
     out = ["--output_dir", tmp_path / "out"] if case != "output not writable" else []
@@ -267,7 +302,8 @@ def test_bad_resume_and_output_errors(case, uninterrupted, tmp_path):
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_previous_one(tmp_path):
-    # The OS refuses the second checkpoint's folder (a file sits where it goes), as a full disk would refuse its files.
+    # The OS refuses the second checkpoint's folder (a file sits where it goes), as a full disk
+    # would refuse its files.
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "step_00000002.partial").write_text("in the way")
@@ -295,9 +331,10 @@ def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_
         timeout=300,
     )
     assert proc.returncode != 0
-    # Both processes stop, neither waits for the other, and each prints its own line: they learn of the failure from
-    # the same all-reduce, and the launcher's SIGTERM once one has exited only sets the other's stop flag. A line may
-    # follow rank 0's progress bar on the same line, but is never fused with the other rank's.
+    # Both processes stop, neither waits for the other, and each prints its own line: they learn of
+    # the failure from the same all-reduce, and the launcher's SIGTERM once one has exited only sets
+    # the other's stop flag. A line may follow rank 0's progress bar on the same line, but is never
+    # fused with the other rank's.
     found = re.findall(r"((error(?: \(rank 1\))?): could not write checkpoint [^\n]*)", proc.stderr)
     assert sorted(who for _, who in found) == ["error", "error (rank 1)"], proc.stderr[-3000:]
     errors = [line for line, _ in found]
@@ -307,8 +344,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_both_processes_and_keeps_the_
 
 
 def test_nonfinite_loss_between_log_steps_is_caught_at_the_next_log_step_before_any_save(tmp_path):
-    # The guard reads the device at log steps only: the loss turns non-finite at step 2 and is seen at step 4, and no
-    # checkpoint is written after it.
+    # The guard reads the device at log steps only: the loss turns non-finite at step 2 and is seen
+    # at step 4, and no checkpoint is written after it.
     exploding = [
         PYTHON,
         *CIFAR,

@@ -1,4 +1,5 @@
-"""The scaling report runs the CIFAR recipe on 1 and 2 gloo processes and reports what was measured."""
+"""The scaling report runs the CIFAR recipe on 1 and 2 gloo processes and reports what was
+measured."""
 
 import json
 import shutil
@@ -12,12 +13,15 @@ SCRIPT = REPO / "benchmarks" / "scaling.py"
 
 def measured_step_seconds(run_dir, warmup):
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.fmean(r["perf/step_seconds"] for r in steps if "perf/step_seconds" in r and r["step"] > warmup)
+    return statistics.fmean(
+        r["perf/step_seconds"] for r in steps if "perf/step_seconds" in r and r["step"] > warmup
+    )
 
 
 @pytest.fixture(scope="module")
 def one_vs_two(module_tmp):
-    """One scaling run on 1 and 2 gloo processes, read by the report test and re-run by the fresh-start test."""
+    """One scaling run on 1 and 2 gloo processes, read by the report test and re-run by the
+    fresh-start test."""
     tmp = module_tmp.mktemp("scaling")
     out = tmp / "scaling"
     proc = check(
@@ -52,7 +56,8 @@ def test_cpu_one_vs_two_processes_table_chart_and_ring_prediction(one_vs_two):
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert (one["global_batch_size"], two["global_batch_size"]) == (4, 8)  # same batch per process
 
-    # The figures are the runs' own: step times from each run's metrics.jsonl, warm-up steps left out.
+    # The figures are the runs' own: step times from
+    # each run's metrics.jsonl, warm-up steps left out.
     for row in (one, two):
         step = measured_step_seconds(out / row["setup"], warmup=2)
         assert row["step_seconds"] == pytest.approx(step)
@@ -81,7 +86,10 @@ def test_cpu_one_vs_two_processes_table_chart_and_ring_prediction(one_vs_two):
 
 def test_report_names_what_is_missing_and_bad_setups(tmp_path):
     fails_with(
-        run([PYTHON, SCRIPT, "report", tmp_path / "nowhere", "--output_dir", tmp_path / "o"], recipe_env(tmp_path)),
+        run(
+            [PYTHON, SCRIPT, "report", tmp_path / "nowhere", "--output_dir", tmp_path / "o"],
+            recipe_env(tmp_path),
+        ),
         "nowhere/results.json does not exist",
         "output_dir of finished recipe runs",
     )
@@ -90,11 +98,14 @@ def test_report_names_what_is_missing_and_bad_setups(tmp_path):
         "cannot read setup 'gpus:2'",
         "ids:0,4 (those GPUs)",
     )
-    fails_with(run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,ids:0,4"], recipe_env(tmp_path)), "mix of cpu and gpu")
+    fails_with(
+        run([PYTHON, SCRIPT, "run", "--setups", "cpu:1,ids:0,4"], recipe_env(tmp_path)), "mix of cpu and gpu"
+    )
 
 
 def test_scaling_run_again_in_the_same_folder_starts_fresh(one_vs_two, tmp_path):
-    # The recipe refuses to start over an earlier run's checkpoints; a benchmark re-run must not trip over that.
+    # The recipe refuses to start over an earlier run's checkpoints; a benchmark re-run must not
+    # trip over that.
     out = tmp_path / "scaling"
     shutil.copytree(one_vs_two[0], out)  # a finished run's folder, checkpoints and all
     first = (out / "cpu-1" / "results.json").stat().st_mtime_ns
@@ -119,8 +130,9 @@ def test_scaling_run_again_in_the_same_folder_starts_fresh(one_vs_two, tmp_path)
 
 
 def test_dataparallel_loop_reports_like_a_recipe_and_dp_setups_need_gpus(tmp_path):
-    """The dp:N setup's loop (one process, nn.DataParallel) writes the recipes' results format; without GPUs
-    DataParallel only calls the model, so here it runs as one device and `dp:2` is refused."""
+    """The dp:N setup's loop (one process, nn.DataParallel) writes the recipes' results format;
+    without GPUs DataParallel only calls the model, so here it runs as one device and `dp:2` is
+    refused."""
     run_dir = tmp_path / "dp-1"
     check(
         run(
@@ -142,7 +154,8 @@ def test_dataparallel_loop_reports_like_a_recipe_and_dp_setups_need_gpus(tmp_pat
     )
     results = json.loads((run_dir / "results.json").read_text())
     assert results["parallelism"] == "DataParallel" and (results["world_size"], results["devices"]) == (1, 1)
-    assert results["steps"] == 3 and results["trainable_parameters"] == 11_173_962  # the recipe's ResNet18
+    # the recipe's ResNet18
+    assert results["steps"] == 3 and results["trainable_parameters"] == 11_173_962
     logged = (run_dir / "metrics.jsonl").read_text().splitlines()
     step_seconds = [json.loads(line)["perf/step_seconds"] for line in logged]
     assert results["train_samples_per_second"] == pytest.approx(4 * 2 / sum(step_seconds[1:]))
@@ -158,5 +171,7 @@ def test_dataparallel_loop_reports_like_a_recipe_and_dp_setups_need_gpus(tmp_pat
     assert row["samples_per_second"] == pytest.approx(4 / statistics.fmean(step_seconds[1:]))
     assert "| dp-1 | 1 (DataParallel, 1 GPUs) |" in (tmp_path / "report" / "scaling.md").read_text()
     fails_with(
-        run([PYTHON, SCRIPT, "run", "--setups", "gpu:2,dp:2"], recipe_env(tmp_path)), "dp:2 needs 2 GPUs", "0 visible"
+        run([PYTHON, SCRIPT, "run", "--setups", "gpu:2,dp:2"], recipe_env(tmp_path)),
+        "dp:2 needs 2 GPUs",
+        "0 visible",
     )

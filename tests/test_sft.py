@@ -1,8 +1,10 @@
-"""The chat fine-tuning recipe (recipes/sft.py) run as users run it: LoRA and full, 1 and 2 gloo processes, two
-"nodes" on 127.0.0.1, kill and resume, and the fine-tuned model used through --predict, --chat and --merge.
+"""The chat fine-tuning recipe (recipes/sft.py) run as users run it: LoRA and full, 1 and 2 gloo
+processes, two "nodes" on 127.0.0.1, kill and resume, and the fine-tuned model used through
+--predict, --chat and --merge.
 
-The shared runs (conftest: sft_one, sft_two, sft_accumulated, sft_full) train a tiny random Llama with a Llama-3-like
-chat template on a learnable chat task; the data side (formats, the answer mask, packing) is tests/test_chat_data.py.
+The shared runs (conftest: sft_one, sft_two, sft_accumulated, sft_full) train a tiny random Llama
+with a Llama-3-like chat template on a learnable chat task; the data side (formats, the answer mask,
+packing) is tests/test_chat_data.py.
 """
 
 import json
@@ -61,11 +63,12 @@ def assert_close_weights(a, b, name: str, atol: float) -> None:
 def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch_is_split(
     sft_one, sft_two, sft_accumulated
 ):
-    """1 process with padded batches, 2 gloo processes with packed rows (varlen) and gradient checkpointing, and 1
-    process with 2 micro-batches per step, padded rows of varying widths through compiled blocks and the answers
-    through the compiled decode (a GPU's defaults): conversations of different lengths, the same losses step by step,
-    the same adapter, the same answers; the blocks compile once per kind of call, dynamic in the width (not once
-    per width), the decode once per cache shape."""
+    """1 process with padded batches, 2 gloo processes with packed rows (varlen) and gradient
+    checkpointing, and 1 process with 2 micro-batches per step, padded rows of varying widths
+    through compiled blocks and the answers through the compiled decode (a GPU's defaults):
+    conversations of different lengths, the same losses step by step, the same adapter, the same
+    answers; the blocks compile once per kind of call, dynamic in the width (not once per width),
+    the decode once per cache shape."""
     reference = step_losses(sft_one.out)
     assert sorted(reference) == list(range(1, 25))  # 12 steps per epoch, 2 epochs, each logged
     for run_ in (sft_two, sft_accumulated):
@@ -79,14 +82,15 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert two["packing"] and two["gradient_checkpointing"] and two["samples_seen_per_process"] == [96, 96]
     assert (one["attn_implementation"], two["attn_implementation"]) == ("sdpa", "varlen")
     assert accumulated["compile"] and not accumulated["packing"] and not one["compile"]
-    # 24 steps of 48 micro-batches of many widths: the policy's first block and the others (whose input carries a
-    # gradient), with a padding mask and without, each dynamic in the width; the decode step one graph; nothing fell
-    # back
+    # 24 steps of 48 micro-batches of many widths: the policy's first block and the others (whose
+    # input carries a gradient), with a padding mask and without, each dynamic in the width; the
+    # decode step one graph; nothing fell back
     assert accumulated["compile_graphs"] <= 4 and accumulated["compile_recompiles"] <= 3, accumulated
     assert accumulated["decode_graphs"] == 1 and accumulated["decode_recompiles"] == 0
     assert accumulated["compile_fallback"] is None and accumulated["decode_fallback"] is None
     assert accumulated["compile_seconds"] > 0 and one["compile_graphs"] == one["decode_graphs"] == 0
-    assert samples(sft_one.out) == samples(sft_accumulated.out)  # greedy answers, eager and compiled
+    # greedy answers, eager and compiled
+    assert samples(sft_one.out) == samples(sft_accumulated.out)
     assert accumulated["warmup_seconds"] > 0 and accumulated["warmup_seconds"] < accumulated["train_seconds"]
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     # The loss falls from the first step to the last.
@@ -96,12 +100,22 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
 def test_rows_of_a_token_budget_give_the_same_steps_on_one_process_with_accumulation_and_on_two(
     tiny_chat_model, sft_data, tmp_path
 ):
-    """--packing --batch_tokens 256: micro-batches of one packed row of at most 256 tokens (about 7 conversations
-    here). A step takes a row per process per micro-step, so 1 process accumulating 2 rows and 2 gloo processes with
-    a row each train on the same rows and give the same per-step losses and adapter; the conversations seen are
-    counted, not the rows."""
+    """--packing --batch_tokens 256: micro-batches of one packed row of at most 256 tokens (about 7
+    conversations here). A step takes a row per process per micro-step, so 1 process accumulating 2
+    rows and 2 gloo processes with a row each train on the same rows and give the same per-step
+    losses and adapter; the conversations seen are counted, not the rows."""
     flags = [*sft_files(tiny_chat_model, sft_data), *SFT_COMMON, "--tracker", "none", "--lora_r", "8"]
-    flags += ["--packing", "--batch_tokens", "256", "--max_steps", "4", "--log_every", "1", "--eval_generate", "0"]
+    flags += [
+        "--packing",
+        "--batch_tokens",
+        "256",
+        "--max_steps",
+        "4",
+        "--log_every",
+        "1",
+        "--eval_generate",
+        "0",
+    ]
     one = tmp_path / "one"
     accumulated = [PYTHON, SFT_SCRIPT, *flags, "--gradient_accumulation_steps", "2", "--output_dir", one]
     check(run(accumulated, recipe_env(tmp_path)))
@@ -123,8 +137,8 @@ def test_rows_of_a_token_budget_give_the_same_steps_on_one_process_with_accumula
 
 
 def test_sft_copy_runs_on_two_processes(sft_two):
-    """sft.py and the chat layer it imports (recipes/chat/) copied into an empty project ran there on 2 processes, and
-    saved model_best together at the evaluation of the lowest loss."""
+    """sft.py and the chat layer it imports (recipes/chat/) copied into an empty project ran there
+    on 2 processes, and saved model_best together at the evaluation of the lowest loss."""
     assert_copy_ran(sft_two)
     assert sft_two.modules == {
         "chat/answer_loss.py",
@@ -138,7 +152,9 @@ def test_sft_copy_runs_on_two_processes(sft_two):
     results = read_results(sft_two.out)
     losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]
     assert results["best_epoch"] == losses.index(min(losses)) + 1
-    assert (sft_two.out / "model_best" / ADAPTER).is_file() and (sft_two.out / "model_best" / "best.json").is_file()
+    assert (sft_two.out / "model_best" / ADAPTER).is_file() and (
+        sft_two.out / "model_best" / "best.json"
+    ).is_file()
 
 
 def test_results_samples_and_the_saved_adapter(sft_one):
@@ -148,7 +164,8 @@ def test_results_samples_and_the_saved_adapter(sft_one):
     assert results["eval_perplexity"] == pytest.approx(math.exp(results["eval_loss"]))
     assert results["eval_samples"] == 32 and results["eval_generated"] == 8
     assert 0.0 <= results["eval_exact_match"] <= 1.0
-    # Tokens per second: samples per second x the training set's mean tokens (answer tokens) per conversation.
+    # Tokens per second: samples per second x the training
+    # set's mean tokens (answer tokens) per conversation.
     assert results["train_tokens_per_second"] > results["train_target_tokens_per_second"] > 0
     assert results["trainable_parameters"] < results["parameters"] / 2
     assert results["metric_for_best_model"] == "eval_loss" and results["best_epoch"] in (1, 2)
@@ -177,18 +194,28 @@ def test_a_full_fine_tune_learns_the_task(sft_full):
 
 
 def test_the_loop_reads_nothing_on_the_host_between_log_steps(sft_full):
-    """48 steps logged every 4 (padded batches): the loss normalisation's count and all-reduce stay on the device, and
-    the attention masks are built without reading the padding."""
+    """48 steps logged every 4 (padded batches): the loss normalisation's count and all-reduce stay
+    on the device, and the attention masks are built without reading the padding."""
     assert_quiet(read_audit(sft_full.out), sft_full.proc, steps=48, log_every=4)
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_sigkill_mid_epoch_then_resume_auto_continues_bit_for_bit(method, request, tiny_chat_model, sft_data, tmp_path):
+def test_sigkill_mid_epoch_then_resume_auto_continues_bit_for_bit(
+    method, request, tiny_chat_model, sft_data, tmp_path
+):
     reference = request.getfixturevalue("sft_one" if method == "lora" else "sft_full").out
     flags = list(SFT_RUN if method == "lora" else SFT_FULL)
-    # The reference's flags with a checkpoint every 3 steps (checkpoints change no number the run computes).
+    # The reference's flags with a checkpoint every 3 steps
+    # (checkpoints change no number the run computes).
     flags[flags.index("--checkpoint_every") + 1] = "3"
-    cmd = [PYTHON, SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *flags, "--output_dir", tmp_path / "out"]
+    cmd = [
+        PYTHON,
+        SFT_SCRIPT,
+        *sft_files(tiny_chat_model, sft_data),
+        *flags,
+        "--output_dir",
+        tmp_path / "out",
+    ]
     out, log, env = tmp_path / "out", tmp_path / "killed.log", recipe_env(tmp_path)
     proc = start(cmd, env, log)
     try:
@@ -207,15 +234,36 @@ def test_sigkill_mid_epoch_then_resume_auto_continues_bit_for_bit(method, reques
 
 
 def test_eval_only_on_two_nodes_counts_each_conversation_once(sft_one, sft_data, tmp_path):
-    """--eval_only with 2 processes on two "nodes" on 127.0.0.1 (the hostfile launcher): the loss, perplexity and
-    exact match of the training run's last evaluation, each of the 32 conversations counted once."""
+    """--eval_only with 2 processes on two "nodes" on 127.0.0.1 (the hostfile launcher): the loss,
+    perplexity and exact match of the training run's last evaluation, each of the 32 conversations
+    counted once."""
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost slots=1\nlocalhost slots=1\n")
     out = tmp_path / "eval"
-    launcher = [PYTHON, "-m", "recipe_tools.multinode", "--hostfile", hostfile, "--main_process_port", free_port()]
+    launcher = [
+        PYTHON,
+        "-m",
+        "recipe_tools.multinode",
+        "--hostfile",
+        hostfile,
+        "--main_process_port",
+        free_port(),
+    ]
     # fp32 as the training run (2node.yaml asks for bf16, which a CPU may emulate)
-    launcher += ["--launch_args", "--num_cpu_threads_per_process 1 --mixed_precision no", SFT_SCRIPT, "--eval_only"]
-    data = ["--train_file", sft_data["train"], "--validation_file", sft_data["validation"], "--batch_size", "8"]
+    launcher += [
+        "--launch_args",
+        "--num_cpu_threads_per_process 1 --mixed_precision no",
+        SFT_SCRIPT,
+        "--eval_only",
+    ]
+    data = [
+        "--train_file",
+        sft_data["train"],
+        "--validation_file",
+        sft_data["validation"],
+        "--batch_size",
+        "8",
+    ]
     data += ["--eval_generate", "8", "--max_new_tokens", "6", "--model", sft_one.out, "--output_dir", out]
     check(run([*launcher, *data], recipe_env(tmp_path, ACCELERATE_USE_CPU="true")))
     results, trained = read_results(out), read_results(sft_one.out)
@@ -228,13 +276,16 @@ def test_predict_and_chat_answer_alike(sft_one, tmp_path):
     env = recipe_env(tmp_path)
     prompts = ["What colour is the snow?", "Is 'a dull, tedious film' fresh or rotten?"]
     asked = [PYTHON, SFT_SCRIPT, "--max_new_tokens", "6"]
-    predicted = check(run([*asked, "--predict", prompts[0], "--predict", prompts[1], "--model", sft_one.out], env))
+    predicted = check(
+        run([*asked, "--predict", prompts[0], "--predict", prompts[1], "--model", sft_one.out], env)
+    )
     rows = [json.loads(line) for line in predicted.stdout.splitlines()]
     assert [row["prompt"] for row in rows] == prompts
     # --chat reads turns from stdin and streams each answer; an empty line ends it.
     chat = check(run([*asked, "--chat", "--model", sft_one.out], env, input=f"{prompts[0]}\n\n"))
     assert rows[0]["answer"].strip() in chat.stdout
-    # --merge: test_sft_sharded merges the adapter trained on two nodes under FSDP2 and loads it in transformers
+    # --merge: test_sft_sharded merges the adapter trained on two nodes under FSDP2 and loads it in
+    # transformers
 
 
 def test_bad_input_is_one_line(tiny_chat_model, sft_data, tmp_path):
@@ -260,7 +311,15 @@ def test_nan_gradients_with_a_finite_loss_stop_the_run_at_their_step_or_are_skip
 ):
     # NaN gradients in step 2 of 3 (tests/nan_gradient.py); the loss stays finite
     out = tmp_path / "out"
-    args = [SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_COMMON, "--lora_r", "8", "--max_steps", "3"]
+    args = [
+        SFT_SCRIPT,
+        *sft_files(tiny_chat_model, sft_data),
+        *SFT_COMMON,
+        "--lora_r",
+        "8",
+        "--max_steps",
+        "3",
+    ]
     args += ["--log_every", "1", "--tracker", "none", *SKIP_NONFINITE[behaviour], "--output_dir", out]
     proc = run([PYTHON, NAN_GRADIENT, 2, *args], recipe_env(tmp_path), timeout=300)
     assert_nonfinite_gradients_handled(behaviour, proc, out, bad_steps=[2])

@@ -1,5 +1,6 @@
-"""FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 run the text recipe for real on 2 CPU processes over gloo, launched with the
-shipped fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains with the same flags."""
+"""FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3 run the text recipe for real on 2 CPU processes over gloo,
+launched with the shipped fsdp.yaml / deepspeed.yaml, and train exactly what DDP (cpu.yaml) trains
+with the same flags."""
 
 import pytest
 import torch
@@ -12,9 +13,10 @@ from conftest import (
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-# 256 rows, global batch 16 over 2 processes x 2 accumulation steps: 16 optimizer steps per epoch, 32 in all.
-# --max_grad_norm 0.05 clips on most steps (without it the DDP loss differs by 0.1 by step 32), so the runs agree only
-# if every backend clips the same global norm, and accumulates as the flag says.
+# 256 rows, global batch 16 over 2 processes x 2 accumulation steps: 16 optimizer steps per epoch,
+# 32 in all. --max_grad_norm 0.05 clips on most steps (without it the DDP loss differs by 0.1 by
+# step 32), so the runs agree only if every backend clips the same global norm, and accumulates as
+# the flag says.
 FLAGS = [
     "--batch_size",
     "16",
@@ -37,22 +39,26 @@ FLAGS = [
     "--num_workers",
     "0",
 ]
-# The same fp32 arithmetic on the same micro-batches; only the order of the gradient sums differs (all-reduce vs
-# reduce-scatter), which moves the loss by ~1e-7 here (measured max 6e-8 over 32 steps). A wrong batch, a missed
-# accumulation step or another clipping shifts it by > 1e-2 within a few steps.
+# The same fp32 arithmetic on the same micro-batches; only the order of the gradient sums differs
+# (all-reduce vs reduce-scatter), which moves the loss by ~1e-7 here (measured max 6e-8 over 32
+# steps). A wrong batch, a missed accumulation step or
+# another clipping shifts it by > 1e-2 within a few steps.
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def data(text_data, module_tmp):
-    """conftest's tiny BERT and reviews (256 training rows, 63 validation rows); the runs write under their own root."""
+    """conftest's tiny BERT and reviews (256 training rows, 63 validation rows); the runs write
+    under their own root."""
     return dict(text_data, root=module_tmp.mktemp("sharded"))
 
 
 def launch(data, name, config, *extra, launcher=(), ok=True):
     """The text recipe with the data's files and FLAGS, on 2 CPU processes under `config`."""
     files = ["--model", data["model"], "--train_file", data["train"], "--validation_file", data["validation"]]
-    return sharded_launch(data["root"], name, config, TEXT_SCRIPT, *files, *FLAGS, *extra, launcher=launcher, ok=ok)
+    return sharded_launch(
+        data["root"], name, config, TEXT_SCRIPT, *files, *FLAGS, *extra, launcher=launcher, ok=ok
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,21 +86,28 @@ def test_fsdp_on_cpu_shards_and_trains_like_ddp(fsdp, ddp):
     steps = losses(fsdp)
     assert steps[32] < steps[1] - 0.15, steps
     assert results["eval_accuracy"] >= 0.8
-    # SHARDED_STATE_DICT: each rank wrote its own shard of weights and optimizer state, no gathered copy.
+    # SHARDED_STATE_DICT: each rank wrote its own shard of
+    # weights and optimizer state, no gathered copy.
     checkpoint = fsdp / "checkpoints" / "step_00000012"
     for part in ("pytorch_model_fsdp_0", "optimizer_0"):
-        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == [
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
     assert not list(checkpoint.glob("model*.safetensors")) and not list(checkpoint.glob("pytorch_model*.bin"))
 
 
 def test_fsdp_resumes_mid_epoch_from_a_sharded_checkpoint(data, fsdp):
     # step 24: 8 steps into the second epoch of 16
-    proc, resumed = launch(data, "fsdp-resumed", "fsdp.yaml", "--resume", fsdp / "checkpoints" / "step_00000024")
+    proc, resumed = launch(
+        data, "fsdp-resumed", "fsdp.yaml", "--resume", fsdp / "checkpoints" / "step_00000024"
+    )
     assert "resumed from" in proc.output and "step 24 of 32" in proc.output
     results = read_results(resumed)
     assert results["distributed_type"] == "FSDP" and results["steps"] == 32
     assert sorted(losses(resumed)) == list(range(25, 33))
-    # Same weights, optimizer moments, schedule, RNG and data position: the continuation is the same run.
+    # Same weights, optimizer moments, schedule, RNG and
+    # data position: the continuation is the same run.
     assert_same_losses(resumed, fsdp, tolerance=1e-6)
 
 
@@ -112,10 +125,12 @@ def test_fsdp_saved_model_is_the_whole_trained_model(data, fsdp, ddp):
     assert all(torch.equal(shards[k], saved[k]) for k in saved)
     reference = AutoModelForSequenceClassification.from_pretrained(ddp).state_dict()
     assert max((saved[k] - reference[k]).abs().max().item() for k in saved) < 1e-4
-    # model_best, gathered the same way at the best evaluation: the whole model of that epoch's sharded checkpoint.
+    # model_best, gathered the same way at the best evaluation:
+    # the whole model of that epoch's sharded checkpoint.
     best_step = read_results(fsdp)["best_step"]
     merge_fsdp_weights(
-        str(fsdp / "checkpoints" / f"step_{best_step:08d}" / "pytorch_model_fsdp_0"), str(data["root"] / "merged-best")
+        str(fsdp / "checkpoints" / f"step_{best_step:08d}" / "pytorch_model_fsdp_0"),
+        str(data["root"] / "merged-best"),
     )
     shards = load_file(data["root"] / "merged-best" / "model.safetensors")
     best = AutoModelForSequenceClassification.from_pretrained(fsdp / "model_best").state_dict()
@@ -123,7 +138,9 @@ def test_fsdp_saved_model_is_the_whole_trained_model(data, fsdp, ddp):
     tokenizer = AutoTokenizer.from_pretrained(fsdp)
     with torch.no_grad():
         ids = (
-            model(**tokenizer(["great superb lovely", "awful dull boring"], padding=True, return_tensors="pt"))
+            model(
+                **tokenizer(["great superb lovely", "awful dull boring"], padding=True, return_tensors="pt")
+            )
             .logits.argmax(-1)
             .tolist()
         )
@@ -132,31 +149,41 @@ def test_fsdp_saved_model_is_the_whole_trained_model(data, fsdp, ddp):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_on_cpu_takes_the_recipes_accumulation_and_clipping(stage, data, ddp):
-    # ZeRO-3 also shards the weights while from_pretrained reads them, which takes every process at once.
+    # ZeRO-3 also shards the weights while from_pretrained
+    # reads them, which takes every process at once.
     _, out = launch(data, f"zero{stage}", "deepspeed.yaml", launcher=["--zero_stage", str(stage)])
     results = read_results(out)
     assert results["distributed_type"] == "DEEPSPEED" and results["gradient_accumulation_steps"] == 2
-    # ZeRO-2 writes mp_rank_00_model_states.pt, ZeRO-3 one zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank.
-    states = sorted((out / "checkpoints" / "step_00000012" / "pytorch_model").glob("*mp_rank_00_model_states.pt"))
+    # ZeRO-2 writes mp_rank_00_model_states.pt, ZeRO-3 one
+    # zero_pp_rank_<r>_mp_rank_00_model_states.pt per rank.
+    states = sorted(
+        (out / "checkpoints" / "step_00000012" / "pytorch_model").glob("*mp_rank_00_model_states.pt")
+    )
     engine = torch.load(states[0], map_location="cpu", weights_only=False)["ds_config"]
     assert engine["gradient_clipping"] == 0.05 and engine["gradient_accumulation_steps"] == 2
     assert engine["train_batch_size"] == 16 and engine["zero_optimization"]["stage"] == stage
-    # ZeRO-3 on the CPU does not keep the recipe's no-decay group apart (biases and LayerNorm weights): with
-    # --weight_decay 0.01 its losses drift from DDP's by ~1.3e-4 over 32 steps, with 0 they agree within 6e-8 (measured
-    # by hand). Still far below what a wrong batch, accumulation or clipping does (> 1e-2).
+    # ZeRO-3 on the CPU does not keep the recipe's no-decay group apart (biases and LayerNorm
+    # weights): with --weight_decay 0.01 its losses drift from DDP's by ~1.3e-4 over 32 steps, with
+    # 0 they agree within 6e-8 (measured by hand). Still far below what a wrong batch, accumulation
+    # or clipping does (> 1e-2).
     assert_same_losses(out, ddp, tolerance=TOLERANCE if stage == 2 else 1e-3)
     assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 2
 
 
 def test_accumulation_pinned_by_the_launcher_stops_the_run(data):
-    # What a `gradient_accumulation_steps: 4` line in a DeepSpeed accelerate config does: the launcher exports it.
+    # What a `gradient_accumulation_steps: 4` line in a DeepSpeed accelerate config does: the
+    # launcher exports it.
     pinned = ["--zero_stage", "2", "--gradient_accumulation_steps", "4"]
     proc, out = launch(data, "pinned", "deepspeed.yaml", launcher=pinned, ok=False)
-    stopped_with(proc, out, "--gradient_accumulation_steps is 2 but the accelerate or DeepSpeed config sets 4")
+    stopped_with(
+        proc, out, "--gradient_accumulation_steps is 2 but the accelerate or DeepSpeed config sets 4"
+    )
 
 
 def test_skip_nonfinite_steps_is_refused_under_deepspeed(data):
     proc, out = launch(
         data, "skip", "deepspeed.yaml", "--skip_nonfinite_steps", launcher=["--zero_stage", "2"], ok=False
     )
-    stopped_with(proc, out, "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already steps")
+    stopped_with(
+        proc, out, "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already steps"
+    )

@@ -9,9 +9,9 @@ recipe's training function must hold SKELETON's lines, in this order, after a re
 mapped to the common ones. Lines a recipe adds between them (its own Accelerator arguments, its
 loss, its evaluation) are its own.
 
-It also holds each recipe to the shape the README promises: one function per mode (train, evaluate_saved_model,
-predict) behind the same `main`, a training function of at most 150 code lines, and flags that extend the shared
-TrainingFlags without changing a shared flag's type.
+It also holds each recipe to the shape the README promises: one function per mode (train,
+evaluate_saved_model, predict) behind the same `main`, a training function of at most 150 code
+lines, and flags that extend the shared TrainingFlags without changing a shared flag's type.
 """
 
 import ast
@@ -35,7 +35,8 @@ RECIPES = {
     "grpo": REPO / "recipes" / "grpo.py",
     "dpo": REPO / "recipes" / "dpo.py",
 }
-CHAT_RECIPES = ("sft", "grpo", "dpo")  # their flags extend the chat-model layer's, which extend TrainingFlags
+# their flags extend the chat-model layer's, which extend TrainingFlags
+CHAT_RECIPES = ("sft", "grpo", "dpo")
 
 SKELETON = """
 # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
@@ -46,9 +47,10 @@ set_seed(args.seed)
 prepare_output_dir(output)
 checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
 resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
-# ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+# ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
 state = RunState(accelerator.device, LOSS_NAMES)
-accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+# save_state / load_state carry the position with the weights
+accelerator.register_for_checkpointing(state)
 if resume_from is not None:
 checkpoints.check_compatible(resume_from, config)
 accelerator.load_state(resume_from)
@@ -72,12 +74,15 @@ model.train()
 batches = epoch_batches(accelerator, train_loader, state.epoch, SKIPPED)
 for BATCH in batches:
 state.batches_done += 1
-with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+# skips the gradient all-reduce on accumulation micro-steps
+with accelerator.accumulate(model):
 accelerator.backward(loss)
-guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+# a non-finite loss is noted on the device, read at the next log step
+guard.observe(loss)
 if accelerator.sync_gradients:
 grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
-if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
+# --skip_nonfinite_steps drops a non-finite one
+if keeps_update(progress, grad_norm):
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
 if not accelerator.sync_gradients:
@@ -89,9 +94,10 @@ accelerator.save_state(folder)
 if progress.finished:
 break
 # ---- evaluation once per epoch, on the whole validation split
-guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+# nothing non-finite since the last log step, before evaluating and saving
+guard.check(state.step)
 seconds = progress.epoch_done(state.last_eval)
-if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
 with best.saving() as folder:
 state.epoch, state.batches_done = state.epoch + 1, 0
 with saving_checkpoint(checkpoints, progress, config) as folder:
@@ -100,7 +106,8 @@ progress.close()
 # ---- save the model and the run's results
 accelerator.wait_for_everyone()
 results = dict(config, **progress.results(started))
-accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+# all ranks tear the process group down together, none while others still talk
+accelerator.wait_for_everyone()
 accelerator.end_training()
 if accelerator.is_main_process:
 path = write_results(output, results)
@@ -108,7 +115,7 @@ path = write_results(output, results)
 
 MAIN = '''
 def main(args: FLAGS) -> None:
-"""Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+"""Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
 if args.predict is not None and args.eval_only:
 raise RecipeError("give --predict or --eval_only, not both")
 if args.predict is not None:
@@ -120,15 +127,19 @@ return train(args)
 
 # What differs between recipes by design, mapped onto SKELETON's and MAIN's placeholders.
 NORMALISE = (
-    (r"args\.run_name or .+?, args\.swanlab_mode", "args.run_name or RUN_NAME, args.swanlab_mode"),
+    # a call ruff format wraps reads as the one-line call
+    (
+        r"setup_tracker\(\s*args\.tracker, output, args\.run_name or .+?, args\.swanlab_mode\s*\)",
+        "setup_tracker(args.tracker, output, args.run_name or RUN_NAME, args.swanlab_mode)",
+    ),
     (r"RunState\(accelerator\.device(, [\w.]+)?\)", "RunState(accelerator.device, LOSS_NAMES)"),
     (
         r"BestModel\(\s*accelerator, state, output, [^,]+, (higher_is_better=\w+, )?patience=(.+?)\s*\)\n",
         r"BestModel(accelerator, state, output, METRIC, patience=\2)\n",
     ),
-    # The chat recipes read a step's micro-batches before its first forward pass (SFT: the loss is the
-    # mean over the step's answer tokens), so accelerate must sync by count, and their epochs are whole
-    # steps; cifar passes its --compile backend.
+    # The chat recipes read a step's micro-batches before its first forward pass (SFT: the loss is
+    # the mean over the step's answer tokens), so accelerate must sync by count, and their epochs
+    # are whole steps; cifar passes its --compile backend.
     (
         r"training_accelerator\(args, tracking(, steps_by_count=True|, dynamo_backend=\w+)\)",
         "training_accelerator(args, tracking)",
@@ -201,7 +212,7 @@ def code_lines(source: str) -> int:
 def test_the_training_function_holds_the_shared_skeleton(recipe):
     actual = normalised(function_source(RECIPES[recipe], "train"))
     assert not missing_in_order(lines_of(SKELETON), actual), (
-        f"{recipe}'s train() departs from the skeleton every recipe shares; make the same change in all three "
+        f"{recipe}'s train() departs from the skeleton every recipe shares; make the same change in all "
         "recipes and in SKELETON, or keep the recipe's own lines outside it. Missing or out of order:\n"
         + "\n".join(missing_in_order(lines_of(SKELETON), actual))
     )
@@ -211,16 +222,37 @@ def test_the_training_function_holds_the_shared_skeleton(recipe):
 def test_one_function_per_mode_behind_the_same_main(recipe):
     actual = normalised(function_source(RECIPES[recipe], "main"))
     assert not missing_in_order(lines_of(MAIN), actual), "\n".join(actual)
-    # A recipe with more modes (the chat recipes' --chat and --merge) adds only their checks and dispatches.
+    # A recipe with more modes (the chat recipes' --chat
+    # and --merge) adds only their checks and dispatches.
     added = [line for line in actual if line not in lines_of(MAIN)]
-    mode_line = re.compile(r"(if .*args\.\w+.*:|return \w+\(args\)|raise RecipeError\(.*\)|check_one_mode\(args.*\))")
+    mode_line = re.compile(
+        r"(if .*args\.\w+.*:|return \w+\(args\)|raise RecipeError\(.*\)|check_one_mode\(args.*\))"
+    )
     assert all(mode_line.fullmatch(line) for line in added), added
     for mode in ("train", "evaluate_saved_model", "predict"):
-        if mode == "predict" and recipe in CHAT_RECIPES:  # the chat recipes share theirs (and --chat, --merge)
+        # the chat recipes share theirs (and --chat, --merge)
+        if mode == "predict" and recipe in CHAT_RECIPES:
             assert re.search(r"from chat\.model import \([^)]*\bpredict,", RECIPES[recipe].read_text())
             continue
         function_source(RECIPES[recipe], mode)
     assert code_lines(function_source(RECIPES[recipe], "train")) <= 150
+
+
+FLAGS_HEADER = (
+    "from dataclasses import dataclass, field\nfrom typing import Literal\n"
+    "from accelerate_recipes.flags import TrainingFlags"
+)
+
+
+def choice_names(tree: ast.Module) -> list[ast.stmt]:
+    """The module's `Name = Literal[...]` statements, which its flag classes may annotate with."""
+    return [
+        n
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Subscript)
+        and ast.unparse(n.value.value) == "Literal"
+    ]
 
 
 def flags_class(recipe: str) -> type:
@@ -228,10 +260,7 @@ def flags_class(recipe: str) -> type:
     tree = ast.parse(RECIPES[recipe].read_text())
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Flags"))
     module = ast.Module(
-        body=ast.parse(
-            "from dataclasses import dataclass, field\nfrom accelerate_recipes.flags import TrainingFlags"
-        ).body
-        + [node],
+        body=ast.parse(FLAGS_HEADER).body + choice_names(tree) + [node],
         type_ignores=[],
     )
     exec(compile(module, str(RECIPES[recipe]), "exec"), namespace)
@@ -240,17 +269,16 @@ def flags_class(recipe: str) -> type:
 
 @functools.cache
 def chat_model_flag_classes() -> dict[str, type]:
-    """recipes/chat/model.py's flag classes (ChatModelFlags, and KernelFlags that sft and dpo add), read as
-    flags_class reads a recipe's (without importing torch)."""
+    """recipes/chat/model.py's flag classes (ChatModelFlags, and KernelFlags that sft and dpo add),
+    read as flags_class reads a recipe's (without importing torch)."""
     path = REPO / "recipes" / "chat/model.py"
+    tree = ast.parse(path.read_text())
     nodes = [
-        n
-        for n in ast.parse(path.read_text()).body
-        if isinstance(n, ast.ClassDef) and n.name in ("ChatModelFlags", "KernelFlags")
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in ("ChatModelFlags", "KernelFlags")
     ]
     namespace: dict = {}
-    header = "from dataclasses import dataclass\nfrom accelerate_recipes.flags import TrainingFlags"
-    exec(compile(ast.Module(body=ast.parse(header).body + nodes, type_ignores=[]), str(path), "exec"), namespace)
+    body = ast.parse(FLAGS_HEADER).body + choice_names(tree) + nodes
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
     return {node.name: namespace[node.name] for node in nodes}
 
 
@@ -265,7 +293,8 @@ def test_flags_extend_the_shared_ones_without_changing_their_types(recipe):
     shared, own = typing.get_type_hints(TrainingFlags), typing.get_type_hints(cls)
     changed = {name: (shared[name], own[name]) for name in shared if own[name] != shared[name]}
     assert not changed, f"{recipe} changes the type of shared flags: {changed}"
-    # A shared flag is documented once, in TrainingFlags; a recipe may document it anew, never copy that text.
+    # A shared flag is documented once, in TrainingFlags; a
+    # recipe may document it anew, never copy that text.
     from accelerate_recipes.cli import parse_arg_docs
 
     _, shared_docs = parse_arg_docs(TrainingFlags.__doc__)

@@ -1,16 +1,18 @@
 """The CIFAR starter (recipes/starters/cifar.py) keeps the full recipe's training maths.
 
-With the same flags, seed and data, the starter and recipes/cifar.py log the same training loss and learning rate at
-every step, end with the same weights and the same test accuracy, on 1 process and on 2 gloo processes (there with 2
-micro-batches per step and gradient clipping). Both read a tiny CIFAR-10 written in the release's on-disk format
-through torchvision's CIFAR10 (the full recipe with --loader torch: its device loader shuffles in its own way), with
-augmentation off (the full recipe seeds it per image, the starter draws from torch's generator). 32 training images at
-a global batch of 16 make 2 steps per epoch: the third step opens the second epoch, on a new shuffle. 21 test images
-do not divide over 2 processes: each must still be counted once. BatchNorm normalises over each process's batch, so
-the 2-process starter is compared with the 2-process recipe.
+With the same flags, seed and data, the starter and recipes/cifar.py log the same training loss and
+learning rate at every step, end with the same weights and the same test accuracy, on 1 process and
+on 2 gloo processes (there with 2 micro-batches per step and gradient clipping). Both read a tiny
+CIFAR-10 written in the release's on-disk format through torchvision's CIFAR10 (the full recipe with
+--loader torch: its device loader shuffles in its own way), with augmentation off (the full recipe
+seeds it per image, the starter draws from torch's generator). 32 training images at a global batch
+of 16 make 2 steps per epoch: the third step opens the second epoch, on a new shuffle. 21 test
+images do not divide over 2 processes: each must still be counted once. BatchNorm normalises over
+each process's batch, so the 2-process starter is compared with the 2-process recipe.
 
-The starter imports only public packages and runs from a folder holding nothing but itself: its 2-process run starts
-there, with a decoy of this project's code first on PYTHONPATH that fails any import of it.
+The starter imports only public packages and runs from a folder holding nothing but itself: its
+2-process run starts there, with a decoy of this project's code first on PYTHONPATH that fails any
+import of it.
 """
 
 import ast
@@ -41,8 +43,9 @@ STARTER = REPO / "recipes" / "starters" / "cifar.py"
 FULL_RECIPE = REPO / "recipes" / "cifar.py"
 NUM_TRAIN, NUM_TEST = 32, 21
 STEPS = 3
-# Flags both scripts take. The warm-up covers 2 of the 3 steps (round(0.5 x 3)), so the logged rates pass through the
-# warm-up and the cosine's end; lr, momentum, weight decay and label smoothing keep their defaults, which must agree.
+# Flags both scripts take. The warm-up covers 2 of the 3 steps (round(0.5 x 3)), so the logged rates
+# pass through the warm-up and the cosine's end; lr, momentum, weight decay and label smoothing keep
+# their defaults, which must agree.
 SAME = ["--download", "False", "--verify_data", "False", "--augment", "False", "--num_workers", "0"]
 SAME += ["--batch_size", "16", "--max_steps", STEPS, "--warmup_ratio", "0.5", "--log_every", "1"]
 SAME += ["--checkpoint_every", "0"]
@@ -73,10 +76,13 @@ def full_one(cifar10_dir, module_tmp):
 
 @pytest.fixture(scope="module")
 def starter_one(cifar10_dir, module_tmp):
-    """The starter with plain python and its default tracker: SwanLab, offline for a user with no login."""
+    """The starter with plain python and its default tracker: SwanLab, offline for a user with no
+    login."""
     tmp = module_tmp.mktemp("starter-one")
     args = [STARTER, "--data_dir", cifar10_dir, *SAME, "--output_dir", tmp / "out"]
-    return SimpleNamespace(out=tmp / "out", proc=check(run([PYTHON, *args], recipe_env(tmp), cwd=tmp, timeout=300)))
+    return SimpleNamespace(
+        out=tmp / "out", proc=check(run([PYTHON, *args], recipe_env(tmp), cwd=tmp, timeout=300))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +95,8 @@ def full_two(cifar10_dir, module_tmp):
 
 @pytest.fixture(scope="module")
 def starter_two(cifar10_dir, module_tmp):
-    """The starter copied alone into an empty folder and launched there on 2 processes; the only folder on PYTHONPATH
-    holds modules named like this project's that fail on import."""
+    """The starter copied alone into an empty folder and launched there on 2 processes; the only
+    folder on PYTHONPATH holds modules named like this project's that fail on import."""
     tmp = module_tmp.mktemp("starter-two")
     folder = tmp / "my_project"
     folder.mkdir()
@@ -110,12 +116,13 @@ def full_steps(out: Path) -> dict[int, tuple[float, float]]:
 
 
 def assert_same_training(starter, full) -> tuple[float, float]:
-    """Same steps, losses within 1e-5, same learning rates, same final weights and test accuracy; returns the largest
-    loss and weight differences.
+    """Same steps, losses within 1e-5, same learning rates, same final weights and test accuracy;
+    returns the largest loss and weight differences.
 
-    The weights catch what 3 short steps barely move the loss by: weight decay put on BatchNorm parameters as well
-    changed them by 3.5e-5 but the third loss by only 2e-6. Both scripts do the same float operations in the same
-    order, so the weights agree bit for bit here; 1e-6 leaves room for nothing more than rounding."""
+    The weights catch what 3 short steps barely move the loss by: weight decay put on BatchNorm
+    parameters as well changed them by 3.5e-5 but the third loss by only 2e-6. Both scripts do the
+    same float operations in the same order, so the weights agree bit for bit here; 1e-6 leaves room
+    for nothing more than rounding."""
     ours, theirs = starter_steps(starter.proc), full_steps(full.out)
     assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1)), (ours, theirs)
     for step in theirs:
@@ -126,14 +133,18 @@ def assert_same_training(starter, full) -> tuple[float, float]:
     from safetensors.torch import load_file
 
     mine, reference = load_file(starter.out / "model.safetensors"), load_file(full.out / "model.safetensors")
-    assert mine.keys() == reference.keys()  # the plain torchvision ResNet18 with the CIFAR stem in both
+    # the plain torchvision ResNet18 with the CIFAR stem in both
+    assert mine.keys() == reference.keys()
     assert all(mine[name].shape == tensor.shape for name, tensor in reference.items())
-    weights = {name: (mine[name].double() - tensor.double()).abs().max().item() for name, tensor in reference.items()}
+    weights = {
+        name: (mine[name].double() - tensor.double()).abs().max().item() for name, tensor in reference.items()
+    }
     assert max(weights.values()) < 1e-6, sorted(weights.items(), key=lambda item: -item[1])[:5]
 
     accuracy, seen = EVAL_LINE.findall(starter.proc.stdout)[-1]
     results = read_results(full.out)
-    assert int(seen) == results["eval_samples"] == NUM_TEST  # each test image once, on any number of processes
+    # each test image once, on any number of processes
+    assert int(seen) == results["eval_samples"] == NUM_TEST
     assert float(accuracy) == pytest.approx(results["eval_accuracy"], abs=5e-5)
     return difference, max(weights.values())
 
@@ -143,22 +154,27 @@ def test_starter_trains_as_the_full_recipe_on_one_process(starter_one, full_one)
     print(f"1 process: largest loss difference {losses:.2e}, weight difference {weights:.2e}")
 
 
-def test_starter_trains_as_the_full_recipe_on_two_processes_with_accumulation_and_clipping(starter_two, full_two):
-    assert "global batch 16: 4 images per process and micro-batch" in starter_two.proc.stdout  # 16 = 2 x 4 x 2
+def test_starter_trains_as_the_full_recipe_on_two_processes_with_accumulation_and_clipping(
+    starter_two, full_two
+):
+    # 16 = 2 x 4 x 2
+    assert "global batch 16: 4 images per process and micro-batch" in starter_two.proc.stdout
     losses, weights = assert_same_training(starter_two, full_two)
     print(f"2 processes: largest loss difference {losses:.2e}, weight difference {weights:.2e}")
 
 
 def test_starter_imports_only_public_packages_and_runs_alone(starter_two):
     assert_public_imports_only(STARTER)
-    # Launched from a folder holding only itself (plus what it wrote), with the decoys first on the import path.
+    # Launched from a folder holding only itself (plus what
+    # it wrote), with the decoys first on the import path.
     assert sorted(p.name for p in starter_two.folder.iterdir()) == ["cifar.py", "out"]
     assert "public packages only" not in starter_two.proc.output
 
 
 def test_starter_tracks_offline_without_a_login_and_saves_checkpoints(starter_one):
     assert list((starter_one.out / "swanlog").glob("run-*")), "no offline SwanLab run"
-    # save_state at each epoch's end: after step 2 (the first epoch) and step 3 (where the run stopped)
+    # save_state at each epoch's end: after step 2 (the
+    # first epoch) and step 3 (where the run stopped)
     checkpoints = sorted(p.name for p in (starter_one.out / "checkpoints").iterdir())
     assert checkpoints == ["step_2", "step_3"]
     assert (starter_one.out / "checkpoints" / "step_3" / "model.safetensors").is_file()

@@ -1,15 +1,17 @@
 """The GRPO starter (recipes/starters/grpo.py) held to the full recipe (recipes/grpo.py).
 
-The starter samples with torch's seeded RNG, the full recipe with keyed noise, so their runs draw different completions
-and are compared where they must agree: in this process, for one batch of rollouts that the full recipe generated, the
-starter's group-relative advantages, its loss and the loss's gradients, micro-batch by micro-batch, equal the full
-recipe's (`advantages`, `policy_loss`, dapo normalisation) in fp32, and the micro-batches' shares add up to the whole
-batch's; its generation is the plain softmax (and greedy the argmax) whatever the model's generation_config asks.
+The starter samples with torch's seeded RNG, the full recipe with keyed noise, so their runs draw
+different completions and are compared where they must agree: in this process, for one batch of
+rollouts that the full recipe generated, the starter's group-relative advantages, its loss and the
+loss's gradients, micro-batch by micro-batch, equal the full recipe's (`advantages`, `policy_loss`,
+dapo normalisation) in fp32, and the micro-batches' shares add up to the whole batch's; its
+generation is the plain softmax (and greedy the argmax) whatever the model's generation_config asks.
 
-End to end: a LoRA run with plain python on 1 process saves its adapter and checkpoints; a run resumed from the step-4
-checkpoint it left (as a run stopped there would) goes on with steps 5 and 6 exactly as the run did and ends with the
-same adapter; the starter copied alone into an empty folder fine-tunes the whole model on 2 gloo processes with 2
-micro-batches per step and learns the user's brevity reward. It imports public packages only.
+End to end: a LoRA run with plain python on 1 process saves its adapter and checkpoints; a run
+resumed from the step-4 checkpoint it left (as a run stopped there would) goes on with steps 5 and 6
+exactly as the run did and ends with the same adapter; the starter copied alone into an empty folder
+fine-tunes the whole model on 2 gloo processes with 2 micro-batches per step and learns the user's
+brevity reward. It imports public packages only.
 """
 
 import ast
@@ -43,11 +45,24 @@ STARTER = REPO / "recipes" / "starters" / "grpo.py"
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+) reward (\S+)$", re.MULTILINE)
 EVAL_LINE = re.compile(r"^epoch (\d+) eval_reward (\S+) over (\d+) prompts$", re.MULTILINE)
 ADAPTER = "adapter_model.safetensors"
-# 48 training prompts, 8 a step x 4 completions: 6 steps an epoch. The adapter run checkpoints every 2 steps; the full
-# fine-tune (lr 5e-2: a LoRA on this 2-layer model of hidden size 32 barely moves its near-uniform softmax, whose logits
-# the final norm bounds) takes 2 epochs, its checkpoints at the epoch ends only.
+# 48 training prompts, 8 a step x 4 completions: 6 steps an epoch. The adapter run checkpoints every
+# 2 steps; the full fine-tune (lr 5e-2: a LoRA on this 2-layer model of hidden size 32 barely moves
+# its near-uniform softmax, whose logits the final norm bounds) takes 2 epochs, its checkpoints at
+# the epoch ends only.
 COMMON = ["--batch_size", "8", "--num_generations", "4", "--max_new_tokens", "8", "--seed", "0"]
-LORA_RUN = [*COMMON, "--lora_r", "8", "--lr", "1e-2", "--epochs", "1", "--checkpoint_every", "2", "--tracker", "none"]
+LORA_RUN = [
+    *COMMON,
+    "--lora_r",
+    "8",
+    "--lr",
+    "1e-2",
+    "--epochs",
+    "1",
+    "--checkpoint_every",
+    "2",
+    "--tracker",
+    "none",
+]
 FULL_RUN = [*COMMON, "--lora_r", "0", "--lr", "5e-2", "--epochs", "2", "--gradient_accumulation_steps", "2"]
 FULL_RUN += ["--checkpoint_every", "0"]
 
@@ -62,7 +77,9 @@ def load_starter():
 
 def chat_prompts(tokenizer, things: list[str]) -> list[list[int]]:
     chats = [[{"role": "user", "content": f"What colour is the {thing}?"}] for thing in things]
-    texts = [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
+    texts = [
+        tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats
+    ]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
@@ -80,10 +97,11 @@ def rows_of(completions, rows: slice):
 
 
 def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_batch(tiny_chat_model):
-    """4 prompts x 4 completions from the full recipe's keyed sampling, some of them cut short by an end-of-turn token,
-    one group of equal rewards; a seeded LoRA whose B matrices are not zero, so every adapter weight has a gradient.
-    The global batch split into 2 micro-batches: the starter's advantages, its loss shares (over the completion tokens
-    of the whole batch) and their gradients equal the full recipe's within 1e-6, and add up to the whole batch's."""
+    """4 prompts x 4 completions from the full recipe's keyed sampling, some of them cut short by an
+    end-of-turn token, one group of equal rewards; a seeded LoRA whose B matrices are not zero, so
+    every adapter weight has a gradient. The global batch split into 2 micro-batches: the starter's
+    advantages, its loss shares (over the completion tokens of the whole batch) and their gradients
+    equal the full recipe's within 1e-6, and add up to the whole batch's."""
     import grpo as full
     from chat.rollouts import generate, sampling_keys
 
@@ -97,12 +115,17 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
     )
     model = peft.get_peft_model(base, lora)
     generations, temperature = 4, 0.7
-    args = full.GrpoFlags(max_new_tokens=8, num_generations=generations, batch_size=4, temperature=temperature)
+    args = full.GrpoFlags(
+        max_new_tokens=8, num_generations=generations, batch_size=4, temperature=temperature
+    )
     prompts = chat_prompts(tokenizer, ["sky", "grass", "ripe plum", "snow"])
     keys = sampling_keys(0, 0, torch.arange(4), generations)
-    rollout = generate(accelerator, model, tokenizer, [p for p in prompts for _ in range(generations)], args, keys)
+    rollout = generate(
+        accelerator, model, tokenizer, [p for p in prompts for _ in range(generations)], args, keys
+    )
 
-    # Fixed completion ids of different lengths: every third row as sampled, the others end early at a turn's end.
+    # Fixed completion ids of different lengths: every third row as sampled, the others end early at
+    # a turn's end.
     width, end_of_turn = rollout.completion.shape[1], tokenizer.eos_token_id
     for row in range(16):
         if row % 3:
@@ -112,7 +135,9 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
             rollout.mask[row] = (torch.arange(width) <= stop).long()
     assert len(set(rollout.mask.sum(1).tolist())) > 3
     ends = rollout.mask.sum(1).tolist()
-    texts = tokenizer.batch_decode([c[:n] for c, n in zip(rollout.completion, ends)], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [c[:n] for c, n in zip(rollout.completion, ends)], skip_special_tokens=True
+    )
     rewards = [-len(text) / 40 for text in texts]
     rewards[8:12] = [0.5] * 4  # a group without signal: its advantages are 0
 
@@ -121,7 +146,13 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
         half.rewards, half.loss_mask = rewards[rows], half.mask
     full.advantages(accelerator, halves, generations, "group")
     loss_args = SimpleNamespace(
-        epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="dapo", batch_size=4, num_generations=4, max_new_tokens=8
+        epsilon=0.2,
+        epsilon_high=None,
+        beta=0.0,
+        loss_type="dapo",
+        batch_size=4,
+        num_generations=4,
+        max_new_tokens=8,
     )
     normaliser = full.loss_normaliser(accelerator, halves, loss_args)
     for half in halves:
@@ -131,7 +162,8 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
     assert (advantages - torch.cat([h.advantages for h in halves])).abs().max() <= 1e-6
     assert advantages[8:12].abs().max() == 0 and advantages.abs().max() > 0.5
 
-    # The starter's count: every completion token of every micro-batch (of every process), before the forward passes.
+    # The starter's count: every completion token of every micro-batch (of every process), before
+    # the forward passes.
     tokens = sum(half.mask.sum() for half in halves).float()
     assert tokens == normaliser
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -139,12 +171,15 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
     shares, share_gradients = [], []
     for half, ours in zip(halves, advantages.chunk(2)):
         theirs = full.policy_loss(full.token_logprobs(model, half, temperature), half, loss_args, None)[0]
-        loss = starter.policy_loss(starter.token_logprobs(model, vars(half), temperature), ours, half.mask, tokens)
+        loss = starter.policy_loss(
+            starter.token_logprobs(model, vars(half), temperature), ours, half.mask, tokens
+        )
         expected, gradients = torch.autograd.grad(theirs, trainable), torch.autograd.grad(loss, trainable)
         assert abs(loss.item() - theirs.item()) <= 1e-6, (loss.item(), theirs.item())
         worst = max((g - e).abs().max().item() for g, e in zip(gradients, expected))
         assert worst <= 1e-6, worst
-        assert max(g.abs().max().item() for g in gradients) > 1e-3  # a gradient to compare, on every weight
+        # a gradient to compare, on every weight
+        assert max(g.abs().max().item() for g in gradients) > 1e-3
         assert all(g.abs().sum() > 0 for g in gradients)
         shares.append(loss.detach())
         share_gradients.append(gradients)
@@ -159,11 +194,13 @@ def test_advantages_loss_and_gradients_equal_the_full_recipes_for_each_micro_bat
 
 
 def test_sampling_and_greedy_answers_ignore_the_models_generation_config(tiny_chat_model):
-    """A model whose generation_config asks for a repetition penalty of 1.3, bans repeated tokens, suppresses tokens and
-    samples at temperature 0.3 from its top 1 (top-p 0.5, min-p 0.2), which transformers applies unless told otherwise.
-    Under the starter's options every score generate() draws from is the logits / the temperature (greedy: the logits
-    themselves); with the same seed the starter draws the same completions and greedy answers as from the model without
-    them; greedy tokens are the argmax of the softmax the update uses, and samples reach beyond the 50 likeliest."""
+    """A model whose generation_config asks for a repetition penalty of 1.3, bans repeated tokens,
+    suppresses tokens and samples at temperature 0.3 from its top 1 (top-p 0.5, min-p 0.2), which
+    transformers applies unless told otherwise. Under the starter's options every score generate()
+    draws from is the logits / the temperature (greedy: the logits themselves); with the same seed
+    the starter draws the same completions and greedy answers as from the model without them; greedy
+    tokens are the argmax of the softmax the update uses, and samples reach beyond the 50
+    likeliest."""
     starter = load_starter()
     tokenizer = tiny_tokenizer(tiny_chat_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32)
@@ -184,7 +221,11 @@ def test_sampling_and_greedy_answers_ignore_the_models_generation_config(tiny_ch
     assert not torch.equal(by_its_config[:, width:], plain_greedy["completion"])  # the trap is set
 
     traced = dict(
-        max_new_tokens=8, pad_token_id=pad, output_scores=True, output_logits=True, return_dict_in_generate=True
+        max_new_tokens=8,
+        pad_token_id=pad,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     for options in (dict(starter.SAMPLING, do_sample=True, temperature=0.7), dict(do_sample=False)):
         out = model.generate(**batch, **starter.NEUTRAL, **options, **traced)
@@ -212,7 +253,9 @@ def test_sampling_and_greedy_answers_ignore_the_models_generation_config(tiny_ch
 
 
 def step_lines(proc) -> dict[int, tuple[float, float]]:
-    return {int(step): (float(loss), float(reward)) for step, _, loss, reward in STEP_LINE.findall(proc.stdout)}
+    return {
+        int(step): (float(loss), float(reward)) for step, _, loss, reward in STEP_LINE.findall(proc.stdout)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +270,9 @@ def lora_one(grpo_data, module_tmp):
 
 @pytest.fixture(scope="module")
 def full_two(grpo_data, module_tmp):
-    """The starter alone copied into an empty folder and launched there on 2 gloo processes, with a PYTHONPATH whose
-    accelerate_recipes refuses to import: a full fine-tune, 2 micro-batches per step, SwanLab offline."""
+    """The starter alone copied into an empty folder and launched there on 2 gloo processes, with a
+    PYTHONPATH whose accelerate_recipes refuses to import: a full fine-tune, 2 micro-batches per
+    step, SwanLab offline."""
     tmp = module_tmp.mktemp("starter-grpo-two")
     folder = tmp / "my_project"
     folder.mkdir()
@@ -238,7 +282,9 @@ def full_two(grpo_data, module_tmp):
     launch += ["--num_cpu_threads_per_process", 1, "--main_process_port", free_port(), "grpo.py"]
     brevity = f"{grpo_data['root'] / 'brevity.py'}:brevity"
     args = [*grpo_data["files"], "--reward", brevity, *FULL_RUN, "--output_dir", "out"]
-    return SimpleNamespace(proc=check(run([*launch, *args], env, cwd=folder)), out=folder / "out", folder=folder)
+    return SimpleNamespace(
+        proc=check(run([*launch, *args], env, cwd=folder)), out=folder / "out", folder=folder
+    )
 
 
 def test_one_process_saves_the_adapter_and_its_checkpoints(lora_one):
@@ -247,18 +293,22 @@ def test_one_process_saves_the_adapter_and_its_checkpoints(lora_one):
     printed = step_lines(proc)
     assert sorted(printed) == list(range(1, 7)), proc.stdout[-3000:]
     assert all(-1 < reward < 0 for _, reward in printed.values())  # brevity: -characters / 40
-    assert [(int(e), int(n)) for e, _, n in EVAL_LINE.findall(proc.stdout)] == [(1, 16)]  # each prompt once
+    # each prompt once
+    assert [(int(e), int(n)) for e, _, n in EVAL_LINE.findall(proc.stdout)] == [(1, 16)]
     for name in (ADAPTER, "adapter_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).is_file(), name
     assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
     adapter = load_file(str(out / ADAPTER))
-    assert all(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)  # B starts at 0: trained
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_4", "step_6"]  # the 2 newest of steps 2, 4, 6
+    # B starts at 0: trained
+    assert all(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)
+    # the 2 newest of steps 2, 4, 6
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_4", "step_6"]
 
 
 def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_step_as_if_never_stopped(lora_one):
-    """Weights, optimizer, schedule and every random state (the sampling's included) come back with load_state and
-    the step from the folder's name: steps 5 and 6 sample, score and update exactly as the uninterrupted run did."""
+    """Weights, optimizer, schedule and every random state (the sampling's included) come back with
+    load_state and the step from the folder's name: steps 5 and 6 sample, score and update exactly
+    as the uninterrupted run did."""
     tmp, resumed_out = lora_one.tmp, lora_one.tmp / "resumed"
     cmd = [
         PYTHON,
@@ -282,8 +332,9 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_from_its_step_as_if_never_stopp
 
 
 def test_two_processes_from_an_empty_folder_learn_the_users_reward(full_two):
-    """The user's brevity reward (-characters / 40 of each completion) rises: the last 3 steps' mean beats the first
-    3 steps' by 0.1 (measured: -0.49 to -0.06); the validation prompts are answered once each after both epochs."""
+    """The user's brevity reward (-characters / 40 of each completion) rises: the last 3 steps' mean
+    beats the first 3 steps' by 0.1 (measured: -0.49 to -0.06); the validation prompts are answered
+    once each after both epochs."""
     proc, out = full_two.proc, full_two.out
     assert sorted(os.listdir(full_two.folder)) == ["grpo.py", "out"]
     assert "global batch 8 = 2 processes x 2 micro-batches x 2" in proc.stdout
@@ -295,7 +346,8 @@ def test_two_processes_from_an_empty_folder_learn_the_users_reward(full_two):
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (out / name).is_file(), name
     assert set(os.listdir(out / "checkpoints")) == {"step_6", "step_12"}
-    assert (out / "checkpoints" / "step_12" / "random_states_1.pkl").is_file()  # each process's own sampling state
+    # each process's own sampling state
+    assert (out / "checkpoints" / "step_12" / "random_states_1.pkl").is_file()
     (swanlab_run,) = (out / "swanlog").glob("run-*")
     assert b"train/reward" in next(swanlab_run.glob("run-*.swanlab")).read_bytes()
 

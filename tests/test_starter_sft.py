@@ -1,10 +1,10 @@
-"""The chat fine-tuning starter (recipes/starters/sft.py) held to the full recipe (recipes/sft.py): with the flags, seed
-and data of the shared run sft_one, its per-step training losses, learning rates, evaluation losses and adapter equal
-the full recipe's on 1 process and on 2 gloo processes on two "nodes" on 127.0.0.1; it imports public packages only
-and runs from an empty folder.
+"""The chat fine-tuning starter (recipes/starters/sft.py) held to the full recipe (recipes/sft.py):
+with the flags, seed and data of the shared run sft_one, its per-step training losses, learning
+rates, evaluation losses and adapter equal the full recipe's on 1 process and on 2 gloo processes on
+two "nodes" on 127.0.0.1; it imports public packages only and runs from an empty folder.
 
-The full recipe's own 1 vs 2 processes equality (padded vs packed rows) is asserted in tests/test_sft.py, so sft_one is
-the reference for both starter runs.
+The full recipe's own 1 vs 2 processes equality (padded vs packed rows) is asserted in
+tests/test_sft.py, so sft_one is the reference for both starter runs.
 """
 
 import ast
@@ -49,12 +49,15 @@ def starter_main() -> ast.FunctionDef:
 
 
 def starter_args(*left_out: str) -> list[str]:
-    """SFT_RUN as the starter takes it: the flags it lacks must be ones that change no training number."""
+    """SFT_RUN as the starter takes it: the flags it lacks must be ones that change no training
+    number."""
     flags = {f"--{arg.arg}" for arg in starter_main().args.args}
     pairs = list(zip(SFT_RUN[::2], SFT_RUN[1::2]))
     assert all(flag.startswith("--") and not value.startswith("--") for flag, value in pairs), SFT_RUN
     missing = {flag for flag, _ in pairs if flag not in flags}
-    assert missing <= NOT_IN_STARTER, f"SFT_RUN trains with {missing - NOT_IN_STARTER}, which the starter lacks"
+    assert missing <= NOT_IN_STARTER, (
+        f"SFT_RUN trains with {missing - NOT_IN_STARTER}, which the starter lacks"
+    )
     return [item for flag, value in pairs if flag in flags and flag not in left_out for item in (flag, value)]
 
 
@@ -69,10 +72,11 @@ def starter_one(tiny_chat_model, sft_data, module_tmp):
 
 @pytest.fixture(scope="module")
 def starter_two(tiny_chat_model, sft_data, module_tmp):
-    """The starter alone copied into an empty folder and launched there as two nodes would run it: 2node.yaml on
-    127.0.0.1, one process per "node", machine ranks 0 and 1, with sft_one's flags but the default tracker (SwanLab,
-    offline without a login). PYTHONPATH holds only a folder whose accelerate_recipes refuses to import: the
-    repository's library, also installed in this environment, is out of reach."""
+    """The starter alone copied into an empty folder and launched there as two nodes would run it:
+    2node.yaml on 127.0.0.1, one process per "node", machine ranks 0 and 1, with sft_one's flags but
+    the default tracker (SwanLab, offline without a login). PYTHONPATH holds only a folder whose
+    accelerate_recipes refuses to import: the repository's library, also installed in this
+    environment, is out of reach."""
     tmp = module_tmp.mktemp("starter-sft-two")
     folder = tmp / "my_project"
     folder.mkdir()
@@ -82,7 +86,8 @@ def starter_two(tiny_chat_model, sft_data, module_tmp):
     args = [*sft_files(tiny_chat_model, sft_data), *starter_args("--tracker"), "--output_dir", "out"]
     nodes = []
     for rank in (0, 1):
-        # 2 processes in all; fp32 as sft_one (2node.yaml asks for bf16, which a CPU may only emulate)
+        # 2 processes in all; fp32 as sft_one (2node.yaml
+        # asks for bf16, which a CPU may only emulate)
         launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "2node.yaml", "--num_processes", 2]
         launch += ["--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port]
         launch += ["--num_cpu_threads_per_process", 1, "--mixed_precision", "no", "sft.py", *args]
@@ -99,9 +104,9 @@ def starter_two(tiny_chat_model, sft_data, module_tmp):
 
 
 def test_per_step_losses_equal_the_full_recipe_on_one_and_two_processes(sft_one, starter_one, starter_two):
-    """Every step logged: the starter's loss (the mean over the global batch's answer tokens) within 1e-5 of the full
-    recipe's, the same learning rate (warm-up, then linear decay), the same evaluation loss each epoch and the same
-    adapter at the end."""
+    """Every step logged: the starter's loss (the mean over the global batch's answer tokens) within
+    1e-5 of the full recipe's, the same learning rate (warm-up, then linear decay), the same
+    evaluation loss each epoch and the same adapter at the end."""
     metrics = read_metrics(sft_one.out)
     reference, lrs = losses(sft_one.out), {m["step"]: m["train/lr"] for m in metrics if "train/lr" in m}
     eval_losses = [m["eval/loss"] for m in metrics if "eval/loss" in m]
@@ -113,8 +118,12 @@ def test_per_step_losses_equal_the_full_recipe_on_one_and_two_processes(sft_one,
         printed = {int(step): (float(loss), float(lr)) for step, loss, lr in STEP_LINE.findall(proc.stdout)}
         assert printed.keys() == reference.keys(), proc.stdout[-3000:]
         worst = max(abs(printed[step][0] - reference[step]) for step in reference)
-        assert worst <= 1e-5, f"{world} process(es): per-step losses differ from the full recipe's by up to {worst}"
-        assert [printed[step][1] for step in sorted(lrs)] == pytest.approx([lrs[s] for s in sorted(lrs)], rel=1e-6)
+        assert worst <= 1e-5, (
+            f"{world} process(es): per-step losses differ from the full recipe's by up to {worst}"
+        )
+        assert [printed[step][1] for step in sorted(lrs)] == pytest.approx(
+            [lrs[s] for s in sorted(lrs)], rel=1e-6
+        )
         assert [float(x) for x in EVAL_LINE.findall(proc.stdout)] == pytest.approx(eval_losses, abs=1e-5)
         adapter = load_file(str(starter.out / ADAPTER))
         assert adapter.keys() == expected.keys()
@@ -122,8 +131,8 @@ def test_per_step_losses_equal_the_full_recipe_on_one_and_two_processes(sft_one,
 
 
 def test_the_starter_ran_from_an_empty_folder_and_saved_everything(starter_two):
-    """2 processes from a folder holding only the starter: adapter, tokenizer, the checkpoints of both epoch ends, and
-    the SwanLab run written offline, with the training loss in it."""
+    """2 processes from a folder holding only the starter: adapter, tokenizer, the checkpoints of
+    both epoch ends, and the SwanLab run written offline, with the training loss in it."""
     assert sorted(os.listdir(starter_two.folder)) == ["out", "sft.py"]
     out = starter_two.out
     for name in (ADAPTER, "adapter_config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -152,6 +161,7 @@ def test_help_explains_every_flag(tmp_path):
 def test_a_batch_that_does_not_split_is_a_one_line_error(tiny_chat_model, sft_data, tmp_path):
     args = [*sft_files(tiny_chat_model, sft_data), "--tracker", "none", "--output_dir", tmp_path / "out"]
     proc = run(
-        [PYTHON, STARTER, *args, "--batch_size", "7", "--gradient_accumulation_steps", "2"], recipe_env(tmp_path)
+        [PYTHON, STARTER, *args, "--batch_size", "7", "--gradient_accumulation_steps", "2"],
+        recipe_env(tmp_path),
     )
     fails_with(proc, "--batch_size 7", "multiple of 2")

@@ -1,12 +1,13 @@
-"""The chat starters (recipes/starters/sft.py, dpo.py, grpo.py) keep sdpa off cuDNN's kernel on CUDA, as the
-full recipes do (chat/model.py's use_sdpa_backends): from torch 2.11 it is torch's first choice on Hopper GPUs,
-and its backward is reported to give NaN gradients where a mask leaves whole query rows masked (left-padded DPO
-and GRPO rows).
+"""The chat starters (recipes/starters/sft.py, dpo.py, grpo.py) keep sdpa off cuDNN's kernel on
+CUDA, as the full recipes do (chat/model.py's use_sdpa_backends): from torch 2.11 it is torch's
+first choice on Hopper GPUs, and its backward is reported to give NaN gradients where a mask leaves
+whole query rows masked (left-padded DPO and GRPO rows).
 
-torch's sdpa switches are process-wide and can be set without a GPU, so each starter's main() runs here, in
-this process, on an Accelerator that reports a CUDA device (or a CPU one), and stops at its first check of the
-flags, a --batch_size that does not split: the switch is set on the starter's own path, right after the
-Accelerator is built and before any data or model is loaded; on a CPU nothing changes.
+torch's sdpa switches are process-wide and can be set without a GPU, so each starter's main() runs
+here, in this process, on an Accelerator that reports a CUDA device (or a CPU one), and stops at its
+first check of the flags, a --batch_size that does not split: the switch is set on the starter's own
+path, right after the Accelerator is built and before any data or model is loaded; on a CPU nothing
+changes.
 """
 
 import functools
@@ -31,7 +32,8 @@ SWITCHES = {  # torch's process-wide switch of each CUDA sdpa kernel: (is it on,
 
 @functools.cache
 def load_starter(name: str):
-    """The starter as a module of its own name (tests import the full recipes as `sft`, `dpo`, `grpo`)."""
+    """The starter as a module of its own name (tests import the full recipes as `sft`, `dpo`,
+    `grpo`)."""
     path = REPO / "recipes" / "starters" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_starter_switches", path)
     module = importlib.util.module_from_spec(spec)
@@ -40,8 +42,8 @@ def load_starter(name: str):
 
 
 def accelerator_on(device_type: str) -> type[Accelerator]:
-    """An Accelerator that reports `device_type` as its device; all else is this machine's (one process, no
-    GPU needed): what a starter's main() asks of it before its batch check."""
+    """An Accelerator that reports `device_type` as its device; all else is this machine's (one
+    process, no GPU needed): what a starter's main() asks of it before its batch check."""
 
     class Reporting(Accelerator):
         @property
@@ -70,8 +72,8 @@ def restored_switches():
 def test_a_chat_starter_turns_cudnn_sdpa_off_on_cuda_right_after_building_its_accelerator(
     name, device_type, cudnn_before, restored_switches, monkeypatch, tmp_path
 ):
-    """main() on a CUDA device: cuDNN's sdpa off once it stops at the batch check (before data and model),
-    the other kernels as they were; on a CPU every switch as it was, cuDNN's on or off."""
+    """main() on a CUDA device: cuDNN's sdpa off once it stops at the batch check (before data and
+    model), the other kernels as they were; on a CPU every switch as it was, cuDNN's on or off."""
     starter = load_starter(name)
     monkeypatch.setattr(starter, "Accelerator", accelerator_on(device_type))
     torch.backends.cuda.enable_cudnn_sdp(cudnn_before)

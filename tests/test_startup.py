@@ -1,5 +1,5 @@
-"""Start-up that cannot hang: a missing main node or rank, a busy port, GPU ids that do not exist, and a SIGTERM sent
-to the launcher of a multi-process run."""
+"""Start-up that cannot hang: a missing main node or rank, a busy port, GPU ids that do not exist,
+and a SIGTERM sent to the launcher of a multi-process run."""
 
 import signal
 import socket
@@ -22,7 +22,8 @@ from conftest import (
 
 
 def lone_process(tmp_path, rank: int, port: int, timeout: int = 10) -> subprocess.Popen:
-    """One process of a world of two, started the way torchrun starts it, whose partner never comes."""
+    """One process of a world of two, started the way torchrun starts it, whose partner never
+    comes."""
     env = recipe_env(
         tmp_path,
         ACCELERATE_USE_CPU="1",
@@ -52,7 +53,8 @@ def lone_process(tmp_path, rank: int, port: int, timeout: int = 10) -> subproces
 
 
 def test_a_rank_that_never_joins_and_a_missing_main_node_end_within_the_timeout(tmp_path):
-    # Both at once, on separate ports: rank 0 waits for a rank 1 that never comes, rank 1 for a main that never comes.
+    # Both at once, on separate ports: rank 0 waits for a rank 1 that never comes, rank 1 for a main
+    # that never comes.
     started = time.monotonic()
     main_alone = lone_process(tmp_path, 0, free_port())
     port = free_port()
@@ -70,11 +72,14 @@ def test_a_rank_that_never_joins_and_a_missing_main_node_end_within_the_timeout(
         "--machine_rank",
         "--dist_timeout",
     )
-    fails_with(worker_alone, f"process 1 of 2 could not reach the main process at 127.0.0.1:{port} within 10 s")
+    fails_with(
+        worker_alone, f"process 1 of 2 could not reach the main process at 127.0.0.1:{port} within 10 s"
+    )
 
 
 def test_launcher_with_a_rendezvous_timeout_stops_a_lone_node(tmp_path):
-    # What `make cifar-2node` runs on node 0 while node 1 never starts: the launcher gives up after the timeout.
+    # What `make cifar-2node` runs on node 0 while node 1
+    # never starts: the launcher gives up after the timeout.
     started = time.monotonic()
     proc = run(
         [
@@ -141,11 +146,12 @@ def test_gpu_ids_that_do_not_exist_are_named(tmp_path):
         timeout=180,
     )
     assert proc.returncode != 0
-    # Each rank checks on its own; the first to exit makes the launcher stop the other, so one or two lines come out.
+    # Each rank checks on its own; the first to exit makes the launcher stop the other, so one or
+    # two lines come out.
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert 1 <= len(errors) <= 2 and all("CUDA_VISIBLE_DEVICES=0,7" in e and "nvidia-smi -L" in e for e in errors), (
-        errors
-    )
+    assert 1 <= len(errors) <= 2 and all(
+        "CUDA_VISIBLE_DEVICES=0,7" in e and "nvidia-smi -L" in e for e in errors
+    ), errors
 
 
 def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_with_one_checkpoint(tmp_path):
@@ -193,10 +199,12 @@ def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_with_one_checkpoin
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes stop the job: the launcher passes it to its workers
+    # as SLURM or Kubernetes stop the job: the launcher passes it to its workers
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=time_limit(120)) != 0
     text = log.read_text()
     stops = [line for line in text.splitlines() if line.startswith("stopped:")]
-    assert len(stops) == 1 and "SIGTERM at step" in stops[0], text[-3000:]  # rank 0 reports for both
+    # rank 0 reports for both
+    assert len(stops) == 1 and "SIGTERM at step" in stops[0], text[-3000:]
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(saved) == 2 and saved[-1] > "step_00000010" and saved[-1] in stops[0]

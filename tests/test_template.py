@@ -1,10 +1,12 @@
-"""A recipe is a template: copied into an empty folder outside the repository, it runs with the installed library only.
+"""A recipe is a template: copied into an empty folder outside the repository, it runs with the
+installed library only.
 
-Each recipe's shared 2-process run (conftest's cifar_two, text_two, detect_two) follows README's "Copying a recipe as
-a template": copy the recipe (the script and the modules beside it that it imports, or the whole detect/ folder) and
-accelerate_configs/cpu.yaml, then `accelerate launch` it from that folder on 2 gloo processes (under the host-read
-audit, which test_host_reads.py reads). The repository's recipes/ folder is on no import path of those processes, so a
-module the copy forgot fails the run; the copy's own __pycache__ shows its modules were the ones imported.
+Each recipe's shared 2-process run (conftest's cifar_two, text_two, detect_two) follows README's
+"Copying a recipe as a template": copy the recipe (the script and the modules beside it that it
+imports, or the whole detect/ folder) and accelerate_configs/cpu.yaml, then `accelerate launch` it
+from that folder on 2 gloo processes (under the host-read audit, which test_host_reads.py reads).
+The repository's recipes/ folder is on no import path of those processes, so a module the copy
+forgot fails the run; the copy's own __pycache__ shows its modules were the ones imported.
 """
 
 import ast
@@ -21,12 +23,15 @@ GUIDE = (REPO / "docs" / "template.md").read_text()
 
 
 def check_isolated(folder: Path, env: dict) -> None:
-    """From the project folder, the library imports from where it is installed and recipes/ is not importable."""
+    """From the project folder, the library imports from where it is installed and recipes/ is not
+    importable."""
     probe = (
         "import importlib.util, sys, accelerate_recipes; print(accelerate_recipes.__file__); "
         "print(importlib.util.find_spec('recipes')); print(*sys.path, sep='\\n')"
     )
-    out = subprocess.run([PYTHON, "-c", probe], cwd=folder, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [PYTHON, "-c", probe], cwd=folder, env=env, capture_output=True, text=True, check=True
+    )
     library, spec, *path = out.stdout.splitlines()
     assert Path(library).resolve().parent == LIBRARY
     assert spec == "None", spec
@@ -34,7 +39,10 @@ def check_isolated(folder: Path, env: dict) -> None:
 
 
 def imported_from_copy(folder: Path, modules: set[str]) -> None:
-    cached = {(p.parent.parent / p.name.split(".")[0]).relative_to(folder) for p in folder.rglob("__pycache__/*.pyc")}
+    cached = {
+        (p.parent.parent / p.name.split(".")[0]).relative_to(folder)
+        for p in folder.rglob("__pycache__/*.pyc")
+    }
     assert {Path(m.removesuffix(".py")) for m in modules} <= cached, (modules, cached)
 
 
@@ -42,7 +50,8 @@ def test_the_guide_names_every_file_a_copy_needs_and_the_readme_every_starter():
     section = GUIDE.split("## Copy a full recipe", 1)[1].split("\n## ", 1)[0]
     for script in ("cifar.py", "text_classification.py", "sft.py", "grpo.py", "dpo.py"):
         for name in {script} | local_imports(RECIPES / script):
-            folder, _, module = name.rpartition("/")  # a package's modules: the guide names its folder
+            # a package's modules: the guide names its folder
+            folder, _, module = name.rpartition("/")
             assert (f"recipes/{folder}/" if folder else f"recipes/{module}") in section, name
     assert "recipes/detect/" in section and "cpu.yaml" in section
     starters = sorted(p.name for p in (RECIPES / "starters").glob("*.py"))
@@ -52,15 +61,19 @@ def test_the_guide_names_every_file_a_copy_needs_and_the_readme_every_starter():
 
 
 def function_source(script: Path, name: str) -> str:
-    """The source of the function `name` in `script`, at any depth (save_checkpoint is nested in main)."""
+    """The source of the function `name` in `script`, at any depth (save_checkpoint is nested in
+    main)."""
     text = script.read_text()
-    found = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.FunctionDef) and node.name == name]
+    found = [
+        node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.FunctionDef) and node.name == name
+    ]
     assert len(found) == 1, (script.name, name, len(found))
     return ast.get_source_segment(text, found[0])
 
 
 def error_texts(script: Path) -> list[str]:
-    """The literal text of every `raise SystemExit(...)` in `script`, its f-string fields left out."""
+    """The literal text of every `raise SystemExit(...)` in `script`, its f-string fields left
+    out."""
     texts = []
     for node in ast.walk(ast.parse(script.read_text())):
         if (
@@ -75,10 +88,11 @@ def error_texts(script: Path) -> list[str]:
 
 
 def test_every_starter_keeps_the_shared_convention():
-    """docs/template.md's "Starters share one convention", over every file in recipes/starters/: at most 250 lines;
-    a docstring that names no Make target and no file of accelerate_configs/; bad input stops with one
-    `error: <cause>; <fix>` line through SystemExit only; the same tracker and checkpoint functions; the step of a
-    checkpoint read from its folder's name."""
+    """docs/template.md's "Starters share one convention", over every file in recipes/starters/: at
+    most 250 lines; a docstring that names no Make target and no file of accelerate_configs/; bad
+    input stops with one
+    `error: <cause>; <fix>` line through SystemExit only; the same tracker and checkpoint functions;
+    the step of a checkpoint read from its folder's name."""
     assert len(STARTERS) >= 4
     trackers, checkpoints = set(), set()
     for script in STARTERS:
@@ -98,9 +112,10 @@ def test_every_starter_keeps_the_shared_convention():
 
 
 def test_the_starters_tracker_function_decides_without_swanlab(tmp_path, monkeypatch):
-    """tracker_init_kwargs, run as the starters hold it: nothing for another tracker; for SwanLab the mode from
-    $SWANLAB_MODE, else online once logged in (SWANLAB_API_KEY, or the .netrc `swanlab login` writes), else offline in
-    output_dir/swanlog. It imports nothing, so swanlab is neither needed nor loaded to decide."""
+    """tracker_init_kwargs, run as the starters hold it: nothing for another tracker; for SwanLab
+    the mode from $SWANLAB_MODE, else online once logged in (SWANLAB_API_KEY, or the .netrc `swanlab
+    login` writes), else offline in output_dir/swanlog. It imports nothing, so swanlab is neither
+    needed nor loaded to decide."""
     source = function_source(STARTERS[0], "tracker_init_kwargs")
     tree = ast.parse(source)
     assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
@@ -116,21 +131,28 @@ def test_the_starters_tracker_function_decides_without_swanlab(tmp_path, monkeyp
     def mode() -> str:
         return tracker_init_kwargs("swanlab", str(out), "run")["swanlab"]["mode"]
 
-    assert tracker_init_kwargs("none", str(out), "run") == tracker_init_kwargs("tensorboard", str(out), "run") == {}
+    assert (
+        tracker_init_kwargs("none", str(out), "run")
+        == tracker_init_kwargs("tensorboard", str(out), "run")
+        == {}
+    )
     offline = tracker_init_kwargs("swanlab", str(out), "run")["swanlab"]
     assert offline == {"mode": "offline", "name": "run", "log_dir": str((out / "swanlog").resolve())}
     monkeypatch.setenv("SWANLAB_API_KEY", "a-key")
     assert mode() == "online"
     monkeypatch.delenv("SWANLAB_API_KEY")
     (tmp_path / "home" / ".swanlab").mkdir(parents=True)
-    (tmp_path / "home" / ".swanlab" / ".netrc").write_text("machine api.swanlab.cn login user password a-key\n")
+    (tmp_path / "home" / ".swanlab" / ".netrc").write_text(
+        "machine api.swanlab.cn login user password a-key\n"
+    )
     assert mode() == "online"
     monkeypatch.setenv("SWANLAB_MODE", "local")
     assert mode() == "local"
 
 
 def assert_model_best(out: Path, metric: str, *files: str) -> None:
-    """Two processes saved model_best together, at the best evaluation, and left no half-written folder."""
+    """Two processes saved model_best together, at the best evaluation, and left no half-written
+    folder."""
     results = read_results(out)
     values = [m[metric] for m in read_metrics(out) if metric in m]
     assert results["best_epoch"] == values.index(max(values)) + 1  # the first of equal ones
@@ -140,7 +162,8 @@ def assert_model_best(out: Path, metric: str, *files: str) -> None:
 
 
 def assert_copy_ran(two) -> None:
-    """The copy ran from its own folder, on the installed library only, importing its modules from the copy."""
+    """The copy ran from its own folder, on the installed library only, importing its modules from
+    the copy."""
     check_isolated(two.folder, two.env)
     imported_from_copy(two.folder / Path(two.script).parent, two.modules)
     assert (two.out / "host_reads.json").is_file() and (two.out / "host_reads.rank1.json").is_file()
@@ -166,6 +189,8 @@ def test_detect_folder_copy_runs_on_two_processes(detect_two):
     results = read_results(detect_two.out)
     assert (results["world_size"], results["steps"]) == (2, 6)
     validation = list((detect_two.folder / "data").glob("shapes-*/images/val/*"))
-    assert "eval_map50_95" in results and results["eval_images"] == results["eval_unique_images"] == len(validation)
+    assert "eval_map50_95" in results and results["eval_images"] == results["eval_unique_images"] == len(
+        validation
+    )
     assert_model_best(detect_two.out, "eval/map50_95", "model.safetensors", "detector.json")
     assert_copy_ran(detect_two)

@@ -1,4 +1,5 @@
-"""The text-classification recipe fine-tunes a real (tiny) BERT on CSV / JSONL files, alone and over gloo."""
+"""The text-classification recipe fine-tunes a real (tiny) BERT on CSV / JSONL files, alone and over
+gloo."""
 
 import importlib.util
 import json
@@ -36,7 +37,8 @@ from transformers import AttentionMaskInterface, AutoModelForSequenceClassificat
 
 from accelerate_recipes import always_build_attention_masks
 
-# 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly initialised tiny model.
+# 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly
+# initialised tiny model.
 FAST = TEXT_FAST
 CONTRACT = [
     "recipe",
@@ -67,7 +69,8 @@ def files(data):
 
 @pytest.fixture(scope="module")
 def single_run(text_one):
-    """conftest's text_one: the tiny BERT fine-tuned for 2 epochs on 1 process (text_data, TEXT_RUN)."""
+    """conftest's text_one: the tiny BERT fine-tuned for 2 epochs on 1 process (text_data,
+    TEXT_RUN)."""
     return text_one.out, text_one.proc
 
 
@@ -84,7 +87,9 @@ def test_fine_tune_learns_and_writes_the_contract(single_run):
     assert steps[32] < steps[1] - 0.1, steps
     assert "global batch 16 = 1 process(es) x 16 per process" in proc.output
     # 256 examples / 16 x 2 epochs: a planned run this short is told how to get more updates
-    warning = next(line for line in proc.output.splitlines() if line.startswith("warning: 32 optimizer steps"))
+    warning = next(
+        line for line in proc.output.splitlines() if line.startswith("warning: 32 optimizer steps")
+    )
     assert all(flag in warning for flag in ("--epochs", "--batch_size", "--lr"))
     check_png(out / "results.png", 800, 600)
 
@@ -104,8 +109,8 @@ def test_predict_classifies_a_text_file_and_a_literal_text(single_run, tmp_path)
     out, _ = single_run
     texts = tmp_path / "texts.txt"
     texts.write_text("a lovely brilliant film\n\nboring terrible poor plot\n")
-    # A file and a literal text in one call. Without --model, --predict uses --output_dir: the run just trained (the
-    # model_best test below gives --model).
+    # A file and a literal text in one call. Without --model, --predict uses --output_dir: the run
+    # just trained (the model_best test below gives --model).
     proc = check(
         run(
             [PYTHON, TEXT_SCRIPT, "--predict", texts, "--predict", "superb great movie", "--output_dir", out],
@@ -133,12 +138,16 @@ def test_model_best_is_the_best_epochs_model_and_predict_reads_it(single_run, tm
     assert len(accuracy) == 2 and results["best_metric"] == max(accuracy)
     assert results["best_epoch"] == accuracy.index(max(accuracy)) + 1 and results["stopped_early"] is False
     best = out / "model_best"
-    assert same_weights(best, out) == (results["best_epoch"] == 2)  # the last epoch's model only when it was the best
+    # the last epoch's model only when it was the best
+    assert same_weights(best, out) == (results["best_epoch"] == 2)
     assert AutoTokenizer.from_pretrained(best).vocab == AutoTokenizer.from_pretrained(out).vocab
     rows = [
         json.loads(line)
         for line in check(
-            run([PYTHON, TEXT_SCRIPT, "--predict", "a lovely brilliant film", "--model", best], recipe_env(tmp_path))
+            run(
+                [PYTHON, TEXT_SCRIPT, "--predict", "a lovely brilliant film", "--model", best],
+                recipe_env(tmp_path),
+            )
         ).stdout.splitlines()
     ]
     assert len(rows) == 1 and rows[0]["label"] in ("positive", "negative")
@@ -146,8 +155,9 @@ def test_model_best_is_the_best_epochs_model_and_predict_reads_it(single_run, tm
 
 
 def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(text_data, tmp_path):
-    """Learning rate 0: the weights never change (AdamW's decay is scaled by the learning rate too), so the second
-    evaluation ties the first and patience 1 ends the run after 2 of 3 epochs, as a normal end."""
+    """Learning rate 0: the weights never change (AdamW's decay is scaled by the learning rate too),
+    so the second evaluation ties the first and patience 1 ends the run after 2 of 3 epochs, as a
+    normal end."""
     out, env = tmp_path / "out", recipe_env(tmp_path)
     command = [
         PYTHON,
@@ -167,16 +177,23 @@ def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(tex
     results = read_results(out)
     accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
     assert len(accuracy) == 2 and accuracy[0] == accuracy[1]
-    assert results["steps"] == 32 and results["stopped_early"] is True and results["early_stopping_patience"] == 1
+    assert (
+        results["steps"] == 32
+        and results["stopped_early"] is True
+        and results["early_stopping_patience"] == 1
+    )
     assert (results["best_epoch"], results["best_step"], results["best_metric"]) == (1, 16, accuracy[0])
     line = (
-        f"stopped early after epoch 2 of 3 (step 32 of 48): eval_accuracy did not improve in 1 evaluation(s) in a "
+        "stopped early after epoch 2 of 3 (step 32 of 48): eval_accuracy did not improve in 1 evaluation(s) "
+        "in a "
         f"row (--early_stopping_patience 1); best eval_accuracy {accuracy[0]:.4f} at epoch 1, its model in "
         f"{out / 'model_best'}"
     )
     assert line in proc.stdout.splitlines()
-    assert same_weights(out / "model_best", out)  # nothing was learnt: the best and the last are the same model
-    assert (out / "checkpoints" / f"step_{32:08d}").is_dir()  # the epoch-end checkpoint, written before stopping
+    # nothing was learnt: the best and the last are the same model
+    assert same_weights(out / "model_best", out)
+    # the epoch-end checkpoint, written before stopping
+    assert (out / "checkpoints" / f"step_{32:08d}").is_dir()
     # The patience count is part of the checkpoint: continuing the run trains no further.
     resumed = check(run([*command, "--resume", "auto"], env, timeout=300))
     again = read_results(out)
@@ -185,7 +202,8 @@ def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(tex
 
 
 def test_two_processes_over_gloo_count_each_validation_example_once(text_two):
-    out = text_two.out  # the recipe copied into an empty project, on 2 processes, with the flags of text_one
+    # the recipe copied into an empty project, on 2 processes, with the flags of text_one
+    out = text_two.out
     results = read_results(out)
     assert results["world_size"] == 2 and results["per_process_batch_size"] == 8
     assert results["samples_seen_per_process"] == [256, 256]
@@ -195,24 +213,36 @@ def test_two_processes_over_gloo_count_each_validation_example_once(text_two):
 
 
 def test_text_loop_reads_nothing_between_log_steps_on_one_and_two_processes(text_one, text_two):
-    """The host-read audit (benchmarks/host_reads.py) of the shared runs, on 1 process and on each of the 2; two
+    """The host-read audit (benchmarks/host_reads.py) of the shared runs, on 1 process and on each
+    of the 2; two
     epochs: the epoch end (step 16) is a log step."""
     assert_quiet(read_audit(text_one.out), text_one.proc, steps=32, log_every=4)
     assert_both_ranks_quiet(text_two, steps=32, log_every=4)
 
 
 def test_eval_only_on_two_processes_reproduces_the_runs_evaluation(single_run, text_data, tmp_path):
-    """--eval_only of single_run's model on 2 gloo processes: the run's own evaluation (trained on 1 process), the
-    odd example out counted once, nothing trained or saved."""
+    """--eval_only of single_run's model on 2 gloo processes: the run's own evaluation (trained on 1
+    process), the odd example out counted once, nothing trained or saved."""
     out, _ = single_run
     common = ["--eval_only", "--model", out, "--train_file", text_data["train"]]
     common += ["--validation_file", text_data["validation"], "--batch_size", "16", "--tracker", "none"]
     common += ["--num_workers", "0"]
     env = recipe_env(tmp_path)
-    launch = [ACCELERATE, "launch", "--config_file", CONFIGS / "cpu.yaml", "--num_cpu_threads_per_process", "1"]
+    launch = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        CONFIGS / "cpu.yaml",
+        "--num_cpu_threads_per_process",
+        "1",
+    ]
     two = tmp_path / "two"
     proc = check(
-        run([*launch, TEXT_SCRIPT, *common, "--output_dir", two], dict(env, ACCELERATE_USE_CPU="true"), timeout=300)
+        run(
+            [*launch, TEXT_SCRIPT, *common, "--output_dir", two],
+            dict(env, ACCELERATE_USE_CPU="true"),
+            timeout=300,
+        )
     )
     trained, r2 = read_results(out), read_results(two)
     assert r2["world_size"] == 2 and r2["eval_only"] is True and r2["steps"] == 0
@@ -223,7 +253,8 @@ def test_eval_only_on_two_processes_reproduces_the_runs_evaluation(single_run, t
     assert not (two / "model.safetensors").exists()  # evaluated, not trained or saved
     # data with other labels, and a folder that holds no fine-tuned model, are refused in one line
     relabelled = [
-        dict(row, label={"positive": "good", "negative": "bad"}[row["label"]]) for row in sentiment_rows(32, seed=5)
+        dict(row, label={"positive": "good", "negative": "bad"}[row["label"]])
+        for row in sentiment_rows(32, seed=5)
     ]
     other = write_rows(tmp_path / "other" / "train.csv", relabelled)
     fails_with(
@@ -266,10 +297,11 @@ def test_eval_only_on_two_processes_reproduces_the_runs_evaluation(single_run, t
 
 
 def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(text_one, text_data, tmp_path):
-    """text_one's flags with a checkpoint every 3 steps (2 epochs of 16 steps), killed with SIGKILL once step 18's
-    checkpoint is on disk, then --resume auto: the weights, best model and steps of text_one (the checkpoints change
-    no number the run computes; dropout draws from the global RNG that checkpoints restore). The other recipes' killed
-    runs are test_resume.py's; this one sits beside the run it continues to."""
+    """text_one's flags with a checkpoint every 3 steps (2 epochs of 16 steps), killed with SIGKILL
+    once step 18's checkpoint is on disk, then --resume auto: the weights, best model and steps of
+    text_one (the checkpoints change no number the run computes; dropout draws from the global RNG
+    that checkpoints restore). The other recipes' killed runs are test_resume.py's; this one sits
+    beside the run it continues to."""
     command = [TEXT_SCRIPT, *text_files(text_data), *TEXT_RUN, "--checkpoint_every", "3"]
     sigkill_mid_epoch_then_resume(command, 18, text_one.out, tmp_path)
 
@@ -283,7 +315,11 @@ def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
             {
                 "premise": x["text"],
                 "hypothesis": y["text"],
-                "label": 0 if x["label"] == y["label"] == "positive" else 1 if x["label"] == y["label"] else 2,
+                "label": 0
+                if x["label"] == y["label"] == "positive"
+                else 1
+                if x["label"] == y["label"]
+                else 2,
             }
             for x, y in zip(a, b)
         ]
@@ -317,7 +353,8 @@ def test_text_pairs_integer_labels_jsonl_and_accumulation(text_data, tmp_path):
             recipe_env(tmp_path),
         )
     )
-    assert "optimizer steps in all" not in proc.output  # --max_steps asks for a short run: no warning
+    # --max_steps asks for a short run: no warning
+    assert "optimizer steps in all" not in proc.output
     results = read_results(out)
     assert results["num_labels"] == 3 and results["steps"] == 3 and results["eval_samples"] == 16
     assert results["samples_seen_per_process"] == [3 * 16]
@@ -351,12 +388,15 @@ def recipe():
 
 def load(recipe, train, validation, **columns):
     args = dict(text_column="text", text_pair_column=None, label_column="label") | columns
-    return recipe.load_text_data(None, str(train), str(validation), cache_dir=str(train.parent / "cache"), **args)
+    return recipe.load_text_data(
+        None, str(train), str(validation), cache_dir=str(train.parent / "cache"), **args
+    )
 
 
 def test_unseen_validation_label_is_refused(recipe, text_data, tmp_path):
     dev = write_rows(
-        tmp_path / "dev.csv", [{"text": "good film", "label": "positive"}, {"text": "meh film", "label": "neutral"}]
+        tmp_path / "dev.csv",
+        [{"text": "good film", "label": "positive"}, {"text": "meh film", "label": "neutral"}],
     )
     with pytest.raises(recipe.RecipeError, match="'neutral'.*never occur"):
         load(recipe, text_data["train"], dev)
@@ -406,10 +446,14 @@ class HostChecks(TorchFunctionMode):
 def test_attention_masks_built_without_a_host_read_keep_logits_and_loss(recipe, text_data, attention):
     tokenizer = AutoTokenizer.from_pretrained(text_data["model"])
     batch = tokenizer(
-        ["good film", "the plot was awful dull and boring", "a superb story"], padding=True, return_tensors="pt"
+        ["good film", "the plot was awful dull and boring", "a superb story"],
+        padding=True,
+        return_tensors="pt",
     )
     assert not batch["attention_mask"].all()  # padded, as the collator pads
-    model = AutoModelForSequenceClassification.from_pretrained(text_data["model"], attn_implementation=attention).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(
+        text_data["model"], attn_implementation=attention
+    ).eval()
 
     def forward():
         checks = HostChecks()
@@ -430,8 +474,9 @@ def test_attention_masks_built_without_a_host_read_keep_logits_and_loss(recipe, 
 
 
 def test_nan_gradients_with_a_finite_loss_are_skipped_with_skip_nonfinite_steps(text_data, tmp_path):
-    # NaN gradients in step 2 of 3 (tests/nan_gradient.py), the loss finite: the update of step 2 is skipped. That the
-    # run stops at that step without the flag is the guard's own logic (test_guard.py) and the chat recipes' runs.
+    # NaN gradients in step 2 of 3 (tests/nan_gradient.py), the loss finite: the update of step 2 is
+    # skipped. That the run stops at that step without the flag is the guard's own logic
+    # (test_guard.py) and the chat recipes' runs.
     out = tmp_path / "out"
     args = [TEXT_SCRIPT, *text_files(text_data), *TEXT_FAST, "--max_steps", "3", "--log_every", "1"]
     args += ["--checkpoint_every", "0", "--skip_nonfinite_steps", "--output_dir", out]

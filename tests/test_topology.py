@@ -1,4 +1,5 @@
-"""GPU choice from `nvidia-smi topo -m`, on saved outputs of four typical machines (tests/fixtures/topo/)."""
+"""GPU choice from `nvidia-smi topo -m`, on saved outputs of four typical machines
+(tests/fixtures/topo/)."""
 
 import os
 
@@ -44,7 +45,8 @@ def test_nvlink_pairs_on_two_sockets_the_articles_box():
     assert found["nvlink"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert found["socket"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert best_set(topo, 2) == (0, 1)  # an NVLink pair, never 0,4 across the sockets
-    assert best_set(topo, 4) == (0, 1, 2, 3)  # two pairs on one socket (NODE) beat any set crossing sockets
+    # two pairs on one socket (NODE) beat any set crossing sockets
+    assert best_set(topo, 4) == (0, 1, 2, 3)
     assert topo.slowest(best_set(topo, 8))[0] == "SYS"
 
 
@@ -64,7 +66,9 @@ def test_eight_pcie_gpus_on_two_sockets_without_numa_column():
 
 def test_command_prints_groups_recommendations_and_what_to_avoid(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = run([PYTHON, "-m", "recipe_tools.topology", "--file", TOPO / "nvlink_pairs_2socket.txt"], env).stdout
+    out = run(
+        [PYTHON, "-m", "recipe_tools.topology", "--file", TOPO / "nvlink_pairs_2socket.txt"], env
+    ).stdout
     assert "NVLink groups:      {0,1}  {2,3}  {4,5}  {6,7}" in out
     assert "--gpu_ids 0,1 " in out and "for 2 GPUs, avoid pairs like 0,4: SYS" in out
 
@@ -98,7 +102,10 @@ def test_without_nvidia_smi_or_with_a_bad_file_the_error_says_what_to_do(tmp_pat
     env = dict(os.environ, PYTHONPATH=str(REPO), PATH=str(empty_path))
     fails_with(run([PYTHON, "-m", "recipe_tools.topology"], env), "nvidia-smi not found", "--file")
     (tmp_path / "bad.txt").write_text("No devices were found\n")
-    fails_with(run([PYTHON, "-m", "recipe_tools.topology", "--file", tmp_path / "bad.txt"], env), "no GPU matrix found")
+    fails_with(
+        run([PYTHON, "-m", "recipe_tools.topology", "--file", tmp_path / "bad.txt"], env),
+        "no GPU matrix found",
+    )
 
 
 def test_large_machine_uses_the_greedy_search_and_still_keeps_nvlink_groups_together():

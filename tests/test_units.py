@@ -1,8 +1,9 @@
-"""Fast tests of the runtime's bookkeeping: which checkpoint a run resumes from, metrics.jsonl on resume, the best
-model and early stopping, presets.
+"""Fast tests of the runtime's bookkeeping: which checkpoint a run resumes from, metrics.jsonl on
+resume, the best model and early stopping, presets.
 
-These classes only ask the accelerator who the main process is, wait for the others and sum small tensors over the
-processes; a small stand-in object answers that, so each case runs in milliseconds without starting processes.
+These classes only ask the accelerator who the main process is, wait for the others and sum small
+tensors over the processes; a small stand-in object answers that, so each case runs in milliseconds
+without starting processes.
 """
 
 import json
@@ -20,7 +21,8 @@ from accelerate_recipes.results import MetricsLog, restart_metrics
 
 
 class OneProcess:
-    """The accelerator attributes Checkpoints and MetricsLog touch, for process `process_index` of a run."""
+    """The accelerator attributes Checkpoints and MetricsLog touch, for process `process_index` of a
+    run."""
 
     def __init__(self, process_index=0):
         self.process_index = process_index
@@ -61,7 +63,8 @@ CONFIG = {
 
 
 def checkpoint(out, step, config=CONFIG, complete=True, suffix=""):
-    """A checkpoint folder as Checkpoints.saving leaves it: checkpoint.json is what makes it complete."""
+    """A checkpoint folder as Checkpoints.saving leaves it: checkpoint.json is what makes it
+    complete."""
     folder = out / "checkpoints" / f"step_{step:08d}{suffix}"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights")
@@ -70,7 +73,7 @@ def checkpoint(out, step, config=CONFIG, complete=True, suffix=""):
     return folder
 
 
-# ------------------------------------------------------------------------------------------------- Checkpoints
+# -------------------------------------------------------------------------------------- Checkpoints
 def test_auto_without_checkpoints_starts_fresh(tmp_path):
     ckpts = Checkpoints(OneProcess(), tmp_path)
     assert ckpts.resolve("auto") is None
@@ -83,7 +86,8 @@ def test_auto_takes_the_newest_complete_checkpoint(tmp_path):
     checkpoint(tmp_path, 100)
     checkpoint(tmp_path, 150, complete=False)  # its save was cut short: no checkpoint.json
     checkpoint(tmp_path, 160, suffix=".partial")  # save_state still writing
-    checkpoint(tmp_path, 170, suffix=".deleting")  # rotation cut short, even with its checkpoint.json
+    # rotation cut short, even with its checkpoint.json
+    checkpoint(tmp_path, 170, suffix=".deleting")
     (tmp_path / "checkpoints" / "notes").mkdir()
     ckpts = Checkpoints(OneProcess(), tmp_path)
     assert ckpts.newest() == newest
@@ -168,10 +172,11 @@ def test_keeping_no_checkpoint_is_refused(tmp_path):
         Checkpoints(OneProcess(), tmp_path, keep=0)
 
 
-# -------------------------------------------------------------------------------------------------- MetricsLog
+# --------------------------------------------------------------------------------------- MetricsLog
 def write_metrics(path, steps):
     path.write_text(
-        "".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in steps) + '{"step": 9, "train/lo'
+        "".join(json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in steps)
+        + '{"step": 9, "train/lo'
     )  # the last line, cut short by the crash
 
 
@@ -203,11 +208,11 @@ def test_only_the_main_process_writes_metrics(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
-# ------------------------------------------------------------------------------- best model and early stopping
+# -------------------------------------------------------------------- best model and early stopping
 @pytest.fixture
 def make_log(tmp_path):
-    """TrainingProgress with its BestModel as a recipe builds them (10 steps per epoch, judged by eval_accuracy),
-    closed after the test."""
+    """TrainingProgress with its BestModel as a recipe builds them (10 steps per epoch, judged by
+    eval_accuracy), closed after the test."""
     logs = []
 
     def make(
@@ -221,7 +226,9 @@ def make_log(tmp_path):
     ):
         accelerator = accelerator or OneProcess()
         state = state or RunState(accelerator.device)
-        best = BestModel(accelerator, state, tmp_path, metric, higher_is_better=higher_is_better, patience=patience)
+        best = BestModel(
+            accelerator, state, tmp_path, metric, higher_is_better=higher_is_better, patience=patience
+        )
         log = TrainingProgress(
             accelerator,
             state,
@@ -244,8 +251,8 @@ def make_log(tmp_path):
 
 
 def end_epoch(log, accuracy) -> bool:
-    """An epoch as the recipes run it: its 10 steps, its evaluation, then the epoch counted. Returns whether the
-    evaluation was the best so far."""
+    """An epoch as the recipes run it: its 10 steps, its evaluation, then the epoch counted. Returns
+    whether the evaluation was the best so far."""
     log.start_epoch()
     log.state.step += 10
     evaluation = {"eval_accuracy": accuracy, "eval_loss": 1 - accuracy, "eval_samples": 64}
@@ -265,14 +272,21 @@ def test_only_a_strictly_better_evaluation_improves_and_patience_counts_evaluati
     for accuracy in (0.5, 0.5, 0.6, 0.55):
         outcomes.append(end_epoch(log, accuracy))
         assert not log.finished
-    assert outcomes == [True, False, True, False]  # the first evaluation is the best so far; a tie is no improvement
+    # the first evaluation is the best so far; a tie is no improvement
+    assert outcomes == [True, False, True, False]
     state = log.state
-    assert (state.best_metric, state.best_epoch, state.best_step, state.evals_without_improvement) == (0.6, 3, 30, 1)
+    assert (state.best_metric, state.best_epoch, state.best_step, state.evals_without_improvement) == (
+        0.6,
+        3,
+        30,
+        1,
+    )
     assert not end_epoch(log, 0.6)  # the second in a row without improvement: patience 2 is used up
     assert log.finished and stopped_early(log) and state.step == 50 < log.total_steps
     log.close()
     assert log.accelerator.printed[-1].startswith(
-        "stopped early after epoch 5 of 10 (step 50 of 100): eval_accuracy did not improve in 2 evaluation(s) in a "
+        "stopped early after epoch 5 of 10 (step 50 of 100): eval_accuracy did not improve in 2 "
+        "evaluation(s) in a "
         "row (--early_stopping_patience 2); best eval_accuracy 0.6000 at epoch 3, its model in "
     )
     results = log.results(started=0.0)
@@ -318,12 +332,14 @@ def test_nan_never_improves_and_lower_can_be_better(make_log):
     nan = {"eval_accuracy": math.nan, "eval_loss": math.nan, "eval_samples": 64}
     assert [log.best.judge(e) for e in (nan, {**nan, "eval_accuracy": 0.3}, nan)] == [False, True, False]
     assert log.state.best_metric == 0.3 and log.state.evals_without_improvement == 1
-    # A run never gets that far: an epoch whose evaluation is not finite stops it before anything is saved.
+    # A run never gets that far: an epoch whose evaluation
+    # is not finite stops it before anything is saved.
     with pytest.raises(RecipeError, match="the evaluation at step 10 gave eval_accuracy nan, eval_loss nan"):
         end_epoch(log, math.nan)
 
     by_loss = make_log(metric="eval_loss", higher_is_better=False)
-    assert [end_epoch(by_loss, a) for a in (0.5, 0.7, 0.6)] == [True, True, False]  # loss 0.5, 0.3, 0.4
+    # loss 0.5, 0.3, 0.4
+    assert [end_epoch(by_loss, a) for a in (0.5, 0.7, 0.6)] == [True, True, False]
     assert by_loss.state.best_metric == pytest.approx(0.3) and by_loss.state.best_epoch == 2
 
 
@@ -335,14 +351,20 @@ def test_the_best_and_the_patience_count_survive_save_state_and_load_state(make_
     # save_state pickles the registered object's state_dict; load_state hands it to a fresh RunState
     restored = RunState(torch.device("cpu"))
     restored.load_state_dict(torch.load(_saved(tmp_path, saved), weights_only=False))
-    assert (restored.best_metric, restored.best_epoch, restored.best_step, restored.evals_without_improvement) == (
+    assert (
+        restored.best_metric,
+        restored.best_epoch,
+        restored.best_step,
+        restored.evals_without_improvement,
+    ) == (
         0.8,
         2,
         20,
         1,
     )
     resumed = make_log(patience=2, state=restored, resumed_from=tmp_path / "checkpoints" / "step_00000030")
-    assert not end_epoch(resumed, 0.8)  # equal to the carried best: not an improvement, and the second in a row
+    # equal to the carried best: not an improvement, and the second in a row
+    assert not end_epoch(resumed, 0.8)
     assert stopped_early(resumed) and resumed.state.best_epoch == 2
 
 
@@ -385,8 +407,8 @@ class SecondOfTwo(OneProcess):
 
 
 def test_every_process_decides_by_the_main_process_value(make_log):
-    # This process computed other figures than the main process (0.51 vs 0.5, then 0.49 vs 0.5): it follows the main
-    # process, so both record the same best and stop at the same evaluation.
+    # This process computed other figures than the main process (0.51 vs 0.5, then 0.49 vs 0.5): it
+    # follows the main process, so both record the same best and stop at the same evaluation.
     log = make_log(patience=1, accelerator=SecondOfTwo([[0.5], [0.5]]))
     assert end_epoch(log, 0.51) and log.state.best_metric == 0.5
     assert not end_epoch(log, 0.49)
@@ -398,7 +420,9 @@ def test_bad_settings_and_a_missing_metric_are_one_clear_error(make_log):
         with pytest.raises(RecipeError, match=f"--early_stopping_patience {wrong}: give a whole number"):
             make_log(patience=wrong)
     log = make_log(metric="eval_f1")
-    with pytest.raises(RecipeError, match="no 'eval_f1' to judge the best model by .*eval_accuracy, eval_loss"):
+    with pytest.raises(
+        RecipeError, match="no 'eval_f1' to judge the best model by .*eval_accuracy, eval_loss"
+    ):
         end_epoch(log, 0.5)
 
 
@@ -422,7 +446,8 @@ def test_model_best_is_replaced_whole_with_its_record(make_log, tmp_path):
         "epoch": 2,
         "step": 20,
     }
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model_best"]  # no leftovers
+    # no leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "model_best"]
 
 
 def test_a_failed_write_of_model_best_keeps_the_previous_one(make_log, tmp_path):
@@ -439,7 +464,8 @@ def test_a_failed_write_of_model_best_keeps_the_previous_one(make_log, tmp_path)
             (folder / "model.safetensors").write_bytes(b"half of epoch 2")
             raise OSError("disk full")
     assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == b"epoch 1"
-    Checkpoints(OneProcess(), tmp_path).resolve(None)  # the next start clears what the failed save left
+    # the next start clears what the failed save left
+    Checkpoints(OneProcess(), tmp_path).resolve(None)
     assert not (tmp_path / "model_best.partial").exists()
     assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == b"epoch 1"
 
@@ -454,23 +480,27 @@ def folder_with(path, weights: bytes, record: bool = True):
 @pytest.mark.parametrize(
     "left, expected",
     [
-        ({"model_best.deleting": b"old", "model_best.partial": b"new"}, b"new"),  # cut between the two renames
+        # cut between the two renames
+        ({"model_best.deleting": b"old", "model_best.partial": b"new"}, b"new"),
         ({"model_best.deleting": b"old"}, b"old"),
-        ({"model_best": b"old", "model_best.partial": None}, b"old"),  # cut while writing: the new one has no record
-        ({"model_best": b"new", "model_best.deleting": b"old"}, b"new"),  # cut while deleting the previous one
+        # cut while writing: the new one has no record
+        ({"model_best": b"old", "model_best.partial": None}, b"old"),
+        # cut while deleting the previous one
+        ({"model_best": b"new", "model_best.deleting": b"old"}, b"new"),
     ],
 )
 def test_a_crash_while_saving_model_best_leaves_a_whole_one_at_the_next_start(left, expected, tmp_path):
     for name, weights in left.items():
         folder_with(tmp_path / name, weights or b"half", record=weights is not None)
-    recover_folder(OneProcess(process_index=1), tmp_path / "model_best", "best.json")  # only the main process acts
+    # only the main process acts
+    recover_folder(OneProcess(process_index=1), tmp_path / "model_best", "best.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(left)
     recover_folder(OneProcess(), tmp_path / "model_best", "best.json")
     assert [p.name for p in tmp_path.iterdir()] == ["model_best"]
     assert (tmp_path / "model_best" / "model.safetensors").read_bytes() == expected
 
 
-# ---------------------------------------------------------------------------------------------------- presets
+# ------------------------------------------------------------------------------------------ presets
 PRESETS = {"fast": {"epochs": 26, "batch_size": 512, "lr": 0.2}, "tiny": {"epochs": 1}}
 
 
@@ -500,8 +530,9 @@ def test_an_unknown_preset_names_the_known_ones():
 
 
 def test_cpu_precision_follows_what_torch_may_use_and_the_documented_override(tmp_path):
-    """bf16 is picked on the CPU only where it is native: never where oneDNN is kept to AVX2 (bf16 is emulated there,
-    tens of times slower than fp32), and ACCELERATE_RECIPES_CPU_BF16 overrides the detection either way."""
+    """bf16 is picked on the CPU only where it is native: never where oneDNN is kept to AVX2 (bf16
+    is emulated there, tens of times slower than fp32), and ACCELERATE_RECIPES_CPU_BF16 overrides
+    the detection either way."""
     env = recipe_env(tmp_path)
     env.pop("ACCELERATE_RECIPES_CPU_BF16", None)
 
@@ -511,6 +542,11 @@ def test_cpu_precision_follows_what_torch_may_use_and_the_documented_override(tm
 
     assert check(precision(ONEDNN_MAX_CPU_ISA="AVX2")).stdout.strip() == "no"
     assert check(precision(ACCELERATE_RECIPES_CPU_BF16="0")).stdout.strip() == "no"
-    assert check(precision(ONEDNN_MAX_CPU_ISA="AVX2", ACCELERATE_RECIPES_CPU_BF16="1")).stdout.strip() == "bf16"
+    assert (
+        check(precision(ONEDNN_MAX_CPU_ISA="AVX2", ACCELERATE_RECIPES_CPU_BF16="1")).stdout.strip() == "bf16"
+    )
     bad = precision(ACCELERATE_RECIPES_CPU_BF16="maybe")
-    assert bad.returncode != 0 and "ACCELERATE_RECIPES_CPU_BF16='maybe': set it to 1 (native bf16) or 0" in bad.stderr
+    assert (
+        bad.returncode != 0
+        and "ACCELERATE_RECIPES_CPU_BF16='maybe': set it to 1 (native bf16) or 0" in bad.stderr
+    )

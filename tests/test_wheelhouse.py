@@ -1,5 +1,6 @@
-"""Offline machines: `recipe_tools.wheelhouse` describes an interpreter, checks it against the project's requirements,
-and downloads from the package index only the wheels a described target lacks (for its Python and platform)."""
+"""Offline machines: `recipe_tools.wheelhouse` describes an interpreter, checks it against the
+project's requirements, and downloads from the package index only the wheels a described target
+lacks (for its Python and platform)."""
 
 import json
 import zipfile
@@ -28,7 +29,8 @@ def test_describe_and_check_this_interpreter(tmp_path):
 
 
 def test_download_fetches_only_what_the_target_lacks_for_its_python(tmp_path):
-    """A target like an offline GPU image: another Python version, everything but fire (and fire's termcolor)."""
+    """A target like an offline GPU image: another Python version, everything but fire (and fire's
+    termcolor)."""
     target = describe(tmp_path)
     for name in ("fire", "termcolor"):
         target["packages"].pop(name)
@@ -53,14 +55,18 @@ def test_download_fetches_only_what_the_target_lacks_for_its_python(tmp_path):
 
 def test_a_target_with_everything_downloads_nothing(tmp_path):
     (tmp_path / "target.json").write_text(json.dumps(describe(tmp_path)))
-    proc = run([*TOOL, "download", tmp_path / "target.json", "--out", tmp_path / "wheels"], recipe_env(tmp_path))
+    proc = run(
+        [*TOOL, "download", tmp_path / "target.json", "--out", tmp_path / "wheels"], recipe_env(tmp_path)
+    )
     assert proc.returncode == 0 and "nothing to download" in proc.stdout, proc.output[-2000:]
     assert not list((tmp_path / "wheels").glob("*.whl"))
 
 
 def test_bad_input_is_one_line(tmp_path):
     env = recipe_env(tmp_path)
-    fails_with(run([*TOOL, "download", tmp_path / "none.json"], env), "none.json not found", "describe > target.json")
+    fails_with(
+        run([*TOOL, "download", tmp_path / "none.json"], env), "none.json not found", "describe > target.json"
+    )
     (tmp_path / "bad.json").write_text('{"python_version": "3.12"}')
     fails_with(run([*TOOL, "download", tmp_path / "bad.json"], env), "is not the output of", "write it again")
     fails_with(run([*TOOL, "check", "--extras", "text,gpu"], env), "unknown extra(s) gpu", "choose from")

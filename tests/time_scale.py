@@ -1,7 +1,8 @@
-"""The time factor of the suite's limits: how much slower this CPU runs a short fixed fp32 workload than the reference
-machine did. `make test` runs this file once, before the suite and the second environment start (both would slow the
-workload down), and passes the figure to both through MEASURED_TEST_TIME_SCALE; conftest.py reads it from there, or
-measures it itself when pytest is run directly.
+"""The time factor of the suite's limits: how much slower this CPU runs a short fixed fp32 workload
+than the reference machine did. `make test` runs this file once, before the suite and the second
+environment start (both would slow the workload down), and passes the figure to both through
+MEASURED_TEST_TIME_SCALE; conftest.py reads it from there, or measures it itself when pytest is run
+directly.
 
     python tests/time_scale.py      # prints the factor
 """
@@ -9,18 +10,21 @@ measures it itself when pytest is run directly.
 import os
 import time
 
-# make test measures the factor first and hands it on; pytest run directly measures it when it starts.
+# make test measures the factor first and hands it on;
+# pytest run directly measures it when it starts.
 MEASURED_BEFORE_THE_SUITE = "MEASURED_TEST_TIME_SCALE" in os.environ
 
-# Time limits. Every limit in this suite is written for the reference machine (a 2-core x86-64 machine of the CI's kind
-# with AVX-512 and native bf16, Nov 2026) and scaled by TIME_SCALE: how much slower this CPU runs a
-# short fixed fp32 workload than that machine did (never below 1, at most 8), or TEST_TIME_SCALE when set (e.g. 3 on a
-# machine shared with other jobs). A hang still ends at the scaled limit.
-REFERENCE_WORKLOAD_SECONDS = 0.0175  # the workload below on the reference machine (measured 0.0163-0.0177)
+# Time limits. Every limit in this suite is written for the reference machine (a 2-core x86-64
+# machine of the CI's kind with AVX-512 and native bf16, Nov 2026) and scaled by TIME_SCALE: how
+# much slower this CPU runs a short fixed fp32 workload than that machine did (never below 1, at
+# most 8), or TEST_TIME_SCALE when set (e.g. 3 on a machine shared with other jobs). A hang still
+# ends at the scaled limit. the workload below on the reference machine (measured 0.0163-0.0177)
+REFERENCE_WORKLOAD_SECONDS = 0.0175
 
 
 def measure_workload_seconds() -> float:
-    """The fastest of 6 forward and backward passes of a small conv net on 16 CIFAR-sized images, fp32, one thread."""
+    """The fastest of 6 forward and backward passes of a small conv net on 16 CIFAR-sized images,
+    fp32, one thread."""
     import torch
 
     threads = torch.get_num_threads()
@@ -57,7 +61,8 @@ def time_scale() -> float:
         if scale <= 0:
             raise ValueError(f"TEST_TIME_SCALE={given!r}: give a positive number, e.g. TEST_TIME_SCALE=2")
         return scale
-    inherited = os.environ.get("MEASURED_TEST_TIME_SCALE")  # pytest-xdist's workers take the main process's figure
+    # pytest-xdist's workers take the main process's figure
+    inherited = os.environ.get("MEASURED_TEST_TIME_SCALE")
     if inherited:
         return float(inherited)
     scale = min(8.0, max(1.0, measure_workload_seconds() / REFERENCE_WORKLOAD_SECONDS))

@@ -1,10 +1,12 @@
-"""torch's variable-length attention kernel (torch.nn.attention.varlen: CUDA, bf16/fp16) stood in for on the CPU, so
-that the tests run the path a GPU takes through chat/packed_attention.py (flash_varlen) in fp32.
+"""torch's variable-length attention kernel (torch.nn.attention.varlen: CUDA, bf16/fp16) stood in
+for on the CPU, so that the tests run the path a GPU takes through chat/packed_attention.py
+(flash_varlen) in fp32.
 
-The stand-in is a custom op, as the real kernel is: a compiled block sees it as one operation whose lengths are plain
-integers (and compiles again when an integer it was compiled for changes, as with the real one). It computes what the
-kernel's documented contract says, causal attention within each sequence of the packed row, with sdpa under a
-block-diagonal mask built on the device from the cumulative lengths: no value is read on the host.
+The stand-in is a custom op, as the real kernel is: a compiled block sees it as one operation whose
+lengths are plain integers (and compiles again when an integer it was compiled for changes, as with
+the real one). It computes what the kernel's documented contract says, causal attention within each
+sequence of the packed row, with sdpa under a block-diagonal mask built on the device from the
+cumulative lengths: no value is read on the host.
 
     with use_stand_in(monkeypatch):  # packed_attention calls the stand-in, in fp32 too
         ...
@@ -17,9 +19,11 @@ import torch.nn.functional as F
 
 
 def attend(query, key, value, cu_seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """[T, heads, head_dim] in and out: each token attends to the tokens of its own sequence up to itself."""
+    """[T, heads, head_dim] in and out: each token attends to the tokens of its own sequence up to
+    itself."""
     tokens = torch.arange(query.shape[0], device=query.device)
-    sequence = torch.searchsorted(cu_seq_lens[1:], tokens, right=True)  # which sequence each token is in
+    # which sequence each token is in
+    sequence = torch.searchsorted(cu_seq_lens[1:], tokens, right=True)
     allowed = (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
     q, k, v = (x.transpose(0, 1) for x in (query, key, value))
     grouped = k.shape[0] != q.shape[0]
@@ -64,8 +68,8 @@ varlen_op.register_autograd(_gradients, setup_context=_keep_inputs)
 
 
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **options):
-    """The kernel's call as flash_varlen makes it on any torch release (is_causal, or a (-1, 0) window; scale;
-    enable_gqa): causal attention only."""
+    """The kernel's call as flash_varlen makes it on any torch release (is_causal, or a (-1, 0)
+    window; scale; enable_gqa): causal attention only."""
     assert options.get("is_causal") or options.get("window_size") == (-1, 0), options
     scale = options.get("scale") or query.shape[-1] ** -0.5
     return varlen_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale)
@@ -73,7 +77,8 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **options):
 
 @contextlib.contextmanager
 def use_stand_in(monkeypatch):
-    """packed_attention's fast path on this machine: the stand-in as the kernel, run on any device and in fp32."""
+    """packed_attention's fast path on this machine: the stand-in as the kernel, run on any device
+    and in fp32."""
     from chat import packed_attention
 
     with monkeypatch.context() as patch:

@@ -1,6 +1,7 @@
-"""One call of gpu-check: the machine recorded, the steps run in order of value within --budget (and the free disk),
-and the report rewritten after every step, so that a call killed from outside still leaves every figure it reached.
-Also --plan: the calls that would prove what is left, for the GPUs a report recorded, printed without running any."""
+"""One call of gpu-check: the machine recorded, the steps run in order of value within --budget (and
+the free disk), and the report rewritten after every step, so that a call killed from outside still
+leaves every figure it reached. Also --plan: the calls that would prove what is left, for the GPUs a
+report recorded, printed without running any."""
 
 import importlib.util
 import json
@@ -51,7 +52,8 @@ class Check(ChatSteps, VisionSteps, MeasurementSteps, TextSteps, PreemptionSteps
     """Every family of steps on one runner: what one call runs."""
 
     def bodies(self) -> dict:
-        """Each step's body by name: body(run_dir, timeout) -> (status, commands, figures, detail)."""
+        """Each step's body by name: body(run_dir, timeout) -> (status, commands, figures,
+        detail)."""
         return {
             "sft": self.sft,
             "sft-speed-full": self.sft_speed("full"),
@@ -86,8 +88,9 @@ def run_call(
     budget: float,
     started: float,
 ) -> int:
-    """Run the CHOSEN steps (checked by the command line) on GPUS GPUs (0: the CPU smoke mode) within BUDGET seconds
-    from STARTED, carrying what EARLIER (the report or proof --after names) proved; the exit status."""
+    """Run the CHOSEN steps (checked by the command line) on GPUS GPUs (0: the CPU smoke mode)
+    within BUDGET seconds from STARTED, carrying what EARLIER (the report or proof --after names)
+    proved; the exit status."""
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, interrupt)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +117,8 @@ def run_call(
     stale = stale_proofs(earlier, key, machine, digests) if earlier else {}
     if stale:
         print(f"note: stale proofs in --after {after}, run again: {describe_stale(stale)}")
-    # steps proven before are carried into this report even when --steps names others, so the report says all it knows
+    # steps proven before are carried into this report even when --steps names others, so the report
+    # says all it knows
     chosen = sorted(dict.fromkeys([*chosen, *proven]), key=STEPS.index)
     records: dict[str, dict | None] = {}
     for name in chosen:
@@ -154,7 +158,11 @@ def run_call(
     fits = plan_calls(todo, budget, gpus)[0][:1] if gpus else []
     print(
         f"gpu-check: steps {', '.join(todo) or 'none'}"
-        + (f" (this call: {', '.join(fits[0]['steps'])}, estimated {fits[0]['seconds']:.0f} s)" if fits else "")
+        + (
+            f" (this call: {', '.join(fits[0]['steps'])}, estimated {fits[0]['seconds']:.0f} s)"
+            if fits
+            else ""
+        )
         + (f"; proven before: {', '.join(proven)}" if proven else "")
         + f"; budget {budget:.0f} s; output {out}",
         flush=True,
@@ -164,7 +172,8 @@ def run_call(
         report()  # the machine first: a call that goes no further still says what it found
         for name in todo:
             left = check.deadline - time.monotonic()
-            # what it takes now: the chat model built already or not, the sft step's runs this call made
+            # what it takes now: the chat model built already
+            # or not, the sft step's runs this call made
             guess = estimate(name, check._chat is not None, set(check.shared) if gpus == 1 else set())
             short_of_disk = disk_refusal(name, quick or not gpus, shutil.disk_usage(out).free, out)
             if left < 1:
@@ -190,29 +199,32 @@ def run_call(
 
 
 def read_machine(path: str) -> dict:
-    """--machine PATH: the machine a report.json (or its folder) recorded, or a machine's record alone (a report's
-    "machine": devices, nvidia_smi, versions)."""
+    """--machine PATH: the machine a report.json (or its folder) recorded, or a machine's record
+    alone (a report's "machine": devices, nvidia_smi, versions)."""
     file = Path(path)
     file = file / "report.json" if file.is_dir() else file
     try:
         facts = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise RecipeError(
-            f"--machine {path}: {type(err).__name__}; give the report.json of a call on the GPUs to plan for, or no "
+            f"--machine {path}: {type(err).__name__}; give the report.json of a call on the GPUs to plan "
+            "for, or no "
             "--machine on the GPU machine itself"
         ) from None
     facts = facts.get("machine", facts)
     if not isinstance(facts, dict) or not {"devices", "gpus", "torch"} <= set(facts) or not facts["gpus"]:
         raise RecipeError(
-            f"--machine {path} holds no GPU machine's record (devices, gpus, torch); give the report.json of a call "
+            f"--machine {path} holds no GPU machine's record (devices, gpus, torch); give the report.json of "
+            "a call "
             "on the GPUs to plan for"
         )
     return facts
 
 
 def print_plan(machine: dict, earlier: dict, source: str, chosen: list[str], budget: float) -> int:
-    """--plan: for the GPUs and software of MACHINE, the calls of BUDGET seconds that prove what EARLIER (a proof file
-    or report, named SOURCE) has not proven yet of CHOSEN, each step with its estimate part by part."""
+    """--plan: for the GPUs and software of MACHINE, the calls of BUDGET seconds that prove what
+    EARLIER (a proof file or report, named SOURCE) has not proven yet of CHOSEN, each step with its
+    estimate part by part."""
     gpus = machine["gpus"]
     key = proof_key("gpu", False, machine)
     proven, differences = proven_steps(earlier, key, machine)
@@ -263,7 +275,8 @@ def print_plan(machine: dict, earlier: dict, source: str, chosen: list[str], bud
         print(f"not on these GPUs: {', '.join(cannot)}")
     if calls:
         print(
-            f"each call: python3 benchmarks/gpu_check --after docs/gpu-proof.json --budget {budget:.0f} --results_dir "
+            f"each call: python3 benchmarks/gpu_check --after docs/gpu-proof.json --budget {budget:.0f} "
+            "--results_dir "
             '"$OUT"; then python3 benchmarks/gpu_check --merge OUT/report.json before the next'
         )
     return 0

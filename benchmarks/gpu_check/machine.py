@@ -1,4 +1,5 @@
-"""What a report records of the machine before the first step: what a later fix would need to know."""
+"""What a report records of the machine before the first step: what a later fix would need to
+know."""
 
 import datetime
 import importlib.metadata
@@ -14,8 +15,10 @@ from .paths import REPO
 
 # What a later fix may need to know about the machine: recorded before the first step.
 PACKAGES = (
-    "torch torchvision accelerate transformers peft datasets pyarrow fsspec huggingface-hub tokenizers safetensors "
-    "numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil pyyaml trl liger-kernel"
+    "torch torchvision accelerate transformers peft datasets pyarrow fsspec huggingface-hub tokenizers "
+    "safetensors "
+    "numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil pyyaml trl "
+    "liger-kernel"
 ).split()
 
 
@@ -24,8 +27,8 @@ def now() -> str:
 
 
 def gpu_name() -> str:
-    """The first GPU's name from nvidia-smi ("" without it): torch would open a CUDA context in this process, which
-    would hold GPU memory through the steps that follow."""
+    """The first GPU's name from nvidia-smi ("" without it): torch would open a CUDA context in this
+    process, which would hold GPU memory through the steps that follow."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return ""
@@ -39,7 +42,8 @@ def gpu_name() -> str:
 
 
 def first_line(command: list[str], pick: str | None = None) -> str | None:
-    """The first line of COMMAND's output (the one holding PICK, when given), or None when it does not run."""
+    """The first line of COMMAND's output (the one holding PICK, when given), or None when it does
+    not run."""
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
@@ -49,9 +53,10 @@ def first_line(command: list[str], pick: str | None = None) -> str | None:
 
 
 def machine_facts(gpus: int) -> dict:
-    """What a later fix would need to know about this machine, recorded before the first step: Python and package
-    versions, GPUs and driver, /dev/shm (DataLoader workers share tensors through it), make, gcc, nvcc and ninja (which
-    DeepSpeed needs to build its CUDA ops), and whether deepspeed imports."""
+    """What a later fix would need to know about this machine, recorded before the first step:
+    Python and package versions, GPUs and driver, /dev/shm (DataLoader workers share tensors through
+    it), make, gcc, nvcc and ninja (which DeepSpeed needs to build its CUDA ops), and whether
+    deepspeed imports."""
     import torch
 
     packages = {}
@@ -78,11 +83,14 @@ def machine_facts(gpus: int) -> dict:
     if gpus and smi:
         query = ["--query-gpu=name,driver_version,memory.total,compute_cap", "--format=csv,noheader"]
         try:
-            rows = subprocess.run([smi, *query], capture_output=True, text=True, timeout=60).stdout.splitlines()
+            rows = subprocess.run(
+                [smi, *query], capture_output=True, text=True, timeout=60
+            ).stdout.splitlines()
         except (OSError, subprocess.TimeoutExpired):
             rows = []
         facts["nvidia_smi"] = [row.strip() for row in rows if row.strip()]
-        # the names from nvidia-smi: torch would open a CUDA context here and hold its memory through every step
+        # the names from nvidia-smi: torch would open a CUDA context here and hold its memory
+        # through every step
         facts["devices"] = [row.split(",")[0] for row in facts["nvidia_smi"]][:gpus]
     if gpus and len(facts.get("devices", [])) != gpus:
         facts["devices"] = [torch.cuda.get_device_name(i) for i in range(gpus)]
@@ -107,7 +115,8 @@ def machine_facts(gpus: int) -> dict:
 
 
 def deepspeed_imports() -> str:
-    """ "ok <version>", or why `import deepspeed` fails in this interpreter (a missing wheel such as hjson)."""
+    """ "ok <version>", or why `import deepspeed` fails in this interpreter (a missing wheel such as
+    hjson)."""
     if importlib.util.find_spec("deepspeed") is None:
         return "deepspeed not installed"
     try:

@@ -1,5 +1,5 @@
-"""Starting and stopping process trees: a step's commands run in sessions of their own, so that a signal to gpu-check
-reaches only gpu-check, which then stops each step's whole tree itself."""
+"""Starting and stopping process trees: a step's commands run in sessions of their own, so that a
+signal to gpu-check reaches only gpu-check, which then stops each step's whole tree itself."""
 
 import os
 import signal
@@ -17,18 +17,20 @@ class Interrupted(Exception):
 
 
 def interrupt(signum, frame):
-    for number in (signal.SIGTERM, signal.SIGINT):  # once: the clean-up that follows must not be cut short itself
+    # once: the clean-up that follows must not be cut short itself
+    for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, signal.SIG_IGN)
     raise Interrupted
 
 
 def stop(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> None:
-    """End a step's command and every process it started, as a user would: SIGTERM to the launcher's process group
-    first (torchrun passes it on to its workers, and the recipes save a checkpoint and exit 75), then, after at most
-    GRACE seconds, SIGKILL to whatever is left of the process tree. torchrun starts each worker in a session of its
-    own, outside the launcher's group, and a worker whose launcher has ended is no longer its child: so the tree is
-    collected before the signal and again while it ends, and each process in it is killed by identity (PID and start
-    time, so that a reused PID is left alone)."""
+    """End a step's command and every process it started, as a user would: SIGTERM to the launcher's
+    process group first (torchrun passes it on to its workers, and the recipes save a checkpoint and
+    exit 75), then, after at most GRACE seconds, SIGKILL to whatever is left of the process tree.
+    torchrun starts each worker in a session of its own, outside the launcher's group, and a worker
+    whose launcher has ended is no longer its child: so the tree is collected before the signal and
+    again while it ends, and each process in it is killed by identity (PID and start time, so that a
+    reused PID is left alone)."""
     tree = descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGTERM)

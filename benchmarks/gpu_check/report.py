@@ -1,4 +1,5 @@
-"""The report of a call: its verdict, report.md and report.json, and the logs tar that --results_dir receives."""
+"""The report of a call: its verdict, report.md and report.json, and the logs tar that --results_dir
+receives."""
 
 import json
 import re
@@ -9,7 +10,8 @@ from .plan import NEXT_CALL, STEPS, describe_estimate
 
 UNSHARDED = "unsharded: world size 1, no NCCL traffic; proves the sharded code path, not sharding"
 RESULT_FILES = ("report.md", "report.json", "logs.tar.gz")  # all that --results_dir receives
-# What the logs tar leaves out: models, checkpoints and generated inputs (a full fine-tune writes about 10 GB).
+# What the logs tar leaves out: models, checkpoints and generated inputs (a full fine-tune writes
+# about 10 GB).
 LOG_SUFFIXES, LOG_MAX_BYTES = (".txt", ".jsonl", ".json", ".md", ".log"), 2_000_000
 NOT_LOGS = {"checkpoints", "inputs", "data", "datasets-cache", "text-data", "chat-data", "bert", "model"}
 MODEL_FILES = re.compile(
@@ -18,12 +20,14 @@ MODEL_FILES = re.compile(
 
 
 def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
-    """The verdict over step records (status pass, fail, incomplete or not run), with ABSENT the steps this report
-    does not hold and why ("not in --steps"): {"verdict", "not_proved": ["step: why"], "notes": {step: note}}.
+    """The verdict over step records (status pass, fail, incomplete or not run), with ABSENT the
+    steps this report does not hold and why ("not in --steps"): {"verdict", "not_proved": ["step:
+    why"], "notes": {step: note}}.
 
-    FAIL when a step failed; INCOMPLETE when the budget cut a step short or left it for the next call; PARTIAL when
-    nothing failed but not every path was proved here (no 2+ GPUs, no deepspeed, no CUDA, a sharded path on one
-    process, steps left out); PASS otherwise. The verdict names every step that is not PASS, grouped by why."""
+    FAIL when a step failed; INCOMPLETE when the budget cut a step short or left it for the next
+    call; PARTIAL when nothing failed but not every path was proved here (no 2+ GPUs, no deepspeed,
+    no CUDA, a sharded path on one process, steps left out); PASS otherwise. The verdict names every
+    step that is not PASS, grouped by why."""
     failed = [r["step"] for r in steps if r["status"] == "fail"]
     left_out = [
         f"{r['step']}: {r['detail'].splitlines()[0] if r['status'] == 'not run' else 'cut short by --budget'}"
@@ -38,7 +42,8 @@ def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
     not_proved += [f"{name}: {why}" for name, why in (absent or {}).items()]
     notes = {}
     for r in steps:
-        if r["status"] == "pass" and isinstance(r["figures"].get("vs_trl"), str):  # sft ran without its peer
+        # sft ran without its peer
+        if r["status"] == "pass" and isinstance(r["figures"].get("vs_trl"), str):
             not_proved.append(f"{r['step']} against TRL: {r['figures']['vs_trl'].removeprefix('not run: ')}")
         if r["status"] == "pass" and unsharded(r["figures"]):
             notes[r["step"]] = f"{', '.join(unsharded(r['figures']))} {UNSHARDED}"
@@ -53,8 +58,8 @@ def assess(steps: list[dict], absent: dict[str, str] | None = None) -> dict:
 
 
 def unsharded(figures: dict) -> list[str]:
-    """The runs in a step's FIGURES that took a sharded path (FSDP, DeepSpeed) on one process: "ran" for the step's
-    own run, or the names of its runs (sft's lora-fsdp)."""
+    """The runs in a step's FIGURES that took a sharded path (FSDP, DeepSpeed) on one process: "ran"
+    for the step's own run, or the names of its runs (sft's lora-fsdp)."""
 
     def one(f):
         return f.get("world_size") == 1 and f.get("distributed_type") in ("FSDP", "DEEPSPEED")
@@ -77,7 +82,8 @@ def _grouped(lines: list[str]) -> str:
 
 
 def exit_status(verdict: str) -> int:
-    """0 when nothing failed (PASS, PARTIAL), 1 when a step failed or was left out (FAIL, INCOMPLETE)."""
+    """0 when nothing failed (PASS, PARTIAL), 1 when a step failed or was left out (FAIL,
+    INCOMPLETE)."""
     return 1 if verdict.startswith(("FAIL", "INCOMPLETE")) else 0
 
 
@@ -95,7 +101,8 @@ def markdown(report: dict) -> str:
         "",
         f"Driver and GPUs: {'; '.join(m.get('nvidia_smi', [])) or '-'}. /dev/shm: {m.get('dev_shm')}. "
         + ", ".join(f"{k}: {v}" for k, v in tools.items() if k != "nvidia-smi")
-        + f". deepspeed: {m.get('deepspeed_import') or packages.get('deepspeed') or 'not installed'}. Packages: "
+        + f". deepspeed: {m.get('deepspeed_import') or packages.get('deepspeed') or 'not installed'}. "
+        "Packages: "
         + ", ".join(f"{k} {v}" for k, v in packages.items() if v)
         + f"; not installed: {', '.join(k for k, v in packages.items() if not v) or 'none'}.",
         "",
@@ -106,8 +113,12 @@ def markdown(report: dict) -> str:
     ]
     notes = report.get("notes", {})
     for r in report["steps"]:
-        figures = "; ".join(f"{k}: {compact(v)}" for k, v in r["figures"].items() if k not in ("quiet_sites",))
-        status = r["status"] + (f" ({r['detail'].splitlines()[0]})" if r["status"] == "not run" and r["detail"] else "")
+        figures = "; ".join(
+            f"{k}: {compact(v)}" for k, v in r["figures"].items() if k not in ("quiet_sites",)
+        )
+        status = r["status"] + (
+            f" ({r['detail'].splitlines()[0]})" if r["status"] == "not run" and r["detail"] else ""
+        )
         if r.get("carried"):
             where = f"proven on {r['proven_on']}" if r.get("proven_on") else "earlier call"
             status += f" ({where}, {r.get('finished_at', '?')})"
@@ -137,7 +148,8 @@ def markdown(report: dict) -> str:
 
 
 def compact(value) -> str:
-    """A figure as the tables show it: floats to 4 significant digits, dicts and lists item by item."""
+    """A figure as the tables show it: floats to 4 significant digits, dicts and lists item by
+    item."""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
@@ -155,7 +167,8 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_report(out: Path, report: dict, results_dir: Path | None = None) -> None:
-    """OUTPUT_DIR/report.json and report.md; with RESULTS_DIR, those two and logs.tar.gz there as well."""
+    """OUTPUT_DIR/report.json and report.md; with RESULTS_DIR, those two and logs.tar.gz there as
+    well."""
     text = markdown(report)
     for folder in [out] + ([results_dir] if results_dir else []):
         write_text(folder / "report.json", json.dumps(report, indent=2) + "\n")
@@ -193,5 +206,7 @@ def print_summary(out: Path, report: dict, results_dir: Path | None) -> int:
     if results_dir:
         print(f"and {', '.join(RESULT_FILES)} in {results_dir}")
     if report["verdict"].startswith("INCOMPLETE"):
-        print(f"next call: the same command with --after {out / 'report.json'} runs only what is still unproven")
+        print(
+            f"next call: the same command with --after {out / 'report.json'} runs only what is still unproven"
+        )
     return exit_status(report["verdict"])

@@ -1,5 +1,5 @@
-"""What a step reads back from a run's folder (results.json, metrics.jsonl, the last lines of a log, what its time
-was made of), and the weights it removes from there once read."""
+"""What a step reads back from a run's folder (results.json, metrics.jsonl, the last lines of a log,
+what its time was made of), and the weights it removes from there once read."""
 
 import json
 import shutil
@@ -11,7 +11,8 @@ def read_json(path: Path) -> dict:
 
 
 def logged(run_dir: Path, key: str) -> list[float]:
-    """Every value a run logged under `key` in its metrics.jsonl, in order (none when the file is missing)."""
+    """Every value a run logged under `key` in its metrics.jsonl, in order (none when the file is
+    missing)."""
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         return []
@@ -44,8 +45,9 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-# What a run writes that a measurement does not need once its results.json is read: checkpoints, the best model and
-# the weights (a full fine-tune of the 0.5B chat model writes ~10 GB: a checkpoint of ~6 GB and two models of ~2 GB).
+# What a run writes that a measurement does not need once its results.json is read: checkpoints, the
+# best model and the weights (a full fine-tune of the 0.5B chat model writes ~10 GB: a checkpoint of
+# ~6 GB and two models of ~2 GB).
 WEIGHT_FOLDERS = ("checkpoints", "model_best")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 # Folders of a step's inputs (generated data and models), kept: later runs of the step read them.
@@ -53,8 +55,9 @@ INPUT_FOLDERS = ("inputs", "data", "datasets-cache", "text-data", "chat-data", "
 
 
 def discard_weights(folder: Path) -> int:
-    """Remove the checkpoints, best models and weight files under FOLDER (a run's or a step's output folder), its
-    input folders left alone; the bytes freed. The logs, results.json, metrics.jsonl and configs stay."""
+    """Remove the checkpoints, best models and weight files under FOLDER (a run's or a step's output
+    folder), its input folders left alone; the bytes freed. The logs, results.json, metrics.jsonl
+    and configs stay."""
     freed = 0
     if not folder.is_dir():
         return 0
@@ -73,10 +76,12 @@ def discard_weights(folder: Path) -> int:
 
 
 def measured_parts(seconds: float, results: dict) -> dict:
-    """What one run's time was made of, from gpu-check's clock around its process (SECONDS) and the run's own
-    results.json: launch (the process's time outside the run's own clock: launcher, imports, data and model loaded,
-    exit), warmup (the first steps, left out of the throughput: compilation included), steps (the rest of training)
-    and other (the run's own time outside training: evaluation and saving, or TRL's set-up)."""
+    """What one run's time was made of, from gpu-check's clock around its process (SECONDS) and the
+    run's own
+    results.json: launch (the process's time outside the run's own clock: launcher, imports, data
+    and model loaded, exit), warmup (the first steps, left out of the throughput: compilation
+    included), steps (the rest of training) and other (the run's own time outside training:
+    evaluation and saving, or TRL's set-up)."""
     parts = {"seconds": round(seconds, 1)}
     wall, train, warmup = (results.get(k) for k in ("wall_seconds", "train_seconds", "warmup_seconds"))
     if wall:

@@ -1,6 +1,7 @@
-"""How one step runs: a fresh folder, its commands launched as users launch them (accelerate launch with a config
-of accelerate_configs/, or plain python), each within the step's own limit and what is left of --budget, and its
-record. The steps themselves are in steps/, one class per family; calls.Check puts them together."""
+"""How one step runs: a fresh folder, its commands launched as users launch them (accelerate launch
+with a config of accelerate_configs/, or plain python), each within the step's own limit and what is
+left of --budget, and its record. The steps themselves are in steps/, one class per family;
+calls.Check puts them together."""
 
 import os
 import platform
@@ -15,7 +16,8 @@ from .paths import CONFIGS, REPO
 from .processes import Interrupted, stop
 from .run_outputs import discard_weights, measured_parts, read_json, tail
 
-# `accelerate launch` through this interpreter: its console script need not sit beside it (or exist at all).
+# `accelerate launch` through this interpreter: its
+# console script need not sit beside it (or exist at all).
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 
 
@@ -27,7 +29,8 @@ def config_precision(name: str) -> str:
 
 
 class StepRunner:
-    """Runs a call's steps one by one and collects their records; the families in steps/ add the steps."""
+    """Runs a call's steps one by one and collects their records; the families in steps/ add the
+    steps."""
 
     def __init__(self, out: Path, gpus: int, quick: bool, deadline: float):
         self.out, self.gpus, self.quick, self.deadline = out, gpus, quick, deadline
@@ -35,23 +38,28 @@ class StepRunner:
         self.results: list[dict] = []
         self.cut = False  # set when the budget stopped a command of the running step
         self.running: set[subprocess.Popen] = set()  # the commands started and not yet ended
-        self.seconds: dict[str, float] = {}  # the running step's commands, by log name: seconds each took
+        # the running step's commands, by log name: seconds each took
+        self.seconds: dict[str, float] = {}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", SWANLAB_MODE="disabled")
-        # Every step's processes import this checkout's packages, installed or not; a PYTHONPATH already set (wheels
-        # unpacked with pip --target) stays behind it.
-        self.env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        # Every step's processes import this checkout's packages, installed or not; a PYTHONPATH
+        # already set (wheels unpacked with pip --target) stays behind it.
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        )
         if not self.cuda:
             self.env.update(ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
 
     def folder(self, name: str) -> Path:
         path = self.out / name
-        shutil.rmtree(path, ignore_errors=True)  # fresh: a recipe refuses to start over an earlier run's checkpoints
+        # fresh: a recipe refuses to start over an earlier run's checkpoints
+        shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
 
     def launch(self, config: str, processes: int | None = None) -> list[str]:
-        """`accelerate launch` with a config of accelerate_configs/; on the CPU, gloo processes as `make *-cpu`
-        (the sharded configs keep theirs: the recipes run FSDP2 and DeepSpeed over gloo too)."""
+        """`accelerate launch` with a config of accelerate_configs/; on the CPU, gloo processes as
+        `make *-cpu` (the sharded configs keep theirs: the recipes run FSDP2 and DeepSpeed over gloo
+        too)."""
         if not self.cuda:
             on_cpu = config if config in ("fsdp", "deepspeed") else "cpu"
             return [
@@ -72,12 +80,18 @@ class StepRunner:
         return self.launch("1gpu") if self.cuda else [sys.executable]
 
     def limit(self, timeout: float) -> tuple[float, str]:
-        """Seconds a command may run: its own TIMEOUT or what is left of --budget, and which of the two it is."""
+        """Seconds a command may run: its own TIMEOUT or what is left of --budget, and which of the
+        two it is."""
         left = self.deadline - time.monotonic()
-        return (max(1.0, left), "what was left of --budget") if left < timeout else (timeout, "the step's own limit")
+        return (
+            (max(1.0, left), "what was left of --budget")
+            if left < timeout
+            else (timeout, "the step's own limit")
+        )
 
     def start(self, command: list, log: Path, env: dict | None = None) -> subprocess.Popen:
-        """COMMAND in a session of its own (a signal to gpu-check does not reach it; stop() ends it), output to LOG."""
+        """COMMAND in a session of its own (a signal to gpu-check does not reach it; stop() ends
+        it), output to LOG."""
         with log.open("w") as handle:  # the child holds its own copy of the file
             handle.write("$ " + " ".join(map(str, command)) + "\n")
             handle.flush()
@@ -93,7 +107,8 @@ class StepRunner:
         return proc
 
     def wait(self, proc: subprocess.Popen, seconds: float, which: str) -> int:
-        """PROC's exit status, or 124 after stopping it when SECONDS pass (a cut when WHICH is the budget)."""
+        """PROC's exit status, or 124 after stopping it when SECONDS pass (a cut when WHICH is the
+        budget)."""
         try:
             return proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -101,8 +116,11 @@ class StepRunner:
             stop(proc)
             return 124
 
-    def execute(self, command: list[str], run_dir: Path, timeout: float, log_name: str = "log.txt") -> tuple[int, str]:
-        """Run one command with its output in RUN_DIR/log.txt; (exit status, last lines). 124: over its time."""
+    def execute(
+        self, command: list[str], run_dir: Path, timeout: float, log_name: str = "log.txt"
+    ) -> tuple[int, str]:
+        """Run one command with its output in RUN_DIR/log.txt; (exit status, last lines). 124: over
+        its time."""
         timeout, which = self.limit(timeout)
         log = run_dir / log_name
         started = time.monotonic()
@@ -114,8 +132,9 @@ class StepRunner:
         return code, last
 
     def step(self, name: str, body, timeout: float) -> dict:
-        """Run one step's BODY(run_dir, timeout) -> (status, commands, figures, detail); its record. A failure that
-        the budget caused (a command stopped when --budget ran out) is recorded as incomplete, not failed."""
+        """Run one step's BODY(run_dir, timeout) -> (status, commands, figures, detail); its record.
+        A failure that the budget caused (a command stopped when --budget ran out) is recorded as
+        incomplete, not failed."""
         print(f"== {name}", flush=True)
         run_dir = self.folder(name)
         started = time.perf_counter()
@@ -128,10 +147,12 @@ class StepRunner:
             interrupted = True
         except Exception as err:  # a broken step is a failed step, the others still run
             status, commands, figures, detail = "fail", [], {}, f"{type(err).__name__}: {err}"
-        for proc in list(self.running):  # whatever the body left running (an exception, a signal) ends with it
+        # whatever the body left running (an exception, a signal) ends with it
+        for proc in list(self.running):
             stop(proc)
         self.running.clear()
-        discard_weights(run_dir)  # a measurement keeps its figures and logs, not the models and checkpoints
+        # a measurement keeps its figures and logs, not the models and checkpoints
+        discard_weights(run_dir)
         if status == "fail" and self.cut:
             status, detail = "incomplete", f"cut short when --budget ran out; {detail}"
         record = {
@@ -147,15 +168,18 @@ class StepRunner:
             "host": platform.node(),
         }
         self.results.append(record)
-        print(f"   {status}{': ' + detail.splitlines()[-1] if detail else ''} ({record['wall_seconds']} s)", flush=True)
+        print(
+            f"   {status}{': ' + detail.splitlines()[-1] if detail else ''} ({record['wall_seconds']} s)",
+            flush=True,
+        )
         if interrupted:
             raise Interrupted
         return record
 
     def timing(self, run_dir: Path) -> dict[str, dict]:
-        """What each command of the step took, by its log's name, with the parts its run's results.json tells
-        (measured_parts): a run of a chat step writes RUN_DIR/<name>/results.json, a step of one command
-        RUN_DIR/results.json."""
+        """What each command of the step took, by its log's name, with the parts its run's
+        results.json tells (measured_parts): a run of a chat step writes
+        RUN_DIR/<name>/results.json, a step of one command RUN_DIR/results.json."""
         timing = {}
         for name, seconds in self.seconds.items():
             results = read_json(run_dir / name / "results.json") or (
@@ -169,5 +193,10 @@ class StepRunner:
         code, last = self.execute(command, run_dir, timeout)
         shown = " ".join(map(str, command))
         if code != expect:
-            return "fail", [shown], {}, f"exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}"
+            return (
+                "fail",
+                [shown],
+                {},
+                f"exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}",
+            )
         return "pass", [shown], figures(run_dir), ""

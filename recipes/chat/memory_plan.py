@@ -1,18 +1,22 @@
-"""The memory plan of a chat fine-tune: per-process bytes of weights, gradients, optimizer states and activations,
-computed from the model (or its config, on the meta device) and the launch, before anything is trained.
+"""The memory plan of a chat fine-tune: per-process bytes of weights, gradients, optimizer states
+and activations, computed from the model (or its config, on the meta device) and the launch, before
+anything is trained.
 
 What one process keeps, by strategy (N processes in a shard group: all of them, or under hybrid
 sharding (HSDP, 2node-hsdp.yaml) the dp_shard_size processes of a node, the nodes holding replicas):
 
-    ddp / no   the whole model, gradients and AdamW states (DDP adds a second copy of the gradients: its buckets)
+    ddp / no   the whole model, gradients and AdamW states (DDP adds a second copy of the
+               gradients: its buckets)
     zero1      the AdamW states divided by N
     zero2      gradients and AdamW states divided by N (DeepSpeed ZeRO-2, FSDP's SHARD_GRAD_OP)
-    fsdp/zero3 weights, gradients and AdamW states divided by N, plus one block's weights gathered at a time
+    fsdp/zero3 weights, gradients and AdamW states divided by N, plus one block's weights
+               gathered at a time
 
-Bytes per parameter: a trainable one costs its weight, its gradient and AdamW's two moments in its own dtype (fp32: 4 +
-4 + 8 = 16 B; the full fine-tune's master weights and LoRA's adapters are fp32); a frozen one (LoRA's base) only its
-weight (2 B in bf16 runs, 4 B in fp32 runs). The counts and dtypes are read from the model itself, so these parts
-hold for any architecture; the activation estimate assumes a Llama-like decoder block (see activations()).
+Bytes per parameter: a trainable one costs its weight, its gradient and AdamW's two moments in its
+own dtype (fp32: 4 + 4 + 8 = 16 B; the full fine-tune's master weights and LoRA's adapters are
+fp32); a frozen one (LoRA's base) only its weight (2 B in bf16 runs, 4 B in fp32 runs). The counts
+and dtypes are read from the model itself, so these parts hold for any architecture; the activation
+estimate assumes a Llama-like decoder block (see activations()).
 """
 
 import dataclasses
@@ -31,7 +35,8 @@ from .answer_loss import CHUNK_LOGITS, PLAIN_LOGITS
 from .generation import cache_shape, compute_dtype, decode_mode, kv_layout
 
 MB = 2**20
-HEADROOM = 0.9  # a plan fits in 90% of the memory: the CUDA context, the allocator's fragmentation, the runtime
+# a plan fits in 90% of the memory: the CUDA context, the allocator's fragmentation, the runtime
+HEADROOM = 0.9
 # Which of (weights, gradients, optimizer states) each strategy divides over the processes.
 SHARDED = {
     "ddp": (False, False, False),
@@ -40,11 +45,11 @@ SHARDED = {
     "fsdp": (True, True, True),
     "zero3": (True, True, True),
 }
-STRATEGIES = tuple(SHARDED)
 
 
 def numel(parameter) -> int:
-    """Elements of a parameter, whole: DeepSpeed ZeRO-3 may have partitioned it at load, leaving it empty."""
+    """Elements of a parameter, whole: DeepSpeed ZeRO-3 may have partitioned it at load, leaving it
+    empty."""
     return getattr(parameter, "ds_numel", None) or parameter.numel()
 
 
@@ -64,8 +69,10 @@ class ModelSize:
     layers: int
     vocab: int
     block_bytes: int  # one decoder block's weights: what FSDP / ZeRO-3 gather at a time
-    lora_per_rank: int  # adapter parameters per unit of rank on every linear layer but the head (0 if LoRA already)
-    chunked_loss: bool  # the loss makes logits for answer positions only, a chunk at a time (answer_loss.PLAIN_LOGITS)
+    # adapter parameters per unit of rank on every linear layer but the head (0 if LoRA already)
+    lora_per_rank: int
+    # the loss makes logits for answer positions only, a chunk at a time (answer_loss.PLAIN_LOGITS)
+    chunked_loss: bool
 
     @classmethod
     def of(cls, model) -> "ModelSize":
@@ -92,14 +99,17 @@ class ModelSize:
             kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
             layers=config.num_hidden_layers,
             vocab=config.vocab_size,
-            block_bytes=max((sum(numel(p) * p.element_size() for p in b.parameters()) for b in blocks), default=0),
+            block_bytes=max(
+                (sum(numel(p) * p.element_size() for p in b.parameters()) for b in blocks), default=0
+            ),
             # LoRA adds r x (in + out) parameters to a linear layer (its A and B matrices)
             lora_per_rank=0 if is_lora else sum(m.in_features + m.out_features for m in linears),
             chunked_loss=config.model_type in PLAIN_LOGITS,
         )
 
     def as_lora(self, rank: int, base_bytes: int) -> "ModelSize":
-        """The same model frozen in `base_bytes` per weight with a rank-`rank` fp32 adapter on every linear layer."""
+        """The same model frozen in `base_bytes` per weight with a rank-`rank` fp32 adapter on every
+        linear layer."""
         adapter = rank * self.lora_per_rank
         return ModelSize(
             **{
@@ -147,36 +157,43 @@ def parts(size: ModelSize, launch: Launch) -> dict[str, float]:
         weights += size.block_bytes  # the block being computed is gathered whole
     gradients = trainable / grads_div
     if launch.strategy == "ddp" and n > 1:
-        gradients *= 2  # DDP all-reduces through buckets that copy the gradients (gradient_as_bucket_view off)
-    optimizer = 2 * trainable / states_div  # AdamW's exp_avg and exp_avg_sq, in the parameter's dtype
+        # DDP all-reduces through buckets that copy the gradients (gradient_as_bucket_view off)
+        gradients *= 2
+    # AdamW's exp_avg and exp_avg_sq, in the parameter's dtype
+    optimizer = 2 * trainable / states_div
     blocks, logits = activations(size, launch)
-    result = dict(weights=weights, gradients=gradients, optimizer=optimizer, activations=blocks, logits=logits)
+    result = dict(
+        weights=weights, gradients=gradients, optimizer=optimizer, activations=blocks, logits=logits
+    )
     result = {k: v / MB for k, v in result.items()}
     result["total"] = sum(result.values())
     return result
 
 
 def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
-    """(decoder blocks, logits) in bytes for one micro-batch of --max_length tokens per conversation (padding to the
-    longest conversation of a batch makes --max_length the worst case).
+    """(decoder blocks, logits) in bytes for one micro-batch of --max_length tokens per conversation
+    (padding to the longest conversation of a batch makes --max_length the worst case).
 
-    A Llama / Qwen2 block keeps for its backward pass, per token, in the compute dtype e: the inputs and outputs of its
-    two norms (4h), the queries and the attention output (2 q_dim, = 2h in most models), the keys and values
-    (2 kv_dim), and in the gated MLP the gate and up outputs, the activation and the product fed to down_proj
-    (4 x intermediate). This follows the per-tensor count of Korthikanti et al., 2022 ("Reducing Activation
-    Recomputation in Large Transformer Models": 34 s b h bytes per GPT block with a 4h MLP in 16-bit), adapted to the
-    gated MLP and to sdpa / flash attention, which keep no s x s score matrix. With gradient checkpointing only each
-    block's input stays (h per token in the hidden states' dtype), plus one block's activations while it is
-    recomputed. The loss comes on top (answer_loss.py): the hidden states of the answer positions picked out and their
-    gradient (at most every token: 2 h e per token), and one chunk of logits at a time (CHUNK_LOGITS values at most,
-    or every token's when fewer) whose gradient is made in the forward pass: in the compute dtype, their fp32 copy
-    (the softmax and its gradient are made in it) and the gradient cast back (2e + 4 bytes per value under bf16, 4 in
-    fp32 runs, where the copy is the same tensor). A trained output layer (a full fine-tune) adds its weight's
-    gradient, summed over the chunks in fp32 and kept from the forward pass to the backward (4 bytes per weight), and
-    under autocast the weight's copy in the compute dtype (e). Under ZeRO-3 each chunk is made again in the backward
-    pass instead: the fp32 log-probabilities and gradient on top (2e + 12 bytes per value, 12 in fp32). Models whose
-    logits are more than the output layer's product (answer_loss.PLAIN_LOGITS lists the others) make every position's
-    logits at once: e + 8 bytes per value (the model's own and the fp32 copy and log-probabilities of the loss).
+    A Llama / Qwen2 block keeps for its backward pass, per token, in the compute dtype e: the inputs
+    and outputs of its two norms (4h), the queries and the attention output (2 q_dim, = 2h in most
+    models), the keys and values (2 kv_dim), and in the gated MLP the gate and up outputs, the
+    activation and the product fed to down_proj (4 x intermediate). This follows the per-tensor
+    count of Korthikanti et al., 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models": 34 s b h bytes per GPT block with a 4h MLP in 16-bit), adapted to the gated MLP and to
+    sdpa / flash attention, which keep no s x s score matrix. With gradient checkpointing only each
+    block's input stays (h per token in the hidden states' dtype), plus one block's activations
+    while it is recomputed. The loss comes on top (answer_loss.py): the hidden states of the answer
+    positions picked out and their gradient (at most every token: 2 h e per token), and one chunk of
+    logits at a time (CHUNK_LOGITS values at most, or every token's when fewer) whose gradient is
+    made in the forward pass: in the compute dtype, their fp32 copy (the softmax and its gradient
+    are made in it) and the gradient cast back (2e + 4 bytes per value under bf16, 4 in fp32 runs,
+    where the copy is the same tensor). A trained output layer (a full fine-tune) adds its weight's
+    gradient, summed over the chunks in fp32 and kept from the forward pass to the backward (4 bytes
+    per weight), and under autocast the weight's copy in the compute dtype (e). Under ZeRO-3 each
+    chunk is made again in the backward pass instead: the fp32 log-probabilities and gradient on top
+    (2e + 12 bytes per value, 12 in fp32). Models whose logits are more than the output layer's
+    product (answer_loss.PLAIN_LOGITS lists the others) make every position's logits at once: e + 8
+    bytes per value (the model's own and the fp32 copy and log-probabilities of the loss).
     """
     tokens = launch.micro_batch * launch.max_length
     e = launch.compute_bytes
@@ -191,13 +208,16 @@ def activations(size: ModelSize, launch: Launch) -> tuple[float, float]:
     picked = 2 * tokens * size.hidden * e
     if launch.strategy == "zero3":
         return blocks, picked + chunk * size.vocab * (2 * e + 12 if e < 4 else 12)
-    output_layer = size.vocab * size.hidden * (4 + e if e < 4 else 4) if size.trainable == size.parameters else 0
+    output_layer = (
+        size.vocab * size.hidden * (4 + e if e < 4 else 4) if size.trainable == size.parameters else 0
+    )
     return blocks, picked + chunk * size.vocab * (2 * e + 4 if e < 4 else 4) + output_layer
 
 
-# ---------------------------------------------------------------------------------------------------- the launch
+# --------------------------------------------------------------------------------------- the launch
 def launched_strategy(accelerator) -> str:
-    """The strategy of `accelerator`'s launch, by what each process keeps (see the module's docstring)."""
+    """The strategy of `accelerator`'s launch, by what each process keeps (see the module's
+    docstring)."""
     kind = accelerator.distributed_type
     if kind == DistributedType.DEEPSPEED:
         return {0: "ddp", 1: "zero1", 2: "zero2"}.get(accelerator.state.deepspeed_plugin.zero_stage, "zero3")
@@ -206,7 +226,8 @@ def launched_strategy(accelerator) -> str:
         how = plugin.reshard_after_forward if plugin.fsdp_version == 2 else plugin.sharding_strategy
         name = getattr(how, "name", str(how)).upper()
         if name in ("FALSE", "SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2"):
-            return "zero2"  # weights kept whole after the forward pass, gradients and states sharded
+            # weights kept whole after the forward pass, gradients and states sharded
+            return "zero2"
         return "ddp" if name == "NO_SHARD" else "fsdp"
     return "ddp"
 
@@ -221,8 +242,8 @@ def shard_group_size(accelerator) -> int:
 
 
 def device_memory(accelerator) -> tuple[float, str]:
-    """(MB one process may use, what that is): free GPU memory, or the host's available memory shared by the node's
-    processes."""
+    """(MB one process may use, what that is): free GPU memory, or the host's available memory
+    shared by the node's processes."""
     if accelerator.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(accelerator.device)
         return free / MB, f"free on {torch.cuda.get_device_name(accelerator.device)}"
@@ -232,12 +253,11 @@ def device_memory(accelerator) -> tuple[float, str]:
 
 
 def launch_of(accelerator, args, per_process: int) -> Launch:
-    """The run's launch, or the one --plan_devices / --plan_device_gb / --plan_sharding assume instead."""
+    """The run's launch, or the one --plan_devices / --plan_device_gb / --plan_sharding assume
+    instead."""
     if args.plan_devices < 0 or args.plan_device_gb < 0:
         raise RecipeError("--plan_devices and --plan_device_gb must be >= 0 (0: those of this launch)")
     strategy = args.plan_sharding or launched_strategy(accelerator)
-    if strategy not in SHARDED:
-        raise RecipeError(f"--plan_sharding {strategy}: use one of {', '.join(STRATEGIES)}")
     processes = args.plan_devices or accelerator.num_processes
     shard = 0 if args.plan_devices or args.plan_sharding else shard_group_size(accelerator)
     if args.plan_devices and not args.batch_tokens:
@@ -249,7 +269,8 @@ def launch_of(accelerator, args, per_process: int) -> Launch:
     return Launch(
         strategy=strategy,
         processes=processes,
-        micro_batch=1 if args.batch_tokens else per_process,  # --batch_tokens: one row of that many tokens
+        # --batch_tokens: one row of that many tokens
+        micro_batch=1 if args.batch_tokens else per_process,
         accumulation=args.gradient_accumulation_steps,
         max_length=args.batch_tokens or args.max_length,
         checkpointing=args.gradient_checkpointing,
@@ -262,11 +283,14 @@ def launch_of(accelerator, args, per_process: int) -> Launch:
 
 
 def meta_model(name: str, dtype):
-    """The architecture of --model built on the meta device from its config alone: shapes and dtypes, no memory."""
+    """The architecture of --model built on the meta device from its config alone: shapes and
+    dtypes, no memory."""
     path = os.path.expanduser(name)
     try:
         if path.endswith(".gguf"):
-            config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+            config = AutoConfig.from_pretrained(
+                os.path.dirname(path) or ".", gguf_file=os.path.basename(path)
+            )
         else:
             config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:
@@ -275,16 +299,17 @@ def meta_model(name: str, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-# ------------------------------------------------------------------------------------------------------ the plan
+# ----------------------------------------------------------------------------------------- the plan
 def fits(total_mb: float, launch: Launch) -> bool:
     return total_mb <= HEADROOM * launch.device_mb
 
 
 def advice(size: ModelSize, launch: Launch, fixed_mb: float = 0.0) -> str:
-    """One line naming the change that makes the run fit: the first candidate whose plan fits, in this order: what
-    keeps the method and the devices (checkpointing, smaller micro-batches, FSDP over the processes there are), LoRA,
-    these together, then FSDP over more devices of the same memory. `fixed_mb`: what the run keeps besides
-    training's parts, whatever the change (GRPO's reference, decode copy and KV cache)."""
+    """One line naming the change that makes the run fit: the first candidate whose plan fits, in
+    this order: what keeps the method and the devices (checkpointing, smaller micro-batches, FSDP
+    over the processes there are), LoRA, these together, then FSDP over more devices of the same
+    memory. `fixed_mb`: what the run keeps besides training's parts, whatever the change (GRPO's
+    reference, decode copy and KV cache)."""
     base_bytes = 2 if launch.compute_bytes == 2 else 4
     lora = size.as_lora(16, base_bytes) if not launch.lora_r and size.lora_per_rank else None
     candidates = []
@@ -298,7 +323,8 @@ def advice(size: ModelSize, launch: Launch, fixed_mb: float = 0.0) -> str:
         candidates.append((what, size, dict(micro_batch=micro)))
 
     def sharded(n: int) -> list:
-        """FSDP over n processes (the same global batch, so a smaller micro-batch each), alone and with the rest."""
+        """FSDP over n processes (the same global batch, so a smaller micro-batch each), alone and
+        with the rest."""
         if launch.strategy == "fsdp" or n < max(2, launch.processes):
             return []
         where = f"these {n} processes" if n == launch.processes else f"{n} processes of this memory"
@@ -317,7 +343,9 @@ def advice(size: ModelSize, launch: Launch, fixed_mb: float = 0.0) -> str:
     named = ["--lora_r 16"] if lora else []
     named += [] if launch.checkpointing else ["--gradient_checkpointing"]
     if launch.micro_batch > 1:
-        named.append(f"micro-batch 1 (--gradient_accumulation_steps {launch.accumulation * launch.micro_batch})")
+        named.append(
+            f"micro-batch 1 (--gradient_accumulation_steps {launch.accumulation * launch.micro_batch})"
+        )
     candidates += sharded(launch.processes)[:1]
     if lora:
         candidates.append(("--lora_r 16", lora, {}))
@@ -336,8 +364,8 @@ def advice(size: ModelSize, launch: Launch, fixed_mb: float = 0.0) -> str:
 
 
 def largest_token_budget(size: ModelSize, launch: Launch, step: int = 256) -> int:
-    """The most tokens one micro-batch of packed rows may hold and still fit (a multiple of `step`; 0: not even
-    that many): what --packing --batch_tokens may ask for on this launch."""
+    """The most tokens one micro-batch of packed rows may hold and still fit (a multiple of `step`;
+    0: not even that many): what --packing --batch_tokens may ask for on this launch."""
     low, high = 0, 1 << 24  # every plan is linear in the tokens: the fit ends at one budget
     while high - low > step:
         middle = (low + high) // 2 // step * step
@@ -378,7 +406,9 @@ class MemoryPlan:
             lines.append(f"  {advice(size, launch)}")
         budget = largest_token_budget(size, launch)
         if budget:  # how far the micro-batch could grow: fuller steps keep a GPU busier
-            lines.append(f"  a micro-batch of up to {budget:,} tokens fits: --packing --batch_tokens {budget}")
+            lines.append(
+                f"  a micro-batch of up to {budget:,} tokens fits: --packing --batch_tokens {budget}"
+            )
         return "\n".join(lines)
 
 
@@ -389,20 +419,22 @@ def print_plan(accelerator, args, model, per_process: int) -> MemoryPlan:
     return plan
 
 
-# ---------------------------------------------------------------------------------------- GRPO's rollouts
+# ---------------------------------------------------------------------------------- GRPO's rollouts
 def kv_cache_bytes(config, rows: int, length: int, element_bytes: int) -> int:
     """Bytes of a static KV cache of `rows` rows x `length` positions as transformers' StaticCache
-    allocates it: the keys and values of every layer, 2 x layers x kv_heads x head_dim x rows x length x
-    bytes (a sliding-window layer holds its window at most)."""
+    allocates it: the keys and values of every layer, 2 x layers x kv_heads x head_dim x rows x
+    length x bytes (a sliding-window layer holds its window at most)."""
     kv_heads, head_dim = kv_layout(config)
-    layers = StaticCache(config=config, max_cache_len=length).layers  # their lengths only: no allocation
+    # their lengths only: no allocation
+    layers = StaticCache(config=config, max_cache_len=length).layers
     positions = sum(getattr(layer, "max_cache_len", 0) for layer in layers)
     return 2 * kv_heads * head_dim * rows * positions * element_bytes
 
 
 def reference_parameters(model, reference) -> list:
-    """The weights the reference policy adds (chat.model.reference_policy): a frozen copy's, a frozen
-    adapter's inside `model` (named `reference`), or none (the base with the adapter off; no reference)."""
+    """The weights the reference policy adds (chat.model.reference_policy): a frozen copy's, a
+    frozen adapter's inside `model` (named `reference`), or none (the base with the adapter off; no
+    reference)."""
     if isinstance(reference, torch.nn.Module):
         return list(reference.parameters())
     if isinstance(reference, str):
@@ -412,10 +444,10 @@ def reference_parameters(model, reference) -> list:
 
 @dataclass(frozen=True)
 class RolloutPlan(MemoryPlan):
-    """GRPO's plan: training's parts for an update pass of `launch.micro_batch` completions, and what the
-    rollouts keep for the whole run besides: the reference policy (--beta), and under --decode static or
-    compiled the decode copy (the model in the compute dtype, LoRA merged) and its one static KV cache of
-    `cache` (rows, positions)."""
+    """GRPO's plan: training's parts for an update pass of `launch.micro_batch` completions, and
+    what the rollouts keep for the whole run besides: the reference policy (--beta), and under
+    --decode static or compiled the decode copy (the model in the compute dtype, LoRA merged) and
+    its one static KV cache of `cache` (rows, positions)."""
 
     decode: str = "eager"
     cache: tuple[int, int] = (0, 0)
@@ -440,7 +472,8 @@ class RolloutPlan(MemoryPlan):
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  available       {launch.device_mb:>11,.0f} MB ({launch.device_note}): {verdict}")
         if not self.fits and fits(mb["total"] - mb["kv_cache"], launch):
-            # More, shorter caches never need less: the longest prompts' calls need this one besides them.
+            # More, shorter caches never need less: the longest
+            # prompts' calls need this one besides them.
             lines.append(
                 f"  it would fit without the static KV cache ({mb['kv_cache']:,.0f} MB), and no split into "
                 "more cache lengths needs less: lower --num_generations or --max_new_tokens, or use "
@@ -453,16 +486,18 @@ class RolloutPlan(MemoryPlan):
 
 
 def rollout_plan(accelerator, args, model, reference, rows: int, longest_prompt: int) -> RolloutPlan:
-    """GRPO's plan for `rows` completions per process per micro-batch (an update pass takes --update_rows of
-    them when fewer) of prompts up to `longest_prompt` tokens: every generation decodes in the cache of
-    `rows` such prompts (generation.cache_shape), an evaluation's batches being no larger."""
+    """GRPO's plan for `rows` completions per process per micro-batch (an update pass takes
+    --update_rows of them when fewer) of prompts up to `longest_prompt` tokens: every generation
+    decodes in the cache of `rows` such prompts (generation.cache_shape), an evaluation's batches
+    being no larger."""
     mode = decode_mode(args.decode, accelerator.device, accelerator.distributed_type)
     shape = cache_shape(rows, longest_prompt, args.max_new_tokens)
     element_bytes = compute_dtype(accelerator, model).itemsize
     own = reference_parameters(model, reference)
     reference_bytes = sum(numel(p) * p.element_size() for p in own)
     size = ModelSize.of(model)
-    if isinstance(reference, str) and own:  # the frozen adapter sits in the model: the reference's part
+    # the frozen adapter sits in the model: the reference's part
+    if isinstance(reference, str) and own:
         parameters, frozen = size.parameters - sum(map(numel, own)), size.frozen_bytes - reference_bytes
         size = dataclasses.replace(size, parameters=parameters, frozen_bytes=frozen)
     device_mb, note = device_memory(accelerator)
@@ -473,7 +508,8 @@ def rollout_plan(accelerator, args, model, reference, rows: int, longest_prompt:
         processes=accelerator.num_processes,
         micro_batch=args.update_rows if 0 < args.update_rows < rows else rows,
         accumulation=args.gradient_accumulation_steps,
-        max_length=longest_prompt + args.max_new_tokens,  # prompts padded to a batch's widest, then answers
+        # prompts padded to a batch's widest, then answers
+        max_length=longest_prompt + args.max_new_tokens,
         checkpointing=args.gradient_checkpointing,
         compute_bytes=2 if accelerator.mixed_precision in ("bf16", "fp16") else 4,
         lora_r=args.lora_r,
@@ -483,7 +519,8 @@ def rollout_plan(accelerator, args, model, reference, rows: int, longest_prompt:
     )
     training = parts(size, launch)
     static = mode != "eager"
-    base = sum(numel(p) for name, p in model.named_parameters() if "lora_" not in name)  # the copy's
+    # the copy's
+    base = sum(numel(p) for name, p in model.named_parameters() if "lora_" not in name)
     mb = {name: training[name] for name in ("weights", "gradients", "optimizer")}
     mb["reference"] = reference_bytes / MB
     mb["decode_copy"] = base * element_bytes / MB if static else 0.0

@@ -1,14 +1,16 @@
-"""Verifiable rewards for the GRPO recipe (recipes/grpo.py): the built-in checks, the user's own functions, and the
-prompts they score.
+"""Verifiable rewards for the GRPO recipe (recipes/grpo.py): the built-in checks, the user's own
+functions, and the prompts they score.
 
-A reward function takes `(prompts, completions, **columns)` and returns one float per completion, as TRL's
-GRPOTrainer calls them: `prompts` as the data gave them (a string, or a list of messages), `completions` the decoded
-answers (for a prompt given as messages, a list of one assistant message, `[{"role": "assistant", "content": ...}]`,
-as TRL passes conversational completions), `completion_ids` their token ids, and every other column of the data
-(`answer`, ...) as a list of the same length, plus `truncated` (True where the answer hit --max_new_tokens before its
-end-of-turn token). A value of None means the reward does not apply to that completion: it is left out of the
-weighted sum (TRL counts it as NaN, which its sum skips) and of the reward's mean. The recipe names its rewards with
-`--reward number,format` or `--reward my_rewards.py:brevity` and weighs them with `--reward_weights`.
+A reward function takes `(prompts, completions, **columns)` and returns one float per completion, as
+TRL's GRPOTrainer calls them: `prompts` as the data gave them (a string, or a list of messages),
+`completions` the decoded answers (for a prompt given as messages, a list of one assistant message,
+`[{"role": "assistant", "content": ...}]`, as TRL passes conversational completions),
+`completion_ids` their token ids, and every other column of the data (`answer`, ...) as a list of
+the same length, plus `truncated` (True where the answer hit --max_new_tokens before its end-of-turn
+token). A value of None means the reward does not apply to that completion: it is left out of the
+weighted sum (TRL counts it as NaN, which its sum skips) and of the reward's mean. The recipe names
+its rewards with `--reward number,format` or `--reward my_rewards.py:brevity` and weighs them with
+`--reward_weights`.
 """
 
 import importlib
@@ -29,9 +31,10 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 GSM8K_ANSWER = "####"  # GSM8K's answers end with "#### 42"
 
 
-# ---------------------------------------------------------------------------------------------------- the checks
+# --------------------------------------------------------------------------------------- the checks
 def text_of(completion) -> str:
-    """A completion as text: itself, or the content of the last message of a conversational completion."""
+    """A completion as text: itself, or the content of the last message of a conversational
+    completion."""
     if isinstance(completion, list):
         return str(completion[-1].get("content", "")) if completion else ""
     return str(completion or "")
@@ -55,17 +58,20 @@ def tagged(text: str, tag: str) -> str | None:
 
 
 def number(prompts, completions, answer, **columns) -> list[float]:
-    """1.0 when the last number of the completion equals the answer's number (GSM8K's `#### 42` included), else 0."""
+    """1.0 when the last number of the completion equals the answer's number (GSM8K's `#### 42`
+    included), else 0."""
     scores = []
     for completion, reference in zip(completions, answer):
         expected, given = last_number(str(reference)), last_number(text_of(completion))
-        scores.append(float(expected is not None and given is not None and math.isclose(given, expected, abs_tol=1e-6)))
+        scores.append(
+            float(expected is not None and given is not None and math.isclose(given, expected, abs_tol=1e-6))
+        )
     return scores
 
 
 def tag(prompts, completions, answer, answer_tag="answer", **columns) -> list[float]:
-    """1.0 when the completion holds <answer>X</answer> and X equals the answer (as a number when both are numbers,
-    else as text up to case and surrounding punctuation), else 0."""
+    """1.0 when the completion holds <answer>X</answer> and X equals the answer (as a number when
+    both are numbers, else as text up to case and surrounding punctuation), else 0."""
     scores = []
     for completion, reference in zip(completions, answer):
         inside = tagged(text_of(completion), answer_tag)
@@ -81,19 +87,22 @@ def tag(prompts, completions, answer, answer_tag="answer", **columns) -> list[fl
 
 
 def exact(prompts, completions, answer, **columns) -> list[float]:
-    """1.0 when the whole completion equals the short answer up to case, whitespace and surrounding punctuation."""
+    """1.0 when the whole completion equals the short answer up to case, whitespace and surrounding
+    punctuation."""
     return [float(exact_match(text_of(c), str(reference))) for c, reference in zip(completions, answer)]
 
 
 def format(prompts, completions, answer_tag="answer", **columns) -> list[float]:  # noqa: A001 (the reward's name)
-    """1.0 when the completion holds exactly one <answer>...</answer> pair, not empty, and nothing after it, else 0."""
+    """1.0 when the completion holds exactly one <answer>...</answer> pair, not empty, and nothing
+    after it, else 0."""
     tags = rf"</?{answer_tag}>"  # neither tag may appear anywhere but in the one pair
     pattern = rf"^(?:(?!{tags}).)*<{answer_tag}>(?:(?!{tags}).)+</{answer_tag}>\s*$"
     return [float(bool(re.match(pattern, text_of(c), flags=re.DOTALL))) for c in completions]
 
 
 def length(prompts, completions, truncated, **columns) -> list[float]:
-    """1.0 when the completion ended by itself (its end-of-turn token) before --max_new_tokens, else 0."""
+    """1.0 when the completion ended by itself (its end-of-turn token) before --max_new_tokens, else
+    0."""
     return [0.0 if cut else 1.0 for cut in truncated]
 
 
@@ -101,16 +110,18 @@ BUILT_IN = {"number": number, "tag": tag, "exact": exact, "format": format, "len
 NEEDS_ANSWER = {"number", "tag", "exact"}
 
 
-# ------------------------------------------------------------------------------------------------- user's rewards
+# ----------------------------------------------------------------------------------- user's rewards
 def load_reward(spec: str):
-    """A built-in reward by name, or the user's `path/to/file.py:function` or `package.module:function`."""
+    """A built-in reward by name, or the user's `path/to/file.py:function` or
+    `package.module:function`."""
     spec = spec.strip()
     if spec in BUILT_IN:
         return spec, BUILT_IN[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RecipeError(
-            f"--reward {spec}: not a built-in reward ({', '.join(BUILT_IN)}) nor file.py:function / module:function"
+            f"--reward {spec}: not a built-in reward ({', '.join(BUILT_IN)}) nor file.py:function / "
+            "module:function"
         )
     try:
         if where.endswith(".py"):
@@ -136,8 +147,9 @@ def load_reward(spec: str):
 
 
 class Rewards:
-    """The run's reward functions and weights: `score(prompts, completions, columns)` -> per function, one list of
-    floats per completion, each checked; `total(scores)` the weighted sum per completion."""
+    """The run's reward functions and weights: `score(prompts, completions, columns)` -> per
+    function, one list of floats per completion, each checked; `total(scores)` the weighted sum per
+    completion."""
 
     def __init__(self, specs, weights=None, answer_tag: str = "answer"):
         specs = [s for s in (specs.split(",") if isinstance(specs, str) else list(specs)) if str(s).strip()]
@@ -167,8 +179,9 @@ class Rewards:
         return any(name in NEEDS_ANSWER for name, _ in self.functions)
 
     def score(self, prompts: list, completions: list[str], columns: dict) -> list[list[float | None]]:
-        """Each function's values, one per completion: a float, or None where it does not apply. A completion of a
-        prompt given as messages reaches the functions as a list of one assistant message, as in TRL."""
+        """Each function's values, one per completion: a float, or None where it does not apply. A
+        completion of a prompt given as messages reaches the functions as a list of one assistant
+        message, as in TRL."""
         completions = [
             [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
             for prompt, text in zip(prompts, completions)
@@ -180,7 +193,8 @@ class Rewards:
                 values = function(prompts=prompts, completions=completions, **extra)
             except Exception as err:
                 raise RecipeError(
-                    f"reward {name} raised {type(err).__name__}: {first_line(err)}; fix the function (it is called "
+                    f"reward {name} raised {type(err).__name__}: {first_line(err)}; fix the function (it is "
+                    "called "
                     "as f(prompts, completions, **columns))"
                 ) from None
             try:
@@ -191,19 +205,22 @@ class Rewards:
                 ) from None
             if len(values) != len(completions):
                 raise RecipeError(
-                    f"reward {name} returned {len(values)} value(s) for {len(completions)} completions; return one "
+                    f"reward {name} returned {len(values)} value(s) for {len(completions)} completions; "
+                    "return one "
                     "float per completion"
                 )
             if not all(v is None or math.isfinite(v) for v in values):
                 raise RecipeError(
-                    f"reward {name} returned a NaN or infinite value; return finite floats, or None where the reward "
+                    f"reward {name} returned a NaN or infinite value; return finite floats, or None where "
+                    "the reward "
                     "does not apply"
                 )
             scores.append(values)
         return scores
 
     def total(self, scores: list[list[float | None]]) -> list[float]:
-        """The weighted sum per completion, over the rewards that apply to it; NaN where none does (unscored)."""
+        """The weighted sum per completion, over the rewards that apply to it; NaN where none does
+        (unscored)."""
         return [
             sum(w * s for w, s in zip(self.weights, per) if s is not None)
             if any(s is not None for s in per)
@@ -213,8 +230,8 @@ class Rewards:
 
 
 def mean_scored(values: list[float | None]) -> float:
-    """The mean over the completions that were scored: a reward's values without its Nones (does not apply), or the
-    weighted totals without their NaNs (no reward applies); 0 where none was."""
+    """The mean over the completions that were scored: a reward's values without its Nones (does not
+    apply), or the weighted totals without their NaNs (no reward applies); 0 where none was."""
     scored = [v for v in values if v is not None and not math.isnan(v)]
     return sum(scored) / len(scored) if scored else 0.0
 
@@ -225,13 +242,17 @@ def is_correct(value: float | None) -> bool:
 
 
 def reward_columns(rows: list[dict]) -> dict:
-    """The data's columns as lists, for the reward functions' **columns (prompt, messages and ids left out)."""
+    """The data's columns as lists, for the reward functions' **columns (prompt, messages and ids
+    left out)."""
     names = {k for row in rows for k in row} - {"prompt", "messages", "prompt_ids"}
     return {name: [row.get(name) for row in rows] for name in sorted(names)}
 
 
-def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated: list[bool], ids=None) -> tuple:
-    """(per function: one value or None per completion, the weighted totals) of completions of `rows`' prompts."""
+def score_texts(
+    rewards: Rewards, rows: list[dict], texts: list[str], truncated: list[bool], ids=None
+) -> tuple:
+    """(per function: one value or None per completion, the weighted totals) of completions of
+    `rows`' prompts."""
     columns = dict(reward_columns(rows), truncated=truncated)
     if ids is not None:
         columns["completion_ids"] = ids
@@ -239,7 +260,7 @@ def score_texts(rewards: Rewards, rows: list[dict], texts: list[str], truncated:
     return per_function, rewards.total(per_function)
 
 
-# ------------------------------------------------------------------------------------------------------- prompts
+# ------------------------------------------------------------------------------------------ prompts
 def gsm8k_answer(text) -> str:
     """GSM8K's reference ("... reasoning ... #### 1,234") as its final answer ("1234")."""
     text = str(text)
@@ -247,9 +268,9 @@ def gsm8k_answer(text) -> str:
 
 
 def as_prompt_row(row: dict, where: str) -> dict:
-    """One row of prompt data as {prompt: str | messages, messages: [...], answer?, other columns}: a `prompt`
-    (text), `messages` (a conversation to continue: an assistant turn at its end is taken as the answer when there is
-    no `answer` column), or GSM8K's `question` + `answer`."""
+    """One row of prompt data as {prompt: str | messages, messages: [...], answer?, other columns}:
+    a `prompt` (text), `messages` (a conversation to continue: an assistant turn at its end is taken
+    as the answer when there is no `answer` column), or GSM8K's `question` + `answer`."""
     row = dict(row)
     if row.get("prompt") is not None:
         prompt = row.pop("prompt")
@@ -272,7 +293,8 @@ def as_prompt_row(row: dict, where: str) -> dict:
             row["answer"] = gsm8k_answer(row["answer"])
     else:
         raise RecipeError(
-            f"{where}: a row without `prompt`, `messages` or `question`: {short(row)}; give one of them per row"
+            f"{where}: a row without `prompt`, `messages` or `question`: {short(row)}; give one of them per "
+            "row"
         )
     return dict(row, prompt=prompt, messages=messages)
 
@@ -283,22 +305,25 @@ def read_prompt_rows(rows, where: str) -> list[dict]:
 
 def load_prompts(train_file, validation_file, dataset, cache_dir, validation_size: float, seed: int):
     """(training prompts, validation prompts, name): from .json/.jsonl files, or a Hub dataset
-    (`name` or `name:config`, its train split and its test/validation split), else --validation_size held out. A
-    validation file alone (--eval_only) gives no training prompts."""
+    (`name` or `name:config`, its train split and its test/validation split), else --validation_size
+    held out. A validation file alone (--eval_only) gives no training prompts."""
     if dataset:
         name, _, config = dataset.partition(":")
         try:
             splits = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
         except Exception as err:
             raise RecipeError(
-                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name or name:config) "
+                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name or "
+                "name:config) "
                 "and the network, or give --train_file"
             ) from None
         held = next((s for s in ("validation", "test") if s in splits), None)
         train = read_prompt_rows(splits["train"], f"--dataset {dataset}")
         validation = read_prompt_rows(splits[held], f"--dataset {dataset}") if held else None
     else:
-        train, validation = read_split_files(train_file, validation_file, cache_dir, read_prompt_rows, "prompts")
+        train, validation = read_split_files(
+            train_file, validation_file, cache_dir, read_prompt_rows, "prompts"
+        )
     if validation is None:
         train, validation = hold_out(train, validation_size, seed, "prompt(s)")
     return train, validation
@@ -310,6 +335,7 @@ def check_columns(rewards: Rewards, rows: list[dict], where: str) -> None:
         missing = next((i for i, row in enumerate(rows) if row.get("answer") in (None, "")), None)
         if missing is not None:
             raise RecipeError(
-                f"{where}: row {missing + 1} has no `answer`, which --reward {','.join(rewards.names)} compares "
+                f"{where}: row {missing + 1} has no `answer`, which --reward {','.join(rewards.names)} "
+                "compares "
                 f"with: {short(rows[missing]['prompt'])}; add an answer column or use rewards that need none"
             )

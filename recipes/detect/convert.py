@@ -1,30 +1,35 @@
 #!/usr/bin/env python
-"""Convert COCO or Pascal VOC detection annotations to Ultralytics' YOLO format, which train.py reads.
+"""Convert COCO or Pascal VOC detection annotations to Ultralytics' YOLO format, which train.py
+reads.
 
     python recipes/detect/convert.py coco --annotations annotations/instances_val2017.json --images val2017 \\
         --out data/coco-yolo --split val
-    python recipes/detect/convert.py voc --root VOCdevkit/VOC2012 --out data/voc-yolo --split train --image_set train
+    python recipes/detect/convert.py voc --root VOCdevkit/VOC2012 --out data/voc-yolo --split train \\
+        --image_set train
 
-Output (docs.ultralytics.com/datasets/detect): out/images/<split>/ (symbolic links to the images, or copies with
---link False), out/labels/<split>/<image stem>.txt (one `class cx cy w h` line per box, normalised to [0, 1]; an
-empty file for an image without boxes) and out/data.yaml (path, the splits converted so far, names). Converting a
-second split into the same out adds it to data.yaml; class ids already there keep their numbers, and classes new to
-this split are appended.
+Output (docs.ultralytics.com/datasets/detect): out/images/<split>/ (symbolic links to the images, or
+copies with --link False), out/labels/<split>/<image stem>.txt (one `class cx cy w h` line per box,
+normalised to [0, 1]; an empty file for an image without boxes) and out/data.yaml (path, the splits
+converted so far, names). Converting a second split into the same out adds it to data.yaml; class
+ids already there keep their numbers, and classes new to this split are appended.
 
 Input formats:
-* COCO (cocodataset.org/#format-data, "Object Detection"): a JSON with `images` (id, file_name, width, height),
-  `annotations` (image_id, category_id, bbox [x, y, width, height] in pixels from the top-left corner, iscrowd) and
-  `categories` (id, name). Class ids follow the category ids in increasing order (COCO's 1..90 with gaps become
-  0..79). Annotations with iscrowd = 1 mark a crowd region, not one object, and are skipped, as detection training
-  usually does. Boxes of zero width or height are skipped.
-* Pascal VOC (the VOC2012 devkit's layout and XML): root/Annotations/<id>.xml with <size><width><height> and one
-  <object> per box (<name>, <difficult>, <bndbox><xmin><ymin><xmax><ymax>), images in root/JPEGImages, optional id
-  lists in root/ImageSets/Main/<image_set>.txt. VOC numbers pixels from 1 and its boxes include the pixels xmax and
-  ymax, so the box in 0-based continuous coordinates is (xmin - 1, ymin - 1, xmax, ymax), the customary conversion.
-  Class names are sorted alphabetically. Objects marked difficult are kept (YOLO labels have no such flag).
+* COCO (cocodataset.org/#format-data, "Object Detection"): a JSON with `images` (id, file_name,
+  width, height), `annotations` (image_id, category_id, bbox [x, y, width, height] in pixels from
+  the top-left corner, iscrowd) and `categories` (id, name). Class ids follow the category ids in
+  increasing order (COCO's 1..90 with gaps become 0..79). Annotations with iscrowd = 1 mark a crowd
+  region, not one object, and are skipped, as detection training usually does. Boxes of zero width
+  or height are skipped.
+* Pascal VOC (the VOC2012 devkit's layout and XML): root/Annotations/<id>.xml with
+  <size><width><height> and one <object> per box (<name>, <difficult>,
+  <bndbox><xmin><ymin><xmax><ymax>), images in root/JPEGImages, optional id lists in
+  root/ImageSets/Main/<image_set>.txt. VOC numbers pixels from 1 and its boxes include the pixels
+  xmax and ymax, so the box in 0-based continuous coordinates is (xmin - 1, ymin - 1, xmax, ymax),
+  the customary conversion. Class names are sorted alphabetically. Objects marked difficult are kept
+  (YOLO labels have no such flag).
 
-Boxes that stick out of the image by up to one pixel are clipped (rounding in the annotation tools); further out
-is an error naming the annotation.
+Boxes that stick out of the image by up to one pixel are clipped (rounding in the annotation tools);
+further out is an error naming the annotation.
 """
 
 import json
@@ -41,14 +46,15 @@ from accelerate_recipes import RecipeError, run
 PIXEL_TOLERANCE = 1.0
 
 
-# ----------------------------------------------------------------------------------------------------------- output
+# ------------------------------------------------------------------------------------------- output
 def _place_image(source: Path, target: Path, link: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.is_symlink() or target.exists():
         target.unlink()
     if link:
         try:
-            # absolute, so the link works from any working directory; labels sit beside the link, not the target
+            # absolute, so the link works from any working directory; labels sit beside the link,
+            # not the target
             target.symlink_to(os.path.abspath(source))
             return
         except OSError:  # file systems without symbolic links: copy instead
@@ -57,7 +63,8 @@ def _place_image(source: Path, target: Path, link: bool) -> None:
 
 
 def yolo_line(cls: int, box, width: float, height: float) -> str:
-    """A label file's line for the pixel box (x1, y1, x2, y2) of class `cls` in a width x height image."""
+    """A label file's line for the pixel box (x1, y1, x2, y2) of class `cls` in a width x height
+    image."""
     x1, y1, x2, y2 = box
     return (
         f"{cls} {(x1 + x2) / 2 / width:.6f} {(y1 + y2) / 2 / height:.6f} {(x2 - x1) / width:.6f} "
@@ -66,9 +73,15 @@ def yolo_line(cls: int, box, width: float, height: float) -> str:
 
 
 def _clip_box(box, width: float, height: float, where: str):
-    """Clip a pixel box that leaves the image by at most PIXEL_TOLERANCE; further out is an error."""
+    """Clip a pixel box that leaves the image by at most PIXEL_TOLERANCE; further out is an
+    error."""
     x1, y1, x2, y2 = box
-    if x1 < -PIXEL_TOLERANCE or y1 < -PIXEL_TOLERANCE or x2 > width + PIXEL_TOLERANCE or y2 > height + PIXEL_TOLERANCE:
+    if (
+        x1 < -PIXEL_TOLERANCE
+        or y1 < -PIXEL_TOLERANCE
+        or x2 > width + PIXEL_TOLERANCE
+        or y2 > height + PIXEL_TOLERANCE
+    ):
         raise RecipeError(
             f"{where}: box (x1 {x1:g}, y1 {y1:g}, x2 {x2:g}, y2 {y2:g}) extends past the "
             f"{width:g}x{height:g} image; fix the annotation or the image size"
@@ -82,7 +95,9 @@ def _existing_names(data_yaml: Path) -> tuple[dict, list[str]]:
     try:
         config = yaml.safe_load(data_yaml.read_text()) or {}
     except yaml.YAMLError as err:
-        raise RecipeError(f"{data_yaml}: not valid YAML ({err}); fix it or convert into a new --out") from None
+        raise RecipeError(
+            f"{data_yaml}: not valid YAML ({err}); fix it or convert into a new --out"
+        ) from None
     names = config.get("names") or []
     if isinstance(names, dict):
         names = [names[k] for k in sorted(names, key=int)]
@@ -90,7 +105,8 @@ def _existing_names(data_yaml: Path) -> tuple[dict, list[str]]:
 
 
 def _merged_names(out: Path, new_names: list[str]) -> list[str]:
-    """Names already in out/data.yaml keep their ids (their label files use them); new ones are appended."""
+    """Names already in out/data.yaml keep their ids (their label files use them); new ones are
+    appended."""
     _, names = _existing_names(out / "data.yaml")
     return names + [n for n in new_names if n not in names]
 
@@ -99,7 +115,8 @@ def write_data_yaml(out: Path, split: str, names: list[str]) -> Path:
     """out/data.yaml with `split` at images/<split> added to what is there, and `names`."""
     data_yaml = out / "data.yaml"
     config, _ = _existing_names(data_yaml)
-    config["path"] = os.path.abspath(out)  # absolute: Ultralytics reads a relative path against its datasets dir
+    # absolute: Ultralytics reads a relative path against its datasets dir
+    config["path"] = os.path.abspath(out)
     config[split] = f"images/{split}"
     config.pop("nc", None)
     config["names"] = dict(enumerate(names))
@@ -109,15 +126,20 @@ def write_data_yaml(out: Path, split: str, names: list[str]) -> Path:
     return data_yaml
 
 
-def _report(out: Path, split: str, images: int, boxes: int, empty: int, skipped: str, data_yaml: Path) -> None:
+def _report(
+    out: Path, split: str, images: int, boxes: int, empty: int, skipped: str, data_yaml: Path
+) -> None:
     print(f"{split}: {images} images, {boxes} boxes, {empty} images without boxes{skipped} -> {out}")
     config, _ = _existing_names(data_yaml)
     if "val" not in config or "train" not in config:
         missing = "val" if "train" in config else "train"
-        print(f"note: {data_yaml} has no {missing} split yet; convert one with --split {missing} or set `{missing}`")
+        print(
+            f"note: {data_yaml} has no {missing} split yet; convert one with --split {missing} or set "
+            f"`{missing}`"
+        )
 
 
-# ------------------------------------------------------------------------------------------------------------- COCO
+# --------------------------------------------------------------------------------------------- COCO
 def _load_json(path: Path) -> dict:
     if not path.is_file():
         raise RecipeError(
@@ -141,10 +163,12 @@ def _load_json(path: Path) -> dict:
 
 
 def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", link: bool = True) -> Path:
-    """Convert a COCO instances JSON and its image folder into out/images/<split>, out/labels/<split>, data.yaml.
+    """Convert a COCO instances JSON and its image folder into out/images/<split>,
+    out/labels/<split>, data.yaml.
 
     Args:
-        annotations: the COCO instances JSON (images, annotations with bbox [x, y, w, h] in pixels, categories).
+        annotations: the COCO instances JSON (images, annotations with bbox [x, y, w, h] in pixels,
+            categories).
         images: the folder holding the images named by file_name in the JSON (e.g. val2017).
         out: the YOLO dataset folder to write; an existing data.yaml there gains this split.
         split: name of the split (train, val, test): images/<split> and labels/<split>.
@@ -186,7 +210,8 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
                 f"image {source} (file_name {entry['file']!r} in {annotations_file}) not found; pass "
                 "--images the folder that holds the JSON's images"
             )
-        if not entry["width"] or not entry["height"]:  # optional in some exports: read it from the file
+        # optional in some exports: read it from the file
+        if not entry["width"] or not entry["height"]:
             with Image.open(source) as image:
                 entry["width"], entry["height"] = image.size
 
@@ -198,7 +223,9 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
             crowd += 1
             continue
         if ann.get("image_id") not in entries:
-            raise RecipeError(f"{where}: image_id {ann.get('image_id')} is not in `images`; fix the annotation")
+            raise RecipeError(
+                f"{where}: image_id {ann.get('image_id')} is not in `images`; fix the annotation"
+            )
         if ann.get("category_id") not in class_of:
             raise RecipeError(
                 f"{where}: category_id {ann.get('category_id')} is not in `categories` (ids "
@@ -208,8 +235,12 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
         try:
             x, y, w, h = (float(v) for v in ann["bbox"])
         except (KeyError, TypeError, ValueError):
-            raise RecipeError(f"{where}: bbox must be [x, y, width, height] numbers; got {ann.get('bbox')!r}") from None
-        box = _clip_box((x, y, x + w, y + h), entry["width"], entry["height"], f"{where} (image {entry['file']})")
+            raise RecipeError(
+                f"{where}: bbox must be [x, y, width, height] numbers; got {ann.get('bbox')!r}"
+            ) from None
+        box = _clip_box(
+            (x, y, x + w, y + h), entry["width"], entry["height"], f"{where} (image {entry['file']})"
+        )
         if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
             zero += 1
             continue
@@ -237,7 +268,7 @@ def coco_to_yolo(annotations: str, images: str, out: str, split: str = "train", 
     return data_yaml
 
 
-# -------------------------------------------------------------------------------------------------------------- VOC
+# ---------------------------------------------------------------------------------------------- VOC
 def _text(node, tag: str, where: str) -> str:
     found = node.find(tag)
     if found is None or found.text is None or not found.text.strip():
@@ -254,17 +285,21 @@ def _number(node, tag: str, where: str) -> float:
 
 
 def parse_voc(xml_file: Path, image_dir: Path) -> dict:
-    """One VOC annotation file: dict(image (its path), width, height, objects [(name, (x1, y1, x2, y2)), ...]) with
-    boxes in 0-based pixel edges, clipped to the image."""
+    """One VOC annotation file: dict(image (its path), width, height, objects [(name, (x1, y1, x2,
+    y2)), ...]) with boxes in 0-based pixel edges, clipped to the image."""
     try:
         tree = ElementTree.parse(xml_file)
     except ElementTree.ParseError as err:
-        raise RecipeError(f"{xml_file} line {err.position[0]}: not valid XML ({err}); fix or remove the file") from None
+        raise RecipeError(
+            f"{xml_file} line {err.position[0]}: not valid XML ({err}); fix or remove the file"
+        ) from None
     root = tree.getroot()
     name = (root.findtext("filename") or "").strip()
     image = image_dir / name if name else None
     if image is None or not image.is_file():  # some exports omit the suffix or the file name
-        found = [image_dir / f"{xml_file.stem}{s}" for s in (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")]
+        found = [
+            image_dir / f"{xml_file.stem}{s}" for s in (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG")
+        ]
         image = next((p for p in found if p.is_file()), None)
         if image is None:
             raise RecipeError(
@@ -284,7 +319,8 @@ def parse_voc(xml_file: Path, image_dir: Path) -> dict:
         box = obj.find("bndbox")
         if box is None:
             raise RecipeError(f"{where} ({label}): <bndbox> is missing; fix the annotation")
-        # VOC pixels are numbered from 1 and xmax, ymax are included: 0-based edges are xmin - 1 .. xmax
+        # VOC pixels are numbered from 1 and xmax, ymax are
+        # included: 0-based edges are xmin - 1 .. xmax
         corners = (
             _number(box, "xmin", where) - 1,
             _number(box, "ymin", where) - 1,
@@ -295,15 +331,18 @@ def parse_voc(xml_file: Path, image_dir: Path) -> dict:
     return dict(image=image, width=width, height=height, objects=objects)
 
 
-def voc_to_yolo(root: str, out: str, split: str = "train", image_set: str | None = None, link: bool = True) -> Path:
-    """Convert a Pascal VOC folder (Annotations/, JPEGImages/) into out/images/<split>, out/labels/<split>, data.yaml.
+def voc_to_yolo(
+    root: str, out: str, split: str = "train", image_set: str | None = None, link: bool = True
+) -> Path:
+    """Convert a Pascal VOC folder (Annotations/, JPEGImages/) into out/images/<split>,
+    out/labels/<split>, data.yaml.
 
     Args:
         root: the VOC folder holding Annotations/ and JPEGImages/ (e.g. VOCdevkit/VOC2012).
         out: the YOLO dataset folder to write; an existing data.yaml there gains this split.
         split: name of the split (train, val, test): images/<split> and labels/<split>.
-        image_set: convert only the ids listed in ImageSets/Main/<image_set>.txt (e.g. train, val, trainval);
-            default: every file in Annotations/.
+        image_set: convert only the ids listed in ImageSets/Main/<image_set>.txt (e.g. train, val,
+            trainval); default: every file in Annotations/.
         link: symbolic links to the images (default) rather than copies.
     Returns:
         the path of data.yaml.
@@ -352,7 +391,15 @@ def voc_to_yolo(root: str, out: str, split: str = "train", image_set: str | None
         (label_out / p["image"].name).with_suffix(".txt").write_text("".join(lines))
         boxes, empty = boxes + len(lines), empty + (not lines)
     data_yaml = write_data_yaml(out_dir, split, names)
-    _report(out_dir, split, len(parsed), boxes, empty, f", {zero} zero-size boxes skipped" if zero else "", data_yaml)
+    _report(
+        out_dir,
+        split,
+        len(parsed),
+        boxes,
+        empty,
+        f", {zero} zero-size boxes skipped" if zero else "",
+        data_yaml,
+    )
     return data_yaml
 
 

@@ -1,5 +1,5 @@
-"""What train.py and predict.py both use: the saved model's files (detector.json beside model.safetensors), the
-detector rebuilt from them, and pictures of detections."""
+"""What train.py and predict.py both use: the saved model's files (detector.json beside
+model.safetensors), the detector rebuilt from them, and pictures of detections."""
 
 import json
 from pathlib import Path
@@ -14,16 +14,30 @@ from yolo_model import Detector, model_info, size_of_weights
 
 from accelerate_recipes import RecipeError
 
-MODEL_CONFIG = "detector.json"  # written by train.py next to model.safetensors: what rebuilds the model
-CLASS_BRANCH_FIRST = "head.cls.0.0.0.weight"  # the classification branch's first conv: its width is the branch's
-MIN_MATCHED = 0.9  # a pretrained start must give at least this share of the model's parameters by name and shape
+# written by train.py next to model.safetensors: what rebuilds the model
+MODEL_CONFIG = "detector.json"
+# the classification branch's first conv: its width is the branch's
+CLASS_BRANCH_FIRST = "head.cls.0.0.0.weight"
+# a pretrained start must give at least this share of the model's parameters by name and shape
+MIN_MATCHED = 0.9
 # One colour per class (cycling), each dark enough for white captions on it.
-PALETTE = ["#e6194b", "#0b6ee0", "#d35400", "#8e24aa", "#00897b", "#c0a000", "#3f51b5", "#2e7d32", "#ad1457", "#5d4037"]
+PALETTE = [
+    "#e6194b",
+    "#0b6ee0",
+    "#d35400",
+    "#8e24aa",
+    "#00897b",
+    "#c0a000",
+    "#3f51b5",
+    "#2e7d32",
+    "#ad1457",
+    "#5d4037",
+]
 
 
 def read_model_config(model_dir: Path) -> dict:
-    """detector.json of the model saved in `model_dir` (size, num_classes, names, image_size, channels_last and,
-    when not YOLOv8's default, cls_width), once both of its files are there."""
+    """detector.json of the model saved in `model_dir` (size, num_classes, names, image_size,
+    channels_last and, when not YOLOv8's default, cls_width), once both of its files are there."""
     config_file, weights = model_dir / MODEL_CONFIG, model_dir / "model.safetensors"
     for needed in (config_file, weights):
         if not needed.is_file():
@@ -43,8 +57,9 @@ def weights_file(path: Path, flag: str) -> Path:
 
 
 def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
-    """Weights saved by an earlier run of this model (accelerator.save_model writes model.safetensors), from its folder
-    or the file, all of them; `flag` names where the path came from in the errors."""
+    """Weights saved by an earlier run of this model (accelerator.save_model writes
+    model.safetensors), from its folder or the file, all of them; `flag` names where the path came
+    from in the errors."""
     file = weights_file(path, flag)
     try:
         model.load_state_dict(load_file(str(file)))
@@ -56,14 +71,16 @@ def load_weights(model: torch.nn.Module, path: Path, flag: str) -> None:
         ) from None
 
 
-ULTRALYTICS_SUFFIXES = (".pt", ".pth")  # --init_weights files converted from Ultralytics' layout on the fly
+# --init_weights files converted from Ultralytics' layout on the fly
+ULTRALYTICS_SUFFIXES = (".pt", ".pth")
 
 
 def read_start(path: Path, flag: str = "--init_weights") -> dict:
-    """A pretrained start as this recipe's tensors: dict(state, size, cls_width, names: the classes it was trained
-    on or None, source: the file read). A model of this recipe (a run's folder, its model_best/, or a
-    model.safetensors), or Ultralytics YOLOv8 detection weights (a .pt: converted in memory, which needs the
-    ultralytics package). The size and the classification branch's width are read from the tensors."""
+    """A pretrained start as this recipe's tensors: dict(state, size, cls_width, names: the classes
+    it was trained on or None, source: the file read). A model of this recipe (a run's folder, its
+    model_best/, or a model.safetensors), or Ultralytics YOLOv8 detection weights (a .pt: converted
+    in memory, which needs the ultralytics package). The size and the classification branch's width
+    are read from the tensors."""
     path = Path(path)
     if path.suffix in ULTRALYTICS_SUFFIXES:
         if not path.is_file():
@@ -77,7 +94,8 @@ def read_start(path: Path, flag: str = "--init_weights") -> dict:
         state = load_file(str(file))
     except Exception as err:  # not a safetensors file, or a damaged one
         raise RecipeError(
-            f"{flag} {file} is not a safetensors file ({str(err).splitlines()[0][:120]}); give a model.safetensors "
+            f"{flag} {file} is not a safetensors file ({str(err).splitlines()[0][:120]}); give a "
+            "model.safetensors "
             "of this recipe, or Ultralytics' YOLOv8 .pt"
         ) from None
     config_file = file.parent / MODEL_CONFIG
@@ -95,10 +113,11 @@ def read_start(path: Path, flag: str = "--init_weights") -> dict:
 
 
 def load_matching_weights(model: Detector, start: dict, flag: str) -> str:
-    """A pretrained start (read_start): every tensor whose name and shape this model has is loaded, the rest of the
-    model keeps its fresh initialisation (after a change of class count, the classification outputs). Refuses a
-    start that provides under MIN_MATCHED of the model's parameters: that is no detector of this size. Returns the
-    line that says what was loaded and what was left."""
+    """A pretrained start (read_start): every tensor whose name and shape this model has is loaded,
+    the rest of the model keeps its fresh initialisation (after a change of class count, the
+    classification outputs). Refuses a start that provides under MIN_MATCHED of the model's
+    parameters: that is no detector of this size. Returns the line that says what was loaded and
+    what was left."""
     saved, file = start["state"], start["source"]
     own = model.state_dict()
     fits = {k: v for k, v in saved.items() if k in own and own[k].shape == v.shape}
@@ -108,8 +127,10 @@ def load_matching_weights(model: Detector, start: dict, flag: str) -> str:
     if matched < MIN_MATCHED * total:
         hint = f" (it is a yolo-{start['size']})" if start.get("size") else ""
         raise RecipeError(
-            f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights by name and shape"
-            f"{hint}; give a model.safetensors of this recipe with the same --size (or no --size), or Ultralytics' "
+            f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights by name and "
+            "shape"
+            f"{hint}; give a model.safetensors of this recipe with the same --size (or no --size), or "
+            "Ultralytics' "
             "YOLOv8 .pt"
         )
     model.load_state_dict(fits, strict=False)
@@ -126,11 +147,13 @@ def load_matching_weights(model: Detector, start: dict, flag: str) -> str:
 
 
 def model_size(size: str | None, start: dict | None, flag: str = "--init_weights") -> str:
-    """The model size to build: --size, else the pretrained start's, else n. A --size that is not the start's is
+    """The model size to build: --size, else the pretrained start's, else n. A --size that is not
+    the start's is
     refused: the start would not fit."""
     if size is not None and start is not None and start["size"] is not None and size != start["size"]:
         raise RecipeError(
-            f"--size {size}, but {flag} {start['source']} is a yolo-{start['size']}; leave --size out (the start "
+            f"--size {size}, but {flag} {start['source']} is a yolo-{start['size']}; leave --size out (the "
+            "start "
             f"gives it) or start from a yolo-{size}"
         )
     return size or (start["size"] if start is not None and start["size"] else "n")
@@ -145,14 +168,14 @@ def build_model(
     cls_width: int | None = None,
     by_shape: bool = False,
 ) -> tuple[Detector, dict]:
-    """The detector of this size for this many classes, with the weights of an earlier run when given (`flag` names
-    where they came from), in channels-last layout when asked; and its size figures (parameters, GFLOPs at 640, the
-    size YOLO papers and model cards quote).
+    """The detector of this size for this many classes, with the weights of an earlier run when
+    given (`flag` names where they came from), in channels-last layout when asked; and its size
+    figures (parameters, GFLOPs at 640, the size YOLO papers and model cards quote).
 
-    by_shape: a pretrained start (--init_weights: a path, or what read_start read) from a model that may detect
-    other classes: the classification branch takes that model's hidden width, and every tensor that fits by name
-    and shape is loaded (load_matching_weights); info["loaded"] says what was. Otherwise all weights must fit (a
-    saved model's --model)."""
+    by_shape: a pretrained start (--init_weights: a path, or what read_start read) from a model that
+    may detect other classes: the classification branch takes that model's hidden width, and every
+    tensor that fits by name and shape is loaded (load_matching_weights); info["loaded"] says what
+    was. Otherwise all weights must fit (a saved model's --model)."""
     start = None
     if weights is not None and by_shape:
         start = weights if isinstance(weights, dict) else read_start(Path(weights), flag)
@@ -182,8 +205,9 @@ def draw_detections(
     names: list[str],
     fit: int | None = None,
 ) -> Image.Image:
-    """The image with one labelled box per detection (boxes in the image's own pixels); with `fit`, the image is first
-    scaled to fit a fit x fit square, so the captions keep their size whatever the image's."""
+    """The image with one labelled box per detection (boxes in the image's own pixels); with `fit`,
+    the image is first scaled to fit a fit x fit square, so the captions keep their size whatever
+    the image's."""
     image = upright_rgb(image_path)
     if fit:
         scale = fit / max(image.size)

@@ -1,9 +1,13 @@
-"""The pictures of a detector's evaluation, as Ultralytics users know them, written by train.py after each evaluation:
+"""The pictures of a detector's evaluation, as Ultralytics users know them, written by train.py
+after each evaluation:
 
-- PR_curve.png: precision against recall at IoU 0.5, per class and the mean over classes (whose area is mAP50);
-- P_curve.png, R_curve.png, F1_curve.png: precision, recall and F1 against the confidence threshold, per class and
-  the mean, the confidence of the best mean F1 (where results.json's precision, recall and F1 are read) marked;
-- confusion_matrix.png and .csv: classes plus background, predictions matched to ground truth as Ultralytics does;
+- PR_curve.png: precision against recall at IoU 0.5, per class and the mean over classes (whose area
+  is mAP50);
+- P_curve.png, R_curve.png, F1_curve.png: precision, recall and F1 against the confidence threshold,
+  per class and the mean, the confidence of the best mean F1 (where results.json's precision, recall
+  and F1 are read) marked;
+- confusion_matrix.png and .csv: classes plus background, predictions matched to ground truth as
+  Ultralytics does;
 - val_predictions.png: the first validation images with their predicted boxes.
 """
 
@@ -24,12 +28,14 @@ MATCH_SCORE = 0.25  # ... and counts only with a score >= 0.25 (mAP uses every s
 def detection_confusion_matrix(
     records: list, num_classes: int, iou_threshold: float = MATCH_IOU, score_threshold: float = MATCH_SCORE
 ) -> torch.Tensor:
-    """Counts [K + 1, K + 1]; rows: the true class, columns: the predicted class; index K is background.
+    """Counts [K + 1, K + 1]; rows: the true class, columns: the predicted class; index K is
+    background.
 
-    In each image, predictions scoring at least score_threshold are matched one-to-one to ground-truth boxes of any
-    class, the pair of highest IoU first, down to iou_threshold. A matched pair counts at (true class, predicted
-    class); an object left unmatched at (its class, background): missed; a prediction left unmatched at
-    (background, its class): a false positive. Evaluation records hold boxes in image pixels, on the CPU.
+    In each image, predictions scoring at least score_threshold are matched one-to-one to
+    ground-truth boxes of any class, the pair of highest IoU first, down to iou_threshold. A matched
+    pair counts at (true class, predicted class); an object left unmatched at (its class,
+    background): missed; a prediction left unmatched at (background, its class): a false positive.
+    Evaluation records hold boxes in image pixels, on the CPU.
     """
     background = num_classes
     counts = torch.zeros(num_classes + 1, num_classes + 1, dtype=torch.long)
@@ -56,8 +62,9 @@ def detection_confusion_matrix(
 
 @picture
 def plot_pr_curve(pr: dict | None, names: list[str], png: Path) -> Path:
-    """Precision against recall at IoU 0.5 as COCOeval interpolates it (101 recall points), one thin line per class
-    with ground truth and a bold line for the mean over those classes; the legend gives each one's area (AP50)."""
+    """Precision against recall at IoU 0.5 as COCOeval interpolates it (101 recall points), one thin
+    line per class with ground truth and a bold line for the mean over those classes; the legend
+    gives each one's area (AP50)."""
     figure = new_figure(9, 6)
     ax = figure.subplots()
     valid = [k for k in range(pr["precision"].shape[1]) if (pr["precision"][:, k] > -1).all()] if pr else []
@@ -92,8 +99,9 @@ def plot_pr_curve(pr: dict | None, names: list[str], png: Path) -> Path:
 
 @picture
 def plot_confidence_curve(curves: dict | None, names: list[str], which: str, png: Path) -> Path:
-    """One of the confidence curves of coco_map (p_curve, r_curve or f1_curve) against the confidence threshold: a
-    thin line per class with ground truth, a bold mean, and the confidence of the best mean F1 marked."""
+    """One of the confidence curves of coco_map (p_curve, r_curve or f1_curve) against the
+    confidence threshold: a thin line per class with ground truth, a bold mean, and the confidence
+    of the best mean F1 marked."""
     label = {"p_curve": "precision", "r_curve": "recall", "f1_curve": "F1"}[which]
     figure = new_figure(9, 6)
     ax = figure.subplots()
@@ -124,25 +132,33 @@ def plot_confidence_curve(curves: dict | None, names: list[str], which: str, png
 def save_prediction_grid(
     records: list, names: list[str], png: Path, score_threshold: float = MATCH_SCORE, tile: int = 320
 ) -> Path:
-    """The records' images with their predictions scoring at least score_threshold, each scaled into a tile x tile
-    square before drawing (so captions stay readable), up to 4 to a row on a grey background."""
+    """The records' images with their predictions scoring at least score_threshold, each scaled into
+    a tile x tile square before drawing (so captions stay readable), up to 4 to a row on a grey
+    background."""
     columns = min(4, len(records))
     rows = math.ceil(len(records) / columns)
     grid = Image.new("RGB", (columns * tile, rows * tile), (114, 114, 114))
     for i, record in enumerate(records):
         keep = record["scores"] >= score_threshold
         image = draw_detections(
-            record["path"], record["boxes"][keep], record["labels"][keep], record["scores"][keep], names, fit=tile
+            record["path"],
+            record["boxes"][keep],
+            record["labels"][keep],
+            record["scores"][keep],
+            names,
+            fit=tile,
         )
         row, column = divmod(i, columns)
-        grid.paste(image, (column * tile + (tile - image.width) // 2, row * tile + (tile - image.height) // 2))
+        grid.paste(
+            image, (column * tile + (tile - image.width) // 2, row * tile + (tile - image.height) // 2)
+        )
     grid.save(png)
     return png
 
 
 def save_eval_pictures(output: Path, pictures: dict, names: list[str]) -> None:
-    """PR_curve.png, P_curve.png, R_curve.png, F1_curve.png, confusion_matrix.png / .csv and val_predictions.png in
-    output, from what evaluate() returned."""
+    """PR_curve.png, P_curve.png, R_curve.png, F1_curve.png, confusion_matrix.png / .csv and
+    val_predictions.png in output, from what evaluate() returned."""
     plot_pr_curve(pictures["curves"], names, output / "PR_curve.png")
     for which, png in (("p_curve", "P_curve.png"), ("r_curve", "R_curve.png"), ("f1_curve", "F1_curve.png")):
         plot_confidence_curve(pictures["curves"], names, which, output / png)

@@ -1,25 +1,26 @@
-"""The trained detector as a file that deploys, what `train.py --export` writes, and those files run in place
-of the PyTorch model, what `train.py --predict IMAGES --model model.onnx` (or model.torchscript) uses.
+"""The trained detector as a file that deploys, what `train.py --export` writes, and those files run
+in place of the PyTorch model, what `train.py --predict IMAGES --model model.onnx` (or
+model.torchscript) uses.
 
     python recipes/detect/train.py --export onnx --model outputs/detect          # outputs/detect/model.onnx
     python recipes/detect/train.py --export torchscript --model outputs/detect   # model.torchscript
     python recipes/detect/train.py --export onnx-raw --model outputs/detect      # the network alone
     python recipes/detect/train.py --predict photo.jpg --model outputs/detect/model.onnx
 
-`onnx` and `torchscript` are end to end (end_to_end.EndToEnd): input `images` float32 [B, 3, H, W] in [0, 1]
-(H and W multiples of 32; batch, height and width dynamic), outputs `detections` [B, max_det, 6] (x1, y1, x2,
-y2 in input pixels, score, class id; best first, zeros past the image's count) and `num_detections` [B];
-decoding, the confidence threshold, NMS and max_det are in the graph (ONNX's NonMaxSuppression), at the
---conf_threshold (default 0.25), --iou_threshold and max_det (300) of --predict. `onnx-raw` holds the network
-only, as before: outputs `stride8`, `stride16` and `stride32`, the raw per-level tensors, for
-yolo_model.postprocess.
+`onnx` and `torchscript` are end to end (end_to_end.EndToEnd): input `images` float32 [B, 3, H, W]
+in [0, 1] (H and W multiples of 32; batch, height and width dynamic), outputs `detections` [B,
+max_det, 6] (x1, y1, x2, y2 in input pixels, score, class id; best first, zeros past the image's
+count) and `num_detections` [B]; decoding, the confidence threshold, NMS and max_det are in the
+graph (ONNX's NonMaxSuppression), at the --conf_threshold (default 0.25), --iou_threshold and
+max_det (300) of --predict. `onnx-raw` holds the network only, as before: outputs `stride8`,
+`stride16` and `stride32`, the raw per-level tensors, for yolo_model.postprocess.
 
-detector.json (class names, image size, and for end-to-end files the thresholds) travels inside: as the ONNX
-metadata entry `detector.json`, and as the TorchScript file's extra file of that name. ONNX is written by
-torch's exporter (torch.onnx.export with dynamo=True: the onnx and onnxscript packages), TorchScript by
-torch.jit.trace; after writing, onnxruntime (or torch.jit.load) runs the file on a batch of another size than
-the one traced and must give the PyTorch model's outputs. Install for ONNX: pip install
-'accelerate-recipes[export]'.
+detector.json (class names, image size, and for end-to-end files the thresholds) travels inside: as
+the ONNX metadata entry `detector.json`, and as the TorchScript file's extra file of that name. ONNX
+is written by torch's exporter (torch.onnx.export with dynamo=True: the onnx and onnxscript
+packages), TorchScript by torch.jit.trace; after writing, onnxruntime (or torch.jit.load) runs the
+file on a batch of another size than the one traced and must give the PyTorch model's outputs.
+Install for ONNX: pip install 'accelerate-recipes[export]'.
 """
 
 import json
@@ -36,9 +37,9 @@ EXPORTS = ("onnx", "torchscript", "onnx-raw")  # --export's choices
 OUTPUTS = ("stride8", "stride16", "stride32")  # the raw network's outputs (onnx-raw)
 END_TO_END_OUTPUTS = ("detections", "num_detections")
 MAX_DETECTIONS = 300  # rows per image of an end-to-end file: the recipe's max_det
-# onnxruntime and PyTorch sum the convolutions in another order: float32 rounding, growing with depth, on
-# logits of a few units; 1e-3 of the value (and 1e-3 absolute near zero) is far above that and far below a
-# wrong weight.
+# onnxruntime and PyTorch sum the convolutions in another order: float32 rounding, growing with
+# depth, on logits of a few units; 1e-3 of the value (and 1e-3 absolute near zero) is far above that
+# and far below a wrong weight.
 TOLERANCE = 1e-3
 
 
@@ -70,10 +71,10 @@ def check_images(size: int, batch: int) -> torch.Tensor:
 
 
 def same_detections(found: tuple, expected: tuple) -> float | None:
-    """None when two end-to-end outputs hold the same detections (counts equal, and each row of one within 0.1
-    of a row of the other, boxes in pixels and scores and classes x 100: a score 1e-3 off counts as a box 0.1
-    px off, and another class is far); else the largest distance. Equal scores may come in either order: rows
-    are matched."""
+    """None when two end-to-end outputs hold the same detections (counts equal, and each row of one
+    within 0.1 of a row of the other, boxes in pixels and scores and classes x 100: a score 1e-3 off
+    counts as a box 0.1 px off, and another class is far); else the largest distance. Equal scores
+    may come in either order: rows are matched."""
     (rows, counts), (their_rows, their_counts) = found, expected
     if not torch.equal(counts.long(), their_counts.long()):
         return float("inf")
@@ -95,9 +96,10 @@ def export_model(
     conf_threshold: float = 0.25,
     iou_threshold: float = 0.7,
 ) -> Path:
-    """Write the model saved in `model_dir` (model.safetensors + detector.json) as `path` in the format `fmt`
-    (onnx, torchscript or onnx-raw), check it against PyTorch, and return `path`. image_size: the side of the
-    check's input (default the model's training size); the file itself takes any multiple of 32."""
+    """Write the model saved in `model_dir` (model.safetensors + detector.json) as `path` in the
+    format `fmt` (onnx, torchscript or onnx-raw), check it against PyTorch, and return `path`.
+    image_size: the side of the check's input (default the model's training size); the file itself
+    takes any multiple of 32."""
     model, config = saved_detector(model_dir)
     size = image_size or config["image_size"]
     example = check_images(size, 2)
@@ -167,7 +169,8 @@ def export_model(
 
 
 def end_to_end_detections(detections: torch.Tensor, counts: torch.Tensor) -> list[dict]:
-    """An end-to-end file's outputs as postprocess returns them: per image dict(boxes, scores, labels)."""
+    """An end-to-end file's outputs as postprocess returns them: per image dict(boxes, scores,
+    labels)."""
     return [
         dict(boxes=rows[:count, :4], scores=rows[:count, 4], labels=rows[:count, 5].long())
         for rows, count in zip(detections, counts.tolist())
@@ -175,9 +178,10 @@ def end_to_end_detections(detections: torch.Tensor, counts: torch.Tensor) -> lis
 
 
 class OnnxDetector:
-    """A model.onnx that --export wrote, run by onnxruntime. raw(images float [B, 3, H, W] in [0, 1]) gives
-    the file's outputs (on the CPU); detect(images, conf_threshold, iou_threshold) per image dict(boxes,
-    scores, labels), as yolo_model.postprocess gives them. `config` is the detector.json inside."""
+    """A model.onnx that --export wrote, run by onnxruntime. raw(images float [B, 3, H, W] in [0,
+    1]) gives the file's outputs (on the CPU); detect(images, conf_threshold, iou_threshold) per
+    image dict(boxes, scores, labels), as yolo_model.postprocess gives them. `config` is the
+    detector.json inside."""
 
     strides, reg_max = Detector.strides, Detector.reg_max
 
@@ -211,7 +215,8 @@ class OnnxDetector:
 
 
 class TorchScriptDetector(OnnxDetector):
-    """A model.torchscript that --export torchscript wrote, run by torch.jit.load; called as OnnxDetector."""
+    """A model.torchscript that --export torchscript wrote, run by torch.jit.load; called as
+    OnnxDetector."""
 
     def __init__(self, path: Path):
         extra = {MODEL_CONFIG: ""}
@@ -234,6 +239,7 @@ class TorchScriptDetector(OnnxDetector):
 
 
 def keep_above(detections: dict, conf_threshold: float) -> dict:
-    """The detections scoring above conf_threshold (an end-to-end file holds those above its own)."""
+    """The detections scoring above conf_threshold (an end-to-end file holds those above its
+    own)."""
     keep = detections["scores"] > conf_threshold
     return {k: v[keep] for k, v in detections.items()}

@@ -1,18 +1,22 @@
-"""A generated object-detection set of coloured shapes on textured backgrounds, written in Ultralytics' YOLO format.
+"""A generated object-detection set of coloured shapes on textured backgrounds, written in
+Ultralytics' YOLO format.
 
-The layout is the one Ultralytics documents for detection datasets (docs.ultralytics.com/datasets/detect):
+The layout is the one Ultralytics documents for detection datasets
+(docs.ultralytics.com/datasets/detect):
 
     out/data.yaml                 path (absolute), train, val, names
     out/images/{train,val}/000000.jpg
     out/labels/{train,val}/000000.txt   one `class cx cy w h` line per object, normalised to [0, 1]
 
-Each image has a smooth-noise, gradient or striped background and 0 to 6 shapes (circle, square, triangle, cross,
-ring: the first `num_classes` of them) of random colour, 8% to 50% of the shorter image side, partly overlapping at
-most. A box is the tight box of the pixels its shape was drawn on (PIL draws without anti-aliasing, so the edge is
-exact); a later shape may hide part of an earlier one, whose box still covers its whole shape, as annotators do.
-About `background_fraction` of the images have no shapes, and some are 3:4 or 4:3 rather than square, so letterboxing
-is exercised. Shapes differ from their background by a clear colour distance, so a small detector learns the set in
-minutes; it says nothing about accuracy on photographs. The same seed gives the same files on every machine.
+Each image has a smooth-noise, gradient or striped background and 0 to 6 shapes (circle, square,
+triangle, cross,
+ring: the first `num_classes` of them) of random colour, 8% to 50% of the shorter image side, partly
+overlapping at most. A box is the tight box of the pixels its shape was drawn on (PIL draws without
+anti-aliasing, so the edge is exact); a later shape may hide part of an earlier one, whose box still
+covers its whole shape, as annotators do. About `background_fraction` of the images have no shapes,
+and some are 3:4 or 4:3 rather than square, so letterboxing is exercised. Shapes differ from their
+background by a clear colour distance, so a small detector learns the set in minutes; it says
+nothing about accuracy on photographs. The same seed gives the same files on every machine.
 
     python recipes/detect/synthetic_shapes.py --out data/shapes --num_train 512 --num_val 128
 
@@ -31,18 +35,23 @@ from accelerate_recipes import RecipeError
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
 MAX_OBJECTS = 6
-MIN_CONTRAST = 110.0  # Euclidean RGB distance between a shape's colour and the mean of the pixels under it
+# Euclidean RGB distance between a shape's colour and the mean of the pixels under it
+MIN_CONTRAST = 110.0
 JPEG_QUALITY = 95
 
 
 def _background(rng: np.random.Generator, width: int, height: int) -> np.ndarray:
-    """float32 [height, width, 3]: a base colour with a smooth, gradient or striped variation and faint pixel noise."""
+    """float32 [height, width, 3]: a base colour with a smooth, gradient or striped variation and
+    faint pixel noise."""
     base = rng.uniform(40, 215, size=3).astype(np.float32)
     kind = rng.integers(3)
     if kind == 0:  # smooth noise: a coarse random grid, bilinearly upsampled
         cells = int(rng.integers(3, 8))
         coarse = rng.uniform(-35, 35, size=(cells, cells, 3)).astype(np.float32)
-        layers = [np.asarray(Image.fromarray(coarse[..., c]).resize((width, height), Image.BILINEAR)) for c in range(3)]
+        layers = [
+            np.asarray(Image.fromarray(coarse[..., c]).resize((width, height), Image.BILINEAR))
+            for c in range(3)
+        ]
         variation = np.stack(layers, axis=-1)
     else:
         ys = np.arange(height, dtype=np.float32)[:, None]
@@ -91,7 +100,8 @@ def _overlaps_too_much(box, placed: list) -> bool:
 
 
 def _contrasting_colour(rng: np.random.Generator, under: np.ndarray) -> tuple:
-    """A random colour far from the mean of the pixels `under` it [N, 3] and clearly apart from each of them."""
+    """A random colour far from the mean of the pixels `under` it [N, 3] and clearly apart from each
+    of them."""
     mean = under.mean(axis=0)
     for _ in range(50):
         colour = rng.integers(0, 256, size=3)
@@ -118,7 +128,8 @@ def synthetic_image(rng: np.random.Generator, image_size: int, num_classes: int,
     for _ in range(count):
         for _attempt in range(20):
             cls = int(rng.integers(num_classes))
-            # log-uniform size: as many small shapes as large ones, which is where detectors struggle
+            # log-uniform size: as many small shapes as
+            # large ones, which is where detectors struggle
             size = side * float(np.exp(rng.uniform(np.log(0.08), np.log(0.5))))
             stretch = float(rng.uniform(0.75, 1.33))
             w = max(4, min(width, round(size * stretch)))
@@ -129,8 +140,10 @@ def synthetic_image(rng: np.random.Generator, image_size: int, num_classes: int,
         else:
             continue  # no room left for another shape
         mask = _shape_mask(SHAPES[cls], w, h)
-        left, top, right, bottom = mask.getbbox()  # the drawn pixels, exclusive right/bottom: the tight box
-        colour = _contrasting_colour(rng, pixels[y1 : y1 + h : 3, x1 : x1 + w : 3].reshape(-1, 3))  # every 3rd: cheap
+        # the drawn pixels, exclusive right/bottom: the tight box
+        left, top, right, bottom = mask.getbbox()
+        # every 3rd: cheap
+        colour = _contrasting_colour(rng, pixels[y1 : y1 + h : 3, x1 : x1 + w : 3].reshape(-1, 3))
         region = np.asarray(mask, dtype=bool)
         pixels[y1 : y1 + h, x1 : x1 + w][region] = colour
         placed.append((x1, y1, x1 + w, y1 + h))
@@ -140,22 +153,33 @@ def synthetic_image(rng: np.random.Generator, image_size: int, num_classes: int,
 
 
 def _write_split(
-    out: Path, split: str, count: int, image_size: int, num_classes: int, seed: int, background_fraction: float
+    out: Path,
+    split: str,
+    count: int,
+    image_size: int,
+    num_classes: int,
+    seed: int,
+    background_fraction: float,
 ) -> None:
     images, labels = out / "images" / split, out / "labels" / split
     for folder, suffix in ((images, ".jpg"), (labels, ".txt")):
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob(f"*{suffix}"):  # a smaller set written over a larger one must not keep extra files
+        # a smaller set written over a larger one must not keep extra files
+        for stale in folder.glob(f"*{suffix}"):
             stale.unlink()
     split_id = {"train": 0, "val": 1}[split]
     # exactly round(count x fraction) background images, so the fraction holds for small sets too
     backgrounds = set(
-        np.random.default_rng([seed, split_id, 99]).permutation(count)[: round(count * background_fraction)].tolist()
+        np.random.default_rng([seed, split_id, 99])
+        .permutation(count)[: round(count * background_fraction)]
+        .tolist()
     )
     for i in range(count):
-        rng = np.random.default_rng([seed, split_id, i])  # one stream per image: stable if counts change
+        # one stream per image: stable if counts change
+        rng = np.random.default_rng([seed, split_id, i])
         image, objects = synthetic_image(rng, image_size, num_classes, background=i in backgrounds)
-        # 4:4:4 chroma keeps the shapes' colour edges sharp; quality 95 is what photo datasets typically hold
+        # 4:4:4 chroma keeps the shapes' colour edges sharp;
+        # quality 95 is what photo datasets typically hold
         image.save(images / f"{i:06d}.jpg", quality=JPEG_QUALITY, subsampling=0)
         w, h = image.size
         lines = [
@@ -174,7 +198,8 @@ def write_synthetic_dataset(
     seed: int = 0,
     background_fraction: float = 0.1,
 ) -> Path:
-    """Write the generated set under `out` and return its data.yaml (written last: its presence means complete)."""
+    """Write the generated set under `out` and return its data.yaml (written last: its presence
+    means complete)."""
     if not 1 <= num_classes <= len(SHAPES):
         raise RecipeError(
             f"num_classes {num_classes} is not supported by the generated set; choose 1 to "
@@ -193,7 +218,8 @@ def write_synthetic_dataset(
     _write_split(out, "train", num_train, image_size, num_classes, seed, background_fraction)
     _write_split(out, "val", num_val, image_size, num_classes, seed, background_fraction)
     config = {
-        "path": os.path.abspath(out),  # absolute: Ultralytics reads a relative path against its own datasets dir
+        # absolute: Ultralytics reads a relative path against its own datasets dir
+        "path": os.path.abspath(out),
         "train": "images/train",
         "val": "images/val",
         "nc": num_classes,
@@ -207,7 +233,8 @@ def write_synthetic_dataset(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python recipes/detect/synthetic_shapes.py",
-        description="Write a generated YOLO-format detection set (shapes on textured backgrounds) and print the "
+        description="Write a generated YOLO-format detection set (shapes on textured backgrounds) and print "
+        "the "
         "path of its data.yaml.",
     )
     parser.add_argument("--out", required=True, help="folder to write (images/, labels/, data.yaml)")
@@ -227,7 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default 0)")
     parser.add_argument(
-        "--background_fraction", type=float, default=0.1, help="fraction of images with no objects (default 0.1)"
+        "--background_fraction",
+        type=float,
+        default=0.1,
+        help="fraction of images with no objects (default 0.1)",
     )
     args = parser.parse_args(argv)
     try:

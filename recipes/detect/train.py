@@ -1,30 +1,35 @@
 #!/usr/bin/env python
-"""Train a YOLO-style object detector with Hugging Face Accelerate: one script for 1 GPU, N GPUs and N nodes.
+"""Train a YOLO-style object detector with Hugging Face Accelerate: one script for 1 GPU, N GPUs and
+N nodes.
 
-    python recipes/detect/train.py --data synthetic --image_size 256 --epochs 30       # generated shapes, any machine
-    python recipes/detect/train.py --data path/to/data.yaml                            # your YOLO-format dataset
+    # generated shapes, any machine
+    python recipes/detect/train.py --data synthetic --image_size 256 --epochs 30
+    python recipes/detect/train.py --data path/to/data.yaml               # your YOLO-format dataset
     accelerate launch --config_file accelerate_configs/8gpu.yaml recipes/detect/train.py --data coco128
     make detect-1gpu ARGS="--data path/data.yaml"
-    python recipes/detect/train.py --eval_only --model outputs/detect --data path/to/data.yaml   # a saved model's mAP
-    python recipes/detect/train.py --predict photo.jpg --model outputs/detect      # boxes: one JSON line per image
-    python recipes/detect/train.py --export onnx --model outputs/detect            # model.onnx, for onnxruntime
-    python recipes/detect/train.py --init_weights models/yolov8n --data path/to/data.yaml   # from pretrained weights
+    # a saved model's mAP
+    python recipes/detect/train.py --eval_only --model outputs/detect --data path/to/data.yaml
+    python recipes/detect/train.py --predict photo.jpg --model outputs/detect   # one JSON line per image
+    python recipes/detect/train.py --export onnx --model outputs/detect   # model.onnx, for onnxruntime
+    # from pretrained weights
+    python recipes/detect/train.py --init_weights models/yolov8n --data path/to/data.yaml
 
-Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy w h` text file per
-image, so coco128-style folders work unchanged (recipes/detect/convert.py turns COCO JSON or Pascal VOC into it).
-The detector (yolo_model.py), its assigner and loss (yolo_loss.py), the data pipeline (yolo_data.py), the generated
-shapes set (synthetic_shapes.py), the saved model's files (detector_files.py), what --predict runs (predict.py), the
-mAP (coco_map.py) and the pictures of an evaluation (eval_pictures.py) sit beside this file; copy the folder to start
+Data is Ultralytics' YOLO format: a data.yaml (`path`, `train`, `val`, `names`) and one `class cx cy
+w h` text file per image, so coco128-style folders work unchanged (recipes/detect/convert.py turns
+COCO JSON or Pascal VOC into it). The detector (yolo_model.py), its assigner and loss
+(yolo_loss.py), the data pipeline (yolo_data.py), the generated shapes set (synthetic_shapes.py),
+the saved model's files (detector_files.py), what --predict runs (predict.py), the mAP (coco_map.py)
+and the pictures of an evaluation (eval_pictures.py) sit beside this file; copy the folder to start
 your own project.
 
-Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus torchmetrics, pycocotools
-and pyyaml).
+Install: `pip install -e '.[detect]'` from a clone of accelerate-recipes (the runtime plus
+torchmetrics, pycocotools and pyyaml).
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare ->
-schedule -> resume -> loop -> eval -> save), evaluate_saved_model(), predict() and export() use a saved model.
-`--batch_size` is the GLOBAL batch (all processes together), so the same flags give the same training on any number
-of GPUs; every training image is in every epoch (the last batch is filled up), and a batch larger than the set is
-lowered to the set.
+One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
+optimizer -> prepare -> schedule -> resume -> loop -> eval -> save), evaluate_saved_model(),
+predict() and export() use a saved model. `--batch_size` is the GLOBAL batch (all processes
+together), so the same flags give the same training on any number of GPUs; every training image is
+in every epoch (the last batch is filled up), and a batch larger than the set is lowered to the set.
 """
 
 import json
@@ -33,6 +38,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from accelerate.utils import broadcast_object_list, set_seed
@@ -47,13 +53,14 @@ from detector_files import (
 )
 from ema import ModelEMA
 from eval_pictures import detection_confusion_matrix, save_eval_pictures
-from onnx_export import EXPORTS, export_model  # imports onnx and onnxruntime (the export extra) when it runs
+
+# imports onnx and onnxruntime (the export extra) when it runs
+from onnx_export import export_model
 from predict import detect_images
 from synthetic_shapes import write_synthetic_dataset
 from torch.utils.data import DataLoader, Dataset
 from transformers import get_scheduler
 from yolo_data import (
-    CACHE_MODES,
     DataConfig,
     FilledEpochSampler,
     YoloDataset,
@@ -64,7 +71,7 @@ from yolo_data import (
     scale_boxes_back,
 )
 from yolo_loss import DetectionLoss
-from yolo_model import FREEZABLE, SIZES, postprocess
+from yolo_model import FREEZABLE, postprocess
 
 from accelerate_recipes import (
     BestModel,
@@ -99,8 +106,10 @@ from accelerate_recipes.tracking import IMAGE_TRACKERS, log_image_files, log_ima
 # --best_by: the evaluation's figure it reads
 BEST_BY = {"map50_95": "eval_map50_95", "fitness": "eval_fitness"}
 DEFAULT_PATIENCE = 100  # epochs without improvement before the run stops: Ultralytics' default
-LOSS_NAMES = ("loss", "box_loss", "cls_loss", "dfl_loss")  # what RunState sums and metrics.jsonl logs as train/*
-EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD = 0.001, 0.25  # --conf_threshold's default: low for mAP, higher for use
+# what RunState sums and metrics.jsonl logs as train/*
+LOSS_NAMES = ("loss", "box_loss", "cls_loss", "dfl_loss")
+# --conf_threshold's default: low for mAP, higher for use
+EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD = 0.001, 0.25
 SUMMARY = [
     "model",
     "world_size",
@@ -125,94 +134,107 @@ SUMMARY = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------------- flags
+# -------------------------------------------------------------------------------------------- flags
 @dataclass
 class DetectFlags(TrainingFlags):
-    """Train a YOLO-style anchor-free detector on a YOLO-format dataset; or, with --eval_only, measure the COCO mAP of
-    a trained one, or with --predict, draw and list what it finds in images.
+    """Train a YOLO-style anchor-free detector on a YOLO-format dataset; or, with --eval_only,
+    measure the COCO mAP of a trained one, or with --predict, draw and list what it finds in images.
 
     Args:
-        data: a data.yaml in Ultralytics' format (path, train, val, names); coco128 (downloaded into --data_dir on
-            first use, 128 COCO images with 80 classes, used for both train and val as Ultralytics does); or
-            synthetic (generated shapes, no download; a pipeline check, not a real-data result).
+        data: a data.yaml in Ultralytics' format (path, train, val, names); coco128 (downloaded into
+            --data_dir on first use, 128 COCO images with 80 classes, used for both train and val as
+            Ultralytics does); or synthetic (generated shapes, no download; a pipeline check, not a
+            real-data result).
         data_dir: where downloaded and generated datasets go.
-        synthetic_size: training images generated for --data synthetic (validation gets a quarter as many).
-        image_size: side of the square (letterboxed) network input; a multiple of 32. Default: 640 for training; for
-            --eval_only and --predict, the size the model in --model was trained at.
-        size: model size, n, s, m, l or x: YOLOv8's depth, width and max-channel multipliers. Default the size of
-            --init_weights, else n.
-        optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a larger --lr than
-            Ultralytics' 0.01, which multiplies its loss by the batch size.
+        synthetic_size: training images generated for --data synthetic (validation gets a quarter as
+            many).
+        image_size: side of the square (letterboxed) network input; a multiple of 32. Default: 640
+            for training; for --eval_only and --predict, the size the model in --model was trained
+            at.
+        size: model size, n, s, m, l or x: YOLOv8's depth, width and max-channel multipliers.
+            Default the size of --init_weights, else n.
+        optimizer: adamw, or sgd (nesterov momentum). The loss is a per-image mean, so SGD needs a
+            larger --lr than Ultralytics' 0.01, which multiplies its loss by the batch size.
         momentum: SGD momentum, or AdamW's beta1.
         warmup_epochs: linear learning-rate warmup, in epochs (at most a tenth of the run).
         final_lr_ratio: the cosine schedule ends at lr x final_lr_ratio.
-        ema_decay: decay of the exponential moving average of the weights that is evaluated and saved (0: off).
+        ema_decay: decay of the exponential moving average of the weights that is evaluated and
+            saved (0: off).
         mosaic: probability of a 4-image mosaic per training sample.
-        close_mosaic: turn mosaic off for the last N epochs, so that training ends on whole images like the ones it
-            is evaluated on (Ultralytics' close_mosaic, 10 there too); 0: mosaic to the end.
+        close_mosaic: turn mosaic off for the last N epochs, so that training ends on whole images
+            like the ones it is evaluated on (Ultralytics' close_mosaic, 10 there too); 0: mosaic to
+            the end.
         flip_lr: probability of a horizontal flip.
         flip_ud: probability of a vertical flip.
         hsv: colour jitter gains for hue, saturation and value.
         scale: random scale jitter (+/- this fraction).
-        conf_threshold: score below which predictions are dropped before NMS; default 0.001 in evaluation (low, for
-            mAP), 0.25 with --predict.
+        conf_threshold: score below which predictions are dropped before NMS; default 0.001 in
+            evaluation (low, for mAP), 0.25 with --predict.
         iou_threshold: IoU above which NMS suppresses a box of the same class.
         eval_every: evaluate every N epochs (and always after the last).
         channels_last: NHWC memory layout, faster for convolutions with tensor cores.
-        cache: keep the training and validation images decoded and resized in memory, instead of reading them from
-            disk for every item (mosaic reads four an item): ram, off, or auto (ram when they take at most 1 GiB per
-            process and a quarter of the available memory: a small set, e.g. 800 images at 640 px). Training is the
-            same either way.
-        init_weights: start training from pretrained weights instead of random ones: the model of an earlier run
-            (its output directory, its model_best/, or a model.safetensors file), or Ultralytics YOLOv8 weights
-            converted by `ultralytics_weights.py`. Loaded by name and shape, so the start may detect other classes: all
-            but the classification outputs carry over (the run prints what was loaded and what was left), and a
-            file that gives under 90% of the model's weights is refused. The optimizer, schedule and step count
-            start fresh (--resume continues an interrupted run instead).
-        predict_dir: where --predict writes a picture of each image with its boxes, its YOLO label file under
-            labels/, and detections.json (every image's boxes in its own pixels, score, class id and name); an image
-            found in a subfolder keeps that subfolder there; default <model>/predictions.
-        predict_device: the device --predict runs on (cuda, cpu, ...); default the first GPU when there is one.
-        lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd (Ultralytics' 0.01 at its
-            nominal batch of 64, moved onto a mean loss). Not scaled by the GPU count.
-        patience: stop after this many epochs without a better --best_by; default 100, as Ultralytics' patience;
-            counted in whole evaluations (--eval_every), saving the last model and results.json as at a normal end;
-            0: train to the end. Either way the model of the best evaluation is kept in output_dir/model_best (for
-            --predict, --eval_only and --init_weights).
-        early_stopping_patience: the same counted in evaluations, as the other recipes count it; give it or
-            --patience, not both.
-        best_by: what model_best is chosen by: map50_95, or fitness (0.1 mAP50 + 0.9 mAP50-95, what earlier
-            Ultralytics 8 releases chose best.pt by; 8.4's is mAP50-95 alone).
-        freeze: keep the first N of YOLOv8's layers fixed while training (Ultralytics' freeze, counted as its
-            layers are: 10 is the whole backbone, 22 every layer but the head): their weights and their BatchNorm
-            statistics; 0: train everything.
-        split: the split of data.yaml that --eval_only evaluates: val, or test (data.yaml's `test:`).
+        cache: keep the training and validation images decoded and resized in memory, instead of
+            reading them from disk for every item (mosaic reads four an item): ram, off, or auto
+            (ram when they take at most 1 GiB per process and a quarter of the available memory: a
+            small set, e.g. 800 images at 640 px). Training is the same either way.
+        init_weights: start training from pretrained weights instead of random ones: the model of an
+            earlier run (its output directory, its model_best/, or a model.safetensors file), or
+            Ultralytics YOLOv8 weights converted by `ultralytics_weights.py`. Loaded by name and
+            shape, so the start may detect other classes: all but the classification outputs carry
+            over (the run prints what was loaded and what was left), and a file that gives under 90%
+            of the model's weights is refused. The optimizer, schedule and step count start fresh
+            (--resume continues an interrupted run instead).
+        predict_dir: where --predict writes a picture of each image with its boxes, its YOLO label
+            file under labels/, and detections.json (every image's boxes in its own pixels, score,
+            class id and name); an image found in a subfolder keeps that subfolder there; default
+            <model>/predictions.
+        predict_device: the device --predict runs on (cuda, cpu, ...); default the first GPU when
+            there is one.
+        lr: peak learning rate after warmup; default 0.002 for adamw, 0.01 x 64 for sgd
+            (Ultralytics' 0.01 at its nominal batch of 64, moved onto a mean loss). Not scaled by
+            the GPU count.
+        patience: stop after this many epochs without a better --best_by; default 100, as
+            Ultralytics' patience; counted in whole evaluations (--eval_every), saving the last
+            model and results.json as at a normal end; 0: train to the end. Either way the model of
+            the best evaluation is kept in output_dir/model_best (for --predict, --eval_only and
+            --init_weights).
+        early_stopping_patience: the same counted in evaluations, as the other recipes count it;
+            give it or --patience, not both.
+        best_by: what model_best is chosen by: map50_95, or fitness (0.1 mAP50 + 0.9 mAP50-95, what
+            earlier Ultralytics 8 releases chose best.pt by; 8.4's is mAP50-95 alone).
+        freeze: keep the first N of YOLOv8's layers fixed while training (Ultralytics' freeze,
+            counted as its layers are: 10 is the whole backbone, 22 every layer but the head): their
+            weights and their BatchNorm statistics; 0: train everything.
+        split: the split of data.yaml that --eval_only evaluates: val, or test (data.yaml's
+            `test:`).
         run_name: tracker run name; default detect-<size>.
-        eval_only: evaluate the model in --model on the val split of --data (or --split test) and write
-            results.json and the evaluation's pictures (PR_curve, P_curve, R_curve, F1_curve, confusion_matrix,
-            val_predictions) to --output_dir, without training.
-            Runs on any number of processes; each image is counted once. With --output_dir the model's folder (the
-            default), the training run's results.json and pictures are replaced.
-        predict: detect objects with the model in --model instead of training: an image file or a folder of images;
-            give --predict several times for several. Prints one JSON line per image (its boxes, scores and classes)
-            on stdout and writes the pictures, one YOLO label file per image (labels/<name>.txt: class cx cy w h,
-            normalised, ready to train on as pseudo-labels) and detections.json to --predict_dir; folders are
-            walked recursively; runs in one process. --model may also be a file --export wrote (model.onnx and
+        eval_only: evaluate the model in --model on the val split of --data (or --split test) and
+            write results.json and the evaluation's pictures (PR_curve, P_curve, R_curve, F1_curve,
+            confusion_matrix, val_predictions) to --output_dir, without training.
+            Runs on any number of processes; each image is counted once. With --output_dir the
+            model's folder (the default), the training run's results.json and pictures are replaced.
+        predict: detect objects with the model in --model instead of training: an image file or a
+            folder of images; give --predict several times for several. Prints one JSON line per
+            image (its boxes, scores and classes) on stdout and writes the pictures, one YOLO label
+            file per image (labels/<name>.txt: class cx cy w h, normalised, ready to train on as
+            pseudo-labels) and detections.json to --predict_dir; folders are walked recursively;
+            runs in one process. --model may also be a file --export wrote (model.onnx and
             model_raw.onnx: onnxruntime; model.torchscript: torch.jit.load).
-        export: write the model in --model (default --output_dir) to --output_dir as a file that deploys, check it
-            against PyTorch on a batch, and stop. onnx: model.onnx, end to end (decoded boxes, scores and classes,
-            NMS in the graph: detections [B, 300, 6] and num_detections [B], at --conf_threshold (default 0.25) and
-            --iou_threshold); torchscript: model.torchscript, the same end to end; onnx-raw: model_raw.onnx, the
-            network's three raw outputs. Batch, height and width dynamic; detector.json inside. ONNX needs onnx,
-            onnxscript and onnxruntime (pip install 'accelerate-recipes[export]').
+        export: write the model in --model (default --output_dir) to --output_dir as a file that
+            deploys, check it against PyTorch on a batch, and stop. onnx: model.onnx, end to end
+            (decoded boxes, scores and classes, NMS in the graph: detections [B, 300, 6] and
+            num_detections [B], at --conf_threshold (default 0.25) and --iou_threshold);
+            torchscript: model.torchscript, the same end to end; onnx-raw: model_raw.onnx, the
+            network's three raw outputs. Batch, height and width dynamic; detector.json inside. ONNX
+            needs onnx, onnxscript and onnxruntime (pip install 'accelerate-recipes[export]').
     """
 
     data: str = "coco128"
     data_dir: str = "data"
     synthetic_size: int = 512
     image_size: int | None = None
-    size: str | None = None
-    optimizer: str = "adamw"
+    size: Literal["n", "s", "m", "l", "x"] | None = None
+    optimizer: Literal["sgd", "adamw"] = "adamw"
     momentum: float = 0.937
     warmup_epochs: float = 3.0
     final_lr_ratio: float = 0.01
@@ -227,15 +249,15 @@ class DetectFlags(TrainingFlags):
     iou_threshold: float = 0.7
     eval_every: int = 1
     channels_last: bool = True
-    cache: str = "auto"
+    cache: Literal["auto", "ram", "off"] = "auto"
     init_weights: str | None = None
     patience: int | None = None
-    best_by: str = "map50_95"
+    best_by: Literal["map50_95", "fitness"] = "map50_95"
     freeze: int = 0
-    split: str = "val"
+    split: Literal["val", "test"] = "val"
     predict_dir: str | None = None
     predict_device: str | None = None
-    export: str | None = None
+    export: Literal["onnx", "torchscript", "onnx-raw"] | None = None
     # The shared flags this task trains with by default.
     batch_size: int = 64
     epochs: int = 100
@@ -246,25 +268,15 @@ class DetectFlags(TrainingFlags):
 
 def check_flags(args: DetectFlags) -> None:
     """The flags' values a run cannot start with, refused before anything else happens."""
-    if args.size is not None and args.size not in SIZES:
-        raise RecipeError(f"unknown --size {args.size!r}; choose one of {', '.join(SIZES)}")
-    if args.optimizer not in ("sgd", "adamw"):
-        raise RecipeError(f"unknown --optimizer {args.optimizer!r}; choose sgd or adamw")
     if args.image_size is not None and (args.image_size % 32 or args.image_size < 64):
         raise RecipeError(
             f"--image_size {args.image_size} must be a multiple of 32 and at least 64 (the head's "
             "largest stride is 32); e.g. --image_size 640"
         )
-    if args.cache not in CACHE_MODES:
-        raise RecipeError(f"unknown --cache {args.cache!r}; choose auto, ram or off")
     if args.close_mosaic < 0:
-        raise RecipeError(f"--close_mosaic {args.close_mosaic} must be >= 0 (epochs at the end without mosaic)")
-    if args.export is not None and args.export not in EXPORTS:
-        raise RecipeError(f"unknown --export {args.export!r}; choose one of {', '.join(EXPORTS)}")
-    if args.best_by not in BEST_BY:
-        raise RecipeError(f"unknown --best_by {args.best_by!r}; choose map50_95 or fitness")
-    if args.split not in ("val", "test"):
-        raise RecipeError(f"unknown --split {args.split!r}; choose val or test (the splits of data.yaml)")
+        raise RecipeError(
+            f"--close_mosaic {args.close_mosaic} must be >= 0 (epochs at the end without mosaic)"
+        )
     if isinstance(args.freeze, bool) or not isinstance(args.freeze, int) or not 0 <= args.freeze <= FREEZABLE:
         raise RecipeError(
             f"--freeze {args.freeze}: give the number of YOLOv8 layers to keep fixed, 0 to {FREEZABLE} "
@@ -272,7 +284,8 @@ def check_flags(args: DetectFlags) -> None:
         )
     if args.patience is not None and args.early_stopping_patience:
         raise RecipeError(
-            "give --patience (epochs) or --early_stopping_patience (evaluations), not both; e.g. --patience 50"
+            "give --patience (epochs) or --early_stopping_patience (evaluations), not both; e.g. --patience "
+            "50"
         )
     whole = isinstance(args.patience, int) and not isinstance(args.patience, bool) and args.patience >= 0
     if args.patience is not None and not whole:
@@ -281,16 +294,21 @@ def check_flags(args: DetectFlags) -> None:
         )
     if args.max_grad_norm < 0:
         raise RecipeError(
-            f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. --max_grad_norm 10"
+            f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. --max_grad_norm "
+            "10"
         )
 
 
-# ----------------------------------------------------------------------------------------------------------- data
-def resolve_data(data: str, data_dir: str, synthetic_size: int, image_size: int, seed: int, accelerator) -> Path:
-    """Path of the data.yaml for --data: a file, `synthetic` (generated here) or a dataset we know how to download."""
+# --------------------------------------------------------------------------------------------- data
+def resolve_data(
+    data: str, data_dir: str, synthetic_size: int, image_size: int, seed: int, accelerator
+) -> Path:
+    """Path of the data.yaml for --data: a file, `synthetic` (generated here) or a dataset we know
+    how to download."""
     if data == "synthetic":
         folder = Path(data_dir) / f"shapes-{synthetic_size}-{image_size}px-seed{seed}"
-        with accelerator.local_main_process_first():  # one writer per node; the others then read its files
+        # one writer per node; the others then read its files
+        with accelerator.local_main_process_first():
             if not (folder / "data.yaml").exists() and accelerator.is_local_main_process:
                 write_synthetic_dataset(
                     folder,
@@ -307,15 +325,18 @@ def resolve_data(data: str, data_dir: str, synthetic_size: int, image_size: int,
 
 
 def to_model_input(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """uint8 [B, 3, H, W] -> float in [0, 1]; on the device, so the loader workers move bytes, not floats."""
+    """uint8 [B, 3, H, W] -> float in [0, 1]; on the device, so the loader workers move bytes, not
+    floats."""
     images = images.float().div_(255)
     return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 
 def read_dataset(args: DetectFlags, image_size: int, accelerator) -> tuple[Path, DataConfig]:
-    """--data's data.yaml and what it says: each split's images and the class names. Says so loudly for generated
-    shapes."""
-    data_yaml = resolve_data(args.data, args.data_dir, args.synthetic_size, image_size, args.seed, accelerator)
+    """--data's data.yaml and what it says: each split's images and the class names. Says so loudly
+    for generated shapes."""
+    data_yaml = resolve_data(
+        args.data, args.data_dir, args.synthetic_size, image_size, args.seed, accelerator
+    )
     dataset = load_data_config(data_yaml)
     if args.data == "synthetic":
         accelerator.print(
@@ -325,12 +346,16 @@ def read_dataset(args: DetectFlags, image_size: int, accelerator) -> tuple[Path,
     return data_yaml, dataset
 
 
-def training_data(args: DetectFlags, image_size: int, accelerator) -> tuple[Path, list[str], Dataset, YoloDataset]:
-    """--data's data.yaml, its class names, the augmented training split and the validation split."""
+def training_data(
+    args: DetectFlags, image_size: int, accelerator
+) -> tuple[Path, list[str], Dataset, YoloDataset]:
+    """--data's data.yaml, its class names, the augmented training split and the validation
+    split."""
     data_yaml, dataset = read_dataset(args, image_size, accelerator)
     names = dataset.names
     cache = cache_in_memory(args.cache, len(dataset.train) + len(dataset.val), image_size)
-    # Augmentation seeded per (seed, epoch, image): a resumed run, or one with another worker count, augments alike.
+    # Augmentation seeded per (seed, epoch, image): a resumed
+    # run, or one with another worker count, augments alike.
     train_set = SeededAugmentation(
         YoloDataset(
             dataset.train,
@@ -349,16 +374,20 @@ def training_data(args: DetectFlags, image_size: int, accelerator) -> tuple[Path
     return data_yaml, names, train_set, validation_set(dataset, image_size, cache)
 
 
-def fit_batch_to_data(args: DetectFlags, per_process: int, train_size: int, accelerator) -> tuple[DetectFlags, int]:
-    """--batch_size larger than the training set is lowered to the set's size (rounded down to a multiple of the
-    processes x accumulation steps), with a note; the flags with the batch trained on, and its per-process share."""
+def fit_batch_to_data(
+    args: DetectFlags, per_process: int, train_size: int, accelerator
+) -> tuple[DetectFlags, int]:
+    """--batch_size larger than the training set is lowered to the set's size (rounded down to a
+    multiple of the processes x accumulation steps), with a note; the flags with the batch trained
+    on, and its per-process share."""
     shards = accelerator.num_processes * args.gradient_accumulation_steps
     if args.batch_size <= train_size:
         return args, per_process
     lowered = train_size // shards * shards
     if lowered == 0:
         raise RecipeError(
-            f"the training set ({train_size} images) is smaller than {shards} (processes x accumulation steps); "
+            f"the training set ({train_size} images) is smaller than {shards} (processes x accumulation "
+            "steps); "
             "use more images, fewer processes or fewer --gradient_accumulation_steps"
         )
     accelerator.print(
@@ -371,8 +400,9 @@ def fit_batch_to_data(args: DetectFlags, per_process: int, train_size: int, acce
 def data_loaders(
     args: DetectFlags, train_set: Dataset, val_set: Dataset, per_process: int, accelerator
 ) -> tuple[DataLoader, DataLoader]:
-    """The training loader (every image once an epoch, shuffled by seed and epoch, the last batch filled up:
-    FilledEpochSampler) and the validation loader (a whole optimizer step's images per batch)."""
+    """The training loader (every image once an epoch, shuffled by seed and epoch, the last batch
+    filled up: FilledEpochSampler) and the validation loader (a whole optimizer step's images per
+    batch)."""
     loader_args = loader_settings(accelerator, args.num_workers)
     train_loader = DataLoader(
         train_set,
@@ -386,13 +416,15 @@ def data_loaders(
 
 
 def validation_set(dataset: DataConfig, image_size: int, cache: bool, split: str = "val") -> YoloDataset:
-    """The val (or test) split, letterboxed to image_size and not augmented; every label is checked here, up front."""
+    """The val (or test) split, letterboxed to image_size and not augmented; every label is checked
+    here, up front."""
     files = dataset.test if split == "test" else dataset.val
     return YoloDataset(files, len(dataset.names), image_size=image_size, augment=False, cache=cache)
 
 
 def loader_settings(accelerator, num_workers: int | None) -> dict:
-    """The DataLoader arguments every loader here shares (on the CPU this also gives torch's threads the cores)."""
+    """The DataLoader arguments every loader here shares (on the CPU this also gives torch's threads
+    the cores)."""
     num_workers = cpu_threads_and_workers(accelerator, num_workers)
     return dict(
         collate_fn=collate,
@@ -402,20 +434,20 @@ def loader_settings(accelerator, num_workers: int | None) -> dict:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------- model
+# -------------------------------------------------------------------------------------------- model
 def build_optimizer(
     model: torch.nn.Module, name: str, lr: float, momentum: float, weight_decay: float, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD (nesterov) over the trainable parameters (--freeze leaves some out), with weight decay on conv and
-    linear weights only (not on BatchNorm or biases)."""
+    """AdamW or SGD (nesterov) over the trainable parameters (--freeze leaves some out), with weight
+    decay on conv and linear weights only (not on BatchNorm or biases)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim > 1]
     no_decay = [p for p in trainable if p.ndim <= 1]  # BatchNorm weights and biases
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
-    # one fused kernel for all parameters where torch has one: for the nano model on one CPU thread, about a quarter
-    # of the time of the loop of tensor ops
+    # one fused kernel for all parameters where torch has one: for the nano model on one CPU thread,
+    # about a quarter of the time of the loop of tensor ops
     fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), fused=fused)
 
@@ -446,19 +478,21 @@ def freeze_line(layers: int, blocks: tuple[str, ...], model: torch.nn.Module) ->
 
 
 def evaluations_of_patience(args: DetectFlags) -> int:
-    """--patience's epochs as the evaluations (one every --eval_every epochs) that early stopping counts, or
-    --early_stopping_patience's evaluations as given; 0: no early stopping."""
+    """--patience's epochs as the evaluations (one every --eval_every epochs) that early stopping
+    counts, or --early_stopping_patience's evaluations as given; 0: no early stopping."""
     if args.early_stopping_patience:
         return args.early_stopping_patience
     epochs = DEFAULT_PATIENCE if args.patience is None else args.patience
     return math.ceil(epochs / args.eval_every)
 
 
-def weight_average(accelerator, model: torch.nn.Module, decay: float) -> tuple[torch.nn.Module, ModelEMA | None]:
-    """The prepared model unwrapped, and the exponential moving average of its weights (None with --ema_decay 0),
-    registered so that save_state / load_state carry the averaged weights too."""
-    # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend adds one): its
-    # weights keep their own names in model.safetensors and in checkpoints.
+def weight_average(
+    accelerator, model: torch.nn.Module, decay: float
+) -> tuple[torch.nn.Module, ModelEMA | None]:
+    """The prepared model unwrapped, and the exponential moving average of its weights (None with
+    --ema_decay 0), registered so that save_state / load_state carry the averaged weights too."""
+    # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend
+    # adds one): its weights keep their own names in model.safetensors and in checkpoints.
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     ema = ModelEMA(unwrapped, decay, ramp_steps=2000) if decay else None
     if ema is not None:
@@ -467,8 +501,8 @@ def weight_average(accelerator, model: torch.nn.Module, decay: float) -> tuple[t
 
 
 def schedule_lengths(args: DetectFlags, batches_per_epoch: int) -> tuple[int, int, int, int]:
-    """Optimizer steps per epoch, steps in all (--max_steps or --epochs), the epochs that makes, and warmup steps
-    (--warmup_epochs, at most a tenth of the run)."""
+    """Optimizer steps per epoch, steps in all (--max_steps or --epochs), the epochs that makes, and
+    warmup steps (--warmup_epochs, at most a tenth of the run)."""
     steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
     total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
@@ -476,7 +510,9 @@ def schedule_lengths(args: DetectFlags, batches_per_epoch: int) -> tuple[int, in
     return steps_per_epoch, total_steps, num_epochs, warmup_steps
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_lr_ratio: float):
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_lr_ratio: float
+):
     """Linear warmup, then cosine down to lr x final_lr_ratio, over optimizer steps."""
     return get_scheduler(
         "cosine_with_min_lr",
@@ -488,7 +524,8 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
 
 
 def detector_config(args: DetectFlags, names: list[str], image_size: int, cls_width: int) -> dict:
-    """What --predict, --eval_only and --init_weights rebuild the model from, written beside its weights."""
+    """What --predict, --eval_only and --init_weights rebuild the model from, written beside its
+    weights."""
     return dict(
         size=args.size,
         num_classes=len(names),
@@ -508,25 +545,33 @@ def model_line(size: str, info: dict, num_classes: int, train_size: int, val_siz
     )
 
 
-# ----------------------------------------------------------------------------------------------------- evaluation
+# --------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(
-    model, loader, accelerator, names: list[str], channels_last: bool, conf_threshold: float, iou_threshold: float
+    model,
+    loader,
+    accelerator,
+    names: list[str],
+    channels_last: bool,
+    conf_threshold: float,
+    iou_threshold: float,
 ) -> tuple[dict, dict]:
-    """The figures Ultralytics users compare (coco_map: mAP@0.5 and mAP@0.5:0.95 with up to 300 detections an image,
-    COCO's 100-detection mAP beside it, precision, recall and F1 overall and per class), and the fitness, each
-    validation image counted exactly once. NMS keeps every class above conf_threshold (multi-label, as Ultralytics'
-    val does).
+    """The figures Ultralytics users compare (coco_map: mAP@0.5 and mAP@0.5:0.95 with up to 300
+    detections an image, COCO's 100-detection mAP beside it, precision, recall and F1 overall and
+    per class), and the fitness, each validation image counted exactly once. NMS keeps every class
+    above conf_threshold (multi-label, as Ultralytics' val does).
 
-    Every process predicts on its shard; gather_for_metrics collects the per-image records and drops the images the
-    sampler repeated to give every process an equal share. Boxes are compared in original image pixels.
-    Returns (metrics, what the pictures need: the first 16 records, and on the main process the evaluation's curves
-    and the detection confusion matrix).
+    Every process predicts on its shard; gather_for_metrics collects the per-image records and drops
+    the images the sampler repeated to give every process an equal share. Boxes are compared in
+    original image pixels. Returns (metrics, what the pictures need: the first 16 records, and on
+    the main process the evaluation's curves and the detection confusion matrix).
     """
     model.eval()
     records = []
-    for images, targets, metas in loader:  # on the host: the loader was prepared without device placement
-        images = images.to(accelerator.device, non_blocking=True)  # pinned on a GPU: the copy does not stall
+    # on the host: the loader was prepared without device placement
+    for images, targets, metas in loader:
+        # pinned on a GPU: the copy does not stall
+        images = images.to(accelerator.device, non_blocking=True)
         with accelerator.autocast():
             outputs = model(to_model_input(images, channels_last))
         detections = postprocess(
@@ -544,10 +589,14 @@ def evaluate(
             batch.append(
                 dict(
                     path=meta["path"],
-                    boxes=scale_boxes_back(det["boxes"], meta["ratio"], meta["pad"], meta["orig_shape"]).cpu(),
+                    boxes=scale_boxes_back(
+                        det["boxes"], meta["ratio"], meta["pad"], meta["orig_shape"]
+                    ).cpu(),
                     scores=det["scores"].float().cpu(),
                     labels=det["labels"].cpu(),
-                    true_boxes=scale_boxes_back(truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]),
+                    true_boxes=scale_boxes_back(
+                        truth[:, 1:5], meta["ratio"], meta["pad"], meta["orig_shape"]
+                    ),
                     true_labels=truth[:, 0].long(),
                 )
             )
@@ -560,13 +609,14 @@ def evaluate(
         scores, pictures["curves"] = coco_map(records, names, MAX_DETECTIONS)
         results.update(scores, eval_fitness=fitness(scores))
         pictures["confusion"] = detection_confusion_matrix(records, len(names))
-    results = broadcast_object_list([results])[0]  # and every process gets its figures, to log and save alike
+    # and every process gets its figures, to log and save alike
+    results = broadcast_object_list([results])[0]
     return results, pictures
 
 
 def fitness(scores: dict) -> float:
-    """0.1 mAP50 + 0.9 mAP50-95: what earlier Ultralytics 8 releases chose best.pt by (8.4.190's fitness is
-    mAP50-95 alone, as --best_by map50_95)."""
+    """0.1 mAP50 + 0.9 mAP50-95: what earlier Ultralytics 8 releases chose best.pt by (8.4.190's
+    fitness is mAP50-95 alone, as --best_by map50_95)."""
     return 0.1 * scores["eval_map50"] + 0.9 * scores["eval_map50_95"]
 
 
@@ -613,8 +663,9 @@ def epoch_line(state: RunState, num_epochs: int, seconds: float, images_per_seco
 
 
 def class_table(results: dict) -> str:
-    """The evaluation by class, as Ultralytics' val prints it: images, instances, precision, recall (and F1) at the
-    confidence of the best mean F1, mAP50 and mAP50-95; the first row all classes."""
+    """The evaluation by class, as Ultralytics' val prints it: images, instances, precision, recall
+    (and F1) at the confidence of the best mean F1, mAP50 and mAP50-95; the first row all
+    classes."""
     columns = f"{'P':>6} {'R':>6} {'F1':>6} {'mAP50':>6} {'mAP50-95':>8}"
     header = f"{'class':>20} {'images':>7} {'instances':>9} {columns}"
     per_class = results["eval_per_class"]
@@ -627,7 +678,8 @@ def class_table(results: dict) -> str:
     ]
     for name, c in per_class.items():
         rows.append(
-            f"{name[:20]:>20} {c['images']:>7} {c['instances']:>9} {c['precision']:>6.3f} {c['recall']:>6.3f} "
+            f"{name[:20]:>20} {c['images']:>7} {c['instances']:>9} {c['precision']:>6.3f} "
+            f"{c['recall']:>6.3f} "
             f"{c['f1']:>6.3f} {c['ap50']:>6.3f} {c['ap50_95']:>8.3f}"
         )
     rows.append(
@@ -640,8 +692,8 @@ def class_table(results: dict) -> str:
 
 
 def print_results(results: dict, output: Path, path: Path, tracking) -> None:
-    """What a finished run or evaluation prints (main process): the figures by class, the summary table, what was
-    saved where."""
+    """What a finished run or evaluation prints (main process): the figures by class, the summary
+    table, what was saved where."""
     print(class_table(results))
     if results.get("eval_only"):
         print_summary(results, SUMMARY, title="detect: evaluation")
@@ -658,19 +710,23 @@ def print_results(results: dict, output: Path, path: Path, tracking) -> None:
         print(where)
 
 
-# ----------------------------------------------------------------------------------------------------------- train
+# -------------------------------------------------------------------------------------------- train
 def settle_start(args: DetectFlags):
-    """(flags, start): a pretrained start read once (a model of this recipe, or Ultralytics' .pt converted in
-    memory), which gives the size; --patience's epochs as the evaluations early stopping counts."""
+    """(flags, start): a pretrained start read once (a model of this recipe, or Ultralytics' .pt
+    converted in memory), which gives the size; --patience's epochs as the evaluations early
+    stopping counts."""
     start = read_start(Path(args.init_weights)) if args.init_weights else None
     size = model_size(args.size, start)
     return replace(args, size=size, early_stopping_patience=evaluations_of_patience(args)), start
 
 
 def build_detector(args: DetectFlags, start, names: list[str], accelerator) -> tuple:
-    """(model, its build info, the trainable parameters): random weights, or the start's by name and shape, the
-    first --freeze layers fixed; what the start gave and what is frozen said in a line each."""
-    model, info = build_model(args.size, len(names), args.channels_last, start, flag="--init_weights", by_shape=True)
+    """(model, its build info, the trainable parameters): random weights, or the start's by name and
+    shape, the first --freeze layers fixed; what the start gave and what is frozen said in a line
+    each."""
+    model, info = build_model(
+        args.size, len(names), args.channels_last, start, flag="--init_weights", by_shape=True
+    )
     if info["loaded"]:
         accelerator.print(info["loaded"])  # what the pretrained start gave, and what it left
         accelerator.print(start_classes_line(start, names))
@@ -680,8 +736,8 @@ def build_detector(args: DetectFlags, start, names: list[str], accelerator) -> t
 
 
 def train(args: DetectFlags) -> None:
-    """Train the detector on --data; the last (EMA) model, model_best/, results.json and the pictures go to
-    --output_dir."""
+    """Train the detector on --data; the last (EMA) model, model_best/, results.json and the
+    pictures go to --output_dir."""
     started = time.perf_counter()
     output = Path(args.output_dir)
     check_flags(args)
@@ -694,31 +750,41 @@ def train(args: DetectFlags) -> None:
     tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{args.size}", args.swanlab_mode)
     accelerator = training_accelerator(args, tracking)
     per_process = check_launch_flags(accelerator, args)
-    torch.backends.cudnn.benchmark = True  # training batches all have one shape: pick the fastest kernels once
+    # training batches all have one shape: pick the fastest kernels once
+    torch.backends.cudnn.benchmark = True
     set_seed(args.seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
     resume_from = checkpoints.resolve(args.resume)  # None: a fresh start
 
-    # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and not mid-epoch
+    # ---- data: YOLO txt labels; every label is checked once, up front, so a bad file fails now and
+    # not mid-epoch
     data_yaml, names, train_set, val_set = training_data(args, image_size, accelerator)
-    args, per_process = fit_batch_to_data(args, per_process, len(train_set), accelerator)  # a set under one batch
+    # a set under one batch
+    args, per_process = fit_batch_to_data(args, per_process, len(train_set), accelerator)
     train_loader, val_loader = data_loaders(args, train_set, val_set, per_process, accelerator)
 
-    # ---- model (random weights, or --init_weights by name and shape), optimizer (no weight decay on BatchNorm and
-    # biases), loss
-    model, info, trainable = build_detector(args, start, names, accelerator)  # --freeze: its layers fixed
-    optimizer = build_optimizer(model, args.optimizer, lr, args.momentum, args.weight_decay, accelerator.device)
+    # ---- model (random weights, or --init_weights by name and shape), optimizer (no weight decay
+    # on BatchNorm and biases), loss
+    # --freeze: its layers fixed
+    model, info, trainable = build_detector(args, start, names, accelerator)
+    optimizer = build_optimizer(
+        model, args.optimizer, lr, args.momentum, args.weight_decay, accelerator.device
+    )
     criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
 
-    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
-    compiled_before = process_compile_counts()  # a launcher's --dynamo_backend: results.json counts what it compiles
+    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add
+    # autocast a launcher's --dynamo_backend: results.json counts what it compiles
+    compiled_before = process_compile_counts()
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate() moves only the images.
+    # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate()
+    # moves only the images.
     val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
-    unwrapped, ema = weight_average(accelerator, model, args.ema_decay)  # the EMA that is evaluated and saved
+    # the EMA that is evaluated and saved
+    unwrapped, ema = weight_average(accelerator, model, args.ema_decay)
 
-    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x final_lr_ratio
+    # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x
+    # final_lr_ratio
     steps_per_epoch, total_steps, num_epochs, warmup_steps = schedule_lengths(args, len(train_loader))
     scheduler = accelerator.prepare(warmup_cosine(optimizer, warmup_steps, total_steps, args.final_lr_ratio))
 
@@ -745,9 +811,10 @@ def train(args: DetectFlags) -> None:
         synthetic_data=args.data == "synthetic",
     )
 
-    # ---- resume: weights, optimizer, schedule, RNG states and the run's position, all from save_state's folder
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device, LOSS_NAMES)
-    accelerator.register_for_checkpointing(state)  # save_state / load_state carry the position with the weights
+    # save_state / load_state carry the position with the weights
+    accelerator.register_for_checkpointing(state)
     if resume_from is not None:
         checkpoints.check_compatible(resume_from, config)
         accelerator.load_state(resume_from)
@@ -781,22 +848,29 @@ def train(args: DetectFlags) -> None:
         progress.start_epoch()
         model.train()
         train_set.set_epoch(state.epoch)  # each image's augmentation depends on seed and epoch only
-        train_set.set_mosaic(state.epoch < num_epochs - args.close_mosaic)  # no mosaic in the last --close_mosaic
+        # no mosaic in the last --close_mosaic
+        train_set.set_mosaic(state.epoch < num_epochs - args.close_mosaic)
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
         for images, targets, _ in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
-            with accelerator.accumulate(model):  # skips the gradient all-reduce on accumulation micro-steps
+            # skips the gradient all-reduce on accumulation micro-steps
+            with accelerator.accumulate(model):
                 outputs = model(to_model_input(images, args.channels_last))
                 loss, parts = criterion([o.float() for o in outputs], targets)
                 accelerator.backward(loss)
-                guard.observe(loss)  # a non-finite loss is noted on the device, read at the next log step
+                # a non-finite loss is noted on the device, read at the next log step
+                guard.observe(loss)
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_norm(args))
-                    if keeps_update(progress, grad_norm):  # --skip_nonfinite_steps drops a non-finite one
+                    # --skip_nonfinite_steps drops a non-finite one
+                    if keeps_update(progress, grad_norm):
                         optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             # total, box, cls, dfl: summed on the device, read at log steps only
-            state.add(torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]), samples=images.shape[0])
+            state.add(
+                torch.stack([loss.detach(), parts["box"], parts["cls"], parts["dfl"]]),
+                samples=images.shape[0],
+            )
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -809,22 +883,30 @@ def train(args: DetectFlags) -> None:
                 break
 
         # ---- evaluation once per epoch, on the whole validation split
-        guard.check(state.step)  # nothing non-finite since the last log step, before evaluating and saving
+        # nothing non-finite since the last log step, before evaluating and saving
+        guard.check(state.step)
         # (of the EMA weights, every --eval_every epochs and after the last)
         if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == num_epochs:
             eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
             state.last_eval, pictures = evaluate(
-                eval_model, val_loader, accelerator, names, args.channels_last, conf_threshold, args.iou_threshold
+                eval_model,
+                val_loader,
+                accelerator,
+                names,
+                args.channels_last,
+                conf_threshold,
+                args.iou_threshold,
             )
             # logged with the epoch's figures, and each class's AP50-95 as eval/ap50_95/<class>
             seconds = progress.epoch_done(state.last_eval, **per_class_scalars(state.last_eval))
-            if best.judge(state.last_eval):  # the best so far: its model goes to output_dir/model_best
+            if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
                 with best.saving() as folder:
                     save_model(folder)
             show_evaluation(accelerator, pictures, names, state.step, output)
             accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
         if accelerator.is_main_process:
-            plot_results(progress.metrics.path, output / "results.png")  # every epoch, so a stopped run has it too
+            # every epoch, so a stopped run has it too
+            plot_results(progress.metrics.path, output / "results.png")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -832,27 +914,33 @@ def train(args: DetectFlags) -> None:
 
     # ---- save the model and the run's results
     accelerator.wait_for_everyone()
-    save_model(output)  # the (EMA) model and detector.json, what --predict and --eval_only rebuild it from
+    # the (EMA) model and detector.json, what --predict and --eval_only rebuild it from
+    save_model(output)
     results = dict(config, **progress.results(started))
-    results.update(compile_results(compiled_before))  # what --compile (or --dynamo_backend) compiled
-    accelerator.wait_for_everyone()  # all ranks tear the process group down together, none while others still talk
+    # what --compile (or --dynamo_backend) compiled
+    results.update(compile_results(compiled_before))
+    # all ranks tear the process group down together, none while others still talk
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
         print_results(results, output, path, tracking)
 
 
-# ---------------------------------------------------------------------------------------------------------- modes
+# -------------------------------------------------------------------------------------------- modes
 def evaluate_saved_model(args: DetectFlags) -> None:
-    """The model in --model (default --output_dir) on the val split of --data: COCO mAP in results.json, and the
-    evaluation's pictures, in --output_dir. Any number of processes; each image is counted once."""
+    """The model in --model (default --output_dir) on the val split of --data: COCO mAP in
+    results.json, and the evaluation's pictures, in --output_dir. Any number of processes; each
+    image is counted once."""
     started = time.perf_counter()
     output, model_dir = Path(args.output_dir), Path(args.model or args.output_dir)
     check_flags(args)
     saved = read_model_config(model_dir)
     image_size = args.image_size or saved["image_size"]
     conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
-    tracking = setup_tracker(args.tracker, output, args.run_name or f"detect-{saved['size']}", args.swanlab_mode)
+    tracking = setup_tracker(
+        args.tracker, output, args.run_name or f"detect-{saved['size']}", args.swanlab_mode
+    )
     accumulation = args.gradient_accumulation_steps
     accelerator = evaluation_accelerator(args, accumulation_steps=accumulation, tracking=tracking)
     per_process = check_launch_flags(accelerator, args)
@@ -868,7 +956,8 @@ def evaluate_saved_model(args: DetectFlags) -> None:
         )
     if args.split == "test" and not dataset.test:
         raise RecipeError(
-            f"--split test: {data_yaml} has no test split; add one to it (test: images/test, a folder or a list "
+            f"--split test: {data_yaml} has no test split; add one to it (test: images/test, a folder or a "
+            "list "
             "of images like val), or evaluate --split val"
         )
     files = dataset.test if args.split == "test" else dataset.val
@@ -880,10 +969,17 @@ def evaluate_saved_model(args: DetectFlags) -> None:
         **loader_settings(accelerator, args.num_workers),
     )
     model, info = build_model(
-        saved["size"], len(names), args.channels_last, model_dir, flag="--model", cls_width=saved.get("cls_width")
+        saved["size"],
+        len(names),
+        args.channels_last,
+        model_dir,
+        flag="--model",
+        cls_width=saved.get("cls_width"),
     )
-    model = accelerator.prepare_model(model, evaluation_mode=True)  # on the device, no DDP wrapper: nothing to sync
-    val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)  # sharded, boxes on the host
+    # on the device, no DDP wrapper: nothing to sync
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    # sharded, boxes on the host
+    val_loader = accelerator.prepare_data_loader(val_loader, device_placement=False)
 
     config = eval_only_config(
         "detect",
@@ -914,20 +1010,25 @@ def evaluate_saved_model(args: DetectFlags) -> None:
         conf_threshold,
         args.iou_threshold,
     )
-    accelerator.log({"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0)
+    accelerator.log(
+        {"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0
+    )
     results = eval_only_results(dict(config, epochs=0), accelerator, started, evaluation)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
-        (output / MODEL_CONFIG).write_text(json.dumps(saved, indent=2))  # the evaluated model's, as a run leaves it
-        save_eval_pictures(output, pictures, names)  # PR_curve, confusion_matrix, val_predictions (.png)
+        # the evaluated model's, as a run leaves it
+        (output / MODEL_CONFIG).write_text(json.dumps(saved, indent=2))
+        # PR_curve, confusion_matrix, val_predictions (.png)
+        save_eval_pictures(output, pictures, names)
         print_results(results, output, path, tracking)
 
 
 def predict(args: DetectFlags) -> None:
-    """Detect objects with the model in --model (default --output_dir) in the images --predict names: one JSON line
-    per image on stdout; each image drawn with its boxes, and detections.json, in --predict_dir. One process."""
+    """Detect objects with the model in --model (default --output_dir) in the images --predict
+    names: one JSON line per image on stdout; each image drawn with its boxes, and detections.json,
+    in --predict_dir. One process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("--predict runs in one process: start it with python, not a launcher")
     check_flags(args)
@@ -942,10 +1043,11 @@ def predict(args: DetectFlags) -> None:
     )
 
 
-# ----------------------------------------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------------------------- main
 def export(args: DetectFlags) -> None:
-    """The model in --model (default --output_dir) as a file that deploys in --output_dir: model.onnx (end to end),
-    model.torchscript (end to end) or model_raw.onnx (the network alone), checked against PyTorch. One process."""
+    """The model in --model (default --output_dir) as a file that deploys in --output_dir:
+    model.onnx (end to end), model.torchscript (end to end) or model_raw.onnx (the network alone),
+    checked against PyTorch. One process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RecipeError("--export runs in one process: start it with python, not a launcher")
     check_flags(args)
@@ -962,7 +1064,7 @@ def export(args: DetectFlags) -> None:
 
 
 def main(args: DetectFlags) -> None:
-    """Train, or with --eval_only evaluate a saved model, or with --predict use it: one function per mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     if args.export is not None and (args.predict is not None or args.eval_only):

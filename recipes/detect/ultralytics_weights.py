@@ -1,28 +1,29 @@
 #!/usr/bin/env python
 """Ultralytics YOLOv8 detection weights as this recipe's model: converted once into model files
-(model.safetensors + detector.json), or on the fly when train.py's --init_weights is given the .pt itself.
+(model.safetensors + detector.json), or on the fly when train.py's --init_weights is given the .pt
+itself.
 
     python recipes/detect/train.py --init_weights yolov8n.pt --data path/to/data.yaml    # on the fly
     python recipes/detect/ultralytics_weights.py --weights yolov8n.pt --out models/yolov8n        # once
     python recipes/detect/train.py --init_weights models/yolov8n --data path/to/data.yaml --epochs 50
 
-Our detector's layers follow YOLOv8's (yolo_model.py), so the conversion is a table by module position:
-Ultralytics' `model.<i>` is one of our named blocks, and inside a block its Conv's `conv` / `bn` are our
-Sequential's `0` / `1`. Every tensor is checked by shape, every tensor of ours must be filled and every one of
-the file used (the fixed DFL projection `model.22.dfl` excepted, which our decode computes). The size (n, s,
-m, l, x) and the class count are read from the shapes; the classification branch keeps the file's hidden width
-(80 for COCO), so nothing of the file is lost when a fine-tune changes the class count. A file of another task
-or family (segmentation, pose, OBB, classification; YOLO11, YOLOv5u, YOLOv10, YOLO26, ...) is refused in one
-line that says what it is.
+Our detector's layers follow YOLOv8's (yolo_model.py), so the conversion is a table by module
+position: Ultralytics' `model.<i>` is one of our named blocks, and inside a block its Conv's `conv`
+/ `bn` are our Sequential's `0` / `1`. Every tensor is checked by shape, every tensor of ours must
+be filled and every one of the file used (the fixed DFL projection `model.22.dfl` excepted, which
+our decode computes). The size (n, s, m, l, x) and the class count are read from the shapes; the
+classification branch keeps the file's hidden width (80 for COCO), so nothing of the file is lost
+when a fine-tune changes the class count. A file of another task or family (segmentation, pose, OBB,
+classification; YOLO11, YOLOv5u, YOLOv10, YOLO26, ...) is refused in one line that says what it is.
 
 Reading Ultralytics' `.pt` files: they are pickles of Ultralytics' classes, so reading one needs the
 `ultralytics` package installed (`pip install 'accelerate-recipes[detect-compare]'`, or `pip install
-ultralytics`); it is not a dependency of the recipes. The file is read by Ultralytics' own loader, which maps
-the module paths of older releases (`ultralytics.yolo.*`) and paths pickled on Windows, so an older best.pt
-reads as Ultralytics reads it. A state dict saved without those classes (`torch.save(yolo.model.state_dict(),
-path)`, or a .safetensors of it) reads without it. Ultralytics' pretrained weights are published under
-AGPL-3.0 (or its Enterprise licence); weights converted from them, and models fine-tuned from those, carry
-that licence.
+ultralytics`); it is not a dependency of the recipes. The file is read by Ultralytics' own loader,
+which maps the module paths of older releases (`ultralytics.yolo.*`) and paths pickled on Windows,
+so an older best.pt reads as Ultralytics reads it. A state dict saved without those classes
+(`torch.save(yolo.model.state_dict(), path)`, or a .safetensors of it) reads without it.
+Ultralytics' pretrained weights are published under AGPL-3.0 (or its Enterprise licence); weights
+converted from them, and models fine-tuned from those, carry that licence.
 """
 
 import json
@@ -50,7 +51,8 @@ TASKS = {
     "YOLOEDetect": "open-vocabulary (YOLOE) detection",
     "RTDETRDecoder": "RT-DETR detection",
 }
-# The family of a model by the name of the YAML it was built from (model.yaml["yaml_file"]), first match wins.
+# The family of a model by the name of the YAML it was
+# built from (model.yaml["yaml_file"]), first match wins.
 FAMILIES = [
     (r"yoloe", "YOLOE"),
     (r"rtdetr", "RT-DETR"),
@@ -65,22 +67,25 @@ FAMILIES = [
     (r"yolov5", "YOLOv5u"),
     (r"yolov3", "YOLOv3u"),
 ]
-# YOLOv8 detection's layer types in order (yolov8.yaml): what a .pt's model must be made of to convert.
-YOLOV8_TYPES = ["Conv", "Conv", "C2f", "Conv", "C2f", "Conv", "C2f", "Conv", "C2f", "SPPF"]  # the backbone
+# YOLOv8 detection's layer types in order (yolov8.yaml): what a .pt's model must be made of to
+# convert. the backbone
+YOLOV8_TYPES = ["Conv", "Conv", "C2f", "Conv", "C2f", "Conv", "C2f", "Conv", "C2f", "SPPF"]
 YOLOV8_TYPES += ["Upsample", "Concat", "C2f", "Upsample", "Concat", "C2f"]  # the neck, top down
-YOLOV8_TYPES += ["Conv", "Concat", "C2f", "Conv", "Concat", "C2f", "Detect"]  # bottom up, and the head
+# bottom up, and the head
+YOLOV8_TYPES += ["Conv", "Concat", "C2f", "Conv", "Concat", "C2f", "Detect"]
 SUPPORTED = "a yolov8n/s/m/l/x.pt detection model, or the best.pt of a YOLOv8 detection training"
 
 
 def ultralytics_name(ours: str) -> str:
-    """The name in Ultralytics' state dict of one of our tensors, e.g. backbone.stem.2.m.0.cv1.0.weight ->
-    model.2.m.0.cv1.conv.weight, head.cls.1.0.1.bias -> model.22.cv3.1.0.bn.bias, head.box.0.2.weight (the
-    plain output conv) -> model.22.cv2.0.2.weight."""
+    """The name in Ultralytics' state dict of one of our tensors, e.g.
+    backbone.stem.2.m.0.cv1.0.weight -> model.2.m.0.cv1.conv.weight, head.cls.1.0.1.bias ->
+    model.22.cv3.1.0.bn.bias, head.box.0.2.weight (the plain output conv) ->
+    model.22.cv2.0.2.weight."""
     block = next(b for b in sorted(BLOCKS, key=len, reverse=True) if ours.startswith(b + "."))
     parts = ours[len(block) + 1 :].split(".")
-    # Our Conv is Sequential(conv, bn, act): its tensors end in `.0.<weight>` (the conv) or `.1.<tensor>` (the
-    # BatchNorm); Ultralytics' Conv names those `conv` and `bn`. The head's last conv (index 2) is a plain
-    # Conv2d.
+    # Our Conv is Sequential(conv, bn, act): its tensors end in `.0.<weight>` (the conv) or
+    # `.1.<tensor>` (the BatchNorm); Ultralytics' Conv names those `conv` and `bn`. The head's last
+    # conv (index 2) is a plain Conv2d.
     if len(parts) >= 2 and parts[-2] in ("0", "1") and not (block.startswith("head.") and parts[1] == "2"):
         parts[-2] = "conv" if parts[-2] == "0" else "bn"
     return ".".join(["model", str(BLOCKS[block]), *parts])
@@ -88,8 +93,8 @@ def ultralytics_name(ours: str) -> str:
 
 def describe_model(model: torch.nn.Module) -> str | None:
     """None for a YOLOv8 detection model; else what the model is, e.g. "a YOLO11 detection model
-    (yolo11n.yaml)", "a YOLOv8 segmentation model (yolov8n-seg.yaml)", from its head's class and the YAML it
-    was built from."""
+    (yolo11n.yaml)", "a YOLOv8 segmentation model (yolov8n-seg.yaml)", from its head's class and the
+    YAML it was built from."""
     layers = list(getattr(model, "model", []))
     types = [type(layer).__name__ for layer in layers]
     yaml = getattr(model, "yaml", None)
@@ -110,7 +115,8 @@ def describe_model(model: torch.nn.Module) -> str | None:
 
 
 def describe_state(state: dict) -> str:
-    """What a state dict that is not YOLOv8 detection weights holds, as far as its tensor names tell."""
+    """What a state dict that is not YOLOv8 detection weights holds, as far as its tensor names
+    tell."""
     names = set(state)
     if any(".proto." in n for n in names):
         return "a segmentation model (it has a mask prototype branch, model.22.proto)"
@@ -126,8 +132,8 @@ def describe_state(state: dict) -> str:
 
 
 def torch_checkpoint(path: Path):
-    """An Ultralytics .pt read as Ultralytics reads it: its loader remaps older releases' module paths and
-    pickled Windows paths. Needs the ultralytics package."""
+    """An Ultralytics .pt read as Ultralytics reads it: its loader remaps older releases' module
+    paths and pickled Windows paths. Needs the ultralytics package."""
     try:
         from ultralytics.nn.tasks import torch_safe_load
     except ImportError:
@@ -146,7 +152,8 @@ def torch_checkpoint(path: Path):
 
 
 def read_ultralytics(path: Path) -> tuple[dict, list[str] | None, int | None]:
-    """(state dict in float32, class names or None, training image size or None) of an Ultralytics detection
+    """(state dict in float32, class names or None, training image size or None) of an Ultralytics
+    detection
     file: a checkpoint .pt (needs the ultralytics package), a state dict saved with torch.save, or a
     .safetensors."""
     if not path.is_file():
@@ -181,8 +188,8 @@ def read_ultralytics(path: Path) -> tuple[dict, list[str] | None, int | None]:
 
 
 def mapped_state(state: dict) -> tuple[str, dict]:
-    """(size, our state dict) of a YOLOv8 state dict: the first size whose every tensor finds one of the
-    file's, by the table above and by shape, using every tensor of the file."""
+    """(size, our state dict) of a YOLOv8 state dict: the first size whose every tensor finds one of
+    the file's, by the table above and by shape, using every tensor of the file."""
     prefix = "model.22.cv3.0.2.weight"
     if prefix not in state or "model.0.conv.weight" not in state or "model.22.cv4.0.0.conv.weight" in state:
         raise RecipeError(
@@ -217,7 +224,8 @@ def mapped_state(state: dict) -> tuple[str, dict]:
 
 def converted_start(weights: str | Path) -> dict:
     """Ultralytics YOLOv8 detection weights converted in memory: dict(state: our state dict, size,
-    num_classes, names, cls_width, image_size: the training size the checkpoint records, or None)."""
+    num_classes, names, cls_width, image_size: the training size the checkpoint records, or
+    None)."""
     state, names, trained_size = read_ultralytics(Path(weights))
     size, converted = mapped_state(state)
     num_classes = converted["head.cls.0.2.weight"].shape[0]
@@ -233,18 +241,21 @@ def converted_start(weights: str | Path) -> dict:
 
 
 def yolov8_to_recipe(weights: str, out: str, image_size: int | None = None) -> Path:
-    """Convert Ultralytics YOLOv8 detection weights (yolov8n.pt ... yolov8x.pt: COCO-pretrained, or your own
-    training's best.pt) into this recipe's files: out/model.safetensors and out/detector.json.
+    """Convert Ultralytics YOLOv8 detection weights (yolov8n.pt ... yolov8x.pt: COCO-pretrained, or
+    your own training's best.pt) into this recipe's files: out/model.safetensors and
+    out/detector.json.
 
-    Args: weights: the Ultralytics file: a checkpoint .pt (reading it needs the ultralytics package), or a
-        state dict of its model saved with torch.save or as .safetensors. out: the folder to write; then give
-        it to train.py's --init_weights (fine-tune, any class count), or as --model to --predict, --eval_only
-        and --export. image_size: the image size detector.json records (what --predict and --eval_only use by
-        default); default the checkpoint's training size, else 640.
+    Args: weights: the Ultralytics file: a checkpoint .pt (reading it needs the ultralytics
+        package), or a state dict of its model saved with torch.save or as .safetensors. out: the
+        folder to write; then give it to train.py's --init_weights (fine-tune, any class count), or
+        as --model to --predict, --eval_only and --export. image_size: the image size detector.json
+        records (what --predict and --eval_only use by default); default the checkpoint's training
+        size, else 640.
     Returns:
         the folder written.
     """
-    from detector_files import MODEL_CONFIG  # here, not at the top: detector_files imports this module
+    # here, not at the top: detector_files imports this module
+    from detector_files import MODEL_CONFIG
 
     start = converted_start(weights)
     folder = Path(out)

@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""Train ResNet18 on CIFAR-10 with Hugging Face Accelerate: one file to copy, the same on 1 GPU, N GPUs and N nodes.
+"""Train ResNet18 on CIFAR-10 with Hugging Face Accelerate: one file to copy, the same on 1 GPU, N
+GPUs and N nodes.
 
-    python cifar.py --epochs 5                                  # one process (a GPU when there is one)
-    accelerate launch --num_processes 2 cifar.py --epochs 5     # 2 GPUs; any setup: --config_file your_config.yaml
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 cifar.py   # no GPU: 2 processes, gloo
+    python cifar.py --epochs 5                                # one process (a GPU when there is one)
+    accelerate launch --num_processes 2 cifar.py --epochs 5   # 2 GPUs; or --config_file your_config.yaml
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 cifar.py   # no GPU: gloo
 
-It reads top to bottom (config -> data -> model -> prepare -> loop -> eval -> save); `--batch_size` is the GLOBAL
-batch, so the same flags train alike on any number of processes. Needs accelerate, torch, torchvision, fire (swanlab to
-track). The full recipe, recipes/cifar.py, trains exactly like this file and adds other data (CIFAR-100, generated
-data, image folders), --pretrained, a loader that keeps the images in GPU memory, presets, torch.compile, launch checks
-(e.g. a CPU --multi_gpu launch that would train each process alone), a NaN and stop-signal guard, `--resume auto`, the
-best model and early stopping, results.json, metrics.jsonl and plots, --eval_only and --predict.
+It reads top to bottom (config -> data -> model -> prepare -> loop -> eval -> save); `--batch_size`
+is the GLOBAL batch, so the same flags train alike on any number of processes. Needs accelerate,
+torch, torchvision, fire (swanlab to track). The full recipe, recipes/cifar.py, trains exactly like
+this file and adds other data (CIFAR-100, generated data, image folders), --pretrained, a loader
+that keeps the images in GPU memory, presets, torch.compile, launch checks (e.g. a CPU --multi_gpu
+launch that would train each process alone), a NaN and stop-signal guard, `--resume auto`, the best
+model and early stopping, results.json, metrics.jsonl and plots, --eval_only and --predict.
 """
 
 import math
@@ -31,7 +33,8 @@ MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10 train
 
 
 class UnverifiedCIFAR10(torchvision.datasets.CIFAR10):
-    """CIFAR-10 without the MD5 check (--verify_data False): a file whose MD5 is None need only exist."""
+    """CIFAR-10 without the MD5 check (--verify_data False): a file whose MD5 is None need only
+    exist."""
 
     train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
     test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
@@ -39,7 +42,8 @@ class UnverifiedCIFAR10(torchvision.datasets.CIFAR10):
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Learning-rate factor: linear from 0 to 1 over the warm-up steps, then a cosine down to 0 at the last step."""
+    """Learning-rate factor: linear from 0 to 1 over the warm-up steps, then a cosine down to 0 at
+    the last step."""
     if step < warmup_steps:
         return step / max(1, warmup_steps)
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -48,11 +52,13 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator) -> tuple[float, int]:
-    """Top-1 accuracy on the whole test set and the number of images seen: each image counted once on any world size."""
+    """Top-1 accuracy on the whole test set and the number of images seen: each image counted once
+    on any world size."""
     model.eval()
     correct, seen = torch.zeros((), dtype=torch.long, device=accelerator.device), 0
     for images, labels in loader:
-        # gather_for_metrics drops the images the sampler repeated to give every process an equal share.
+        # gather_for_metrics drops the images the sampler
+        # repeated to give every process an equal share.
         predictions, labels = accelerator.gather_for_metrics((model(images).argmax(dim=-1), labels))
         correct += (predictions == labels).sum()
         seen += len(labels)
@@ -61,7 +67,7 @@ def evaluate(model, loader, accelerator) -> tuple[float, int]:
 
 
 def tracker_init_kwargs(tracker: str, output_dir: str, run_name: str) -> dict:
-    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline (no login)."""
+    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline."""
     logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
     mode = os.environ.get("SWANLAB_MODE") or ("online" if logged_in else "offline")
     log_dir = os.environ.get("SWANLAB_LOG_DIR") or str(Path(output_dir, "swanlog").resolve())
@@ -94,31 +100,44 @@ def main(
     project: str = "accelerate-recipes",
     output_dir: str = "outputs/cifar_starter",
 ):
-    """Train ResNet18 (with a CIFAR stem) on CIFAR-10; the model goes to output_dir/model.safetensors.
+    """Train ResNet18 (with a CIFAR stem) on CIFAR-10; the model goes to
+    output_dir/model.safetensors.
 
     Args:
         data_dir: where CIFAR-10 is, or is downloaded to (cifar-10-batches-py/ inside it).
         download: download CIFAR-10 into data_dir when it is not there.
-        verify_data: check the files against the release's MD5 sums; turn off for a re-packed or smaller copy.
+        verify_data: check the files against the release's MD5 sums; turn off for a re-packed or
+            smaller copy.
         augment: random crop (4-pixel zero padding) and horizontal flip of training images.
-        batch_size: GLOBAL batch per optimizer step; each process loads batch_size / (processes x accumulation steps).
+        batch_size: GLOBAL batch per optimizer step; each process loads batch_size / (processes x
+            accumulation steps).
         epochs: passes over the training set (ignored when max_steps is set).
         max_steps: stop after this many optimizer steps.
-        lr: peak learning rate of nesterov SGD; default 0.1 x batch_size / 128 (linear scaling with the global batch).
+        lr: peak learning rate of nesterov SGD; default 0.1 x batch_size / 128 (linear scaling with
+            the global batch).
         momentum: SGD momentum.
-        weight_decay: weight decay on conv kernels and weight matrices (not on BatchNorm weights or biases).
+        weight_decay: weight decay on conv kernels and weight matrices (not on BatchNorm weights or
+            biases).
         label_smoothing: label smoothing of the cross-entropy loss.
-        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up from 0; then a cosine to 0.
-        gradient_accumulation_steps: micro-batches whose gradients are summed before each optimizer step.
-        max_grad_norm: clip the gradients' global L2 norm to this before each update; 0: no clipping.
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up from 0;
+            then a cosine to 0.
+        gradient_accumulation_steps: micro-batches whose gradients are summed before each optimizer
+            step.
+        max_grad_norm: clip the gradients' global L2 norm to this before each update; 0: no
+            clipping.
         mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         channels_last: NHWC memory layout, faster convolutions on GPUs with tensor cores.
-        num_workers: DataLoader workers per process; default 4 on a GPU, 0 on the CPU (they would take its cores).
+        num_workers: DataLoader workers per process; default 4 on a GPU, 0 on the CPU (they would
+            take its cores).
         seed: seed of the weights, the data order and the augmentation.
-        log_every: print and log the training loss every N optimizer steps (and at the first and the last).
-        checkpoint_every: save_state every N steps and at epoch ends (0: epoch ends only); the 2 newest are kept.
-        resume: a checkpoint folder (output_dir/checkpoints/step_N) to continue from, at the batch after it.
-        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows (tensorboard, ...).
+        log_every: print and log the training loss every N optimizer steps (and at the first and the
+            last).
+        checkpoint_every: save_state every N steps and at epoch ends (0: epoch ends only); the 2
+            newest are kept.
+        resume: a checkpoint folder (output_dir/checkpoints/step_N) to continue from, at the batch
+            after it.
+        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows
+            (tensorboard, ...).
         project: tracker project name.
         output_dir: where model.safetensors, checkpoints/ and offline SwanLab runs go.
     """
@@ -130,25 +149,28 @@ def main(
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with=None if tracker == "none" else tracker,
         project_dir=output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),  # shuffle: seed+epoch
+        # shuffle: seed+epoch
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
     )
     world, accumulation = accelerator.num_processes, gradient_accumulation_steps
     if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
-        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation} accumulation step(s)"
-        raise SystemExit(f"error: {cause}; use a multiple of {world * accumulation}")
+        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation}"
+        raise SystemExit(f"error: {cause} accumulation step(s); use a multiple of {world * accumulation}")
     per_process = batch_size // (world * accumulation)
     accelerator.print(f"global batch {batch_size}: {per_process} images per process and micro-batch")
-    lr = lr if lr is not None else 0.1 * batch_size / 128  # from the global batch: the same on any number of GPUs
+    lr = lr if lr is not None else 0.1 * batch_size / 128  # from the global batch: any GPU count
     set_seed(seed)
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape
 
     # ---- data
     normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
-    augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    augmentation = (
+        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
+    )
     train_tf, test_tf = transforms.Compose(augmentation + normalize), transforms.Compose(normalize)
     cifar10 = torchvision.datasets.CIFAR10 if verify_data else UnverifiedCIFAR10
-    with accelerator.local_main_process_first():  # one process per node downloads; the others then read its copy
+    with accelerator.local_main_process_first():  # one process per node downloads first
         fetch = download and accelerator.is_local_main_process
         train_set = cifar10(str(data_dir), train=True, transform=train_tf, download=fetch)
         test_set = cifar10(str(data_dir), train=False, transform=test_tf)
@@ -159,7 +181,8 @@ def main(
 
     # ---- model and optimizer
     model = torchvision.models.resnet18(weights=None, num_classes=10)
-    # CIFAR stem: ImageNet's 7x7 stride-2 conv and max-pool would shrink a 32x32 image to 8x8 before the first block.
+    # CIFAR stem: ImageNet's 7x7 stride-2 conv and max-pool would shrink a 32x32 image to 8x8 before
+    # the first block.
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     model = model.to(memory_format=torch.channels_last) if channels_last else model
@@ -170,14 +193,18 @@ def main(
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
     # ---- prepare: DDP wrapping, loaders sharded across processes, device placement, autocast
-    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+    model, optimizer, train_loader, test_loader = accelerator.prepare(
+        model, optimizer, train_loader, test_loader
+    )
     steps_per_epoch = math.ceil(len(train_loader) / accumulation)  # len: this process's batches
     if steps_per_epoch == 0:
         raise SystemExit(f"error: fewer training images than one --batch_size {batch_size}; lower it")
     total_steps = max_steps or epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(warmup_ratio * total_steps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
+    )
     scheduler = accelerator.prepare(schedule)  # saved and restored with the checkpoints
 
     step = 0
@@ -195,7 +222,8 @@ def main(
 
     # ---- training loop
     progress = tqdm(total=total_steps, initial=step, desc="train")  # shown by the main process only
-    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0  # summed on the device until logged
+    # summed on the device until logged
+    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
     for epoch in range(step // steps_per_epoch, num_epochs):
         train_loader.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
         done = (step - epoch * steps_per_epoch) * accumulation  # batches a resumed epoch already had
@@ -218,19 +246,27 @@ def main(
             step += 1
             progress.update(1)
             if step % log_every == 0 or step in (1, total_steps):
-                mean_loss = accelerator.reduce(running_loss / micro_batches, "mean").item()  # since the last log
+                # since the last log
+                mean_loss = accelerator.reduce(running_loss / micro_batches, "mean").item()
                 lr_now = scheduler.get_last_lr()[0]
                 accelerator.print(f"step {step}/{total_steps} loss {mean_loss:.7f} lr {lr_now:.7g}")
                 accelerator.log({"train/loss": mean_loss, "train/lr": lr_now}, step=step)
                 running_loss, micro_batches = torch.zeros_like(running_loss), 0
-            if checkpoint_every and step % checkpoint_every == 0 and step % steps_per_epoch and step < total_steps:
+            if (
+                checkpoint_every
+                and step % checkpoint_every == 0
+                and step % steps_per_epoch
+                and step < total_steps
+            ):
                 save_checkpoint()  # epoch ends: below
             if step >= total_steps:
                 break
 
         # ---- evaluation at each epoch's end, on the whole test set, then a checkpoint
         accuracy, seen = evaluate(model, test_loader, accelerator)
-        accelerator.print(f"epoch {epoch + 1}/{num_epochs}: eval accuracy {accuracy:.4f} on {seen} test images")
+        accelerator.print(
+            f"epoch {epoch + 1}/{num_epochs}: eval accuracy {accuracy:.4f} on {seen} test images"
+        )
         accelerator.log({"eval/accuracy": accuracy}, step=step)
         save_checkpoint()
     progress.close()

@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Chat fine-tuning (SFT) of a causal LM with Hugging Face Accelerate, LoRA or full, in one file to copy and edit.
+"""Chat fine-tuning (SFT) of a causal LM with Hugging Face Accelerate, LoRA or full, in one file to
+copy and edit.
 
-    python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --train_file chats.jsonl --validation_file dev.jsonl --lora_r 16
-    accelerate launch --num_processes 2 sft.py ...             # 2 GPUs; any setup: --config_file your_config.yaml
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 sft.py ...   # no GPU: 2 processes, gloo
+    python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --train_file chats.jsonl --validation_file dev.jsonl
+    accelerate launch --num_processes 2 sft.py ... --lora_r 16   # 2 GPUs; or --config_file your_config.yaml
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 sft.py ...   # no GPU: gloo
 
-Data: .jsonl or .json of {"messages": [{"role", "content"}, ...]}. The loss covers the assistant turns (each with the
-token that closes it), averaged over every answer token of the global batch, so 1 GPU and N GPUs train alike. The full
-recipe, recipes/sft.py, trains exactly like this file and adds other data formats, packing, FSDP / DeepSpeed, generated
-answers, early stopping, --predict, --chat, --merge, launch checks, a NaN and stop guard, `--resume auto`, results.json.
+Data: .jsonl or .json of {"messages": [{"role", "content"}, ...]}. The loss covers the assistant
+turns (each with the token that closes it), averaged over every answer token of the global batch, so
+1 GPU and N GPUs train alike. The full recipe, recipes/sft.py, trains exactly like this file and
+adds other data formats, packing, FSDP / DeepSpeed, generated answers, early stopping, --predict,
+--chat, --merge, launch checks, a NaN and stop guard, `--resume auto`, results.json.
 """
 
 import os
@@ -22,23 +24,32 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, set_seed
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, get_linear_schedule_with_warmup
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    get_linear_schedule_with_warmup,
+)
 
 IGNORE = -100  # the label the loss skips
 
 
 def turn_end(tokenizer) -> str:
-    """What the template writes after an assistant's content ("<|im_end|>"): a target too, it teaches to stop."""
+    """What the template writes after an assistant's content ("<|im_end|>"): a target too, it
+    teaches to stop."""
     chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "S9q"}]
     text = tokenizer.apply_chat_template(chat, tokenize=False)
     return text[text.index("S9q") + 3 :].rstrip()
 
 
 def template_gaps(tokenizer, messages) -> list[int]:
-    """Characters the template writes (headers, a default system prompt) before each content: the search skips them."""
+    """Characters the template writes (headers, a default system prompt) before each content: the
+    search skips them."""
     marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # characters no chat holds
     try:
-        skeleton = tokenizer.apply_chat_template([dict(m, content=h) for m, h in zip(messages, marks)], tokenize=False)
+        skeleton = tokenizer.apply_chat_template(
+            [dict(m, content=h) for m, h in zip(messages, marks)], tokenize=False
+        )
         starts = [skeleton.index(mark) for mark in marks]  # ValueError: the template drops a message
     except Exception:  # also templates that raise on these contents
         return [0] * len(messages)
@@ -47,7 +58,8 @@ def template_gaps(tokenizer, messages) -> list[int]:
 
 
 def tokenize(example, tokenizer, max_length: int, end_of_turn: str) -> dict:
-    """Ids of the rendered chat, and labels: the tokens holding an answer (or its turn end), -100 elsewhere."""
+    """Ids of the rendered chat, and labels: the tokens holding an answer (or its turn end), -100
+    elsewhere."""
     messages = example["messages"]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     is_target, cursor = bytearray(len(text)), 0
@@ -56,7 +68,9 @@ def tokenize(example, tokenizer, max_length: int, end_of_turn: str) -> dict:
         at = text.find(content, cursor + gap)
         at = at if at >= 0 else text.find(content, cursor)  # the template writes this content its own way
         if at < 0:
-            raise SystemExit(f"error: the chat template rewrites {content[:40]!r}; use a template that keeps contents")
+            raise SystemExit(
+                f"error: the chat template rewrites {content[:40]!r}; use a template that keeps contents"
+            )
         cursor = end = at + len(content)
         if message["role"] == "assistant":
             end += len(end_of_turn) if end_of_turn and text.startswith(end_of_turn, end) else 0
@@ -68,7 +82,7 @@ def tokenize(example, tokenizer, max_length: int, end_of_turn: str) -> dict:
 
 
 def tracker_init_kwargs(tracker: str, output_dir: str, run_name: str) -> dict:
-    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline (no login)."""
+    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline."""
     logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
     mode = os.environ.get("SWANLAB_MODE") or ("online" if logged_in else "offline")
     log_dir = os.environ.get("SWANLAB_LOG_DIR") or str(Path(output_dir, "swanlog").resolve())
@@ -101,43 +115,50 @@ def main(
         train_file: training conversations, .jsonl or .json, rows {"messages": [{"role", "content"}, ...]}.
         validation_file: validation conversations in the same format, evaluated after each epoch.
         model: Hub name or local folder of a chat model (its tokenizer must have a chat template).
-        max_length: longest conversation in tokens; longer ones are cut, and those left without an answer dropped.
+        max_length: longest conversation in tokens; longer ones are cut, and those left without an
+            answer dropped.
         lora_r: rank of a LoRA adapter on every linear layer (8-64 are usual); 0: fine-tune the whole model.
         lora_alpha: LoRA scale numerator (updates are scaled by alpha / r); default 2 x --lora_r.
         lora_dropout: dropout on the LoRA branch's input.
-        batch_size: GLOBAL conversations per optimizer step; each process loads batch_size / (processes x accumulation).
+        batch_size: GLOBAL conversations per optimizer step; each process loads batch_size /
+            (processes x accumulation).
         gradient_accumulation_steps: micro-batches whose gradients add up to one optimizer step.
         epochs: passes over the training data.
-        lr: AdamW's peak learning rate, then a linear decay to 0; default 2e-4 with LoRA, 2e-5 in full; clipping at 1.
+        lr: AdamW's peak learning rate, then a linear decay to 0; default 2e-4 with LoRA, 2e-5 in
+            full; clipping at 1.
         warmup_ratio: fraction of the steps the learning rate warms up linearly over.
         seed: seed for LoRA's initial weights, the data order and dropout.
         log_every: print and log the training loss every N optimizer steps (and at the first and last).
-        checkpoint_every: save_state every N steps and at epoch ends (0: epoch ends only); the 2 newest are kept.
+        checkpoint_every: save_state every N steps and at epoch ends (0: epoch ends only); the 2
+            newest are kept.
         resume: a checkpoint folder (output_dir/checkpoints/step_N) to continue from, at the batch after it.
-        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows (tensorboard, ...).
+        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows
+            (tensorboard, ...).
         output_dir: where the adapter (or model), its tokenizer, checkpoints and offline tracker logs go.
     """
     if not train_file or not validation_file:
-        raise SystemExit("error: no data; give --train_file and --validation_file, .jsonl or .json conversations")
+        raise SystemExit(
+            "error: no data; give --train_file and --validation_file, .jsonl or .json conversations"
+        )
 
     # ---- accelerator: processes, precision, gradient accumulation, tracking
-    # Steps counted by micro-batches, not at the loader's end: an epoch's remainder short of a step is left out.
+    # Steps counted by micro-batches, not at the loader's end: an epoch's short remainder is left out.
     accumulate = GradientAccumulationPlugin(num_steps=gradient_accumulation_steps, sync_with_dataloader=False)
-    accelerator = Accelerator(  # precision: the accelerate config's, or accelerate launch --mixed_precision bf16
+    accelerator = Accelerator(  # precision: the accelerate config's, or launch's --mixed_precision
         gradient_accumulation_plugin=accumulate,
         log_with=None if tracker == "none" else tracker,
         project_dir=output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # shuffle: seed+epoch, any world size
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # shuffle: seed+epoch
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
     )
-    # cuDNN's sdpa, Hopper's default from torch 2.11, is reported to give NaN gradients where a mask leaves
-    # whole query rows masked: off on CUDA for the process, as in recipes/sft.py.
+    # cuDNN's sdpa, Hopper's default from torch 2.11, is reported to give NaN gradients where a mask
+    # leaves whole query rows masked: off on CUDA for the process, as in recipes/sft.py.
     if accelerator.device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
     world, accumulation = accelerator.num_processes, gradient_accumulation_steps
     if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
-        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation} accumulation step(s)"
-        raise SystemExit(f"error: {cause}; use a multiple of {world * accumulation}")
+        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation}"
+        raise SystemExit(f"error: {cause} accumulation step(s); use a multiple of {world * accumulation}")
     per_process = batch_size // (world * accumulation)
     accelerator.print(
         f"global batch {batch_size} = {world} process(es) x {accumulation} micro-batch(es) x {per_process}"
@@ -148,26 +169,33 @@ def main(
     # ---- data: conversations -> token ids and answer-only labels
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="right")  # positions count from the left
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # padding is masked out; any id does
-    with accelerator.local_main_process_first():  # one process per node fills the datasets cache, then the rest
+    with accelerator.local_main_process_first():  # one process per node fills the cache first
         raw = datasets.load_dataset("json", data_files={"train": train_file, "validation": validation_file})
         args = dict(tokenizer=tokenizer, max_length=max_length, end_of_turn=turn_end(tokenizer))
         tokenized = raw.map(tokenize, fn_kwargs=args, remove_columns=raw["train"].column_names)
         tokenized = tokenized.filter(lambda labels: any(x != IGNORE for x in labels), input_columns="labels")
 
-    # ---- model: the whole of it, or frozen with a LoRA adapter (set_seed above makes LoRA's init reproducible)
-    dtype = torch.bfloat16 if lora_r and accelerator.mixed_precision == "bf16" else torch.float32  # a bf16 frozen base
+    # ---- model: whole, or frozen with a LoRA adapter (set_seed above makes LoRA's init reproducible)
+    # a bf16 frozen base with LoRA under bf16
+    dtype = torch.bfloat16 if lora_r and accelerator.mixed_precision == "bf16" else torch.float32
     net = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, use_cache=False)
     if lora_r:
         lora = dict(r=lora_r, lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=lora_dropout)
-        net = peft.get_peft_model(net, peft.LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", **lora))
+        net = peft.get_peft_model(
+            net, peft.LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", **lora)
+        )
 
-    # Each batch padded to its longest conversation (a multiple of 8 feeds tensor cores), labels with -100.
+    # Each batch padded to its longest conversation (a
+    # multiple of 8 feeds tensor cores), labels with -100.
     multiple = 8 if accelerator.mixed_precision != "no" else None
     collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE, pad_to_multiple_of=multiple)
-    # The shuffle's own generator: an epoch's start then draws nothing from the global RNG (dropout's).
+    # The shuffle's own generator: an epoch's start then
+    # draws nothing from the global RNG (dropout's).
     shuffle = dict(shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed))
     train_loader = DataLoader(tokenized["train"], batch_size=per_process, collate_fn=collate, **shuffle)
-    eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * accumulation, collate_fn=collate)
+    eval_loader = DataLoader(
+        tokenized["validation"], batch_size=per_process * accumulation, collate_fn=collate
+    )
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
 
     # ---- prepare: DDP wrapping, each process its shard of every batch, the device
@@ -183,8 +211,12 @@ def main(
     if resume:  # weights, optimizer, schedule and RNG states; the step is the folder's name
         accelerator.load_state(resume)
         step = int(Path(resume).name.removeprefix("step_"))
-    settings = dict(batch_size=batch_size, lr=lr, lora_r=lora_r, epochs=epochs, total_steps=total_steps, world=world)
-    accelerator.init_trackers("accelerate-recipes", settings, tracker_init_kwargs(tracker, output_dir, "sft-starter"))
+    settings = dict(
+        batch_size=batch_size, lr=lr, lora_r=lora_r, epochs=epochs, total_steps=total_steps, world=world
+    )
+    accelerator.init_trackers(
+        "accelerate-recipes", settings, tracker_init_kwargs(tracker, output_dir, "sft-starter")
+    )
 
     def save_checkpoint():
         folder = Path(output_dir, "checkpoints", f"step_{step}")
@@ -194,19 +226,24 @@ def main(
                 shutil.rmtree(old)
 
     # ---- training loop
-    running_loss, steps_since_log = torch.zeros((), device=accelerator.device), 0  # summed on the device until logged
+    # summed on the device until logged
+    running_loss, steps_since_log = torch.zeros((), device=accelerator.device), 0
     for epoch in range(step // steps_per_epoch, epochs):
         train_loader.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
         done = (step - epoch * steps_per_epoch) * accumulation  # batches a resumed epoch already had
         batches = iter(accelerator.skip_first_batches(train_loader, done) if done else train_loader)
-        for micro_batches in zip(*[batches] * accumulation):  # a step's micro-batches; a short remainder is left out
-            # The step's answer tokens, all micro-batches of all processes, counted before its first forward pass.
-            answer_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != IGNORE).sum() for b in micro_batches), "sum")
+        for micro_batches in zip(*[batches] * accumulation):  # a step's micro-batches, a short tail dropped
+            # The step's answer tokens, all micro-batches of all
+            # processes, counted before its first forward pass.
+            answer_tokens = accelerator.reduce(
+                sum((b["labels"][:, 1:] != IGNORE).sum() for b in micro_batches), "sum"
+            )
             for micro_batch in micro_batches:
                 with accelerator.accumulate(net):  # no gradient all-reduce until the step's last micro-batch
-                    # Summed token losses / the step's answer tokens: these add up to the global batch's mean.
+                    # Summed token losses / the step's answer tokens:
+                    # these add up to the global batch's mean.
                     loss = net(**micro_batch, num_items_in_batch=answer_tokens).loss
-                    accelerator.backward(loss * world * accumulation)  # undoes the means DDP and backward take
+                    accelerator.backward(loss * world * accumulation)  # undoes DDP's and backward's means
                     if accelerator.sync_gradients:  # the step's last micro-batch: clip to norm 1, update
                         accelerator.clip_grad_norm_(net.parameters(), 1.0)
                         optimizer.step()
@@ -215,7 +252,8 @@ def main(
             scheduler.step()
             step, steps_since_log = step + 1, steps_since_log + 1
             if step % log_every == 0 or step in (1, total_steps):
-                train_loss = accelerator.reduce(running_loss, "sum").item() / steps_since_log  # mean step loss
+                # mean step loss
+                train_loss = accelerator.reduce(running_loss, "sum").item() / steps_since_log
                 running_loss, steps_since_log = torch.zeros_like(running_loss), 0
                 lr_now = scheduler.get_last_lr()[0]
                 accelerator.print(f"step {step}/{total_steps} loss {train_loss:.7f} lr {lr_now:.7e}")
@@ -223,15 +261,20 @@ def main(
             if checkpoint_every and step % checkpoint_every == 0 and step % steps_per_epoch:
                 save_checkpoint()  # epoch ends: below
 
-        # ---- evaluation once per epoch: the loss per answer token, each conversation counted once; then a checkpoint
+        # ---- evaluation once per epoch: the loss per answer token, each conversation once; a checkpoint
         net.eval()
         loss_sum, tokens = 0.0, 0
         for batch in eval_loader:
             with torch.no_grad():
-                logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+                logits = net(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                ).logits.float()
             labels = batch["labels"][:, 1:]  # token t predicts token t + 1
-            losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, reduction="none")
-            # gather_for_metrics drops the conversations the sampler repeated to give each process an equal share.
+            losses = torch.nn.functional.cross_entropy(
+                logits[:, :-1].transpose(1, 2), labels, reduction="none"
+            )
+            # gather_for_metrics drops the conversations the sampler repeated to give each process
+            # an equal share.
             sums, counts = accelerator.gather_for_metrics((losses.sum(dim=1), (labels != IGNORE).sum(dim=1)))
             loss_sum, tokens = loss_sum + sums.double().sum().item(), tokens + counts.sum().item()
         net.train()
@@ -242,7 +285,7 @@ def main(
 
     # ---- save: the adapter (LoRA) or the model, with the tokenizer, as from_pretrained / peft read them
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(net)  # whole on the main process, also where the weights are sharded
+    state_dict = accelerator.get_state_dict(net)  # whole on the main process, also where sharded
     if accelerator.is_main_process:
         accelerator.unwrap_model(net).save_pretrained(output_dir, state_dict=state_dict)
         tokenizer.save_pretrained(output_dir)

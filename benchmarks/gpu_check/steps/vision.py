@@ -1,4 +1,5 @@
-"""The vision recipes' steps: CIFAR's fast94 preset on 50,000 generated images, the detector at 640 px."""
+"""The vision recipes' steps: CIFAR's fast94 preset on 50,000 generated images, the detector at 640
+px."""
 
 from ..paths import RECIPES
 from ..run_outputs import epoch_seconds, key_figures, read_json
