@@ -1,15 +1,19 @@
-"""An exponential moving average of a model's weights and BatchNorm statistics, as YOLO evaluates and saves.
+"""An exponential moving average of a model's weights and BatchNorm statistics, as YOLO evaluates
+and saves.
 
     ema = ModelEMA(model, decay=0.9999, ramp_steps=2000)
     ...after each optimizer step:  ema.update(model)
-    evaluate / save ema.module; accelerator.register_for_checkpointing(ema) carries it through save_state/load_state.
+    evaluate / save ema.module; accelerator.register_for_checkpointing(ema) carries it through
+    save_state/load_state.
 
-The decay ramps up as decay x (1 - exp(-updates / ramp_steps)), so early on the average follows the fast-moving
-weights instead of remembering the random initialisation; the first update copies the weights.
+The decay ramps up as decay x (1 - exp(-updates / ramp_steps)), so early on the average follows the
+fast-moving weights instead of remembering the random initialisation; the first update copies the
+weights.
 
-The update count is a Python int and the decay is computed on the host, so an update queues a few fused kernels
-(torch._foreach_lerp_ over all floating-point tensors at once) and never waits for the GPU.
-torch.optim.swa_utils.AveragedModel keeps its count in a device tensor and reads it back several times per update.
+The update count is a Python int and the decay is computed on the host, so an update queues a few
+fused kernels (torch._foreach_lerp_ over all floating-point tensors at once) and never waits for the
+GPU. torch.optim.swa_utils.AveragedModel keeps its count in a device tensor and reads it back
+several times per update.
 """
 
 import copy
@@ -19,8 +23,9 @@ import torch
 
 
 class ModelEMA:
-    """EMA of every floating-point parameter and buffer of `model`; other buffers (BatchNorm's num_batches_tracked)
-    take the model's current value. `module` is the averaged copy (on the model's device, no gradients)."""
+    """EMA of every floating-point parameter and buffer of `model`; other buffers (BatchNorm's
+    num_batches_tracked) take the model's current value. `module` is the averaged copy (on the
+    model's device, no gradients)."""
 
     def __init__(self, model: torch.nn.Module, decay: float, ramp_steps: float = 2000):
         self.decay = decay
@@ -32,14 +37,16 @@ class ModelEMA:
         self._other_pairs: tuple[list, list] = ([], [])
 
     def _pairs(self, model: torch.nn.Module) -> None:
-        """Pair the averaged tensors with the model's once: the optimizer updates the model's tensors in place, so
-        the lists stay valid and each update skips walking the module tree."""
+        """Pair the averaged tensors with the model's once: the optimizer updates the model's
+        tensors in place, so the lists stay valid and each update skips walking the module tree."""
         if self._source is model:
             return
         averaged = [*self.module.parameters(), *self.module.buffers()]
         current = [*model.parameters(), *model.buffers()]
         if len(averaged) != len(current) or any(a.shape != c.shape for a, c in zip(averaged, current)):
-            raise ValueError("ModelEMA.update got a model of another architecture than the one it was built from")
+            raise ValueError(
+                "ModelEMA.update got a model of another architecture than the one it was built from"
+            )
         floats = [(a, c.detach()) for a, c in zip(averaged, current) if a.is_floating_point()]
         others = [(a, c.detach()) for a, c in zip(averaged, current) if not a.is_floating_point()]
         self._float_pairs = ([a for a, _ in floats], [c for _, c in floats])
@@ -47,12 +54,14 @@ class ModelEMA:
         self._source = model
 
     def current_decay(self) -> float:
-        """Weight the average keeps at the next update: 0 at the first (a copy), rising towards `decay`."""
+        """Weight the average keeps at the next update: 0 at the first (a copy), rising towards
+        `decay`."""
         return self.decay * (1 - math.exp(-self.updates / self.ramp_steps))
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        """averaged <- d x averaged + (1 - d) x current, d = current_decay(); call after each optimizer step."""
+        """averaged <- d x averaged + (1 - d) x current, d = current_decay(); call after each
+        optimizer step."""
         self._pairs(model)
         averaged, current = self._float_pairs
         if averaged:

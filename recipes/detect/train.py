@@ -70,7 +70,7 @@ from yolo_data import (
     load_data_config,
     scale_boxes_back,
 )
-from yolo_loss import DetectionLoss
+from yolo_loss import DetectionLoss, keep_freed_memory
 from yolo_model import FREEZABLE, postprocess
 
 from accelerate_recipes import (
@@ -772,6 +772,7 @@ def train(args: DetectFlags) -> None:
         model, args.optimizer, lr, args.momentum, args.weight_decay, accelerator.device
     )
     criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
+    keep_freed_memory()  # each step reuses the last one's freed memory instead of faulting it in
 
     # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add
     # autocast a launcher's --dynamo_backend: results.json counts what it compiles
@@ -811,7 +812,8 @@ def train(args: DetectFlags) -> None:
         synthetic_data=args.data == "synthetic",
     )
 
-    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's
+    # folder
     state = RunState(accelerator.device, LOSS_NAMES)
     # save_state / load_state carry the position with the weights
     accelerator.register_for_checkpointing(state)
@@ -1064,7 +1066,8 @@ def export(args: DetectFlags) -> None:
 
 
 def main(args: DetectFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per
+    mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     if args.export is not None and (args.predict is not None or args.eval_only):

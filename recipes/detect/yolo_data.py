@@ -1,27 +1,31 @@
-"""Detection data in Ultralytics' YOLO format: data.yaml, label files, letterboxing, augmentation, batching.
+"""Detection data in Ultralytics' YOLO format: data.yaml, label files, letterboxing, augmentation,
+batching.
 
 The format is the one documented at docs.ultralytics.com/datasets/detect:
 
-* data.yaml holds `path` (the dataset root), `train` and `val` (and optionally `test`), each a folder of images, a
-  .txt file listing image paths, or a list of those, relative to `path`; `names` (a list, or a dict {0: "person",
-  ...}); optionally `nc`, which must then equal the number of names. One rule here differs from Ultralytics: a
-  relative `path` is read against the folder holding data.yaml (then, if nothing is there, against the current
-  directory), not against Ultralytics' settings folder; without `path`, the root is data.yaml's folder, as there.
-* Each image has a label file: its path with the last `images` folder replaced by `labels` and the suffix by .txt
-  (data/images/train/a.jpg -> data/labels/train/a.txt). One line per object, `class cx cy w h`, the box centre and
-  size divided by the image width and height. A missing or empty label file marks a background image (no objects).
-  A line of `class x1 y1 x2 y2 ...` (3 or more points: a segmentation polygon) stands for the polygon's box.
+* data.yaml holds `path` (the dataset root), `train` and `val` (and optionally `test`), each a
+  folder of images, a .txt file listing image paths, or a list of those, relative to `path`; `names`
+  (a list, or a dict {0: "person", ...}); optionally `nc`, which must then equal the number of
+  names. One rule here differs from Ultralytics: a relative `path` is read against the folder
+  holding data.yaml (then, if nothing is there, against the current directory), not against
+  Ultralytics' settings folder; without `path`, the root is data.yaml's folder, as there.
+* Each image has a label file: its path with the last `images` folder replaced by `labels` and the
+  suffix by .txt (data/images/train/a.jpg -> data/labels/train/a.txt). One line per object, `class
+  cx cy w h`, the box centre and size divided by the image width and height. A missing or empty
+  label file marks a background image (no objects). A line of `class x1 y1 x2 y2 ...` (3 or more
+  points: a segmentation polygon) stands for the polygon's box.
 
-Checks, all at start-up (YoloDataset's constructor reads every label once), raising RecipeError with the file, line
-and fix: a class id that is not a whole number in [0, number of names); a value that is not a number; a coordinate
-or size outside [0, 1] by more than 1e-3 (values within that tolerance are clipped; box corners that stick out of
-the image are clipped silently, as Ultralytics does); an image that is missing or whose header cannot be read.
-Boxes of zero width or height carry no object: they are dropped with a warning, not an error. An image whose pixels
-turn out to be corrupt past its header raises RecipeError when it is loaded.
+Checks, all at start-up (YoloDataset's constructor reads every label once), raising RecipeError with
+the file, line and fix: a class id that is not a whole number in [0, number of names); a value that
+is not a number; a coordinate or size outside [0, 1] by more than 1e-3 (values within that tolerance
+are clipped; box corners that stick out of the image are clipped silently, as Ultralytics does); an
+image that is missing or whose header cannot be read. Boxes of zero width or height carry no object:
+they are dropped with a warning, not an error. An image whose pixels turn out to be corrupt past its
+header raises RecipeError when it is loaded.
 
-Images are decoded with PIL (JPEG ones at reduced size when they are much larger than the network input, through
-the decoder's draft mode) and rotated by their EXIF orientation, as OpenCV-based loaders do, so labels drawn on the
-upright picture match.
+Images are decoded with PIL (JPEG ones at reduced size when they are much larger than the network
+input, through the decoder's draft mode) and rotated by their EXIF orientation, as OpenCV-based
+loaders do, so labels drawn on the upright picture match.
 """
 
 import math
@@ -48,10 +52,12 @@ IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".
 PAD_VALUE = 114  # YOLO's grey for letterbox borders and empty mosaic areas
 TOLERANCE = 1e-3  # normalised coordinates this far outside [0, 1] are clipped; further is an error
 MIN_BOX_PIXELS = 2.0  # after augmentation, boxes narrower or lower than this are dropped
-MIN_VISIBLE_AREA = 0.1  # ... and so are boxes keeping less than this fraction of their area inside the crop
+# ... and so are boxes keeping less than this fraction of their area inside the crop
+MIN_VISIBLE_AREA = 0.1
 TRANSLATE = 0.1  # random shift of the augmented crop, as a fraction of its side
 
-# EXIF orientation tag values (EXIF 2.3, tag 0x0112) -> the PIL transpose that makes the picture upright
+# EXIF orientation tag values (EXIF 2.3, tag 0x0112) ->
+# the PIL transpose that makes the picture upright
 EXIF_ORIENTATION = 0x0112
 UPRIGHT = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -63,7 +69,8 @@ UPRIGHT = {
     8: Image.Transpose.ROTATE_90,
 }
 
-# RGB -> YIQ (NTSC): Y is the brightness, I and Q span the chroma plane in which a rotation turns the hue
+# RGB -> YIQ (NTSC): Y is the brightness, I and Q span
+# the chroma plane in which a rotation turns the hue
 RGB_TO_YIQ = np.array([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 YIQ_TO_RGB = np.linalg.inv(RGB_TO_YIQ)
 
@@ -149,7 +156,8 @@ COCO_NAMES = [
     "hair drier",
     "toothbrush",
 ]
-# Small public YOLO-format sets that Ultralytics hosts (the `download` URLs of its coco128.yaml and coco8.yaml).
+# Small public YOLO-format sets that Ultralytics hosts (the
+# `download` URLs of its coco128.yaml and coco8.yaml).
 DOWNLOADS = {
     "coco128": dict(
         url="https://github.com/ultralytics/assets/releases/download/v0.0.0/coco128.zip",
@@ -166,10 +174,11 @@ DOWNLOADS = {
 }
 
 
-# ------------------------------------------------------------------------------------------------------ data.yaml
+# ---------------------------------------------------------------------------------------- data.yaml
 @dataclass
 class DataConfig:
-    """A parsed data.yaml: the dataset root, the image files of each split (absolute paths) and the class names."""
+    """A parsed data.yaml: the dataset root, the image files of each split (absolute paths) and the
+    class names."""
 
     root: Path
     train: list[Path]
@@ -192,14 +201,17 @@ def _read_yaml(path: Path) -> dict:
             f"{path}{where}: not valid YAML ({getattr(err, 'problem', None) or err}); fix the syntax"
         ) from None
     if not isinstance(config, dict):
-        raise RecipeError(f"{path}: expected a mapping with keys path, train, val, names; got {type(config).__name__}")
+        raise RecipeError(
+            f"{path}: expected a mapping with keys path, train, val, names; got {type(config).__name__}"
+        )
     return config
 
 
 def _parse_names(config: dict, path: Path) -> list[str]:
     names = config.get("names")
     if names is None and isinstance(config.get("nc"), int) and config["nc"] > 0:
-        names = [f"class_{i}" for i in range(config["nc"])]  # Ultralytics' default when only nc is given
+        # Ultralytics' default when only nc is given
+        names = [f"class_{i}" for i in range(config["nc"])]
     if names is None:
         raise RecipeError(f"{path}: no `names`; add the class names, e.g. names: {{0: person, 1: car}}")
     if isinstance(names, dict):
@@ -222,7 +234,8 @@ def _parse_names(config: dict, path: Path) -> list[str]:
     names = [str(n) for n in names]
     if "nc" in config and config["nc"] != len(names):
         raise RecipeError(
-            f"{path}: nc is {config['nc']} but `names` has {len(names)} entries; fix nc or names (nc may be left out)"
+            f"{path}: nc is {config['nc']} but `names` has {len(names)} entries; fix nc or names (nc may be "
+            "left out)"
         )
     return names
 
@@ -256,7 +269,8 @@ def _images_in(folder: Path) -> list[Path]:
 
 
 def _images_listed(list_file: Path, root: Path) -> list[Path]:
-    """Image paths listed one per line; relative ones are read against the list's folder, then the dataset root."""
+    """Image paths listed one per line; relative ones are read against the list's folder, then the
+    dataset root."""
     images = []
     for number, line in enumerate(list_file.read_text().splitlines(), start=1):
         entry = line.strip()
@@ -290,7 +304,8 @@ def _split_images(config: dict, key: str, root: Path, yaml_path: Path) -> list[P
             )
         given = Path(os.path.expanduser(entry))
         where = given if given.is_absolute() else root / given
-        # abspath, not resolve: a symlinked image keeps the path whose images/ -> labels/ twin holds its labels
+        # abspath, not resolve: a symlinked image keeps the
+        # path whose images/ -> labels/ twin holds its labels
         where = Path(os.path.abspath(where))
         if where.is_dir():
             found = _images_in(where)
@@ -313,7 +328,8 @@ def _split_images(config: dict, key: str, root: Path, yaml_path: Path) -> list[P
 
 
 def load_data_config(path: str | Path) -> DataConfig:
-    """Read a data.yaml in Ultralytics' format (see the module docstring) and list each split's image files."""
+    """Read a data.yaml in Ultralytics' format (see the module docstring) and list each split's
+    image files."""
     path = Path(path)
     config = _read_yaml(path)
     for key in ("train", "val"):
@@ -336,10 +352,11 @@ def load_data_config(path: str | Path) -> DataConfig:
 
 
 def download_dataset(name: str, data_dir: Path, download: bool = True) -> Path:
-    """The data.yaml of a small public set (coco128, coco8) under data_dir/<name>, downloaded on first use.
+    """The data.yaml of a small public set (coco128, coco8) under data_dir/<name>, downloaded on
+    first use.
 
-    `name` may also be a folder holding a data.yaml. With download=False (the other processes of a node, after the
-    first one downloaded), a missing set is an error rather than a second download.
+    `name` may also be a folder holding a data.yaml. With download=False (the other processes of a
+    node, after the first one downloaded), a missing set is an error rather than a second download.
     """
     if Path(name).is_dir() and (Path(name) / "data.yaml").is_file():
         return Path(name) / "data.yaml"
@@ -387,9 +404,10 @@ def download_dataset(name: str, data_dir: Path, download: bool = True) -> Path:
     return data_yaml
 
 
-# --------------------------------------------------------------------------------------------------------- labels
+# ------------------------------------------------------------------------------------------- labels
 def label_path(image: str | Path) -> Path:
-    """Ultralytics' rule: the last `images` folder of the path becomes `labels`, the suffix becomes .txt."""
+    """Ultralytics' rule: the last `images` folder of the path becomes `labels`, the suffix becomes
+    .txt."""
     parts = list(Path(image).parts)
     for i in range(len(parts) - 2, -1, -1):  # folders only, never the file name itself
         if parts[i] == "images":
@@ -420,7 +438,8 @@ def _unit(value: float, what: str, where: str) -> float:
 
 
 def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str]]:
-    """(float32 [N, 5] rows class, cx, cy, w, h in [0, 1]; 'file line N' of each zero-size box dropped).
+    """(float32 [N, 5] rows class, cx, cy, w, h in [0, 1]; 'file line N' of each zero-size box
+    dropped).
 
     A missing file is a background image: no rows.
     """
@@ -456,7 +475,12 @@ def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str
         if len(tokens) == 5:
             cx, cy = _unit(values[1], "cx", where), _unit(values[2], "cy", where)
             w, h = _unit(values[3], "w", where), _unit(values[4], "h", where)
-            x1, y1, x2, y2 = max(cx - w / 2, 0.0), max(cy - h / 2, 0.0), min(cx + w / 2, 1.0), min(cy + h / 2, 1.0)
+            x1, y1, x2, y2 = (
+                max(cx - w / 2, 0.0),
+                max(cy - h / 2, 0.0),
+                min(cx + w / 2, 1.0),
+                min(cy + h / 2, 1.0),
+            )
         else:  # a polygon: its bounding box
             xs = [_unit(v, "x", where) for v in values[1::2]]
             ys = [_unit(v, "y", where) for v in values[2::2]]
@@ -469,7 +493,8 @@ def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str
 
 
 def _check_image_header(path: Path) -> None:
-    """Opening reads only the header: cheap, and it catches missing files and files that are not images."""
+    """Opening reads only the header: cheap, and it catches missing files and files that are not
+    images."""
     try:
         with Image.open(path) as image:
             width, height = image.size
@@ -490,19 +515,24 @@ def _scan(image: Path, num_classes: int) -> tuple[np.ndarray, list[str], bool]:
     return labels, dropped, label_file.is_file()
 
 
-# ------------------------------------------------------------------------------------------------------ letterbox
+# ---------------------------------------------------------------------------------------- letterbox
 def _load_image(path: Path, size: int) -> tuple[Image.Image, tuple[int, int], float]:
-    """(RGB image upright and resized so its longer side is `size`, original (h, w) upright, the scale used)."""
+    """(RGB image upright and resized so its longer side is `size`, original (h, w) upright, the
+    scale used)."""
     try:
         with Image.open(path) as image:
             width, height = image.size
-            orientation = image.getexif().get(EXIF_ORIENTATION, 1) if image.format in ("JPEG", "TIFF", "WEBP") else 1
-            turned = orientation in (5, 6, 7, 8)  # a quarter turn: the upright picture is height x width
+            orientation = (
+                image.getexif().get(EXIF_ORIENTATION, 1) if image.format in ("JPEG", "TIFF", "WEBP") else 1
+            )
+            # a quarter turn: the upright picture is height x width
+            turned = orientation in (5, 6, 7, 8)
             if turned:
                 width, height = height, width
             ratio = size / max(width, height)
             new_size = (max(1, round(width * ratio)), max(1, round(height * ratio)))
-            if image.format == "JPEG" and ratio < 0.5:  # decode at 1/2, 1/4 or 1/8 scale: much less work
+            # decode at 1/2, 1/4 or 1/8 scale: much less work
+            if image.format == "JPEG" and ratio < 0.5:
                 image.draft("RGB", new_size[::-1] if turned else new_size)
             image.load()  # decode now, while the file is open
             if image.mode != "RGB":
@@ -521,7 +551,8 @@ def _load_image(path: Path, size: int) -> tuple[Image.Image, tuple[int, int], fl
 
 
 def _pad_square(image: Image.Image, size: int) -> tuple[Image.Image, tuple[int, int]]:
-    """`image` (sides <= size) centred on a size x size grey canvas; returns it and the (left, top) offset."""
+    """`image` (sides <= size) centred on a size x size grey canvas; returns it and the (left, top)
+    offset."""
     pad = ((size - image.width) // 2, (size - image.height) // 2)
     if image.size == (size, size):
         return image, (0, 0)
@@ -531,11 +562,13 @@ def _pad_square(image: Image.Image, size: int) -> tuple[Image.Image, tuple[int, 
 
 
 def letterbox(image, size: int):
-    """Resize keeping the aspect ratio so the longer side is `size`, and pad to size x size with grey (114).
+    """Resize keeping the aspect ratio so the longer side is `size`, and pad to size x size with
+    grey (114).
 
-    `image` is uint8 [H, W, 3] (numpy or torch; [H, W] greyscale and [H, W, 4] are accepted). Returns
-    (letterboxed image [size, size, 3] uint8 of the input's kind, ratio, (pad_x, pad_y)): a point (x, y) of the
-    input lands at (x * ratio + pad_x, y * ratio + pad_y). scale_boxes_back undoes it.
+    `image` is uint8 [H, W, 3] (numpy or torch; [H, W] greyscale and [H, W, 4] are accepted).
+    Returns (letterboxed image [size, size, 3] uint8 of the input's kind, ratio, (pad_x, pad_y)): a
+    point (x, y) of the input lands at (x * ratio + pad_x, y * ratio + pad_y). scale_boxes_back
+    undoes it.
     """
     is_tensor = isinstance(image, torch.Tensor)
     array = image.detach().cpu().numpy() if is_tensor else np.asarray(image)
@@ -556,10 +589,11 @@ def letterbox(image, size: int):
 
 
 def scale_boxes_back(boxes_xyxy, ratio: float, pad, original_shape):
-    """Map [N, 4] x1, y1, x2, y2 boxes from the letterboxed image to the original image's pixels (clipped to it).
+    """Map [N, 4] x1, y1, x2, y2 boxes from the letterboxed image to the original image's pixels
+    (clipped to it).
 
-    `ratio` and `pad` are what letterbox (or a dataset item's meta) returned; original_shape is (height, width).
-    Takes and returns a torch tensor or a numpy array.
+    `ratio` and `pad` are what letterbox (or a dataset item's meta) returned; original_shape is
+    (height, width). Takes and returns a torch tensor or a numpy array.
     """
     height, width = int(original_shape[0]), int(original_shape[1])
     pad_x, pad_y = float(pad[0]), float(pad[1])
@@ -576,7 +610,8 @@ def scale_boxes_back(boxes_xyxy, ratio: float, pad, original_shape):
 
 
 def _to_pixels(labels: np.ndarray, original_shape, ratio: float, pad) -> np.ndarray:
-    """Normalised (class, cx, cy, w, h) rows -> (class, x1, y1, x2, y2) in the letterboxed image's pixels."""
+    """Normalised (class, cx, cy, w, h) rows -> (class, x1, y1, x2, y2) in the letterboxed image's
+    pixels."""
     height, width = original_shape
     out = np.empty_like(labels)
     out[:, 0] = labels[:, 0]
@@ -588,15 +623,17 @@ def _to_pixels(labels: np.ndarray, original_shape, ratio: float, pad) -> np.ndar
     return out
 
 
-# -------------------------------------------------------------------------------------------------------- dataset
+# ------------------------------------------------------------------------------------------ dataset
 CACHE_MODES = ("auto", "ram", "off")
-CACHE_AUTO_BYTES = 2**30  # --cache auto keeps the images in memory when they take at most this much per process
+# --cache auto keeps the images in memory when they take at most this much per process
+CACHE_AUTO_BYTES = 2**30
 
 
 def cache_in_memory(mode: str, num_images: int, image_size: int) -> bool:
-    """--cache's answer for `num_images` images at `image_size` (each at most image_size^2 x 3 bytes once resized):
-    ram always (refused when this machine's available memory, shared by the processes on it, cannot hold them), off
-    never, auto when they fit CACHE_AUTO_BYTES and a quarter of this process's share of the available memory."""
+    """--cache's answer for `num_images` images at `image_size` (each at most image_size^2 x 3 bytes
+    once resized): ram always (refused when this machine's available memory, shared by the processes
+    on it, cannot hold them), off never, auto when they fit CACHE_AUTO_BYTES and a quarter of this
+    process's share of the available memory."""
     if mode not in CACHE_MODES:
         raise RecipeError(f"unknown --cache {mode!r}; choose auto, ram or off")
     if mode == "off":
@@ -605,7 +642,8 @@ def cache_in_memory(mode: str, num_images: int, image_size: int) -> bool:
     share = psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if mode == "ram" and needed > share:
         raise RecipeError(
-            f"--cache ram needs up to {needed / 2**30:.1f} GiB for {num_images} images at {image_size} px, and this "
+            f"--cache ram needs up to {needed / 2**30:.1f} GiB for {num_images} images at {image_size} px, "
+            "and this "
             f"process's share of the available memory is {share / 2**30:.1f} GiB; use --cache off"
         )
     return mode == "ram" or needed <= min(CACHE_AUTO_BYTES, share // 4)
@@ -616,29 +654,34 @@ def _on_rank_zero() -> bool:
 
 
 class YoloDataset(torch.utils.data.Dataset):
-    """Images and boxes of one split, letterboxed to image_size x image_size; augmented for training.
+    """Images and boxes of one split, letterboxed to image_size x image_size; augmented for
+    training.
 
-    Item: (image uint8 [3, S, S], boxes float32 [N, 5] rows class, x1, y1, x2, y2 in pixels of the S x S image,
-    meta {path: str, orig_shape: (h, w), ratio: float, pad: (pad_x, pad_y)}). Without augmentation the image is
-    letterboxed and meta maps boxes back to the original (scale_boxes_back). With augmentation meta describes the
-    item's first image before augmentation; the boxes no longer map back to it.
+    Item: (image uint8 [3, S, S], boxes float32 [N, 5] rows class, x1, y1, x2, y2 in pixels of the S
+    x S image, meta {path: str, orig_shape: (h, w), ratio: float, pad: (pad_x, pad_y)}). Without
+    augmentation the image is letterboxed and meta maps boxes back to the original
+    (scale_boxes_back). With augmentation meta describes the item's first image before augmentation;
+    the boxes no longer map back to it.
 
-    Augmentation (training): with probability `mosaic`, four images (this one and three drawn at random) around a
-    random centre of a 2S x 2S canvas; then a crop of that canvas (or of the letterboxed image) zoomed by a random
-    factor in [1 - scale, 1 + scale] and shifted by up to 10%, resized to S x S; horizontal and vertical flips with
-    probabilities flip_lr and flip_ud; colour jitter with YOLO's hsv gains: hue turned by up to +/- hsv[0] of the
-    colour circle, saturation and value multiplied by factors in [1 - hsv[1], 1 + hsv[1]] and [1 - hsv[2], 1 +
-    hsv[2]] (applied as one colour matrix, in YIQ space for hue and saturation). Boxes are clipped to the image;
-    boxes under 2 pixels wide or high, or keeping under 10% of their area, are dropped. The random draws come from
-    torch's random generator (one draw per item), so they repeat under torch.manual_seed and, in DataLoader
-    workers, follow the loader's seed.
+    Augmentation (training): with probability `mosaic`, four images (this one and three drawn at
+    random) around a random centre of a 2S x 2S canvas; then a crop of that canvas (or of the
+    letterboxed image) zoomed by a random factor in [1 - scale, 1 + scale] and shifted by up to 10%,
+    resized to S x S; horizontal and vertical flips with probabilities flip_lr and flip_ud; colour
+    jitter with YOLO's hsv gains: hue turned by up to +/- hsv[0] of the colour circle, saturation
+    and value multiplied by factors in [1 - hsv[1], 1 + hsv[1]] and [1 - hsv[2], 1 + hsv[2]]
+    (applied as one colour matrix, in YIQ space for hue and saturation). Boxes are clipped to the
+    image; boxes under 2 pixels wide or high, or keeping under 10% of their area, are dropped. The
+    random draws come from torch's random generator (one draw per item), so they repeat under
+    torch.manual_seed and, in DataLoader workers, follow the loader's seed.
 
-    Every label file is read and checked here, once: a bad one stops the program now, not mid-epoch. `set_mosaic`
-    turns mosaic off and on (train.py's --close_mosaic) through shared memory, so persistent loader workers follow.
+    Every label file is read and checked here, once: a bad one stops the program now, not mid-epoch.
+    `set_mosaic` turns mosaic off and on (train.py's --close_mosaic) through shared memory, so
+    persistent loader workers follow.
 
-    cache: decode and resize every image once, here, and keep it in memory (train.py's --cache). Items are the same
-    with and without it; mosaic reads four images per item, so decoding is most of a small model's data time on a
-    CPU. Loader workers started later share the cached pictures with this process (fork copies pages only on write).
+    cache: decode and resize every image once, here, and keep it in memory (train.py's --cache).
+    Items are the same with and without it; mosaic reads four images per item, so decoding is most
+    of a small model's data time on a CPU. Loader workers started later share the cached pictures
+    with this process (fork copies pages only on write).
     """
 
     def __init__(
@@ -665,7 +708,9 @@ class YoloDataset(torch.utils.data.Dataset):
         if len(self.hsv) != 3:
             raise RecipeError(f"hsv must be three gains (hue, saturation, value); got {hsv}")
         if not 0 <= self.scale < 1:
-            raise RecipeError(f"scale {scale} must lie in [0, 1): the zoom is drawn from [1 - scale, 1 + scale]")
+            raise RecipeError(
+                f"scale {scale} must lie in [0, 1): the zoom is drawn from [1 - scale, 1 + scale]"
+            )
         self._mosaic_on = torch.ones((), dtype=torch.bool).share_memory_()
         workers = min(32, usable_cores() + 4)  # file reads wait on storage, so threads overlap them
         with ThreadPoolExecutor(workers) as pool:
@@ -691,7 +736,8 @@ class YoloDataset(torch.utils.data.Dataset):
             if label_files == 0:
                 print(
                     f"warning: no label files found; for {self.image_files[0]} the labels would be in "
-                    f"{label_path(self.image_files[0])} (the last images/ folder becomes labels/); every image "
+                    f"{label_path(self.image_files[0])} (the last images/ folder becomes labels/); every "
+                    "image "
                     "is treated as background",
                     flush=True,
                 )
@@ -708,19 +754,24 @@ class YoloDataset(torch.utils.data.Dataset):
         return len(self.image_files)
 
     def set_mosaic(self, on: bool) -> None:
-        """Mosaic (at probability `mosaic`) on or off from the next item on, in every loader worker too."""
+        """Mosaic (at probability `mosaic`) on or off from the next item on, in every loader worker
+        too."""
         self._mosaic_on.fill_(on)
 
     def _decode_all(self, progress: bool) -> list:
         with ThreadPoolExecutor(usable_cores()) as pool:  # PIL decodes and resizes outside the GIL
             loaded = pool.map(lambda p: _load_image(p, self.image_size), self.image_files)
-            bar = tqdm(loaded, total=len(self), desc="caching images", unit="image", disable=not progress, delay=1)
+            bar = tqdm(
+                loaded, total=len(self), desc="caching images", unit="image", disable=not progress, delay=1
+            )
             return list(bar)
 
     def _image(self, index: int) -> tuple[Image.Image, tuple[int, int], float]:
-        """Image `index` upright, its longer side image_size; its original (h, w) and the scale (_load_image)."""
+        """Image `index` upright, its longer side image_size; its original (h, w) and the scale
+        (_load_image)."""
         if self._cached is not None:
-            return self._cached[index]  # never changed in place: every step after this makes a new picture
+            # never changed in place: every step after this makes a new picture
+            return self._cached[index]
         return _load_image(self.image_files[index], self.image_size)
 
     def __getitem__(self, index: int):
@@ -735,12 +786,14 @@ class YoloDataset(torch.utils.data.Dataset):
         else:
             image, pad = _pad_square(image, self.image_size)
             boxes = _to_pixels(self.labels[index], orig_shape, ratio, pad)
-        tensor = torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))  # CHW, in numpy: faster
+        # CHW, in numpy: faster
+        tensor = torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
         return tensor, torch.from_numpy(np.ascontiguousarray(boxes, dtype=np.float32)).reshape(-1, 5), meta
 
     # ---- augmentation
     def _mosaic(self, index: int, first: Image.Image, first_boxes: np.ndarray, rng: random.Random):
-        """Four images around a random centre of a 2S x 2S canvas; boxes clipped to the visible part of each."""
+        """Four images around a random centre of a 2S x 2S canvas; boxes clipped to the visible part
+        of each."""
         size = self.image_size
         cx, cy = round(rng.uniform(size / 2, 1.5 * size)), round(rng.uniform(size / 2, 1.5 * size))
         canvas = Image.new("RGB", (2 * size, 2 * size), (PAD_VALUE,) * 3)
@@ -753,7 +806,8 @@ class YoloDataset(torch.utils.data.Dataset):
                 image, orig_shape, ratio = self._image(i)
                 boxes = _to_pixels(self.labels[i], orig_shape, ratio, (0, 0))
             w, h = image.size
-            x = cx - w if quadrant in (0, 2) else cx  # top-left, top-right, bottom-left, bottom-right
+            # top-left, top-right, bottom-left, bottom-right
+            x = cx - w if quadrant in (0, 2) else cx
             y = cy - h if quadrant in (0, 1) else cy
             canvas.paste(image, (x, y))  # PIL clips what falls off the canvas
             boxes = boxes.copy()
@@ -766,9 +820,11 @@ class YoloDataset(torch.utils.data.Dataset):
         return canvas, np.concatenate(all_boxes), np.concatenate(all_areas)
 
     def _augmented(self, index: int, image: Image.Image, boxes: np.ndarray, rng: random.Random):
-        """`image` resized (longer side S) but not padded, `boxes` in its pixels -> the augmented S x S item."""
+        """`image` resized (longer side S) but not padded, `boxes` in its pixels -> the augmented S
+        x S item."""
         size = self.image_size
-        if rng.random() < self.mosaic and bool(self._mosaic_on):  # the draw is made either way: the rest repeats
+        # the draw is made either way: the rest repeats
+        if rng.random() < self.mosaic and bool(self._mosaic_on):
             canvas, boxes, areas = self._mosaic(index, image, boxes, rng)
         else:
             canvas, pad = _pad_square(image, size)
@@ -794,7 +850,11 @@ class YoloDataset(torch.utils.data.Dataset):
         areas = areas * zoom * zoom
         boxes[:, 1:] = boxes[:, 1:].clip(0, size)
         w, h = boxes[:, 3] - boxes[:, 1], boxes[:, 4] - boxes[:, 2]
-        keep = (w >= MIN_BOX_PIXELS) & (h >= MIN_BOX_PIXELS) & (w * h >= MIN_VISIBLE_AREA * np.maximum(areas, 1e-9))
+        keep = (
+            (w >= MIN_BOX_PIXELS)
+            & (h >= MIN_BOX_PIXELS)
+            & (w * h >= MIN_VISIBLE_AREA * np.maximum(areas, 1e-9))
+        )
         boxes = boxes[keep]
         if rng.random() < self.flip_lr:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -808,8 +868,9 @@ class YoloDataset(torch.utils.data.Dataset):
         hue, saturation, value = self.hsv
         if not (hue or saturation or value):
             return image
-        # one 3x3 colour matrix: turn the hue in YIQ's chroma plane, scale the chroma (saturation) and then all of
-        # R, G, B (value); a single PIL pass, several times cheaper than converting to HSV and back
+        # one 3x3 colour matrix: turn the hue in YIQ's chroma plane, scale the chroma (saturation)
+        # and then all of R, G, B (value); a single PIL pass, several times cheaper than converting
+        # to HSV and back
         angle = rng.uniform(-hue, hue) * 2 * math.pi
         chroma = rng.uniform(1 - saturation, 1 + saturation)
         brightness = rng.uniform(1 - value, 1 + value)
@@ -820,20 +881,23 @@ class YoloDataset(torch.utils.data.Dataset):
 
 
 def collate(batch):
-    """Stack dataset items: (images uint8 [B, 3, S, S], targets float32 [B, M, 5] rows class, x1, y1, x2, y2 in
-    pixels padded with class -1 rows (yolo_loss.pad_targets), metas: list of B dicts)."""
+    """Stack dataset items: (images uint8 [B, 3, S, S], targets float32 [B, M, 5] rows class, x1,
+    y1, x2, y2 in pixels padded with class -1 rows (yolo_loss.pad_targets), metas: list of B
+    dicts)."""
     images = torch.stack([item[0] for item in batch])
     return images, pad_targets([item[1].float() for item in batch]), [item[2] for item in batch]
 
 
 class FilledEpochSampler(torch.utils.data.Sampler):
-    """Every image once per epoch, in an order shuffled by (seed, epoch) alone, the last global batch filled up with
-    the first images of that order: no image is left out of an epoch, every batch is whole (the training step keeps
-    one shape), and each optimizer step trains on the same images on any number of processes.
+    """Every image once per epoch, in an order shuffled by (seed, epoch) alone, the last global
+    batch filled up with the first images of that order: no image is left out of an epoch, every
+    batch is whole (the training step keeps one shape), and each optimizer step trains on the same
+    images on any number of processes.
 
-    `multiple` is the global batch (per-process batch x processes x accumulation steps): accelerate hands process i
-    the batches i, i + N, ..., so the images of optimizer step s are the positions [s x multiple, (s + 1) x multiple)
-    of this order whatever N is. Call `set_epoch` before each epoch (accelerate's loader's set_epoch does)."""
+    `multiple` is the global batch (per-process batch x processes x accumulation steps): accelerate
+    hands process i the batches i, i + N, ..., so the images of optimizer step s are the positions
+    [s x multiple, (s + 1) x multiple) of this order whatever N is. Call `set_epoch` before each
+    epoch (accelerate's loader's set_epoch does)."""
 
     def __init__(self, size: int, multiple: int, seed: int):
         self.size, self.multiple, self.seed, self.epoch = size, multiple, seed, 0

@@ -1,18 +1,22 @@
-"""A YOLO-style anchor-free object detector in plain PyTorch: model, box decoding, NMS post-processing, size/FLOPs.
+"""A YOLO-style anchor-free object detector in plain PyTorch: model, box decoding, NMS
+post-processing, size/FLOPs.
 
-The architecture follows the published layout of YOLOv8 (Ultralytics, 2023): a CSP backbone of C2f blocks ending in
-SPPF, a PAN-FPN neck, and a decoupled anchor-free head on strides 8/16/32 whose box branch predicts each side's
-distance from the anchor point as a discrete distribution over `reg_max` bins (Distribution Focal Loss, Li et al.
-2020, "Generalized Focal Loss"). The depth/width multipliers and channel counts are YOLOv8's, so `size="n"` has the
-same 3.16M parameters at 80 classes; the code itself is written here from those published facts.
+The architecture follows the published layout of YOLOv8 (Ultralytics, 2023): a CSP backbone of C2f
+blocks ending in SPPF, a PAN-FPN neck, and a decoupled anchor-free head on strides 8/16/32 whose box
+branch predicts each side's distance from the anchor point as a discrete distribution over `reg_max`
+bins (Distribution Focal Loss, Li et al. 2020, "Generalized Focal Loss"). The depth/width
+multipliers and channel counts are YOLOv8's, so `size="n"` has the same 3.16M parameters at 80
+classes; the code itself is written here from those published facts.
 
     model = Detector(num_classes=80, size="n")
-    outputs = model(images)                                    # images: float [B, 3, H, W] in [0, 1], H, W % 32 == 0
-    detections = postprocess(outputs, model.strides, model.reg_max)  # per image: boxes xyxy pixels, scores, labels
+    outputs = model(images)  # images: float [B, 3, H, W] in [0, 1], H and W multiples of 32
+    # per image: boxes (xyxy, pixels), scores, labels
+    detections = postprocess(outputs, model.strides, model.reg_max)
 
-Conventions: boxes are (x1, y1, x2, y2) in input-image pixels; anchor points are in input-image pixels too (the
-centre of a grid cell, (i + 0.5) * stride); anchors are ordered level by level (stride 8 first), row-major inside a
-level, which is the order of `torch.cat([o.flatten(2) for o in outputs], 2)`.
+Conventions: boxes are (x1, y1, x2, y2) in input-image pixels; anchor points are in input-image
+pixels too (the centre of a grid cell, (i + 0.5) * stride); anchors are ordered level by level
+(stride 8 first), row-major inside a level, which is the order of `torch.cat([o.flatten(2) for o in
+outputs], 2)`.
 """
 
 import copy
@@ -23,8 +27,9 @@ import torch.nn as nn
 import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
-# YOLOv8's compound-scaling multipliers (the scales of Ultralytics' yolov8.yaml): depth scales the number of
-# bottlenecks per C2f, width the channels, and channels are capped at max_channels before scaling.
+# YOLOv8's compound-scaling multipliers (the scales of Ultralytics' yolov8.yaml): depth scales the
+# number of bottlenecks per C2f, width the channels, and
+# channels are capped at max_channels before scaling.
 SIZES = {
     "n": dict(depth=0.33, width=0.25, max_channels=1024),
     "s": dict(depth=0.33, width=0.50, max_channels=1024),
@@ -33,8 +38,9 @@ SIZES = {
     "x": dict(depth=1.00, width=1.25, max_channels=512),
 }
 
-# Our blocks in YOLOv8's layer order: the index of each in Ultralytics' model (model.<index>, its detection YAML).
-# Indices 10, 11, 13, 14, 17 and 20 are Upsample and Concat layers, without weights; 22 is the head.
+# Our blocks in YOLOv8's layer order: the index of each in Ultralytics' model (model.<index>, its
+# detection YAML). Indices 10, 11, 13, 14, 17 and 20 are Upsample and Concat layers, without
+# weights; 22 is the head.
 YOLOV8_LAYERS = {
     "backbone.stem.0": 0,
     "backbone.stem.1": 1,
@@ -64,7 +70,8 @@ class Conv(nn.Sequential):
     def __init__(self, c_in: int, c_out: int, k: int = 1, s: int = 1):
         super().__init__(
             nn.Conv2d(c_in, c_out, k, s, padding=k // 2, bias=False),
-            # YOLO's BatchNorm settings: eps 1e-3 and a slow running-stat momentum suit small per-GPU batches
+            # YOLO's BatchNorm settings: eps 1e-3 and a slow
+            # running-stat momentum suit small per-GPU batches
             nn.BatchNorm2d(c_out, eps=1e-3, momentum=0.03),
             nn.SiLU(inplace=True),
         )
@@ -85,8 +92,9 @@ class Bottleneck(nn.Module):
 
 
 class C2f(nn.Module):
-    """CSP block: a 1x1 conv splits into two halves, n bottlenecks run on one half and every intermediate output is
-    concatenated (richer gradient paths than the older C3 block) before a 1x1 fusing conv."""
+    """CSP block: a 1x1 conv splits into two halves, n bottlenecks run on one half and every
+    intermediate output is concatenated (richer gradient paths than the older C3 block) before a 1x1
+    fusing conv."""
 
     def __init__(self, c_in: int, c_out: int, n: int, shortcut: bool):
         super().__init__()
@@ -103,7 +111,8 @@ class C2f(nn.Module):
 
 
 class SPPF(nn.Module):
-    """Spatial pyramid pooling, fast: three chained 5x5 max-pools equal pooling at 5, 9 and 13 in one pass."""
+    """Spatial pyramid pooling, fast: three chained 5x5 max-pools equal pooling at 5, 9 and 13 in
+    one pass."""
 
     def __init__(self, c_in: int, c_out: int, k: int = 5):
         super().__init__()
@@ -125,10 +134,12 @@ class Backbone(nn.Module):
     def __init__(self, ch: list[int], n3: int, n6: int):
         super().__init__()
         c1, c2, c3, c4, c5 = ch
-        self.stem = nn.Sequential(Conv(3, c1, 3, 2), Conv(c1, c2, 3, 2), C2f(c2, c2, n3, True))  # stride 4
+        # stride 4
+        self.stem = nn.Sequential(Conv(3, c1, 3, 2), Conv(c1, c2, 3, 2), C2f(c2, c2, n3, True))
         self.stage3 = nn.Sequential(Conv(c2, c3, 3, 2), C2f(c3, c3, n6, True))  # stride 8
         self.stage4 = nn.Sequential(Conv(c3, c4, 3, 2), C2f(c4, c4, n6, True))  # stride 16
-        self.stage5 = nn.Sequential(Conv(c4, c5, 3, 2), C2f(c5, c5, n3, True), SPPF(c5, c5))  # stride 32
+        # stride 32
+        self.stage5 = nn.Sequential(Conv(c4, c5, 3, 2), C2f(c5, c5, n3, True), SPPF(c5, c5))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p3 = self.stage3(self.stem(x))
@@ -137,7 +148,8 @@ class Backbone(nn.Module):
 
 
 class Neck(nn.Module):
-    """PAN-FPN: a top-down path carries semantics to the fine levels, a bottom-up path carries localisation back."""
+    """PAN-FPN: a top-down path carries semantics to the fine levels, a bottom-up path carries
+    localisation back."""
 
     def __init__(self, c3: int, c4: int, c5: int, n: int):
         super().__init__()
@@ -158,25 +170,34 @@ class Neck(nn.Module):
 
 
 class Head(nn.Module):
-    """Decoupled anchor-free head: per level, a box branch (4 * reg_max DFL logits) and a class branch (logits)."""
+    """Decoupled anchor-free head: per level, a box branch (4 * reg_max DFL logits) and a class
+    branch (logits)."""
 
     def __init__(
-        self, channels: list[int], num_classes: int, strides: tuple[int, ...], reg_max: int, cls_width: int | None
+        self,
+        channels: list[int],
+        num_classes: int,
+        strides: tuple[int, ...],
+        reg_max: int,
+        cls_width: int | None,
     ):
         super().__init__()
         box_c = max(16, channels[0] // 4, 4 * reg_max)
         cls_c = cls_width or class_branch_width(channels[0], num_classes)
         self.box = nn.ModuleList(
-            nn.Sequential(Conv(c, box_c, 3), Conv(box_c, box_c, 3), nn.Conv2d(box_c, 4 * reg_max, 1)) for c in channels
+            nn.Sequential(Conv(c, box_c, 3), Conv(box_c, box_c, 3), nn.Conv2d(box_c, 4 * reg_max, 1))
+            for c in channels
         )
         self.cls = nn.ModuleList(
-            nn.Sequential(Conv(c, cls_c, 3), Conv(cls_c, cls_c, 3), nn.Conv2d(cls_c, num_classes, 1)) for c in channels
+            nn.Sequential(Conv(c, cls_c, 3), Conv(cls_c, cls_c, 3), nn.Conv2d(cls_c, num_classes, 1))
+            for c in channels
         )
         for box, cls, s in zip(self.box, self.cls, strides):
             nn.init.constant_(box[-1].bias, 1.0)
-            # Start every class probability near the prior "about 5 objects per 640x640 image, spread over the
-            # (640/s)^2 cells of this level and the classes", so the many background anchors don't swamp the early
-            # classification loss (the focal-loss paper's prior-probability init, Lin et al. 2017).
+            # Start every class probability near the prior "about 5 objects per 640x640 image,
+            # spread over the (640/s)^2 cells of this level and the classes", so the many background
+            # anchors don't swamp the early classification loss (the focal-loss paper's
+            # prior-probability init, Lin et al. 2017).
             nn.init.constant_(cls[-1].bias, math.log(5 / num_classes / (640 / s) ** 2))
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -184,8 +205,9 @@ class Head(nn.Module):
 
 
 def class_branch_width(channels: int, num_classes: int) -> int:
-    """YOLOv8's hidden width of the classification branch: the finest level's channels, or the class count (up to
-    100) when that is larger; 80 for the nano model on COCO's 80 classes, 64 for it on 3 classes."""
+    """YOLOv8's hidden width of the classification branch: the finest level's channels, or the class
+    count (up to 100) when that is larger; 80 for the nano model on COCO's 80 classes, 64 for it on
+    3 classes."""
     return max(channels, min(num_classes, 100))
 
 
@@ -194,8 +216,8 @@ def _channels(c: int, width: float, max_channels: int) -> int:
 
 
 def size_of_weights(state: dict) -> str | None:
-    """The size (n, s, m, l, x) of a state dict of this detector, read from the first convolution's width (16, 32,
-    48, 64, 80 channels); None when it has no such layer or another width."""
+    """The size (n, s, m, l, x) of a state dict of this detector, read from the first convolution's
+    width (16, 32, 48, 64, 80 channels); None when it has no such layer or another width."""
     first = state.get("backbone.stem.0.0.weight")
     if first is None:
         return None
@@ -204,13 +226,15 @@ def size_of_weights(state: dict) -> str | None:
 
 
 class Detector(nn.Module):
-    """YOLOv8-layout detector. forward(images [B, 3, H, W] float in [0, 1], H and W multiples of 32) returns a list of
-    3 raw tensors [B, 4 * reg_max + num_classes, H / s, W / s] for s in strides, in train and eval mode alike:
-    channels [0, 4 * reg_max) are the box-side DFL logits (left, top, right, bottom; reg_max bins each), the rest are
-    class logits. Use `decode` or `postprocess` to turn them into boxes.
+    """YOLOv8-layout detector. forward(images [B, 3, H, W] float in [0, 1], H and W multiples of 32)
+    returns a list of 3 raw tensors [B, 4 * reg_max + num_classes, H / s, W / s] for s in strides,
+    in train and eval mode alike: channels [0, 4 * reg_max) are the box-side DFL logits (left, top,
+    right, bottom; reg_max bins each), the rest are class logits. Use `decode` or `postprocess` to
+    turn them into boxes.
 
-    cls_width: the hidden width of the classification branch; default YOLOv8's rule (class_branch_width). A model
-    fine-tuned from another keeps that model's width (80 for COCO weights), so all of its branch carries over."""
+    cls_width: the hidden width of the classification branch; default YOLOv8's rule
+    (class_branch_width). A model fine-tuned from another keeps that model's width (80 for COCO
+    weights), so all of its branch carries over."""
 
     strides = (8, 16, 32)
     reg_max = 16
@@ -237,9 +261,9 @@ class Detector(nn.Module):
         return self.head(self.neck(*self.backbone(images)))
 
     def freeze(self, layers: int) -> tuple[str, ...]:
-        """Fix YOLOv8's first `layers` layers (Ultralytics' freeze: 10 is the backbone): their parameters get no
-        gradient and their BatchNorm layers stay in eval mode, so their running statistics do not move either.
-        Returns the names of the blocks fixed."""
+        """Fix YOLOv8's first `layers` layers (Ultralytics' freeze: 10 is the backbone): their
+        parameters get no gradient and their BatchNorm layers stay in eval mode, so their running
+        statistics do not move either. Returns the names of the blocks fixed."""
         if not 0 <= layers <= FREEZABLE:
             raise ValueError(f"layers must be 0 to {FREEZABLE} (the layers before the head), got {layers}")
         self.frozen_blocks = tuple(n for n, i in YOLOV8_LAYERS.items() if isinstance(i, int) and i < layers)
@@ -249,7 +273,8 @@ class Detector(nn.Module):
 
     def train(self, mode: bool = True) -> "Detector":
         super().train(mode)
-        for name in self.frozen_blocks:  # frozen BatchNorm statistics: also under model.train() and DDP's
+        # frozen BatchNorm statistics: also under model.train() and DDP's
+        for name in self.frozen_blocks:
             self.get_submodule(name).eval()
         return self
 
@@ -257,8 +282,9 @@ class Detector(nn.Module):
 def make_anchors(
     outputs: list[torch.Tensor], strides: tuple[int, ...], offset: float = 0.5
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchor points of all levels: (anchor_points [A, 2] as (x, y) in input-image PIXELS, i.e. (cell + offset) *
-    stride; stride_tensor [A, 1]). Level by level, row-major inside a level. Float32 on the outputs' device."""
+    """Anchor points of all levels: (anchor_points [A, 2] as (x, y) in input-image PIXELS, i.e.
+    (cell + offset) * stride; stride_tensor [A, 1]). Level by level, row-major inside a level.
+    Float32 on the outputs' device."""
     points, stride_rows = [], []
     for out, s in zip(outputs, strides):
         h, w = out.shape[-2:]
@@ -271,28 +297,40 @@ def make_anchors(
 
 
 def flatten_outputs(outputs: list[torch.Tensor], reg_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw per-level outputs -> (box DFL logits [B, A, 4, reg_max], class logits [B, A, C]), float32."""
-    x = torch.cat([o.flatten(2) for o in outputs], dim=2).float().transpose(1, 2)  # [B, A, 4 * reg_max + C]
+    """Raw per-level outputs -> (box DFL logits [B, A, 4, reg_max], class logits [B, A, C]),
+    float32.
+
+    Anchors before channels from the start: for channels_last outputs (the model's default layout)
+    each level's [B, H * W, C] is a view and the one concatenation is the only copy; both results
+    are views of it."""
+    levels = [o.permute(0, 2, 3, 1).reshape(o.shape[0], -1, o.shape[1]) for o in outputs]
+    x = torch.cat(levels, dim=1).float()
     box, cls = x.split((4 * reg_max, x.shape[-1] - 4 * reg_max), dim=-1)
     return box.reshape(*box.shape[:2], 4, reg_max), cls
 
 
 def dfl_distances(box_logits: torch.Tensor) -> torch.Tensor:
-    """DFL logits [..., 4, reg_max] -> expected distance per side [..., 4] in bins (grid units of the level)."""
+    """DFL logits [..., 4, reg_max] -> expected distance per side [..., 4] in bins (grid units of
+    the level)."""
     bins = torch.arange(box_logits.shape[-1], device=box_logits.device, dtype=box_logits.dtype)
     return box_logits.softmax(-1) @ bins
 
 
 def distances_to_boxes(distances: torch.Tensor, anchor_points: torch.Tensor) -> torch.Tensor:
-    """(left, top, right, bottom) distances from anchor points -> xyxy boxes, in the units of both inputs."""
+    """(left, top, right, bottom) distances from anchor points -> xyxy boxes, in the units of both
+    inputs."""
     lt, rb = distances.chunk(2, dim=-1)
     return torch.cat((anchor_points - lt, anchor_points + rb), dim=-1)
 
 
-def decode(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw outputs -> (boxes_xyxy [B, A, 4] in input-image pixels, class_logits [B, A, C]), both float32.
+def decode(
+    outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw outputs -> (boxes_xyxy [B, A, 4] in input-image pixels, class_logits [B, A, C]), both
+    float32.
 
-    Each side's distance is the expectation of its softmax over reg_max bins, in units of the level's stride."""
+    Each side's distance is the expectation of its softmax over reg_max bins, in units of the
+    level's stride."""
     anchor_points, stride_tensor = make_anchors(outputs, strides)
     box_logits, cls_logits = flatten_outputs(outputs, reg_max)
     boxes = distances_to_boxes(dfl_distances(box_logits) * stride_tensor, anchor_points)
@@ -300,13 +338,19 @@ def decode(outputs: list[torch.Tensor], strides: tuple[int, ...], reg_max: int) 
 
 
 def class_aware_nms(
-    boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, iou_threshold: float, max_coordinate: float
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    iou_threshold: float,
+    max_coordinate: float,
 ) -> torch.Tensor:
-    """NMS within each class, as one torchvision.ops.nms call: every class's boxes are shifted by class x
-    (max_coordinate + 1), so boxes of different classes never overlap. Returns the kept indices, best score first.
+    """NMS within each class, as one torchvision.ops.nms call: every class's boxes are shifted by
+    class x (max_coordinate + 1), so boxes of different classes never overlap. Returns the kept
+    indices, best score first.
 
-    boxes [N, 4] xyxy with every coordinate in [0, max_coordinate]. torchvision's batched_nms shifts the same way for
-    small inputs, but above a size threshold it loops over the classes with a device read for each."""
+    boxes [N, 4] xyxy with every coordinate in [0, max_coordinate]. torchvision's batched_nms shifts
+    the same way for small inputs, but above a size threshold it loops over the classes with a
+    device read for each."""
     shifted = boxes + (labels.to(boxes.dtype) * (max_coordinate + 1))[:, None]
     return torchvision.ops.nms(shifted, scores, iou_threshold)
 
@@ -322,17 +366,19 @@ def postprocess(
     max_candidates: int = 30000,
     multi_label: bool = False,
 ) -> list[dict]:
-    """Raw outputs -> per image dict(boxes [N, 4] float xyxy input pixels clipped to the image, scores [N],
-    labels [N] int64), sorted by score, N <= max_detections.
+    """Raw outputs -> per image dict(boxes [N, 4] float xyxy input pixels clipped to the image,
+    scores [N], labels [N] int64), sorted by score, N <= max_detections.
 
-    multi_label False (prediction): one label per anchor, its best class. True (evaluation, as Ultralytics' val
-    scores): every class of an anchor above conf_threshold is a candidate of its own, so a box may count for two
-    classes. Candidates scoring <= conf_threshold are dropped, at most max_candidates of the best go into
-    class-aware NMS (class_aware_nms) at iou_threshold, on the boxes as decoded; the kept ones are then clipped to
-    the image (the order Ultralytics follows, so that the same raw outputs give the same boxes)."""
+    multi_label False (prediction): one label per anchor, its best class. True (evaluation, as
+    Ultralytics' val scores): every class of an anchor above conf_threshold is a candidate of its
+    own, so a box may count for two classes. Candidates scoring <= conf_threshold are dropped, at
+    most max_candidates of the best go into class-aware NMS (class_aware_nms) at iou_threshold, on
+    the boxes as decoded; the kept ones are then clipped to the image (the order Ultralytics
+    follows, so that the same raw outputs give the same boxes)."""
     boxes, cls_logits = decode(outputs, strides, reg_max)
     height, width = outputs[0].shape[-2] * strides[0], outputs[0].shape[-1] * strides[0]
-    # a decoded side reaches at most (reg_max - 1) strides from its anchor: the span class_aware_nms must clear
+    # a decoded side reaches at most (reg_max - 1) strides
+    # from its anchor: the span class_aware_nms must clear
     reach = (reg_max - 1) * max(strides)
     probabilities = cls_logits.sigmoid()
     best_scores, best_labels = probabilities.max(dim=-1)
@@ -345,11 +391,16 @@ def postprocess(
             anchors = (best_scores[b] > conf_threshold).nonzero(as_tuple=True)[0]
             img_scores, img_labels = best_scores[b][anchors], best_labels[b][anchors]
         img_boxes = boxes[b][anchors]
-        if img_scores.numel() > max_candidates:  # bounds NMS time when an untrained model fires everywhere
+        # bounds NMS time when an untrained model fires everywhere
+        if img_scores.numel() > max_candidates:
             top = img_scores.topk(max_candidates).indices
             img_boxes, img_scores, img_labels = img_boxes[top], img_scores[top], img_labels[top]
         kept = class_aware_nms(
-            img_boxes + reach, img_scores, img_labels, iou_threshold, max_coordinate=max(width, height) + 2 * reach
+            img_boxes + reach,
+            img_scores,
+            img_labels,
+            iou_threshold,
+            max_coordinate=max(width, height) + 2 * reach,
         )[:max_detections]
         kept_boxes = img_boxes[kept]
         kept_boxes[:, 0::2] = kept_boxes[:, 0::2].clamp(0, width)
@@ -359,12 +410,15 @@ def postprocess(
 
 
 def model_info(model: nn.Module, image_size: int = 640) -> dict:
-    """dict(parameters=number of parameters, gflops=GFLOPs of one forward of a 1 x 3 x image_size x image_size image).
+    """dict(parameters=number of parameters, gflops=GFLOPs of one forward of a 1 x 3 x image_size x
+    image_size image).
 
-    FLOPs are counted by torch.utils.flop_counter.FlopCounterMode, which counts a multiply-add as 2 FLOPs (convolutions
-    and matmuls; BatchNorm, activations and pooling are not counted). Ultralytics' "GFLOPs" are 2 x MACs too, e.g.
-    YOLOv8n: 3.2M parameters, 8.7 GFLOPs at 640. The count runs on a copy of the model on the meta device, so it
-    computes nothing and leaves the model (its BatchNorm statistics included) untouched.
+    FLOPs are counted by torch.utils.flop_counter.FlopCounterMode, which counts a multiply-add as 2
+    FLOPs (convolutions and matmuls; BatchNorm, activations and pooling are not counted).
+    Ultralytics' "GFLOPs" are 2 x MACs too, e.g.
+    YOLOv8n: 3.2M parameters, 8.7 GFLOPs at 640. The count runs on a copy of the model on the meta
+    device, so it computes nothing and leaves the model (its BatchNorm statistics included)
+    untouched.
     """
     parameters = sum(p.numel() for p in model.parameters())
     probe = copy.deepcopy(model).to("meta").eval()
