@@ -262,10 +262,10 @@ def fail_loudly_in_forward() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-def compile_modules(modules, backend, path: CompiledPath, dynamic: bool | None = None) -> None:
-    """torch.compile each module in place (Module.compile: its hooks inside; `dynamic` as
-    torch.compile takes it), each call through `path`: on a compile failure every module of the path
-    goes back to its eager call and the failed call is made again eagerly."""
+def compile_modules(modules, backend, path: CompiledPath) -> None:
+    """torch.compile each module in place (Module.compile: its hooks inside), each call through
+    `path`: on a compile failure every module of the path goes back to its eager call and the failed
+    call is made again eagerly."""
     modules = list(modules)
     fail_loudly_in_forward()
     process_compile_counts()  # the tally starts before the first compilation
@@ -276,7 +276,7 @@ def compile_modules(modules, backend, path: CompiledPath, dynamic: bool | None =
 
     path.when_eager.append(back_to_eager)
     for module in modules:
-        module.compile(backend=backend, dynamic=dynamic)
+        module.compile(backend=backend)
         module._compiled_call_impl = functools.partial(
             path.call, module._compiled_call_impl, module._call_impl
         )

@@ -107,10 +107,8 @@ def test_the_recompile_limit_sends_the_blocks_back_to_eager_instead_of_a_silent_
     tiny_chat_model, capfd
 ):
     """torch recompiles a code object at most recompile_limit times and then runs it eagerly without
-    a word; here the limit (1) is reached at the first call of a second kind (an evaluation without
-    gradients between two training
-    steps: the blocks' graphs are dynamic in the width, so widths alone compile once) and said, and
-    every later step runs eagerly."""
+    a word; here the limit (1) is reached at the second graph (an evaluation without gradients
+    between training steps of other widths) and said, and every later step runs eagerly."""
 
     def train_evaluate_train(model) -> list[torch.Tensor]:
         losses = train_steps(model, [17])

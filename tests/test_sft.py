@@ -67,8 +67,8 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     checkpointing, and 1 process with 2 micro-batches per step, padded rows of varying widths
     through compiled blocks and the answers through the compiled decode (a GPU's defaults):
     conversations of different lengths, the same losses step by step, the same adapter, the same
-    answers; the blocks compile once per kind of call, dynamic in the width (not once per width),
-    the decode once per cache shape."""
+    answers; the blocks compile once per kind of call and once more dynamic in the width (not once
+    per width), the decode once per cache shape."""
     reference = step_losses(sft_one.out)
     assert sorted(reference) == list(range(1, 25))  # 12 steps per epoch, 2 epochs, each logged
     for run_ in (sft_two, sft_accumulated):
@@ -83,8 +83,8 @@ def test_the_loss_of_a_step_is_the_mean_over_its_answer_tokens_however_the_batch
     assert (one["attn_implementation"], two["attn_implementation"]) == ("sdpa", "varlen")
     assert accumulated["compile"] and not accumulated["packing"] and not one["compile"]
     # 24 steps of 48 micro-batches of many widths: the policy's first block and the others (whose
-    # input carries a gradient), with a padding mask and without, each dynamic in the width; the
-    # decode step one graph; nothing fell back
+    # input carries a gradient), each static then dynamic in the width; the decode step one graph;
+    # nothing fell back
     assert accumulated["compile_graphs"] <= 4 and accumulated["compile_recompiles"] <= 3, accumulated
     assert accumulated["decode_graphs"] == 1 and accumulated["decode_recompiles"] == 0
     assert accumulated["compile_fallback"] is None and accumulated["decode_fallback"] is None

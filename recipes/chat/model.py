@@ -198,25 +198,29 @@ def compiled_blocks(
     return path
 
 
+BLOCK_GRAPH_LIMIT = 16  # graphs of the blocks' code: the kinds of call times static and dynamic
+
+
 def compile_blocks(model, backend, path: CompiledPath | None = None) -> None:
     """torch.compile each decoder block in place (the pattern torchtitan uses): the blocks are where
     the time goes, each compiles to the same graph, and FSDP2 still shards them one by one; the loss
     and the rest stay eager. Each block's call goes through `path` (compile_modules): a compile
     failure puts every block back to eager.
 
-    The graphs are dynamic in the row width from the first call: torch would otherwise compile each
-    kind of call (with and without gradients, with a padding mask and without one) static first and
-    dynamic at the next width, and 3 kinds x 2 masks x 2 reach torch's limit of 8 graphs a function
-    (DPO on 2 processes of 2 pairs)."""
+    Each kind of call (with and without gradients, with a padding mask and without one) compiles
+    static at its first width and dynamic at the next: DPO's 3 kinds x 2 masks x 2 are 12 graphs (2
+    processes of 2 pairs), more than torch's default limit of 8 a function, so the limit is raised to
+    BLOCK_GRAPH_LIMIT."""
     causal_lm = inner_model(model)
     blocks = getattr(causal_lm.get_decoder(), "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
         raise RecipeError(f"--compile compiles the decoder's blocks, and {type(causal_lm).__name__} keeps "
-                          "none in "
-                          "decoder.layers; drop --compile")  # fmt: skip
+                          "none in decoder.layers; drop --compile")  # fmt: skip
     if path is None:  # compiled on purpose: a failure is an error
         path = CompiledPath("the decoder blocks", "--nocompile", "--compile", explicit=True)
-    compile_modules(blocks, backend, path, dynamic=True)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, BLOCK_GRAPH_LIMIT)
+    compile_modules(blocks, backend, path)
 
 
 def use_liger_kernels(model, device) -> None:
