@@ -48,8 +48,7 @@ from transformers.generation import CompileConfig
 from accelerate_recipes import RecipeError
 from accelerate_recipes.compiling import CompiledPath, fail_loudly_in_forward
 
-# static cache lengths: prompt widths rounded up to a multiple of this, plus --max_new_tokens
-PROMPT_BUCKET = 64
+PROMPT_BUCKET = 64  # static caches: prompt widths rounded up to a multiple of this, + --max_new_tokens
 # rows rounded up to a multiple of this (repeated rows, dropped after): fewer shapes to compile
 ROW_BUCKET = 8
 

@@ -774,8 +774,8 @@ def train(args: DetectFlags) -> None:
     criterion = DetectionLoss(num_classes=len(names), strides=model.strides, reg_max=model.reg_max)
     keep_freed_memory()  # each step reuses the last one's freed memory instead of faulting it in
 
-    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add
-    # autocast a launcher's --dynamo_backend: results.json counts what it compiles
+    # ---- prepare: wrap for DDP, shard the loaders across processes, move to the device, add autocast
+    # a launcher's --dynamo_backend: results.json counts what it compiles
     compiled_before = process_compile_counts()
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     # Evaluation compares boxes on the host: its loader is sharded but left there, and evaluate()
@@ -812,8 +812,7 @@ def train(args: DetectFlags) -> None:
         synthetic_data=args.data == "synthetic",
     )
 
-    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's
-    # folder
+    # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device, LOSS_NAMES)
     # save_state / load_state carry the position with the weights
     accelerator.register_for_checkpointing(state)
@@ -1066,8 +1065,7 @@ def export(args: DetectFlags) -> None:
 
 
 def main(args: DetectFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per
-    mode."""
+    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
     if args.predict is not None and args.eval_only:
         raise RecipeError("give --predict or --eval_only, not both")
     if args.export is not None and (args.predict is not None or args.eval_only):

@@ -298,13 +298,9 @@ def make_anchors(
 
 def flatten_outputs(outputs: list[torch.Tensor], reg_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw per-level outputs -> (box DFL logits [B, A, 4, reg_max], class logits [B, A, C]),
-    float32.
-
-    Anchors before channels from the start: for channels_last outputs (the model's default layout)
-    each level's [B, H * W, C] is a view and the one concatenation is the only copy; both results
-    are views of it."""
-    levels = [o.permute(0, 2, 3, 1).reshape(o.shape[0], -1, o.shape[1]) for o in outputs]
-    x = torch.cat(levels, dim=1).float()
+    float32."""
+    # [B, A, 4 * reg_max + C]
+    x = torch.cat([o.flatten(2) for o in outputs], dim=2).float().transpose(1, 2)
     box, cls = x.split((4 * reg_max, x.shape[-1] - 4 * reg_max), dim=-1)
     return box.reshape(*box.shape[:2], 4, reg_max), cls
 

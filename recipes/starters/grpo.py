@@ -250,8 +250,8 @@ def main(
             for indices in step_indices.chunk(accumulation):  # the step's rollouts, before any forward pass
                 rows = [train_rows[i] for i in indices.tolist() for _ in range(num_generations)]
                 rollout = generate(policy, tokenizer, [r["ids"] for r in rows], max_new_tokens, temperature)
-                rewards = score(rows, rollout["texts"])
-                rollout["rewards"] = torch.tensor(rewards, dtype=torch.float64, device=device)
+                scores = score(rows, rollout["texts"])
+                rollout["rewards"] = torch.tensor(scores, dtype=torch.float64, device=device)
                 rollout["advantages"] = group_advantages(rollout["rewards"], num_generations).float()
                 rollouts.append(rollout)
             # all ranks
