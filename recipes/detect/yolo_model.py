@@ -28,8 +28,8 @@ import torchvision
 from torch.utils.flop_counter import FlopCounterMode
 
 # YOLOv8's compound-scaling multipliers (the scales of Ultralytics' yolov8.yaml): depth scales the
-# number of bottlenecks per C2f, width the channels, and
-# channels are capped at max_channels before scaling.
+# number of bottlenecks per C2f, width the channels, and channels are capped at max_channels before
+# scaling.
 SIZES = {
     "n": dict(depth=0.33, width=0.25, max_channels=1024),
     "s": dict(depth=0.33, width=0.50, max_channels=1024),
@@ -70,8 +70,8 @@ class Conv(nn.Sequential):
     def __init__(self, c_in: int, c_out: int, k: int = 1, s: int = 1):
         super().__init__(
             nn.Conv2d(c_in, c_out, k, s, padding=k // 2, bias=False),
-            # YOLO's BatchNorm settings: eps 1e-3 and a slow
-            # running-stat momentum suit small per-GPU batches
+            # YOLO's BatchNorm settings: eps 1e-3 and a slow running-stat momentum suit small
+            # per-GPU batches
             nn.BatchNorm2d(c_out, eps=1e-3, momentum=0.03),
             nn.SiLU(inplace=True),
         )
