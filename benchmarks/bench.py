@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fire
 import torch
@@ -46,15 +47,22 @@ TRAIN_GFLOP_PER_IMAGE = 3.3
 
 
 def load_cifar_recipe():
-    """recipes/cifar.py as a module, for its model and dataset classes (the loops below use exactly
-    its model)."""
+    """recipes/cifar.py's model and dataset code (cifar_model.py and cifar_data.py beside it): the
+    loops below use exactly its model."""
     # As `python recipes/cifar.py` would: its folder on
-    # the path, so cifar_data.py beside it imports.
+    # the path, so the modules beside it import.
     sys.path.insert(0, str(REPO / "recipes"))
-    spec = importlib.util.spec_from_file_location("cifar_recipe", CIFAR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import cifar_data
+    import cifar_model
+
+    return SimpleNamespace(
+        MEAN=cifar_data.MEAN,
+        STD=cifar_data.STD,
+        ArrayImages=cifar_data.ArrayImages,
+        DeviceImageLoader=cifar_data.DeviceImageLoader,
+        synthetic_images=cifar_data.synthetic_images,
+        build_model=cifar_model.build_model,
+    )
 
 
 def sync(device):

@@ -17,12 +17,12 @@ Writes results.json and metrics.jsonl (perf/step_seconds per step) in the recipe
 `devices` and `parallelism`, so `scaling.py report` reads the run like any recipe run.
 """
 
-import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fire
 import torch
@@ -33,14 +33,22 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 
 
 def load_cifar_recipe():
-    """recipes/cifar.py as a module: the loop trains exactly its model."""
+    """recipes/cifar.py's model and data code (cifar_model.py and cifar_data.py beside it): the loop
+    trains exactly its model."""
     # As `python recipes/cifar.py` would: its folder on
-    # the path, so cifar_data.py beside it imports.
+    # the path, so the modules beside it import.
     sys.path.insert(0, str(REPO / "recipes"))
-    spec = importlib.util.spec_from_file_location("cifar_recipe", REPO / "recipes" / "cifar.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import cifar_data
+    import cifar_model
+
+    return SimpleNamespace(
+        MEAN=cifar_data.MEAN,
+        STD=cifar_data.STD,
+        ArrayImages=cifar_data.ArrayImages,
+        DeviceImageLoader=cifar_data.DeviceImageLoader,
+        synthetic_images=cifar_data.synthetic_images,
+        build_model=cifar_model.build_model,
+    )
 
 
 def main(

@@ -16,16 +16,19 @@ reference policy (the model this run starts from), and lowers the loss of --loss
 difference of the two margins. The loss of a step is the mean over every pair of the global batch
 (all micro-batches, all processes), so the same flags train the same way on any number of GPUs.
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model and
-reference -> optimizer -> prepare -> resume -> loop -> eval -> save); evaluate_saved_model() is
---eval_only; --predict, --chat and --merge come from the chat recipes' shared layer (chat/model.py).
-The pair formats are in chat/preference_pairs.py.
+This file holds the recipe: the flags, the reference's log-probabilities of a batch, the
+evaluation, and train(), which reads top to bottom (config -> accelerator -> data -> model and
+reference -> optimizer -> prepare -> resume -> loop -> eval -> save). What it does when it does not
+train is in dpo_modes.py (--eval_only) and chat/modes.py (--predict, --chat and --merge, shared by
+the chat recipes). Beside it, in chat/: the flags' checks, the pairs' loaders and the run's settings
+(dpo_setup.py), the answers' log-probabilities, the loss and --precompute_ref's stored reference
+(preference_loss.py), the pair formats (preference_pairs.py) and the summary at the end
+(run_summary.py).
 
 Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets,
 peft and gguf).
 """
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -33,42 +36,39 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
-from accelerate.utils import DistributedType, gather_object, send_to_device, set_seed
+from accelerate.utils import set_seed
 from chat.conversations import dataset_name
+from chat.dpo_setup import (
+    check_flags,
+    launch_flags,
+    load_pair_splits,
+    pair_loaders,
+    settings,
+    token_rates,
+    validation_answers,
+)
 from chat.generation import without_compiling
 from chat.model import (
-    BASE,
     DEFAULT_MODEL,
-    SAMPLES_KEPT,
     ChatModelFlags,
     KernelFlags,
     adamw,
     build_model,
-    chat,
     check_one_mode,
     compile_figures,
-    generate_answers,
-    is_adapter,
-    load_any,
     load_tokenizer,
-    merge,
-    model_facts,
-    predict,
-    print_saved,
     reference_model,
     reference_policy,
-    row_multiple,
     save_model,
-    settle_compile,
-    token_logprobs,
     use_kernels,
     write_samples,
 )
-from chat.packed_attention import PACKED_KWARGS, choose_attention
+from chat.modes import chat, merge, predict
 from chat.packing import check_packing
-from chat.preference_pairs import load_pairs, pair_collator, tokenize_pairs
-from torch.utils.data import DataLoader
+from chat.preference_loss import StoredReference, answer_logprobs, check_same_reference, pair_figures
+from chat.preference_pairs import pair_collator
+from chat.run_summary import DPO_SCORES, DPO_SUMMARY, print_run_summary, scores_line
+from dpo_modes import evaluate_saved_model
 from transformers import get_scheduler
 
 from accelerate_recipes import (
@@ -76,18 +76,11 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    check_launch,
     check_launch_flags,
     clip_norm,
-    cpu_threads_and_workers,
     epoch_batches,
-    eval_only_config,
-    eval_only_results,
-    evaluation_accelerator,
     keeps_update,
     prepare_output_dir,
-    print_summary,
-    quiet_other_local_processes,
     run,
     run_config,
     saving_checkpoint,
@@ -97,8 +90,6 @@ from accelerate_recipes import (
     training_progress,
     write_results,
 )
-from accelerate_recipes.checkpoints import read_progress
-from accelerate_recipes.compiling import compile_summary_keys
 from accelerate_recipes.plots import plot_results
 
 BEST_METRICS = {"loss": ("eval_loss", False), "accuracy": ("eval_reward_accuracy", True)}
@@ -212,72 +203,7 @@ class DpoFlags(ChatModelFlags, KernelFlags):
     output_dir: str = "outputs/dpo"
 
 
-def check_flags(args: DpoFlags) -> None:
-    """Flags that cannot work together, before anything loads."""
-    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or args.sft_weight < 0:
-        raise RecipeError("--beta must be > 0, 0 <= --label_smoothing < 0.5 and --sft_weight >= 0")
-    if args.label_smoothing and args.loss_type != "sigmoid":
-        raise RecipeError(f"--label_smoothing applies to --loss_type sigmoid only, not {args.loss_type}")
-
-
 # --------------------------------------------------------------------------------------------- data
-def load_data(accelerator, args: DpoFlags, tokenizer) -> tuple[dict, dict]:
-    """({train, validation}: tokenised pairs, counts per split). The local main process of each node
-    reads first (into the datasets cache); the others then read the cached files."""
-    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
-    dataset_name(args)  # refuses a run without data before anything loads
-    with accelerator.local_main_process_first():
-        raw = load_pairs(
-            args.train_file,
-            args.validation_file,
-            args.dataset,
-            args.cache_dir,
-            args.validation_size,
-            args.seed,
-        )
-    splits, counts = {}, {}
-    for split, pairs in zip(("train", "validation"), raw):
-        if not pairs:  # --eval_only with a validation file alone
-            splits[split], counts[split] = [], {"pairs": 0, "dropped": 0, "truncated": 0}
-            continue
-        splits[split], counts[split] = tokenize_pairs(tokenizer, pairs, args.max_length, args.too_long, split)
-        count = counts[split]
-        if count["dropped"] or count["truncated"]:
-            accelerator.print(
-                f"{split}: of {count['pairs']} pairs, {count['dropped']} longer than --max_length "
-                f"{args.max_length} "
-                f"were dropped and {count['truncated']} cut to fit (--too_long {args.too_long})"
-            )
-    return splits, counts
-
-
-def data_loaders(accelerator, args: DpoFlags, tokenizer, splits: dict, per_process: int) -> tuple:
-    """The training loader (shuffled, whole batches only; None without training pairs, as
-    --eval_only may have) and the validation loader, before accelerator.prepare."""
-    pad_to = row_multiple(accelerator, args.compile and args.packing)
-    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
-    loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    # compiled: one bound for every packed row (one_bound)
-    longest = args.max_length if args.compile else None
-    collate = pair_collator(tokenizer, args.packing, pad_to, longest)
-    # The shuffle has a generator of its own: starting an
-    # epoch then draws nothing from the global RNG.
-    generator = torch.Generator().manual_seed(args.seed)
-    train_loader = None
-    if splits["train"]:
-        train_loader = DataLoader(
-            splits["train"],
-            per_process,
-            shuffle=True,
-            drop_last=True,
-            generator=generator,
-            collate_fn=collate,
-            **loader_args,
-        )
-    eval_loader = DataLoader(splits["validation"], per_process, collate_fn=collate, **loader_args)
-    return train_loader, eval_loader
-
-
 def first_batches(batches, limit: int):
     """The first `limit` batches of a loader: the whole steps of an epoch. The rest is read and left
     out, as drop_last leaves out a partial batch, so that the loader ends its epoch as usual."""
@@ -287,25 +213,6 @@ def first_batches(batches, limit: int):
 
 
 # --------------------------------------------------------------------------------------------- loss
-def answer_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each answer's log-probability, summed over its tokens; its answer tokens): chosen answers
-    first, then the rejected ones. Only the answers' positions get logits: the last columns of a
-    padded batch, or in a packed row (--packing) the positions answer_index names, laid out as a
-    padded batch's."""
-    answer_mask = batch["answer_mask"]
-    if "position_ids" in batch:  # packed: one row, positions restarting per sequence, no mask
-        # where the sequences start, for the attention
-        packed = {key: batch[key] for key in PACKED_KWARGS}
-        # the positions that predict each answer token
-        row, at = batch["input_ids"], batch["answer_index"]
-        logprobs = token_logprobs(model, row, None, row[0, at + 1], batch["position_ids"], at=at, **packed)
-    else:
-        positions = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)  # left padding skipped
-        targets = batch["input_ids"][:, -answer_mask.shape[1] :]
-        logprobs = token_logprobs(model, batch["input_ids"], batch["attention_mask"], targets, positions)
-    return (logprobs * answer_mask).sum(dim=1), answer_mask.sum(dim=1)
-
-
 @torch.no_grad()
 def reference_logprobs(
     accelerator, model, reference, batch: dict, stored, split: str = "train"
@@ -317,107 +224,6 @@ def reference_logprobs(
         return stored.lookup(split, batch["index"]).to(batch["input_ids"].device)
     with reference_model(accelerator, model, reference) as policy:
         return answer_logprobs(policy, batch)[0]
-
-
-def pair_figures(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, args) -> dict:
-    """Each pair's loss and the FIGURES a user watches, as tensors of one value per pair, from the
-    rows' summed answer log-probabilities under the policy and the reference (chosen rows first) and
-    their token counts."""
-    pairs = len(policy) // 2
-    # IPO compares mean token log-probabilities (as TRL), so length does not count
-    if args.loss_type == "ipo":
-        policy, reference = policy / tokens, reference / tokens
-    chosen, rejected = policy[:pairs], policy[pairs:]
-    chosen_reward = args.beta * (chosen - reference[:pairs]).detach()
-    rejected_reward = args.beta * (rejected - reference[pairs:]).detach()
-    margin = (chosen - reference[:pairs]) - (rejected - reference[pairs:])
-    if args.loss_type == "sigmoid":
-        smoothing = args.label_smoothing
-        loss = -(1 - smoothing) * F.logsigmoid(args.beta * margin) - smoothing * F.logsigmoid(
-            -args.beta * margin
-        )
-    elif args.loss_type == "ipo":
-        loss = (margin - 1 / (2 * args.beta)) ** 2
-    else:  # hinge
-        loss = torch.relu(1 - args.beta * margin)
-    mean_nll = -chosen / tokens[:pairs] if args.loss_type != "ipo" else -chosen
-    if args.sft_weight:
-        loss = loss + args.sft_weight * mean_nll
-    logps_chosen, logps_rejected = policy[:pairs].detach(), policy[pairs:].detach()
-    return dict(
-        loss=loss,
-        rewards_chosen=chosen_reward,
-        rewards_rejected=rejected_reward,
-        reward_margin=chosen_reward - rejected_reward,
-        reward_accuracy=(chosen_reward > rejected_reward).float(),
-        logps_chosen=logps_chosen,
-        logps_rejected=logps_rejected,
-        logp_accuracy=(logps_chosen > logps_rejected).float(),
-        nll_chosen=mean_nll.detach(),
-    )
-
-
-class StoredReference:
-    """--precompute_ref: the reference's answer log-probabilities of every pair (chosen, rejected),
-    by split and index, computed once before training by the model itself (the reference is the
-    policy the run starts from), and saved with each checkpoint
-    (accelerator.register_for_checkpointing), so a resumed run reads the same ones."""
-
-    def __init__(self):
-        self.values: dict[str, torch.Tensor] = {}  # per split: [pairs, 2], chosen and rejected
-
-    def lookup(self, split: str, index: torch.Tensor) -> torch.Tensor:
-        values = self.values[split][index.cpu()]
-        return torch.cat([values[:, 0], values[:, 1]])  # the rows' order: chosen answers first
-
-    @torch.no_grad()
-    def compute(self, accelerator, model, splits: dict, collate, batch_size: int) -> float:
-        """Every pair of every split, each process answering an equal share of batches (a sharded
-        model's forward passes are collective), gathered; returns the seconds it took."""
-        started = time.perf_counter()
-        was_training = model.training
-        model.eval()
-        world = accelerator.num_processes
-        for split, pairs in splits.items():
-            share = math.ceil(math.ceil(len(pairs) / world) / batch_size) * batch_size
-            order = list(range(len(pairs)))
-            # equal shares; the repeats agree
-            padded = order + order[-1:] * (share * world - len(order))
-            found = []
-            with accelerator.split_between_processes(padded) as mine:
-                for start in range(0, len(mine), batch_size):
-                    batch = send_to_device(
-                        collate([pairs[i] for i in mine[start : start + batch_size]]), model.device
-                    )
-                    logprobs = answer_logprobs(model, batch)[0].float().cpu()
-                    half = len(logprobs) // 2
-                    found += zip(batch["index"].tolist(), logprobs[:half].tolist(), logprobs[half:].tolist())
-            values = torch.zeros(len(pairs), 2)
-            for index, chosen, rejected in gather_object(found):
-                values[index] = torch.tensor([chosen, rejected])
-            self.values[split] = values
-        model.train(was_training)
-        return time.perf_counter() - started
-
-    def state_dict(self) -> dict:
-        return dict(self.values)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.values = dict(state)
-
-
-def check_same_reference(folder, precompute_ref: bool) -> None:
-    """A checkpoint holds the stored reference log-probabilities exactly when its run had
-    --precompute_ref; resumed with the other setting, load_state would miss them or find one object
-    too many."""
-    saved = bool(read_progress(Path(folder)).get("config", {}).get("precompute_ref"))
-    if saved != precompute_ref:
-        given = "with" if saved else "without"
-        raise RecipeError(
-            f"checkpoint {folder} was written by a run {given} --precompute_ref; resume it {given} the flag, "
-            "or "
-            "start a new run in another --output_dir"
-        )
 
 
 # ----------------------------------------------------------------------------------------- evaluate
@@ -451,10 +257,7 @@ def sample_answers(
     to samples.jsonl and the tracker (epoch 0: before training)."""
     if not args.eval_generate:
         return
-    conversations = [pair["prompt"] + pair["chosen"][:1] for pair in pairs[: args.eval_generate]]
-    _, samples = generate_answers(
-        model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode
-    )
+    samples = validation_answers(accelerator, model, tokenizer, pairs, args)
     write_samples(accelerator, output, epoch, step, samples, tracking)
 
 
@@ -475,14 +278,9 @@ def train(args: DpoFlags) -> None:
     accelerator = training_accelerator(args, tracking, steps_by_count=True)
     per_process = check_launch_flags(accelerator, args)
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
-    # by default on a CUDA GPU; a compile failure goes on eagerly
-    blocks = settle_compile(args, accelerator)
-    generation_off = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    if args.eval_generate and generation_off:
-        accelerator.print(
-            "--eval_generate is off: answers need the whole model in each process, which this run shards"
-        )
-        args.eval_generate = 0
+    # a copy of the flags as this launch takes them: --compile by default on a CUDA GPU (a compile
+    # failure goes on eagerly), --eval_generate off under sharding, the attention packed rows need
+    args, blocks = launch_flags(args, accelerator)
     set_seed(args.seed)
     prepare_output_dir(output)
     checkpoints = Checkpoints(accelerator, output, keep=args.keep_checkpoints)
@@ -490,13 +288,11 @@ def train(args: DpoFlags) -> None:
 
     # ---- data: pairs rendered with the model's chat template
     tokenizer = load_tokenizer(model_name)
-    splits, counts = load_data(accelerator, args, tokenizer)
-    train_loader, eval_loader = data_loaders(accelerator, args, tokenizer, splits, per_process)
+    splits, counts = load_pair_splits(accelerator, args, tokenizer)
+    train_loader, eval_loader = pair_loaders(accelerator, args, tokenizer, splits, per_process)
 
     # ---- model and reference policy (none with --precompute_ref: the model itself before its first
-    # step) packed rows on a GPU: torch's variable-length flash
-    # kernel, unless --attn_implementation says otherwise
-    args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
+    # step)
     model = build_model(args, model_name, accelerator)  # an adapter of ours in --model: trained on
     if args.packing:
         # attention that keeps each packed sequence to itself (the reference's too)
@@ -632,9 +428,8 @@ def train(args: DpoFlags) -> None:
         if accelerator.is_main_process:
             # the accuracies and the margin: the log-probabilities are on another scale
             plot_results(progress.metrics.path, output / "results.png", eval_keys=PLOTTED)
-        accelerator.print(
-            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s"
-        )
+        scores = scores_line(state.last_eval, DPO_SCORES)
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -653,128 +448,7 @@ def train(args: DpoFlags) -> None:
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
-        print_run_summary(results, path, tracking)
-
-
-# ---------------------------------------------------------------------------------------- reporting
-def settings(args: DpoFlags, model_name: str, lr: float, model, counts: dict, per_process: int) -> dict:
-    """What the run derived from its flags and data, for run_config (the tracker, checkpoints,
-    results.json)."""
-    return dict(
-        dataset=dataset_name(args),
-        model=model_name,
-        # lora or full, its parameters, the library versions, the attention
-        **model_facts(args, model),
-        lr=lr,
-        per_process_batch_size=per_process,
-        train_size=counts["train"]["pairs"] - counts["train"]["dropped"],
-        validation_size=counts["validation"]["pairs"] - counts["validation"]["dropped"],
-        train_dropped=counts["train"]["dropped"],
-        train_truncated=counts["train"]["truncated"],
-    )
-
-
-def token_rates(results: dict, pairs: list[dict]) -> dict:
-    """Tokens per second through the model: pairs per second x the mean tokens of a pair's two rows
-    (the prompt is read twice, once before each answer; padding not counted)."""
-    per_pair = sum(
-        2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs
-    ) / len(pairs)
-    return dict(train_tokens_per_second=results["train_samples_per_second"] * per_pair)
-
-
-def scores_line(evaluation: dict) -> str:
-    """An evaluation in one line: `loss 0.6931, reward_margin 0.0000, reward_accuracy 0.5000,
-    logp_accuracy 0.4`."""
-    keys = ("eval_loss", "eval_reward_margin", "eval_reward_accuracy", "eval_logp_accuracy")
-    return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
-
-
-def print_run_summary(results: dict, path: Path, tracking) -> None:
-    keys = [
-        "dataset",
-        "model",
-        "method",
-        "loss_type",
-        "beta",
-        "world_size",
-        "num_machines",
-        "mixed_precision",
-    ]
-    keys += [
-        "global_batch_size",
-        "steps",
-        "epochs",
-        "eval_loss",
-        "eval_reward_margin",
-        "eval_reward_accuracy",
-    ]
-    keys += ["eval_logp_accuracy", "best_metric", "best_epoch", "train_tokens_per_second", "peak_memory_mb"]
-    keys += ["wall_seconds", *compile_summary_keys(results)]
-    print_summary(results, keys, title="DPO: summary")
-    print_saved(results, path, tracking, __file__)
-
-
-# ----------------------------------------------------------------------------------------- evaluate
-def evaluate_saved_model(args: DpoFlags) -> None:
-    """--eval_only: --model (default --output_dir) on every validation pair against
-    --reference_model (default: an adapter's base); the figures to results.json in --output_dir. Any
-    number of processes, each pair once."""
-    started = time.perf_counter()
-    check_flags(args)
-    output = Path(args.output_dir)
-    model_dir = args.model or args.output_dir
-    accelerator = evaluation_accelerator(args)
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
-    set_seed(args.seed)
-    prepare_output_dir(output)
-    if not args.reference_model and not is_adapter(model_dir):
-        raise RecipeError(
-            f"--model {model_dir} is a whole model: give --reference_model (the model it was tuned from) to "
-            "measure "
-            "its rewards against"
-        )
-    model, tokenizer = load_any(model_dir)
-    splits, _ = load_data(accelerator, args, tokenizer)
-    _, eval_loader = data_loaders(accelerator, args, tokenizer, splits, per_process)
-    reference = BASE
-    if args.reference_model:
-        reference = load_any(args.reference_model)[0].eval().requires_grad_(False).to(accelerator.device)
-    # the loaded models' attention (sdpa unless saved otherwise) must keep packed sequences apart
-    if args.packing:
-        check_packing(model)
-        if reference is not BASE:
-            check_packing(reference)
-    # evaluation_mode: no DDP wrapper, which refuses a
-    # model without trainable weights (a loaded adapter)
-    model, eval_loader = (
-        accelerator.prepare_model(model, evaluation_mode=True),
-        accelerator.prepare(eval_loader),
-    )
-    evaluation = evaluate(accelerator, model, reference, eval_loader, args, None)
-    if args.eval_generate:
-        conversations = [p["prompt"] + p["chosen"][:1] for p in splits["validation"][: args.eval_generate]]
-        _, samples = generate_answers(
-            model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode
-        )
-        accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
-    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation pairs")
-    config = eval_only_config(
-        "dpo",
-        args,
-        accelerator,
-        dataset=dataset_name(args),
-        model=model_dir,
-        reference_model=args.reference_model or "the adapter's base",
-        loss_type=args.loss_type,
-        beta=args.beta,
-        validation_size=len(splits["validation"]),
-    )
-    results = eval_only_results(config, accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if accelerator.is_main_process:
-        print(f"{write_results(output, results).name} saved in {output}")
+        print_run_summary(results, path, tracking, title="DPO: summary", rows=DPO_SUMMARY, script=__file__)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -790,7 +464,7 @@ def main(args: DpoFlags) -> None:
     if args.merge:
         return merge(args)
     if args.eval_only:
-        return evaluate_saved_model(args)
+        return evaluate_saved_model(args, evaluate)
     return train(args)
 
 

@@ -22,20 +22,20 @@ Sampling is keyed: each completion's random draws are a function of (--seed, epo
 completion number, position) alone, not of a generator's state, so the same prompts give the same
 completions on 1 process, on 8, with or without accumulation, and after a resume.
 
-One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
-optimizer -> prepare -> resume -> loop: roll out, score, update -> eval -> save);
-evaluate_saved_model() is --eval_only; --predict, --chat and --merge come from the chat recipes'
-shared layer (chat/model.py), generation (eager, or a merged copy with a static KV cache and a
-compiled decode step: --decode) from chat/generation.py. The rollouts (keyed sampling, scoring, the
-figures logged of them, the throughput) are in chat/rollouts.py; the rewards and the prompt formats
-in chat/rewards.py.
+This file holds the recipe: the flags, the advantages and the clipped loss, the evaluation, and
+train(), which reads top to bottom (config -> accelerator -> data -> model -> optimizer -> prepare
+-> resume -> loop: roll out, score, update -> eval -> save). What it does when it does not train is
+in grpo_modes.py (--eval_only) and chat/modes.py (--predict, --chat and --merge, shared by the chat
+recipes). Beside it, in chat/: the flags' checks, the prompts and the run's settings
+(grpo_setup.py), the rollouts (keyed sampling, scoring, the figures logged of them, the throughput:
+rollouts.py), the maths around the update (policy_gradient.py), the rewards and the prompt formats
+(rewards.py), generation (eager, or a merged copy with a static KV cache and a compiled decode step:
+--decode, generation.py) and the summary at the end (run_summary.py).
 
 Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runtime plus datasets,
 peft and gguf).
 """
 
-import contextlib
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -43,44 +43,47 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import gather_object, set_seed
 from chat import generation
 from chat.conversations import dataset_name
-from chat.generation import Completions
+from chat.grpo_setup import check_flags, load_prompt_splits, longest_prompt, settings, whole_steps_per_epoch
 from chat.memory_plan import print_rollout_plan
 from chat.model import (
     DEFAULT_MODEL,
-    SAMPLES_KEPT,
     ChatModelFlags,
     adamw,
     build_model,
-    chat,
     check_one_mode,
     compile_figures,
-    load_any,
     load_tokenizer,
-    merge,
-    model_facts,
-    predict,
-    print_saved,
-    reference_model,
     reference_policy,
     save_model,
     write_samples,
 )
-from chat.model import token_logprobs as target_logprobs
-from chat.rewards import Rewards, check_columns, is_correct, load_prompts, mean_scored, score_texts
+from chat.modes import chat, merge, predict
+from chat.policy_gradient import (
+    UpdatePasses,
+    check_update_rows,
+    loss_normaliser,
+    nan_std,
+    reference_token_logprobs,
+    token_logprobs,
+)
+from chat.rewards import Rewards, is_correct, mean_scored, score_texts
 from chat.rollouts import (
     Rollout,
     Throughput,
     figure_names,
     generate,
     in_order,
+    log_samples,
     reward_figures,
     roll_out,
     sampling_keys,
     score,
 )
+from chat.run_summary import GRPO_SCORES, GRPO_SUMMARY, print_run_summary, scores_line
+from grpo_modes import evaluate_saved_model
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
@@ -89,17 +92,11 @@ from accelerate_recipes import (
     Checkpoints,
     RecipeError,
     RunState,
-    check_launch,
     check_launch_flags,
     clip_norm,
     epoch_batches,
-    eval_only_config,
-    eval_only_results,
-    evaluation_accelerator,
     keeps_update,
     prepare_output_dir,
-    print_summary,
-    quiet_other_local_processes,
     run,
     run_config,
     saving_checkpoint,
@@ -109,7 +106,6 @@ from accelerate_recipes import (
     training_progress,
     write_results,
 )
-from accelerate_recipes.compiling import compile_summary_keys
 from accelerate_recipes.plots import plot_results
 
 # Measured on make bench-grpo (docs/grpo.md): a LoRA adapter barely moves at 1e-5 in a few dozen
@@ -256,70 +252,7 @@ class GrpoFlags(ChatModelFlags):
     output_dir: str = "outputs/grpo"
 
 
-def check_flags(args: GrpoFlags) -> None:
-    """Flags that cannot work together, before anything loads."""
-    if args.num_generations < 2:
-        raise RecipeError(
-            f"--num_generations {args.num_generations}: a group needs 2 or more completions to compare"
-        )
-    counts_ok = args.num_iterations >= 1 and args.max_new_tokens >= 1
-    if not counts_ok or args.temperature <= 0 or not 0 < args.top_p <= 1:
-        raise RecipeError(
-            "--num_iterations and --max_new_tokens must be >= 1, --temperature > 0, 0 < --top_p <= 1"
-        )
-    counts_ok = args.top_k >= 0 and args.eval_num_samples >= 0
-    if not counts_ok or not 0 <= args.min_p < 1 or args.repetition_penalty <= 0:
-        raise RecipeError(
-            "--top_k and --eval_num_samples must be >= 0, 0 <= --min_p < 1, --repetition_penalty > 0"
-        )
-    if args.update_rows < 0:
-        raise RecipeError(
-            f"--update_rows {args.update_rows}: give the completions per update pass, or 0 for all"
-        )
-    every = args.checkpoint_every
-    # checkpoints between batches of rollouts, which a resume samples again
-    if every and every % args.num_iterations:
-        args.checkpoint_every = -(-every // args.num_iterations) * args.num_iterations
-        print(
-            f"--checkpoint_every {every} rounded up to {args.checkpoint_every}, a multiple of "
-            "--num_iterations"
-        )
-
-
-# --------------------------------------------------------------------------------------------- data
-def tokenize_prompts(
-    accelerator, tokenizer, rows: list[dict], max_prompt_length: int, split: str
-) -> list[dict]:
-    """Each row with `prompt_ids`: its messages rendered with the chat template and the generation
-    prompt. Rows longer than --max_prompt_length are left out, and counted."""
-    kept = []
-    for row in rows:
-        text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) <= max_prompt_length:
-            kept.append(dict(row, prompt_ids=ids))
-    if len(kept) < len(rows):
-        accelerator.print(
-            f"{split}: {len(rows) - len(kept)} of {len(rows)} prompts longer than --max_prompt_length"
-        )
-    if not kept:
-        raise RecipeError(f"{split}: no prompt fits in --max_prompt_length {max_prompt_length}; raise it")
-    return kept
-
-
 # --------------------------------------------------------------------------------------- advantages
-def nan_std(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """The sample standard deviation of the values that are not NaN (0 with fewer than two)."""
-    seen = ~values.isnan()
-    count = seen.sum(dim=dim, keepdim=True) if dim is not None else seen.sum()
-    mean = values.nansum(dim=dim, keepdim=True) / count.clamp(min=1) if dim is not None else values.nanmean()
-    squares = torch.where(seen, (values - mean) ** 2, 0.0).sum(
-        dim=dim, keepdim=True if dim is not None else False
-    )
-    std = (squares / (count - 1).clamp(min=1)).sqrt()
-    return std if keepdim or dim is None else std.squeeze(dim)
-
-
 def advantages(accelerator, rollouts: list[Rollout], generations: int, scale: str) -> dict:
     """Group-relative advantages of a step's rollouts, computed from every process's rewards
     (gathered: a group is whole on one process, the batch's spread needs them all). A completion no
@@ -355,53 +288,6 @@ def advantages(accelerator, rollouts: list[Rollout], generations: int, scale: st
 
 
 # --------------------------------------------------------------------------------------------- loss
-def token_logprobs(model, rollout: Completions, temperature: float) -> torch.Tensor:
-    """Log-probabilities of the completion tokens under `model` (at the sampling temperature); only
-    the completion's positions get logits."""
-    input_ids = torch.cat([rollout.prompt, rollout.completion], dim=1)
-    attention_mask = torch.cat([rollout.prompt_mask, rollout.mask], dim=1)
-    # as generate numbered them, left padding skipped
-    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return target_logprobs(model, input_ids, attention_mask, rollout.completion, positions, temperature)
-
-
-def check_update_rows(accelerator, update_rows: int, rows: int) -> None:
-    """--update_rows below a micro-batch's rows needs several backward passes per micro-step, which
-    DeepSpeed's engine would count as micro-steps of their own."""
-    if 0 < update_rows < rows and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise RecipeError(
-            f"--update_rows {update_rows} splits each micro-batch's update into several backward passes, "
-            "which "
-            "DeepSpeed's engine counts as micro-steps; under DeepSpeed raise --gradient_accumulation_steps "
-            "instead"
-        )
-
-
-class UpdatePasses:
-    """A micro-batch's update as passes of at most `rows` completions (--update_rows; 0: one pass).
-    Iterating gives the parts, every one but the last under accelerator.no_sync when the micro-step
-    syncs (its gradients stay local and the last pass's backward all-reduces them all); add() sums
-    each pass's loss and weighs its clip fraction and KL by its share of the loss's tokens, into
-    `figures`."""
-
-    def __init__(self, accelerator, model, rollout: Rollout, rows: int):
-        self.accelerator, self.model, self.rollout = accelerator, model, rollout
-        self.parts = rollout.parts(rows)
-        self.figures = dict(loss=0.0, clip_fraction=0.0, kl=0.0)
-
-    def __iter__(self):
-        for i, part in enumerate(self.parts):
-            later = i < len(self.parts) - 1 and self.accelerator.sync_gradients
-            with self.accelerator.no_sync(self.model) if later else contextlib.nullcontext():
-                yield part
-
-    def add(self, part: Rollout, loss, clip_fraction, kl) -> None:
-        share = part.loss_mask.sum() / self.rollout.loss_mask.sum().clamp(min=1)
-        self.figures["loss"] = self.figures["loss"] + loss
-        self.figures["clip_fraction"] = self.figures["clip_fraction"] + clip_fraction * share
-        self.figures["kl"] = self.figures["kl"] + kl * share
-
-
 def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
     """The clipped surrogate of a micro-batch, as its share of the global batch's loss: (loss, clip
     fraction, kl)."""
@@ -431,28 +317,6 @@ def policy_loss(logprobs, rollout: Rollout, args, reference_logprobs) -> tuple:
     is_clipped = ((ratio < 1 - args.epsilon) & (advantage < 0)) | ((ratio > 1 + high) & (advantage > 0))
     clip_fraction = (is_clipped.float() * mask).sum() / mask.sum().clamp(min=1)
     return loss, clip_fraction.detach(), kl.detach()
-
-
-def loss_normaliser(accelerator, rollouts: list[Rollout], args):
-    """What a step's summed losses are divided by, the same on every process: its completion tokens
-    (dapo) or completions (grpo, dr_grpo x --max_new_tokens) over the whole global batch, counted
-    before the forward pass."""
-    if args.loss_type == "dapo":
-        tokens = sum(r.loss_mask.sum() for r in rollouts)
-        return accelerator.reduce(tokens.float(), reduction="sum").clamp(min=1)
-    completions = args.batch_size * args.num_generations
-    return completions * (args.max_new_tokens if args.loss_type == "dr_grpo" else 1)
-
-
-@torch.no_grad()
-def reference_token_logprobs(model, reference, rollout: Completions, args, accelerator):
-    """The reference policy's log-probabilities of the completion tokens
-    (chat.model.reference_policy); None with --beta 0. Computed once per batch of rollouts, before
-    its first update."""
-    if reference is None:
-        return None
-    with reference_model(accelerator, model, reference) as policy:
-        return token_logprobs(policy, rollout, args.temperature)
 
 
 # ----------------------------------------------------------------------------------------- evaluate
@@ -559,7 +423,7 @@ def rollout_steps(
         spread = advantages(accelerator, rollouts, generations, args.scale_rewards)
         normaliser = loss_normaliser(accelerator, rollouts, args)
         for rollout in rollouts:
-            rollout.normaliser, rollout.figures = normaliser, reward_figures(rollout, spread, rewards.names)
+            rollout.normaliser, rollout.figures = (normaliser, reward_figures(rollout, spread, rewards.names))
             rollout.tokens = int(rollout.prompt_mask.sum() + rollout.mask.sum())
             # the policy that sampled, for the ratios of the later updates
             if args.num_iterations > 1:
@@ -579,7 +443,7 @@ def train(args: GrpoFlags) -> None:
     and save the last and the best model (an adapter with --lora_r), results.json, metrics.jsonl,
     samples.jsonl and results.png."""
     started = time.perf_counter()
-    check_flags(args)
+    args = check_flags(args)
     output, model_name = Path(args.output_dir), args.model or DEFAULT_MODEL
     lr = args.lr or (DEFAULT_LORA_LR if args.lora_r else DEFAULT_FULL_LR)
     rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
@@ -696,7 +560,7 @@ def train(args: GrpoFlags) -> None:
         model.train()
         done = state.batches_done // args.num_iterations  # batches of prompts done
         batches = epoch_batches(accelerator, train_loader, state.epoch, done)
-        limit, models = rollouts_per_epoch * accumulation - done, (accelerator, model, reference, tokenizer)
+        limit, models = (rollouts_per_epoch * accumulation - done, (accelerator, model, reference, tokenizer))
         prompts = progress.timed(batches)  # the wait for prompts timed; generating is compute
         rollouts = (limit, *models, train_rows, rewards, state.epoch, args, speed)
         batches = rollout_steps(prompts, *rollouts)
@@ -752,9 +616,8 @@ def train(args: GrpoFlags) -> None:
         if accelerator.is_main_process:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
-        accelerator.print(
-            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s"
-        )
+        scores = scores_line(state.last_eval, GRPO_SCORES)
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -773,170 +636,7 @@ def train(args: GrpoFlags) -> None:
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
-        print_run_summary(results, path, tracking)
-
-
-def longest_prompt(rows: list[dict]) -> int:
-    """Tokens of the longest prompt among `rows`: the static KV cache every generation of the run
-    decodes in."""
-    return max(len(row["prompt_ids"]) for row in rows)
-
-
-def whole_steps_per_epoch(
-    loader_batches: int, world: int, accumulation: int, prompts: int, args: GrpoFlags
-) -> int:
-    """Batches of rollouts per epoch: whole global batches of prompts only."""
-    steps = loader_batches // world // accumulation
-    if steps == 0:
-        raise RecipeError(
-            f"the training prompts ({prompts}) are fewer than one global batch ({args.batch_size}); lower "
-            "--batch_size or use more prompts"
-        )
-    return steps
-
-
-def load_prompt_splits(accelerator, args: GrpoFlags, tokenizer, rewards: Rewards) -> tuple[list, list]:
-    """(training prompts, validation prompts), tokenised, with the columns the rewards need checked.
-    The local main process of each node reads first (into the datasets cache); the others then read
-    the cached files."""
-    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
-    dataset_name(args)  # refuses a run without data before anything loads
-    with accelerator.local_main_process_first():
-        train_rows, validation_rows = load_prompts(
-            args.train_file,
-            args.validation_file,
-            args.dataset,
-            args.cache_dir,
-            args.validation_size,
-            args.seed,
-        )
-    train_rows = tokenize_prompts(accelerator, tokenizer, train_rows, args.max_prompt_length, "train")
-    validation_rows = tokenize_prompts(
-        accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation"
-    )
-    check_columns(rewards, train_rows, "training prompts")
-    check_columns(rewards, validation_rows, "validation prompts")
-    return train_rows, validation_rows
-
-
-def settings(args: GrpoFlags, accelerator, model_name: str, lr: float, model, rewards, splits: tuple) -> dict:
-    """What the run derived from its flags and data (`splits`: the training and validation prompts),
-    for run_config (the tracker, checkpoints, results.json)."""
-    return dict(
-        dataset=dataset_name(args),
-        model=model_name,
-        # lora or full, its parameters, the library versions, the attention
-        **model_facts(args, model),
-        lr=lr,
-        rewards=rewards.names,
-        reward_weights=rewards.weights,
-        train_size=len(splits[0]),
-        validation_size=len(splits[1]),
-        per_process_batch_size=args.batch_size
-        // accelerator.num_processes
-        // args.gradient_accumulation_steps,
-        # what --decode chose on this device
-        decode_mode=generation.decode_mode(args.decode, accelerator.device, accelerator.distributed_type),
-    )
-
-
-def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: Rollout, tracking) -> None:
-    """A few of this step's completions with their rewards, to samples.jsonl and the tracker (main
-    process)."""
-    generations = len(rollout.rewards) // len(rollout.indices)
-    samples = [
-        {
-            "step": state.step,
-            "prompt": str(rows[rollout.indices[i // generations]]["messages"][-1]["content"]),
-            "answer": rollout.texts[i],
-            "reference": str(rows[rollout.indices[i // generations]].get("answer", "")),
-            "reward": rollout.rewards[i],
-        }
-        for i in range(min(SAMPLES_KEPT, len(rollout.texts)))
-    ]
-    write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
-
-
-def scores_line(evaluation: dict) -> str:
-    keys = ("eval_reward", "eval_accuracy", "eval_sampled_reward", "eval_pass_at_1", "eval_pass_at_k")
-    return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
-
-
-def print_run_summary(results: dict, path: Path, tracking) -> None:
-    keys = [
-        "dataset",
-        "model",
-        "method",
-        "world_size",
-        "num_machines",
-        "mixed_precision",
-        "global_batch_size",
-    ]
-    keys += ["num_generations", "steps", "epochs", "eval_reward", "eval_accuracy", "eval_sampled_reward"]
-    keys += ["eval_pass_at_1", "eval_pass_at_k", "best_metric", "best_step"]
-    keys += [
-        "decode_mode",
-        "generation_tokens_per_second",
-        "train_tokens_per_second",
-        "first_step_generation_seconds",
-    ]
-    keys += ["peak_memory_mb", "wall_seconds", *compile_summary_keys(results)]
-    print_summary(results, keys, title="GRPO: summary")
-    print_saved(results, path, tracking, __file__)
-
-
-# ----------------------------------------------------------------------------------------- evaluate
-def evaluate_saved_model(args: GrpoFlags) -> None:
-    """--eval_only: --model (default --output_dir; also a model before any GRPO) answers every
-    validation prompt greedily; mean reward and accuracy to results.json in --output_dir. Any number
-    of processes."""
-    started = time.perf_counter()
-    check_flags(args)
-    output = Path(args.output_dir)
-    model_dir = args.model or args.output_dir
-    rewards = Rewards(args.reward, args.reward_weights, args.answer_tag)
-    accelerator = evaluation_accelerator(args)
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
-    set_seed(args.seed)
-    prepare_output_dir(output)
-    model, tokenizer = load_any(model_dir)  # a trained model, or one before any GRPO
-    with accelerator.local_main_process_first():
-        train_rows, validation_rows = load_prompts(
-            args.train_file,
-            args.validation_file,
-            args.dataset,
-            args.cache_dir,
-            args.validation_size,
-            args.seed,
-        )
-    validation_rows = tokenize_prompts(
-        accelerator, tokenizer, validation_rows, args.max_prompt_length, "validation"
-    )
-    check_columns(rewards, validation_rows, "validation prompts")
-    model = accelerator.prepare_model(model, evaluation_mode=True)
-    longest_prompt = max(len(row["prompt_ids"]) for row in validation_rows)
-    shape = generation.cache_shape(per_process * args.num_generations, longest_prompt, args.max_new_tokens)
-    # one cache, one compilation, for them all
-    generation.reserve_cache(accelerator, model, *shape, args.decode)
-    evaluation, samples = evaluate(
-        accelerator, model, tokenizer, validation_rows, rewards, args, per_process * args.num_generations
-    )
-    accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
-    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation prompts")
-    config = eval_only_config(
-        "grpo",
-        args,
-        accelerator,
-        dataset=dataset_name(args),
-        model=model_dir,
-        rewards=rewards.names,
-        max_new_tokens=args.max_new_tokens,
-    )
-    results = eval_only_results(config, accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if accelerator.is_main_process:
-        print(f"{write_results(output, results).name} saved in {output}")
+        print_run_summary(results, path, tracking, title="GRPO: summary", rows=GRPO_SUMMARY, script=__file__)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -952,7 +652,7 @@ def main(args: GrpoFlags) -> None:
     if args.merge:
         return merge(args)
     if args.eval_only:
-        return evaluate_saved_model(args)
+        return evaluate_saved_model(args, evaluate)
     return train(args)
 
 

@@ -9,9 +9,10 @@ GPUs, N nodes.
     python recipes/sft.py --merge outputs/sft-merged --model outputs/sft   # the adapter merged into its base
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
-optimizer -> prepare -> schedule -> resume -> loop -> eval -> save); evaluate_saved_model() is
---eval_only, predict() --predict, chat() --chat and merge() --merge; the flags are SftFlags, the
-data formats and the loss mask are in chat/conversations.py. `--batch_size` is the GLOBAL batch of
+optimizer -> prepare -> schedule -> resume -> loop -> eval -> save); the other modes live beside it,
+--eval_only and --plan_only in sft_modes.py, --predict, --chat and --merge in chat/modes.py; the
+flags are SftFlags, the data and its loaders in sft_data.py, the data formats and the loss mask in
+chat/conversations.py. `--batch_size` is the GLOBAL batch of
 conversations, and the loss of a step is the mean over every answer token of it (all micro-batches,
 all processes), so the same flags train the same way on any number of GPUs.
 
@@ -19,48 +20,39 @@ Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runt
 peft and gguf).
 """
 
-import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-import datasets
 import peft
 import torch
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from chat.answer_loss import PLAIN_LOGITS, use_answer_loss
-from chat.conversations import load_conversations, tokenize_splits
-from chat.generation import without_compiling
+from chat.generation import check_generation, without_compiling
 from chat.memory_plan import numel, print_plan
 from chat.model import (
     DEFAULT_MODEL,
-    SAMPLES_KEPT,
     ChatModelFlags,
     KernelFlags,
     adamw,
     build_model,
-    chat,
     check_one_mode,
     compile_figures,
     generate_answers,
-    load_fine_tuned,
     load_tokenizer,
-    merge,
-    model_facts,
-    predict,
-    print_saved,
-    row_multiple,
     save_model,
-    settle_compile,
     use_kernels,
     write_samples,
 )
+from chat.modes import chat, merge, predict
 from chat.packed_attention import choose_attention
-from chat.packing import PackedRows, check_packing, collator, token_budget_rows
-from torch.utils.data import DataLoader
+from chat.packing import check_packing
+from chat.run_summary import SFT_SCORES, SFT_SUMMARY, print_run_summary, run_settings, scores_line
+from sft_data import data_loaders, dataset_name, launch_flags, load_data
+from sft_modes import evaluate_saved_model, plan_only
 from transformers import get_scheduler
 
 from accelerate_recipes import (
@@ -69,18 +61,11 @@ from accelerate_recipes import (
     RecipeError,
     RunState,
     always_build_attention_masks,
-    check_launch,
     check_launch_flags,
     clip_norm,
-    cpu_threads_and_workers,
     epoch_batches,
-    eval_only_config,
-    eval_only_results,
-    evaluation_accelerator,
     keeps_update,
     prepare_output_dir,
-    print_summary,
-    quiet_other_local_processes,
     run,
     run_config,
     saving_checkpoint,
@@ -90,7 +75,6 @@ from accelerate_recipes import (
     training_progress,
     write_results,
 )
-from accelerate_recipes.compiling import CompiledPath, compile_summary_keys
 from accelerate_recipes.meter import flop_utilisation
 from accelerate_recipes.plots import plot_results
 
@@ -187,99 +171,6 @@ class SftFlags(ChatModelFlags, KernelFlags):
 
 
 # --------------------------------------------------------------------------------------------- data
-def dataset_name(args: SftFlags) -> str:
-    """The Hub dataset's name, or <folder>-<name> of the training file (e.g. chats-train)."""
-    if args.dataset:
-        return args.dataset.rsplit("/", 1)[-1]
-    if not args.train_file:
-        raise RecipeError("give --train_file (a .json/.jsonl of conversations) or --dataset (a Hub dataset)")
-    return f"{Path(args.train_file).resolve().parent.name}-{Path(args.train_file).stem}"
-
-
-def load_data(
-    accelerator, args: SftFlags, tokenizer
-) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
-    """(raw conversations, tokenised with the loss mask, counts per split). The local main process
-    of each node reads and tokenises first (into the datasets cache); the others then read the
-    cached result."""
-    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
-    dataset_name(args)  # refuses a run without data before anything loads
-    with accelerator.local_main_process_first():
-        raw = load_conversations(
-            args.train_file,
-            args.validation_file,
-            args.dataset,
-            args.cache_dir,
-            args.validation_size,
-            args.seed,
-        )
-        tokenized, counts = tokenize_splits(raw, tokenizer, args.max_length)
-    for split, count in counts.items():
-        if count["truncated"] or count["without_targets"]:
-            accelerator.print(
-                f"{split}: {count['truncated']} of {count['examples']} conversations cut at --max_length "
-                f"{args.max_length}; {count['without_targets']} of them kept no answer token and were dropped"
-            )
-    return raw, tokenized, counts
-
-
-def data_loaders(accelerator, args: SftFlags, tokenizer, tokenized, per_process: int) -> tuple:
-    """The training loader (shuffled, whole batches only; packed with --packing, in rows of
-    --batch_tokens), the validation loader (padded, so each conversation's loss stays its own),
-    before accelerator.prepare, and the conversations of a training micro-batch (on average over an
-    epoch with --batch_tokens)."""
-    pad_to, train_pad_to = row_multiple(accelerator), row_multiple(accelerator, args.compile and args.packing)
-    # compiled: one bound for every packed row (one_bound)
-    longest = args.max_length if args.compile else None
-    # on the CPU also torch's threads
-    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
-    loader_args = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    train_set = tokenized["train"]
-    conversations = per_process
-    if args.batch_tokens:  # items are rows of conversations, one per micro-batch (per_process is 1)
-        train_set = PackedRows(train_set, token_budget_rows(train_set["num_tokens"], args.batch_tokens))
-        conversations = sum(map(len, train_set.rows)) / len(train_set.rows)
-        # from here on the global batch counts conversations,
-        # as without --batch_tokens: a step's, on average
-        args.batch_size = conversations * accelerator.num_processes * args.gradient_accumulation_steps
-    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global
-    # RNG (dropout's), which checkpoints restore.
-    train_loader = DataLoader(
-        train_set,
-        batch_size=per_process,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-        collate_fn=collator(tokenizer, args.packing, train_pad_to, longest),
-        **loader_args,
-    )
-    eval_loader = DataLoader(
-        tokenized["validation"],
-        batch_size=round(conversations) * args.gradient_accumulation_steps,
-        collate_fn=collator(tokenizer, False, pad_to),
-        **loader_args,
-    )
-    return train_loader, eval_loader, conversations
-
-
-def settle_flags(args: SftFlags, accelerator) -> CompiledPath:
-    """The flags whose value depends on the launch: --compile by default on a CUDA GPU without
-    --liger where inductor can work (compiled_blocks, whose path it returns), and with
-    --batch_tokens the global batch that check_launch
-    divides: a row per process per micro-step."""
-    blocks = settle_compile(args, accelerator)
-    if not args.batch_tokens:
-        return blocks
-    if not args.packing:
-        raise RecipeError("--batch_tokens fills packed rows by tokens; add --packing")
-    if args.batch_tokens < args.max_length:
-        raise RecipeError(
-            f"--batch_tokens {args.batch_tokens} is below --max_length {args.max_length}: a conversation may "
-            "not fit "
-            "in a row; raise --batch_tokens or lower --max_length"
-        )
-    args.batch_size = accelerator.num_processes * args.gradient_accumulation_steps
-    return blocks
 
 
 def whole_steps(batches, accumulation: int, accelerator, limit: int):
@@ -339,28 +230,16 @@ def evaluate(model, loader, accelerator) -> dict:
     }
 
 
-def check_generation(accelerator, eval_generate: int) -> None:
-    """At start-up, not after the first epoch: --eval_generate decodes with the whole model in each
-    process, which FSDP and DeepSpeed ZeRO-3 split across them."""
-    if eval_generate and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise RecipeError(
-            "--eval_generate needs the whole model in each process, and this run shards it "
-            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model with "
-            "--eval_only "
-            "--eval_generate N in one process instead"
-        )
-
-
 # ---------------------------------------------------------------------------------------- reporting
 def settings(args: SftFlags, model_name: str, lr: float, model, counts: dict, per_process: int) -> dict:
     """What the run derived from its flags and data, for run_config (the tracker, checkpoints,
     results.json)."""
-    return dict(
-        dataset=dataset_name(args),
-        model=model_name,
-        # lora or full, its parameters, the library versions, the attention
-        **model_facts(args, model),
-        lr=lr,
+    return run_settings(
+        args,
+        dataset_name(args),
+        model_name,
+        lr,
+        model,
         lora_alpha=args.lora_alpha or 2 * args.lora_r,
         per_process_batch_size=per_process,
         train_size=counts["train"]["examples"] - counts["train"]["without_targets"],
@@ -406,39 +285,6 @@ def token_rates(results: dict, train_set) -> dict:
     )
 
 
-def scores_line(evaluation: dict) -> str:
-    """An evaluation in one line: `loss 1.2345, perplexity 3.4364, exact_match 0.8125`."""
-    keys = ("eval_loss", "eval_perplexity", "eval_exact_match")
-    return ", ".join(f"{k.removeprefix('eval_')} {evaluation[k]:.4f}" for k in keys if k in evaluation)
-
-
-def print_run_summary(results: dict, path: Path, tracking) -> None:
-    """After training, on the main process: the summary table, what was saved where, and how to use
-    it."""
-    keys = [
-        "dataset",
-        "model",
-        "method",
-        "world_size",
-        "num_machines",
-        "mixed_precision",
-        "global_batch_size",
-    ]
-    keys += [
-        "steps",
-        "epochs",
-        "eval_loss",
-        "eval_perplexity",
-        "eval_exact_match",
-        "best_metric",
-        "best_epoch",
-    ]
-    keys += ["train_tokens_per_second", "train_target_tokens_per_second", "peak_memory_mb", "wall_seconds"]
-    keys += compile_summary_keys(results)
-    print_summary(results, keys, title="chat fine-tuning: summary")
-    print_saved(results, path, tracking, __file__)
-
-
 # -------------------------------------------------------------------------------------------- train
 def train(args: SftFlags) -> None:
     """Fine-tune --model on the data flags' conversations, evaluate after every epoch, and save the
@@ -459,8 +305,8 @@ def train(args: SftFlags) -> None:
     )
     # By count, not at a loader's end: whole_steps reads a step's batches before its first forward.
     accelerator = training_accelerator(args, tracking, steps_by_count=True)
-    # --compile on a CUDA GPU; with --batch_tokens a global batch of rows
-    blocks = settle_flags(args, accelerator)
+    # the flags as this launch takes them: --compile on a CUDA GPU, --batch_tokens' rows a batch
+    args, blocks = launch_flags(args, accelerator)
     per_process = check_launch_flags(accelerator, args)
     check_generation(accelerator, args.eval_generate)
     world = accelerator.num_processes
@@ -472,22 +318,21 @@ def train(args: SftFlags) -> None:
     # ---- data, tokenizer and model
     tokenizer = load_tokenizer(model_name)
     raw, tokenized, counts = load_data(accelerator, args, tokenizer)
-    # packed rows on a GPU: torch's variable-length flash
-    # kernel, unless --attn_implementation says otherwise
-    args.attn_implementation = choose_attention(args.attn_implementation, args.packing, accelerator)
+    # packed rows on a GPU: torch's variable-length flash kernel, unless --attn_implementation says
+    attention = choose_attention(args.attn_implementation, args.packing, accelerator)
+    args = replace(args, attn_implementation=attention)
     model = build_model(args, model_name, accelerator)
     if args.packing:
         check_packing(model)
-    use_answer_loss(
-        model
-        # logits for the answer positions only, in chunks
-        # (chat/answer_loss.py): the loss stays the same
-    )
+    # logits for the answer positions only, in chunks (chat/answer_loss.py): the loss stays the same
+    use_answer_loss(model)
     # --liger's fused kernels, the blocks compiled (--compile)
     use_kernels(model, args, accelerator.device, blocks)
     train_loader, eval_loader, micro_batch_samples = data_loaders(
         accelerator, args, tokenizer, tokenized, per_process
     )
+    if args.batch_tokens:  # from here on the global batch counts conversations: a step's, on average
+        args = replace(args, batch_size=micro_batch_samples * world * args.gradient_accumulation_steps)
     # bytes per process, before any is spent on the device
     plan = print_plan(accelerator, args, model, per_process)
     # for the model FLOP utilisation (MFU)
@@ -600,9 +445,8 @@ def train(args: SftFlags) -> None:
         if accelerator.is_main_process:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
-        accelerator.print(
-            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s"
-        )
+        scores_text = scores_line(state.last_eval, SFT_SCORES)
+        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_text}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -615,9 +459,8 @@ def train(args: SftFlags) -> None:
     results = dict(config, **progress.results(started))
     # beside peak_memory_mb
     results.update(token_rates(results, tokenized["train"]), memory_plan_mb=plan.mb)
-    # with --compile: the compilation apart, and the graphs an earlier run of these shapes had
-    # compiled the compilation apart; graphs, recompiles,
-    # seconds and fallbacks, and what torch's cache gave
+    # with --compile: the first steps' compilation apart; graphs, recompiles, seconds and
+    # fallbacks, and the graphs torch's caches gave
     results.update(
         warmup_seconds=progress.meter.warmup_seconds, **compile_figures(blocks, model, accelerator)
     )
@@ -631,67 +474,9 @@ def train(args: SftFlags) -> None:
     accelerator.end_training()
     if accelerator.is_main_process:
         path = write_results(output, results)
-        print_run_summary(results, path, tracking)
-
-
-# ----------------------------------------------------------------------------------------- evaluate
-def evaluate_saved_model(args: SftFlags) -> None:
-    """--eval_only: the model in --model (default --output_dir) on the whole validation split of the
-    data flags, each conversation counted once, on any number of processes; results.json goes to
-    --output_dir."""
-    started = time.perf_counter()
-    output = Path(args.output_dir)
-    model_dir = args.model or args.output_dir
-    accelerator = evaluation_accelerator(args)
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
-    check_generation(accelerator, args.eval_generate)
-    set_seed(args.seed)
-    prepare_output_dir(output)
-
-    model, tokenizer = load_fine_tuned(model_dir)
-    use_answer_loss(model)
-    raw, tokenized, _ = load_data(accelerator, args, tokenizer)
-    _, eval_loader, _ = data_loaders(accelerator, args, tokenizer, tokenized, per_process)
-    # evaluation_mode: no DDP wrapper, which refuses a
-    # model without trainable weights (a loaded adapter)
-    model, eval_loader = (
-        accelerator.prepare_model(model, evaluation_mode=True),
-        accelerator.prepare(eval_loader),
-    )
-    evaluation = evaluate(model, eval_loader, accelerator)
-    if args.eval_generate:
-        conversations = raw["validation"]["messages"][: args.eval_generate]
-        answering = (model, tokenizer, conversations, accelerator, args.max_new_tokens, 8, args.decode)
-        scores, samples = generate_answers(*answering)
-        evaluation.update(scores)
-        accelerator.print("\n".join(json.dumps(s, ensure_ascii=False) for s in samples[:SAMPLES_KEPT]))
-    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation conversations")
-
-    config = eval_only_config(
-        "sft",
-        args,
-        accelerator,
-        dataset=dataset_name(args),
-        model=model_dir,
-        validation_size=len(tokenized["validation"]),
-    )
-    results = eval_only_results(config, accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if accelerator.is_main_process:
-        print(f"{write_results(output, results).name} saved in {output}")
-
-
-# --------------------------------------------------------------------------------------------- plan
-def plan_only(args: SftFlags) -> None:
-    """--plan_only: the memory plan of the run these flags describe, on its launch (or the one
-    --plan_* assume), from the model's config alone; nothing is loaded, trained or written."""
-    accelerator = evaluation_accelerator(args)
-    settle_flags(args, accelerator)
-    per_process = check_launch(accelerator, args.batch_size, args.gradient_accumulation_steps)
-    model = build_model(args, args.model or DEFAULT_MODEL, accelerator, meta=True)
-    print_plan(accelerator, args, model, per_process)
-    accelerator.end_training()
+        print_run_summary(
+            results, path, tracking, title="chat fine-tuning: summary", rows=SFT_SUMMARY, script=__file__
+        )
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -707,7 +492,7 @@ def main(args: SftFlags) -> None:
     if args.merge:
         return merge(args)
     if args.eval_only:
-        return evaluate_saved_model(args)
+        return evaluate_saved_model(args, evaluate)
     if args.plan_only:
         return plan_only(args)
     return train(args)

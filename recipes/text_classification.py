@@ -10,38 +10,32 @@ GPUs, N nodes, FSDP.
     python recipes/text_classification.py --predict "a gripping, funny film" --model outputs/text
 
 One function per mode: train() reads top to bottom (config -> accelerator -> data -> model ->
-optimizer -> prepare -> schedule -> resume -> loop -> eval -> save), evaluate_saved_model() is
---eval_only, predict() is --predict; the flags are TextFlags. `--batch_size` is the GLOBAL batch
+optimizer -> prepare -> schedule -> resume -> loop -> eval -> save); --eval_only and --predict live
+beside it in text_classification_modes.py, the data and the model in text_classification_data.py;
+the flags are TextFlags. `--batch_size` is the GLOBAL batch
 (all processes together), so the same flags give the same training on any number of GPUs.
 
 Install: `pip install -e '.[text]'` from a clone of accelerate-recipes (the runtime plus datasets
 and torchmetrics).
 """
 
-import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import torch
 import transformers
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
+from text_classification_data import data_loaders, dataset_name, glue_task, load_data, load_model
+from text_classification_modes import evaluate_saved_model, predict, scores_line
 from torchmetrics.functional.classification import (
     binary_f1_score,
     binary_matthews_corrcoef,
     multiclass_f1_score,
 )
-from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-    get_scheduler,
-)
+from transformers import get_scheduler
 
 from accelerate_recipes import (
     BestModel,
@@ -52,18 +46,11 @@ from accelerate_recipes import (
     always_build_attention_masks,
     check_launch_flags,
     clip_norm,
-    cpu_threads_and_workers,
     epoch_batches,
-    eval_only_config,
-    eval_only_results,
-    evaluation_accelerator,
-    explain_load_failure,
-    first_line,
     keeps_update,
     model_to_save,
     prepare_output_dir,
     print_summary,
-    quiet_other_local_processes,
     run,
     run_config,
     saving_checkpoint,
@@ -78,24 +65,6 @@ from accelerate_recipes.plots import plot_results
 DEFAULT_MODEL = "google-bert/bert-base-cased"
 # below this many optimizer steps a fine-tune is warned that it may not learn
 MIN_USEFUL_STEPS = 100
-# GLUE task -> (text column, text-pair column, validation
-# split, the metric GLUE reports besides accuracy)
-GLUE_TASKS = {
-    "cola": ("sentence", None, "validation", "matthews_correlation"),
-    "sst2": ("sentence", None, "validation", None),
-    "mrpc": ("sentence1", "sentence2", "validation", "binary_f1"),
-    "qqp": ("question1", "question2", "validation", "binary_f1"),
-    "mnli": ("premise", "hypothesis", "validation_matched", None),
-    "qnli": ("question", "sentence", "validation", None),
-    "rte": ("sentence1", "sentence2", "validation", None),
-    "wnli": ("sentence1", "sentence2", "validation", None),
-}
-FILE_FORMATS = {
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"sep": "\t"}),
-    ".json": ("json", {}),
-    ".jsonl": ("json", {}),
-}
 
 
 @dataclass
@@ -166,233 +135,13 @@ class TextFlags(TrainingFlags):
 
 
 # --------------------------------------------------------------------------------------------- data
-def load_file(path: str, split: str, cache_dir: str | None, flag: str | None = None) -> datasets.Dataset:
-    """One CSV / TSV / JSON / JSONL file through the `datasets` loaders (cached as Arrow in the
-    datasets cache)."""
-    file = Path(path).expanduser()
-    flag = flag or f"--{split}_file"
-    if file.suffix.lower() not in FILE_FORMATS:
-        raise RecipeError(f"{flag} {path}: unknown format {file.suffix!r}; use .csv, .tsv, .json or .jsonl")
-    if not file.is_file():
-        raise RecipeError(
-            f"{flag} {path} does not exist; give the path of a .csv, .tsv, .json or .jsonl file"
-        )
-    builder, options = FILE_FORMATS[file.suffix.lower()]
-    try:
-        return datasets.load_dataset(
-            builder, data_files={split: str(file.resolve())}, split=split, cache_dir=cache_dir, **options
-        )
-    except Exception as err:  # pyarrow / pandas parse errors of every kind
-        reason = first_line(err)
-        raise RecipeError(
-            f"could not read {flag} {path} as {builder} ({reason}); check the file's format"
-        ) from None
-
-
-def load_text_data(task, train_file, validation_file, text_column, text_pair_column, label_column, cache_dir):
-    """Return (DatasetDict with train and validation, text column, pair column, label column, label
-    values, metric).
-
-    `label values` are the labels as they appear in the data, in id order: GLUE's class names, or
-    the sorted distinct values of the training file's label column (strings or numbers), so string
-    labels work unchanged.
-    """
-    if task is not None:
-        if task == "stsb":
-            raise RecipeError("--task stsb is a regression task (similarity scores); this recipe classifies")
-        if task not in GLUE_TASKS:
-            raise RecipeError(
-                f"unknown --task {task!r}; choose one of {', '.join(GLUE_TASKS)}, or give --train_file"
-            )
-        text_column, text_pair_column, validation_split, extra_metric = GLUE_TASKS[task]
-        try:
-            glue = datasets.load_dataset("nyu-mll/glue", task, cache_dir=cache_dir)
-        except Exception as err:  # offline, hub errors, a missing cache
-            reason = first_line(err)
-            raise RecipeError(
-                f"could not load GLUE {task} from the Hugging Face Hub ({reason}); connect once to download "
-                "it "
-                "(it is cached under ~/.cache/huggingface/datasets), or train on your own files with "
-                "--train_file/--validation_file"
-            ) from None
-        raw = datasets.DatasetDict(train=glue["train"], validation=glue[validation_split])
-        return (
-            raw,
-            text_column,
-            text_pair_column,
-            "label",
-            glue["train"].features["label"].names,
-            extra_metric,
-        )
-
-    if train_file is None or validation_file is None:
-        raise RecipeError("give --task (a GLUE task) or both --train_file and --validation_file")
-    raw = datasets.DatasetDict(
-        train=load_file(train_file, "train", cache_dir),
-        validation=load_file(validation_file, "validation", cache_dir),
-    )
-    for split, file in (("train", train_file), ("validation", validation_file)):
-        columns = raw[split].column_names
-        for flag, column in (
-            ("text_column", text_column),
-            ("text_pair_column", text_pair_column),
-            ("label_column", label_column),
-        ):
-            if column is not None and column not in columns:
-                raise RecipeError(
-                    f"{file} has no column {column!r} (--{flag}); its columns are {', '.join(columns)}"
-                )
-    train_values = raw["train"].unique(label_column)
-    # None, or NaN in a numeric column
-    if any(value is None or value != value for value in train_values):
-        raise RecipeError(
-            f"{train_file}: some rows have no value in the label column {label_column!r}; fill or drop them"
-        )
-    label_values = sorted(train_values)
-    if len(label_values) < 2:
-        raise RecipeError(
-            f"{train_file}: the label column {label_column!r} has the single value {label_values[0]!r}; "
-            "a classifier needs two or more labels"
-        )
-    unseen = sorted(set(raw["validation"].unique(label_column)) - set(label_values), key=str)
-    if unseen:
-        raise RecipeError(
-            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column {label_column!r} "
-            "never occur "
-            f"in {train_file} (known: {', '.join(map(repr, label_values[:10]))}); fix the labels or add such "
-            "examples "
-            "to the training file"
-        )
-    return raw, text_column, text_pair_column, label_column, label_values, "macro_f1"
-
-
-def tokenize_datasets(raw, tokenizer, text_column, text_pair_column, label_column, label_ids, max_length):
-    """Tokenise without padding (the collator pads each batch to its longest example) and map labels
-    to ids.
-
-    `label_ids` maps the values of a file's label column to ids; None when they already are ids
-    (GLUE).
-    """
-
-    def tokenize(batch):
-        texts = [t if t is not None else "" for t in batch[text_column]]
-        pairs = [t if t is not None else "" for t in batch[text_pair_column]] if text_pair_column else None
-        encoded = tokenizer(texts, pairs, truncation=True, max_length=max_length)
-        labels = batch[label_column]
-        encoded["labels"] = labels if label_ids is None else [label_ids[value] for value in labels]
-        return encoded
-
-    return raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenize")
-
-
-def glue_task(args: TextFlags) -> str | None:
-    """The GLUE task the data flags name (sst2 when neither --task nor --train_file is given), None
-    for your files."""
-    task = "sst2" if args.task is None and args.train_file is None else args.task
-    if task is not None and (args.train_file or args.validation_file):
-        raise RecipeError("give either --task (a GLUE task) or --train_file/--validation_file, not both")
-    return task
-
-
-def dataset_name(args: TextFlags) -> str:
-    """The task's name, or <folder>-<name> of the training file (e.g. reviews-train)."""
-    if task := glue_task(args):
-        return task
-    train_file = Path(args.train_file)  # no GLUE task: a training file is given
-    return f"{train_file.resolve().parent.name}-{train_file.stem}"
 
 
 def default_run_name(args: TextFlags) -> str:
     return f"text-{dataset_name(args)}"
 
 
-@dataclass
-class TextData:
-    """The train and validation splits, raw and tokenised, with what the model needs to know about
-    them."""
-
-    raw: datasets.DatasetDict
-    tokenized: datasets.DatasetDict
-    tokenizer: transformers.PreTrainedTokenizerBase
-    label_names: list[str]  # the labels as strings, in id order
-    extra_metric: str | None  # what evaluate() reports besides accuracy
-
-
-def load_data(accelerator, args: TextFlags, task: str | None, model_name: str) -> TextData:
-    """The data flags' train and validation splits, tokenised with the tokenizer of `model_name`.
-
-    The local main process of each node downloads and tokenises first (into the cache); the others
-    then read the cached result.
-    """
-    quiet_other_local_processes(accelerator)  # one copy of the libraries' logs and bars per node
-    with accelerator.local_main_process_first():
-        raw, text_column, text_pair_column, label_column, label_values, extra_metric = load_text_data(
-            task,
-            args.train_file,
-            args.validation_file,
-            args.text_column,
-            args.text_pair_column,
-            args.label_column,
-            args.cache_dir,
-        )
-        tokenizer = load_tokenizer(model_name)
-        label_ids = None if task else {value: i for i, value in enumerate(label_values)}
-        tokenized = tokenize_datasets(
-            raw, tokenizer, text_column, text_pair_column, label_column, label_ids, args.max_length
-        )
-    return TextData(raw, tokenized, tokenizer, [str(value) for value in label_values], extra_metric)
-
-
-def data_loaders(
-    accelerator, args: TextFlags, data: TextData, per_process: int
-) -> tuple[DataLoader, DataLoader]:
-    """The training loader (shuffled, whole batches only) and the validation loader, before
-    accelerator.prepare."""
-    # Padding to a multiple of 8 lets fp16/bf16 matrix multiplies use tensor cores.
-    collator = DataCollatorWithPadding(
-        data.tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
-    )
-    # on the CPU also torch's threads
-    num_workers = cpu_threads_and_workers(accelerator, args.num_workers, limit=2)
-    loader_args = dict(collate_fn=collator, num_workers=num_workers, pin_memory=torch.cuda.is_available())
-    # The shuffle gets a generator of its own: starting an epoch then draws nothing from the global
-    # RNG (dropout's), which checkpoints restore.
-    train_loader = DataLoader(
-        data.tokenized["train"],
-        batch_size=per_process,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
-        **loader_args,
-    )
-    eval_loader = DataLoader(
-        data.tokenized["validation"], batch_size=per_process * args.gradient_accumulation_steps, **loader_args
-    )
-    return train_loader, eval_loader
-
-
 # -------------------------------------------------------------------------------------------- model
-def load_tokenizer(name: str):
-    with explain_load_failure(name):
-        return AutoTokenizer.from_pretrained(name)
-
-
-def load_model(name: str, label_names: list[str], task: str | None):
-    """Sequence-classification model from a Hub name or a local directory, with the label
-    mapping."""
-    with explain_load_failure(name):
-        config = AutoConfig.from_pretrained(
-            name,
-            num_labels=len(label_names),
-            finetuning_task=task,
-            id2label=dict(enumerate(label_names)),
-            label2id={label: i for i, label in enumerate(label_names)},
-        )
-        # A checkpoint already fine-tuned on another label
-        # set gets a fresh classifier of the right size.
-        return AutoModelForSequenceClassification.from_pretrained(
-            name, config=config, ignore_mismatched_sizes=True, dtype=torch.float32
-        )
 
 
 def save_model(accelerator, model, tokenizer, folder) -> None:
@@ -445,89 +194,7 @@ def evaluate(model, loader, accelerator, extra_metric: str | None, num_labels: i
     return result
 
 
-# ------------------------------------------------------------------------------------------ predict
-def read_texts(source, text_column: str, text_pair_column: str | None) -> list[tuple[str, str | None]]:
-    """Texts to classify: a .txt file (one per line), a .csv/.tsv/.json/.jsonl file (its text
-    column), or the text itself."""
-    items = source if isinstance(source, (list, tuple)) else [source]
-    texts = []
-    for item in map(str, items):
-        path = Path(item).expanduser()
-        if path.suffix.lower() in FILE_FORMATS and path.is_file():
-            data = load_file(str(path), "predict", cache_dir=None, flag="--predict")
-            for column in filter(None, (text_column, text_pair_column)):
-                if column not in data.column_names:
-                    raise RecipeError(
-                        f"{path} has no column {column!r} to classify; its columns are "
-                        f"{', '.join(data.column_names)} (set --text_column)"
-                    )
-            pairs = data[text_pair_column] if text_pair_column else [None] * len(data)
-            texts += list(zip(data[text_column], pairs))
-        elif path.suffix.lower() == ".txt" and path.is_file():
-            texts += [(line, None) for line in path.read_text().splitlines() if line.strip()]
-        else:
-            texts.append((item, None))
-    return texts
-
-
-def check_fine_tuned(model_dir: str) -> None:
-    if not (Path(model_dir) / "config.json").is_file():
-        raise RecipeError(
-            f"--model {model_dir} is not a fine-tuned model directory (no config.json); train first "
-            "or point --model at the output_dir of a finished run"
-        )
-
-
-def check_labels(model_dir: str, label_names: list[str]) -> None:
-    """--eval_only: the data's labels, in id order, must be the ones the model was fine-tuned on."""
-    trained = [str(name) for _, name in sorted(AutoConfig.from_pretrained(model_dir).id2label.items())]
-    if trained != label_names:
-        raise RecipeError(
-            f"--model {model_dir} was fine-tuned on the labels {trained[:10]} and the data has "
-            f"{label_names[:10]}; evaluate it with the data flags of its training run"
-        )
-
-
-def predict(args: TextFlags) -> None:
-    """--predict: classify texts with the fine-tuned model in --model (default --output_dir) in this
-    one process and print one JSON line per text: text, label, score."""
-    model_dir = args.model or args.output_dir
-    check_fine_tuned(model_dir)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir).to(device).eval()
-    texts = read_texts(args.predict, args.text_column, args.text_pair_column)
-    with torch.no_grad():  # inference only: no graph kept for a backward pass
-        for start in range(0, len(texts), args.batch_size):
-            chunk = texts[start : start + args.batch_size]
-            firsts = [t for t, _ in chunk]
-            seconds = [p for _, p in chunk] if args.text_pair_column else None
-            inputs = tokenizer(
-                firsts,
-                seconds,
-                truncation=True,
-                max_length=args.max_length,
-                padding=True,
-                return_tensors="pt",
-            )
-            probabilities = model(**inputs.to(device)).logits.float().softmax(dim=-1)
-            scores, ids = probabilities.max(dim=-1)
-            for (text, pair), label_id, score in zip(chunk, ids.tolist(), scores.tolist()):
-                row = {
-                    "text": text,
-                    **({"text_pair": pair} if pair is not None else {}),
-                    "label": model.config.id2label[label_id],
-                    "score": round(score, 4),
-                }
-                print(json.dumps(row, ensure_ascii=False))
-
-
 # ---------------------------------------------------------------------------------------- reporting
-def scores_line(evaluation: dict) -> str:
-    """An evaluation in one line: `accuracy 0.8125, loss 0.4312, f1 0.8000`."""
-    return ", ".join(
-        f"{k.removeprefix('eval_')} {v:.4f}" for k, v in evaluation.items() if k != "eval_samples"
-    )
 
 
 def warn_if_too_short(accelerator, args: TextFlags, total_steps: int, train_size: int) -> None:
@@ -536,11 +203,9 @@ def warn_if_too_short(accelerator, args: TextFlags, total_steps: int, train_size
     if not args.max_steps and total_steps < MIN_USEFUL_STEPS:
         accelerator.print(
             f"warning: {total_steps} optimizer steps in all ({train_size} examples / global batch "
-            f"{args.batch_size} "
-            f"x {args.epochs} epochs); a fine-tune this short often stays near chance. Aim for "
-            f"{MIN_USEFUL_STEPS}+ "
-            "steps: raise --epochs or lower --batch_size, or raise --lr (1e-4 suits small models and small "
-            "data sets)"
+            f"{args.batch_size} x {args.epochs} epochs); a fine-tune this short often stays near "
+            f"chance. Aim for {MIN_USEFUL_STEPS}+ steps: raise --epochs or lower --batch_size, or "
+            "raise --lr (1e-4 suits small models and small data sets)"
         )
 
 
@@ -747,45 +412,6 @@ def train(args: TextFlags) -> None:
         print_run_summary(results, path, tracking)
 
 
-# ----------------------------------------------------------------------------------------- evaluate
-def evaluate_saved_model(args: TextFlags) -> None:
-    """--eval_only: the fine-tuned model in --model (default --output_dir) on the whole validation
-    split of the data flags, each example counted once, on any number of processes; results.json
-    goes to --output_dir."""
-    started = time.perf_counter()
-    output = Path(args.output_dir)
-    model_dir = args.model or args.output_dir
-    check_fine_tuned(model_dir)
-    task = glue_task(args)
-    # No tracker: the results are in results.json and the output.
-    accelerator = evaluation_accelerator(args, accumulation_steps=args.gradient_accumulation_steps)
-    per_process = check_launch_flags(accelerator, args)
-    set_seed(args.seed)
-    prepare_output_dir(output)
-
-    data = load_data(accelerator, args, task, model_dir)
-    check_labels(model_dir, data.label_names)
-    model = load_model(model_dir, data.label_names, task)
-    _, eval_loader = data_loaders(accelerator, args, data, per_process)
-    model, eval_loader = accelerator.prepare(model, eval_loader)
-    evaluation = evaluate(model, eval_loader, accelerator, data.extra_metric, len(data.label_names))
-    accelerator.print(f"{scores_line(evaluation)} on {evaluation['eval_samples']} validation examples")
-
-    config = eval_only_config(
-        "text_classification",
-        args,
-        accelerator,
-        dataset=dataset_name(args),
-        model=model_dir,
-        validation_size=len(data.raw["validation"]),
-    )
-    results = eval_only_results(config, accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if accelerator.is_main_process:
-        print(f"{write_results(output, results).name} saved in {output}")
-
-
 # --------------------------------------------------------------------------------------------- main
 def main(args: TextFlags) -> None:
     """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
@@ -794,7 +420,7 @@ def main(args: TextFlags) -> None:
     if args.predict is not None:
         return predict(args)
     if args.eval_only:
-        return evaluate_saved_model(args)
+        return evaluate_saved_model(args, evaluate)
     return train(args)
 
 

@@ -815,6 +815,7 @@ def test_liger_kernels_keep_the_decoder_blocks_eager():
     block): on a GPU the blocks compile by default without --liger and not with it, which one line
     says, and --compile with --liger is refused in one line, as sft.py settles its flags."""
     import sft
+    import sft_data
     from accelerate.utils import DistributedType
 
     printed = []
@@ -826,8 +827,9 @@ def test_liger_kernels_keep_the_decoder_blocks_eager():
     assert len(printed) == 1 and "\n" not in printed[0] and "Liger" in printed[0]
     one_line_error(lambda: chat_model.compiles(True, on_a_gpu, liger=True), "--liger and --compile")
     one_line_error(
-        lambda: sft.settle_flags(sft.SftFlags(liger=True, compile=True), on_a_gpu), "--liger and --compile"
+        lambda: sft_data.launch_flags(sft.SftFlags(liger=True, compile=True), on_a_gpu),
+        "--liger and --compile",
     )
     args = sft.SftFlags(liger=True)
-    sft.settle_flags(args, on_a_gpu)
-    assert args.compile is False
+    settled, _ = sft_data.launch_flags(args, on_a_gpu)
+    assert settled.compile is False and args.compile is None  # a settled copy; the flags as given

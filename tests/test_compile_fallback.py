@@ -134,7 +134,8 @@ def test_a_missing_compiler_is_found_before_the_first_step(
     """Without a C compiler inductor cannot build Triton's launcher on a GPU (nor its C++ kernels on
     a CPU): by default the blocks then run eagerly from the first step, said in one line; given
     --compile, a one-line error. No compiler found: a PATH with none on it, as on a slim image."""
-    from sft import SftFlags, settle_flags
+    from sft import SftFlags
+    from sft_data import launch_flags
 
     # this machine has both
     assert missing_toolchain("cuda") is None and missing_toolchain("cpu") is None
@@ -144,13 +145,12 @@ def test_a_missing_compiler_is_found_before_the_first_step(
     assert "no C++ compiler for inductor" in missing_toolchain("cpu")
     assert missing_toolchain("cpu", backend="aot_eager") is None  # generates no code
 
-    args = SftFlags()
-    blocks = settle_flags(args, ON_A_GPU)  # the default on a GPU: compiled
+    args, blocks = launch_flags(SftFlags(), ON_A_GPU)  # the default on a GPU: compiled
     assert args.compile is False and blocks.eager and "no C compiler" in blocks.fallback
     [line] = stderr_lines(capfd)
     assert line.startswith("the decoder blocks run eagerly: no C compiler for Triton (set CC")
     with pytest.raises(RecipeError, match="^--compile: the decoder blocks could not compile .no C compiler"):
-        settle_flags(SftFlags(compile=True), ON_A_GPU)
+        launch_flags(SftFlags(compile=True), ON_A_GPU)
 
     # the recipe as a user starts it on this CPU with --compile (inductor) and no C++ compiler: one
     # line, no traceback

@@ -56,7 +56,8 @@ def test_freeze_and_patience_in_a_fine_tune(detect_one, detect_shapes, tmp_path)
     args = ["--data", detect_shapes, "--init_weights", detect_one.out, "--freeze", 10, "--patience", 1]
     args += ["--lr", 0]
     args += ["--best_by", "fitness"]
-    args += ["--image_size", 64, "--batch_size", 16, "--epochs", 6, "--eval_every", 1, "--tracker", "none"]
+    # epochs enough for the fitness to stop rising: at lr 0 only the neck's statistics move it
+    args += ["--image_size", 64, "--batch_size", 16, "--epochs", 12, "--eval_every", 1, "--tracker", "none"]
     args += ["--num_workers", 0, "--checkpoint_every", 0, "--log_every", 100, "--output_dir", out]
     proc = check(run([PYTHON, DETECT_SCRIPT, *args], recipe_env(tmp_path), timeout=500))
     assert "--freeze 10: YOLOv8 layers 0-9 fixed (backbone.stem.0, " in proc.output
@@ -71,7 +72,7 @@ def test_freeze_and_patience_in_a_fine_tune(detect_one, detect_shapes, tmp_path)
     evaluations = [m["eval/fitness"] for m in metrics if "eval/fitness" in m]
     # stopped at the first evaluation not strictly better than every earlier one, or never met one
     assert all(later > earlier for earlier, later in zip(evaluations[:-2], evaluations[1:-1])), evaluations
-    assert results["stopped_early"] and len(evaluations) < 6 and evaluations[-1] <= max(evaluations[:-1])
+    assert results["stopped_early"] and len(evaluations) < 12 and evaluations[-1] <= max(evaluations[:-1])
     assert results["early_stopping_patience"] == 1 and results["best_epoch"] == len(evaluations) - 1
     assert results["metric_for_best_model"] == "eval_fitness" and results["best_metric"] == max(evaluations)
 

@@ -388,7 +388,7 @@ def test_the_precomputed_reference_is_the_live_one(dpo_one, dpo_fsdp_two_nodes, 
         assert torch.allclose(values[split].double(), expected, atol=1e-4), split
     # A checkpoint resumes only with the setting it was
     # written with: one line, not load_state's count mismatch.
-    from dpo import check_same_reference
+    from chat.preference_loss import check_same_reference
 
     live_checkpoint = sorted((dpo_one / "checkpoints").iterdir())[-1]
     check_same_reference(checkpoint, True) or check_same_reference(live_checkpoint, False)
@@ -564,7 +564,7 @@ def flags(**given):
 def test_each_loss_type_against_a_hand_computation():
     """Two pairs, chosen rows first: summed log-probabilities of the policy and the reference, and
     answer lengths."""
-    from dpo import pair_figures
+    from chat.preference_loss import pair_figures
 
     policy = torch.tensor([-4.0, -6.0, -5.0, -3.0])  # chosen: -4, -6; rejected: -5, -3
     reference = torch.tensor([-4.5, -5.0, -4.0, -4.0])
@@ -655,8 +655,9 @@ def test_a_packed_batch_gives_the_padded_batchs_log_probabilities_loss_and_gradi
     weight's gradient are the padded batch's."""
     from chat import packed_attention
     from chat.packing import check_packing
+    from chat.preference_loss import answer_logprobs, pair_figures
     from chat.preference_pairs import pair_collator
-    from dpo import FIGURES, answer_logprobs, pair_figures
+    from dpo import FIGURES
     from transformers import AutoModelForCausalLM
 
     tokenizer, pairs = tokenized_pairs
@@ -725,8 +726,9 @@ def test_compiled_blocks_give_the_eager_policy_and_reference_and_compile_once(
     from accelerate import Accelerator
     from chat import packed_attention
     from chat.model import BASE, COMPILE_ROW_MULTIPLE, build_model, use_kernels
+    from chat.preference_loss import answer_logprobs, pair_figures
     from chat.preference_pairs import pair_collator
-    from dpo import DpoFlags, answer_logprobs, pair_figures, reference_logprobs
+    from dpo import DpoFlags, reference_logprobs
     from torch._dynamo.utils import counters
     from transformers import AutoConfig, AutoModelForCausalLM
     from varlen_stand_in import use_stand_in
@@ -800,8 +802,9 @@ def test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows
     from accelerate import Accelerator
     from chat.model import BASE
     from chat.packing import check_packing
+    from chat.preference_loss import StoredReference
     from chat.preference_pairs import pair_collator
-    from dpo import StoredReference, evaluate
+    from dpo import evaluate
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
@@ -838,7 +841,7 @@ def test_packed_rows_give_the_stored_reference_and_the_evaluation_of_padded_rows
 
 
 def test_flags_that_cannot_work_are_one_line():
-    from dpo import check_flags
+    from chat.dpo_setup import check_flags
 
     for given, fragment in (
         (dict(loss_type="kto"), "unknown --loss_type 'kto'; choose one of sigmoid, ipo, hinge"),

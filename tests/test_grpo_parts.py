@@ -13,6 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from chat.generation import KeyedSampling, Sampling, hashed_uniform
+from chat.policy_gradient import loss_normaliser
 from chat.rewards import (
     Rewards,
     as_prompt_row,
@@ -24,7 +25,7 @@ from chat.rewards import (
     mean_scored,
 )
 from chat.rollouts import Rollout, sampling_keys
-from grpo import advantages, loss_normaliser, policy_loss
+from grpo import advantages, policy_loss
 
 from accelerate_recipes.errors import RecipeError
 
@@ -276,8 +277,9 @@ def test_rollouts_follow_the_recipes_flags_only_whatever_the_models_generation_c
     greedy answers and keyed samples are still those of the plain softmax, the policy whose
     log-probabilities the update uses."""
     from chat.model import load_base_model, load_tokenizer
+    from chat.policy_gradient import token_logprobs
     from chat.rollouts import generate, sampling_keys
-    from grpo import GrpoFlags, token_logprobs
+    from grpo import GrpoFlags
 
     accelerator = Accelerator(cpu=True)
     tokenizer, model = load_tokenizer(str(tiny_chat_model)), load_base_model(str(tiny_chat_model)).eval()
@@ -318,8 +320,9 @@ def test_the_kl_reference_of_a_fresh_adapter_is_the_policy_it_starts_from(tiny_c
     at step 1 (KL 0); the frozen-copy case (an adapter given in --model) is run end to end in
     test_grpo.py."""
     from chat.model import BASE, build_model, load_tokenizer, reference_policy
+    from chat.policy_gradient import reference_token_logprobs, token_logprobs
     from chat.rollouts import generate
-    from grpo import GrpoFlags, reference_token_logprobs, token_logprobs
+    from grpo import GrpoFlags
 
     accelerator = Accelerator(cpu=True)
     args = GrpoFlags(lora_r=4, beta=0.04, max_new_tokens=4)

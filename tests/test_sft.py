@@ -146,8 +146,12 @@ def test_sft_copy_runs_on_two_processes(sft_two):
         "chat/generation.py",
         "chat/memory_plan.py",
         "chat/model.py",
+        "chat/modes.py",
         "chat/packed_attention.py",
         "chat/packing.py",
+        "chat/run_summary.py",
+        "sft_data.py",
+        "sft_modes.py",
     }
     results = read_results(sft_two.out)
     losses = [row["eval/loss"] for row in read_metrics(sft_two.out) if "eval/loss" in row]

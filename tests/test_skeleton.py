@@ -9,9 +9,11 @@ recipe's training function must hold SKELETON's lines, in this order, after a re
 mapped to the common ones. Lines a recipe adds between them (its own Accelerator arguments, its
 loss, its evaluation) are its own.
 
-It also holds each recipe to the shape the README promises: one function per mode (train,
-evaluate_saved_model, predict) behind the same `main`, a training function of at most 150 code
-lines, and flags that extend the shared TrainingFlags without changing a shared flag's type.
+It also holds each recipe to the shape the README promises: one function per mode behind the same
+`main`, training in the recipe and the other modes (evaluate_saved_model, predict) in its modes
+module beside it (`<recipe>_modes.py`, detect's `modes.py`; the chat recipes' --predict, --chat and
+--merge in chat/modes.py), a training function of at most 150 code lines, and flags that extend the
+shared TrainingFlags without changing a shared flag's type.
 """
 
 import ast
@@ -121,7 +123,7 @@ raise RecipeError("give --predict or --eval_only, not both")
 if args.predict is not None:
 return predict(args)
 if args.eval_only:
-return evaluate_saved_model(args)
+return evaluate_saved_model(args, evaluate)
 return train(args)
 '''
 
@@ -149,7 +151,10 @@ NORMALISE = (
         r"epoch_batches\(accelerator, train_loader, state\.epoch, (state\.batches_done|done)\)",
         "epoch_batches(accelerator, train_loader, state.epoch, SKIPPED)",
     ),
-    (r"batches_per_epoch=(len\(train_loader\)|batches_per_epoch),", "batches_per_epoch=BATCHES_PER_EPOCH,"),
+    (
+        r"batches_per_epoch=(len\(train_loader\)|batches_per_epoch)(?=[,)])",
+        "batches_per_epoch=BATCHES_PER_EPOCH",
+    ),
     (r"def main\(args: \w+Flags\)", "def main(args: FLAGS)"),
     (r"for [\w, ]+ in (progress\.timed\(batches\)|batches):.*", "for BATCH in batches:"),
     (r"progress\.epoch_done\(state\.last_eval, .+\)", "progress.epoch_done(state.last_eval)"),
@@ -169,7 +174,40 @@ def function_source(path, name: str) -> str:
     return ast.get_source_segment(source, node)
 
 
+def one_line_statements(source: str) -> str:
+    """The source with each statement the formatter wrapped over several lines written on one line
+    (the comments inside it dropped, a trailing comma before the closing bracket too), as SKELETON
+    and MAIN write them."""
+    lines = source.splitlines()
+    spans, start = [], None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
+            continue
+        if start is None:
+            start = token.start[0]
+        if token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            if token.start[0] > start and lines[start - 1].rstrip().endswith(("(", "[", "{")):
+                spans.append((start, token.start[0]))
+            start = None
+    for first, last in reversed(spans):
+        parts = [lines[first - 1].rstrip()]
+        for line in lines[first:last]:
+            line = line.strip()
+            if line and not line.startswith("#"):
+                sep = "" if parts[-1].endswith(("(", "[", "{")) or line[0] in ")]}" else " "
+                parts.append(sep + line)
+        joined = re.sub(r",(\s*[)\]}])", r"\1", "".join(parts))
+        lines[first - 1 : last] = [joined]
+    return "\n".join(lines) + "\n"
+
+
+def expected_lines(text: str) -> list[str]:
+    """SKELETON's or MAIN's lines, each statement on one line as normalised() writes a recipe's."""
+    return lines_of(one_line_statements(text))
+
+
 def normalised(source: str) -> list[str]:
+    source = one_line_statements(source)
     for pattern, common in NORMALISE:
         source = re.sub(pattern, common, source)
     return lines_of(source)
@@ -211,30 +249,42 @@ def code_lines(source: str) -> int:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_training_function_holds_the_shared_skeleton(recipe):
     actual = normalised(function_source(RECIPES[recipe], "train"))
-    assert not missing_in_order(lines_of(SKELETON), actual), (
+    assert not missing_in_order(expected_lines(SKELETON), actual), (
         f"{recipe}'s train() departs from the skeleton every recipe shares; make the same change in all "
         "recipes and in SKELETON, or keep the recipe's own lines outside it. Missing or out of order:\n"
-        + "\n".join(missing_in_order(lines_of(SKELETON), actual))
+        + "\n".join(missing_in_order(expected_lines(SKELETON), actual))
     )
+
+
+def modes_module(recipe: str):
+    """Where a recipe's modes other than training live: beside it, `<recipe>_modes.py`, or the
+    detector folder's modes.py."""
+    script = RECIPES[recipe]
+    return script.parent / ("modes.py" if script.name == "train.py" else f"{script.stem}_modes.py")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_one_function_per_mode_behind_the_same_main(recipe):
     actual = normalised(function_source(RECIPES[recipe], "main"))
-    assert not missing_in_order(lines_of(MAIN), actual), "\n".join(actual)
+    assert not missing_in_order(expected_lines(MAIN), actual), "\n".join(actual)
     # A recipe with more modes (the chat recipes' --chat
     # and --merge) adds only their checks and dispatches.
-    added = [line for line in actual if line not in lines_of(MAIN)]
+    added = [line for line in actual if line not in expected_lines(MAIN)]
     mode_line = re.compile(
         r"(if .*args\.\w+.*:|return \w+\(args\)|raise RecipeError\(.*\)|check_one_mode\(args.*\))"
     )
     assert all(mode_line.fullmatch(line) for line in added), added
-    for mode in ("train", "evaluate_saved_model", "predict"):
-        # the chat recipes share theirs (and --chat, --merge)
-        if mode == "predict" and recipe in CHAT_RECIPES:
-            assert re.search(r"from chat\.model import \([^)]*\bpredict,", RECIPES[recipe].read_text())
-            continue
-        function_source(RECIPES[recipe], mode)
+    function_source(RECIPES[recipe], "train")
+    modes = modes_module(recipe)
+    assert re.search(
+        rf"^from {modes.stem} import [^\n]*\bevaluate_saved_model\b", RECIPES[recipe].read_text(), re.M
+    )
+    function_source(modes, "evaluate_saved_model")
+    if recipe in CHAT_RECIPES:  # the chat recipes share theirs (and --chat, --merge)
+        assert re.search(r"^from chat\.modes import [^\n]*\bpredict\b", RECIPES[recipe].read_text(), re.M)
+        function_source(REPO / "recipes" / "chat" / "modes.py", "predict")
+    else:
+        function_source(modes, "predict")
     assert code_lines(function_source(RECIPES[recipe], "train")) <= 150
 
 

@@ -1,7 +1,6 @@
 """The text-classification recipe fine-tunes a real (tiny) BERT on CSV / JSONL files, alone and over
 gloo."""
 
-import importlib.util
 import json
 
 import pytest
@@ -54,13 +53,6 @@ CONTRACT = [
     "eval_accuracy",
     "eval_f1",
 ]
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("text_classification", TEXT_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def files(data):
@@ -383,7 +375,10 @@ def test_missing_label_column_is_one_clear_line(text_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def recipe():
-    return load_recipe()
+    """The recipe's data module, where its data flags are read."""
+    import text_classification_data
+
+    return text_classification_data
 
 
 def load(recipe, train, validation, **columns):

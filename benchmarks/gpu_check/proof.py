@@ -36,9 +36,9 @@ GPU_DEFAULTS = {"dpo": (("lora-padded", "compile", True),), "grpo": (("lora", "d
 # one of these files changes, the step runs again.
 RUNTIME = ("accelerate_recipes/*.py", "accelerate_configs/*.yaml")
 CHAT = ("recipes/chat/*.py", "benchmarks/chat_assets.py", "benchmarks/gpu_check/steps/chat.py")
-SFT = (*CHAT, "recipes/sft.py", "benchmarks/sft_bench.py")
-CIFAR = ("recipes/cifar.py", "recipes/cifar_data.py")
-TEXT = ("recipes/text_classification.py", "benchmarks/gpu_check/steps/text.py")
+SFT = (*CHAT, "recipes/sft*.py", "benchmarks/sft_bench.py")
+CIFAR = ("recipes/cifar.py", "recipes/cifar_*.py")  # the recipe and the modules beside it
+TEXT = ("recipes/text_classification*.py", "benchmarks/gpu_check/steps/text.py")
 DETECT = ("recipes/detect/*.py", "benchmarks/gpu_check/steps/vision.py")
 AUDIT = ("benchmarks/host_reads.py", "benchmarks/gpu_check/steps/measurements.py")
 MULTI_GPU = "benchmarks/gpu_check/steps/multi_gpu.py"
@@ -47,8 +47,8 @@ STEP_FILES = {
     "sft": (*SFT, "benchmarks/packed_attention_check.py"),
     # dpo_bench.py and grpo_bench.py import functions of
     # sft_bench.py, dpo_bench.py grpo_bench.py's report too
-    "dpo": (*CHAT, "recipes/dpo.py", "benchmarks/dpo_bench.py", "benchmarks/sft_bench.py", *GRPO_BENCH),
-    "grpo": (*CHAT, "recipes/grpo.py", "benchmarks/sft_bench.py", *GRPO_BENCH),
+    "dpo": (*CHAT, "recipes/dpo*.py", "benchmarks/dpo_bench.py", "benchmarks/sft_bench.py", *GRPO_BENCH),
+    "grpo": (*CHAT, "recipes/grpo*.py", "benchmarks/sft_bench.py", *GRPO_BENCH),
     "sft-speed-full": SFT,
     "sft-speed-lora": SFT,
     "fast94": (*CIFAR, "benchmarks/gpu_check/steps/vision.py"),
@@ -78,8 +78,7 @@ def step_files(name: str, root: Path = REPO) -> list[Path]:
 
 def code_digest(name: str, root: Path = REPO) -> str:
     """What step NAME runs, in 16 hex digits: a hash of its files' paths and contents under ROOT (a
-    checkout,
-    git or not), so that the same tree gives the same digest on any machine."""
+    checkout, git or not), so that the same tree gives the same digest on any machine."""
     digest = hashlib.sha256()
     for path in step_files(name, root):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

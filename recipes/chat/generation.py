@@ -75,7 +75,7 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-GOLDEN, MIX_1, MIX_2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+GOLDEN, MIX_1, MIX_2 = (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB))
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -665,3 +665,14 @@ def greedy_ids(
     if mode == "compiled":  # a compile failure: this call and the run's later ones decode eagerly
         return decode_path(model).call(lambda: fast(compiled=True), eager)
     return fast()
+
+
+def check_generation(accelerator, eval_generate: int) -> None:
+    """At start-up, not after the first epoch: --eval_generate decodes with the whole model in each
+    process, which FSDP and DeepSpeed ZeRO-3 split across them."""
+    if eval_generate and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise RecipeError(
+            "--eval_generate needs the whole model in each process, and this run shards it "
+            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model "
+            "with --eval_only --eval_generate N in one process instead"
+        )

@@ -2,16 +2,16 @@
 imports another): loading a model (a Hub name, a folder, a .gguf file, an adapter of ours, a merged
 folder) with its tokenizer and chat template, LoRA, the reference policy of the preference and RL
 recipes, saving (an adapter or the whole model, sharded or not), what a run records of its model and
-says of what it saved, and the modes that use a trained model: --predict, --chat and --merge.
+says of what it saved, and greedy answers (evaluation's and those of the modes in modes.py).
 
 The flags these read are ChatModelFlags'; each recipe's flags extend them.
 """
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,21 +22,13 @@ import torch
 import transformers
 from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
 from torch.nn.attention import SDPBackend
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from accelerate_recipes import RecipeError, TrainingFlags, explain_load_failure, model_to_save
 from accelerate_recipes.compiling import CompiledPath, compile_modules
 
 from .answer_loss import use_answer_loss
-from .conversations import (
-    FILE_SUFFIXES,
-    as_conversations,
-    check_chat_template,
-    ensure_pad_token,
-    exact_match,
-    generation_prompt,
-    load_file,
-)
+from .conversations import check_chat_template, ensure_pad_token, exact_match, generation_prompt
 from .generation import (
     compute_dtype,
     decode_mode,
@@ -248,17 +240,16 @@ def use_liger_kernels(model, device) -> None:
     _apply_liger_kernel_to_instance(causal_lm, **kernels)
 
 
-def settle_compile(args: KernelFlags, accelerator) -> CompiledPath:
-    """--compile as this run takes it (compiled_blocks: by default on a CUDA GPU where inductor can
-    work), set in the flags; the blocks' path, for use_kernels and results.json."""
+def compile_settled(args: KernelFlags, accelerator) -> tuple[KernelFlags, CompiledPath]:
+    """(a copy of the flags with --compile as this run takes it, the blocks' path for use_kernels
+    and results.json): compiled_blocks decides, by default on a CUDA GPU where inductor can work."""
     blocks = compiled_blocks(args.compile, accelerator, args.liger, args.compile_backend)
-    args.compile = not blocks.eager
-    return blocks
+    return dataclasses.replace(args, compile=not blocks.eager), blocks
 
 
 def use_kernels(model, args: KernelFlags, device, blocks: CompiledPath | None = None) -> None:
     """The kernels KernelFlags ask for, in place, before prepare: Liger Kernel's (--liger) or the
-    compiled blocks (--compile, settled by settle_compile, which keeps the two apart; `blocks`:
+    compiled blocks (--compile, settled by compile_settled, which keeps the two apart; `blocks`:
     their path); and the backend the compiled decode compiles with, the blocks'
     (--compile_backend)."""
     if args.liger:
@@ -665,7 +656,7 @@ def print_saved(results: dict, path: Path, tracking, script: str) -> None:
         print(where)
 
 
-# ----------------------------------------------------------------------------- predict, chat, merge
+# ------------------------------------------------------------------------------ answers, greedy
 @torch.no_grad()
 def generate_answers(
     model, tokenizer, conversations, accelerator, max_new_tokens: int, batch_size: int, decode: str = "auto"
@@ -721,97 +712,3 @@ def greedy(
         model, inputs["input_ids"], inputs["attention_mask"], config, mode, dtype, streamer, own
     )
     return tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def read_prompts(source) -> list[list[dict]]:
-    """Conversations to answer: the prompt itself, a .txt file (one prompt per line) or a
-    .json/.jsonl file of conversations in the training formats (answered after their last user
-    turn)."""
-    prompts = []
-    for item in map(str, source if isinstance(source, (list, tuple)) else [source]):
-        path = Path(item).expanduser()
-        if path.suffix.lower() in FILE_SUFFIXES and path.is_file():
-            rows = as_conversations(load_file(path, "predict", None, flag="--predict"), f"--predict {path}")
-            for messages in rows["messages"]:
-                prompts.append(
-                    generation_prompt(messages)[0] if messages[-1]["role"] == "assistant" else messages
-                )
-        elif path.suffix.lower() == ".txt" and path.is_file():
-            prompts += [
-                [{"role": "user", "content": line}] for line in path.read_text().splitlines() if line.strip()
-            ]
-        else:
-            prompts.append([{"role": "user", "content": item}])
-    return prompts
-
-
-def inference_model(args: ChatModelFlags, decode: str = "eager"):
-    """(model, tokenizer, decoding mode) of --model (default --output_dir) on the GPU when there is
-    one, in bf16 there; an adapter merged into its base when the mode is not eager (the static and
-    compiled paths decode a plain model)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    mode = decode_mode(decode, device)
-    model, tokenizer = load_fine_tuned(args.model or args.output_dir, dtype)
-    if mode != "eager" and isinstance(model, peft.PeftModel):
-        model = model.merge_and_unload()
-    model = model.to(device).eval()
-    if mode == "compiled" and not decodes_compiled(model, decode, device):
-        mode = "eager"
-    return model, tokenizer, mode
-
-
-def predict(args: ChatModelFlags) -> None:
-    """--predict: answer prompts greedily with the model in --model (default --output_dir) in this
-    one process and print one JSON line per prompt: prompt, answer."""
-    model, tokenizer, mode = inference_model(args, args.decode)
-    prompts = read_prompts(args.predict)
-    dtype = next(model.parameters()).dtype
-    with torch.no_grad():
-        for start in range(0, len(prompts), args.batch_size):
-            chunk = prompts[start : start + args.batch_size]
-            answers = greedy(model, tokenizer, chunk, args.max_new_tokens, mode=mode, dtype=dtype, own=True)
-            for prompt, answer in zip(chunk, answers):
-                print(
-                    json.dumps({"prompt": prompt[-1]["content"], "answer": answer}, ensure_ascii=False),
-                    flush=True,
-                )
-
-
-def chat(args: ChatModelFlags) -> None:
-    """--chat: a conversation in the terminal with the model in --model, each answer streamed as it
-    is generated (eager unless --decode says otherwise: a compiled decode step would hold the first
-    answer for its compilation)."""
-    model, tokenizer, mode = inference_model(args, "eager" if args.decode == "auto" else args.decode)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    dtype = next(model.parameters()).dtype
-    messages = []
-    print(f"chatting with {args.model or args.output_dir}; an empty line or Ctrl-D ends", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> " if sys.stdin.isatty() else "")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        print("model> ", end="", flush=True)
-        with torch.no_grad():
-            answer = greedy(
-                model, tokenizer, [messages], args.max_new_tokens, streamer, mode, dtype, own=True
-            )[0]
-        messages.append({"role": "assistant", "content": answer})
-
-
-def merge(args: ChatModelFlags) -> None:
-    """--merge DIR: the model in --model as one plain transformers folder: an adapter merged into
-    its base weights, or a .gguf file converted. Loads with from_pretrained alone."""
-    model, tokenizer = load_fine_tuned(args.model or args.output_dir)
-    if isinstance(model, peft.PeftModel):
-        model = model.merge_and_unload()
-    model.save_pretrained(args.merge)
-    tokenizer.save_pretrained(args.merge)
-    print(
-        f"merged model saved in {args.merge}; load it with "
-        f"AutoModelForCausalLM.from_pretrained({args.merge!r})"
-    )

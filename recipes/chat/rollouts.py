@@ -6,17 +6,20 @@ Sampling is keyed: each completion's random draws are a function of (--seed, epo
 completion number, position) alone (sampling_keys here, generation.py's KeyedSampling for the
 draws), not of a generator's state, so the same prompts give the same completions on 1 process, on
 8, with or without accumulation, and after a resume. The recipe turns the scored rollouts into
-advantages, the loss normaliser and the update.
+advantages, the loss normaliser and the update (chat/policy_gradient.py holds the maths around it).
+A few of a step's completions go to samples.jsonl and the tracker (log_samples).
 """
 
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from . import generation
 from .generation import Completions, Sampling, splitmix64
+from .model import SAMPLES_KEPT, write_samples
 from .rewards import Rewards, is_correct, mean_scored, score_texts
 
 
@@ -163,6 +166,23 @@ def in_order(names: tuple[str, ...], on_device: dict, on_host: dict) -> torch.Te
     return torch.stack(
         [on_device[name].float() if name in on_device else host[i] for i, name in enumerate(names)]
     )
+
+
+def log_samples(accelerator, output: Path, state, rows: list[dict], rollout: Rollout, tracking) -> None:
+    """A few of this step's completions with their rewards, to samples.jsonl and the tracker (main
+    process)."""
+    generations = len(rollout.rewards) // len(rollout.indices)
+    samples = [
+        {
+            "step": state.step,
+            "prompt": str(rows[rollout.indices[i // generations]]["messages"][-1]["content"]),
+            "answer": rollout.texts[i],
+            "reference": str(rows[rollout.indices[i // generations]].get("answer", "")),
+            "reward": rollout.rewards[i],
+        }
+        for i in range(min(SAMPLES_KEPT, len(rollout.texts)))
+    ]
+    write_samples(accelerator, output, state.epoch + 1, state.step, samples, tracking)
 
 
 class Throughput:

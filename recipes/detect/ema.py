@@ -6,6 +6,9 @@ and saves.
     evaluate / save ema.module; accelerator.register_for_checkpointing(ema) carries it through
     save_state/load_state.
 
+weight_average(accelerator, model, decay) builds the average of a prepared model and registers it:
+train.py's one call.
+
 The decay ramps up as decay x (1 - exp(-updates / ramp_steps)), so early on the average follows the
 fast-moving weights instead of remembering the random initialisation; the first update copies the
 weights.
@@ -76,3 +79,17 @@ class ModelEMA:
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state["module"])
         self.updates = int(state["updates"])
+
+
+def weight_average(
+    accelerator, model: torch.nn.Module, decay: float
+) -> tuple[torch.nn.Module, ModelEMA | None]:
+    """The prepared model unwrapped, and the exponential moving average of its weights (None with
+    --ema_decay 0), registered so that save_state / load_state carry the averaged weights too."""
+    # An average of the model itself, without torch.compile's wrapper (a launcher's --dynamo_backend
+    # adds one): its weights keep their own names in model.safetensors and in checkpoints.
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    ema = ModelEMA(unwrapped, decay, ramp_steps=2000) if decay else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)
+    return unwrapped, ema
