@@ -57,7 +57,7 @@ def main(
     steps: int = 30,
     images: int | None = None,
     precision: str = "bf16",
-    model: str = "resnet18",
+    arch: str = "resnet18",
     channels_last: bool = True,
     seed: int = 42,
     output_dir: str = "outputs/dataparallel",
@@ -72,7 +72,7 @@ def main(
         images: generated CIFAR-shaped training images; default enough for every step without
             repeating.
         precision: bf16, fp16 or no (fp32), as autocast around the forward pass.
-        model: resnet18, resnet34 or resnet50.
+        arch: resnet18, resnet34 or resnet50.
         channels_last: NHWC memory layout, as the recipe uses by default.
         seed: data and weight seed.
         output_dir: where results.json and metrics.jsonl go.
@@ -94,7 +94,7 @@ def main(
     loader = recipe.DeviceImageLoader(
         x, y, batch_size, device, train=True, mean=recipe.MEAN, std=recipe.STD, seed=seed
     )
-    net = recipe.build_model(model, num_classes=10).to(device)
+    net = recipe.build_model(arch, num_classes=10).to(device)
     if channels_last:
         net = net.to(memory_format=torch.channels_last)
     parameters = sum(p.numel() for p in net.parameters())
@@ -135,7 +135,7 @@ def main(
     results = {
         "recipe": "dataparallel",
         "parallelism": "DataParallel",
-        "model": model,
+        "model": arch,
         "world_size": 1,
         "num_machines": 1,
         "devices": max(gpus, 1),

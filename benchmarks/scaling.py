@@ -528,7 +528,7 @@ def run(  # noqa: PLR0913
     per_device_batch: int | None = None,
     steps: int = 30,
     warmup: int = 5,
-    model: str = "resnet18",
+    arch: str = "resnet18",
     precision: str | None = None,
     output_dir: str = "outputs/scaling",
     recipe_args: str = "",
@@ -552,7 +552,7 @@ def run(  # noqa: PLR0913
         steps: optimizer steps per run (every step is logged).
         warmup: first steps left out of the step time (start-up, cuDNN autotuning, allocator
             growth).
-        model: resnet18, resnet34 or resnet50 (the gradient size the all-reduce moves grows with
+        arch: resnet18, resnet34 or resnet50 (the gradient size the all-reduce moves grows with
             it).
         precision: no, bf16 or fp16; default bf16 on GPUs, no on the CPU.
         output_dir: each setup writes OUTPUT_DIR/<setup>/; the report goes to OUTPUT_DIR.
@@ -642,8 +642,8 @@ def run(  # noqa: PLR0913
                     str(per_device_batch * devices),
                     "--steps",
                     str(steps),
-                    "--model",
-                    model,
+                    "--arch",
+                    arch,
                     "--precision",
                     precision,
                     "--output_dir",
@@ -676,8 +676,8 @@ def run(  # noqa: PLR0913
             str(REPO / "recipes" / "cifar.py"),
             "--dataset",
             "synthetic",
-            "--model",
-            model,
+            "--arch",
+            arch,
             "--synthetic_size",
             str(global_batch * steps),
             "--batch_size",

@@ -114,10 +114,11 @@ class CifarFlags(TrainingFlags):
             normalised there: no DataLoader, no per-image Python), torch (DataLoader with
             torchvision transforms), or auto: device for CIFAR and generated data when it takes
             under a quarter of the free device memory, else torch.
-        model: resnet18, resnet34 or resnet50 from torchvision, with a 3x3 stride-1 stem and no
-            max-pool (default resnet18). For --predict and --eval_only: the output directory of a
-            finished run (model.safetensors and model_config.json), default --output_dir.
-        pretrained: fine-tune torchvision's ImageNet weights of --model (--dataset imagefolder
+        arch: the network to train: resnet18, resnet34 or resnet50 from torchvision, with a 3x3
+            stride-1 stem and no max-pool.
+        model: the output directory of a finished run (model.safetensors and model_config.json)
+            for --predict and --eval_only; default --output_dir.
+        pretrained: fine-tune torchvision's ImageNet weights of --arch (--dataset imagefolder
             only): torchvision's own 7x7 stem and max-pool, 224 px images unless --image_size says
             otherwise, ImageNet mean/std, a new final layer for your classes. The weights are read
             from torch's hub cache (torch.hub.get_dir()/checkpoints, e.g. resnet18-f37072fd.pth;
@@ -175,6 +176,7 @@ class CifarFlags(TrainingFlags):
     verify_data: bool = True
     image_size: int | None = None
     loader: Literal["auto", "device", "torch"] = "auto"
+    arch: Literal["resnet18", "resnet34", "resnet50"] = "resnet18"
     model: str | None = None
     pretrained: bool = False
     batch_size: int = 512
@@ -198,7 +200,7 @@ class CifarFlags(TrainingFlags):
 
 # -------------------------------------------------------------------------------------------- train
 def train(args: CifarFlags) -> None:
-    """Train --model on --dataset; the model, model_best/, results.json and the pictures go to
+    """Train --arch on --dataset; the model, model_best/, results.json and the pictures go to
     --output_dir."""
     started = time.perf_counter()
     output = Path(args.output_dir)
@@ -226,8 +228,8 @@ def train(args: CifarFlags) -> None:
     loaders = build_loaders(args, accelerator, train_set, test_set, per_process, inputs.mean, inputs.std)
 
     # ---- model and optimizer
-    weights_file = pretrained_weights(args, accelerator, inputs.model)
-    model = build_model(inputs.model, len(classes), stem=inputs.stem, weights=weights_file)
+    weights_file = pretrained_weights(args, accelerator, inputs.arch)
+    model = build_model(inputs.arch, len(classes), stem=inputs.stem, weights=weights_file)
     model = ready_model(args, accelerator, model)
     # their fp32 gradients are what DDP all-reduces
     trainable = sum(p.numel() for p in model.parameters())
@@ -260,7 +262,7 @@ def train(args: CifarFlags) -> None:
         "cifar",
         args,
         accelerator,
-        model=inputs.model,
+        model=inputs.arch,
         image_size=inputs.image_size,
         per_process_batch_size=per_process,
         trainable_parameters=trainable,

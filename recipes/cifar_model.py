@@ -21,9 +21,9 @@ from cifar_data import MEAN, STD
 
 from accelerate_recipes import RecipeError, first_line
 
-MODELS = ("resnet18", "resnet34", "resnet50")
+ARCHITECTURES = ("resnet18", "resnet34", "resnet50")  # --arch
 # --pretrained: torchvision's ImageNet weights (their URL, file name and preprocessing) for each
-# --model
+# --arch
 IMAGENET_WEIGHTS = {
     "resnet18": torchvision.models.ResNet18_Weights.DEFAULT,
     "resnet34": torchvision.models.ResNet34_Weights.DEFAULT,
@@ -37,7 +37,7 @@ MODEL_CONFIG = "model_config.json"
 class InputSettings:
     """The model the flags ask for and the inputs it takes: input_settings computes it once."""
 
-    model: str  # resnet18, resnet34 or resnet50
+    arch: str  # resnet18, resnet34 or resnet50
     # "cifar" (3x3, no max-pool, for 32 px) or "imagenet" (torchvision's own, for --pretrained)
     stem: str
     image_size: int  # side length of the images it trains on
@@ -48,25 +48,23 @@ class InputSettings:
 def input_settings(args) -> InputSettings:
     """The model to train, its stem, and its inputs' size and normalisation (ImageNet's with
     --pretrained), from the recipe's flags."""
-    model, stem = (check_model_name(args.model or "resnet18"), "imagenet" if args.pretrained else "cifar")
+    if args.model is not None:
+        raise RecipeError(
+            f"--model {args.model}: --model is a finished run's folder, for --predict and --eval_only; "
+            "choose the network to train with --arch (resnet18, resnet34 or resnet50)"
+        )
+    stem = "imagenet" if args.pretrained else "cifar"
     if args.pretrained and args.dataset != "imagefolder":
         raise RecipeError(
             f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
             f"--dataset {args.dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained"
         )
-    imagenet = IMAGENET_WEIGHTS[model].transforms()  # the preprocessing the ImageNet weights expect
+    imagenet = IMAGENET_WEIGHTS[args.arch].transforms()  # the preprocessing the ImageNet weights expect
     mean, std = (tuple(imagenet.mean), tuple(imagenet.std)) if args.pretrained else (MEAN, STD)
     image_size = 32
     if args.dataset == "imagefolder":
         image_size = args.image_size or (imagenet.crop_size[0] if args.pretrained else 32)
-    return InputSettings(model=model, stem=stem, image_size=image_size, mean=mean, std=std)
-
-
-def check_model_name(name: str) -> str:
-    if name not in MODELS:
-        hint = " (a run's output directory is for --predict and --eval_only)" if Path(name).is_dir() else ""
-        raise RecipeError(f"unknown --model {name!r}; choose {', '.join(MODELS)}{hint}")
-    return name
+    return InputSettings(arch=args.arch, stem=stem, image_size=image_size, mean=mean, std=std)
 
 
 def build_model(name: str, num_classes: int, stem: str = "cifar", weights: Path | None = None) -> nn.Module:
@@ -76,7 +74,8 @@ def build_model(name: str, num_classes: int, stem: str = "cifar", weights: Path 
     torchvision's own stem (for ~224 px images), with the ImageNet weights in `weights` (a
     torchvision checkpoint) when given.
     """
-    check_model_name(name)
+    if name not in ARCHITECTURES:  # a model_config.json written by hand or by another program
+        raise RecipeError(f"unknown architecture {name!r}; choose {', '.join(ARCHITECTURES)}")
     if stem == "cifar":
         model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
         # The ImageNet stem (7x7 stride-2 conv + max-pool)
@@ -121,14 +120,14 @@ def why(err: Exception) -> str:
 
 
 # ------------------------------------------------------------------------- ImageNet weights
-def pretrained_weights(args, accelerator, model_name: str) -> Path | None:
+def pretrained_weights(args, accelerator, arch: str) -> Path | None:
     """torchvision's ImageNet weights file for --pretrained, else None: one process per node fetches
     it, the others wait, then read that copy."""
     if not args.pretrained:
         return None
     with accelerator.local_main_process_first():
         download = args.download and accelerator.is_local_main_process
-        return imagenet_weights_file(model_name, download=download, say=accelerator.print)
+        return imagenet_weights_file(arch, download=download, say=accelerator.print)
 
 
 def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
@@ -192,7 +191,7 @@ def describe_model(args, settings: InputSettings, classes: list[str]) -> dict:
     """What --predict and --eval_only rebuild a saved model from (model_config.json beside its
     weights)."""
     return dict(
-        model=settings.model,
+        model=settings.arch,  # the key saved runs have always had
         stem=settings.stem,
         num_classes=len(classes),
         classes=classes,

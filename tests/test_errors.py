@@ -92,7 +92,9 @@ def test_global_batch_that_does_not_divide(tmp_path):
             ["swanlab login", "SWANLAB_API_KEY", "offline"],
         ),
         (["--dataset", "mnist"], ["unknown --dataset", "synthetic"]),
-        (["--model", "vgg11"], ["unknown --model", "resnet18"]),
+        (["--arch", "vgg11"], ["--arch", "vgg11", "resnet18"]),
+        # --model is a finished run's folder (--predict, --eval_only), not the network
+        (["--model", "resnet34"], ["--model is a finished run's folder", "--arch"]),
         # accelerate would train it in fp32 on the CPU while results.json says fp16
         (["--mixed_precision", "fp16"], ["--mixed_precision fp16 is not applied on cpu", "fp32"]),
     ],
