@@ -49,6 +49,8 @@ _EXPORTS = {
             "eval_only_results",
             "evaluation_accelerator",
             "keeps_update",
+            "run_length",
+            "RunLength",
             "saving_checkpoint",
             "training_accelerator",
             "training_progress",

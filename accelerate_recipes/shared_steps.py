@@ -7,7 +7,9 @@ The Accelerate calls stay in the recipe's own body, around these helpers:
     accelerator = training_accelerator(args, tracking)
     per_process = check_launch_flags(accelerator, args)
     ...
-    progress = training_progress(accelerator, args, state, best, resume_from, total_steps=..., ...)
+    length = run_length(args, steps_per_epoch, len(train_loader), f"{len(train_set)} images")
+    ...
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     for batch in epoch_batches(accelerator, train_loader, state.epoch, state.batches_done):
         with accelerator.accumulate(model):
             accelerator.backward(loss)
@@ -24,6 +26,7 @@ The Accelerate calls stay in the recipe's own body, around these helpers:
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
+from accelerate_recipes.errors import RecipeError
 from accelerate_recipes.launch import check_launch, explain_startup_failure, num_machines
 from accelerate_recipes.loop import BestModel, RunState, TrainingProgress
 from accelerate_recipes.meter import StepMeter
@@ -102,16 +106,33 @@ def check_launch_flags(accelerator, args) -> int:
     )
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """How long a run trains: optimizer steps an epoch and in all, epochs, and the batches a
+    process takes an epoch (accumulation micro-batches included)."""
+
+    steps_per_epoch: int
+    batches_per_epoch: int
+    total_steps: int
+    epochs: int
+
+
+def run_length(args, steps_per_epoch: int, batches_per_epoch: int, training_set: str) -> RunLength:
+    """--max_steps optimizer steps, else --epochs epochs of `steps_per_epoch`; the last epoch may be
+    cut short. `training_set` names the data for the error when it holds no global batch ("640
+    images")."""
+    if steps_per_epoch == 0:
+        raise RecipeError(
+            f"the training set ({training_set}) is smaller than one global batch ({args.batch_size}); "
+            "lower --batch_size or use more data"
+        )
+    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    return RunLength(steps_per_epoch, batches_per_epoch, total_steps, epochs)
+
+
 def training_progress(
-    accelerator,
-    args,
-    state: RunState,
-    best: BestModel,
-    resumed_from,
-    *,
-    total_steps: int,
-    steps_per_epoch: int,
-    batches_per_epoch: int,
+    accelerator, args, state: RunState, best: BestModel, resumed_from, length: RunLength
 ) -> TrainingProgress:
     """The run's TrainingProgress and its StepGuard (`.guard`): it logs into --output_dir every
     --log_every steps, asks for a checkpoint every --checkpoint_every steps, drops non-finite
@@ -121,9 +142,9 @@ def training_progress(
         accelerator,
         state,
         Path(args.output_dir),
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=batches_per_epoch,
+        total_steps=length.total_steps,
+        steps_per_epoch=length.steps_per_epoch,
+        batches_per_epoch=length.batches_per_epoch,
         global_batch_size=args.batch_size,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,

@@ -59,6 +59,7 @@ from accelerate_recipes import (
     print_summary,
     run,
     run_config,
+    run_length,
     saving_checkpoint,
     setup_tracker,
     training_accelerator,
@@ -246,16 +247,10 @@ def train(args: CifarFlags) -> None:
     train_loader = epoch_seeded(train_loader)
     # per process, after sharding
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise RecipeError(
-            f"the training set ({len(train_set)} images) is smaller than one global batch "
-            f"({args.batch_size}); lower --batch_size or use more data"
-        )
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(args.warmup_ratio * total_steps)
+    length = run_length(args, steps_per_epoch, len(train_loader), f"{len(train_set)} images")
+    warmup_steps = round(args.warmup_ratio * length.total_steps)
     # Linear warmup over optimizer steps, then cosine or linear decay to zero.
-    scheduler = accelerator.prepare(get_scheduler(args.schedule, optimizer, warmup_steps, total_steps))
+    scheduler = accelerator.prepare(get_scheduler(args.schedule, optimizer, warmup_steps, length.total_steps))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
     config = run_config(
@@ -268,8 +263,8 @@ def train(args: CifarFlags) -> None:
         trainable_parameters=trainable,
         lr=lr,
         warmup_steps=warmup_steps,
-        total_steps=total_steps,
-        epochs=num_epochs,
+        total_steps=length.total_steps,
+        epochs=length.epochs,
         loader=loaders.kind,
         train_size=len(train_set),
         test_size=len(test_set),
@@ -288,20 +283,11 @@ def train(args: CifarFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
-    progress = training_progress(
-        accelerator,
-        args,
-        state,
-        best,
-        resume_from,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=len(train_loader),
-    )
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     # ---- training loop
-    while state.epoch < num_epochs and not progress.finished:
+    while state.epoch < length.epochs and not progress.finished:
         progress.start_epoch()
         model.train()
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
@@ -347,7 +333,7 @@ def train(args: CifarFlags) -> None:
             if progress.finished:  # to the trackers that take images
                 picture = output / "confusion_matrix.png"
                 log_image_files(accelerator, {"eval/confusion_matrix": picture}, state.step)
-        accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
+        accelerator.print(epoch_line(state, length.epochs, seconds, progress.meter.samples_per_second))
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)

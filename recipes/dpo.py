@@ -29,7 +29,6 @@ Install: `pip install -e '.[chat]'` from a clone of accelerate-recipes (the runt
 peft and gguf).
 """
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +82,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     run,
     run_config,
+    run_length,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
@@ -306,16 +306,9 @@ def train(args: DpoFlags) -> None:
 
     # ---- the run's length in optimizer steps: whole global batches of pairs only
     steps_per_epoch = len(train_loader) // world // accumulation
-    if steps_per_epoch == 0:
-        raise RecipeError(
-            f"the training pairs ({len(splits['train'])}) are fewer than one global batch "
-            f"({args.batch_size}); lower "
-            "--batch_size or use more pairs"
-        )
     batches_per_epoch = steps_per_epoch * accumulation
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(args.warmup_ratio * total_steps)
+    length = run_length(args, steps_per_epoch, batches_per_epoch, f"{len(splits['train'])} pairs")
+    warmup_steps = round(args.warmup_ratio * length.total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the
@@ -323,12 +316,12 @@ def train(args: DpoFlags) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
 
     config = run_config(
         "dpo", args, accelerator, **settings(args, model_name, lr, model, counts, per_process)
     )
-    config.update(warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs)
+    config.update(warmup_steps=warmup_steps, total_steps=length.total_steps, epochs=length.epochs)
 
     # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device, FIGURES)
@@ -352,23 +345,14 @@ def train(args: DpoFlags) -> None:
     best = BestModel(
         accelerator, state, output, metric, higher_is_better=higher, patience=args.early_stopping_patience
     )
-    progress = training_progress(
-        accelerator,
-        args,
-        state,
-        best,
-        resume_from,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=batches_per_epoch,
-    )
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     if resume_from is None:  # the answers before any update, to compare with those after
         sample_answers(accelerator, model, tokenizer, splits["validation"], args, 0, 0, output, tracking)
 
     # ---- training loop
-    while state.epoch < num_epochs and not progress.finished:
+    while state.epoch < length.epochs and not progress.finished:
         progress.start_epoch()
         model.train()
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
@@ -429,7 +413,7 @@ def train(args: DpoFlags) -> None:
             # the accuracies and the margin: the log-probabilities are on another scale
             plot_results(progress.metrics.path, output / "results.png", eval_keys=PLOTTED)
         scores = scores_line(state.last_eval, DPO_SCORES)
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s")
+        accelerator.print(f"epoch {state.epoch + 1}/{length.epochs}: {scores}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)

@@ -99,6 +99,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     run,
     run_config,
+    run_length,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
@@ -490,22 +491,21 @@ def train(args: GrpoFlags) -> None:
     steps_per_epoch = rollouts_per_epoch * args.num_iterations
     # micro-batch updates; a loader batch gives num_iterations
     batches_per_epoch = steps_per_epoch * accumulation
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(args.warmup_ratio * total_steps)
+    length = run_length(args, steps_per_epoch, batches_per_epoch, f"{len(train_rows)} prompts")
+    warmup_steps = round(args.warmup_ratio * length.total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the prompt loader across processes, move
     # to the device.
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
     # every generation of the run (rollouts and evaluations)
     # decodes in this one cache: one shape to compile
     generation.reserve_cache(accelerator, model, *plan.cache, args.decode)
 
     derived = settings(args, accelerator, model_name, lr, model, rewards, (train_rows, validation_rows))
     config = run_config("grpo", args, accelerator, **derived)
-    config.update(epochs=num_epochs, warmup_steps=warmup_steps, total_steps=total_steps)
+    config.update(epochs=length.epochs, warmup_steps=warmup_steps, total_steps=length.total_steps)
 
     # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     # Sampling is keyed (KeyedSampling): a resumed run
@@ -519,16 +519,7 @@ def train(args: GrpoFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_reward", patience=args.early_stopping_patience)
-    progress = training_progress(
-        accelerator,
-        args,
-        state,
-        best,
-        resume_from,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=batches_per_epoch,
-    )
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
     speed = Throughput(accelerator)
 
@@ -555,7 +546,7 @@ def train(args: GrpoFlags) -> None:
     # ---- training loop
     # Each optimizer step: roll out (rollout_steps generates
     # and scores the step's completions), then update.
-    while state.epoch < num_epochs and not progress.finished:
+    while state.epoch < length.epochs and not progress.finished:
         progress.start_epoch()
         model.train()
         done = state.batches_done // args.num_iterations  # batches of prompts done
@@ -617,7 +608,7 @@ def train(args: GrpoFlags) -> None:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         scores = scores_line(state.last_eval, GRPO_SCORES)
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores}, {seconds:.1f} s")
+        accelerator.print(f"epoch {state.epoch + 1}/{length.epochs}: {scores}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)

@@ -68,6 +68,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     run,
     run_config,
+    run_length,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
@@ -345,15 +346,9 @@ def train(args: SftFlags) -> None:
     # ---- the run's length in optimizer steps: whole steps only (whole_steps leaves an epoch's
     # remainder out)
     steps_per_epoch = len(train_loader) // world // args.gradient_accumulation_steps
-    if steps_per_epoch == 0:
-        raise RecipeError(
-            f"the training set ({len(tokenized['train'])} conversations) is smaller than one global batch "
-            f"({args.batch_size}); lower --batch_size or use more data"
-        )
     batches_per_epoch = steps_per_epoch * args.gradient_accumulation_steps
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(args.warmup_ratio * total_steps)
+    length = run_length(args, steps_per_epoch, batches_per_epoch, f"{len(tokenized['train'])} conversations")
+    warmup_steps = round(args.warmup_ratio * length.total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the
@@ -361,12 +356,12 @@ def train(args: SftFlags) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
 
     config = run_config(
         "sft", args, accelerator, **settings(args, model_name, lr, model, counts, per_process)
     )
-    config.update(warmup_steps=warmup_steps, total_steps=total_steps, epochs=num_epochs)
+    config.update(warmup_steps=warmup_steps, total_steps=length.total_steps, epochs=length.epochs)
 
     # ---- resume: weights, optimizer, schedule, RNG states and position, all from save_state's folder
     state = RunState(accelerator.device)
@@ -379,20 +374,11 @@ def train(args: SftFlags) -> None:
     best = BestModel(
         accelerator, state, output, "eval_loss", higher_is_better=False, patience=args.early_stopping_patience
     )
-    progress = training_progress(
-        accelerator,
-        args,
-        state,
-        best,
-        resume_from,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=batches_per_epoch,
-    )
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     # ---- training loop
-    while state.epoch < num_epochs and not progress.finished:
+    while state.epoch < length.epochs and not progress.finished:
         progress.start_epoch()
         model.train()
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
@@ -446,7 +432,7 @@ def train(args: SftFlags) -> None:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         scores_text = scores_line(state.last_eval, SFT_SCORES)
-        accelerator.print(f"epoch {state.epoch + 1}/{num_epochs}: {scores_text}, {seconds:.1f} s")
+        accelerator.print(f"epoch {state.epoch + 1}/{length.epochs}: {scores_text}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)

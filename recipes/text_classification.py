@@ -53,6 +53,7 @@ from accelerate_recipes import (
     print_summary,
     run,
     run_config,
+    run_length,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
@@ -287,19 +288,8 @@ def train(args: TextFlags) -> None:
         lr=args.lr,
     )
 
-    # ---- the run's length in optimizer steps
-    # prepare() deals the batches out to the processes
-    batches_per_process = len(train_loader) // world
-    if batches_per_process == 0:
-        raise RecipeError(
-            f"the training set ({len(data.raw['train'])} examples) is smaller than one global batch "
-            f"({args.batch_size}); lower --batch_size or use more data"
-        )
-    steps_per_epoch = math.ceil(batches_per_process / args.gradient_accumulation_steps)
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
-    warmup_steps = round(args.warmup_ratio * total_steps)
-    warn_if_too_short(accelerator, args, total_steps, len(data.raw["train"]))
+    # the whole batches each process is dealt an epoch, in optimizer steps
+    steps_per_epoch = math.ceil(len(train_loader) // world / args.gradient_accumulation_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the loaders across processes, move to the
@@ -307,9 +297,13 @@ def train(args: TextFlags) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
+    # ---- the run's length in optimizer steps
+    length = run_length(args, steps_per_epoch, len(train_loader), f"{len(data.raw['train'])} examples")
+    warmup_steps = round(args.warmup_ratio * length.total_steps)
+    warn_if_too_short(accelerator, args, length.total_steps, len(data.raw["train"]))
     # ---- schedule: linear warmup, then linear decay to zero, over optimizer steps, on the prepared
     # optimizer (DeepSpeed ZeRO-3 regroups its parameters).
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, total_steps))
+    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
 
     config = run_config(
         "text_classification",
@@ -320,8 +314,8 @@ def train(args: TextFlags) -> None:
         per_process_batch_size=per_process,
         trainable_parameters=trainable,
         warmup_steps=warmup_steps,
-        total_steps=total_steps,
-        epochs=num_epochs,
+        total_steps=length.total_steps,
+        epochs=length.epochs,
         num_labels=len(data.label_names),
         train_size=len(data.raw["train"]),
         validation_size=len(data.raw["validation"]),
@@ -337,20 +331,11 @@ def train(args: TextFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, "eval_accuracy", patience=args.early_stopping_patience)
-    progress = training_progress(
-        accelerator,
-        args,
-        state,
-        best,
-        resume_from,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=len(train_loader),
-    )
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     # ---- training loop
-    while state.epoch < num_epochs and not progress.finished:
+    while state.epoch < length.epochs and not progress.finished:
         progress.start_epoch()
         model.train()
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
@@ -391,7 +376,7 @@ def train(args: TextFlags) -> None:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         accelerator.print(
-            f"epoch {state.epoch + 1}/{num_epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
+            f"epoch {state.epoch + 1}/{length.epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
             f"{progress.meter.samples_per_second:.1f} samples/s"
         )
         state.epoch, state.batches_done = state.epoch + 1, 0

@@ -58,19 +58,10 @@ checkpoints.check_compatible(resume_from, config)
 accelerator.load_state(resume_from)
 accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
 best = BestModel(accelerator, state, output, METRIC, patience=args.early_stopping_patience)
-progress = training_progress(
-accelerator,
-args,
-state,
-best,
-resume_from,
-total_steps=total_steps,
-steps_per_epoch=steps_per_epoch,
-batches_per_epoch=BATCHES_PER_EPOCH,
-)
+progress = training_progress(accelerator, args, state, best, resume_from, length)
 guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 # ---- training loop
-while state.epoch < num_epochs and not progress.finished:
+while state.epoch < length.epochs and not progress.finished:
 progress.start_epoch()
 model.train()
 batches = epoch_batches(accelerator, train_loader, state.epoch, SKIPPED)
@@ -150,10 +141,6 @@ NORMALISE = (
     (
         r"epoch_batches\(accelerator, train_loader, state\.epoch, (state\.batches_done|done)\)",
         "epoch_batches(accelerator, train_loader, state.epoch, SKIPPED)",
-    ),
-    (
-        r"batches_per_epoch=(len\(train_loader\)|batches_per_epoch)(?=[,)])",
-        "batches_per_epoch=BATCHES_PER_EPOCH",
     ),
     (r"def main\(args: \w+Flags\)", "def main(args: FLAGS)"),
     (r"for [\w, ]+ in (progress\.timed\(batches\)|batches):.*", "for BATCH in batches:"),

@@ -78,6 +78,7 @@ from accelerate_recipes import (
     prepare_output_dir,
     run,
     run_config,
+    run_length,
     saving_checkpoint,
     setup_tracker,
     training_accelerator,
@@ -325,11 +326,11 @@ def train(args: DetectFlags) -> None:
     # ---- learning-rate schedule over optimizer steps: linear warmup, then cosine down to lr x
     # final_lr_ratio
     steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-    total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
-    num_epochs = math.ceil(total_steps / steps_per_epoch)
+    length = run_length(args, steps_per_epoch, len(train_loader), f"{len(data.train_set)} images")
     # --warmup_epochs, at most a tenth of the run
-    warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), total_steps // 10)
-    scheduler = accelerator.prepare(warmup_cosine(optimizer, warmup_steps, total_steps, args.final_lr_ratio))
+    warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), length.total_steps // 10)
+    schedule = warmup_cosine(optimizer, warmup_steps, length.total_steps, args.final_lr_ratio)
+    scheduler = accelerator.prepare(schedule)
 
     # Every training flag and the launch's facts, with what this recipe derived from them.
     config = run_config(
@@ -346,8 +347,8 @@ def train(args: DetectFlags) -> None:
         num_classes=len(data.names),
         lr=lr,
         warmup_steps=warmup_steps,
-        total_steps=total_steps,
-        epochs=num_epochs,
+        total_steps=length.total_steps,
+        epochs=length.epochs,
         train_size=len(data.train_set),
         val_size=len(data.val_set),
         init_weights=args.init_weights,
@@ -363,16 +364,7 @@ def train(args: DetectFlags) -> None:
         accelerator.load_state(resume_from)
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs_for(resume_from))
     best = BestModel(accelerator, state, output, BEST_BY[args.best_by], patience=args.early_stopping_patience)
-    progress = training_progress(
-        accelerator,
-        args,
-        state,
-        best,
-        resume_from,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        batches_per_epoch=len(train_loader),
-    )
+    progress = training_progress(accelerator, args, state, best, resume_from, length)
     guard = progress.guard  # stops on a non-finite loss or gradient or a stop signal, agreed by all
 
     # what --predict, --eval_only and --export rebuild the model from
@@ -387,12 +379,12 @@ def train(args: DetectFlags) -> None:
     accelerator.print(model_line(args.size, info, len(data.names), len(data.train_set), len(data.val_set)))
 
     # ---- training loop
-    while state.epoch < num_epochs and not progress.finished:
+    while state.epoch < length.epochs and not progress.finished:
         progress.start_epoch()
         model.train()
         data.train_set.set_epoch(state.epoch)  # each image's augmentation depends on seed and epoch only
         # no mosaic in the last --close_mosaic
-        data.train_set.set_mosaic(state.epoch < num_epochs - args.close_mosaic)
+        data.train_set.set_mosaic(state.epoch < length.epochs - args.close_mosaic)
         batches = epoch_batches(accelerator, train_loader, state.epoch, state.batches_done)
         for images, targets, _ in progress.timed(batches):  # each batch's wait timed
             state.batches_done += 1
@@ -429,7 +421,7 @@ def train(args: DetectFlags) -> None:
         # nothing non-finite since the last log step, before evaluating and saving
         guard.check(state.step)
         # (of the EMA weights, every --eval_every epochs and after the last)
-        if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == num_epochs:
+        if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == length.epochs:
             eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
             state.last_eval, pictures = evaluate(
                 eval_model,
@@ -446,7 +438,7 @@ def train(args: DetectFlags) -> None:
                 with best.saving() as folder:
                     save_model(folder)
             show_evaluation(accelerator, pictures, data.names, state.step, output)
-            accelerator.print(epoch_line(state, num_epochs, seconds, progress.meter.samples_per_second))
+            accelerator.print(epoch_line(state, length.epochs, seconds, progress.meter.samples_per_second))
         if accelerator.is_main_process:
             # every epoch, so a stopped run has it too
             plot_results(progress.metrics.path, output / "results.png")
