@@ -22,33 +22,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import fire
 import torch
 import torch.nn as nn
+from bench import load_cifar_recipe
 
-REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
-
-
-def load_cifar_recipe():
-    """recipes/cifar.py's model and data code (cifar_model.py and cifar_data.py beside it): the loop
-    trains exactly its model."""
-    # As `python recipes/cifar.py` would: its folder on
-    # the path, so the modules beside it import.
-    sys.path.insert(0, str(REPO / "recipes"))
-    import cifar_data
-    import cifar_model
-
-    return SimpleNamespace(
-        MEAN=cifar_data.MEAN,
-        STD=cifar_data.STD,
-        ArrayImages=cifar_data.ArrayImages,
-        DeviceImageLoader=cifar_data.DeviceImageLoader,
-        synthetic_images=cifar_data.synthetic_images,
-        build_model=cifar_model.build_model,
-    )
 
 
 def main(
