@@ -2,9 +2,9 @@
 """Train ResNet18 on CIFAR-10 with Hugging Face Accelerate: one file to copy, the same on 1 GPU, N
 GPUs and N nodes.
 
-    python cifar.py --epochs 5                                # one process (a GPU when there is one)
-    accelerate launch --num_processes 2 cifar.py --epochs 5   # 2 GPUs; or --config_file your_config.yaml
-    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 cifar.py   # no GPU: gloo
+    python cifar.py --epochs 5                     # one process (a GPU when there is one)
+    accelerate launch --num_processes 2 cifar.py   # 2 GPUs; or --config_file your_config.yaml
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 cifar.py  # no GPU: gloo
 
 It reads top to bottom (config -> data -> model -> prepare -> loop -> eval -> save); `--batch_size`
 is the GLOBAL batch, so the same flags train alike on any number of processes. Needs accelerate,
@@ -52,13 +52,11 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 
 @torch.no_grad()
 def evaluate(model, loader, accelerator) -> tuple[float, int]:
-    """Top-1 accuracy on the whole test set and the number of images seen: each image counted once
-    on any world size."""
+    """Top-1 accuracy on the whole test set, and the images seen: each once on any world size."""
     model.eval()
     correct, seen = torch.zeros((), dtype=torch.long, device=accelerator.device), 0
     for images, labels in loader:
-        # gather_for_metrics drops the images the sampler
-        # repeated to give every process an equal share.
+        # gather_for_metrics drops the images the sampler repeated to even out the shares
         predictions, labels = accelerator.gather_for_metrics((model(images).argmax(dim=-1), labels))
         correct += (predictions == labels).sum()
         seen += len(labels)
@@ -67,11 +65,14 @@ def evaluate(model, loader, accelerator) -> tuple[float, int]:
 
 
 def tracker_init_kwargs(tracker: str, output_dir: str, run_name: str) -> dict:
-    """init_trackers' init_kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline."""
-    logged_in = os.environ.get("SWANLAB_API_KEY") or (Path.home() / ".swanlab" / ".netrc").is_file()
+    """init_trackers' kwargs. SwanLab: $SWANLAB_MODE, else online if logged in, else offline."""
+    if tracker != "swanlab":
+        return {}
+    netrc = Path.home() / ".swanlab" / ".netrc"  # written by `swanlab login`
+    logged_in = os.environ.get("SWANLAB_API_KEY") or netrc.is_file()
     mode = os.environ.get("SWANLAB_MODE") or ("online" if logged_in else "offline")
     log_dir = os.environ.get("SWANLAB_LOG_DIR") or str(Path(output_dir, "swanlog").resolve())
-    return {"swanlab": {"mode": mode, "name": run_name, "log_dir": log_dir}} if tracker == "swanlab" else {}
+    return {"swanlab": {"mode": mode, "name": run_name, "log_dir": log_dir}}
 
 
 def main(
@@ -151,23 +152,24 @@ def main(
         project_dir=output_dir,
         # shuffle: seed+epoch
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-        step_scheduler_with_optimizer=False,  # stepped once per optimizer step below, else once per process
+        step_scheduler_with_optimizer=False,  # stepped below once per update, not once per process
     )
     world, accumulation = accelerator.num_processes, gradient_accumulation_steps
-    if batch_size % (world * accumulation):  # the global batch: processes x micro-batches x per-process batch
+    shares = world * accumulation  # global batch = processes x micro-batches x per-process batch
+    if batch_size % shares:
         cause = f"--batch_size {batch_size} cannot split over {world} process(es) x {accumulation}"
-        raise SystemExit(f"error: {cause} accumulation step(s); use a multiple of {world * accumulation}")
-    per_process = batch_size // (world * accumulation)
-    accelerator.print(f"global batch {batch_size}: {per_process} images per process and micro-batch")
+        raise SystemExit(f"error: {cause} accumulation step(s); use a multiple of {shares}")
+    per_process = batch_size // shares
+    share = f"{per_process} images per process and micro-batch"
+    accelerator.print(f"global batch {batch_size}: {share}")
     lr = lr if lr is not None else 0.1 * batch_size / 128  # from the global batch: any GPU count
     set_seed(seed)
     torch.backends.cudnn.benchmark = True  # every training batch has the same shape
 
     # ---- data
     normalize = [transforms.ToTensor(), transforms.Normalize(MEAN, STD)]
-    augmentation = (
-        [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
-    )
+    crop_and_flip = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
+    augmentation = crop_and_flip if augment else []
     train_tf, test_tf = transforms.Compose(augmentation + normalize), transforms.Compose(normalize)
     cifar10 = torchvision.datasets.CIFAR10 if verify_data else UnverifiedCIFAR10
     with accelerator.local_main_process_first():  # one process per node downloads first
@@ -176,7 +178,9 @@ def main(
         test_set = cifar10(str(data_dir), train=False, transform=test_tf)
     workers = num_workers if num_workers is not None else (4 if torch.cuda.is_available() else 0)
     loader_args = dict(num_workers=workers, pin_memory=torch.cuda.is_available())
-    train_loader = DataLoader(train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args)
+    train_loader = DataLoader(
+        train_set, batch_size=per_process, shuffle=True, drop_last=True, **loader_args
+    )
     test_loader = DataLoader(test_set, batch_size=per_process * accumulation, **loader_args)
 
     # ---- model and optimizer
@@ -186,9 +190,12 @@ def main(
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     model = model.to(memory_format=torch.channels_last) if channels_last else model
-    decay = [p for p in model.parameters() if p.ndim > 1]  # conv kernels and the classifier's weight matrix
+    decay = [p for p in model.parameters() if p.ndim > 1]  # conv kernels, the classifier's matrix
     no_decay = [p for p in model.parameters() if p.ndim <= 1]  # BatchNorm weights and biases
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
@@ -198,7 +205,8 @@ def main(
     )
     steps_per_epoch = math.ceil(len(train_loader) / accumulation)  # len: this process's batches
     if steps_per_epoch == 0:
-        raise SystemExit(f"error: fewer training images than one --batch_size {batch_size}; lower it")
+        cause = f"fewer training images than one --batch_size {batch_size}"
+        raise SystemExit(f"error: {cause}; lower it")
     total_steps = max_steps or epochs * steps_per_epoch
     num_epochs = math.ceil(total_steps / steps_per_epoch)
     warmup_steps = round(warmup_ratio * total_steps)
@@ -211,7 +219,8 @@ def main(
     if resume:  # weights, optimizer, schedule and RNG states; the step is the folder's name
         accelerator.load_state(resume)
         step = int(Path(resume).name.removeprefix("step_"))
-    accelerator.init_trackers(project, flags, tracker_init_kwargs(tracker, output_dir, "cifar-starter"))
+    init_kwargs = tracker_init_kwargs(tracker, output_dir, "cifar-starter")
+    accelerator.init_trackers(project, flags, init_kwargs)
 
     def save_checkpoint():
         folder = Path(output_dir, "checkpoints", f"step_{step}")
@@ -220,17 +229,17 @@ def main(
             for old in sorted(folder.parent.glob("step_*"), key=lambda p: int(p.name[5:]))[:-2]:
                 shutil.rmtree(old)
 
-    # ---- training loop
+    # ---- training loop; the loss is summed on the device until logged
     progress = tqdm(total=total_steps, initial=step, desc="train")  # shown by the main process only
-    # summed on the device until logged
     running_loss, micro_batches = torch.zeros((), device=accelerator.device), 0
     for epoch in range(step // steps_per_epoch, num_epochs):
         train_loader.set_epoch(epoch)  # this epoch's shuffle: seed + epoch
-        done = (step - epoch * steps_per_epoch) * accumulation  # batches a resumed epoch already had
-        for images, labels in accelerator.skip_first_batches(train_loader, done) if done else train_loader:
+        done = (step - epoch * steps_per_epoch) * accumulation  # batches a resumed epoch has had
+        batches = accelerator.skip_first_batches(train_loader, done) if done else train_loader
+        for images, labels in batches:
             if channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
-            with accelerator.accumulate(model):  # no gradient all-reduce on the micro-batches before the last
+            with accelerator.accumulate(model):  # all-reduce at the step's last micro-batch only
                 loss = criterion(model(images), labels)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:  # the step's last micro-batch: update the weights
@@ -252,13 +261,9 @@ def main(
                 accelerator.print(f"step {step}/{total_steps} loss {mean_loss:.7f} lr {lr_now:.7g}")
                 accelerator.log({"train/loss": mean_loss, "train/lr": lr_now}, step=step)
                 running_loss, micro_batches = torch.zeros_like(running_loss), 0
-            if (
-                checkpoint_every
-                and step % checkpoint_every == 0
-                and step % steps_per_epoch
-                and step < total_steps
-            ):
-                save_checkpoint()  # epoch ends: below
+            ends_epoch = step % steps_per_epoch == 0 or step >= total_steps  # then saved below
+            if checkpoint_every and step % checkpoint_every == 0 and not ends_epoch:
+                save_checkpoint()
             if step >= total_steps:
                 break
 
