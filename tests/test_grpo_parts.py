@@ -369,7 +369,9 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
     compiled reserves one cache for the longest prompts first, as grpo.py does
     (generation.reserve_cache): prompts of a second length bucket (over 64 tokens) then decode in
     it, the same completions again, and compile nothing (a recompile would be an error); static,
-    reserving nothing, makes a cache per bucket."""
+    reserving nothing, makes a cache per bucket. The compiled step compiles with aot_eager (as
+    the recipes' CPU tests run --compile): caches, guards and recompiles are torch.compile's
+    capture, whatever backend then generates the kernels."""
     from chat import generation
     from chat.generation import ROW_BUCKET
     from chat.model import build_model, load_tokenizer
@@ -405,6 +407,7 @@ def test_a_static_copy_decodes_the_eager_paths_completions_and_follows_the_train
 
     before = counters["stats"]["unique_graphs"]
     if mode == "compiled":
+        generation.use_decode_backend(model, "aot_eager")
         decoder = generation.reserve_cache(accelerator, model, *shape, mode)
     sampled, greedy = both(keys), both()
     assert not torch.equal(sampled.completion, greedy.completion)

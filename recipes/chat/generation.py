@@ -487,9 +487,8 @@ def use_decode_backend(policy, backend: str) -> None:
 
 def without_compiling():
     """A context in which compiled blocks run the graphs they have and run eagerly where none fits,
-    never compiling
-    again: evaluation and generation come in shapes (no gradients, a new length per token) that
-    training never had, and compiling each would cost more than it saves."""
+    never compiling again: evaluation and generation come in shapes (no gradients, a new length per
+    token) that training never had, and compiling each would cost more than it saves."""
     return torch.compiler.set_stance("eager_on_recompile")
 
 
