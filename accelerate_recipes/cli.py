@@ -32,8 +32,7 @@ def port_in_use(address: str, port) -> RecipeError:
     """The error for a rendezvous port that another process holds."""
     return RecipeError(
         f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick "
-        "another with "
-        f"--main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
+        f"another with --main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
     )
 
 

@@ -195,8 +195,7 @@ class CompiledPath:
         if self.explicit:
             raise RecipeError(
                 f"{self.insist}: {self.what} could not compile ({cause}); fix that (see {TROUBLESHOOTING}) "
-                "or "
-                f"run without {self.insist}"
+                f"or run without {self.insist}"
             )
         self.fallback = cause
         rank = os.environ.get("RANK", "0")

@@ -187,9 +187,8 @@ class StepGuard:
         )
         raise RecipeError(
             f"{_what(earliest)} from step {earliest // 2} on (seen at step {step}); training stopped and "
-            "saved "
-            f"nothing after it, {kept}. {cause.capitalize()}, use bf16 instead of fp16, check the data, or "
-            f"{skip}"
+            f"saved nothing after it, {kept}. {cause.capitalize()}, use bf16 instead of fp16, check the "
+            f"data, or {skip}"
         )
 
     def stop_if_signalled(self, step: int, checkpoint) -> None:

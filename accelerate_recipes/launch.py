@@ -31,13 +31,11 @@ def check_process_group(accelerator) -> None:
     if launched > 1 and accelerator.num_processes == 1:
         raise RecipeError(
             f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not form one "
-            "process "
-            "group, so each would train alone on all the data. torch sees no usable GPU here: to run these "
-            "processes "
-            "on the CPU set ACCELERATE_USE_CPU=true for `accelerate launch` or torchrun (they then join one "
-            "group over "
-            "gloo); on a GPU machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that "
-            "`python -c 'import torch; print(torch.cuda.device_count())'` prints the GPU count."
+            "process group, so each would train alone on all the data. torch sees no usable GPU here: to "
+            "run these processes on the CPU set ACCELERATE_USE_CPU=true for `accelerate launch` or torchrun "
+            "(they then join one group over gloo); on a GPU machine check `nvidia-smi` and "
+            "CUDA_VISIBLE_DEVICES, and that `python -c 'import torch; print(torch.cuda.device_count())'` "
+            "prints the GPU count."
         )
     # accelerate applies FSDP and DeepSpeed configs on accelerators only; on the CPU the same launch
     # would run plain DDP. FSDP2 and DeepSpeed run over gloo too, so such a run is switched to them;
@@ -54,8 +52,7 @@ def check_process_group(accelerator) -> None:
                 f"{accelerator.distributed_type.value}, so the "
                 "model would not be sharded: on GPUs check that torch sees them; on the CPU launch it with "
                 "ACCELERATE_USE_CPU=true and without --cpu (FSDP needs fsdp_version: 2 there), or launch it "
-                "with a "
-                "config that does not shard (plain DDP over gloo)"
+                "with a config that does not shard (plain DDP over gloo)"
             )
 
 
@@ -132,8 +129,7 @@ def per_process_batch_size(global_batch_size: int, num_processes: int, accumulat
             f"--batch_size {global_batch_size} (the global batch) does not divide evenly over "
             f"{num_processes} "
             f"process(es) x {accumulation_steps} accumulation step(s) = {shards}; use a multiple of "
-            f"{shards}, "
-            f"e.g. --batch_size {lower} or {lower + shards}"
+            f"{shards}, e.g. --batch_size {lower} or {lower + shards}"
         )
     return global_batch_size // shards
 
@@ -280,10 +276,8 @@ def check_visible_gpus() -> None:
     if listed and visible < len(listed):
         raise RecipeError(
             f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what `accelerate launch --gpu_ids` sets) names "
-            f"{len(listed)} "
-            f"GPU(s), but torch sees {visible} here: use ids that `nvidia-smi -L` lists on this machine, or "
-            "leave "
-            "--gpu_ids out"
+            f"{len(listed)} GPU(s), but torch sees {visible} here: use ids that `nvidia-smi -L` lists on "
+            "this machine, or leave --gpu_ids out"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     # Without GPUs the process-group check explains the run better (ACCELERATE_USE_CPU); here: too
@@ -292,10 +286,8 @@ def check_visible_gpus() -> None:
         ids = f"CUDA_VISIBLE_DEVICES={','.join(listed)}" if listed else "no CUDA_VISIBLE_DEVICES"
         raise RecipeError(
             f"the launcher started {local} processes on this machine (LOCAL_WORLD_SIZE={local}) but torch "
-            "sees "
-            f"{visible} GPU(s) ({ids}), one per process: start {visible} (the launcher's --num_processes "
-            f"{visible}), "
-            "or name as many GPUs as processes with --gpu_ids"
+            f"sees {visible} GPU(s) ({ids}), one per process: start {visible} (the launcher's "
+            f"--num_processes {visible}), or name as many GPUs as processes with --gpu_ids"
         )
 
 

@@ -412,10 +412,8 @@ class TrainingProgress:
         newest = f"the newest checkpoint is {checkpoint}" if checkpoint else "no checkpoint was saved"
         raise RecipeError(
             f"the evaluation at step {self.state.step} gave {', '.join(f'{k} {v}' for k, v in bad.items())}: "
-            "the "
-            "model's weights or its evaluation are not finite; neither that model nor results.json was "
-            "saved "
-            f"({newest}). Use bf16 instead of fp16, lower --lr, or check the validation data"
+            "the model's weights or its evaluation are not finite; neither that model nor results.json was "
+            f"saved ({newest}). Use bf16 instead of fp16, lower --lr, or check the validation data"
         )
 
     def results(self, started: float) -> dict:

@@ -178,10 +178,8 @@ def setup_fsdp(accelerator, model) -> None:
     if not blocks:
         raise RecipeError(
             f"FSDP's TRANSFORMER_BASED_WRAP needs the model's block class, and {type(model).__name__} names "
-            "none "
-            "besides its embeddings (_no_split_modules); name it with --fsdp_transformer_layer_cls_to_wrap, "
-            "or use "
-            "--fsdp_auto_wrap_policy SIZE_BASED_WRAP"
+            "none besides its embeddings (_no_split_modules); name it with "
+            "--fsdp_transformer_layer_cls_to_wrap, or use --fsdp_auto_wrap_policy SIZE_BASED_WRAP"
         )
     plugin.transformer_cls_names_to_wrap = blocks
 
@@ -204,9 +202,8 @@ def check_accumulation(accelerator, gradient_accumulation_steps: int) -> None:
     if configured != gradient_accumulation_steps:
         raise RecipeError(
             f"--gradient_accumulation_steps is {gradient_accumulation_steps} but the accelerate or DeepSpeed "
-            "config "
-            f"sets {configured}, which would win and train another global batch than --batch_size; remove "
-            "gradient_accumulation_steps from the config (or set it to auto in a DeepSpeed JSON file)"
+            f"config sets {configured}, which would win and train another global batch than --batch_size; "
+            "remove gradient_accumulation_steps from the config (or set it to auto in a DeepSpeed JSON file)"
         )
 
 
@@ -216,10 +213,8 @@ def check_skip_nonfinite(accelerator, skip_nonfinite_steps: bool) -> None:
     if skip_nonfinite_steps and accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RecipeError(
             "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already steps "
-            "DeepSpeed's "
-            "engine, so a NaN update cannot be skipped; leave the flag out (DeepSpeed's fp16 loss scaler "
-            "skips "
-            "overflowing steps itself) or use FSDP or DDP"
+            "DeepSpeed's engine, so a NaN update cannot be skipped; leave the flag out (DeepSpeed's fp16 "
+            "loss scaler skips overflowing steps itself) or use FSDP or DDP"
         )
 
 

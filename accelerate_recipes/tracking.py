@@ -93,8 +93,7 @@ class TrackerSetup:
             if self.swanlab_mode == "offline" and len(parts) > 1:
                 return (
                     f"SwanLab (offline, {self.offline_because}): run {run_id} saved in {len(parts)} parts, "
-                    "one per "
-                    f"start, in {self.swanlab_dir}; upload them as one experiment with "
+                    f"one per start, in {self.swanlab_dir}; upload them as one experiment with "
                     f"`swanlab sync {self.swanlab_dir}/run-*-{run_id}` after `swanlab login`"
                 )
             if self.swanlab_mode == "offline":
@@ -218,8 +217,7 @@ def setup_tracker(
             # time while every other rank waits for rank 0.
             print(
                 f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} "
-                "s); "
-                "logging offline instead: upload the run later with `swanlab sync`",
+                "s); logging offline instead: upload the run later with `swanlab sync`",
                 file=sys.stderr,
                 flush=True,
             )

@@ -427,8 +427,7 @@ def main(
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         print(
             f"{r['name']:<10} | {r['a']:<36} | {r['a_value']:>10.1f} | {r['b']:<42} | {b_value:>10} | "
-            f"{ratio:>6} | "
-            f"{r['precision']:<15} | {r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}"
+            f"{ratio:>6} | {r['precision']:<15} | {r['unit']}{'  (' + r['note'] + ')' if r['note'] else ''}"
         )
     if peak:
         print(

@@ -134,8 +134,7 @@ def main(
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(
         f"DataParallel over {max(gpus, 1)} device(s) ({name}): {results['train_samples_per_second']:.1f} "
-        "samples/s, "
-        f"median step {results['median_step_seconds'] * 1e3:.1f} ms; saved {out / 'results.json'}"
+        f"samples/s, median step {results['median_step_seconds'] * 1e3:.1f} ms; saved {out / 'results.json'}"
     )
 
 

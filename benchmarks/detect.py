@@ -256,8 +256,7 @@ def main(
     for r in rows:
         print(
             f"| {r['tool']} {r['model']} | {r['map50_95']:.3f} | {r['map50']:.3f} | {r['own_map50_95']:.3f} "
-            "/ "
-            f"{r['own_map50']:.3f} | {r['train_images_per_second']:.1f} | {r['wall_seconds']:.0f} | "
+            f"/ {r['own_map50']:.3f} | {r['train_images_per_second']:.1f} | {r['wall_seconds']:.0f} | "
             f"{r['peak_memory_mb']:.0f} |"
         )
     if "ratios" in report:

@@ -569,11 +569,9 @@ def report(runs: dict, commands: dict, out: Path, settings: dict, seconds: float
     where = machine()
     title = (
         f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']} on all linear "
-        "layers, "
-        f"review-verdict pairs, {settings['max_steps']} steps of {settings['batch_size']} pairs, lr "
-        f"{settings['lr']}, "
-        f"beta {settings['beta']}, sigmoid loss, seed {settings['seed']}, fp32, {pairs} held-out pairs; "
-        f"{where}"
+        f"layers, review-verdict pairs, {settings['max_steps']} steps of {settings['batch_size']} pairs, lr "
+        f"{settings['lr']}, beta {settings['beta']}, sigmoid loss, seed {settings['seed']}, fp32, {pairs} "
+        f"held-out pairs; {where}"
     )
     notes = []
     for name, r in runs.items():

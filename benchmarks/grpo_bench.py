@@ -534,8 +534,7 @@ def generation(
     where = machine()
     title = (
         f"SmolLM2-135M-Instruct, LoRA r={lora_r}, {processes} processes, {max_steps} steps of {batch_size} "
-        "prompts x "
-        f"{num_generations} completions of up to {max_new_tokens} tokens; {where}"
+        f"prompts x {num_generations} completions of up to {max_new_tokens} tokens; {where}"
     )
     bullets = [f"- {key}: {value:.2f}" for key, value in ratios.items()]
     summary = dict(

@@ -405,9 +405,8 @@ def output_path(output: str | None, argv: list[str]) -> Path:
 def print_table(report: dict) -> None:
     print(
         f"\nhost reads per optimizer step: {report['script']} on {report['device']}, rank {report['rank']} "
-        "of "
-        f"{report['world_size']}, {report['steps']} steps (log_every {report['log_every']}, checkpoint_every "
-        f"{report['checkpoint_every']})"
+        f"of {report['world_size']}, {report['steps']} steps (log_every {report['log_every']}, "
+        f"checkpoint_every {report['checkpoint_every']})"
     )
     scaler = report["grad_scaler_reads"] > 0
     print(
@@ -428,8 +427,7 @@ def print_table(report: dict) -> None:
         print(
             f"expected under fp16: {report['grad_scaler_reads']} GradScaler read(s) of found_inf, "
             f"{report['grad_scaler_reads_per_step']:.3g} per optimizer step, at {where}: the scaler decides "
-            "on the "
-            "host whether to skip optimizer.step (bf16 has no scaler); they fail nothing"
+            "on the host whether to skip optimizer.step (bf16 has no scaler); they fail nothing"
         )
     quiet_sites = [s for s in report["sites"] if s["quiet_count"] and not s["kind"].startswith("grad_scaler")]
     if quiet_sites:
@@ -442,8 +440,7 @@ def print_table(report: dict) -> None:
     verdict = "PASS" if not report["quiet_violations"] else "FAIL"
     print(
         f"{verdict}: {report['quiet_violations']} read(s) or sync(s) on {len(report['quiet_intervals'])} "
-        "quiet "
-        f"interval(s); saved {report['output']}",
+        f"quiet interval(s); saved {report['output']}",
         flush=True,
     )
 

@@ -288,8 +288,7 @@ def markdown(rows: list[dict]) -> str:
     notes = [
         "",
         f"Per-process batch {first['per_process_batch_size']}, mixed precision {first['mixed_precision']}, "
-        "device "
-        f"{first['device']}; {first['trainable_parameters'] or '?'} trainable parameters, so "
+        f"device {first['device']}; {first['trainable_parameters'] or '?'} trainable parameters, so "
         f"{_f(first['trainable_parameters'] and 4 * first['trainable_parameters'] / 1e6, '.1f')} MB of fp32 "
         "gradients all-reduced per step.",
         "Efficiency = speed-up / processes. Predicted = t1 / (t1 + t_comm), t_comm = 2(n-1)/n x gradient "
@@ -298,8 +297,7 @@ def markdown(rows: list[dict]) -> str:
         "Limited by: interconnect when the all-reduce takes longer than the compute of a step; shared "
         "resources when "
         "the run is more than 15 points below the prediction (cores, memory bandwidth, PCIe or data loading "
-        "shared "
-        "between processes); otherwise compute.",
+        "shared between processes); otherwise compute.",
     ]
     return "\n".join(lines + notes) + "\n"
 

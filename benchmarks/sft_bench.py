@@ -843,10 +843,9 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
     where = machine()
     title = (
         f"SmolLM2-135M-Instruct, LoRA r={settings['lora_r']} alpha={settings['lora_alpha']} on all linear "
-        "layers, "
-        f"{settings['train_size']} training / {settings['validation_size']} validation conversations, "
-        f"{settings['epochs']} epoch(s), global batch {settings['batch_size']}, lr {settings['lr']}, fp32; "
-        f"{where}"
+        f"layers, {settings['train_size']} training / {settings['validation_size']} validation "
+        f"conversations, {settings['epochs']} epoch(s), global batch {settings['batch_size']}, lr "
+        f"{settings['lr']}, fp32; {where}"
     )
     print("\n" + title)
     print("\n".join(lines))
@@ -860,9 +859,8 @@ def report(runs: dict, commands: dict, out: Path, settings: dict) -> None:
         t = runs["trl-1"]
         print(
             f"trl-1 cross-check: exact match {t['trl_exact_match']:.3f} with transformers' generate one "
-            "prompt at a "
-            f"time, {t['eval_exact_match']:.3f} with the recipe's --eval_only; TRL's own eval loss "
-            f"{t['trl_eval_loss']:.4f} (its targets add the newline after <|im_end|>)"
+            f"prompt at a time, {t['eval_exact_match']:.3f} with the recipe's --eval_only; TRL's own eval "
+            f"loss {t['trl_eval_loss']:.4f} (its targets add the newline after <|im_end|>)"
         )
     keep = (
         "world_size",

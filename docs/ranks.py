@@ -38,8 +38,7 @@ def main(dataset_size: int = 40):
     if state.is_main_process:
         print(
             f"world size {world} = {world // max(1, int(os.environ.get('LOCAL_WORLD_SIZE', world)))} node(s) "
-            "x "
-            f"{os.environ.get('LOCAL_WORLD_SIZE', world)} process(es) per node; "
+            f"x {os.environ.get('LOCAL_WORLD_SIZE', world)} process(es) per node; "
             f"the sum 1 + ... + {world} = {world * (world + 1) // 2}",
             flush=True,
         )

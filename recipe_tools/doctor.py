@@ -241,10 +241,8 @@ def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
             kind = "exact interface names" if exact else "interface names or prefixes (eth matches eth0)"
             raise RecipeError(
                 f"{variable}={value!r} names no interface of this node ({', '.join(missing) or 'empty'} not "
-                "found; "
-                f"it takes {kind}); this node has: {', '.join(names)}. Set it to the interface of the "
-                "network that "
-                "joins the nodes (`ip -brief addr`), or unset it"
+                f"found; it takes {kind}); this node has: {', '.join(names)}. Set it to the interface of the "
+                "network that joins the nodes (`ip -brief addr`), or unset it"
             )
         if exact:  # gloo binds the interface's address: show it (none means gloo will fail on it)
             value += (
@@ -273,10 +271,8 @@ def check_interfaces(plan: Plan, main_addresses: list[str]) -> str:
             )
             raise RecipeError(
                 f"hostname {socket.gethostname()!r} resolves to {address or 'nothing'} on this node, so gloo "
-                "would "
-                f"listen there and the other nodes could not reach it: set {fix}, and on every other node "
-                "its own "
-                "interface; or map the hostname to the node's network address in /etc/hosts"
+                f"would listen there and the other nodes could not reach it: set {fix}, and on every other "
+                "node its own interface; or map the hostname to the node's network address in /etc/hosts"
             )
         found.append(f"gloo uses {address} (hostname {socket.gethostname()})")
     return "; ".join(found) or "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME unset (chosen automatically)"
@@ -305,11 +301,9 @@ def check_gpus(plan: Plan, config) -> tuple[int, str]:
         of_ids = "" if ids.lower() == "all" else f", {usable} of them among the config's gpu_ids {ids}"
         raise RecipeError(
             f"this node sees {visible} GPU(s) (torch.cuda.device_count(), {seen}{of_ids}) but runs "
-            f"{per_node} "
-            f"process(es) (num_processes {plan.num_processes} / num_machines {plan.num_machines}), one per "
-            "GPU: check "
-            "`nvidia-smi` and CUDA_VISIBLE_DEVICES on this node, or lower num_processes; without GPUs set "
-            "ACCELERATE_USE_CPU=true"
+            f"{per_node} process(es) (num_processes {plan.num_processes} / num_machines "
+            f"{plan.num_machines}), one per GPU: check `nvidia-smi` and CUDA_VISIBLE_DEVICES on this node, "
+            "or lower num_processes; without GPUs set ACCELERATE_USE_CPU=true"
         )
     # a LOCAL_RANK without a GPU stops here, before the others wait
     _, _, where = nccl_device(plan.gpu_ids, visible)
@@ -467,8 +461,7 @@ def store_call(plan: Plan, call):
     except (RuntimeError, OSError) as err:
         raise RecipeError(
             f"lost the connection to the main node's store at {plan.where} "
-            f"({' '.join(str(err).split())[:160]}): the doctor on the main node stopped; "
-            "see its output"
+            f"({' '.join(str(err).split())[:160]}): the doctor on the main node stopped; see its output"
         ) from None
 
 

@@ -74,9 +74,8 @@ def read_hostfile(path: str) -> list[Host]:
     if len({h.slots for h in hosts}) > 1:
         raise RecipeError(
             f"hostfile {file} gives different slots per node "
-            f"({', '.join(f'{h.name}={h.slots}' for h in hosts)}); "
-            "accelerate runs num_processes / num_machines processes on every node, so give every node the "
-            "same slots"
+            f"({', '.join(f'{h.name}={h.slots}' for h in hosts)}); accelerate runs num_processes / "
+            "num_machines processes on every node, so give every node the same slots"
         )
     return hosts
 
@@ -270,8 +269,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="accelerate-recipes-hostfile",
         description="Run `accelerate launch` on every node of a hostfile (ssh; localhost runs here) with the "
-        "right "
-        "machine rank, main address and port; prefix output by node; stop all nodes when one fails.",
+        "right machine rank, main address and port; prefix output by node; stop all nodes when one fails.",
         epilog="hostfile example:\n  node1 slots=8   # main node (machine rank 0)\n  node2 slots=8\n\n"
         "example: accelerate-recipes-hostfile --hostfile hosts.txt recipes/cifar.py --epochs 5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -331,8 +329,7 @@ def parse_args(argv=None):
         type=int,
         default=0,
         help="restart every worker of the run up to N times when one dies (a crash, an OOM kill, a rebooted "
-        "node), "
-        "each restart continuing from the last checkpoint (--resume auto is added)",
+        "node), each restart continuing from the last checkpoint (--resume auto is added)",
     )
     parser.add_argument("script", help="the training script, e.g. recipes/cifar.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="flags for the script")

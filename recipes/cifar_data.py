@@ -94,8 +94,7 @@ def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify:
         reason = first_line(err)
         raise RecipeError(
             f"{name} not found or corrupt in {root / folder} ({reason}); download {url.rsplit('/', 1)[1]} "
-            f"from {url} "
-            f"into {root} (it is unpacked on the next run), point --data_dir at a copy, "
+            f"from {url} into {root} (it is unpacked on the next run), point --data_dir at a copy, "
             "or try the pipeline without data: --dataset synthetic"
         ) from None
     finally:

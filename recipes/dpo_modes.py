@@ -43,8 +43,7 @@ def evaluate_saved_model(args, evaluate) -> None:
     if not args.reference_model and not is_adapter(model_dir):
         raise RecipeError(
             f"--model {model_dir} is a whole model: give --reference_model (the model it was tuned from) to "
-            "measure "
-            "its rewards against"
+            "measure its rewards against"
         )
     model, tokenizer = load_any(model_dir)
     splits, _ = load_pair_splits(accelerator, args, tokenizer)

@@ -138,10 +138,9 @@ def load_text_data(
     unseen = sorted(set(raw["validation"].unique(label_column)) - set(label_values), key=str)
     if unseen:
         raise RecipeError(
-            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column "
-            f"{label_column!r} never occur in {train_file} (known: "
-            f"{', '.join(map(repr, label_values[:10]))}); fix the labels or add such examples to the "
-            "training file"
+            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column {label_column!r} "
+            f"never occur in {train_file} (known: {', '.join(map(repr, label_values[:10]))}); fix the labels "
+            "or add such examples to the training file"
         )
     return TextSplits(raw, text_column, text_pair_column, label_column, label_values, "macro_f1")
 

@@ -123,8 +123,7 @@ def test_a_dataset_folder_uses_its_test_split_for_validation(tmp_path):
 
 def test_an_unreachable_hub_dataset_says_connect_or_give_files(tmp_path):
     code = (
-        "from chat import conversations\n"
-        "try:\n"
+        "from chat import conversations\ntry:\n"
         "    conversations.load_conversations(None, None, 'no-such-user/no-such-chats', None, 0.1, 0)\n"
         "except conversations.RecipeError as err:\n"
         "    print('error:', err)\n"

@@ -531,8 +531,7 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
     if results["stopped_early"]:
         assert (
             f"stopped early after epoch {evaluations} of 5 (step {10 * evaluations} of 50): eval_accuracy "
-            "did not "
-            f"improve in 1 evaluation(s) in a row (--early_stopping_patience 1); best eval_accuracy "
+            f"did not improve in 1 evaluation(s) in a row (--early_stopping_patience 1); best eval_accuracy "
             f"{max(accuracy):.4f} at epoch {best_epoch}"
         ) in proc.stdout
     # no leftovers

@@ -218,8 +218,7 @@ def test_the_command_line_turns_a_failed_compilation_into_one_line(tmp_path):
     ends the run with one line naming the cause, not dynamo's traceback."""
     script = tmp_path / "compiles.py"
     script.write_text(
-        "import torch\n"
-        "from accelerate_recipes import run\n\n"
+        "import torch\nfrom accelerate_recipes import run\n\n"
         "def broken(graph, inputs):\n"
         "    raise RuntimeError('no kernels for this graph')\n\n"
         "def main(size: int = 3):\n"

@@ -904,8 +904,7 @@ def test_bad_pairs_are_one_line_naming_the_row_and_the_fix(tiny_chat_model, tmp_
     tokenizer.chat_template = (
         "{%- for m in messages %}{%- if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- "
-        "endif %}"
-        "{%- endfor %}" + tokenizer.chat_template
+        "endif %}{%- endfor %}" + tokenizer.chat_template
     )
     rows = [dict(good, prompt=[{"role": "user", "content": f"What colour is thing {i}?"}]) for i in range(10)]
     rows[6]["prompt"] = [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Sky?"}]

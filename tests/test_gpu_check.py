@@ -761,8 +761,7 @@ def test_a_one_gpu_report_is_partial_and_names_what_it_did_not_prove():
     verdict = assess(records)
     assert verdict["verdict"] == (
         "PARTIAL: not proved: text-deepspeed (deepspeed not installed); nccl-doctor, ddp, sync-bn, "
-        "allreduce, "
-        "dp-vs-ddp (needs 2+ GPUs); sharding in sft, sharding in text-fsdp (one process)"
+        "allreduce, dp-vs-ddp (needs 2+ GPUs); sharding in sft, sharding in text-fsdp (one process)"
     ), verdict["verdict"]
     assert exit_status(verdict["verdict"]) == 0
     assert verdict["notes"] == {

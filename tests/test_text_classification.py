@@ -177,9 +177,8 @@ def test_patience_stops_a_run_that_cannot_improve_and_a_resume_stays_stopped(tex
     assert (results["best_epoch"], results["best_step"], results["best_metric"]) == (1, 16, accuracy[0])
     line = (
         "stopped early after epoch 2 of 3 (step 32 of 48): eval_accuracy did not improve in 1 evaluation(s) "
-        "in a "
-        f"row (--early_stopping_patience 1); best eval_accuracy {accuracy[0]:.4f} at epoch 1, its model in "
-        f"{out / 'model_best'}"
+        f"in a row (--early_stopping_patience 1); best eval_accuracy {accuracy[0]:.4f} at epoch 1, its model "
+        f"in {out / 'model_best'}"
     )
     assert line in proc.stdout.splitlines()
     # nothing was learnt: the best and the last are the same model

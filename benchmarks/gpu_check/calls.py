@@ -208,15 +208,13 @@ def read_machine(path: str) -> dict:
     except (OSError, json.JSONDecodeError) as err:
         raise RecipeError(
             f"--machine {path}: {type(err).__name__}; give the report.json of a call on the GPUs to plan "
-            "for, or no "
-            "--machine on the GPU machine itself"
+            "for, or no --machine on the GPU machine itself"
         ) from None
     facts = facts.get("machine", facts)
     if not isinstance(facts, dict) or not {"devices", "gpus", "torch"} <= set(facts) or not facts["gpus"]:
         raise RecipeError(
             f"--machine {path} holds no GPU machine's record (devices, gpus, torch); give the report.json of "
-            "a call "
-            "on the GPUs to plan for"
+            "a call on the GPUs to plan for"
         )
     return facts
 

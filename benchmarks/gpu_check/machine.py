@@ -16,9 +16,8 @@ from .paths import REPO
 # What a later fix may need to know about the machine: recorded before the first step.
 PACKAGES = (
     "torch torchvision accelerate transformers peft datasets pyarrow fsspec huggingface-hub tokenizers "
-    "safetensors "
-    "numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil pyyaml trl "
-    "liger-kernel"
+    "safetensors numpy deepspeed hjson ninja triton gguf torchmetrics pycocotools swanlab fire psutil "
+    "pyyaml trl liger-kernel"
 ).split()
 
 

@@ -285,8 +285,7 @@ def disk_refusal(name: str, small: bool, free_bytes: int, where) -> str | None:
         return None
     return (
         f"needs {needed:g} GB of free disk in {where} (what it writes at once), {free:.1f} GB free: free "
-        "some, "
-        "or give --output_dir on a larger disk"
+        "some, or give --output_dir on a larger disk"
     )
 
 

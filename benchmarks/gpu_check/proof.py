@@ -290,8 +290,7 @@ def read_earlier(path: str) -> dict:
     if not file.is_file():
         raise RecipeError(
             f"--after {path} not found: give the report.json an earlier call wrote (OUTPUT_DIR/report.json "
-            "or "
-            f"RESULTS_DIR/report.json), or {PROOF.relative_to(REPO)}"
+            f"or RESULTS_DIR/report.json), or {PROOF.relative_to(REPO)}"
         )
     try:
         earlier = json.loads(file.read_text())
@@ -299,17 +298,15 @@ def read_earlier(path: str) -> dict:
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise RecipeError(
             f"--after {path} is neither a gpu-check report nor a proof file ({type(err).__name__}: {err}); "
-            "give the "
-            "report.json that gpu-check wrote"
+            "give the report.json that gpu-check wrote"
         ) from None
     return earlier
 
 
 PROOF_ABOUT = (
     "What has run on a GPU: every step of `make gpu-check` that passed on real GPUs, per kind of GPU and "
-    "software, "
-    "with the driver, the versions and the command of each figure. Only `python benchmarks/gpu_check --merge "
-    "REPORT` writes it, from the report.json of a call on GPUs."
+    "software, with the driver, the versions and the command of each figure. Only `python "
+    "benchmarks/gpu_check --merge REPORT` writes it, from the report.json of a call on GPUs."
 )
 
 
@@ -322,10 +319,8 @@ def markdown_proof(proof: dict) -> str:
         "",
         PROOF_ABOUT + " The command for a 15-minute GPU allocation, and how calls add up: "
         "[benchmarks.md](benchmarks.md#proving-the-gpu-paths-make-gpu-check). What is left to prove on some "
-        "GPUs, "
-        "in calls of a budget, each step's estimate part by part: `python3 benchmarks/gpu_check --plan "
-        "--machine "
-        "REPORT --budget 540` for the GPUs and software REPORT (a call's report.json) recorded "
+        "GPUs, in calls of a budget, each step's estimate part by part: `python3 benchmarks/gpu_check --plan "
+        "--machine REPORT --budget 540` for the GPUs and software REPORT (a call's report.json) recorded "
         "([the call plan](benchmarks.md#calls-estimates-and-what-carries)). The same in JSON: "
         "[gpu-proof.json](gpu-proof.json).",
         "",
@@ -345,19 +340,15 @@ def markdown_proof(proof: dict) -> str:
             "## Which GPUs proved each step, and where it holds",
             "",
             "A step proven on some GPUs holds on as many GPUs of the same compute capability with at least "
-            "as much "
-            "memory each and the same torch, CUDA, accelerate, transformers and peft (an H100 80GB's proof "
-            "holds on "
-            "an H200: both Hopper, sm_90), and `--after` carries it there; its figures stay those of the "
-            "GPUs that "
-            f"made them. The speed steps ({', '.join(PER_GPU)}) hold on the GPUs that measured them only: "
-            "their "
-            "figures are those GPUs' own, so every kind of GPU measures them again. A proof holds for the "
-            "code it ran, too: each record keeps a digest of the files its step runs (the recipe, the chat "
-            "layer, accelerate_recipes, the configs, the step's harness: `STEP_FILES` in "
-            "benchmarks/gpu_check/proof.py), and a step whose files changed since, or whose proof predates "
-            "those digests, is stale: `--after` runs it again. Stale here means against the tree this file "
-            "was last written from; `--plan` says it for the tree at hand.",
+            "as much memory each and the same torch, CUDA, accelerate, transformers and peft (an H100 "
+            "80GB's proof holds on an H200: both Hopper, sm_90), and `--after` carries it there; its "
+            f"figures stay those of the GPUs that made them. The speed steps ({', '.join(PER_GPU)}) hold on "
+            "the GPUs that measured them only: their figures are those GPUs' own, so every kind of GPU "
+            "measures them again. A proof holds for the code it ran, too: each record keeps a digest of the "
+            "files its step runs (the recipe, the chat layer, accelerate_recipes, the configs, the step's "
+            "harness: `STEP_FILES` in benchmarks/gpu_check/proof.py), and a step whose files changed since, "
+            "or whose proof predates those digests, is stale: `--after` runs it again. Stale here means "
+            "against the tree this file was last written from; `--plan` says it for the tree at hand.",
             "",
             "| step | proven on | when | holds on |",
             "|---|---|---|---|",
@@ -368,8 +359,7 @@ def markdown_proof(proof: dict) -> str:
                     record = machine["steps"][name]
                     lines.append(
                         f"| {name} | {describe_devices(machine['key'])} | {record.get('finished_at') or '?'} "
-                        "| "
-                        f"{holds_on(name, machine, record, tree_code)} |"
+                        f"| {holds_on(name, machine, record, tree_code)} |"
                     )
         lines.append("")
     for machine in proof["machines"]:
@@ -418,8 +408,7 @@ def holds_on(name: str, machine: dict, record: dict, digests: dict[str, str]) ->
     count = f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
     return (
         f"{count} of compute capability {', '.join(capabilities)} with {memory:.0f} MiB or more each, with "
-        "the "
-        "software of its section below"
+        "the software of its section below"
     )
 
 
@@ -454,8 +443,7 @@ def merge_reports(reports: list[str], proof_path: Path) -> int:
         if report["key"]["mode"] != "gpu" and proof_path.resolve() == PROOF.resolve():
             raise RecipeError(
                 f"--merge {given} is a CPU smoke report (--device cpu); {PROOF.relative_to(REPO)} holds GPU "
-                "proof "
-                "only: merge it elsewhere with --proof OTHER.json"
+                "proof only: merge it elsewhere with --proof OTHER.json"
             )
         machine = next((m for m in proof["machines"] if m["key"] == report["key"]), None)
         if machine is None:

@@ -30,8 +30,7 @@ SHAREGPT_ROLES = {
 }
 FORMATS = (
     "'messages' (role/content), 'conversations' (ShareGPT from/value), 'instruction'/'input'/'output' "
-    "(Alpaca) "
-    "or 'prompt'/'completion'"
+    "(Alpaca) or 'prompt'/'completion'"
 )
 # Characters no chat text holds (Unicode private use): placeholders
 # for contents when rendering the template's skeleton.
@@ -275,8 +274,7 @@ def check_chat_template(tokenizer, model_name) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise RecipeError(
             f"{model_name} has no chat template (a base model); fine-tune an -Instruct or chat model, or put "
-            "a "
-            "chat template in the model's folder (chat_template.jinja)"
+            "a chat template in the model's folder (chat_template.jinja)"
         )
 
 

@@ -63,8 +63,7 @@ def decode_mode(flag: str, device, distributed_type=DistributedType.NO) -> str:
     if flag != "eager" and sharded:
         raise RecipeError(
             f"--decode {flag} generates with a whole copy of the model on each process; under FSDP2 or "
-            "DeepSpeed "
-            "use --decode eager (the default there)"
+            "DeepSpeed use --decode eager (the default there)"
         )
     return flag
 

@@ -344,8 +344,7 @@ def load_fine_tuned(model_dir: str, dtype=torch.float32):
     if path.suffix != ".gguf" and not (path / "config.json").is_file() and not is_adapter(path):
         raise RecipeError(
             f"--model {model_dir} is not a fine-tuned model folder (no adapter_config.json or config.json); "
-            "train "
-            "first or point --model at the output_dir of a finished run"
+            "train first or point --model at the output_dir of a finished run"
         )
     tokenizer = load_tokenizer(model_dir)
     if not is_adapter(path):
@@ -518,8 +517,7 @@ def reference_policy(args: ChatModelFlags, accelerator, model, model_name: str):
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise RecipeError(
             "a full fine-tune's reference is a second, frozen copy of the model, which these recipes do not "
-            "shard; "
-            "use --lora_r (the reference is then the base itself)"
+            "shard; use --lora_r (the reference is then the base itself)"
         )
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     return reference.to(accelerator.device)

@@ -30,8 +30,7 @@ def check_packing(model) -> None:
     if implementation not in PACKING_ATTENTION:
         raise RecipeError(
             f"--packing needs attention that keeps packed examples apart ({', '.join(PACKING_ATTENTION)}), "
-            "and the "
-            f"model uses {implementation!r}; load it with one of those or drop --packing"
+            f"and the model uses {implementation!r}; load it with one of those or drop --packing"
         )
     if not hasattr(transformers.masking_utils, "find_packed_sequence_indices"):
         raise RecipeError(

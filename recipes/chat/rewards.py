@@ -194,8 +194,7 @@ class Rewards:
             except Exception as err:
                 raise RecipeError(
                     f"reward {name} raised {type(err).__name__}: {first_line(err)}; fix the function (it is "
-                    "called "
-                    "as f(prompts, completions, **columns))"
+                    "called as f(prompts, completions, **columns))"
                 ) from None
             try:
                 values = [None if v is None else float(v) for v in values]
@@ -206,14 +205,12 @@ class Rewards:
             if len(values) != len(completions):
                 raise RecipeError(
                     f"reward {name} returned {len(values)} value(s) for {len(completions)} completions; "
-                    "return one "
-                    "float per completion"
+                    "return one float per completion"
                 )
             if not all(v is None or math.isfinite(v) for v in values):
                 raise RecipeError(
                     f"reward {name} returned a NaN or infinite value; return finite floats, or None where "
-                    "the reward "
-                    "does not apply"
+                    "the reward does not apply"
                 )
             scores.append(values)
         return scores
@@ -314,8 +311,7 @@ def load_prompts(train_file, validation_file, dataset, cache_dir, validation_siz
         except Exception as err:
             raise RecipeError(
                 f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name or "
-                "name:config) "
-                "and the network, or give --train_file"
+                "name:config) and the network, or give --train_file"
             ) from None
         held = next((s for s in ("validation", "test") if s in splits), None)
         train = read_prompt_rows(splits["train"], f"--dataset {dataset}")

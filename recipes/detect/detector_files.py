@@ -128,10 +128,8 @@ def load_matching_weights(model: Detector, start: dict, flag: str) -> str:
         hint = f" (it is a yolo-{start['size']})" if start.get("size") else ""
         raise RecipeError(
             f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights by name and "
-            "shape"
-            f"{hint}; give a model.safetensors of this recipe with the same --size (or no --size), or "
-            "Ultralytics' "
-            "YOLOv8 .pt"
+            f"shape{hint}; give a model.safetensors of this recipe with the same --size (or no --size), or "
+            "Ultralytics' YOLOv8 .pt"
         )
     model.load_state_dict(fits, strict=False)
     left = [k for k in own if k not in fits and not k.endswith("num_batches_tracked")]
@@ -153,8 +151,7 @@ def model_size(size: str | None, start: dict | None, flag: str = "--init_weights
     if size is not None and start is not None and start["size"] is not None and size != start["size"]:
         raise RecipeError(
             f"--size {size}, but {flag} {start['source']} is a yolo-{start['size']}; leave --size out (the "
-            "start "
-            f"gives it) or start from a yolo-{size}"
+            f"start gives it) or start from a yolo-{size}"
         )
     return size or (start["size"] if start is not None and start["size"] else "n")
 

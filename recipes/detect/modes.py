@@ -69,8 +69,7 @@ def evaluate_saved_model(args, evaluate) -> None:
     if args.split == "test" and not dataset.test:
         raise RecipeError(
             f"--split test: {data_yaml} has no test split; add one to it (test: images/test, a folder or a "
-            "list "
-            "of images like val), or evaluate --split val"
+            "list of images like val), or evaluate --split val"
         )
     files = dataset.test if args.split == "test" else dataset.val
     cache = cache_in_memory(args.cache, len(files), image_size)

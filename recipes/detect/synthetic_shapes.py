@@ -234,8 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python recipes/detect/synthetic_shapes.py",
         description="Write a generated YOLO-format detection set (shapes on textured backgrounds) and print "
-        "the "
-        "path of its data.yaml.",
+        "the path of its data.yaml.",
     )
     parser.add_argument("--out", required=True, help="folder to write (images/, labels/, data.yaml)")
     parser.add_argument("--num_train", type=int, default=256, help="training images (default 256)")

@@ -282,8 +282,7 @@ def _images_listed(list_file: Path, root: Path) -> list[Path]:
         if found is None:
             raise RecipeError(
                 f"{list_file} line {number}: image {entry} not found (looked for "
-                f"{' and '.join(os.path.abspath(c) for c in candidates)}); fix the path or remove "
-                "the line"
+                f"{' and '.join(os.path.abspath(c) for c in candidates)}); fix the path or remove the line"
             )
         if found.suffix.lower() not in IMAGE_SUFFIXES:
             raise RecipeError(
@@ -643,8 +642,7 @@ def cache_in_memory(mode: str, num_images: int, image_size: int) -> bool:
     if mode == "ram" and needed > share:
         raise RecipeError(
             f"--cache ram needs up to {needed / 2**30:.1f} GiB for {num_images} images at {image_size} px, "
-            "and this "
-            f"process's share of the available memory is {share / 2**30:.1f} GiB; use --cache off"
+            f"and this process's share of the available memory is {share / 2**30:.1f} GiB; use --cache off"
         )
     return mode == "ram" or needed <= min(CACHE_AUTO_BYTES, share // 4)
 
@@ -737,8 +735,7 @@ class YoloDataset(torch.utils.data.Dataset):
                 print(
                     f"warning: no label files found; for {self.image_files[0]} the labels would be in "
                     f"{label_path(self.image_files[0])} (the last images/ folder becomes labels/); every "
-                    "image "
-                    "is treated as background",
+                    "image is treated as background",
                     flush=True,
                 )
         self._cached = self._decode_all(verbose and _on_rank_zero()) if cache else None

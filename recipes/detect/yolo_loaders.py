@@ -109,8 +109,7 @@ def fit_batch_to_data(args, per_process: int, train_size: int, accelerator) -> t
     if lowered == 0:
         raise RecipeError(
             f"the training set ({train_size} images) is smaller than {shards} (processes x accumulation "
-            "steps); "
-            "use more images, fewer processes or fewer --gradient_accumulation_steps"
+            "steps); use more images, fewer processes or fewer --gradient_accumulation_steps"
         )
     accelerator.print(
         f"note: --batch_size {args.batch_size} is larger than the training set ({train_size} images): "
