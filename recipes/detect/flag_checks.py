@@ -9,6 +9,12 @@ from accelerate_recipes import RecipeError
 EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD = 0.001, 0.25
 
 
+def eval_conf_threshold(args) -> float:
+    """--conf_threshold of an evaluation (a training run's or --eval_only's): EVAL_CONF_THRESHOLD
+    unless given."""
+    return EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
+
+
 def check_flags(args) -> None:
     """The flags' values (train.py's DetectFlags) a run cannot start with, refused before anything
     else happens."""

@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 from detection_report import print_results
 from detector_files import MODEL_CONFIG, build_model, read_model_config
 from eval_pictures import save_eval_pictures
-from flag_checks import EVAL_CONF_THRESHOLD, PREDICT_CONF_THRESHOLD, check_flags
+from flag_checks import PREDICT_CONF_THRESHOLD, check_flags, eval_conf_threshold
 
 # imports onnx and onnxruntime (the export extra) when it runs
 from onnx_export import export_model
@@ -42,14 +42,13 @@ EXPORT_FILES = {"onnx": "model.onnx", "torchscript": "model.torchscript", "onnx-
 def evaluate_saved_model(args, evaluate) -> None:
     """The model in --model (default --output_dir) on the val split of --data: COCO mAP in
     results.json, and the evaluation's pictures, in --output_dir. Any number of processes; each
-    image is counted once. `evaluate` is train.py's: (model, loader, accelerator, names,
-    channels_last, conf_threshold, iou_threshold) -> (figures, pictures)."""
+    image is counted once. `evaluate` is train.py's: (model, loader, accelerator, names, args) ->
+    (figures, pictures)."""
     started = time.perf_counter()
     output, model_dir = Path(args.output_dir), Path(args.model or args.output_dir)
     check_flags(args)
     saved = read_model_config(model_dir)
     image_size = args.image_size or saved["image_size"]
-    conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
     tracking = setup_tracker(
         args.tracker, output, args.run_name or f"detect-{saved['size']}", args.swanlab_mode
     )
@@ -104,7 +103,7 @@ def evaluate_saved_model(args, evaluate) -> None:
         gflops_at_640=info["gflops"],
         image_size=image_size,
         num_classes=len(names),
-        conf_threshold=conf_threshold,
+        conf_threshold=eval_conf_threshold(args),
         iou_threshold=args.iou_threshold,
         split=args.split,
         val_size=len(val_set),
@@ -112,15 +111,7 @@ def evaluate_saved_model(args, evaluate) -> None:
         synthetic_data=args.data == "synthetic",
     )
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
-    evaluation, pictures = evaluate(
-        accelerator.unwrap_model(model),
-        val_loader,
-        accelerator,
-        names,
-        args.channels_last,
-        conf_threshold,
-        args.iou_threshold,
-    )
+    evaluation, pictures = evaluate(accelerator.unwrap_model(model), val_loader, accelerator, names, args)
     accelerator.log(
         {"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0
     )

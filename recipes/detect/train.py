@@ -57,7 +57,7 @@ from detection_report import (
 from detector_files import MODEL_CONFIG, build_model, model_size, read_start
 from ema import weight_average
 from eval_pictures import detection_confusion_matrix
-from flag_checks import EVAL_CONF_THRESHOLD, check_flags
+from flag_checks import check_flags, eval_conf_threshold
 from modes import evaluate_saved_model, export, predict
 from optimizer_schedule import build_optimizer, evaluations_of_patience, warmup_cosine
 from yolo_data import scale_boxes_back
@@ -281,7 +281,6 @@ def train(args: DetectFlags) -> None:
     check_flags(args)
     image_size = args.image_size or 640
     lr = args.lr if args.lr is not None else (0.64 if args.optimizer == "sgd" else 0.002)
-    conf_threshold = EVAL_CONF_THRESHOLD if args.conf_threshold is None else args.conf_threshold
     args, start = settle_start(args)  # the size from a pretrained start; --patience in evaluations
 
     # ---- accelerator: distributed set-up, precision, tracking, gradient accumulation
@@ -423,15 +422,7 @@ def train(args: DetectFlags) -> None:
         # (of the EMA weights, every --eval_every epochs and after the last)
         if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == length.epochs:
             eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
-            state.last_eval, pictures = evaluate(
-                eval_model,
-                val_loader,
-                accelerator,
-                data.names,
-                args.channels_last,
-                conf_threshold,
-                args.iou_threshold,
-            )
+            state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, data.names, args)
             # logged with the epoch's figures, and each class's AP50-95 as eval/ap50_95/<class>
             seconds = progress.epoch_done(state.last_eval, **per_class_scalars(state.last_eval))
             if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
@@ -464,19 +455,12 @@ def train(args: DetectFlags) -> None:
 
 # --------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(
-    model,
-    loader,
-    accelerator,
-    names: list[str],
-    channels_last: bool,
-    conf_threshold: float,
-    iou_threshold: float,
-) -> tuple[dict, dict]:
+def evaluate(model, loader, accelerator, names: list[str], args: DetectFlags) -> tuple[dict, dict]:
     """The figures Ultralytics users compare (coco_map: mAP@0.5 and mAP@0.5:0.95 with up to 300
     detections an image, COCO's 100-detection mAP beside it, precision, recall and F1 overall and
     per class), and the fitness, each validation image counted exactly once. NMS keeps every class
-    above conf_threshold (multi-label, as Ultralytics' val does).
+    above --conf_threshold (multi-label, as Ultralytics' val does) and suppresses at
+    --iou_threshold.
 
     Every process predicts on its shard; gather_for_metrics collects the per-image records and drops
     the images the sampler repeated to give every process an equal share. Boxes are compared in
@@ -485,18 +469,19 @@ def evaluate(
     """
     model.eval()
     records = []
+    conf_threshold = eval_conf_threshold(args)
     # on the host: the loader was prepared without device placement
     for images, targets, metas in loader:
         # pinned on a GPU: the copy does not stall
         images = images.to(accelerator.device, non_blocking=True)
         with accelerator.autocast():
-            outputs = model(to_model_input(images, channels_last))
+            outputs = model(to_model_input(images, args.channels_last))
         detections = postprocess(
             [o.float() for o in outputs],
             model.strides,
             model.reg_max,
             conf_threshold=conf_threshold,
-            iou_threshold=iou_threshold,
+            iou_threshold=args.iou_threshold,
             max_detections=MAX_DETECTIONS,
             multi_label=True,  # every class above the threshold is scored, as Ultralytics' val does
         )
