@@ -31,8 +31,9 @@ def address_in_use(err: Exception) -> bool:
 def port_in_use(address: str, port) -> RecipeError:
     """The error for a rendezvous port that another process holds."""
     return RecipeError(
-        f"port {port} on {address} is in use (another run, or a stale process of an earlier one): pick "
-        f"another with --main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep :{port}`"
+        f"port {port} on {address} is in use (another run, or a stale process of an earlier one): "
+        "pick another with --main_process_port / MASTER_PORT, or find it with `ss -ltnp | grep "
+        f":{port}`"
     )
 
 
@@ -324,8 +325,9 @@ def format_help(main, prog: str) -> str:
         lines += [text, ""]
     lines += [
         textwrap.fill(
-            "Flags are spelled out in full: --flag VALUE or --flag=VALUE. A true/false flag: --flag (True), "
-            "--flag False or --noflag. A TEXT value is taken as typed, commas and digits included.",
+            "Flags are spelled out in full: --flag VALUE or --flag=VALUE. A true/false flag: "
+            "--flag (True), --flag False or --noflag. A TEXT value is taken as typed, commas and "
+            "digits included.",
             width,
         ),
         "",

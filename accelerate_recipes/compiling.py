@@ -194,8 +194,8 @@ class CompiledPath:
         `all_ranks_alike`); a RecipeError instead when the user asked for it."""
         if self.explicit:
             raise RecipeError(
-                f"{self.insist}: {self.what} could not compile ({cause}); fix that (see {TROUBLESHOOTING}) "
-                f"or run without {self.insist}"
+                f"{self.insist}: {self.what} could not compile ({cause}); fix that (see "
+                f"{TROUBLESHOOTING}) or run without {self.insist}"
             )
         self.fallback = cause
         rank = os.environ.get("RANK", "0")
@@ -203,8 +203,8 @@ class CompiledPath:
             return
         where = "" if rank == "0" else f" (rank {rank})"
         print(
-            f"{self.what} run eagerly{where}: {cause} ({self.skip} skips the attempt, {self.insist} makes it "
-            "an error)",
+            f"{self.what} run eagerly{where}: {cause} ({self.skip} skips the attempt, "
+            f"{self.insist} makes it an error)",
             file=sys.stderr,
             flush=True,
         )

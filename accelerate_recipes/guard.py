@@ -180,15 +180,15 @@ class StepGuard:
         else:
             skip = "pass --skip_nonfinite_steps to drop such steps"
         cause = (
-            "check the model's code and kernels (an attention kernel's backward pass over fully masked rows, "
-            "say)"
+            "check the model's code and kernels (an attention kernel's backward pass over fully "
+            "masked rows, say)"
             if earliest % 2
             else "lower --lr"
         )
         raise RecipeError(
-            f"{_what(earliest)} from step {earliest // 2} on (seen at step {step}); training stopped and "
-            f"saved nothing after it, {kept}. {cause.capitalize()}, use bf16 instead of fp16, check the "
-            f"data, or {skip}"
+            f"{_what(earliest)} from step {earliest // 2} on (seen at step {step}); training "
+            f"stopped and saved nothing after it, {kept}. {cause.capitalize()}, use bf16 instead "
+            f"of fp16, check the data, or {skip}"
         )
 
     def stop_if_signalled(self, step: int, checkpoint) -> None:
@@ -198,8 +198,8 @@ class StepGuard:
             return
         self.accelerator.end_training()
         raise Preempted(
-            f"{signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in {checkpoint}; "
-            "continue with --resume auto"
+            f"{signal.Signals(self.stop_signal).name} at step {step}; checkpoint saved in "
+            f"{checkpoint}; continue with --resume auto"
         )
 
     def close(self) -> None:

@@ -30,12 +30,12 @@ def check_process_group(accelerator) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes == 1:
         raise RecipeError(
-            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not form one "
-            "process group, so each would train alone on all the data. torch sees no usable GPU here: to "
-            "run these processes on the CPU set ACCELERATE_USE_CPU=true for `accelerate launch` or torchrun "
-            "(they then join one group over gloo); on a GPU machine check `nvidia-smi` and "
-            "CUDA_VISIBLE_DEVICES, and that `python -c 'import torch; print(torch.cuda.device_count())'` "
-            "prints the GPU count."
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but they did not "
+            "form one process group, so each would train alone on all the data. torch sees no "
+            "usable GPU here: to run these processes on the CPU set ACCELERATE_USE_CPU=true for "
+            "`accelerate launch` or torchrun (they then join one group over gloo); on a GPU "
+            "machine check `nvidia-smi` and CUDA_VISIBLE_DEVICES, and that `python -c 'import "
+            "torch; print(torch.cuda.device_count())'` prints the GPU count."
         )
     # accelerate applies FSDP and DeepSpeed configs on accelerators only; on the CPU the same launch
     # would run plain DDP. FSDP2 and DeepSpeed run over gloo too, so such a run is switched to them;
@@ -49,10 +49,10 @@ def check_process_group(accelerator) -> None:
         ):
             raise RecipeError(
                 f"the accelerate config asks for {name}, but this run is "
-                f"{accelerator.distributed_type.value}, so the "
-                "model would not be sharded: on GPUs check that torch sees them; on the CPU launch it with "
-                "ACCELERATE_USE_CPU=true and without --cpu (FSDP needs fsdp_version: 2 there), or launch it "
-                "with a config that does not shard (plain DDP over gloo)"
+                f"{accelerator.distributed_type.value}, so the model would not be sharded: on GPUs "
+                "check that torch sees them; on the CPU launch it with ACCELERATE_USE_CPU=true "
+                "and without --cpu (FSDP needs fsdp_version: 2 there), or launch it with a config "
+                "that does not shard (plain DDP over gloo)"
             )
 
 
@@ -96,8 +96,9 @@ def check_precision(accelerator) -> None:
         and accelerator.distributed_type != DistributedType.DEEPSPEED
     ):  # DeepSpeed runs fp16 in its own engine
         raise RecipeError(
-            f"--mixed_precision fp16 is not applied on {accelerator.device.type}: accelerate trains it "
-            f"in fp32 there; use --mixed_precision {cpu_precision()} (bf16 where the CPU has it) or a GPU"
+            f"--mixed_precision fp16 is not applied on {accelerator.device.type}: accelerate "
+            f"trains it in fp32 there; use --mixed_precision {cpu_precision()} (bf16 where the CPU "
+            "has it) or a GPU"
         )
 
 
@@ -119,17 +120,16 @@ def per_process_batch_size(global_batch_size: int, num_processes: int, accumulat
     """
     if global_batch_size < 1 or accumulation_steps < 1:
         raise RecipeError(
-            f"--batch_size ({global_batch_size}) and --gradient_accumulation_steps ({accumulation_steps}) "
-            "must be >= 1"
+            f"--batch_size ({global_batch_size}) and --gradient_accumulation_steps "
+            f"({accumulation_steps}) must be >= 1"
         )
     shards = num_processes * accumulation_steps
     if global_batch_size % shards:
         lower = max(shards, global_batch_size // shards * shards)
         raise RecipeError(
             f"--batch_size {global_batch_size} (the global batch) does not divide evenly over "
-            f"{num_processes} "
-            f"process(es) x {accumulation_steps} accumulation step(s) = {shards}; use a multiple of "
-            f"{shards}, e.g. --batch_size {lower} or {lower + shards}"
+            f"{num_processes} process(es) x {accumulation_steps} accumulation step(s) = {shards}; "
+            f"use a multiple of {shards}, e.g. --batch_size {lower} or {lower + shards}"
         )
     return global_batch_size // shards
 
@@ -239,9 +239,9 @@ def describe_launch(
     world = accelerator.num_processes
     return (
         f"{world} process(es) on {machines} machine(s), {accelerator.distributed_type.value}, "
-        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; "
-        f"global batch {global_batch_size} = "
-        f"{world} process(es) x {per_process} per process x {accumulation_steps} accumulation step(s)"
+        f"device {accelerator.device}, mixed precision {accelerator.mixed_precision}; global batch "
+        f"{global_batch_size} = {world} process(es) x {per_process} per process x "
+        f"{accumulation_steps} accumulation step(s)"
     )
 
 
@@ -260,8 +260,8 @@ def prepare_output_dir(output_dir: str | Path) -> Path:
         probe.unlink()
     except OSError as err:
         raise RecipeError(
-            f"cannot write to --output_dir {output} ({err.strerror or err}); choose a folder you can "
-            "write to, with free space"
+            f"cannot write to --output_dir {output} ({err.strerror or err}); choose a folder you "
+            "can write to, with free space"
         ) from None
     return output
 
@@ -275,9 +275,9 @@ def check_visible_gpus() -> None:
     visible = torch.cuda.device_count()
     if listed and visible < len(listed):
         raise RecipeError(
-            f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what `accelerate launch --gpu_ids` sets) names "
-            f"{len(listed)} GPU(s), but torch sees {visible} here: use ids that `nvidia-smi -L` lists on "
-            "this machine, or leave --gpu_ids out"
+            f"CUDA_VISIBLE_DEVICES={','.join(listed)} (what `accelerate launch --gpu_ids` sets) "
+            f"names {len(listed)} GPU(s), but torch sees {visible} here: use ids that `nvidia-smi "
+            "-L` lists on this machine, or leave --gpu_ids out"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     # Without GPUs the process-group check explains the run better (ACCELERATE_USE_CPU); here: too
@@ -285,9 +285,10 @@ def check_visible_gpus() -> None:
     if 0 < visible < local:
         ids = f"CUDA_VISIBLE_DEVICES={','.join(listed)}" if listed else "no CUDA_VISIBLE_DEVICES"
         raise RecipeError(
-            f"the launcher started {local} processes on this machine (LOCAL_WORLD_SIZE={local}) but torch "
-            f"sees {visible} GPU(s) ({ids}), one per process: start {visible} (the launcher's "
-            f"--num_processes {visible}), or name as many GPUs as processes with --gpu_ids"
+            f"the launcher started {local} processes on this machine (LOCAL_WORLD_SIZE={local}) "
+            f"but torch sees {visible} GPU(s) ({ids}), one per process: start {visible} (the "
+            f"launcher's --num_processes {visible}), or name as many GPUs as processes with "
+            "--gpu_ids"
         )
 
 
@@ -345,7 +346,7 @@ def explain_startup_failure(timeout_seconds: float):
         else:
             what = f"not all {world} processes joined at {where} within {timeout_seconds:g} s"
         raise RecipeError(
-            f"{what}: start every node (each with its own --machine_rank, the same --main_process_ip "
-            f"and port), check that each reaches {where} (firewall, the main node's address), "
-            "or wait longer with --dist_timeout"
+            f"{what}: start every node (each with its own --machine_rank, the same "
+            f"--main_process_ip and port), check that each reaches {where} (firewall, the main "
+            "node's address), or wait longer with --dist_timeout"
         ) from None

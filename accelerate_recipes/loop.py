@@ -88,8 +88,8 @@ class RunState:
 
     def describe(self, total_steps: int) -> str:
         return (
-            f"step {self.step} of {total_steps}, epoch {self.epoch + 1}, {self.batches_done} batch(es) of it "
-            "already done"
+            f"step {self.step} of {total_steps}, epoch {self.epoch + 1}, {self.batches_done} "
+            "batch(es) of it already done"
         )
 
     def state_dict(self) -> dict:
@@ -135,8 +135,8 @@ class BestModel:
         # fire passes what was typed
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise RecipeError(
-                f"--early_stopping_patience {patience}: give a whole number of evaluations, 0 to turn "
-                "early stopping off"
+                f"--early_stopping_patience {patience}: give a whole number of evaluations, 0 to "
+                "turn early stopping off"
             )
         self.accelerator, self.state, self.metric, self.higher_is_better = (
             accelerator,
@@ -220,9 +220,9 @@ class BestModel:
             else f"no evaluation gave a {self.metric}"
         )
         return (
-            f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of {total_steps}): "
-            f"{self.metric} did not improve in {state.evals_without_improvement} evaluation(s) in a row "
-            f"(--early_stopping_patience {self.patience}); {best}"
+            f"stopped early after epoch {state.epoch} of {epochs} (step {state.step} of "
+            f"{total_steps}): {self.metric} did not improve in {state.evals_without_improvement} "
+            f"evaluation(s) in a row (--early_stopping_patience {self.patience}); {best}"
         )
 
 
@@ -411,9 +411,10 @@ class TrainingProgress:
         checkpoint = self.guard.last_checkpoint()
         newest = f"the newest checkpoint is {checkpoint}" if checkpoint else "no checkpoint was saved"
         raise RecipeError(
-            f"the evaluation at step {self.state.step} gave {', '.join(f'{k} {v}' for k, v in bad.items())}: "
-            "the model's weights or its evaluation are not finite; neither that model nor results.json was "
-            f"saved ({newest}). Use bf16 instead of fp16, lower --lr, or check the validation data"
+            f"the evaluation at step {self.state.step} gave "
+            f"{', '.join(f'{k} {v}' for k, v in bad.items())}: the model's weights or its "
+            f"evaluation are not finite; neither that model nor results.json was saved ({newest}). "
+            "Use bf16 instead of fp16, lower --lr, or check the validation data"
         )
 
     def results(self, started: float) -> dict:

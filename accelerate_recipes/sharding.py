@@ -54,24 +54,26 @@ def check_hybrid_sharding() -> None:
     others = [f"{name}_size {sizes[name]}" for name in MESH_SIZES[2:] if sizes[name] > 1]
     if others:
         raise RecipeError(
-            f"the accelerate config's parallelism_config sets {', '.join(others)}, but the recipes train "
-            f"data parallel only (--batch_size splits over every process); set those sizes to 1 and {fix}"
+            f"the accelerate config's parallelism_config sets {', '.join(others)}, but the recipes "
+            "train data parallel only (--batch_size splits over every process); set those sizes "
+            f"to 1 and {fix}"
         )
     replicate, shard = sizes["dp_replicate"], sizes["dp_shard"]
     if replicate * shard != world:
         raise RecipeError(
-            f"the accelerate config's parallelism_config has dp_replicate_size {replicate} x dp_shard_size "
-            f"{shard} = {replicate * shard} processes, but {world} were launched; {fix}"
+            f"the accelerate config's parallelism_config has dp_replicate_size {replicate} x "
+            f"dp_shard_size {shard} = {replicate * shard} processes, but {world} were launched; "
+            f"{fix}"
         )
     if shard == 1:
         raise RecipeError(
-            "dp_shard_size 1 in the accelerate config's parallelism_config shards nothing: every process "
-            f"would hold the whole model, as 2node.yaml's DDP does with less traffic; {fix}"
+            "dp_shard_size 1 in the accelerate config's parallelism_config shards nothing: every "
+            f"process would hold the whole model, as 2node.yaml's DDP does with less traffic; {fix}"
         )
     if replicate > 1 and local % shard:
         raise RecipeError(
-            f"dp_shard_size {shard} does not divide the {local} process(es) of a node, so a shard group "
-            f"would span nodes and all-gather every layer over the network; {fix}"
+            f"dp_shard_size {shard} does not divide the {local} process(es) of a node, so a shard "
+            f"group would span nodes and all-gather every layer over the network; {fix}"
         )
 
 
@@ -177,9 +179,10 @@ def setup_fsdp(accelerator, model) -> None:
     blocks = shard_blocks(model)
     if not blocks:
         raise RecipeError(
-            f"FSDP's TRANSFORMER_BASED_WRAP needs the model's block class, and {type(model).__name__} names "
-            "none besides its embeddings (_no_split_modules); name it with "
-            "--fsdp_transformer_layer_cls_to_wrap, or use --fsdp_auto_wrap_policy SIZE_BASED_WRAP"
+            "FSDP's TRANSFORMER_BASED_WRAP needs the model's block class, and "
+            f"{type(model).__name__} names none besides its embeddings (_no_split_modules); name "
+            "it with --fsdp_transformer_layer_cls_to_wrap, or use --fsdp_auto_wrap_policy "
+            "SIZE_BASED_WRAP"
         )
     plugin.transformer_cls_names_to_wrap = blocks
 
@@ -201,9 +204,10 @@ def check_accumulation(accelerator, gradient_accumulation_steps: int) -> None:
         configured = configured if in_file == "auto" else int(in_file)
     if configured != gradient_accumulation_steps:
         raise RecipeError(
-            f"--gradient_accumulation_steps is {gradient_accumulation_steps} but the accelerate or DeepSpeed "
-            f"config sets {configured}, which would win and train another global batch than --batch_size; "
-            "remove gradient_accumulation_steps from the config (or set it to auto in a DeepSpeed JSON file)"
+            f"--gradient_accumulation_steps is {gradient_accumulation_steps} but the accelerate or "
+            f"DeepSpeed config sets {configured}, which would win and train another global batch "
+            "than --batch_size; remove gradient_accumulation_steps from the config (or set it to "
+            "auto in a DeepSpeed JSON file)"
         )
 
 
@@ -212,9 +216,9 @@ def check_skip_nonfinite(accelerator, skip_nonfinite_steps: bool) -> None:
     `accelerator.backward` already steps the engine, so the bad update would be applied anyway."""
     if skip_nonfinite_steps and accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RecipeError(
-            "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already steps "
-            "DeepSpeed's engine, so a NaN update cannot be skipped; leave the flag out (DeepSpeed's fp16 "
-            "loss scaler skips overflowing steps itself) or use FSDP or DDP"
+            "--skip_nonfinite_steps cannot work under DeepSpeed: accelerator.backward() already "
+            "steps DeepSpeed's engine, so a NaN update cannot be skipped; leave the flag out "
+            "(DeepSpeed's fp16 loss scaler skips overflowing steps itself) or use FSDP or DDP"
         )
 
 

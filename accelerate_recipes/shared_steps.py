@@ -123,8 +123,8 @@ def run_length(args, steps_per_epoch: int, batches_per_epoch: int, training_set:
     images")."""
     if steps_per_epoch == 0:
         raise RecipeError(
-            f"the training set ({training_set}) is smaller than one global batch ({args.batch_size}); "
-            "lower --batch_size or use more data"
+            f"the training set ({training_set}) is smaller than one global batch "
+            f"({args.batch_size}); lower --batch_size or use more data"
         )
     total_steps = args.max_steps if args.max_steps else args.epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)

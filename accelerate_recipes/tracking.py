@@ -92,15 +92,16 @@ class TrackerSetup:
             # a resumed training: one folder per start
             if self.swanlab_mode == "offline" and len(parts) > 1:
                 return (
-                    f"SwanLab (offline, {self.offline_because}): run {run_id} saved in {len(parts)} parts, "
-                    f"one per start, in {self.swanlab_dir}; upload them as one experiment with "
-                    f"`swanlab sync {self.swanlab_dir}/run-*-{run_id}` after `swanlab login`"
+                    f"SwanLab (offline, {self.offline_because}): run {run_id} saved in "
+                    f"{len(parts)} parts, one per start, in {self.swanlab_dir}; upload them as one "
+                    f"experiment with `swanlab sync {self.swanlab_dir}/run-*-{run_id}` after "
+                    "`swanlab login`"
                 )
             if self.swanlab_mode == "offline":
                 return (
-                    f"SwanLab (offline, {self.offline_because}): run saved in {run_dir}; upload it with "
-                    f"`swanlab sync {run_dir}` after `swanlab login`, "
-                    "or log in before the next run to track it in the cloud"
+                    f"SwanLab (offline, {self.offline_because}): run saved in {run_dir}; upload it "
+                    f"with `swanlab sync {run_dir}` after `swanlab login`, or log in before the "
+                    "next run to track it in the cloud"
                 )
             return f"SwanLab (local): run saved in {run_dir}; view it with `swanlab watch {self.swanlab_dir}`"
         if self.swanlab_mode == "online":
@@ -144,8 +145,8 @@ def resolve_swanlab_mode(requested: str | None) -> str:
         )
     if mode == "local" and importlib.util.find_spec("swanboard") is None:
         raise RecipeError(
-            "SwanLab local mode needs its dashboard: pip install 'swanlab[dashboard]' (or use --swanlab_mode "
-            "offline)"
+            "SwanLab local mode needs its dashboard: pip install 'swanlab[dashboard]' (or use "
+            "--swanlab_mode offline)"
         )
     return mode
 
@@ -216,8 +217,9 @@ def setup_tracker(
             # Without internet SwanLab would retry for a long
             # time while every other rank waits for rank 0.
             print(
-                f"warning: SwanLab cloud is not reachable from this node ({where} within {REACH_SECONDS:g} "
-                "s); logging offline instead: upload the run later with `swanlab sync`",
+                f"warning: SwanLab cloud is not reachable from this node ({where} within "
+                f"{REACH_SECONDS:g} s); logging offline instead: upload the run later with "
+                "`swanlab sync`",
                 file=sys.stderr,
                 flush=True,
             )

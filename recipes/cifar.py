@@ -250,7 +250,8 @@ def train(args: CifarFlags) -> None:
     length = run_length(args, steps_per_epoch, len(train_loader), f"{len(train_set)} images")
     warmup_steps = round(args.warmup_ratio * length.total_steps)
     # Linear warmup over optimizer steps, then cosine or linear decay to zero.
-    scheduler = accelerator.prepare(get_scheduler(args.schedule, optimizer, warmup_steps, length.total_steps))
+    schedule = get_scheduler(args.schedule, optimizer, warmup_steps, length.total_steps)
+    scheduler = accelerator.prepare(schedule)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
     config = run_config(
@@ -333,7 +334,8 @@ def train(args: CifarFlags) -> None:
             if progress.finished:  # to the trackers that take images
                 picture = output / "confusion_matrix.png"
                 log_image_files(accelerator, {"eval/confusion_matrix": picture}, state.step)
-        accelerator.print(epoch_line(state, length.epochs, seconds, progress.meter.samples_per_second))
+        speed = progress.meter.samples_per_second
+        accelerator.print(epoch_line(state, length.epochs, seconds, speed))
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)
@@ -442,9 +444,9 @@ def print_run_summary(results: dict, output: Path, path: Path, tracking) -> None
     ]
     print_summary(results, keys, title="cifar: summary")
     print(
-        f"model, model_best/ (epoch {results['best_epoch']}), {MODEL_CONFIG} and {path.name} saved in "
-        f"{output}; "
-        f"classify images with: python {os.path.relpath(__file__)} --predict IMAGE_OR_FOLDER --model {output}"
+        f"model, model_best/ (epoch {results['best_epoch']}), {MODEL_CONFIG} and {path.name} saved "
+        f"in {output}; classify images with: python {os.path.relpath(__file__)} --predict "
+        f"IMAGE_OR_FOLDER --model {output}"
     )
     if tracking.where():
         print(tracking.where())

@@ -93,9 +93,9 @@ def load_cifar(name: str, root: Path, train_tf, test_tf, download: bool, verify:
     except Exception as err:
         reason = first_line(err)
         raise RecipeError(
-            f"{name} not found or corrupt in {root / folder} ({reason}); download {url.rsplit('/', 1)[1]} "
-            f"from {url} into {root} (it is unpacked on the next run), point --data_dir at a copy, "
-            "or try the pipeline without data: --dataset synthetic"
+            f"{name} not found or corrupt in {root / folder} ({reason}); download "
+            f"{url.rsplit('/', 1)[1]} from {url} into {root} (it is unpacked on the next run), "
+            "point --data_dir at a copy, or try the pipeline without data: --dataset synthetic"
         ) from None
     finally:
         socket.setdefaulttimeout(previous_timeout)
@@ -134,7 +134,8 @@ def build_datasets(
         if not (root / split).is_dir():
             raise RecipeError(
                 f"--dataset imagefolder expects {root / split}/<class name>/<images>; "
-                f"{root / split} does not exist (set --data_dir to the folder holding train/ and val/)"
+                f"{root / split} does not exist (set --data_dir to the folder holding train/ and "
+                "val/)"
             )
     train = torchvision.datasets.ImageFolder(str(root / "train"), transform=train_tf)
     test = torchvision.datasets.ImageFolder(str(root / "val"), transform=test_tf)
@@ -224,8 +225,8 @@ def build_loaders(args, accelerator, train_set, test_set, per_process: int, mean
     if loader_kind == "device":
         if any(array is None for array in arrays):
             raise RecipeError(
-                f"--loader device needs the images in memory; --dataset {args.dataset} reads files one "
-                "by one: use --loader torch"
+                f"--loader device needs the images in memory; --dataset {args.dataset} reads files "
+                "one by one: use --loader torch"
             )
         # Each process reads its own share straight from
         # device memory; nothing for prepare() to shard.

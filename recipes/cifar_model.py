@@ -50,16 +50,18 @@ def input_settings(args) -> InputSettings:
     --pretrained), from the recipe's flags."""
     if args.model is not None:
         raise RecipeError(
-            f"--model {args.model}: --model is a finished run's folder, for --predict and --eval_only; "
-            "choose the network to train with --arch (resnet18, resnet34 or resnet50)"
+            f"--model {args.model}: --model is a finished run's folder, for --predict and "
+            "--eval_only; choose the network to train with --arch (resnet18, resnet34 or resnet50)"
         )
     stem = "imagenet" if args.pretrained else "cifar"
     if args.pretrained and args.dataset != "imagefolder":
         raise RecipeError(
-            f"--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
-            f"--dataset {args.dataset} trains from scratch with the 32 px CIFAR stem: drop --pretrained"
+            "--pretrained fine-tunes ImageNet weights on --dataset imagefolder (224 px images); "
+            f"--dataset {args.dataset} trains from scratch with the 32 px CIFAR stem: drop "
+            "--pretrained"
         )
-    imagenet = IMAGENET_WEIGHTS[args.arch].transforms()  # the preprocessing the ImageNet weights expect
+    # the preprocessing the ImageNet weights expect
+    imagenet = IMAGENET_WEIGHTS[args.arch].transforms()
     mean, std = (tuple(imagenet.mean), tuple(imagenet.std)) if args.pretrained else (MEAN, STD)
     image_size = 32
     if args.dataset == "imagefolder":
@@ -90,8 +92,9 @@ def build_model(name: str, num_classes: int, stem: str = "cifar", weights: Path 
             model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
         except Exception as err:  # a truncated or foreign file: unpickling or key/shape errors
             raise RecipeError(
-                f"{weights} is not torchvision's ImageNet {name} ({why(err)}); delete it and run again "
-                f"to download it, or place the release from {IMAGENET_WEIGHTS[name].url} there"
+                f"{weights} is not torchvision's ImageNet {name} ({why(err)}); delete it and run "
+                f"again to download it, or place the release from {IMAGENET_WEIGHTS[name].url} "
+                "there"
             ) from None
     # the new task's classes replace ImageNet's 1000
     model.fc = nn.Linear(model.fc.in_features, num_classes)
@@ -147,8 +150,8 @@ def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
     if not file.is_file():
         if not download:
             raise RecipeError(
-                f"--pretrained needs {file.name} (torchvision's ImageNet {name}), not found in {folder}: "
-                f"{place}"
+                f"--pretrained needs {file.name} (torchvision's ImageNet {name}), not found in "
+                f"{folder}: {place}"
             )
         previous_timeout = socket.getdefaulttimeout()
         # an unreachable server fails within a minute instead of hanging
@@ -173,8 +176,8 @@ def imagenet_weights_file(name: str, download: bool, say=print) -> Path:
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     if expected and not digest.startswith(expected):
         say(
-            f"warning: {file} is not torchvision's release (its SHA-256 does not start with {expected}); "
-            "using it as it is: delete it to download the release"
+            f"warning: {file} is not torchvision's release (its SHA-256 does not start with "
+            f"{expected}); using it as it is: delete it to download the release"
         )
     return file
 

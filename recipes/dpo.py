@@ -316,7 +316,8 @@ def train(args: DpoFlags) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
+    schedule = get_scheduler("linear", optimizer, warmup_steps, length.total_steps)
+    scheduler = accelerator.prepare(schedule)
 
     config = run_config(
         "dpo", args, accelerator, **settings(args, model_name, lr, model, counts, per_process)

@@ -42,8 +42,8 @@ def evaluate_saved_model(args, evaluate) -> None:
     prepare_output_dir(output)
     if not args.reference_model and not is_adapter(model_dir):
         raise RecipeError(
-            f"--model {model_dir} is a whole model: give --reference_model (the model it was tuned from) to "
-            "measure its rewards against"
+            f"--model {model_dir} is a whole model: give --reference_model (the model it was tuned "
+            "from) to measure its rewards against"
         )
     model, tokenizer = load_any(model_dir)
     splits, _ = load_pair_splits(accelerator, args, tokenizer)

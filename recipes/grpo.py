@@ -498,7 +498,8 @@ def train(args: GrpoFlags) -> None:
     # ---- prepare: wrap for DDP / FSDP / DeepSpeed, shard the prompt loader across processes, move
     # to the device.
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
+    schedule = get_scheduler("linear", optimizer, warmup_steps, length.total_steps)
+    scheduler = accelerator.prepare(schedule)
     # every generation of the run (rollouts and evaluations)
     # decodes in this one cache: one shape to compile
     generation.reserve_cache(accelerator, model, *plan.cache, args.decode)

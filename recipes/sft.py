@@ -347,7 +347,8 @@ def train(args: SftFlags) -> None:
     # remainder out)
     steps_per_epoch = len(train_loader) // world // args.gradient_accumulation_steps
     batches_per_epoch = steps_per_epoch * args.gradient_accumulation_steps
-    length = run_length(args, steps_per_epoch, batches_per_epoch, f"{len(tokenized['train'])} conversations")
+    training_set = f"{len(tokenized['train'])} conversations"
+    length = run_length(args, steps_per_epoch, batches_per_epoch, training_set)
     warmup_steps = round(args.warmup_ratio * length.total_steps)
 
     setup_fsdp(accelerator, model)  # FSDP: one shard unit per transformer block of this model
@@ -356,7 +357,8 @@ def train(args: SftFlags) -> None:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
+    schedule = get_scheduler("linear", optimizer, warmup_steps, length.total_steps)
+    scheduler = accelerator.prepare(schedule)
 
     config = run_config(
         "sft", args, accelerator, **settings(args, model_name, lr, model, counts, per_process)
@@ -432,7 +434,8 @@ def train(args: SftFlags) -> None:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         scores_text = scores_line(state.last_eval, SFT_SCORES)
-        accelerator.print(f"epoch {state.epoch + 1}/{length.epochs}: {scores_text}, {seconds:.1f} s")
+        epoch = f"epoch {state.epoch + 1}/{length.epochs}"
+        accelerator.print(f"{epoch}: {scores_text}, {seconds:.1f} s")
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:
             accelerator.save_state(folder)

@@ -238,9 +238,9 @@ def print_run_summary(results: dict, path: Path, tracking) -> None:
         title="text classification: summary",
     )
     print(
-        f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in {output}; "
-        f"classify with: python {os.path.relpath(__file__)} --predict 'some text' --model {output} "
-        f"(or --model {output / 'model_best'})"
+        f"model, tokenizer, model_best/ (epoch {results['best_epoch']}) and {path.name} saved in "
+        f"{output}; classify with: python {os.path.relpath(__file__)} --predict 'some text' "
+        f"--model {output} (or --model {output / 'model_best'})"
     )
     where = tracking.where()
     if where:
@@ -298,12 +298,14 @@ def train(args: TextFlags) -> None:
         model, optimizer, train_loader, eval_loader
     )
     # ---- the run's length in optimizer steps
-    length = run_length(args, steps_per_epoch, len(train_loader), f"{len(data.raw['train'])} examples")
+    training_set = f"{len(data.raw['train'])} examples"
+    length = run_length(args, steps_per_epoch, len(train_loader), training_set)
     warmup_steps = round(args.warmup_ratio * length.total_steps)
     warn_if_too_short(accelerator, args, length.total_steps, len(data.raw["train"]))
     # ---- schedule: linear warmup, then linear decay to zero, over optimizer steps, on the prepared
     # optimizer (DeepSpeed ZeRO-3 regroups its parameters).
-    scheduler = accelerator.prepare(get_scheduler("linear", optimizer, warmup_steps, length.total_steps))
+    schedule = get_scheduler("linear", optimizer, warmup_steps, length.total_steps)
+    scheduler = accelerator.prepare(schedule)
 
     config = run_config(
         "text_classification",
@@ -376,8 +378,8 @@ def train(args: TextFlags) -> None:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         accelerator.print(
-            f"epoch {state.epoch + 1}/{length.epochs}: {scores_line(state.last_eval)}, {seconds:.1f} s, "
-            f"{progress.meter.samples_per_second:.1f} samples/s"
+            f"epoch {state.epoch + 1}/{length.epochs}: {scores_line(state.last_eval)}, "
+            f"{seconds:.1f} s, {progress.meter.samples_per_second:.1f} samples/s"
         )
         state.epoch, state.batches_done = state.epoch + 1, 0
         with saving_checkpoint(checkpoints, progress, config) as folder:

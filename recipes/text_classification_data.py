@@ -99,8 +99,8 @@ def load_text_data(
             reason = first_line(err)
             raise RecipeError(
                 f"could not load GLUE {task} from the Hugging Face Hub ({reason}); connect once to "
-                "download it (it is cached under ~/.cache/huggingface/datasets), or train on your own "
-                "files with --train_file/--validation_file"
+                "download it (it is cached under ~/.cache/huggingface/datasets), or train on your "
+                "own files with --train_file/--validation_file"
             ) from None
         raw = datasets.DatasetDict(train=glue["train"], validation=glue[validation_split])
         names = glue["train"].features["label"].names
@@ -132,15 +132,16 @@ def load_text_data(
     label_values = sorted(train_values)
     if len(label_values) < 2:
         raise RecipeError(
-            f"{train_file}: the label column {label_column!r} has the single value {label_values[0]!r}; "
-            "a classifier needs two or more labels"
+            f"{train_file}: the label column {label_column!r} has the single value "
+            f"{label_values[0]!r}; a classifier needs two or more labels"
         )
     unseen = sorted(set(raw["validation"].unique(label_column)) - set(label_values), key=str)
     if unseen:
         raise RecipeError(
-            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column {label_column!r} "
-            f"never occur in {train_file} (known: {', '.join(map(repr, label_values[:10]))}); fix the labels "
-            "or add such examples to the training file"
+            f"{validation_file}: label(s) {', '.join(map(repr, unseen[:5]))} in column "
+            f"{label_column!r} never occur in {train_file} (known: "
+            f"{', '.join(map(repr, label_values[:10]))}); fix the labels or add such examples to "
+            "the training file"
         )
     return TextSplits(raw, text_column, text_pair_column, label_column, label_values, "macro_f1")
 

@@ -29,8 +29,8 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
 }
 FORMATS = (
-    "'messages' (role/content), 'conversations' (ShareGPT from/value), 'instruction'/'input'/'output' "
-    "(Alpaca) or 'prompt'/'completion'"
+    "'messages' (role/content), 'conversations' (ShareGPT from/value), "
+    "'instruction'/'input'/'output' (Alpaca) or 'prompt'/'completion'"
 )
 # Characters no chat text holds (Unicode private use): placeholders
 # for contents when rendering the template's skeleton.
@@ -211,8 +211,8 @@ def load_hub_dataset(
     except Exception as err:  # offline, unknown names, hub errors, a missing cache
         reason = first_line(err)
         raise RecipeError(
-            f"could not load --dataset {dataset} ({reason}); connect once to download it (it is cached under "
-            "~/.cache/huggingface/datasets), or give your own chats with --train_file"
+            f"could not load --dataset {dataset} ({reason}); connect once to download it (it is "
+            "cached under ~/.cache/huggingface/datasets), or give your own chats with --train_file"
         ) from None
     # "train" / "validation" / "test", and the "train_sft"
     # / "test_sft" of chat sets such as UltraChat
@@ -273,8 +273,8 @@ def check_chat_template(tokenizer, model_name) -> None:
     turns."""
     if not getattr(tokenizer, "chat_template", None):
         raise RecipeError(
-            f"{model_name} has no chat template (a base model); fine-tune an -Instruct or chat model, or put "
-            "a chat template in the model's folder (chat_template.jinja)"
+            f"{model_name} has no chat template (a base model); fine-tune an -Instruct or chat "
+            "model, or put a chat template in the model's folder (chat_template.jinja)"
         )
 
 
@@ -351,8 +351,8 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, turn
         if at < 0:
             raise RecipeError(
                 f"a {message['role']} message ({short(content, 40)}) is not in the chat template's "
-                "rendering: the "
-                "template rewrites message contents; use a model whose template writes them as given"
+                "rendering: the template rewrites message contents; use a model whose template "
+                "writes them as given"
             )
         end = at + len(content)
         if message["role"] == "assistant":
@@ -404,8 +404,8 @@ def tokenize_splits(
         kept = rows.filter(lambda count: count > 0, input_columns="num_targets", num_proc=num_proc)
         if len(kept) == 0:
             raise RecipeError(
-                f"no example of {split} keeps an assistant token within --max_length {max_length}; raise "
-                "--max_length"
+                f"no example of {split} keeps an assistant token within --max_length {max_length}; "
+                "raise --max_length"
             )
         stats[split] = {
             "examples": len(rows),

@@ -62,8 +62,8 @@ def decode_mode(flag: str, device, distributed_type=DistributedType.NO) -> str:
         return "compiled" if torch.device(device).type == "cuda" and not sharded else "eager"
     if flag != "eager" and sharded:
         raise RecipeError(
-            f"--decode {flag} generates with a whole copy of the model on each process; under FSDP2 or "
-            "DeepSpeed use --decode eager (the default there)"
+            f"--decode {flag} generates with a whole copy of the model on each process; under "
+            "FSDP2 or DeepSpeed use --decode eager (the default there)"
         )
     return flag
 
@@ -671,6 +671,6 @@ def check_generation(accelerator, eval_generate: int) -> None:
     if eval_generate and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise RecipeError(
             "--eval_generate needs the whole model in each process, and this run shards it "
-            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved model "
-            "with --eval_only --eval_generate N in one process instead"
+            f"({accelerator.distributed_type.value}); leave the flag out and evaluate the saved "
+            "model with --eval_only --eval_generate N in one process instead"
         )

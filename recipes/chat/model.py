@@ -343,8 +343,8 @@ def load_fine_tuned(model_dir: str, dtype=torch.float32):
     path = Path(model_dir)
     if path.suffix != ".gguf" and not (path / "config.json").is_file() and not is_adapter(path):
         raise RecipeError(
-            f"--model {model_dir} is not a fine-tuned model folder (no adapter_config.json or config.json); "
-            "train first or point --model at the output_dir of a finished run"
+            f"--model {model_dir} is not a fine-tuned model folder (no adapter_config.json or "
+            "config.json); train first or point --model at the output_dir of a finished run"
         )
     tokenizer = load_tokenizer(model_dir)
     if not is_adapter(path):
@@ -516,8 +516,8 @@ def reference_policy(args: ChatModelFlags, accelerator, model, model_name: str):
         return REFERENCE_ADAPTER
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise RecipeError(
-            "a full fine-tune's reference is a second, frozen copy of the model, which these recipes do not "
-            "shard; use --lora_r (the reference is then the base itself)"
+            "a full fine-tune's reference is a second, frozen copy of the model, which these "
+            "recipes do not shard; use --lora_r (the reference is then the base itself)"
         )
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     return reference.to(accelerator.device)
@@ -646,8 +646,8 @@ def print_saved(results: dict, path: Path, tracking, script: str) -> None:
     what = "adapter" if results["method"] == "lora" else "model"
     best = f" (epoch {results['best_epoch']})" if results.get("best_epoch") is not None else ""
     print(
-        f"{what}, tokenizer, model_best/{best} and {path.name} saved in {path.parent}; try it: python "
-        f"{os.path.relpath(script)} --chat --model {path.parent}"
+        f"{what}, tokenizer, model_best/{best} and {path.name} saved in {path.parent}; try it: "
+        f"python {os.path.relpath(script)} --chat --model {path.parent}"
     )
     where = tracking.where()
     if where:

@@ -29,13 +29,14 @@ def check_packing(model) -> None:
     implementation = model.config._attn_implementation
     if implementation not in PACKING_ATTENTION:
         raise RecipeError(
-            f"--packing needs attention that keeps packed examples apart ({', '.join(PACKING_ATTENTION)}), "
-            f"and the model uses {implementation!r}; load it with one of those or drop --packing"
+            "--packing needs attention that keeps packed examples apart "
+            f"({', '.join(PACKING_ATTENTION)}), and the model uses {implementation!r}; load it "
+            "with one of those or drop --packing"
         )
     if not hasattr(transformers.masking_utils, "find_packed_sequence_indices"):
         raise RecipeError(
-            f"transformers {transformers.__version__} cannot keep packed examples apart; upgrade it "
-            "(pip install -U transformers) or drop --packing"
+            f"transformers {transformers.__version__} cannot keep packed examples apart; upgrade "
+            "it (pip install -U transformers) or drop --packing"
         )
     model.config.use_cache = False
 
@@ -143,8 +144,8 @@ def token_budget_rows(lengths: list[int], budget: int) -> list[list[int]]:
     when conversations are much shorter than it."""
     if lengths and max(lengths) > budget:
         raise RecipeError(
-            f"a conversation of {max(lengths)} tokens does not fit in a row of --batch_tokens {budget}; "
-            "raise --batch_tokens to --max_length or more"
+            f"a conversation of {max(lengths)} tokens does not fit in a row of --batch_tokens "
+            f"{budget}; raise --batch_tokens to --max_length or more"
         )
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (tokens still free, row), sorted

@@ -49,8 +49,8 @@ def check_update_rows(accelerator, update_rows: int, rows: int) -> None:
     DeepSpeed's engine would count as micro-steps of their own."""
     if 0 < update_rows < rows and accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RecipeError(
-            f"--update_rows {update_rows} splits each micro-batch's update into several backward passes, "
-            "which DeepSpeed's engine counts as micro-steps; under DeepSpeed raise "
+            f"--update_rows {update_rows} splits each micro-batch's update into several backward "
+            "passes, which DeepSpeed's engine counts as micro-steps; under DeepSpeed raise "
             "--gradient_accumulation_steps instead"
         )
 

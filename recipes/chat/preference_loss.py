@@ -136,6 +136,6 @@ def check_same_reference(folder, precompute_ref: bool) -> None:
     if saved != precompute_ref:
         given = "with" if saved else "without"
         raise RecipeError(
-            f"checkpoint {folder} was written by a run {given} --precompute_ref; resume it {given} the flag, "
-            "or start a new run in another --output_dir"
+            f"checkpoint {folder} was written by a run {given} --precompute_ref; resume it {given} "
+            "the flag, or start a new run in another --output_dir"
         )

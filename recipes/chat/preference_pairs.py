@@ -41,8 +41,8 @@ def as_pair(row: dict, where: str) -> dict:
     missing = [c for c in ("chosen", "rejected") if row.get(c) is None]
     if missing:
         raise RecipeError(
-            f"{where}: no {' or '.join(repr(c) for c in missing)} column; a preference pair needs 'chosen' "
-            "and 'rejected' (and 'prompt', unless both answers are whole conversations)"
+            f"{where}: no {' or '.join(repr(c) for c in missing)} column; a preference pair needs "
+            "'chosen' and 'rejected' (and 'prompt', unless both answers are whole conversations)"
         )
     try:
         chosen = as_messages(row["chosen"], "assistant", row, "chosen")
@@ -89,8 +89,8 @@ def load_pairs(train_file, validation_file, dataset, cache_dir, validation_size:
             splits = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
         except Exception as err:
             raise RecipeError(
-                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name or "
-                "name:config) and the network, or give --train_file"
+                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name "
+                "or name:config) and the network, or give --train_file"
             ) from None
         train_split = next((s for s in splits if s.startswith("train")), None)
         if train_split is None:
@@ -120,8 +120,9 @@ def render_answer(tokenizer, prompt: list[dict], prompt_text: str, answer: list[
         ) from None
     if not whole.startswith(prompt_text):
         raise RecipeError(
-            f"{where}: the chat template renders the prompt differently when an answer follows it, so the "
-            "answer's tokens cannot be told apart; use a model whose template keeps earlier turns as they are"
+            f"{where}: the chat template renders the prompt differently when an answer follows it, "
+            "so the answer's tokens cannot be told apart; use a model whose template keeps "
+            "earlier turns as they are"
         )
     return whole[len(prompt_text) :]
 

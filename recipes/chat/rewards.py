@@ -120,8 +120,8 @@ def load_reward(spec: str):
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RecipeError(
-            f"--reward {spec}: not a built-in reward ({', '.join(BUILT_IN)}) nor file.py:function / "
-            "module:function"
+            f"--reward {spec}: not a built-in reward ({', '.join(BUILT_IN)}) nor file.py:function "
+            "/ module:function"
         )
     try:
         if where.endswith(".py"):
@@ -168,8 +168,8 @@ class Rewards:
             raise RecipeError(f"--reward_weights {weights}: give numbers, one per --reward") from None
         if len(self.weights) != len(self.functions):
             raise RecipeError(
-                f"--reward_weights gives {len(self.weights)} weight(s) for {len(self.functions)} reward(s) "
-                f"({', '.join(n for n, _ in self.functions)}); give one per reward"
+                f"--reward_weights gives {len(self.weights)} weight(s) for {len(self.functions)} "
+                f"reward(s) ({', '.join(n for n, _ in self.functions)}); give one per reward"
             )
         self.answer_tag = answer_tag
         self.names = [name.rsplit(":", 1)[-1] for name, _ in self.functions]
@@ -193,8 +193,8 @@ class Rewards:
                 values = function(prompts=prompts, completions=completions, **extra)
             except Exception as err:
                 raise RecipeError(
-                    f"reward {name} raised {type(err).__name__}: {first_line(err)}; fix the function (it is "
-                    "called as f(prompts, completions, **columns))"
+                    f"reward {name} raised {type(err).__name__}: {first_line(err)}; fix the "
+                    "function (it is called as f(prompts, completions, **columns))"
                 ) from None
             try:
                 values = [None if v is None else float(v) for v in values]
@@ -204,13 +204,13 @@ class Rewards:
                 ) from None
             if len(values) != len(completions):
                 raise RecipeError(
-                    f"reward {name} returned {len(values)} value(s) for {len(completions)} completions; "
-                    "return one float per completion"
+                    f"reward {name} returned {len(values)} value(s) for {len(completions)} "
+                    "completions; return one float per completion"
                 )
             if not all(v is None or math.isfinite(v) for v in values):
                 raise RecipeError(
-                    f"reward {name} returned a NaN or infinite value; return finite floats, or None where "
-                    "the reward does not apply"
+                    f"reward {name} returned a NaN or infinite value; return finite floats, or "
+                    "None where the reward does not apply"
                 )
             scores.append(values)
         return scores
@@ -290,8 +290,8 @@ def as_prompt_row(row: dict, where: str) -> dict:
             row["answer"] = gsm8k_answer(row["answer"])
     else:
         raise RecipeError(
-            f"{where}: a row without `prompt`, `messages` or `question`: {short(row)}; give one of them per "
-            "row"
+            f"{where}: a row without `prompt`, `messages` or `question`: {short(row)}; give one of "
+            "them per row"
         )
     return dict(row, prompt=prompt, messages=messages)
 
@@ -310,8 +310,8 @@ def load_prompts(train_file, validation_file, dataset, cache_dir, validation_siz
             splits = datasets.load_dataset(name, config or None, cache_dir=cache_dir)
         except Exception as err:
             raise RecipeError(
-                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name or "
-                "name:config) and the network, or give --train_file"
+                f"--dataset {dataset}: could not load it ({first_line(err)}); check the name (name "
+                "or name:config) and the network, or give --train_file"
             ) from None
         held = next((s for s in ("validation", "test") if s in splits), None)
         train = read_prompt_rows(splits["train"], f"--dataset {dataset}")
@@ -331,7 +331,7 @@ def check_columns(rewards: Rewards, rows: list[dict], where: str) -> None:
         missing = next((i for i, row in enumerate(rows) if row.get("answer") in (None, "")), None)
         if missing is not None:
             raise RecipeError(
-                f"{where}: row {missing + 1} has no `answer`, which --reward {','.join(rewards.names)} "
-                "compares "
-                f"with: {short(rows[missing]['prompt'])}; add an answer column or use rewards that need none"
+                f"{where}: row {missing + 1} has no `answer`, which --reward "
+                f"{','.join(rewards.names)} compares with: {short(rows[missing]['prompt'])}; add "
+                "an answer column or use rewards that need none"
             )

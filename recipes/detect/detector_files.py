@@ -127,16 +127,16 @@ def load_matching_weights(model: Detector, start: dict, flag: str) -> str:
     if matched < MIN_MATCHED * total:
         hint = f" (it is a yolo-{start['size']})" if start.get("size") else ""
         raise RecipeError(
-            f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights by name and "
-            f"shape{hint}; give a model.safetensors of this recipe with the same --size (or no --size), or "
-            "Ultralytics' YOLOv8 .pt"
+            f"{flag} {file} gives only {matched / total:.0%} of this yolo-{model.size}'s weights "
+            f"by name and shape{hint}; give a model.safetensors of this recipe with the same "
+            "--size (or no --size), or Ultralytics' YOLOv8 .pt"
         )
     model.load_state_dict(fits, strict=False)
     left = [k for k in own if k not in fits and not k.endswith("num_batches_tracked")]
     shapes = [f"{tuple(saved[k].shape)} there, {tuple(own[k].shape)} here" for k in left if k in saved]
     line = (
-        f"{flag} {file}: loaded {len(fits)} of {len(own)} tensors by name and shape ({matched / 1e6:.2f}M of "
-        f"{total / 1e6:.2f}M parameters)"
+        f"{flag} {file}: loaded {len(fits)} of {len(own)} tensors by name and shape "
+        f"({matched / 1e6:.2f}M of {total / 1e6:.2f}M parameters)"
     )
     if left:
         named = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
@@ -150,8 +150,8 @@ def model_size(size: str | None, start: dict | None, flag: str = "--init_weights
     refused: the start would not fit."""
     if size is not None and start is not None and start["size"] is not None and size != start["size"]:
         raise RecipeError(
-            f"--size {size}, but {flag} {start['source']} is a yolo-{start['size']}; leave --size out (the "
-            f"start gives it) or start from a yolo-{size}"
+            f"--size {size}, but {flag} {start['source']} is a yolo-{start['size']}; leave --size "
+            f"out (the start gives it) or start from a yolo-{size}"
         )
     return size or (start["size"] if start is not None and start["size"] else "n")
 

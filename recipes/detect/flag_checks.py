@@ -29,13 +29,13 @@ def check_flags(args) -> None:
         )
     if isinstance(args.freeze, bool) or not isinstance(args.freeze, int) or not 0 <= args.freeze <= FREEZABLE:
         raise RecipeError(
-            f"--freeze {args.freeze}: give the number of YOLOv8 layers to keep fixed, 0 to {FREEZABLE} "
-            "(10: the backbone)"
+            f"--freeze {args.freeze}: give the number of YOLOv8 layers to keep fixed, 0 to "
+            f"{FREEZABLE} (10: the backbone)"
         )
     if args.patience is not None and args.early_stopping_patience:
         raise RecipeError(
-            "give --patience (epochs) or --early_stopping_patience (evaluations), not both; e.g. --patience "
-            "50"
+            "give --patience (epochs) or --early_stopping_patience (evaluations), not both; e.g. "
+            "--patience 50"
         )
     whole = isinstance(args.patience, int) and not isinstance(args.patience, bool) and args.patience >= 0
     if args.patience is not None and not whole:
@@ -44,6 +44,6 @@ def check_flags(args) -> None:
         )
     if args.max_grad_norm < 0:
         raise RecipeError(
-            f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. --max_grad_norm "
-            "10"
+            f"--max_grad_norm {args.max_grad_norm} must be >= 0 (0 turns clipping off); e.g. "
+            "--max_grad_norm 10"
         )

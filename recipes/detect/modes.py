@@ -67,8 +67,8 @@ def evaluate_saved_model(args, evaluate) -> None:
         )
     if args.split == "test" and not dataset.test:
         raise RecipeError(
-            f"--split test: {data_yaml} has no test split; add one to it (test: images/test, a folder or a "
-            "list of images like val), or evaluate --split val"
+            f"--split test: {data_yaml} has no test split; add one to it (test: images/test, a "
+            "folder or a list of images like val), or evaluate --split val"
         )
     files = dataset.test if args.split == "test" else dataset.val
     cache = cache_in_memory(args.cache, len(files), image_size)
@@ -111,7 +111,8 @@ def evaluate_saved_model(args, evaluate) -> None:
         synthetic_data=args.data == "synthetic",
     )
     accelerator.init_trackers(args.project, config=config, init_kwargs=tracking.init_kwargs)
-    evaluation, pictures = evaluate(accelerator.unwrap_model(model), val_loader, accelerator, names, args)
+    model = accelerator.unwrap_model(model)
+    evaluation, pictures = evaluate(model, val_loader, accelerator, names, args)
     accelerator.log(
         {"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0
     )

@@ -420,16 +420,19 @@ def train(args: DetectFlags) -> None:
         # nothing non-finite since the last log step, before evaluating and saving
         guard.check(state.step)
         # (of the EMA weights, every --eval_every epochs and after the last)
-        if (state.epoch + 1) % args.eval_every == 0 or progress.finished or state.epoch + 1 == length.epochs:
+        last_epoch = progress.finished or state.epoch + 1 == length.epochs
+        if (state.epoch + 1) % args.eval_every == 0 or last_epoch:
             eval_model = ema.module if ema is not None else accelerator.unwrap_model(model)
-            state.last_eval, pictures = evaluate(eval_model, val_loader, accelerator, data.names, args)
+            evaluation = evaluate(eval_model, val_loader, accelerator, data.names, args)
+            state.last_eval, pictures = evaluation
             # logged with the epoch's figures, and each class's AP50-95 as eval/ap50_95/<class>
             seconds = progress.epoch_done(state.last_eval, **per_class_scalars(state.last_eval))
             if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
                 with best.saving() as folder:
                     save_model(folder)
             show_evaluation(accelerator, pictures, data.names, state.step, output)
-            accelerator.print(epoch_line(state, length.epochs, seconds, progress.meter.samples_per_second))
+            speed = progress.meter.samples_per_second
+            accelerator.print(epoch_line(state, length.epochs, seconds, speed))
         if accelerator.is_main_process:
             # every epoch, so a stopped run has it too
             plot_results(progress.metrics.path, output / "results.png")

@@ -223,8 +223,8 @@ def _parse_names(config: dict, path: Path) -> list[str]:
             ) from None
         if ids != list(range(len(ids))):
             raise RecipeError(
-                f"{path}: the ids in `names` must run 0..{len(ids) - 1} without gaps; got {ids[:10]}; "
-                "renumber the classes (and their labels)"
+                f"{path}: the ids in `names` must run 0..{len(ids) - 1} without gaps; got "
+                f"{ids[:10]}; renumber the classes (and their labels)"
             )
         names = [names.get(i, names.get(str(i))) for i in ids]
     if not isinstance(names, list) or not names:
@@ -234,8 +234,8 @@ def _parse_names(config: dict, path: Path) -> list[str]:
     names = [str(n) for n in names]
     if "nc" in config and config["nc"] != len(names):
         raise RecipeError(
-            f"{path}: nc is {config['nc']} but `names` has {len(names)} entries; fix nc or names (nc may be "
-            "left out)"
+            f"{path}: nc is {config['nc']} but `names` has {len(names)} entries; fix nc or names "
+            "(nc may be left out)"
         )
     return names
 
@@ -282,12 +282,13 @@ def _images_listed(list_file: Path, root: Path) -> list[Path]:
         if found is None:
             raise RecipeError(
                 f"{list_file} line {number}: image {entry} not found (looked for "
-                f"{' and '.join(os.path.abspath(c) for c in candidates)}); fix the path or remove the line"
+                f"{' and '.join(os.path.abspath(c) for c in candidates)}); fix the path or remove "
+                "the line"
             )
         if found.suffix.lower() not in IMAGE_SUFFIXES:
             raise RecipeError(
-                f"{list_file} line {number}: {entry} is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}"
-                "); list image files only"
+                f"{list_file} line {number}: {entry} is not an image "
+                f"({', '.join(sorted(IMAGE_SUFFIXES))}); list image files only"
             )
         images.append(Path(os.path.abspath(found)))
     return images
@@ -456,8 +457,8 @@ def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str
         where = f"{path} line {number}"
         if len(tokens) != 5 and (len(tokens) < 7 or len(tokens) % 2 == 0):
             raise RecipeError(
-                f"{where}: {len(tokens)} values; a line is `class cx cy w h` (5 values, normalised to "
-                "0-1) or a polygon `class x1 y1 x2 y2 x3 y3 ...`: fix the line"
+                f"{where}: {len(tokens)} values; a line is `class cx cy w h` (5 values, normalised "
+                "to 0-1) or a polygon `class x1 y1 x2 y2 x3 y3 ...`: fix the line"
             )
         values = [_number(t, where) for t in tokens]
         cls = values[0]
@@ -468,8 +469,8 @@ def parse_label_file(path: Path, num_classes: int) -> tuple[np.ndarray, list[str
             )
         if not 0 <= cls < num_classes:
             raise RecipeError(
-                f"{where}: class {int(cls)} is out of range for the {num_classes} names in data.yaml "
-                f"(0..{num_classes - 1}); fix the label or add the class to names"
+                f"{where}: class {int(cls)} is out of range for the {num_classes} names in "
+                f"data.yaml (0..{num_classes - 1}); fix the label or add the class to names"
             )
         if len(tokens) == 5:
             cx, cy = _unit(values[1], "cx", where), _unit(values[2], "cy", where)
@@ -641,8 +642,9 @@ def cache_in_memory(mode: str, num_images: int, image_size: int) -> bool:
     share = psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if mode == "ram" and needed > share:
         raise RecipeError(
-            f"--cache ram needs up to {needed / 2**30:.1f} GiB for {num_images} images at {image_size} px, "
-            f"and this process's share of the available memory is {share / 2**30:.1f} GiB; use --cache off"
+            f"--cache ram needs up to {needed / 2**30:.1f} GiB for {num_images} images at "
+            f"{image_size} px, and this process's share of the available memory is "
+            f"{share / 2**30:.1f} GiB; use --cache off"
         )
     return mode == "ram" or needed <= min(CACHE_AUTO_BYTES, share // 4)
 
@@ -727,15 +729,15 @@ class YoloDataset(torch.utils.data.Dataset):
             print(self.summary(), flush=True)
             if dropped:
                 print(
-                    f"warning: dropped {len(dropped)} zero-size boxes (width or height 0), first at "
-                    f"{dropped[0]}; fix or delete those lines",
+                    f"warning: dropped {len(dropped)} zero-size boxes (width or height 0), first "
+                    f"at {dropped[0]}; fix or delete those lines",
                     flush=True,
                 )
             if label_files == 0:
                 print(
-                    f"warning: no label files found; for {self.image_files[0]} the labels would be in "
-                    f"{label_path(self.image_files[0])} (the last images/ folder becomes labels/); every "
-                    "image is treated as background",
+                    f"warning: no label files found; for {self.image_files[0]} the labels would be "
+                    f"in {label_path(self.image_files[0])} (the last images/ folder becomes "
+                    "labels/); every image is treated as background",
                     flush=True,
                 )
         self._cached = self._decode_all(verbose and _on_rank_zero()) if cache else None
@@ -743,8 +745,8 @@ class YoloDataset(torch.utils.data.Dataset):
     def summary(self) -> str:
         c = self.counts
         return (
-            f"{self.image_files[0].parent}: {c['images']} images, {c['boxes']} boxes, {c['backgrounds']} "
-            f"background images (no boxes)"
+            f"{self.image_files[0].parent}: {c['images']} images, {c['boxes']} boxes, "
+            f"{c['backgrounds']} background images (no boxes)"
         )
 
     def __len__(self) -> int:

@@ -108,12 +108,13 @@ def fit_batch_to_data(args, per_process: int, train_size: int, accelerator) -> t
     lowered = train_size // shards * shards
     if lowered == 0:
         raise RecipeError(
-            f"the training set ({train_size} images) is smaller than {shards} (processes x accumulation "
-            "steps); use more images, fewer processes or fewer --gradient_accumulation_steps"
+            f"the training set ({train_size} images) is smaller than {shards} (processes x "
+            "accumulation steps); use more images, fewer processes or fewer "
+            "--gradient_accumulation_steps"
         )
     accelerator.print(
-        f"note: --batch_size {args.batch_size} is larger than the training set ({train_size} images): "
-        f"training with --batch_size {lowered}"
+        f"note: --batch_size {args.batch_size} is larger than the training set ({train_size} "
+        f"images): training with --batch_size {lowered}"
     )
     return replace(args, batch_size=lowered), lowered // shards
 
