@@ -77,30 +77,9 @@ def pytest_report_header(config):
     return f"time limits x {TIME_SCALE:.2f} ({source})"
 
 
-# The files that take longest (pytest --durations), longest first: started first, so that the two
-# workers (--dist loadfile hands out whole files) do not end with one still on a long file while
-# the other waits.
-LONGEST_FIRST = (
-    "test_dpo.py",
-    "test_cifar_training.py",
-    "test_sft.py",
-    "test_text_classification.py",
-    "test_gpu_check.py",
-    "test_launchers.py",
-    "test_sft_sharded.py",
-    "test_detect_training.py",
-    "test_grpo.py",
-    "test_sharded.py",
-    "test_cifar_inference.py",
-    "test_resume.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (the rest in their order), and pytest-timeout's limit per test
-    (pyproject's `timeout`, or a test's own mark) scaled like every other limit."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests in order
+    """pytest-timeout's limit per test (pyproject's `timeout`, or a test's own mark) scaled like
+    every other limit."""
     default = float(config.getini("timeout") or 0)
     for item in items:
         mark = item.get_closest_marker("timeout")
