@@ -5,7 +5,8 @@ their own body; this package holds only the plumbing they would otherwise copy: 
 launch checks (check_launch), tracker set-up, the run's position (RunState), the bookkeeping after
 each step (TrainingProgress) and the judge of the best model (BestModel), the steps every recipe
 takes the same way (shared_steps: the run's Accelerator, the progress and checkpoint wiring, a
-guarded optimizer step, an evaluation-only run's results), a throughput meter, the results.json
+guarded optimizer step, a run's end, an evaluation-only run's results), the mode a run's flags name
+(run_mode), a throughput meter, the results.json
 writer, the run's pictures (accelerate_recipes.plots: results.png, confusion matrices), atomic
 checkpoint folders, sharding set-up, seeded augmentation and the stop-signal / NaN guard. Code one
 recipe alone uses lives beside that recipe; the stand-alone tools (doctor, hostfile launcher,
@@ -18,7 +19,7 @@ import importlib
 # ...` (a script's --help) does not wait for torch to import.
 _EXPORTS = {
     **dict.fromkeys(["Checkpoints", "model_to_save"], "checkpoints"),
-    **dict.fromkeys(["run"], "cli"),
+    **dict.fromkeys(["run", "run_mode"], "cli"),
     **dict.fromkeys(["PREEMPTED_EXIT_CODE", "RecipeError", "explain_load_failure", "first_line"], "errors"),
     **dict.fromkeys(["StepGuard"], "guard"),
     **dict.fromkeys(
@@ -48,6 +49,7 @@ _EXPORTS = {
             "eval_only_config",
             "eval_only_results",
             "evaluation_accelerator",
+            "finish_run",
             "keeps_update",
             "run_length",
             "RunLength",

@@ -503,6 +503,23 @@ def _commands_in_source(source: str, folder: Path | None = None) -> dict | None:
     return commands[None] if None in commands else commands
 
 
+def run_mode(args, modes: dict, otherwise):
+    """Run the one mode a flag names, or `otherwise` (training) when none is given.
+
+    `modes` maps a flag's name to the function of the flags that serves it, in the order the error
+    names them: `run_mode(args, {"predict": predict, "eval_only": evaluate}, otherwise=train)`. A
+    flag is given when it is set (not None, not False); two given stop with one line.
+    """
+    given = [name for name in modes if getattr(args, name) not in (None, False)]
+    if len(given) > 1:
+        flags = [f"--{name}" for name in modes]
+        if len(flags) == 2:
+            raise RecipeError(f"give {flags[0]} or {flags[1]}, not both")
+        both = " and ".join(f"--{name}" for name in given)
+        raise RecipeError(f"give one of {', '.join(flags[:-1])} and {flags[-1]}, not {both}")
+    return modes[given[0]](args) if given else otherwise(args)
+
+
 def run(main, presets: dict[str, dict] | None = None) -> None:
     """Run `main` as a command-line program: flags come from its signature and docstring
     (python-fire).

@@ -1,6 +1,7 @@
 """The steps every recipe takes the same way, written once: the Accelerator of a run and the launch
 checks of its flags, the progress and checkpoint wiring of the training loop, one optimizer step
-under the non-finite guard, the batches of an epoch, and what a run that only evaluates records.
+under the non-finite guard, the batches of an epoch, a run's end (finish_run) and what a run that
+only evaluates records.
 
 The Accelerate calls stay in the recipe's own body, around these helpers:
 
@@ -41,7 +42,7 @@ from accelerate_recipes.errors import RecipeError
 from accelerate_recipes.launch import check_launch, explain_startup_failure, num_machines
 from accelerate_recipes.loop import BestModel, RunState, TrainingProgress
 from accelerate_recipes.meter import StepMeter
-from accelerate_recipes.results import run_facts
+from accelerate_recipes.results import run_facts, write_results
 
 
 def _accelerator(args, **options) -> accelerate.Accelerator:
@@ -191,6 +192,16 @@ def saving_checkpoint(checkpoints, progress: TrainingProgress, config: dict):
     with checkpoints.saving(state.step, dict(state.position(), config=config)) as folder:
         yield folder
     progress.guard.stop_if_signalled(state.step, checkpoints.last_saved)  # PREEMPTED_EXIT_CODE
+
+
+def finish_run(accelerator, output_dir, results: dict) -> Path | None:
+    """End a run on every process together and write its results.json: all ranks wait for each
+    other, then close the trackers and tear the process group down together (none while others
+    still talk); the main process writes `results` into `output_dir`. The file's path on the main
+    process, None on the others. Collective."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return write_results(output_dir, results) if accelerator.is_main_process else None
 
 
 def eval_only_config(recipe: str, args, accelerator, **facts) -> dict:

@@ -42,17 +42,16 @@ from cifar_model import (
     write_model_config,
 )
 from cifar_modes import evaluate_saved_model, predict
-from transformers import get_scheduler
 
 from accelerate_recipes import (
     BestModel,
     Checkpoints,
-    RecipeError,
     RunState,
     TrainingFlags,
     check_launch_flags,
     clip_norm,
     epoch_batches,
+    finish_run,
     keeps_update,
     model_to_save,
     prepare_output_dir,
@@ -60,14 +59,15 @@ from accelerate_recipes import (
     run,
     run_config,
     run_length,
+    run_mode,
     saving_checkpoint,
     setup_tracker,
     training_accelerator,
     training_progress,
-    write_results,
 )
 from accelerate_recipes.compiling import compile_results, compile_summary_keys, process_compile_counts
 from accelerate_recipes.plots import plot_results, save_confusion_matrix
+from accelerate_recipes.schedules import warmup_schedule
 from accelerate_recipes.tracking import log_image_files
 
 PRESETS = {
@@ -250,7 +250,7 @@ def train(args: CifarFlags) -> None:
     length = run_length(args, steps_per_epoch, len(train_loader), f"{len(train_set)} images")
     warmup_steps = round(args.warmup_ratio * length.total_steps)
     # Linear warmup over optimizer steps, then cosine or linear decay to zero.
-    schedule = get_scheduler(args.schedule, optimizer, warmup_steps, length.total_steps)
+    schedule = warmup_schedule(optimizer, args.schedule, warmup_steps, length.total_steps)
     scheduler = accelerator.prepare(schedule)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
@@ -347,11 +347,8 @@ def train(args: CifarFlags) -> None:
     results = dict(config, **progress.results(started))
     # what --compile (or --dynamo_backend) compiled
     results.update(compile_results(compiled_before))
-    # all ranks tear the process group down together, none while others still talk
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         print_run_summary(results, output, path, tracking)
 
 
@@ -454,14 +451,9 @@ def print_run_summary(results: dict, output: Path, path: Path, tracking) -> None
 
 # --------------------------------------------------------------------------------------------- main
 def main(args: CifarFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
-    if args.predict is not None and args.eval_only:
-        raise RecipeError("give --predict or --eval_only, not both")
-    if args.predict is not None:
-        return predict(args)
-    if args.eval_only:
-        return evaluate_saved_model(args, evaluate)
-    return train(args)
+    """Train, or run the one other mode a flag names: a function per mode."""
+    modes = {"predict": predict, "eval_only": lambda flags: evaluate_saved_model(flags, evaluate)}
+    return run_mode(args, modes, otherwise=train)
 
 
 if __name__ == "__main__":

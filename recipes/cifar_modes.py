@@ -28,9 +28,9 @@ from accelerate_recipes import (
     eval_only_config,
     eval_only_results,
     evaluation_accelerator,
+    finish_run,
     prepare_output_dir,
     print_summary,
-    write_results,
 )
 from accelerate_recipes.plots import save_confusion_matrix
 
@@ -86,10 +86,8 @@ def evaluate_saved_model(args, evaluate) -> None:
         epochs=0,
     )
     results = eval_only_results(config, accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         save_confusion_matrix(confusion, classes, output, draw=True)
         print_summary(
             results,

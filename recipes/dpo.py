@@ -53,7 +53,6 @@ from chat.model import (
     KernelFlags,
     adamw,
     build_model,
-    check_one_mode,
     compile_figures,
     load_tokenizer,
     reference_model,
@@ -73,22 +72,22 @@ from transformers import get_scheduler
 from accelerate_recipes import (
     BestModel,
     Checkpoints,
-    RecipeError,
     RunState,
     check_launch_flags,
     clip_norm,
     epoch_batches,
+    finish_run,
     keeps_update,
     prepare_output_dir,
     run,
     run_config,
     run_length,
+    run_mode,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
     training_accelerator,
     training_progress,
-    write_results,
 )
 from accelerate_recipes.plots import plot_results
 
@@ -428,29 +427,21 @@ def train(args: DpoFlags) -> None:
     results.update(token_rates(results, splits["train"]), warmup_seconds=progress.meter.warmup_seconds)
     # graphs, recompiles, seconds, fallbacks, cache hits
     results.update(compile_figures(blocks, model, accelerator))
-    # all ranks tear the process group down together, none while others still talk
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         print_run_summary(results, path, tracking, title="DPO: summary", rows=DPO_SUMMARY, script=__file__)
 
 
 # --------------------------------------------------------------------------------------------- main
 def main(args: DpoFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
-    if args.predict is not None and args.eval_only:
-        raise RecipeError("give --predict or --eval_only, not both")
-    check_one_mode(args)
-    if args.predict is not None:
-        return predict(args)
-    if args.chat:
-        return chat(args)
-    if args.merge:
-        return merge(args)
-    if args.eval_only:
-        return evaluate_saved_model(args, evaluate)
-    return train(args)
+    """Train, or run the one other mode a flag names: a function per mode."""
+    modes = {
+        "predict": predict,
+        "eval_only": lambda flags: evaluate_saved_model(flags, evaluate),
+        "chat": chat,
+        "merge": merge,
+    }
+    return run_mode(args, modes, otherwise=train)
 
 
 if __name__ == "__main__":

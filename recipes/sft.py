@@ -39,7 +39,6 @@ from chat.model import (
     KernelFlags,
     adamw,
     build_model,
-    check_one_mode,
     compile_figures,
     generate_answers,
     load_tokenizer,
@@ -58,23 +57,23 @@ from transformers import get_scheduler
 from accelerate_recipes import (
     BestModel,
     Checkpoints,
-    RecipeError,
     RunState,
     always_build_attention_masks,
     check_launch_flags,
     clip_norm,
     epoch_batches,
+    finish_run,
     keeps_update,
     prepare_output_dir,
     run,
     run_config,
     run_length,
+    run_mode,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
     training_accelerator,
     training_progress,
-    write_results,
 )
 from accelerate_recipes.meter import flop_utilisation
 from accelerate_recipes.plots import plot_results
@@ -458,11 +457,8 @@ def train(args: SftFlags) -> None:
         flops_per_token=flops_per_token,
         model_flops_utilisation=flop_utilisation(flops, accelerator.device, world),
     )
-    # all ranks tear the process group down together, none while others still talk
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         print_run_summary(
             results, path, tracking, title="chat fine-tuning: summary", rows=SFT_SUMMARY, script=__file__
         )
@@ -470,21 +466,15 @@ def train(args: SftFlags) -> None:
 
 # --------------------------------------------------------------------------------------------- main
 def main(args: SftFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
-    if args.predict is not None and args.eval_only:
-        raise RecipeError("give --predict or --eval_only, not both")
-    check_one_mode(args, "plan_only")
-    if args.predict is not None:
-        return predict(args)
-    if args.chat:
-        return chat(args)
-    if args.merge:
-        return merge(args)
-    if args.eval_only:
-        return evaluate_saved_model(args, evaluate)
-    if args.plan_only:
-        return plan_only(args)
-    return train(args)
+    """Train, or run the one other mode a flag names: a function per mode."""
+    modes = {
+        "predict": predict,
+        "eval_only": lambda flags: evaluate_saved_model(flags, evaluate),
+        "chat": chat,
+        "merge": merge,
+        "plan_only": plan_only,
+    }
+    return run_mode(args, modes, otherwise=train)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from accelerate_recipes import (
     eval_only_config,
     eval_only_results,
     evaluation_accelerator,
+    finish_run,
     prepare_output_dir,
-    write_results,
 )
 
 
@@ -66,10 +66,9 @@ def evaluate_saved_model(args, evaluate) -> None:
         validation_size=len(tokenized["validation"]),
     )
     results = eval_only_results(config, accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        print(f"{write_results(output, results).name} saved in {output}")
+        print(f"{path.name} saved in {output}")
 
 
 def plan_only(args) -> None:

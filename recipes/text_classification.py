@@ -40,13 +40,13 @@ from transformers import get_scheduler
 from accelerate_recipes import (
     BestModel,
     Checkpoints,
-    RecipeError,
     RunState,
     TrainingFlags,
     always_build_attention_masks,
     check_launch_flags,
     clip_norm,
     epoch_batches,
+    finish_run,
     keeps_update,
     model_to_save,
     prepare_output_dir,
@@ -54,12 +54,12 @@ from accelerate_recipes import (
     run,
     run_config,
     run_length,
+    run_mode,
     saving_checkpoint,
     setup_fsdp,
     setup_tracker,
     training_accelerator,
     training_progress,
-    write_results,
 )
 from accelerate_recipes.plots import plot_results
 
@@ -391,24 +391,16 @@ def train(args: TextFlags) -> None:
     # with the tokenizer, as from_pretrained reads it
     save_model(accelerator, model, data.tokenizer, output)
     results = dict(config, **progress.results(started))
-    # all ranks tear the process group down together, none while others still talk
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         print_run_summary(results, path, tracking)
 
 
 # --------------------------------------------------------------------------------------------- main
 def main(args: TextFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
-    if args.predict is not None and args.eval_only:
-        raise RecipeError("give --predict or --eval_only, not both")
-    if args.predict is not None:
-        return predict(args)
-    if args.eval_only:
-        return evaluate_saved_model(args, evaluate)
-    return train(args)
+    """Train, or run the one other mode a flag names: a function per mode."""
+    modes = {"predict": predict, "eval_only": lambda flags: evaluate_saved_model(flags, evaluate)}
+    return run_mode(args, modes, otherwise=train)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import re
 import sys
 from importlib.util import module_from_spec, spec_from_file_location
+from types import SimpleNamespace
 
 import fire
 import pytest
@@ -21,7 +22,7 @@ from conftest import (
     run,
 )
 
-from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv
+from accelerate_recipes.cli import RecipeError, as_command, parse_arg_docs, prepare_argv, run_mode
 from accelerate_recipes.cli import run as run_cli
 
 SCRIPTS = {
@@ -252,3 +253,31 @@ def test_a_script_of_sub_commands_lists_them_and_helps_each(tmp_path):
     voc = check(run([PYTHON, convert, "voc", "--help"], env))
     assert "usage: convert.py voc --root" in voc.stdout and "--image_set" in voc.stdout
     fails_with(run([PYTHON, convert, "yolo"], env), "unknown command 'yolo'", "coco, voc")
+
+
+def test_a_run_takes_the_one_mode_its_flags_name_and_two_modes_stop_it(mains, monkeypatch, capsys):
+    ran = []
+    modes = {"predict": lambda flags: ran.append("predict"), "eval_only": lambda flags: ran.append("eval")}
+    for flags in (
+        SimpleNamespace(predict=None, eval_only=False),
+        SimpleNamespace(predict="photo.jpg", eval_only=False),
+        SimpleNamespace(predict="", eval_only=False),  # given, if empty: predict says what is wrong
+        SimpleNamespace(predict=None, eval_only=True),
+    ):
+        run_mode(flags, modes, otherwise=lambda flags: ran.append("train"))
+    assert ran == ["train", "predict", "predict", "eval"]
+    with pytest.raises(RecipeError, match=r"^give --predict or --eval_only, not both$"):
+        run_mode(SimpleNamespace(predict="x", eval_only=True), modes, otherwise=print)
+    # each recipe's main, before any data or model loads
+    for recipe, argv, message in (
+        ("cifar", ["--predict", "photo.jpg", "--eval_only"], "give --predict or --eval_only, not both"),
+        (
+            "dpo",
+            ["--chat", "--merge", "merged", "--eval_only"],
+            "give one of --predict, --eval_only, --chat and --merge, not --eval_only and --chat and --merge",
+        ),
+    ):
+        monkeypatch.setattr(sys, "argv", [str(SCRIPTS[recipe]), *argv])
+        with pytest.raises(SystemExit) as stop:
+            run_cli(mains[recipe])
+        assert stop.value.code == 2 and capsys.readouterr().err.strip() == f"error: {message}"

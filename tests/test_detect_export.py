@@ -144,4 +144,4 @@ def test_export_errors(detect_shapes, tmp_path):
     )
     fails_with(run([PYTHON, DETECT_SCRIPT, "--export", "onnx", "--model", tmp_path], env), "detector.json")
     both = run([PYTHON, DETECT_SCRIPT, "--export", "onnx", "--predict", detect_shapes.parent], env)
-    fails_with(both, "give --export alone")
+    fails_with(both, "give one of --predict, --export and --eval_only, not --predict and --export")

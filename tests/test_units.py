@@ -18,6 +18,7 @@ from accelerate_recipes.checkpoints import Checkpoints, recover_folder
 from accelerate_recipes.cli import RecipeError, expand_preset
 from accelerate_recipes.loop import BestModel, RunState, TrainingProgress
 from accelerate_recipes.results import MetricsLog, restart_metrics
+from accelerate_recipes.schedules import warmup_schedule
 
 
 class OneProcess:
@@ -550,3 +551,32 @@ def test_cpu_precision_follows_what_torch_may_use_and_the_documented_override(tm
         bad.returncode != 0
         and "ACCELERATE_RECIPES_CPU_BF16='maybe': set it to 1 (native bf16) or 0" in bad.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("decay", "transformers_name", "final_lr_ratio"),
+    [("linear", "linear", 0.0), ("cosine", "cosine", 0.0), ("cosine", "cosine_with_min_lr", 0.05)],
+)
+@pytest.mark.parametrize(("warmup_steps", "total_steps"), [(0, 1), (0, 7), (3, 20), (10, 10)])
+def test_warmup_schedules_give_transformers_learning_rates_and_resume_alike(
+    decay, transformers_name, final_lr_ratio, warmup_steps, total_steps
+):
+    """cifar's and the detector's schedules give transformers' get_scheduler's learning rate at
+    every step (the same arithmetic: equal within a few ulps), and load its saved state."""
+    from transformers import get_scheduler
+
+    def optimizer():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.4)
+
+    ours = warmup_schedule(optimizer(), decay, warmup_steps, total_steps, final_lr_ratio)
+    extra = {"scheduler_specific_kwargs": {"min_lr_rate": final_lr_ratio}} if final_lr_ratio else {}
+    theirs = get_scheduler(transformers_name, optimizer(), warmup_steps, total_steps, **extra)
+    for step in range(total_steps + 2):
+        assert math.isclose(ours.get_last_lr()[0], theirs.get_last_lr()[0], rel_tol=1e-12, abs_tol=1e-15), (
+            step
+        )
+        ours.optimizer.step(), theirs.optimizer.step()
+        ours.step(), theirs.step()
+    resumed = warmup_schedule(optimizer(), decay, warmup_steps, total_steps, final_lr_ratio)
+    resumed.load_state_dict(theirs.state_dict())  # a checkpoint written with transformers' schedule
+    assert resumed.last_epoch == theirs.last_epoch and resumed.get_last_lr() == ours.get_last_lr()

@@ -280,16 +280,6 @@ def compile_cache_hits() -> int:
     return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
 
 
-def check_one_mode(args: ChatModelFlags, *others: str) -> None:
-    """At most one of --predict, --eval_only, --chat, --merge and the recipe's own modes (`others`:
-    flag names)."""
-    given = [args.predict is not None, args.eval_only, args.chat, bool(args.merge)]
-    given += [bool(getattr(args, name)) for name in others]
-    if sum(given) > 1:
-        names = ["--predict", "--eval_only", "--chat", "--merge", *[f"--{name}" for name in others]]
-        raise RecipeError(f"give one of {', '.join(names[:-1])} and {names[-1]}")
-
-
 # --------------------------------------------------------------------------------------------- load
 def load_tokenizer(name: str):
     """The model's tokenizer, with its chat template and a pad token (a .gguf file carries both)."""

@@ -30,9 +30,9 @@ from accelerate_recipes import (
     eval_only_config,
     eval_only_results,
     evaluation_accelerator,
+    finish_run,
     prepare_output_dir,
     setup_tracker,
-    write_results,
 )
 
 # the file each --export writes in --output_dir
@@ -117,10 +117,8 @@ def evaluate_saved_model(args, evaluate) -> None:
         {"eval/map50": evaluation["eval_map50"], "eval/map50_95": evaluation["eval_map50_95"]}, step=0
     )
     results = eval_only_results(dict(config, epochs=0), accelerator, started, evaluation)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         # the evaluated model's, as a run leaves it
         (output / MODEL_CONFIG).write_text(json.dumps(saved, indent=2))
         # PR_curve, confusion_matrix, val_predictions (.png)

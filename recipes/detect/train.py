@@ -59,7 +59,7 @@ from ema import weight_average
 from eval_pictures import detection_confusion_matrix
 from flag_checks import check_flags, eval_conf_threshold
 from modes import evaluate_saved_model, export, predict
-from optimizer_schedule import build_optimizer, evaluations_of_patience, warmup_cosine
+from optimizer import build_optimizer, evaluations_of_patience
 from yolo_data import scale_boxes_back
 from yolo_loaders import data_loaders, fit_batch_to_data, training_data
 from yolo_loss import DetectionLoss, keep_freed_memory
@@ -68,26 +68,27 @@ from yolo_model import postprocess
 from accelerate_recipes import (
     BestModel,
     Checkpoints,
-    RecipeError,
     RunState,
     check_launch_flags,
     clip_norm,
     epoch_batches,
+    finish_run,
     keeps_update,
     model_to_save,
     prepare_output_dir,
     run,
     run_config,
     run_length,
+    run_mode,
     saving_checkpoint,
     setup_tracker,
     training_accelerator,
     training_progress,
-    write_results,
 )
 from accelerate_recipes.compiling import compile_results, process_compile_counts
 from accelerate_recipes.flags import TrainingFlags
 from accelerate_recipes.plots import plot_results
+from accelerate_recipes.schedules import warmup_schedule
 
 # --best_by: the evaluation's figure it reads
 BEST_BY = {"map50_95": "eval_map50_95", "fitness": "eval_fitness"}
@@ -328,7 +329,7 @@ def train(args: DetectFlags) -> None:
     length = run_length(args, steps_per_epoch, len(train_loader), f"{len(data.train_set)} images")
     # --warmup_epochs, at most a tenth of the run
     warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), length.total_steps // 10)
-    schedule = warmup_cosine(optimizer, warmup_steps, length.total_steps, args.final_lr_ratio)
+    schedule = warmup_schedule(optimizer, "cosine", warmup_steps, length.total_steps, args.final_lr_ratio)
     scheduler = accelerator.prepare(schedule)
 
     # Every training flag and the launch's facts, with what this recipe derived from them.
@@ -448,11 +449,8 @@ def train(args: DetectFlags) -> None:
     results = dict(config, **progress.results(started))
     # what --compile (or --dynamo_backend) compiled
     results.update(compile_results(compiled_before))
-    # all ranks tear the process group down together, none while others still talk
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        path = write_results(output, results)
         print_results(results, output, path, tracking, script=__file__)
 
 
@@ -527,18 +525,13 @@ def fitness(scores: dict) -> float:
 
 # --------------------------------------------------------------------------------------------- main
 def main(args: DetectFlags) -> None:
-    """Train, or evaluate a saved model (--eval_only), or use it (--predict): a function per mode."""
-    if args.predict is not None and args.eval_only:
-        raise RecipeError("give --predict or --eval_only, not both")
-    if args.export is not None and (args.predict is not None or args.eval_only):
-        raise RecipeError("give --export alone, without --predict or --eval_only")
-    if args.predict is not None:
-        return predict(args)
-    if args.export is not None:
-        return export(args)
-    if args.eval_only:
-        return evaluate_saved_model(args, evaluate)
-    return train(args)
+    """Train, or run the one other mode a flag names: a function per mode."""
+    modes = {
+        "predict": predict,
+        "export": export,
+        "eval_only": lambda flags: evaluate_saved_model(flags, evaluate),
+    }
+    return run_mode(args, modes, otherwise=train)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
-"""The detector's optimizer and schedule: AdamW or SGD without weight decay on BatchNorm and biases,
-linear warmup then cosine, and --patience's epochs as the evaluations early stopping counts."""
+"""The detector's optimizer, AdamW or SGD without weight decay on BatchNorm and biases, and
+--patience's epochs as the evaluations that early stopping counts."""
 
 import math
 
 import torch
-from transformers import get_scheduler
 
 DEFAULT_PATIENCE = 100  # epochs without improvement before the run stops: Ultralytics' default
 
@@ -24,19 +23,6 @@ def build_optimizer(
     # about a quarter of the time of the loop of tensor ops
     fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(groups, lr=lr, betas=(momentum, 0.999), fused=fused)
-
-
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_lr_ratio: float
-):
-    """Linear warmup, then cosine down to lr x final_lr_ratio, over optimizer steps."""
-    return get_scheduler(
-        "cosine_with_min_lr",
-        optimizer,
-        warmup_steps,
-        total_steps,
-        scheduler_specific_kwargs={"min_lr_rate": final_lr_ratio},
-    )
 
 
 def evaluations_of_patience(args) -> int:
