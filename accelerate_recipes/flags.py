@@ -96,6 +96,10 @@ class TrainingFlags:
         project: tracker project name.
         run_name: tracker run name; default: the recipe's name and its data.
         seed: seed for weights, data order, augmentation and generated data.
+        plots: draw the run's pictures in --output_dir and log them to the trackers that take
+            images: results.png every epoch and the recipe's own (confusion matrices, the
+            detector's curves and predictions). False: no pictures, as Ultralytics' plots=False;
+            the figures stay in metrics.jsonl and results.json.
         model: the output directory of a finished run (or its model_best/) that --eval_only and
             --predict use; default --output_dir.
         eval_only: evaluate the model in --model on the validation split of the data flags and write
@@ -129,6 +133,7 @@ class TrainingFlags:
     project: str = "accelerate-recipes"
     run_name: str | None = None
     seed: int = 42
+    plots: bool = True
     model: str | None = None
     eval_only: bool = False
     predict: str | list[str] | None = None

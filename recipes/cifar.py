@@ -327,11 +327,12 @@ def train(args: CifarFlags) -> None:
         if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_trained_model(accelerator, model, folder, model_config)
-        # results.png and confusion_matrix.csv every epoch; its picture at the end
+        # confusion_matrix.csv and results.png every epoch; the matrix's picture at the end
         if accelerator.is_main_process:
-            plot_results(progress.metrics.path, output / "results.png")
-            save_confusion_matrix(confusion, classes, output, draw=progress.finished)
-            if progress.finished:  # to the trackers that take images
+            save_confusion_matrix(confusion, classes, output, draw=args.plots and progress.finished)
+            if args.plots:
+                plot_results(progress.metrics.path, output / "results.png")
+            if args.plots and progress.finished:  # to the trackers that take images
                 picture = output / "confusion_matrix.png"
                 log_image_files(accelerator, {"eval/confusion_matrix": picture}, state.step)
         speed = progress.meter.samples_per_second

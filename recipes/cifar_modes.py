@@ -88,7 +88,7 @@ def evaluate_saved_model(args, evaluate) -> None:
     results = eval_only_results(config, accelerator, started, evaluation)
     path = finish_run(accelerator, output, results)
     if accelerator.is_main_process:
-        save_confusion_matrix(confusion, classes, output, draw=True)
+        save_confusion_matrix(confusion, classes, output, draw=args.plots)
         print_summary(
             results,
             [

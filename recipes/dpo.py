@@ -409,7 +409,7 @@ def train(args: DpoFlags) -> None:
         if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and args.plots:
             # the accuracies and the margin: the log-probabilities are on another scale
             plot_results(progress.metrics.path, output / "results.png", eval_keys=PLOTTED)
         scores = scores_line(state.last_eval, DPO_SCORES)

@@ -429,7 +429,7 @@ def train(args: SftFlags) -> None:
         if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, tokenizer, folder)
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and args.plots:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         scores_text = scores_line(state.last_eval, SFT_SCORES)

@@ -374,7 +374,7 @@ def train(args: TextFlags) -> None:
         if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
             with best.saving() as folder:
                 save_model(accelerator, model, data.tokenizer, folder)
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and args.plots:
             # kept up to date every epoch
             plot_results(progress.metrics.path, output / "results.png")
         accelerator.print(

@@ -43,8 +43,11 @@ TORCH_EXTENSIONS = (
     Path.home() / ".cache" / "torch_extensions" / f"torch-{importlib.metadata.version('torch')}"
 )
 
+# A run whose pictures no test looks at draws none (about a second of each run's start-up and end).
+NO_PLOTS = ["--plots", "False"]
 # Small enough for 2 CPU cores, large enough that the network visibly learns.
 TINY = [
+    *NO_PLOTS,
     "--dataset",
     "synthetic",
     "--synthetic_size",
@@ -910,6 +913,7 @@ def sft_two(tiny_chat_model, sft_data, tmp_path_factory):
         "sft.py",
         *sft_files(tiny_chat_model, sft_data),
         *SFT_RUN,
+        *NO_PLOTS,
         "--packing",
         "--attn_implementation",
         "varlen",
@@ -925,7 +929,7 @@ def sft_accumulated(tiny_chat_model, sft_data, tmp_path_factory):
     evaluation's answers through the compiled decode step (--compile --decode compiled with the
     aot_eager backend: torch.compile's capture without code generation, which would take minutes
     here); none of which changes a number."""
-    args = [*sft_files(tiny_chat_model, sft_data), *SFT_RUN, "--gradient_accumulation_steps", "2"]
+    args = [*sft_files(tiny_chat_model, sft_data), *SFT_RUN, *NO_PLOTS, "--gradient_accumulation_steps", "2"]
     args += ["--compile", "--compile_backend", "aot_eager", "--decode", "compiled"]
     return plain_run(tmp_path_factory, "sft-accumulated", SFT_SCRIPT, *args)
 
@@ -936,7 +940,7 @@ def sft_full(tiny_chat_model, sft_data, tmp_path_factory):
     """A full fine-tune of the tiny chat model on 1 process (SFT_FULL), under the host-read
     audit."""
     return one_process_audited_run(
-        tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL
+        tmp_path_factory, "sft-full", SFT_SCRIPT, *sft_files(tiny_chat_model, sft_data), *SFT_FULL, *NO_PLOTS
     )
 
 
@@ -1006,15 +1010,15 @@ def grpo_data(tiny_chat_model, tmp_path_factory) -> dict:
 
 
 def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok=True):
-    """grpo.py with the data's files and model (or `model`), its rewards (or `reward`) and GRPO_RUN,
-    then `extra`; output in root/name."""
+    """grpo.py with the data's files and model (or `model`), its rewards (or `reward`), GRPO_RUN and
+    NO_PLOTS, then `extra` (later flags win); output in root/name."""
     out = data["root"] / name
     files = list(data["files"])
     files[files.index("--model") + 1] = model or files[files.index("--model") + 1]
     env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     if launcher:
         env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [*launcher, GRPO_SCRIPT, *files, "--reward", reward or data["reward"], *GRPO_RUN, *extra]
+    cmd = [*launcher, GRPO_SCRIPT, *files, "--reward", reward or data["reward"], *GRPO_RUN, *NO_PLOTS, *extra]
     proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=300)
     return (check(proc) if ok else proc), out
 
@@ -1024,7 +1028,7 @@ def grpo(data: dict, name: str, *extra, reward=None, model=None, launcher=(), ok
 def grpo_one(grpo_data, tmp_path_factory):
     """The GRPO recipe on 1 process with GRPO_RUN: a LoRA adapter on the tiny chat model, 6
     steps."""
-    return grpo(grpo_data, "one")[1]
+    return grpo(grpo_data, "one", "--plots", "True")[1]
 
 
 # ------------------------------------------------------------------------------ the shared DPO runs
@@ -1095,13 +1099,13 @@ DPO_RUN += ["--num_workers", "0"]
 
 
 def dpo(data: dict, name: str, *extra, launcher=(), ok=True, timeout=300):
-    """dpo.py with the data's files, DPO_RUN and then `extra` (later flags win), on 1 process or
+    """dpo.py with the data's files, DPO_RUN, NO_PLOTS and then `extra` (later flags win), on 1 process or
     under `launcher`; output in root/name. Returns (proc, out)."""
     out = data["root"] / name
     env = recipe_env(data["root"], TORCH_EXTENSIONS_DIR=TORCH_EXTENSIONS)
     if launcher:
         env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [*launcher, DPO_SCRIPT, *data["files"], *DPO_RUN, *extra]
+    cmd = [*launcher, DPO_SCRIPT, *data["files"], *DPO_RUN, *NO_PLOTS, *extra]
     proc = run([*(cmd if launcher else [PYTHON, *cmd]), "--output_dir", out], env, timeout=timeout)
     return (check(proc) if ok else proc), out
 
@@ -1110,7 +1114,7 @@ def dpo(data: dict, name: str, *extra, launcher=(), ok=True, timeout=300):
 @built_once_for_all_workers
 def dpo_one(dpo_data, tmp_path_factory):
     """The DPO recipe on 1 process with DPO_RUN: a LoRA adapter on the tiny chat model, 8 steps."""
-    return dpo(dpo_data, "one")[1]
+    return dpo(dpo_data, "one", "--plots", "True")[1]
 
 
 # ----------------------------------------------------- NaN gradients with a finite loss (the guard)

@@ -15,6 +15,7 @@ from conftest import (
     CIFAR_SCRIPT,
     CONFIGS,
     NAN_GRADIENT,
+    NO_PLOTS,
     PYTHON,
     TINY,
     assert_both_ranks_quiet,
@@ -274,6 +275,7 @@ def test_a_killed_worker_is_restarted_by_the_elastic_agent_and_the_run_ends_as_i
     ]
     cifar = [
         CIFAR_SCRIPT,
+        *NO_PLOTS,
         *CIFAR_RUN,
         "--checkpoint_every",
         "2",
@@ -340,6 +342,7 @@ def test_imagefolder_with_gradient_accumulation(tmp_path):
             [
                 PYTHON,
                 CIFAR_SCRIPT,
+                *NO_PLOTS,
                 "--dataset",
                 "imagefolder",
                 "--data_dir",
@@ -379,6 +382,7 @@ def test_fast94_preset_on_cifar_format_data_with_the_device_loader(tmp_path):
             [
                 PYTHON,
                 CIFAR_SCRIPT,
+                *NO_PLOTS,
                 "--preset",
                 "fast94",
                 "--dataset",
@@ -477,6 +481,7 @@ def test_model_best_holds_the_best_epochs_weights_and_patience_ends_the_run(tmp_
             [
                 PYTHON,
                 CIFAR_SCRIPT,
+                *NO_PLOTS,
                 "--dataset",
                 "synthetic",
                 "--synthetic_size",
@@ -546,3 +551,6 @@ def test_nan_gradients_with_a_finite_loss_are_skipped_with_skip_nonfinite_steps(
     args = [CIFAR_SCRIPT, *TINY, "--max_steps", "3", "--skip_nonfinite_steps", "--output_dir", out]
     proc = run([PYTHON, NAN_GRADIENT, 2, *args], recipe_env(tmp_path), timeout=300)
     assert_nonfinite_gradients_handled("skip", proc, out, bad_steps=[2])
+    # TINY's --plots False: no pictures, the figures as ever
+    assert not list(out.glob("*.png")) and (out / "confusion_matrix.csv").is_file()
+    assert (out / "metrics.jsonl").is_file() and (out / "results.json").is_file()

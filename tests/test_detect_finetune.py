@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DETECT_SCRIPT, PYTHON, check, fails_with, read_results, recipe_env, run
+from conftest import DETECT_SCRIPT, NO_PLOTS, PYTHON, check, fails_with, read_results, recipe_env, run
 from safetensors.torch import load_file
 from ultralytics_weights import ultralytics_name
 from yolo_loss import DetectionLoss, pad_targets
@@ -58,7 +58,7 @@ def test_freeze_and_patience_in_a_fine_tune(detect_one, detect_shapes, tmp_path)
     args += ["--best_by", "fitness"]
     # epochs enough for the fitness to stop rising: at lr 0 only the neck's statistics move it
     args += ["--image_size", 64, "--batch_size", 16, "--epochs", 12, "--eval_every", 1, "--tracker", "none"]
-    args += ["--num_workers", 0, "--checkpoint_every", 0, "--log_every", 100, "--output_dir", out]
+    args += ["--num_workers", 0, "--checkpoint_every", 0, "--log_every", 100, *NO_PLOTS, "--output_dir", out]
     proc = check(run([PYTHON, DETECT_SCRIPT, *args], recipe_env(tmp_path), timeout=500))
     assert "--freeze 10: YOLOv8 layers 0-9 fixed (backbone.stem.0, " in proc.output
     start = load_file(str(detect_one.out / "model.safetensors"))

@@ -8,7 +8,7 @@ from pathlib import PosixPath
 import pytest
 import torch
 from accelerate.data_loader import prepare_data_loader
-from conftest import DETECT_SCRIPT, PYTHON, REPO, check, fails_with, read_results, recipe_env, run
+from conftest import DETECT_SCRIPT, NO_PLOTS, PYTHON, REPO, check, fails_with, read_results, recipe_env, run
 from detector_files import build_model, model_size, read_model_config, read_start
 from safetensors.torch import save_file
 from synthetic_shapes import write_synthetic_dataset
@@ -271,7 +271,7 @@ def test_a_yolov8n_pt_fine_tunes_as_it_is_on_a_one_class_set(yolov8n, tmp_path):
     )
     out = tmp_path / "out"
     args = ["--data", data, "--init_weights", folder / "yolov8n.pt", "--image_size", 64, "--epochs", 2]
-    args += ["--tracker", "none", "--num_workers", 0, "--checkpoint_every", 0, "--output_dir", out]
+    args += ["--tracker", "none", "--num_workers", 0, "--checkpoint_every", 0, *NO_PLOTS, "--output_dir", out]
     proc = check(run([PYTHON, DETECT_SCRIPT, *args], env, timeout=400))
     lowered = "note: --batch_size 64 is larger than the training set (6 images): training with --batch_size 6"
     assert lowered in proc.output

@@ -10,6 +10,7 @@ from conftest import (
     CONFIGS,
     DETECT_SCRIPT,
     NAN_GRADIENT,
+    NO_PLOTS,
     PYTHON,
     assert_nonfinite_gradients_handled,
     assert_quiet,
@@ -221,7 +222,7 @@ def test_eval_only_evaluates_the_test_split_of_data_yaml(trained, shapes, tmp_pa
     with_test.write_text(
         f"path: {root}\ntrain: images/train\nval: images/val\ntest: {tmp_path / 'test.txt'}\n{names}"
     )
-    command = [PYTHON, TRAIN, "--eval_only", "True", "--model", model, *SMALL]
+    command = [PYTHON, TRAIN, "--eval_only", "True", "--model", model, *SMALL, *NO_PLOTS]
     check(run([*command, "--data", with_test, "--split", "test", "--output_dir", tmp_path / "test"], env))
     results = read_results(tmp_path / "test")
     assert (results["split"], results["eval_images"], results["val_size"]) == ("test", 5, 5)
@@ -331,5 +332,7 @@ def test_nan_gradients_with_a_finite_loss_are_skipped_with_skip_nonfinite_steps(
         "1",
     ]
     args += ["--checkpoint_every", "0", "--tracker", "none", "--num_workers", "0", "--skip_nonfinite_steps"]
+    args += NO_PLOTS
     proc = run([PYTHON, NAN_GRADIENT, 2, *args, "--output_dir", out], recipe_env(tmp_path), timeout=300)
     assert_nonfinite_gradients_handled("skip", proc, out, bad_steps=[2])
+    assert not list(out.glob("*.png")) and (out / "results.json").is_file()  # --plots False

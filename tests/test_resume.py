@@ -19,6 +19,7 @@ from conftest import (
     ACCELERATE,
     CIFAR_SCRIPT,
     CONFIGS,
+    NO_PLOTS,
     PYTHON,
     REPO,
     assert_same_best,
@@ -42,7 +43,7 @@ from accelerate_recipes import PREEMPTED_EXIT_CODE
 from accelerate_recipes.checkpoints import is_complete
 
 DETECT_SCRIPT = REPO / "recipes" / "detect" / "train.py"
-COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1"]
+COMMON = ["--tracker", "none", "--num_workers", "0", "--log_every", "1", *NO_PLOTS]
 # Two epochs, a checkpoint every 2 steps: a kill lands mid-epoch with several checkpoints behind it.
 CIFAR = [
     CIFAR_SCRIPT,

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import (
     NAN_GRADIENT,
+    NO_PLOTS,
     NONFINITE,
     PYTHON,
     SFT_COMMON,
@@ -106,6 +107,7 @@ def test_rows_of_a_token_budget_give_the_same_steps_on_one_process_with_accumula
     losses and adapter; the conversations seen are counted, not the rows."""
     flags = [*sft_files(tiny_chat_model, sft_data), *SFT_COMMON, "--tracker", "none", "--lora_r", "8"]
     flags += [
+        *NO_PLOTS,
         "--packing",
         "--batch_tokens",
         "256",

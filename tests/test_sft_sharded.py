@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     CONFIGS,
+    NO_PLOTS,
     PYTHON,
     REPO,
     SFT_SCRIPT,
@@ -52,9 +53,11 @@ def data(tiny_chat_model, sft_data, module_tmp):
 
 
 def launch(data, name, config, *extra, ok=True):
-    """sft.py with the data's files and FLAGS, on 2 CPU processes under `config`, as `make sft-fsdp`
+    """sft.py with the data's files, FLAGS and NO_PLOTS, on 2 CPU processes under `config`, as `make sft-fsdp`
     starts it."""
-    return sharded_launch(data["root"], name, config, SFT_SCRIPT, *data["files"], *FLAGS, *extra, ok=ok)
+    return sharded_launch(
+        data["root"], name, config, SFT_SCRIPT, *data["files"], *FLAGS, *NO_PLOTS, *extra, ok=ok
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from conftest import (
     ACCELERATE,
     CONFIGS,
     NAN_GRADIENT,
+    NO_PLOTS,
     PYTHON,
     TEXT_FAST,
     TEXT_RUN,
@@ -38,7 +39,7 @@ from accelerate_recipes import always_build_attention_masks
 
 # 256 training rows at a global batch of 16: 16 steps per epoch; lr 3e-3 suits a randomly
 # initialised tiny model.
-FAST = TEXT_FAST
+FAST = [*TEXT_FAST, *NO_PLOTS]
 CONTRACT = [
     "recipe",
     "world_size",
@@ -293,7 +294,7 @@ def test_sigkill_mid_epoch_then_resume_auto_ends_with_the_same_weights(text_one,
     text_one (the checkpoints change no number the run computes; dropout draws from the global RNG
     that checkpoints restore). The other recipes' killed runs are test_resume.py's; this one sits
     beside the run it continues to."""
-    command = [TEXT_SCRIPT, *text_files(text_data), *TEXT_RUN, "--checkpoint_every", "3"]
+    command = [TEXT_SCRIPT, *text_files(text_data), *TEXT_RUN, *NO_PLOTS, "--checkpoint_every", "3"]
     sigkill_mid_epoch_then_resume(command, 18, text_one.out, tmp_path)
 
 

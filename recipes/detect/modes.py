@@ -121,8 +121,8 @@ def evaluate_saved_model(args, evaluate) -> None:
     if accelerator.is_main_process:
         # the evaluated model's, as a run leaves it
         (output / MODEL_CONFIG).write_text(json.dumps(saved, indent=2))
-        # PR_curve, confusion_matrix, val_predictions (.png)
-        save_eval_pictures(output, pictures, names)
+        if args.plots:  # PR_curve, confusion_matrix, val_predictions (.png)
+            save_eval_pictures(output, pictures, names)
         print_results(results, output, path, tracking)
 
 

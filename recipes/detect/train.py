@@ -431,10 +431,11 @@ def train(args: DetectFlags) -> None:
             if best.judge(state.last_eval):  # the best so far: saved to output_dir/model_best
                 with best.saving() as folder:
                     save_model(folder)
-            show_evaluation(accelerator, pictures, data.names, state.step, output)
+            if args.plots:
+                show_evaluation(accelerator, pictures, data.names, state.step, output)
             speed = progress.meter.samples_per_second
             accelerator.print(epoch_line(state, length.epochs, seconds, speed))
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and args.plots:
             # every epoch, so a stopped run has it too
             plot_results(progress.metrics.path, output / "results.png")
         state.epoch, state.batches_done = state.epoch + 1, 0
