@@ -332,9 +332,9 @@ def train(args: CifarFlags) -> None:
             save_confusion_matrix(confusion, classes, output, draw=args.plots and progress.finished)
             if args.plots:
                 plot_results(progress.metrics.path, output / "results.png")
-            if args.plots and progress.finished:  # to the trackers that take images
-                picture = output / "confusion_matrix.png"
-                log_image_files(accelerator, {"eval/confusion_matrix": picture}, state.step)
+                if progress.finished:  # to the trackers that take images
+                    picture = output / "confusion_matrix.png"
+                    log_image_files(accelerator, {"eval/confusion_matrix": picture}, state.step)
         speed = progress.meter.samples_per_second
         accelerator.print(epoch_line(state, length.epochs, seconds, speed))
         state.epoch, state.batches_done = state.epoch + 1, 0

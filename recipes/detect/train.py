@@ -329,7 +329,8 @@ def train(args: DetectFlags) -> None:
     length = run_length(args, steps_per_epoch, len(train_loader), f"{len(data.train_set)} images")
     # --warmup_epochs, at most a tenth of the run
     warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), length.total_steps // 10)
-    schedule = warmup_schedule(optimizer, "cosine", warmup_steps, length.total_steps, args.final_lr_ratio)
+    decay_to = args.final_lr_ratio  # of the peak lr, at the last step
+    schedule = warmup_schedule(optimizer, "cosine", warmup_steps, length.total_steps, decay_to)
     scheduler = accelerator.prepare(schedule)
 
     # Every training flag and the launch's facts, with what this recipe derived from them.
