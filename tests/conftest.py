@@ -117,7 +117,8 @@ def free_port() -> int:
     local end of every connection and where another pytest worker may be given the same number
     before a launcher binds it. So each worker draws from a block of its own below that range
     (20000-29999 split between up to 4 workers), never twice.
-    TEST_PORT_BLOCK=4 gives a session that runs beside another (make test's second environment) 30000-32499.
+    TEST_PORT_BLOCK=4 gives a session that runs beside another (`make test-oldest` during the suite,
+    say) 30000-32499.
     """
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % 4
     worker = int(os.environ.get("TEST_PORT_BLOCK", worker))
