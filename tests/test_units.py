@@ -575,8 +575,9 @@ def test_warmup_schedules_give_transformers_learning_rates_and_resume_alike(
         assert math.isclose(ours.get_last_lr()[0], theirs.get_last_lr()[0], rel_tol=1e-12, abs_tol=1e-15), (
             step
         )
-        ours.optimizer.step(), theirs.optimizer.step()
-        ours.step(), theirs.step()
+        for schedule in (ours, theirs):
+            schedule.optimizer.step()
+            schedule.step()
     resumed = warmup_schedule(optimizer(), decay, warmup_steps, total_steps, final_lr_ratio)
     resumed.load_state_dict(theirs.state_dict())  # a checkpoint written with transformers' schedule
     assert resumed.last_epoch == theirs.last_epoch and resumed.get_last_lr() == ours.get_last_lr()
